@@ -1,0 +1,27 @@
+// Package throttle keeps a whole fleet of processes under a third-party
+// vendor's rate cap.
+//
+// Vendors such as Stripe, GitHub, Twilio or an LLM API count every call in a
+// sliding window and answer 429 when the account goes over. A fleet of
+// replicas that each limit themselves either wastes most of the quota or goes
+// over it. throttle asks one Lua script in a shared Redis, before each call,
+// whether the call fits the vendor's window; every replica that uses the same
+// Redis and the same quota name shares one quota.
+//
+//	rdb := redis.NewClient(&redis.Options{Addr: "localhost:6379"})
+//	lim, err := throttle.New(rdb, "twilio-sms",
+//		policies.SlidingLog{Limit: 100, Window: time.Second})
+//	...
+//	msg, err := throttle.Do(ctx, lim, func(ctx context.Context) (*Message, error) {
+//		return sms.Send(ctx, to, body)
+//	})
+//
+// When the quota is full, a call waits for its booked slot (Block, the
+// default) or fails at once with ErrLimited (FailFast). Key and Cost describe
+// a call: who it is for, under policies.PerKey limits, and how many units it
+// counts for.
+//
+// Redis decides with its own clock, and every key of a quota shares the hash
+// tag {name}, so a quota works the same on a single Redis, behind Sentinel,
+// and on Redis Cluster.
+package throttle
