@@ -1,0 +1,154 @@
+package throttle
+
+import (
+	"context"
+	"errors"
+	"io"
+	"net/http"
+	"net/http/httptest"
+	"slices"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/redis/go-redis/v9"
+
+	"github.com/throttlekit/throttle/internal/fakevendor"
+	"github.com/throttlekit/throttle/internal/redistest"
+	"github.com/throttlekit/throttle/policies"
+)
+
+// The promise, end to end: several replicas, each with its own Redis client
+// and many goroutines, hammer one quota for several windows, and every
+// admitted call reaches a strict vendor. The vendor sees no call over its
+// cap, and the fleet uses at least 95% of it.
+func TestFleet_NeverOverCapAndUsesTheQuota(t *testing.T) {
+	redistest.Each(t, func(t *testing.T, s *redistest.Server) {
+		runFleet(t, func(t *testing.T) redis.UniversalClient { return s.Client(t) })
+	})
+}
+
+func TestFleet_NeverOverCapOnCluster(t *testing.T) {
+	c := redistest.StartCluster(t)
+	runFleet(t, func(t *testing.T) redis.UniversalClient { return c.Client(t) })
+}
+
+func runFleet(t *testing.T, newClient func(*testing.T) redis.UniversalClient) {
+	const (
+		limit    = 100
+		window   = time.Second
+		replicas = 3
+		workers  = 20
+		runFor   = 3500 * time.Millisecond
+	)
+	vendor := fakevendor.NewInProcess(fakevendor.Config{Limit: limit, Window: window})
+	var arrivals arrivalLog
+	srv := httptest.NewServer(arrivals.record(vendor.Handler()))
+	defer srv.Close()
+	httpc := &http.Client{Transport: &http.Transport{MaxIdleConnsPerHost: replicas * workers}}
+	defer httpc.CloseIdleConnections()
+
+	ctx, cancel := context.WithTimeout(context.Background(), runFor)
+	defer cancel()
+	var admitted, refused atomic.Int64
+	var wg sync.WaitGroup
+	for range replicas {
+		lim, err := New(newClient(t), "fleet", policies.SlidingLog{Limit: limit, Window: window})
+		if err != nil {
+			t.Fatal(err)
+		}
+		for range workers {
+			wg.Go(func() {
+				for ctx.Err() == nil {
+					_, err := Do(ctx, lim, func(ctx context.Context) (int, error) {
+						// An admitted call always completes, even as the run ends.
+						return get(context.WithoutCancel(ctx), httpc, srv.URL)
+					})
+					switch {
+					case err == nil:
+						admitted.Add(1)
+					case errors.Is(err, ErrLimited), errors.Is(err, context.DeadlineExceeded):
+						// The run ends before this worker's next slot.
+						refused.Add(1)
+						return
+					default:
+						t.Errorf("Do: %v", err)
+						return
+					}
+				}
+			})
+		}
+	}
+	wg.Wait()
+
+	st := vendor.Stats()
+	if st.OverCap != 0 || st.MaxInWindow > limit {
+		t.Errorf("vendor saw %d calls over its cap (at most %d in one window, cap %d)", st.OverCap, st.MaxInWindow, limit)
+	}
+	if int64(st.Accepted) != admitted.Load() {
+		t.Errorf("vendor accepted %d calls, the fleet admitted %d", st.Accepted, admitted.Load())
+	}
+	util := arrivals.utilization(limit, window)
+	t.Logf("admitted %d, refused at the end %d, over cap %d, max in a window %d, utilization %.3f",
+		admitted.Load(), refused.Load(), st.OverCap, st.MaxInWindow, util)
+	if util < 0.95 {
+		t.Errorf("utilization %.3f, want at least 0.95", util)
+	}
+}
+
+// arrivalLog records when each request reaches the vendor.
+type arrivalLog struct {
+	mu sync.Mutex
+	at []time.Time
+}
+
+func (a *arrivalLog) record(h http.Handler) http.Handler {
+	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		now := time.Now()
+		a.mu.Lock()
+		a.at = append(a.at, now)
+		a.mu.Unlock()
+		h.ServeHTTP(w, r)
+	})
+}
+
+// utilization is the average, over every moment from the end of the first
+// window to the last arrival, of the vendor's window count against its cap:
+// the share of the quota the fleet kept in use once it was running.
+func (a *arrivalLog) utilization(limit int, window time.Duration) float64 {
+	a.mu.Lock()
+	at := slices.Clone(a.at)
+	a.mu.Unlock()
+	slices.SortFunc(at, func(x, y time.Time) int { return x.Compare(y) })
+	if len(at) < 2 {
+		return 0
+	}
+	var sum, n float64
+	lo, hi := 0, 0
+	for t := at[0].Add(window); !t.After(at[len(at)-1]); t = t.Add(time.Millisecond) {
+		for hi < len(at) && !at[hi].After(t) {
+			hi++
+		}
+		for lo < hi && !at[lo].After(t.Add(-window)) {
+			lo++
+		}
+		sum += float64(hi - lo)
+		n++
+	}
+	return sum / n / float64(limit)
+}
+
+func get(ctx context.Context, c *http.Client, url string) (int, error) {
+	req, err := http.NewRequestWithContext(ctx, http.MethodGet, url, nil)
+	if err != nil {
+		return 0, err
+	}
+	resp, err := c.Do(req)
+	if err != nil {
+		return 0, err
+	}
+	defer resp.Body.Close()
+	_, err = io.Copy(io.Discard, resp.Body)
+	return resp.StatusCode, err
+}

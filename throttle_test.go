@@ -1,0 +1,493 @@
+package throttle
+
+import (
+	"context"
+	"errors"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/redis/go-redis/v9"
+
+	"github.com/throttlekit/throttle/internal/redistest"
+	"github.com/throttlekit/throttle/policies"
+)
+
+var perSecond = policies.SlidingLog{Limit: 5, Window: time.Second}
+
+// fixedClock is a clock that only moves when a test moves it.
+type fixedClock struct {
+	mu sync.Mutex
+	t  time.Time
+}
+
+func newClock() *fixedClock { return &fixedClock{t: time.Unix(1_700_000_000, 0)} }
+
+func (c *fixedClock) Now() time.Time {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return c.t
+}
+
+func (c *fixedClock) Add(d time.Duration) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	c.t = c.t.Add(d)
+}
+
+func newLimiter(t *testing.T, rdb redis.UniversalClient, p policies.Policy, opts ...Option) *Limiter {
+	t.Helper()
+	lim, err := New(rdb, strings.NewReplacer("/", "-", " ", "-").Replace(t.Name()), p, opts...)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return lim
+}
+
+func TestNew_RejectsBadConfiguration(t *testing.T) {
+	rdb := redis.NewClient(&redis.Options{Addr: "127.0.0.1:1"})
+	defer rdb.Close()
+	long := strings.Repeat("n", MaxNameLen+1)
+	tests := []struct {
+		name   string
+		rdb    redis.UniversalClient
+		quota  string
+		policy policies.Policy
+		opts   []Option
+		want   []string // every piece must appear in the error
+	}{
+		{"nil client", nil, "q", perSecond, nil, []string{"redis client is nil"}},
+		{"empty name", rdb, "", perSecond, nil, []string{"name must not be empty"}},
+		{"oversized name", rdb, long, perSecond, nil, []string{"name", "129"}},
+		{"name with brace", rdb, "a{b", perSecond, nil, []string{"name", `"a{b"`}},
+		{"nil policy", rdb, "q", nil, nil, []string{"policy is nil"}},
+		{"zero limit", rdb, "q", policies.SlidingLog{Window: time.Second}, nil, []string{"SlidingLog.Limit", "got 0"}},
+		{"negative limit", rdb, "q", policies.SlidingLog{Limit: -3, Window: time.Second}, nil, []string{"SlidingLog.Limit", "got -3"}},
+		{"short window", rdb, "q", policies.SlidingLog{Limit: 1, Window: time.Microsecond}, nil, []string{"SlidingLog.Window", "1µs"}},
+		{"negative margin", rdb, "q", policies.SlidingLog{Limit: 1, Window: time.Second, Margin: -time.Millisecond}, nil, []string{"SlidingLog.Margin", "-1ms"}},
+		{"empty All", rdb, "q", policies.All(), nil, []string{"All needs at least one policy"}},
+		{"nil in All", rdb, "q", policies.All(perSecond, nil), nil, []string{"All policy 1 is nil"}},
+		{"bad limit in All", rdb, "q", policies.All(perSecond, policies.SlidingLog{Limit: 1}), nil, []string{"All policy 1", "SlidingLog.Window", "0s"}},
+		{"nil PerKey", rdb, "q", policies.PerKey{}, nil, []string{"PerKey.Policy is nil"}},
+		{"nested PerKey", rdb, "q", policies.PerKey{Policy: policies.PerKey{Policy: perSecond}}, nil, []string{"another PerKey"}},
+		{"unknown mode", rdb, "q", perSecond, []Option{WithMode(Mode(7))}, []string{"WithMode", "Mode(7)"}},
+		{"negative max wait", rdb, "q", perSecond, []Option{WithMaxWait(-time.Second)}, []string{"WithMaxWait", "-1s"}},
+		{"empty prefix", rdb, "q", perSecond, []Option{WithPrefix("")}, []string{"WithPrefix must not be empty"}},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			lim, err := New(tt.rdb, tt.quota, tt.policy, tt.opts...)
+			if err == nil {
+				t.Fatalf("New returned a limiter %v, want an error", lim)
+			}
+			for _, w := range tt.want {
+				if !strings.Contains(err.Error(), w) {
+					t.Errorf("error %q does not contain %q", err, w)
+				}
+			}
+		})
+	}
+}
+
+func TestCall_RejectsBadOptions(t *testing.T) {
+	s := redistest.Mini(t)
+	rdb := s.Client(t)
+	global := newLimiter(t, rdb, perSecond)
+	keyed := newLimiter(t, rdb, policies.All(perSecond, policies.PerKey{Policy: policies.SlidingLog{Limit: 2, Window: time.Second}}))
+	tests := []struct {
+		name string
+		lim  *Limiter
+		opts []CallOption
+		want string
+	}{
+		{"zero cost", global, []CallOption{Cost(0)}, "Cost must be > 0, got 0"},
+		{"negative cost", global, []CallOption{Cost(-2)}, "Cost must be > 0, got -2"},
+		{"cost over limit", global, []CallOption{Cost(6)}, "Cost 6 exceeds the quota's smallest Limit 5"},
+		{"cost over per-key limit", keyed, []CallOption{Key("a"), Cost(3)}, "Cost 3 exceeds the quota's smallest Limit 2"},
+		{"missing key", keyed, nil, "needs a Key"},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			ctx := context.Background()
+			if _, err := tt.lim.Allow(ctx, tt.opts...); err == nil || !strings.Contains(err.Error(), tt.want) {
+				t.Errorf("Allow: error %v, want one containing %q", err, tt.want)
+			}
+			if _, err := tt.lim.Acquire(ctx, tt.opts...); err == nil || !strings.Contains(err.Error(), tt.want) {
+				t.Errorf("Acquire: error %v, want one containing %q", err, tt.want)
+			}
+		})
+	}
+}
+
+func TestAllow_RecordsOnlyAdmittedCalls(t *testing.T) {
+	redistest.Each(t, func(t *testing.T, s *redistest.Server) {
+		rdb := s.Client(t)
+		clock := newClock()
+		lim := newLimiter(t, rdb, perSecond, WithClock(clock.Now))
+		ctx := context.Background()
+		for i := range 5 {
+			d, err := lim.Allow(ctx)
+			if err != nil || !d.OK || d.Remaining != 4-i {
+				t.Fatalf("call %d: %+v, %v; want OK with %d remaining", i, d, err, 4-i)
+			}
+		}
+		clock.Add(300 * time.Millisecond)
+		for range 100 {
+			d, err := lim.Allow(ctx)
+			if err != nil || d.OK {
+				t.Fatalf("call over the limit: %+v, %v; want refused", d, err)
+			}
+			if want := time.Second + policies.DefaultMargin - 300*time.Millisecond; d.RetryAfter != want {
+				t.Fatalf("RetryAfter %v, want %v", d.RetryAfter, want)
+			}
+		}
+		if n := rdb.ZCard(ctx, lim.keys[0]).Val(); n != 5 {
+			t.Errorf("log holds %d members after 5 admitted and 100 refused calls, want 5", n)
+		}
+		ttl := rdb.PTTL(ctx, lim.keys[0]).Val()
+		if ttl <= 0 || ttl > 2*time.Second {
+			t.Errorf("log TTL %v, want about one window", ttl)
+		}
+	})
+}
+
+func TestAllow_MembersUniqueWithinOneMicrosecond(t *testing.T) {
+	redistest.Each(t, func(t *testing.T, s *redistest.Server) {
+		clock := newClock()
+		policy := policies.SlidingLog{Limit: 1000, Window: time.Second}
+		// Two limiters stand for two processes calling in the same microsecond.
+		a := newLimiter(t, s.Client(t), policy, WithClock(clock.Now))
+		b := newLimiter(t, s.Client(t), policy, WithClock(clock.Now))
+		var wg sync.WaitGroup
+		for _, lim := range []*Limiter{a, b} {
+			for range 4 {
+				wg.Go(func() {
+					for range 25 {
+						if d, err := lim.Allow(context.Background(), Cost(2)); err != nil || !d.OK {
+							t.Errorf("Allow: %+v, %v", d, err)
+						}
+					}
+				})
+			}
+		}
+		wg.Wait()
+		if n := s.Client(t).ZCard(context.Background(), a.keys[0]).Val(); n != 400 {
+			t.Errorf("log holds %d members, want 400 (200 calls of cost 2)", n)
+		}
+	})
+}
+
+func TestFailFast_RefusesWithRetryAfter(t *testing.T) {
+	redistest.Each(t, func(t *testing.T, s *redistest.Server) {
+		clock := newClock()
+		lim := newLimiter(t, s.Client(t), perSecond, WithMode(FailFast), WithClock(clock.Now))
+		ctx := context.Background()
+		for range 5 {
+			p, err := lim.Acquire(ctx)
+			if err != nil {
+				t.Fatal(err)
+			}
+			p.Release()
+		}
+		clock.Add(100 * time.Millisecond)
+		_, err := lim.Acquire(ctx)
+		var le *LimitedError
+		if !errors.Is(err, ErrLimited) || !errors.As(err, &le) {
+			t.Fatalf("Acquire on a full quota: %v, want a *LimitedError", err)
+		}
+		if want := time.Second + policies.DefaultMargin - 100*time.Millisecond; le.RetryAfter != want || le.Quota != lim.Name() {
+			t.Errorf("got %+v, want RetryAfter %v for quota %q", le, want, lim.Name())
+		}
+		clock.Add(le.RetryAfter)
+		if _, err := lim.Acquire(ctx); err != nil {
+			t.Errorf("Acquire after RetryAfter: %v", err)
+		}
+	})
+}
+
+func TestBlock_WaitsForItsSlot(t *testing.T) {
+	redistest.Each(t, func(t *testing.T, s *redistest.Server) {
+		window := 200 * time.Millisecond
+		lim := newLimiter(t, s.Client(t), policies.SlidingLog{Limit: 2, Window: window, Margin: time.Nanosecond})
+		ctx := context.Background()
+		start := time.Now()
+		for i := range 6 {
+			p, err := lim.Acquire(ctx)
+			if err != nil {
+				t.Fatal(err)
+			}
+			// A sequential caller fills the window, waits for it to pass,
+			// and fills it again: calls 2 and 4 wait a whole window.
+			if i%2 == 0 && i > 0 && p.Waited() < window/2 {
+				t.Errorf("call %d waited %v, want about %v", i, p.Waited(), window)
+			}
+			p.Release()
+		}
+		if took := time.Since(start); took < 2*window-time.Millisecond {
+			t.Errorf("6 calls at 2 per %v took %v, want at least two windows", window, took)
+		}
+		if took := time.Since(start); took > 2*time.Second {
+			t.Errorf("6 calls at 2 per %v took %v", window, took)
+		}
+	})
+}
+
+func TestBlock_FailsAtOnceWhenDeadlineTooShort(t *testing.T) {
+	redistest.Each(t, func(t *testing.T, s *redistest.Server) {
+		rdb := s.Client(t)
+		lim := newLimiter(t, rdb, policies.SlidingLog{Limit: 1, Window: time.Hour})
+		if _, err := lim.Acquire(context.Background()); err != nil {
+			t.Fatal(err)
+		}
+		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+		defer cancel()
+		start := time.Now()
+		_, err := lim.Acquire(ctx)
+		var le *LimitedError
+		if !errors.As(err, &le) || le.RetryAfter < 59*time.Minute {
+			t.Fatalf("Acquire with a 10s deadline for a slot an hour away: %v, want ErrLimited with RetryAfter about 1h", err)
+		}
+		if took := time.Since(start); took > 5*time.Second {
+			t.Errorf("Acquire took %v to fail; it must fail at once", took)
+		}
+		if n := rdb.ZCard(ctx, lim.keys[0]).Val(); n != 1 {
+			t.Errorf("log holds %d members, want 1: a refused call must not book", n)
+		}
+	})
+}
+
+func TestBlock_MaxWaitBoundsTheWait(t *testing.T) {
+	s := redistest.Mini(t)
+	lim := newLimiter(t, s.Client(t), policies.SlidingLog{Limit: 1, Window: time.Minute}, WithMaxWait(time.Second))
+	if _, err := lim.Acquire(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := lim.Acquire(context.Background()); !errors.Is(err, ErrLimited) {
+		t.Fatalf("Acquire past MaxWait: %v, want ErrLimited", err)
+	}
+}
+
+func TestBlock_CancelledWaiterGivesSlotBack(t *testing.T) {
+	redistest.Each(t, func(t *testing.T, s *redistest.Server) {
+		rdb := s.Client(t)
+		window := 5 * time.Second
+		lim := newLimiter(t, rdb, policies.SlidingLog{Limit: 1, Window: window})
+		bg := context.Background()
+		if _, err := lim.Acquire(bg); err != nil {
+			t.Fatal(err)
+		}
+		ctx, cancel := context.WithCancel(bg)
+		done := make(chan error, 1)
+		go func() {
+			_, err := lim.Acquire(ctx)
+			done <- err
+		}()
+		waitFor(t, func() bool { return rdb.ZCard(bg, lim.keys[0]).Val() == 2 }, "the waiter's booking")
+		// A third call now queues behind the waiter: two windows away.
+		if d, _ := lim.Allow(bg); d.OK || d.RetryAfter < window*3/2 {
+			t.Fatalf("with a booking ahead, Allow = %+v, want RetryAfter near two windows", d)
+		}
+		cancel()
+		if err := <-done; !errors.Is(err, context.Canceled) {
+			t.Fatalf("cancelled waiter returned %v, want context.Canceled", err)
+		}
+		if n := rdb.ZCard(bg, lim.keys[0]).Val(); n != 1 {
+			t.Fatalf("log holds %d members after the waiter gave up, want 1", n)
+		}
+		// The freed slot goes to the next caller: one window away, not two.
+		if d, _ := lim.Allow(bg); d.OK || d.RetryAfter > window+policies.DefaultMargin {
+			t.Errorf("after the cancel, Allow = %+v, want RetryAfter within one window", d)
+		}
+	})
+}
+
+func TestBlock_ReturnsContextErrorOnDeadlineWhileWaiting(t *testing.T) {
+	s := redistest.Mini(t)
+	rdb := s.Client(t)
+	lim := newLimiter(t, rdb, policies.SlidingLog{Limit: 1, Window: 50 * time.Millisecond})
+	bg := context.Background()
+	if _, err := lim.Acquire(bg); err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithCancel(bg)
+	cancel()
+	if _, err := lim.Acquire(ctx); !errors.Is(err, context.Canceled) {
+		t.Errorf("Acquire with a cancelled context: %v, want context.Canceled", err)
+	}
+}
+
+func TestDo_RunsFnOnlyWhenAdmitted(t *testing.T) {
+	s := redistest.Mini(t)
+	clock := newClock()
+	lim := newLimiter(t, s.Client(t), policies.SlidingLog{Limit: 1, Window: time.Second}, WithMode(FailFast), WithClock(clock.Now))
+	ctx := context.Background()
+	ran := 0
+	fn := func(context.Context) (string, error) { ran++; return "sent", nil }
+	if v, err := Do(ctx, lim, fn); v != "sent" || err != nil {
+		t.Fatalf("Do = %q, %v; want sent", v, err)
+	}
+	if v, err := Do(ctx, lim, fn); v != "" || !errors.Is(err, ErrLimited) {
+		t.Fatalf("Do on a full quota = %q, %v; want ErrLimited", v, err)
+	}
+	if ran != 1 {
+		t.Errorf("fn ran %d times, want 1", ran)
+	}
+	wantErr := errors.New("vendor down")
+	clock.Add(2 * time.Second)
+	if _, err := Do(ctx, lim, func(context.Context) (int, error) { return 0, wantErr }); err != wantErr {
+		t.Errorf("Do returned %v, want fn's error", err)
+	}
+}
+
+func TestPerKey_SubLimitUnderSharedLimit(t *testing.T) {
+	redistest.Each(t, func(t *testing.T, s *redistest.Server) {
+		clock := newClock()
+		lim := newLimiter(t, s.Client(t), policies.All(
+			policies.SlidingLog{Limit: 10, Window: time.Second},
+			policies.PerKey{Policy: policies.SlidingLog{Limit: 3, Window: time.Second}},
+		), WithClock(clock.Now))
+		admitted := map[string]int{}
+		total := 0
+		for _, tenant := range []string{"a", "b", "c", "d", "e"} {
+			for range 5 {
+				d, err := lim.Allow(context.Background(), Key(tenant))
+				if err != nil {
+					t.Fatal(err)
+				}
+				if d.OK {
+					admitted[tenant]++
+					total++
+				}
+			}
+		}
+		want := map[string]int{"a": 3, "b": 3, "c": 3, "d": 1}
+		if total != 10 || len(admitted) != len(want) {
+			t.Fatalf("admitted %v (%d), want %v", admitted, total, want)
+		}
+		for k, n := range want {
+			if admitted[k] != n {
+				t.Errorf("tenant %s: %d admitted, want %d", k, admitted[k], n)
+			}
+		}
+	})
+}
+
+func TestPerKey_IndependentQuotas(t *testing.T) {
+	redistest.Each(t, func(t *testing.T, s *redistest.Server) {
+		clock := newClock()
+		lim := newLimiter(t, s.Client(t), policies.PerKey{Policy: policies.SlidingLog{Limit: 4, Window: time.Hour}}, WithClock(clock.Now))
+		for _, token := range []string{"token-1", "token-2", "token-3"} {
+			for i := range 6 {
+				d, err := lim.Allow(context.Background(), Key(token))
+				if err != nil {
+					t.Fatal(err)
+				}
+				if d.OK != (i < 4) {
+					t.Errorf("%s call %d: OK=%v", token, i, d.OK)
+				}
+			}
+		}
+	})
+}
+
+func TestPerKey_KeysAreHashed(t *testing.T) {
+	s := redistest.Mini(t)
+	rdb := s.Client(t)
+	lim := newLimiter(t, rdb, policies.PerKey{Policy: perSecond})
+	secret := "sk_live_" + strings.Repeat("x", 5000)
+	if _, err := lim.Allow(context.Background(), Key(secret)); err != nil {
+		t.Fatal(err)
+	}
+	for _, k := range rdb.Keys(context.Background(), "*").Val() {
+		if strings.Contains(k, "sk_live") || len(k) > 100 {
+			t.Errorf("Redis key %q holds the raw key", k)
+		}
+		if !strings.HasPrefix(k, DefaultPrefix+":{"+lim.Name()+"}:") {
+			t.Errorf("Redis key %q lacks the quota's hash tag", k)
+		}
+	}
+}
+
+func TestCost_CountsUnits(t *testing.T) {
+	redistest.Each(t, func(t *testing.T, s *redistest.Server) {
+		clock := newClock()
+		lim := newLimiter(t, s.Client(t), policies.SlidingLog{Limit: 10, Window: time.Second}, WithClock(clock.Now))
+		ctx := context.Background()
+		for _, tc := range []struct {
+			cost      int
+			ok        bool
+			remaining int
+		}{{4, true, 6}, {4, true, 2}, {3, false, 2}, {2, true, 0}, {1, false, 0}} {
+			d, err := lim.Allow(ctx, Cost(tc.cost))
+			if err != nil || d.OK != tc.ok || d.Remaining != tc.remaining {
+				t.Fatalf("Cost(%d): %+v, %v; want OK=%v remaining %d", tc.cost, d, err, tc.ok, tc.remaining)
+			}
+		}
+	})
+}
+
+func TestTTL_FollowsLatestBooking(t *testing.T) {
+	s := redistest.New(t)
+	rdb := s.Client(t)
+	lim := newLimiter(t, rdb, policies.SlidingLog{Limit: 1, Window: 2 * time.Second})
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	for range 3 {
+		go func() { _, _ = lim.Acquire(ctx) }()
+	}
+	waitFor(t, func() bool { return rdb.ZCard(ctx, lim.keys[0]).Val() == 3 }, "three bookings")
+	// The last booking is two windows ahead; it must outlive it by a window.
+	if ttl := rdb.PTTL(ctx, lim.keys[0]).Val(); ttl < 5*time.Second {
+		t.Errorf("TTL %v, want at least three windows", ttl)
+	}
+}
+
+func TestScriptFlush_CostsNoCall(t *testing.T) {
+	redistest.Each(t, func(t *testing.T, s *redistest.Server) {
+		rdb := s.Client(t)
+		lim := newLimiter(t, rdb, policies.SlidingLog{Limit: 1_000_000, Window: time.Second})
+		ctx := context.Background()
+		stop := make(chan struct{})
+		var flusher sync.WaitGroup
+		flusher.Go(func() {
+			for {
+				select {
+				case <-stop:
+					return
+				default:
+					if err := rdb.ScriptFlush(ctx).Err(); err != nil {
+						t.Errorf("SCRIPT FLUSH: %v", err)
+						return
+					}
+				}
+			}
+		})
+		var wg sync.WaitGroup
+		for range 8 {
+			wg.Go(func() {
+				for range 100 {
+					if _, err := Do(ctx, lim, func(context.Context) (int, error) { return 0, nil }); err != nil {
+						t.Errorf("Do during SCRIPT FLUSH: %v", err)
+						return
+					}
+				}
+			})
+		}
+		wg.Wait()
+		close(stop)
+		flusher.Wait()
+	})
+}
+
+// waitFor polls cond for up to 10 seconds; it is for state that another
+// goroutine reaches at an unknown moment, never for timing.
+func waitFor(t *testing.T, cond func() bool, what string) {
+	t.Helper()
+	for deadline := time.Now().Add(10 * time.Second); time.Now().Before(deadline); time.Sleep(time.Millisecond) {
+		if cond() {
+			return
+		}
+	}
+	t.Fatalf("timed out waiting for %s", what)
+}
