@@ -302,21 +302,6 @@ func TestBlock_CancelledWaiterGivesSlotBack(t *testing.T) {
 	})
 }
 
-func TestBlock_ReturnsContextErrorOnDeadlineWhileWaiting(t *testing.T) {
-	s := redistest.Mini(t)
-	rdb := s.Client(t)
-	lim := newLimiter(t, rdb, policies.SlidingLog{Limit: 1, Window: 50 * time.Millisecond})
-	bg := context.Background()
-	if _, err := lim.Acquire(bg); err != nil {
-		t.Fatal(err)
-	}
-	ctx, cancel := context.WithCancel(bg)
-	cancel()
-	if _, err := lim.Acquire(ctx); !errors.Is(err, context.Canceled) {
-		t.Errorf("Acquire with a cancelled context: %v, want context.Canceled", err)
-	}
-}
-
 func TestDo_RunsFnOnlyWhenAdmitted(t *testing.T) {
 	s := redistest.Mini(t)
 	clock := newClock()
@@ -490,4 +475,36 @@ func waitFor(t *testing.T, cond func() bool, what string) {
 		}
 	}
 	t.Fatalf("timed out waiting for %s", what)
+}
+
+func TestContext_CancelledBeforeTheCallOnEveryPath(t *testing.T) {
+	s := redistest.Mini(t)
+	rdb := s.Client(t)
+	block := newLimiter(t, rdb, perSecond)
+	failFast, err := New(rdb, "fail-fast", perSecond, WithMode(FailFast))
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	cancel()
+	paths := map[string]func() error{
+		"Allow":            func() error { _, err := block.Allow(ctx); return err },
+		"Acquire Block":    func() error { _, err := block.Acquire(ctx); return err },
+		"Acquire FailFast": func() error { _, err := failFast.Acquire(ctx); return err },
+		"Do": func() error {
+			_, err := Do(ctx, block, func(context.Context) (int, error) {
+				t.Error("Do ran fn with a cancelled context")
+				return 0, nil
+			})
+			return err
+		},
+	}
+	for name, path := range paths {
+		if err := path(); !errors.Is(err, context.Canceled) {
+			t.Errorf("%s: %v, want context.Canceled", name, err)
+		}
+	}
+	if keys := rdb.Keys(context.Background(), "*").Val(); len(keys) != 0 {
+		t.Errorf("cancelled calls wrote %v", keys)
+	}
 }

@@ -1,0 +1,137 @@
+package throttle_test
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"time"
+
+	"github.com/alicebob/miniredis/v2"
+	"github.com/redis/go-redis/v9"
+
+	"github.com/throttlekit/throttle"
+	"github.com/throttlekit/throttle/policies"
+)
+
+// exampleRedis stands in for the Redis that the whole fleet shares.
+func exampleRedis() (*redis.Client, func()) {
+	mr, err := miniredis.Run()
+	if err != nil {
+		panic(err)
+	}
+	rdb := redis.NewClient(&redis.Options{Addr: mr.Addr()})
+	return rdb, func() { rdb.Close(); mr.Close() }
+}
+
+// Every replica that builds this limiter on the same Redis shares one
+// quota of 100 SMS per second.
+func ExampleNew() {
+	rdb, done := exampleRedis()
+	defer done()
+
+	lim, err := throttle.New(rdb, "twilio-sms", policies.SlidingLog{Limit: 100, Window: time.Second})
+	if err != nil {
+		fmt.Println(err)
+		return
+	}
+	fmt.Println(lim.Name(), lim.Mode())
+	// Output: twilio-sms Block
+}
+
+// Bad configuration fails at construction, naming the field and its value.
+func ExampleNew_badConfiguration() {
+	rdb, done := exampleRedis()
+	defer done()
+
+	_, err := throttle.New(rdb, "twilio-sms", policies.SlidingLog{Limit: 0, Window: time.Second})
+	fmt.Println(err)
+	// Output: throttle: quota "twilio-sms": policies: SlidingLog.Limit must be > 0, got 0
+}
+
+// Do waits for a slot in the quota, runs the call, and returns its result.
+func ExampleDo() {
+	rdb, done := exampleRedis()
+	defer done()
+	lim, err := throttle.New(rdb, "sms", policies.SlidingLog{Limit: 100, Window: time.Second})
+	if err != nil {
+		fmt.Println(err)
+		return
+	}
+
+	id, err := throttle.Do(context.Background(), lim, func(ctx context.Context) (string, error) {
+		return "SM123", nil // send the message here
+	})
+	fmt.Println(id, err)
+	// Output: SM123 <nil>
+}
+
+// A vendor allows 100 calls per second in all, and each tenant 10 of them.
+// Both limits are checked and recorded in one script call.
+func ExampleKey() {
+	rdb, done := exampleRedis()
+	defer done()
+	lim, err := throttle.New(rdb, "vendor", policies.All(
+		policies.SlidingLog{Limit: 100, Window: time.Second},
+		policies.PerKey{Policy: policies.SlidingLog{Limit: 10, Window: time.Second}},
+	), throttle.WithMode(throttle.FailFast))
+	if err != nil {
+		fmt.Println(err)
+		return
+	}
+
+	ctx := context.Background()
+	sent := 0
+	for range 12 {
+		if _, err := throttle.Do(ctx, lim, func(context.Context) (bool, error) { return true, nil }, throttle.Key("tenant-42")); err == nil {
+			sent++
+		}
+	}
+	fmt.Println("tenant-42 sent", sent)
+	// Output: tenant-42 sent 10
+}
+
+// Allow never waits: it admits the call now or says when to retry.
+func ExampleLimiter_Allow() {
+	rdb, done := exampleRedis()
+	defer done()
+	lim, err := throttle.New(rdb, "github-search", policies.SlidingLog{Limit: 30, Window: time.Minute})
+	if err != nil {
+		fmt.Println(err)
+		return
+	}
+
+	d, err := lim.Allow(context.Background(), throttle.Cost(30))
+	fmt.Println(d.OK, d.Remaining, err)
+	d, _ = lim.Allow(context.Background())
+	fmt.Println(d.OK, d.RetryAfter > 59*time.Second)
+	// Output:
+	// true 0 <nil>
+	// false true
+}
+
+// In FailFast mode a full quota is an error that says when to retry.
+func ExampleLimitedError() {
+	rdb, done := exampleRedis()
+	defer done()
+	lim, err := throttle.New(rdb, "stripe", policies.SlidingLog{Limit: 1, Window: time.Hour},
+		throttle.WithMode(throttle.FailFast))
+	if err != nil {
+		fmt.Println(err)
+		return
+	}
+
+	ctx := context.Background()
+	p, err := lim.Acquire(ctx)
+	if err != nil {
+		fmt.Println(err)
+		return
+	}
+	p.Release()
+
+	_, err = lim.Acquire(ctx)
+	var le *throttle.LimitedError
+	if errors.Is(err, throttle.ErrLimited) && errors.As(err, &le) {
+		fmt.Println("limited; retry within the hour:", le.RetryAfter <= time.Hour+policies.DefaultMargin)
+	}
+	// Output: limited; retry within the hour: true
+}
