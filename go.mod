@@ -3,12 +3,13 @@ module github.com/throttlekit/throttle
 go 1.26.0
 
 require (
-	github.com/alicebob/miniredis/v2 v2.40.0 // indirect
-	github.com/cenkalti/backoff/v4 v4.3.0 // indirect
+	github.com/alicebob/miniredis/v2 v2.40.0
+	github.com/redis/go-redis/v9 v9.23.0
+)
+
+require (
 	github.com/cespare/xxhash/v2 v2.3.0 // indirect
-	github.com/redis/go-redis/v9 v9.23.0 // indirect
 	github.com/yuin/gopher-lua v1.1.1 // indirect
 	go.uber.org/atomic v1.12.0 // indirect
-	golang.org/x/sync v0.24.0 // indirect
 	golang.org/x/sys v0.48.0 // indirect
 )
