@@ -142,11 +142,11 @@ func checkRedisWindows(t *testing.T, rdb redis.UniversalClient, lim *Limiter, ru
 	t.Helper()
 	ctx := context.Background()
 	for i, r := range rules {
-		keys := []string{lim.keys[i]}
+		keys := []string{lim.shared[2+i]}
 		if r.PerKey {
 			keys = keys[:0]
 			for k := range 3 {
-				keys = append(keys, lim.redisKeys(call{key: "k" + strconv.Itoa(k), hasKey: true})[i])
+				keys = append(keys, lim.scopeFor(call{key: "k" + strconv.Itoa(k), hasKey: true}).keys[2+i])
 			}
 		}
 		for _, key := range keys {

@@ -3,12 +3,12 @@ package throttle
 import (
 	"context"
 	"crypto/rand"
-	"crypto/sha256"
 	"encoding/base64"
 	"errors"
 	"fmt"
 	"strconv"
 	"strings"
+	"sync"
 	"sync/atomic"
 	"time"
 
@@ -29,6 +29,11 @@ const (
 	// FailFast runs the call only if it fits now, and otherwise returns an
 	// error matching ErrLimited at once.
 	FailFast
+	// Queue puts the call in a bounded local queue, served by Priority and
+	// then in arrival order; the calls at the head book their slots as in
+	// Block. A full queue answers ErrQueueFull at once (see WithOverflow).
+	// Close drains the queue.
+	Queue
 )
 
 // String returns the mode's name.
@@ -38,6 +43,8 @@ func (m Mode) String() string {
 		return "Block"
 	case FailFast:
 		return "FailFast"
+	case Queue:
+		return "Queue"
 	}
 	return "Mode(" + strconv.Itoa(int(m)) + ")"
 }
@@ -51,6 +58,9 @@ const (
 	DefaultPrefix = "throttle"
 	// MaxNameLen is the longest quota name New accepts, in bytes.
 	MaxNameLen = 128
+	// DefaultMaxQueue is how many calls wait in the local queue of a
+	// limiter in Queue mode, unless WithMaxQueue says otherwise.
+	DefaultMaxQueue = 10_000
 )
 
 // ErrLimited is matched, through errors.Is, by every error that refuses a
@@ -79,10 +89,12 @@ func (e *LimitedError) Is(target error) bool { return target == ErrLimited }
 type Option func(*settings)
 
 type settings struct {
-	mode    Mode
-	maxWait time.Duration
-	clock   func() time.Time
-	prefix  string
+	mode     Mode
+	maxWait  time.Duration
+	clock    func() time.Time
+	prefix   string
+	maxQueue int
+	overflow Overflow
 }
 
 // WithMode sets what a call does when the quota is full. The default is Block.
@@ -105,6 +117,14 @@ func WithClock(now func() time.Time) Option { return func(s *settings) { s.clock
 // several applications can share one Redis. The default is DefaultPrefix.
 func WithPrefix(p string) Option { return func(s *settings) { s.prefix = p } }
 
+// WithMaxQueue bounds the local queue of a limiter in Queue mode. The
+// default is DefaultMaxQueue.
+func WithMaxQueue(n int) Option { return func(s *settings) { s.maxQueue = n } }
+
+// WithOverflow says which call a full queue turns away. The default is
+// RejectNew.
+func WithOverflow(o Overflow) Option { return func(s *settings) { s.overflow = o } }
+
 // A CallOption describes one call: who it is for and what it costs.
 type CallOption func(*call)
 
@@ -118,10 +138,16 @@ func Key(k string) CallOption { return func(c *call) { c.key, c.hasKey = k, true
 // The default is 1; n must be between 1 and the smallest Limit of the quota.
 func Cost(n int) CallOption { return func(c *call) { c.cost = n } }
 
+// Priority orders calls in the queue of a limiter in Queue mode: higher
+// values run first, calls of equal priority in arrival order. The default is
+// 0. Other modes ignore it.
+func Priority(p int) CallOption { return func(c *call) { c.priority = p } }
+
 type call struct {
-	key    string
-	hasKey bool
-	cost   int
+	key      string
+	hasKey   bool
+	cost     int
+	priority int
 }
 
 // Limiter enforces one quota, shared by every process that uses the same
@@ -141,15 +167,23 @@ type call struct {
 //
 // A Limiter is safe for concurrent use.
 type Limiter struct {
-	rdb     redis.UniversalClient
-	name    string
-	rules   []policies.Rule
-	keys    []string // Redis key of each shared rule; the prefix for per-key ones
-	perKey  bool
-	maxCost int
-	s       settings
-	id      string
-	seq     atomic.Uint64
+	rdb       redis.UniversalClient
+	name      string
+	rules     []policies.Rule
+	base      string   // start of every key: prefix:{name}:
+	shared    []string // the Redis keys of a call with no key; per-key rules get the key appended
+	perKey    bool     // some rule is per key
+	hasShared bool     // some rule is shared by all keys
+	hasConc   bool     // some rule is a Concurrency
+	maxCost   int
+	s         settings
+	id        string
+	seq       atomic.Uint64
+	pauses    sync.Map // scope pause key -> local time.Time the pause ends
+	freed     chan struct{}
+	freedMu   sync.Mutex
+	q         *queue
+	closed    atomic.Bool
 }
 
 // New returns a Limiter for the quota called name on rdb (a Client,
@@ -167,27 +201,38 @@ func New(rdb redis.UniversalClient, name string, policy policies.Policy, opts ..
 	if err != nil {
 		return nil, fmt.Errorf("throttle: quota %q: %w", name, err)
 	}
-	s := settings{mode: Block, maxWait: DefaultMaxWait, prefix: DefaultPrefix}
+	s := settings{mode: Block, maxWait: DefaultMaxWait, prefix: DefaultPrefix, maxQueue: DefaultMaxQueue}
 	for _, o := range opts {
 		if o != nil {
 			o(&s)
 		}
 	}
 	switch {
-	case s.mode != Block && s.mode != FailFast:
+	case s.mode != Block && s.mode != FailFast && s.mode != Queue:
 		return nil, fmt.Errorf("throttle: quota %q: WithMode: unknown mode %v", name, s.mode)
 	case s.maxWait < 0:
 		return nil, fmt.Errorf("throttle: quota %q: WithMaxWait must not be negative, got %v", name, s.maxWait)
+	case s.maxQueue <= 0:
+		return nil, fmt.Errorf("throttle: quota %q: WithMaxQueue must be > 0, got %d", name, s.maxQueue)
+	case s.overflow != RejectNew && s.overflow != ShedOldest && s.overflow != ShedLowest:
+		return nil, fmt.Errorf("throttle: quota %q: WithOverflow: unknown overflow %v", name, s.overflow)
 	}
 	if err := validName("WithPrefix", s.prefix); err != nil {
 		return nil, err
 	}
-	l := &Limiter{rdb: rdb, name: name, rules: rules, s: s, id: newID()}
+	l := &Limiter{rdb: rdb, name: name, rules: rules, s: s, id: newID(), freed: make(chan struct{})}
+	l.base = s.prefix + ":{" + name + "}:"
+	l.shared = []string{l.base + "pause", l.base + "pause"}
 	l.maxCost = rules[0].Limit
 	for i, r := range rules {
-		l.keys = append(l.keys, s.prefix+":{"+name+"}:"+strconv.Itoa(i))
+		l.shared = append(l.shared, l.base+strconv.Itoa(i))
 		l.perKey = l.perKey || r.PerKey
+		l.hasShared = l.hasShared || !r.PerKey
+		l.hasConc = l.hasConc || r.Kind == policies.KindConcurrency
 		l.maxCost = min(l.maxCost, r.Limit)
+	}
+	if s.mode == Queue {
+		l.q = newQueue(s.maxQueue, s.overflow, min(l.maxCost, maxDispatched))
 	}
 	return l, nil
 }
@@ -262,7 +307,8 @@ func (l *Limiter) Acquire(ctx context.Context, opts ...CallOption) (*Permit, err
 	if err := ctx.Err(); err != nil {
 		return nil, err
 	}
-	if l.s.mode == FailFast {
+	switch l.s.mode {
+	case FailFast:
 		r, err := l.acquire(ctx, c, 0)
 		if err != nil {
 			return nil, err
@@ -270,9 +316,45 @@ func (l *Limiter) Acquire(ctx context.Context, opts ...CallOption) (*Permit, err
 		if !r.admitted {
 			return nil, l.limited(r.wait)
 		}
-		return &Permit{l: l, call: c}, nil
+		return l.permit(c, r, 0), nil
+	case Queue:
+		w, err := l.q.enqueue(c.priority, l.name)
+		if err != nil {
+			return nil, err
+		}
+		return l.fromQueue(ctx, c, w)
 	}
 	return l.wait(ctx, c)
+}
+
+// fromQueue waits for a queued call's turn, then books its slot as Block does.
+func (l *Limiter) fromQueue(ctx context.Context, c call, w *waiter) (*Permit, error) {
+	if err := l.q.await(ctx, w); err != nil {
+		return nil, err
+	}
+	defer l.q.done()
+	return l.wait(ctx, c)
+}
+
+// Queued returns how many calls wait in the local queue (Queue mode).
+func (l *Limiter) Queued() int {
+	if l.q == nil {
+		return 0
+	}
+	return l.q.len()
+}
+
+// Close stops the limiter from taking calls: later calls get ErrClosed. In
+// Queue mode it then drains the queue: it waits until every queued call has
+// had its turn. If ctx ends first, the calls still queued get ErrClosed and
+// Close returns ctx's error; no call is dropped without an error. Close does
+// not close the Redis client, which belongs to the caller.
+func (l *Limiter) Close(ctx context.Context) error {
+	l.closed.Store(true)
+	if l.q != nil {
+		return l.q.close(ctx, l.name)
+	}
+	return nil
 }
 
 // Do acquires a permit from l, runs fn, and releases the permit. It returns
@@ -287,21 +369,138 @@ func Do[T any](ctx context.Context, l *Limiter, fn func(context.Context) (T, err
 	return fn(ctx)
 }
 
+// Future is the outcome of a call submitted with Go.
+type Future[T any] struct {
+	done chan struct{}
+	v    T
+	err  error
+}
+
+// Done is closed when the call has run or failed.
+func (f *Future[T]) Done() <-chan struct{} { return f.done }
+
+// Wait waits for the call and returns fn's result, or the error that kept fn
+// from running (ErrQueueFull, ErrLimited, the context's error, ...).
+func (f *Future[T]) Wait() (T, error) {
+	<-f.done
+	return f.v, f.err
+}
+
+// Go submits fn to l and returns at once: fn runs in its own goroutine when
+// l admits it, as Do would run it. In Queue mode the call takes its place in
+// the queue before Go returns, so calls submitted one after another keep
+// their order; a full queue answers through the Future at once. Job workers
+// use it to hand work over without a goroutine of their own per job.
+func Go[T any](ctx context.Context, l *Limiter, fn func(context.Context) (T, error), opts ...CallOption) *Future[T] {
+	f := &Future[T]{done: make(chan struct{})}
+	c, err := l.newCall(opts)
+	var w *waiter
+	if err == nil && l.s.mode == Queue {
+		w, err = l.q.enqueue(c.priority, l.name)
+	}
+	if err != nil {
+		f.err = err
+		close(f.done)
+		return f
+	}
+	go func() {
+		defer close(f.done)
+		var p *Permit
+		if w != nil {
+			p, f.err = l.fromQueue(ctx, c, w)
+		} else {
+			p, f.err = l.Acquire(ctx, opts...)
+		}
+		if f.err != nil {
+			return
+		}
+		defer p.Release()
+		f.v, f.err = fn(ctx)
+	}()
+	return f
+}
+
 // Permit is the right to make one call. Release it when the call is done.
 type Permit struct {
 	l        *Limiter
 	call     call
+	r        result
+	held     int // concurrency units taken, whatever Settle does to the cost
 	waited   time.Duration
 	released atomic.Bool
+}
+
+func (l *Limiter) permit(c call, r result, waited time.Duration) *Permit {
+	return &Permit{l: l, call: c, r: r, held: c.cost, waited: waited}
 }
 
 // Waited returns how long Acquire waited for the call's slot.
 func (p *Permit) Waited() time.Duration { return p.waited }
 
-// Release ends the call. A sliding window counts the call for its whole
-// window whatever happens, so for it Release only marks the permit used;
-// calling it more than once is harmless.
-func (p *Permit) Release() { p.released.Store(true) }
+// Cost returns the units the call counts for: its Cost, or what Settle set.
+func (p *Permit) Cost() int { return p.call.cost }
+
+// Release ends the call. It frees the call's slots under a
+// policies.Concurrency; a sliding window or a token bucket counts the call
+// whatever happens, so for them Release only marks the permit used. Calling
+// it more than once is harmless.
+func (p *Permit) Release() {
+	if p.released.Swap(true) || !p.l.hasConc {
+		return
+	}
+	ctx, stop := context.WithTimeout(context.Background(), cleanupTimeout)
+	defer stop()
+	// If Redis cannot be reached, the slots free themselves when the lease ends.
+	_ = p.l.run(ctx, lua.Release, p.r.scope, p.l.args(p.r.member, p.held, 0, 0, 0)).Err()
+	p.l.signalFreed()
+}
+
+// Extend renews the lease of the call's concurrency slots for a call that
+// runs longer than policies.Concurrency.Lease: the slots stay taken for
+// lease from now. It does nothing for a quota without a Concurrency policy.
+func (p *Permit) Extend(ctx context.Context, lease time.Duration) error {
+	if !p.l.hasConc {
+		return nil
+	}
+	if lease < time.Millisecond {
+		return fmt.Errorf("throttle: quota %q: Extend: lease must be at least 1ms, got %v", p.l.name, lease)
+	}
+	if p.released.Load() {
+		return fmt.Errorf("throttle: quota %q: Extend: permit already released", p.l.name)
+	}
+	held, err := p.l.run(ctx, lua.Release, p.r.scope, p.l.args(p.r.member, p.held, lease.Microseconds(), 0, 0)).Int64()
+	if err != nil {
+		return p.l.redisErr(err)
+	}
+	if held == 0 {
+		return fmt.Errorf("throttle: quota %q: Extend: the lease had already run out", p.l.name)
+	}
+	return nil
+}
+
+// Settle replaces the cost the call was admitted with by the cost the vendor
+// actually counted, for costs known only afterwards (LLM tokens, GraphQL
+// points). The difference is refunded or charged in the same windows, at the
+// call's slot, so that the shared count matches the vendor's. A charge may
+// take a window past its limit, since the vendor counted those units
+// already: later calls then wait for them. Settle can be called again; each
+// call replaces the cost before it. The actual cost must be between 0 and
+// the quota's smallest limit. A Permit's methods are for the goroutine that
+// holds it; Release alone may be called from anywhere.
+func (p *Permit) Settle(ctx context.Context, actual int) error {
+	if actual < 0 || actual > p.l.maxCost {
+		return fmt.Errorf("throttle: quota %q: Settle: actual cost must be between 0 and %d, got %d", p.l.name, p.l.maxCost, actual)
+	}
+	if actual == p.call.cost {
+		return nil
+	}
+	args := p.l.args(p.r.member, p.call.cost, p.r.slot().Microseconds(), int64(actual), 0)
+	if err := p.l.run(ctx, lua.Settle, p.r.scope, args).Err(); err != nil {
+		return p.l.redisErr(err)
+	}
+	p.call.cost = actual
+	return nil
+}
 
 func (l *Limiter) newCall(opts []CallOption) (call, error) {
 	c := call{cost: 1}
@@ -317,65 +516,10 @@ func (l *Limiter) newCall(opts []CallOption) (call, error) {
 		return c, fmt.Errorf("throttle: quota %q: Cost %d exceeds the quota's smallest Limit %d and could never run", l.name, c.cost, l.maxCost)
 	case l.perKey && !c.hasKey:
 		return c, fmt.Errorf("throttle: quota %q has a per-key limit: the call needs a Key", l.name)
+	case l.closed.Load():
+		return c, fmt.Errorf("throttle: quota %q: %w", l.name, ErrClosed)
 	}
 	return c, nil
-}
-
-// redisKeys returns the sorted set of every rule for the call's key.
-func (l *Limiter) redisKeys(c call) []string {
-	if !l.perKey {
-		return l.keys
-	}
-	sum := sha256.Sum256([]byte(c.key))
-	hashed := base64.RawURLEncoding.EncodeToString(sum[:16])
-	keys := make([]string, len(l.keys))
-	for i, r := range l.rules {
-		keys[i] = l.keys[i]
-		if r.PerKey {
-			keys[i] += ":" + hashed
-		}
-	}
-	return keys
-}
-
-type result struct {
-	admitted  bool
-	wait      time.Duration
-	remaining int
-	now       time.Duration // Redis time since the Unix epoch
-	keys      []string
-	member    string
-}
-
-// acquire runs the script once: it admits the call, books it within maxWait,
-// or refuses it.
-func (l *Limiter) acquire(ctx context.Context, c call, maxWait time.Duration) (result, error) {
-	keys := l.redisKeys(c)
-	member := l.id + ":" + strconv.FormatUint(l.seq.Add(1), 36)
-	var now int64
-	if l.s.clock != nil {
-		now = l.s.clock().UnixMicro()
-	}
-	args := make([]any, 0, 4+2*len(l.rules))
-	args = append(args, now, member, c.cost, maxWait.Microseconds())
-	for _, r := range l.rules {
-		args = append(args, r.Limit, r.Window.Microseconds())
-	}
-	v, err := lua.Acquire.Run(ctx, l.rdb, keys, args...).Int64Slice()
-	if err != nil {
-		return result{}, fmt.Errorf("throttle: quota %q: %w", l.name, err)
-	}
-	if len(v) != 4 {
-		return result{}, fmt.Errorf("throttle: quota %q: unexpected script reply %v", l.name, v)
-	}
-	return result{
-		admitted:  v[0] == 1,
-		wait:      time.Duration(v[1]) * time.Microsecond,
-		remaining: int(v[2]),
-		now:       time.Duration(v[3]) * time.Microsecond,
-		keys:      keys,
-		member:    member,
-	}, nil
 }
 
 func (l *Limiter) limited(retryAfter time.Duration) error {

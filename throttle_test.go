@@ -142,10 +142,10 @@ func TestAllow_RecordsOnlyAdmittedCalls(t *testing.T) {
 				t.Fatalf("RetryAfter %v, want %v", d.RetryAfter, want)
 			}
 		}
-		if n := rdb.ZCard(ctx, lim.keys[0]).Val(); n != 5 {
+		if n := rdb.ZCard(ctx, lim.shared[2]).Val(); n != 5 {
 			t.Errorf("log holds %d members after 5 admitted and 100 refused calls, want 5", n)
 		}
-		ttl := rdb.PTTL(ctx, lim.keys[0]).Val()
+		ttl := rdb.PTTL(ctx, lim.shared[2]).Val()
 		if ttl <= 0 || ttl > 2*time.Second {
 			t.Errorf("log TTL %v, want about one window", ttl)
 		}
@@ -172,7 +172,7 @@ func TestAllow_MembersUniqueWithinOneMicrosecond(t *testing.T) {
 			}
 		}
 		wg.Wait()
-		if n := s.Client(t).ZCard(context.Background(), a.keys[0]).Val(); n != 400 {
+		if n := s.Client(t).ZCard(context.Background(), a.shared[2]).Val(); n != 400 {
 			t.Errorf("log holds %d members, want 400 (200 calls of cost 2)", n)
 		}
 	})
@@ -251,7 +251,7 @@ func TestBlock_FailsAtOnceWhenDeadlineTooShort(t *testing.T) {
 		if took := time.Since(start); took > 5*time.Second {
 			t.Errorf("Acquire took %v to fail; it must fail at once", took)
 		}
-		if n := rdb.ZCard(ctx, lim.keys[0]).Val(); n != 1 {
+		if n := rdb.ZCard(ctx, lim.shared[2]).Val(); n != 1 {
 			t.Errorf("log holds %d members, want 1: a refused call must not book", n)
 		}
 	})
@@ -283,7 +283,7 @@ func TestBlock_CancelledWaiterGivesSlotBack(t *testing.T) {
 			_, err := lim.Acquire(ctx)
 			done <- err
 		}()
-		waitFor(t, func() bool { return rdb.ZCard(bg, lim.keys[0]).Val() == 2 }, "the waiter's booking")
+		waitFor(t, func() bool { return rdb.ZCard(bg, lim.shared[2]).Val() == 2 }, "the waiter's booking")
 		// A third call now queues behind the waiter: two windows away.
 		if d, _ := lim.Allow(bg); d.OK || d.RetryAfter < window*3/2 {
 			t.Fatalf("with a booking ahead, Allow = %+v, want RetryAfter near two windows", d)
@@ -292,7 +292,7 @@ func TestBlock_CancelledWaiterGivesSlotBack(t *testing.T) {
 		if err := <-done; !errors.Is(err, context.Canceled) {
 			t.Fatalf("cancelled waiter returned %v, want context.Canceled", err)
 		}
-		if n := rdb.ZCard(bg, lim.keys[0]).Val(); n != 1 {
+		if n := rdb.ZCard(bg, lim.shared[2]).Val(); n != 1 {
 			t.Fatalf("log holds %d members after the waiter gave up, want 1", n)
 		}
 		// The freed slot goes to the next caller: one window away, not two.
@@ -421,9 +421,9 @@ func TestTTL_FollowsLatestBooking(t *testing.T) {
 	for range 3 {
 		go func() { _, _ = lim.Acquire(ctx) }()
 	}
-	waitFor(t, func() bool { return rdb.ZCard(ctx, lim.keys[0]).Val() == 3 }, "three bookings")
+	waitFor(t, func() bool { return rdb.ZCard(ctx, lim.shared[2]).Val() == 3 }, "three bookings")
 	// The last booking is two windows ahead; it must outlive it by a window.
-	if ttl := rdb.PTTL(ctx, lim.keys[0]).Val(); ttl < 5*time.Second {
+	if ttl := rdb.PTTL(ctx, lim.shared[2]).Val(); ttl < 5*time.Second {
 		t.Errorf("TTL %v, want at least three windows", ttl)
 	}
 }

@@ -2,56 +2,110 @@ package throttle
 
 import (
 	"context"
+	"math/rand/v2"
 	"time"
-
-	"github.com/throttlekit/throttle/lua"
 )
 
-// cancelTimeout bounds giving a booking back after the caller's context ended.
-const cancelTimeout = time.Second
+const (
+	// cleanupTimeout bounds giving a booking or a slot back after the
+	// caller's context ended.
+	cleanupTimeout = time.Second
+	// A call that finds every concurrency slot taken retries after a pause
+	// that grows from busyFirst to busyMax, with jitter so that waiters across
+	// the fleet do not retry in step.
+	busyFirst = 5 * time.Millisecond
+	busyMax   = 250 * time.Millisecond
+)
 
 // wait is Block mode: book the earliest slot the call fits in, within the
 // context's deadline and MaxWait, and sleep until it. One script call admits
-// the call; a waiter never polls.
+// the call; a waiter never polls, except for a concurrency slot, whose
+// release no one can foresee.
 func (l *Limiter) wait(ctx context.Context, c call) (*Permit, error) {
 	start := time.Now()
-	maxWait := l.s.maxWait
-	if deadline, ok := ctx.Deadline(); ok {
-		maxWait = min(maxWait, time.Until(deadline))
-	}
-	r, err := l.acquire(ctx, c, max(maxWait, 0))
-	if err != nil {
-		return nil, err
-	}
-	if !r.admitted {
-		return nil, l.limited(r.wait)
-	}
-	if r.wait <= 0 {
-		return &Permit{l: l, call: c, waited: time.Since(start)}, nil
-	}
-	// The script counted the wait from its own clock; the reply took some of
-	// it to arrive, so sleeping the whole wait from here never wakes early.
-	wake := time.Now().Add(r.wait)
-	if deadline, ok := ctx.Deadline(); ok && wake.After(deadline) {
-		l.cancel(ctx, c, r)
-		return nil, l.limited(r.wait)
-	}
-	t := time.NewTimer(r.wait)
-	defer t.Stop()
-	select {
-	case <-t.C:
-		return &Permit{l: l, call: c, waited: time.Since(start)}, nil
-	case <-ctx.Done():
-		l.cancel(ctx, c, r)
-		return nil, ctx.Err()
+	busy := busyFirst
+	for {
+		maxWait := l.s.maxWait - time.Since(start)
+		if deadline, ok := ctx.Deadline(); ok {
+			maxWait = min(maxWait, time.Until(deadline))
+		}
+		r, err := l.acquire(ctx, c, max(maxWait, 0))
+		if err != nil {
+			return nil, err
+		}
+		if !r.admitted {
+			if r.reason == reasonBusy && maxWait > busy {
+				if err := l.sleepBusy(ctx, busy, r.wait); err != nil {
+					return nil, err
+				}
+				busy = min(2*busy, busyMax)
+				continue
+			}
+			return nil, l.limited(r.wait)
+		}
+		if r.wait <= 0 {
+			return l.permit(c, r, time.Since(start)), nil
+		}
+		// The script counted the wait from its own clock; the reply took some
+		// of it to arrive, so sleeping the whole wait from here never wakes
+		// early.
+		if deadline, ok := ctx.Deadline(); ok && time.Now().Add(r.wait).After(deadline) {
+			l.cancel(ctx, c, r)
+			return nil, l.limited(r.wait)
+		}
+		if err := sleep(ctx, r.wait); err != nil {
+			l.cancel(ctx, c, r)
+			return nil, err
+		}
+		// A vendor may have asked the fleet to pause while this call slept.
+		// Calling late would crowd the windows after the slot, so the call
+		// gives its slot back and books again.
+		if l.pausedFor(r.scope) > 0 {
+			l.cancel(ctx, c, r)
+			continue
+		}
+		return l.permit(c, r, time.Since(start)), nil
 	}
 }
 
-// cancel gives a booking back so that the next caller can have the slot. It
-// runs even though ctx has ended; if Redis cannot be reached the booking
-// stays, which wastes its slot but never overfills a window.
-func (l *Limiter) cancel(ctx context.Context, c call, r result) {
-	ctx, stop := context.WithTimeout(context.WithoutCancel(ctx), cancelTimeout)
-	defer stop()
-	_ = lua.Cancel.Run(ctx, l.rdb, r.keys, r.member, c.cost).Err()
+// sleepBusy waits before a call retries a full concurrency rule: d with
+// jitter, no longer than until the first lease runs out, and no longer than
+// until a call of this process releases its slot.
+func (l *Limiter) sleepBusy(ctx context.Context, d, leaseEnds time.Duration) error {
+	d = d/2 + rand.N(d/2+1)
+	if leaseEnds > 0 {
+		d = min(d, leaseEnds)
+	}
+	l.freedMu.Lock()
+	freed := l.freed
+	l.freedMu.Unlock()
+	t := time.NewTimer(d)
+	defer t.Stop()
+	select {
+	case <-t.C:
+	case <-freed:
+	case <-ctx.Done():
+		return ctx.Err()
+	}
+	return nil
+}
+
+// signalFreed wakes every call of this process waiting for a concurrency
+// slot.
+func (l *Limiter) signalFreed() {
+	l.freedMu.Lock()
+	close(l.freed)
+	l.freed = make(chan struct{})
+	l.freedMu.Unlock()
+}
+
+func sleep(ctx context.Context, d time.Duration) error {
+	t := time.NewTimer(d)
+	defer t.Stop()
+	select {
+	case <-t.C:
+		return nil
+	case <-ctx.Done():
+		return ctx.Err()
+	}
 }

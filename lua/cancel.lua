@@ -1,27 +1,20 @@
--- cancel.lua: give back the booking of a call that stopped waiting, so that the
--- slot goes to the next caller.
+-- cancel.lua: give back the booking of a call that stopped waiting, so that
+-- its slot goes to the next caller.
 --
--- KEYS[i]   the sorted set of limit i, as passed to acquire.lua.
--- ARGV[1]   the call's id.
--- ARGV[2]   its cost: the booking holds members id.1 ... id.n (or id when n is 1).
+-- KEYS and ARGV as in lib.lua, with
+-- ARGV[4]   the time of the call's slot, in microseconds, as acquire.lua booked it.
 --
--- Returns the number of members removed from all logs.
+-- Returns 1.
 
-local id = ARGV[1]
-local cost = tonumber(ARGV[2])
-local members = {}
-if cost == 1 then
-  members[1] = id
-else
-  for u = 1, cost do
-    members[u] = id .. '.' .. u
+local now = clock()
+local id = ARGV[2]
+local cost = tonumber(ARGV[3])
+local t = tonumber(ARGV[4])
+for _, r in ipairs(rules()) do
+  if r.kind == CONCURRENCY then
+    zrem(r.key, id, 1, cost)
+  else
+    change(r, id, cost, 0, t, now)
   end
 end
-
-local removed = 0
-for i = 1, #KEYS do
-  for k = 1, #members, 1000 do
-    removed = removed + redis.call('ZREM', KEYS[i], unpack(members, k, math.min(k + 999, #members)))
-  end
-end
-return removed
+return 1

@@ -1,6 +1,17 @@
 // Package policies describes the limits a throttle quota enforces.
 //
-// A policy is a plain struct, validated by throttle.New. Policies combine:
+// A policy is a plain struct, validated by throttle.New:
+//
+//   - SlidingLog: exactly Limit per Window, as most vendors count. Exact, and
+//     it books slots for waiting calls. The default choice.
+//   - SlidingCounter: Limit per Window in O(1) memory per key, for very large
+//     limits such as tokens per minute; it gives up at most 1/Buckets of the
+//     quota to stay under it.
+//   - TokenBucket: Rate per Per with a Burst, for vendors that publish a rate
+//     and a burst, and for even pacing (a minimum gap between calls).
+//   - Concurrency: at most Max calls in flight.
+//
+// Policies combine:
 // All checks several limits at once (10 per second AND 1000 per minute), and
 // PerKey applies a limit to each key separately (each tenant, each API token).
 //
@@ -40,7 +51,7 @@ const DefaultMargin = 30 * time.Millisecond
 const MinWindow = time.Millisecond
 
 // A Policy describes the limits of a quota. The types in this package are the
-// only implementations: SlidingLog, All and PerKey.
+// only implementations.
 type Policy interface {
 	// Validate reports the first field that is out of range, naming it and
 	// its value.
@@ -164,7 +175,10 @@ type Kind int
 
 // The kinds of rule the script knows.
 const (
-	KindSlidingLog Kind = 1
+	KindSlidingLog     Kind = 1
+	KindSlidingCounter Kind = 2
+	KindTokenBucket    Kind = 3
+	KindConcurrency    Kind = 4
 )
 
 // A Rule is one limit in the flat form the Redis script checks. Most users
@@ -172,8 +186,26 @@ const (
 type Rule struct {
 	Kind   Kind
 	PerKey bool          // the rule applies to each key separately
-	Limit  int           // units admitted per window
-	Window time.Duration // window length, margin included
+	Limit  int           // units per window, burst, or calls in flight
+	Window time.Duration // window length, margin included (log, counter)
+	Bucket time.Duration // bucket width (counter)
+	Every  time.Duration // emission interval per unit (token bucket)
+	Lease  time.Duration // how long a crashed holder keeps its slot (concurrency)
+}
+
+// Args encodes the rule as the script reads it: the kind and three
+// parameters in microseconds or units (see lua/lib.lua).
+func (r Rule) Args() [4]int64 {
+	us := func(d time.Duration) int64 { return d.Microseconds() }
+	switch r.Kind {
+	case KindSlidingCounter:
+		return [4]int64{int64(r.Kind), int64(r.Limit), us(r.Window), us(r.Bucket)}
+	case KindTokenBucket:
+		return [4]int64{int64(r.Kind), int64(r.Limit), us(r.Every), 0}
+	case KindConcurrency:
+		return [4]int64{int64(r.Kind), int64(r.Limit), us(r.Lease), 0}
+	}
+	return [4]int64{int64(r.Kind), int64(r.Limit), us(r.Window), 0}
 }
 
 // Rules validates p and flattens it into the rules the script checks, in a

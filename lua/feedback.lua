@@ -1,0 +1,63 @@
+-- feedback.lua: what the vendor said, made known to the whole fleet.
+--
+-- KEYS and ARGV as in lib.lua; the rules passed are the ones the vendor's
+-- answer is about (the shared ones, or the ones of one key), with
+-- ARGV[4]   a pause in microseconds from now (a 429 with Retry-After): no call
+--           in the scope of KEYS[2] is admitted before it ends; 0 for none. A
+--           pause only ever lengthens one already in force.
+-- ARGV[5]   the units the vendor says are left, or -1 when it did not say.
+-- ARGV[6]   microseconds until the vendor's window resets, or 0 when unknown.
+--
+-- When the vendor has fewer units left than a rule believes (another consumer
+-- of the same API key, a restart), the rule is charged the difference, under
+-- ARGV[2], so that the fleet slows down before the vendor answers 429. The
+-- charge leaves the rule's window when the vendor's window resets.
+--
+-- Returns {pause until (or 0), units charged, now}.
+
+local now = clock()
+local id = ARGV[2]
+local pause = tonumber(ARGV[4])
+local left = tonumber(ARGV[5])
+local reset = tonumber(ARGV[6])
+
+local until_ = pause_until()
+if pause > 0 and now + pause > until_ then
+  until_ = now + pause
+  redis.call('SET', KEYS[2], str(until_), 'PX', math.ceil(pause / 1000) + 1)
+end
+
+local charged = 0
+if left >= 0 then
+  for _, r in ipairs(rules()) do
+    local free
+    if r.kind == LOG then
+      redis.call('ZREMRANGEBYSCORE', r.key, '-inf', str(now - r.p2))
+      free = r.p1 - redis.call('ZCOUNT', r.key, '-inf', str(now))
+    elseif r.kind == COUNTER then
+      local used = 0
+      local raw = redis.call('HGETALL', r.key)
+      local oldest = bucket_of(now - r.p2, r.p3)
+      for k = 1, #raw, 2 do
+        local b = tonumber(raw[k])
+        if b >= oldest and b * r.p3 <= now then
+          used = used + tonumber(raw[k + 1])
+        end
+      end
+      free = r.p1 - used
+    elseif r.kind == BUCKET then
+      local tat = tonumber(redis.call('GET', r.key) or '0')
+      free = math.floor((r.p1 * r.p2 - math.max(0, tat - now)) / r.p2)
+    end
+    if free and free > left then
+      -- Charged units sit where they leave the window as the vendor's resets.
+      local at = now
+      if reset > 0 and r.kind ~= BUCKET then
+        at = math.min(now, math.max(now + reset - r.p2, now - r.p2 + 1))
+      end
+      change(r, id, 0, free - left, at, now)
+      charged = math.max(charged, free - left)
+    end
+  end
+end
+return { str(until_), charged, str(now) }

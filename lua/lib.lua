@@ -1,0 +1,153 @@
+-- lib.lua: what every throttle script shares. It is prepended to each script,
+-- so every script is one self-contained EVAL.
+--
+-- A quota is a list of rules, each kept in its own key. Every script that
+-- touches rules receives them the same way:
+--
+-- KEYS[1]        the quota's pause key: a time in microseconds before which no
+--                call is admitted (set when the vendor answers 429).
+-- KEYS[2]        the pause key of the call's key, or KEYS[1] again.
+-- KEYS[2+i]      the key of rule i.
+-- ARGV[1]        now in microseconds, or "0" to read Redis TIME (the default, so
+--                that the whole fleet shares one clock).
+-- ARGV[2]        the call's id, unique across the fleet.
+-- ARGV[3]        cost: the units this call counts for.
+-- ARGV[4..6]     arguments of the script's own (see each script).
+-- ARGV[3+4i]     rule i's kind: 1 sliding log, 2 sliding counter, 3 token bucket
+--                (GCRA), 4 concurrency;
+-- ARGV[4+4i] .. ARGV[6+4i]  its three parameters, by kind:
+--                log:         limit, window (µs), unused
+--                counter:     limit, window (µs), bucket width (µs)
+--                bucket:      burst, emission interval per unit (µs), unused
+--                concurrency: max, lease (µs), unused
+--
+-- No script calls redis.replicate_commands: since Redis 5 scripts replicate
+-- their effects, and some hosted services reject the call.
+
+local LOG, COUNTER, BUCKET, CONCURRENCY = 1, 2, 3, 4
+local NEVER = math.huge
+
+-- Redis receives times and counts as integers: Lua's tostring would print a
+-- microsecond timestamp in exponent form and lose digits.
+local function str(x)
+  return string.format('%.0f', x)
+end
+
+local function clock()
+  local now = tonumber(ARGV[1])
+  if now == 0 then
+    local t = redis.call('TIME')
+    now = tonumber(t[1]) * 1000000 + tonumber(t[2])
+  end
+  return now
+end
+
+local function rules()
+  local rs = {}
+  for i = 1, #KEYS - 2 do
+    local a = 3 + 4 * i
+    rs[i] = {
+      key = KEYS[2 + i],
+      kind = tonumber(ARGV[a]),
+      p1 = tonumber(ARGV[a + 1]),
+      p2 = tonumber(ARGV[a + 2]),
+      p3 = tonumber(ARGV[a + 3]),
+    }
+  end
+  return rs
+end
+
+-- Unit u of call id is the member id (u = 1) or id.u: a call's units stay
+-- unique across the fleet, and its first unit keeps the plain id.
+local function member(id, u)
+  if u == 1 then
+    return id
+  end
+  return id .. '.' .. u
+end
+
+-- zadd adds units first .. last of call id at score, in chunks, since Lua's
+-- unpack has a bounded stack.
+local function zadd(key, score, id, first, last)
+  local args = {}
+  for u = first, last do
+    args[#args + 1] = score
+    args[#args + 1] = member(id, u)
+    if #args >= 1000 or u == last then
+      redis.call('ZADD', key, unpack(args))
+      args = {}
+    end
+  end
+end
+
+local function zrem(key, id, first, last)
+  local args = {}
+  for u = first, last do
+    args[#args + 1] = member(id, u)
+    if #args >= 1000 or u == last then
+      redis.call('ZREM', key, unpack(args))
+      args = {}
+    end
+  end
+end
+
+-- expire makes key live at least ms milliseconds: an older, longer booking
+-- may already hold a later expiry, which must never be shortened.
+local function expire(key, ms)
+  ms = math.ceil(ms) + 1
+  if redis.call('PTTL', key) < ms then
+    redis.call('PEXPIRE', key, ms)
+  end
+end
+
+local function pause_until()
+  local p = 0
+  for k = 1, 2 do
+    local v = tonumber(redis.call('GET', KEYS[k]) or '0')
+    if v > p then
+      p = v
+    end
+  end
+  return p
+end
+
+-- Sliding counter helpers: the hash holds units per bucket index.
+local function bucket_of(t, width)
+  return math.floor(t / width)
+end
+
+-- change applies a change of units (positive: charge, negative: refund) to the
+-- rule for the call id whose slot was at time t. Sliding counter, token bucket
+-- and log rules change their count; a concurrency rule is not a count of units
+-- over time, so only release.lua changes it.
+local function change(r, id, from, to, t, now)
+  if from == to then
+    return
+  end
+  if r.kind == LOG then
+    if to > from then
+      zadd(r.key, str(t), id, from + 1, to)
+      expire(r.key, (t - now + r.p2) / 1000)
+    else
+      zrem(r.key, id, to + 1, from)
+    end
+  elseif r.kind == COUNTER then
+    local b = str(bucket_of(t, r.p3))
+    if redis.call('HINCRBY', r.key, b, to - from) <= 0 then
+      redis.call('HDEL', r.key, b)
+    end
+    expire(r.key, (t - now + r.p2 + r.p3) / 1000)
+  elseif r.kind == BUCKET then
+    local tat = tonumber(redis.call('GET', r.key) or '0')
+    if to > from then
+      tat = math.max(tat, now) + (to - from) * r.p2
+    else
+      tat = tat - (from - to) * r.p2
+    end
+    if tat > now then
+      redis.call('SET', r.key, str(tat), 'PX', math.ceil((tat - now) / 1000) + 1)
+    else
+      redis.call('DEL', r.key)
+    end
+  end
+end

@@ -1,0 +1,26 @@
+-- release.lua: free the concurrency slots of a finished call, or extend their
+-- lease for a call still running.
+--
+-- KEYS and ARGV as in lib.lua, with
+-- ARGV[4]   0 to release; otherwise the new lease in microseconds from now.
+--
+-- Returns the number of units still held by the call (0 after a release).
+
+local now = clock()
+local id = ARGV[2]
+local cost = tonumber(ARGV[3])
+local lease = tonumber(ARGV[4])
+local held = 0
+for _, r in ipairs(rules()) do
+  if r.kind == CONCURRENCY then
+    if lease == 0 then
+      zrem(r.key, id, 1, cost)
+    else
+      for u = 1, cost do
+        held = held + redis.call('ZADD', r.key, 'XX', 'CH', str(now + lease), member(id, u))
+      end
+      expire(r.key, lease / 1000)
+    end
+  end
+end
+return held

@@ -1,0 +1,24 @@
+-- settle.lua: replace the estimated cost a call was admitted with by the cost
+-- the vendor counted (LLM tokens, GraphQL points), in the same windows: the
+-- difference is refunded or charged at the call's slot, so that the shared
+-- count matches the vendor's. A charge may fill a window past its limit: the
+-- vendor has counted those units already, and later calls wait for them.
+--
+-- KEYS and ARGV as in lib.lua, with ARGV[3] the cost the call was admitted
+-- with, and
+-- ARGV[4]   the time of the call's slot, in microseconds;
+-- ARGV[5]   the actual cost.
+--
+-- Returns 1.
+
+local now = clock()
+local id = ARGV[2]
+local from = tonumber(ARGV[3])
+local t = tonumber(ARGV[4])
+local to = tonumber(ARGV[5])
+for _, r in ipairs(rules()) do
+  if r.kind ~= CONCURRENCY then
+    change(r, id, from, to, t, now)
+  end
+end
+return 1
