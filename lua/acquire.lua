@@ -115,7 +115,7 @@ local function load(r)
     end
     return r.p1 - used
   elseif r.kind == BUCKET then
-    r.tat = tonumber(redis.call('GET', r.key) or '0')
+    r.tat = tat_of(r.key)
     return math.floor((r.p1 * r.p2 - math.max(0, r.tat - now)) / r.p2)
   elseif r.kind == CONCURRENCY then
     redis.call('ZREMRANGEBYSCORE', r.key, '-inf', str(now))
@@ -153,8 +153,7 @@ local function record(r, t)
     redis.call('HINCRBY', r.key, str(bucket_of(t, r.p3)), cost)
     expire(r.key, (t - now + r.p2 + r.p3) / 1000)
   elseif r.kind == BUCKET then
-    local tat = math.max(r.tat, t) + cost * r.p2
-    redis.call('SET', r.key, str(tat), 'PX', math.ceil((tat - now) / 1000) + 1)
+    set_tat(r.key, math.max(r.tat, t) + cost * r.p2, id, now)
   else
     -- A concurrency slot is held from now, even for a booked call, until the
     -- call releases it or its lease runs out.
@@ -195,16 +194,16 @@ while moved and t < NEVER do
 end
 
 if t == NEVER then
-  local first = NEVER
+  -- Hint at when a slot may free: the first lease to run out in each full
+  -- concurrency rule, the latest of those.
+  local hint = 0
   for _, r in ipairs(rs) do
-    if r.kind == CONCURRENCY then
+    if r.kind == CONCURRENCY and r.n + cost > r.p1 then
       local head = redis.call('ZRANGE', r.key, 0, 0, 'WITHSCORES')
-      if head[2] and tonumber(head[2]) < first then
-        first = tonumber(head[2])
-      end
+      hint = math.max(hint, tonumber(head[2]) - now)
     end
   end
-  return { 0, str(math.max(first - now, 0)), remaining, str(now), 2, str(pause) }
+  return { 0, str(hint), remaining, str(now), 2, str(pause) }
 end
 
 local wait = t - now

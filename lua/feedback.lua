@@ -46,7 +46,7 @@ if left >= 0 then
       end
       free = r.p1 - used
     elseif r.kind == BUCKET then
-      local tat = tonumber(redis.call('GET', r.key) or '0')
+      local tat = tat_of(r.key)
       free = math.floor((r.p1 * r.p2 - math.max(0, tat - now)) / r.p2)
     end
     if free and free > left then

@@ -91,10 +91,15 @@ local function zrem(key, id, first, last)
   end
 end
 
+-- Every expiry gets this much slack, in milliseconds: Redis expires keys by
+-- its own clock, which can differ from the time a script was given (the
+-- client's clock, or a test's).
+local SLACK = 1000
+
 -- expire makes key live at least ms milliseconds: an older, longer booking
 -- may already hold a later expiry, which must never be shortened.
 local function expire(key, ms)
-  ms = math.ceil(ms) + 1
+  ms = math.ceil(ms) + SLACK
   if redis.call('PTTL', key) < ms then
     redis.call('PEXPIRE', key, ms)
   end
@@ -109,6 +114,22 @@ local function pause_until()
     end
   end
   return p
+end
+
+-- A token bucket is a hash: t, its theoretical arrival time in microseconds,
+-- and id, the call that set it last.
+local function tat_of(key)
+  local v = redis.call('HMGET', key, 't', 'id')
+  return tonumber(v[1] or '0'), v[2] or ''
+end
+
+local function set_tat(key, tat, id, now)
+  if tat > now then
+    redis.call('HSET', key, 't', str(tat), 'id', id)
+    redis.call('PEXPIRE', key, math.ceil((tat - now) / 1000) + SLACK)
+  else
+    redis.call('DEL', key)
+  end
 end
 
 -- Sliding counter helpers: the hash holds units per bucket index.
@@ -138,16 +159,17 @@ local function change(r, id, from, to, t, now)
     end
     expire(r.key, (t - now + r.p2 + r.p3) / 1000)
   elseif r.kind == BUCKET then
-    local tat = tonumber(redis.call('GET', r.key) or '0')
+    local tat, last = tat_of(r.key)
     if to > from then
-      tat = math.max(tat, now) + (to - from) * r.p2
-    else
-      tat = tat - (from - to) * r.p2
-    end
-    if tat > now then
-      redis.call('SET', r.key, str(tat), 'PX', math.ceil((tat - now) / 1000) + 1)
-    else
-      redis.call('DEL', r.key)
+      -- A charge is safe whatever came before; it ends the chain, so no
+      -- earlier call may refund after it.
+      set_tat(r.key, math.max(tat, now) + (to - from) * r.p2, '', now)
+    elseif last == id then
+      -- Only the latest call can give units back: the bucket keeps one time,
+      -- not a history, and taking an earlier call's units out of it would
+      -- let a new call land on a later booking. Other refunds are dropped,
+      -- which errs on the safe side.
+      set_tat(r.key, tat - (from - to) * r.p2, to > 0 and id or '', now)
     end
   end
 end

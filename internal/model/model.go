@@ -1,34 +1,61 @@
-// Package model is the reference statement of a strict sliding window with
-// bookings, written by brute force so that it can be trusted by reading it.
-// Tests drive the Redis script and this model with the same calls and compare
-// every decision.
+// Package model is the reference statement of every rule a quota can have,
+// written by brute force so that it can be trusted by reading it. Tests drive
+// the Redis script and this model with the same calls and compare every
+// decision, and check the promise of each rule on the model's history.
 package model
 
-import "sort"
+import (
+	"math"
+	"sort"
+	"strconv"
+)
 
-// Rule is one sliding-log limit: at most Limit units in any window of Window
-// microseconds. A PerKey rule keeps one log per key.
+// Kind is the algorithm of a Rule, numbered as the script numbers them.
+type Kind int
+
+// The kinds of rule.
+const (
+	Log         Kind = 1
+	Counter     Kind = 2
+	Bucket      Kind = 3
+	Concurrency Kind = 4
+)
+
+// Rule is one limit. Times are in microseconds.
+//
+//	Log:         at most Limit units in any window of Window.
+//	Counter:     Window cut into buckets of Width; a window is charged every
+//	             bucket it touches, in full.
+//	Bucket:      GCRA: one unit per Every, bursts of Limit.
+//	Concurrency: at most Limit units held; a hold lasts until released or
+//	             for Lease.
 type Rule struct {
+	Kind   Kind
 	Limit  int
 	Window int64
+	Width  int64
+	Every  int64
+	Lease  int64
 	PerKey bool
 }
 
 type entry struct {
-	at   int64
+	at   int64 // admission time; for Concurrency, when the lease ends
 	id   string
 	cost int
 }
 
-// Model holds every admitted or booked unit of every log, forever.
+// Model holds every admitted or booked unit of every rule, forever.
 type Model struct {
 	rules []Rule
 	logs  map[string][]entry
+	tat   map[string]int64  // Bucket rules: theoretical arrival time
+	last  map[string]string // Bucket rules: the call that set tat last
 }
 
 // New returns an empty model of a quota with the given rules.
 func New(rules ...Rule) *Model {
-	return &Model{rules: rules, logs: map[string][]entry{}}
+	return &Model{rules: rules, logs: map[string][]entry{}, tat: map[string]int64{}, last: map[string]string{}}
 }
 
 // Decision is what the model decides for one call.
@@ -36,10 +63,11 @@ type Decision struct {
 	Admitted  bool
 	Wait      int64 // until the call's slot; when refused, until it would fit
 	Remaining int
+	Busy      bool // refused because a Concurrency rule is full
 }
 
-func (m *Model) logName(i int, key string) string {
-	name := string(rune('0' + i))
+func (m *Model) name(i int, key string) string {
+	name := strconv.Itoa(i)
 	if m.rules[i].PerKey {
 		name += ":" + key
 	}
@@ -56,49 +84,143 @@ func units(log []entry, from, to int64) int {
 	return n
 }
 
-// fits reports whether cost more units at t keep every window of the log
-// within limit. The count of a window (u-w, u] changes only where an entry
-// enters it, so the windows ending at t and at each entry in (t, t+w) are the
-// only ones to check.
-func fits(log []entry, r Rule, t int64, cost int) bool {
-	ends := []int64{t}
-	for _, e := range log {
-		if e.at > t && e.at < t+r.Window {
-			ends = append(ends, e.at)
-		}
+func floorDiv(a, b int64) int64 {
+	q := a / b
+	if a%b != 0 && (a < 0) != (b < 0) {
+		q--
 	}
-	for _, u := range ends {
-		if units(log, u-r.Window, u)+cost > r.Limit {
-			return false
-		}
-	}
-	return true
+	return q
 }
 
-// Acquire decides a call of cost units for key at time now that accepts a
-// wait of at most maxWait, and records it under id when it is admitted.
-func (m *Model) Acquire(now int64, id, key string, cost int, maxWait int64) Decision {
-	// The earliest allowed time is now or the moment some entry leaves a
-	// window; try them in order.
-	cands := []int64{now}
-	remaining := m.rules[0].Limit
-	for i, r := range m.rules {
-		log := m.logs[m.logName(i, key)]
+// counterSpan is how many buckets back a window ending in a bucket reaches.
+func counterSpan(r Rule) int64 { return (r.Window + r.Width - 1) / r.Width }
+
+// fits reports whether cost more units at t keep the rule within its limit.
+func (m *Model) fits(i int, key string, t, now int64, cost int) bool {
+	r := m.rules[i]
+	log := m.logs[m.name(i, key)]
+	switch r.Kind {
+	case Log:
+		// The count of a window (u-w, u] changes only where an entry enters
+		// it, so the windows ending at t and at each entry in (t, t+w) are
+		// the only ones to check.
+		ends := []int64{t}
 		for _, e := range log {
-			if e.at+r.Window > now {
-				cands = append(cands, e.at+r.Window)
+			if e.at > t && e.at < t+r.Window {
+				ends = append(ends, e.at)
 			}
 		}
-		// Bookings ahead count too, so a log can hold more than its
-		// limit and this can go negative.
-		remaining = min(remaining, r.Limit-units(log, now-r.Window, 1<<62))
+		for _, u := range ends {
+			if units(log, u-r.Window, u)+cost > r.Limit {
+				return false
+			}
+		}
+		return true
+	case Counter:
+		k, span := floorDiv(t, r.Width), counterSpan(r)
+		for j := k; j <= k+span; j++ {
+			n := 0
+			for _, e := range log {
+				if b := floorDiv(e.at, r.Width); b >= j-span && b <= j {
+					n += e.cost
+				}
+			}
+			if n+cost > r.Limit {
+				return false
+			}
+		}
+		return true
+	case Bucket:
+		tat := m.tat[m.name(i, key)]
+		return max(tat, t)+int64(cost)*r.Every-t <= int64(r.Limit)*r.Every
+	default:
+		return units(log, now, math.MaxInt64)+cost <= r.Limit
+	}
+}
+
+// free is the units the rule has free at now, bookings ahead counted.
+func (m *Model) free(i int, key string, now int64) int {
+	r := m.rules[i]
+	log := m.logs[m.name(i, key)]
+	switch r.Kind {
+	case Log:
+		return r.Limit - units(log, now-r.Window, math.MaxInt64)
+	case Counter:
+		oldest := floorDiv(now, r.Width) - counterSpan(r)
+		n := 0
+		for _, e := range log {
+			if floorDiv(e.at, r.Width) >= oldest {
+				n += e.cost
+			}
+		}
+		return r.Limit - n
+	case Bucket:
+		tat := m.tat[m.name(i, key)]
+		return int(floorDiv(int64(r.Limit)*r.Every-max(0, tat-now), r.Every))
+	default:
+		return r.Limit - units(log, now, math.MaxInt64)
+	}
+}
+
+// Acquire decides a call of cost units for key at time now, not before
+// pause, that accepts a wait of at most maxWait, and records it under id
+// when it is admitted.
+func (m *Model) Acquire(now, pause int64, id, key string, cost int, maxWait int64) Decision {
+	start := max(now, pause)
+	remaining := math.MaxInt
+	for i := range m.rules {
+		remaining = min(remaining, m.free(i, key, now))
+	}
+	remaining = max(remaining, 0)
+	// No one knows when a holder will finish, so a full concurrency rule
+	// refuses the call; its hint is when the first lease runs out, in the
+	// fullest of them.
+	busy, hint := false, int64(0)
+	for i, r := range m.rules {
+		if r.Kind == Concurrency && !m.fits(i, key, now, now, cost) {
+			first := int64(math.MaxInt64)
+			for _, e := range m.logs[m.name(i, key)] {
+				if e.at > now {
+					first = min(first, e.at)
+				}
+			}
+			busy, hint = true, max(hint, first-now)
+		}
+	}
+	if busy {
+		return Decision{Wait: hint, Remaining: remaining, Busy: true}
+	}
+	// The earliest allowed time is the start or the moment some rule frees
+	// room; try them all in order.
+	cands := []int64{start}
+	for i, r := range m.rules {
+		log := m.logs[m.name(i, key)]
+		switch r.Kind {
+		case Log:
+			for _, e := range log {
+				cands = append(cands, e.at+r.Window)
+			}
+		case Counter:
+			last := start
+			for _, e := range log {
+				last = max(last, e.at)
+			}
+			for b := floorDiv(start, r.Width) + 1; b <= floorDiv(last, r.Width)+counterSpan(r)+1; b++ {
+				cands = append(cands, b*r.Width)
+			}
+		case Bucket:
+			cands = append(cands, m.tat[m.name(i, key)]-int64(r.Limit-cost)*r.Every)
+		}
 	}
 	sort.Slice(cands, func(a, b int) bool { return cands[a] < cands[b] })
-	var t int64
+	t := int64(-1)
 	for _, c := range cands {
+		if c < start {
+			continue
+		}
 		ok := true
-		for i, r := range m.rules {
-			if !fits(m.logs[m.logName(i, key)], r, c, cost) {
+		for i := range m.rules {
+			if !m.fits(i, key, c, now, cost) {
 				ok = false
 				break
 			}
@@ -110,11 +232,20 @@ func (m *Model) Acquire(now int64, id, key string, cost int, maxWait int64) Deci
 	}
 	wait := t - now
 	if wait > maxWait {
-		return Decision{Wait: wait, Remaining: max(remaining, 0)}
+		return Decision{Wait: wait, Remaining: remaining}
 	}
-	for i := range m.rules {
-		name := m.logName(i, key)
-		m.logs[name] = append(m.logs[name], entry{at: t, id: id, cost: cost})
+	for i, r := range m.rules {
+		name := m.name(i, key)
+		switch r.Kind {
+		case Bucket:
+			m.tat[name] = max(m.tat[name], t) + int64(cost)*r.Every
+			m.last[name] = id
+			m.logs[name] = append(m.logs[name], entry{at: t, id: id, cost: cost})
+		case Concurrency:
+			m.logs[name] = append(m.logs[name], entry{at: t + r.Lease, id: id, cost: cost})
+		default:
+			m.logs[name] = append(m.logs[name], entry{at: t, id: id, cost: cost})
+		}
 	}
 	remaining -= cost
 	if remaining < 0 || wait > 0 {
@@ -123,31 +254,94 @@ func (m *Model) Acquire(now int64, id, key string, cost int, maxWait int64) Deci
 	return Decision{Admitted: true, Wait: wait, Remaining: remaining}
 }
 
-// Cancel removes the booking recorded under id from every log.
-func (m *Model) Cancel(id string) {
-	for name, log := range m.logs {
-		kept := log[:0]
-		for _, e := range log {
-			if e.id != id {
-				kept = append(kept, e)
-			}
+// Cancel gives back the booking of call id, of cost units, for key, made
+// for time slot.
+func (m *Model) Cancel(id, key string, cost int, slot, now int64) {
+	m.Settle(id, key, cost, 0, slot, now)
+	for i, r := range m.rules {
+		if r.Kind == Concurrency {
+			m.release(i, key, id)
 		}
-		m.logs[name] = kept
 	}
 }
 
-// MaxInWindow returns, for every log, the most units any window of its rule
-// ever held. The promise is that it never exceeds the rule's Limit.
-func (m *Model) MaxInWindow() map[string]int {
-	out := map[string]int{}
+// Release frees the concurrency units of call id.
+func (m *Model) Release(id, key string) {
 	for i, r := range m.rules {
-		for name, log := range m.logs {
-			if name[0] != byte('0'+i) {
+		if r.Kind == Concurrency {
+			m.release(i, key, id)
+		}
+	}
+}
+
+func (m *Model) release(i int, key, id string) {
+	name := m.name(i, key)
+	kept := []entry{}
+	for _, e := range m.logs[name] {
+		if e.id != id {
+			kept = append(kept, e)
+		}
+	}
+	m.logs[name] = kept
+}
+
+// Settle changes the cost of call id, booked for time slot, from one count
+// of units to another.
+func (m *Model) Settle(id, key string, from, to int, slot, now int64) {
+	for i, r := range m.rules {
+		name := m.name(i, key)
+		if r.Kind == Concurrency {
+			continue
+		}
+		if r.Kind == Bucket {
+			// A bucket keeps one time, not a history: only its latest call
+			// can give units back, and a charge ends the chain.
+			switch {
+			case to > from:
+				m.tat[name] = max(m.tat[name], now) + int64(to-from)*r.Every
+				m.last[name] = ""
+			case m.last[name] == id:
+				m.tat[name] -= int64(from-to) * r.Every
+				if to == 0 {
+					m.last[name] = ""
+				}
+			default:
 				continue
 			}
+		}
+		for k, e := range m.logs[name] {
+			if e.id == id {
+				m.logs[name][k].cost += to - from
+			}
+		}
+	}
+}
+
+// Violations checks each rule's promise on the model's history, by brute
+// force, and describes every breach: a Log or Counter window of length Window
+// holding more than Limit units, or a Bucket admitting more than Limit units
+// plus one per Every in some span.
+func (m *Model) Violations() []string {
+	var out []string
+	for name, log := range m.logs {
+		i, _ := strconv.Atoi(name[:1])
+		r := m.rules[i]
+		switch r.Kind {
+		case Log, Counter:
 			for _, e := range log {
-				if n := units(log, e.at-r.Window, e.at); n > out[name] {
-					out[name] = n
+				if n := units(log, e.at-r.Window, e.at); n > r.Limit {
+					out = append(out, name+": "+strconv.Itoa(n)+" units in the window ending at "+strconv.FormatInt(e.at, 10))
+				}
+			}
+		case Bucket:
+			for _, a := range log {
+				for _, b := range log {
+					if b.at < a.at {
+						continue
+					}
+					if n := units(log, a.at-1, b.at); int64(n) > int64(r.Limit)+(b.at-a.at)/r.Every {
+						out = append(out, name+": "+strconv.Itoa(n)+" units between "+strconv.FormatInt(a.at, 10)+" and "+strconv.FormatInt(b.at, 10))
+					}
 				}
 			}
 		}
