@@ -176,6 +176,8 @@ type Limiter struct {
 	hasShared bool     // some rule is shared by all keys
 	hasConc   bool     // some rule is a Concurrency
 	maxCost   int
+	late      time.Duration // how late after its slot a call may still start; 0: any
+	skew      skew
 	s         settings
 	id        string
 	seq       atomic.Uint64
@@ -230,6 +232,9 @@ func New(rdb redis.UniversalClient, name string, policy policies.Policy, opts ..
 		l.hasShared = l.hasShared || !r.PerKey
 		l.hasConc = l.hasConc || r.Kind == policies.KindConcurrency
 		l.maxCost = min(l.maxCost, r.Limit)
+		if r.Margin >= minGuardedMargin && (l.late == 0 || r.Margin/2 < l.late) {
+			l.late = r.Margin / 2
+		}
 	}
 	if s.mode == Queue {
 		l.q = newQueue(s.maxQueue, s.overflow, min(l.maxCost, maxDispatched))

@@ -3,6 +3,7 @@ package throttle
 import (
 	"context"
 	"math/rand/v2"
+	"sync"
 	"time"
 )
 
@@ -15,6 +16,9 @@ const (
 	// the fleet do not retry in step.
 	busyFirst = 5 * time.Millisecond
 	busyMax   = 250 * time.Millisecond
+	// minGuardedMargin is the smallest Margin under which a call that starts
+	// late books again (see policies.SlidingLog.Margin).
+	minGuardedMargin = 2 * time.Millisecond
 )
 
 // wait is Block mode: book the earliest slot the call fits in, within the
@@ -29,6 +33,7 @@ func (l *Limiter) wait(ctx context.Context, c call) (*Permit, error) {
 		if deadline, ok := ctx.Deadline(); ok {
 			maxWait = min(maxWait, time.Until(deadline))
 		}
+		asked := time.Now()
 		r, err := l.acquire(ctx, c, max(maxWait, 0))
 		if err != nil {
 			return nil, err
@@ -43,7 +48,12 @@ func (l *Limiter) wait(ctx context.Context, c call) (*Permit, error) {
 			}
 			return nil, l.limited(r.wait)
 		}
+		l.skew.observe(r.now, asked)
 		if r.wait <= 0 {
+			if l.tooLate(r) {
+				l.cancel(ctx, c, r)
+				continue
+			}
 			return l.permit(c, r, time.Since(start)), nil
 		}
 		// The script counted the wait from its own clock; the reply took some
@@ -57,15 +67,72 @@ func (l *Limiter) wait(ctx context.Context, c call) (*Permit, error) {
 			l.cancel(ctx, c, r)
 			return nil, err
 		}
-		// A vendor may have asked the fleet to pause while this call slept.
-		// Calling late would crowd the windows after the slot, so the call
-		// gives its slot back and books again.
-		if l.pausedFor(r.scope) > 0 {
+		// A vendor may have asked the fleet to pause while this call slept,
+		// or the process may have been starved past the slot. Calling late
+		// would crowd the windows after the slot, so the call gives its slot
+		// back and books again.
+		if l.pausedFor(r.scope) > 0 || l.tooLate(r) {
 			l.cancel(ctx, c, r)
 			continue
 		}
 		return l.permit(c, r, time.Since(start)), nil
 	}
+}
+
+// tooLate reports whether a call would now start later after its slot than
+// the margin allows.
+func (l *Limiter) tooLate(r result) bool {
+	if l.late <= 0 {
+		return false
+	}
+	late, ok := l.skew.lateness(r.slot(), time.Now())
+	return ok && late > l.late
+}
+
+// skew estimates how far Redis's clock runs ahead of this process's, so that
+// a call can tell how late after its slot it starts, whatever the clocks of
+// the machines say. The script ran at Redis time now, after the call was sent
+// at local time asked: so the offset is at most now - asked. The least such
+// bound over recent calls is close to the true offset; a call's lateness is
+// then at most its local start minus its slot, plus that bound. Bounds are
+// kept for two periods, so that a clock that steps is forgotten soon.
+type skew struct {
+	mu       sync.Mutex
+	cur      time.Duration // least bound in the current period
+	prev     time.Duration // least bound in the previous period
+	curSet   bool
+	prevSet  bool
+	periodAt time.Time
+}
+
+const skewPeriod = 10 * time.Second
+
+func (k *skew) observe(redisNow time.Duration, asked time.Time) {
+	bound := redisNow - time.Duration(asked.UnixMicro())*time.Microsecond
+	k.mu.Lock()
+	defer k.mu.Unlock()
+	if asked.Sub(k.periodAt) > skewPeriod {
+		k.prev, k.prevSet = k.cur, k.curSet
+		k.curSet, k.periodAt = false, asked
+	}
+	if !k.curSet || bound < k.cur {
+		k.cur, k.curSet = bound, true
+	}
+}
+
+// lateness returns an upper bound of how long after the Redis time slot the
+// local time at lies, and false before any observation.
+func (k *skew) lateness(slot time.Duration, at time.Time) (time.Duration, bool) {
+	k.mu.Lock()
+	defer k.mu.Unlock()
+	if !k.curSet {
+		return 0, false
+	}
+	bound := k.cur
+	if k.prevSet && k.prev < bound {
+		bound = k.prev
+	}
+	return time.Duration(at.UnixMicro())*time.Microsecond - slot + bound, true
 }
 
 // sleepBusy waits before a call retries a full concurrency rule: d with

@@ -67,7 +67,7 @@ func (p SlidingCounter) rules(perKey bool) []Rule {
 	n := p.buckets()
 	// Round the bucket up to a whole microsecond, as Redis counts them.
 	bucket := (w/time.Duration(n) + time.Microsecond - 1).Truncate(time.Microsecond)
-	return []Rule{{Kind: KindSlidingCounter, PerKey: perKey, Limit: p.Limit, Window: w, Bucket: bucket}}
+	return []Rule{{Kind: KindSlidingCounter, PerKey: perKey, Limit: p.Limit, Window: w, Bucket: bucket, Margin: w - p.Window}}
 }
 
 // TokenBucket admits Rate units per Per, with bursts of up to Burst units,
@@ -77,7 +77,9 @@ func (p SlidingCounter) rules(perKey bool) []Rule {
 //
 // With Burst 1 (the default) it paces calls evenly: a minimum gap of
 // Per/Rate between calls, which vendors that also cap short bursts need, and
-// which combines safely with a SlidingLog in All. Beware a burst as large as
+// which combines safely with a SlidingLog in All. Against a vendor's
+// sliding window, set Rate some percent below the vendor's limit: the slack
+// absorbs the jitter that a SlidingLog's Margin would. Beware a burst as large as
 // the rate: a bucket with Rate 100 per second and Burst 100 lets 200 calls
 // through in one sliding second (a full burst, then a second's refill).
 type TokenBucket struct {
@@ -108,7 +110,7 @@ func (p TokenBucket) rules(perKey bool) []Rule {
 	burst := max(p.Burst, 1)
 	// Round the interval up: a slower emission never breaks the rate.
 	every := (p.Per/time.Duration(p.Rate) + time.Microsecond - 1).Truncate(time.Microsecond)
-	return []Rule{{Kind: KindTokenBucket, PerKey: perKey, Limit: burst, Every: every}}
+	return []Rule{{Kind: KindTokenBucket, PerKey: perKey, Limit: burst, Every: every, Margin: DefaultMargin}}
 }
 
 // Concurrency admits at most Max calls in flight across the fleet. A call

@@ -74,6 +74,12 @@ type SlidingLog struct {
 	// Margin widens the window by this much, to absorb the jitter between
 	// the admission at Redis and the arrival at the vendor. Zero means
 	// DefaultMargin. To run with no margin, set 1ns. It must not be negative.
+	//
+	// Half of it bounds how late a call may start: a call that gets its
+	// permit more than Margin/2 after its slot (a slow Redis reply, a starved
+	// process) gives its slot back and books again, since arriving late at
+	// the vendor would crowd the windows after it. A Margin under 2ms turns
+	// that check off.
 	Margin time.Duration
 }
 
@@ -99,7 +105,7 @@ func (p SlidingLog) EffectiveWindow() time.Duration {
 }
 
 func (p SlidingLog) rules(perKey bool) []Rule {
-	return []Rule{{Kind: KindSlidingLog, PerKey: perKey, Limit: p.Limit, Window: p.EffectiveWindow()}}
+	return []Rule{{Kind: KindSlidingLog, PerKey: perKey, Limit: p.Limit, Window: p.EffectiveWindow(), Margin: p.EffectiveWindow() - p.Window}}
 }
 
 // All admits a call only when every one of its policies admits it: "10 per
@@ -191,6 +197,9 @@ type Rule struct {
 	Bucket time.Duration // bucket width (counter)
 	Every  time.Duration // emission interval per unit (token bucket)
 	Lease  time.Duration // how long a crashed holder keeps its slot (concurrency)
+	// Margin is the jitter the rule absorbs between the decision in Redis
+	// and the arrival at the vendor (log, counter, token bucket).
+	Margin time.Duration
 }
 
 // Args encodes the rule as the script reads it: the kind and three
