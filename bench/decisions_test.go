@@ -1,0 +1,104 @@
+package bench
+
+import (
+	"context"
+	"fmt"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/go-redis/redis_rate/v10"
+	"github.com/redis/go-redis/v9"
+
+	"github.com/throttlekit/throttle"
+	"github.com/throttlekit/throttle/policies"
+)
+
+// decisionWorkers is how many goroutines ask for decisions at once.
+const decisionWorkers = 64
+
+// neverBinds is a rate no benchmark comes near, so that every call is
+// admitted and only the cost of deciding is measured.
+const neverBinds = 1_000_000_000
+
+// BenchmarkDecisions measures how many decisions per second one Redis gives
+// 64 concurrent goroutines, for throttle's Allow and for redis_rate's Allow,
+// against the same redis-server in the same run. Each limiter has its own
+// go-redis client with the default pool (10 connections per GOMAXPROCS).
+// The limit never binds, so every call is admitted. script-in-redis-µs is
+// Redis's own mean time per EVALSHA (INFO commandstats): one Redis runs one
+// script at a time, so it bounds the rate at 1e6/script-in-redis-µs.
+func BenchmarkDecisions(b *testing.B) {
+	s := newServer(b)
+	ctx := context.Background()
+	throttleRDB, rateRDB := s.Client(b), s.Client(b)
+	lim, err := throttle.New(throttleRDB, "decisions",
+		policies.SlidingLog{Limit: neverBinds, Window: time.Second})
+	if err != nil {
+		b.Fatal(err)
+	}
+	rl := redis_rate.NewLimiter(rateRDB)
+	limit := redis_rate.PerSecond(neverBinds)
+
+	b.Run("throttle", func(b *testing.B) {
+		runDecisions(b, throttleRDB, func() error {
+			d, err := lim.Allow(ctx)
+			if err == nil && !d.OK {
+				err = fmt.Errorf("refused: %+v", d)
+			}
+			return err
+		})
+	})
+
+	b.Run("redis_rate", func(b *testing.B) {
+		runDecisions(b, rateRDB, func() error {
+			r, err := rl.Allow(ctx, "decisions", limit)
+			if err == nil && r.Allowed != 1 {
+				err = fmt.Errorf("refused: %+v", r)
+			}
+			return err
+		})
+	})
+}
+
+// runDecisions splits b.N calls of decide among decisionWorkers goroutines
+// and reports the rate, and the time Redis itself spent in each script call.
+func runDecisions(b *testing.B, rdb *redis.Client, decide func() error) {
+	ctx := context.Background()
+	// Load the script and open a connection before the clock starts.
+	if err := decide(); err != nil {
+		b.Fatal(err)
+	}
+	if err := rdb.ConfigResetStat(ctx).Err(); err != nil {
+		b.Fatal(err)
+	}
+	var (
+		next     atomic.Int64
+		failures atomic.Int64
+		errOnce  sync.Once
+		firstErr error
+		wg       sync.WaitGroup
+	)
+	b.ResetTimer()
+	start := time.Now()
+	for range decisionWorkers {
+		wg.Go(func() {
+			for next.Add(1) <= int64(b.N) {
+				if err := decide(); err != nil {
+					failures.Add(1)
+					errOnce.Do(func() { firstErr = err })
+				}
+			}
+		})
+	}
+	wg.Wait()
+	elapsed := time.Since(start)
+	b.StopTimer()
+	if n := failures.Load(); n > 0 {
+		b.Fatalf("%d of %d decisions failed; first: %v", n, b.N, firstErr)
+	}
+	b.ReportMetric(float64(b.N)/elapsed.Seconds(), "decisions/s")
+	b.ReportMetric(decisionWorkers, "goroutines")
+	b.ReportMetric(commandStats(b, ctx, rdb)["evalsha"], "script-in-redis-µs")
+}
