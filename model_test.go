@@ -160,24 +160,37 @@ func checkSeed(t *testing.T, rdb redis.UniversalClient, mini *miniredis.Miniredi
 			}
 			m.Settle(h.r.member, h.c.key, h.c.cost, to, h.r.slot().Microseconds(), now)
 		default:
-			c := call{key: "k" + strconv.Itoa(rng.IntN(3)), hasKey: true, cost: 1 + rng.IntN(min(3, lim.maxCost))}
-			maxWait := []time.Duration{0, 7 * time.Millisecond, 40 * time.Millisecond, 200 * time.Millisecond}[rng.IntN(4)]
-			r, err := lim.acquire(ctx, c, maxWait)
-			if err != nil {
-				t.Fatalf("%s: %v", where(i), err)
+			// Sometimes several calls of one key share a script call, as
+			// concurrent calls of a process do: they are decided in order.
+			key := "k" + strconv.Itoa(rng.IntN(3))
+			var batch []*request
+			for range 1 + rng.IntN(3)*rng.IntN(3) {
+				batch = append(batch, &request{
+					c:       call{key: key, hasKey: true, cost: 1 + rng.IntN(min(3, lim.maxCost))},
+					maxWait: []time.Duration{0, 7 * time.Millisecond, 40 * time.Millisecond, 200 * time.Millisecond}[rng.IntN(4)],
+					member:  lim.newMember(),
+					done:    make(chan struct{}),
+				})
 			}
-			want := m.Acquire(now, 0, r.member, c.key, c.cost, maxWait.Microseconds())
-			got := model.Decision{Admitted: r.admitted, Wait: r.wait.Microseconds(), Remaining: r.remaining, Busy: r.reason == reasonBusy}
-			if got != want {
-				t.Fatalf("%s: key %s cost %d maxWait %v: script %+v, model %+v", where(i), c.key, c.cost, maxWait, got, want)
-			}
-			if r.now.Microseconds() != now {
-				t.Fatalf("%s: script used time %d, want %d", where(i), r.now.Microseconds(), now)
-			}
-			if r.admitted && r.wait > 0 {
-				booked = append(booked, held{c, r})
-			} else if r.admitted {
-				admitted = append(admitted, held{c, r})
+			lim.decide(lim.scopeFor(batch[0].c), batch)
+			for _, req := range batch {
+				r, c := req.res, req.c
+				if req.err != nil {
+					t.Fatalf("%s: %v", where(i), req.err)
+				}
+				want := m.Acquire(now, 0, r.member, c.key, c.cost, req.maxWait.Microseconds())
+				got := model.Decision{Admitted: r.admitted, Wait: r.wait.Microseconds(), Remaining: r.remaining, Busy: r.reason == reasonBusy}
+				if got != want {
+					t.Fatalf("%s: key %s cost %d maxWait %v (batch of %d): script %+v, model %+v", where(i), c.key, c.cost, req.maxWait, len(batch), got, want)
+				}
+				if r.now.Microseconds() != now {
+					t.Fatalf("%s: script used time %d, want %d", where(i), r.now.Microseconds(), now)
+				}
+				if r.admitted && r.wait > 0 {
+					booked = append(booked, held{c, r})
+				} else if r.admitted {
+					admitted = append(admitted, held{c, r})
+				}
 			}
 		}
 	}

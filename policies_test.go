@@ -144,10 +144,13 @@ func TestConcurrency_HoldsSlotsUntilRelease(t *testing.T) {
 			t.Fatalf("third call with 2 in flight: %+v, %v; want refused, first lease a minute away", d, err)
 		}
 		got := make(chan time.Time, 1)
+		done := make(chan struct{})
 		go func() {
+			defer close(done)
 			c, err := lim.Acquire(ctx)
 			if err != nil {
 				t.Error(err)
+				return
 			}
 			got <- time.Now()
 			c.Release()
@@ -165,6 +168,7 @@ func TestConcurrency_HoldsSlotsUntilRelease(t *testing.T) {
 			t.Fatal("the waiter never got the freed slot")
 		}
 		b.Release()
+		<-done
 		if n := s.Client(t).ZCard(ctx, lim.shared[2]).Val(); n != 0 {
 			t.Errorf("%d slots held after every release", n)
 		}

@@ -4,7 +4,6 @@ import (
 	"context"
 	"crypto/sha256"
 	"encoding/base64"
-	"fmt"
 	"strconv"
 	"time"
 
@@ -24,6 +23,7 @@ const (
 // scope is the set of Redis keys one call touches: the pause keys and the
 // key of every rule, per-key rules resolved for the call's key.
 type scope struct {
+	id   string   // the hashed key, or "" for a call that touches shared rules only
 	keys []string // pause of the quota, pause of the key (or the quota's again), rules
 }
 
@@ -47,7 +47,7 @@ func (l *Limiter) scopeFor(c call) scope {
 			keys[2+i] += ":" + hashed
 		}
 	}
-	return scope{keys: keys}
+	return scope{id: hashed, keys: keys}
 }
 
 // args builds the arguments every script takes (see lua/lib.lua): the time,
@@ -85,52 +85,49 @@ type result struct {
 	pause     time.Duration // Redis time until which the scope is paused, or 0
 	scope     scope
 	member    string
+	sent      time.Time // when the script was sent
 }
 
 // slot is the Redis time of the call's booked slot.
 func (r result) slot() time.Duration { return r.now + r.wait }
 
-// acquire runs the acquire script once: it admits the call, books it within
-// maxWait, or refuses it.
-func (l *Limiter) acquire(ctx context.Context, c call, maxWait time.Duration) (result, error) {
-	sc := l.scopeFor(c)
-	member := l.newMember()
-	v, err := l.run(ctx, lua.Acquire, sc, l.args(member, c.cost, maxWait.Microseconds(), 0, 0)).Int64Slice()
-	if err != nil {
-		return result{}, l.redisErr(err)
-	}
-	if len(v) != 6 {
-		return result{}, fmt.Errorf("throttle: quota %q: unexpected script reply %v", l.name, v)
-	}
-	r := result{
-		admitted:  v[0] == 1,
-		wait:      time.Duration(v[1]) * time.Microsecond,
-		remaining: int(v[2]),
-		now:       time.Duration(v[3]) * time.Microsecond,
-		reason:    int(v[4]),
-		pause:     time.Duration(v[5]) * time.Microsecond,
-		scope:     sc,
-		member:    member,
-	}
-	l.notePause(sc, r.now, r.pause)
-	return r, nil
-}
-
 // cancel gives a booking back so that the next caller can have the slot. It
 // runs even though ctx has ended; if Redis cannot be reached the booking
 // stays, which wastes its slot but never overfills a window.
 func (l *Limiter) cancel(ctx context.Context, c call, r result) {
-	ctx, stop := context.WithTimeout(context.WithoutCancel(ctx), cleanupTimeout)
-	defer stop()
-	_ = l.run(ctx, lua.Cancel, r.scope, l.args(r.member, c.cost, r.slot().Microseconds(), 0, 0)).Err()
+	_ = l.run(context.WithoutCancel(ctx), lua.Cancel, r.scope, l.args(r.member, c.cost, r.slot().Microseconds(), 0, 0)).Err()
 }
 
+// run runs a script with the limiter's Redis timeout. It loads the script
+// once per limiter before its first use, so that a fleet starting on an empty
+// script cache pays one SCRIPT LOAD per process rather than a NOSCRIPT round
+// trip per call; after a SCRIPT FLUSH or a failover, go-redis falls back to
+// EVAL on NOSCRIPT.
 func (l *Limiter) run(ctx context.Context, s *redis.Script, sc scope, args []any) *redis.Cmd {
+	ctx, cancel := context.WithTimeout(ctx, l.s.redisTimeout)
+	defer cancel()
+	l.load(ctx, s)
 	return s.Run(ctx, l.rdb, sc.keys, args...)
 }
 
+func (l *Limiter) load(ctx context.Context, s *redis.Script) {
+	l.loadMu.Lock()
+	defer l.loadMu.Unlock()
+	if l.loaded[s] {
+		return
+	}
+	if s.Load(ctx, l.rdb).Err() == nil {
+		l.loaded[s] = true
+	}
+}
+
 func (l *Limiter) redisErr(err error) error {
-	return fmt.Errorf("throttle: quota %q: %w", l.name, err)
+	return l.unavailable(err)
+}
+
+// unavailable wraps an error of Redis, or of the way to it.
+func (l *Limiter) unavailable(err error) error {
+	return &UnavailableError{Quota: l.name, Err: err}
 }
 
 // notePause remembers, in local time, until when a scope is paused, so that

@@ -63,6 +63,34 @@ const (
 	DefaultMaxQueue = 10_000
 )
 
+// DefaultRedisTimeout bounds each decision's wait for Redis, unless
+// WithRedisTimeout says otherwise.
+const DefaultRedisTimeout = time.Second
+
+// ErrUnavailable is matched, through errors.Is, by the error of a call that
+// could not be decided because Redis failed, answered too late, or could not
+// be reached. The call was not made. The error is an *UnavailableError.
+var ErrUnavailable = errors.New("throttle: redis unavailable")
+
+// UnavailableError is returned when Redis could not decide a call.
+type UnavailableError struct {
+	// Quota is the limiter's name.
+	Quota string
+	// Err is what went wrong.
+	Err error
+}
+
+// Error describes the failure.
+func (e *UnavailableError) Error() string {
+	return fmt.Sprintf("throttle: quota %q: redis unavailable: %v", e.Quota, e.Err)
+}
+
+// Is reports whether target is ErrUnavailable.
+func (e *UnavailableError) Is(target error) bool { return target == ErrUnavailable }
+
+// Unwrap returns what went wrong.
+func (e *UnavailableError) Unwrap() error { return e.Err }
+
 // ErrLimited is matched, through errors.Is, by every error that refuses a
 // call because the quota is full. The error is a *LimitedError, which says
 // when to retry.
@@ -89,12 +117,13 @@ func (e *LimitedError) Is(target error) bool { return target == ErrLimited }
 type Option func(*settings)
 
 type settings struct {
-	mode     Mode
-	maxWait  time.Duration
-	clock    func() time.Time
-	prefix   string
-	maxQueue int
-	overflow Overflow
+	redisTimeout time.Duration
+	mode         Mode
+	maxWait      time.Duration
+	clock        func() time.Time
+	prefix       string
+	maxQueue     int
+	overflow     Overflow
 }
 
 // WithMode sets what a call does when the quota is full. The default is Block.
@@ -112,6 +141,13 @@ func WithMaxWait(d time.Duration) Option { return func(s *settings) { s.maxWait 
 // a replica whose clock runs ahead admits calls early by that much. Tests use
 // it to drive time.
 func WithClock(now func() time.Time) Option { return func(s *settings) { s.clock = now } }
+
+// WithRedisTimeout bounds how long a decision waits for Redis, apart from
+// the caller's context, so that a hung Redis cannot hang every outbound call:
+// past it the call fails with ErrUnavailable. The default is
+// DefaultRedisTimeout. (go-redis itself stops reading at a context's deadline
+// only with Options.ContextTimeoutEnabled; throttle stops waiting either way.)
+func WithRedisTimeout(d time.Duration) Option { return func(s *settings) { s.redisTimeout = d } }
 
 // WithPrefix sets the start of every Redis key the limiter writes, so that
 // several applications can share one Redis. The default is DefaultPrefix.
@@ -186,6 +222,9 @@ type Limiter struct {
 	freedMu   sync.Mutex
 	q         *queue
 	closed    atomic.Bool
+	batches
+	loadMu sync.Mutex
+	loaded map[*redis.Script]bool
 }
 
 // New returns a Limiter for the quota called name on rdb (a Client,
@@ -203,7 +242,7 @@ func New(rdb redis.UniversalClient, name string, policy policies.Policy, opts ..
 	if err != nil {
 		return nil, fmt.Errorf("throttle: quota %q: %w", name, err)
 	}
-	s := settings{mode: Block, maxWait: DefaultMaxWait, prefix: DefaultPrefix, maxQueue: DefaultMaxQueue}
+	s := settings{mode: Block, maxWait: DefaultMaxWait, prefix: DefaultPrefix, maxQueue: DefaultMaxQueue, redisTimeout: DefaultRedisTimeout}
 	for _, o := range opts {
 		if o != nil {
 			o(&s)
@@ -214,6 +253,8 @@ func New(rdb redis.UniversalClient, name string, policy policies.Policy, opts ..
 		return nil, fmt.Errorf("throttle: quota %q: WithMode: unknown mode %v", name, s.mode)
 	case s.maxWait < 0:
 		return nil, fmt.Errorf("throttle: quota %q: WithMaxWait must not be negative, got %v", name, s.maxWait)
+	case s.redisTimeout <= 0:
+		return nil, fmt.Errorf("throttle: quota %q: WithRedisTimeout must be > 0, got %v", name, s.redisTimeout)
 	case s.maxQueue <= 0:
 		return nil, fmt.Errorf("throttle: quota %q: WithMaxQueue must be > 0, got %d", name, s.maxQueue)
 	case s.overflow != RejectNew && s.overflow != ShedOldest && s.overflow != ShedLowest:
@@ -222,7 +263,8 @@ func New(rdb redis.UniversalClient, name string, policy policies.Policy, opts ..
 	if err := validName("WithPrefix", s.prefix); err != nil {
 		return nil, err
 	}
-	l := &Limiter{rdb: rdb, name: name, rules: rules, s: s, id: newID(), freed: make(chan struct{})}
+	l := &Limiter{rdb: rdb, name: name, rules: rules, s: s, id: newID(), freed: make(chan struct{}), loaded: map[*redis.Script]bool{}}
+	l.lanes = map[string]*lane{}
 	l.base = s.prefix + ":{" + name + "}:"
 	l.shared = []string{l.base + "pause", l.base + "pause"}
 	l.maxCost = rules[0].Limit

@@ -33,7 +33,6 @@ func (l *Limiter) wait(ctx context.Context, c call) (*Permit, error) {
 		if deadline, ok := ctx.Deadline(); ok {
 			maxWait = min(maxWait, time.Until(deadline))
 		}
-		asked := time.Now()
 		r, err := l.acquire(ctx, c, max(maxWait, 0))
 		if err != nil {
 			return nil, err
@@ -48,7 +47,7 @@ func (l *Limiter) wait(ctx context.Context, c call) (*Permit, error) {
 			}
 			return nil, l.limited(r.wait)
 		}
-		l.skew.observe(r.now, asked)
+		l.skew.observe(r.now, r.sent)
 		if r.wait <= 0 {
 			if l.tooLate(r) {
 				l.cancel(ctx, c, r)

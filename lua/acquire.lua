@@ -1,26 +1,29 @@
--- acquire.lua: admit, book or refuse one call against every rule of a quota,
--- atomically. A call is recorded only when it is admitted or booked; a refused
--- call writes nothing.
+-- acquire.lua: admit, book or refuse a batch of calls against every rule of
+-- a quota, atomically, in the order given. Calls that run at the same moment in
+-- one process share one script call; each is decided as if alone, after the
+-- ones before it. A call is recorded only when it is admitted or booked; a
+-- refused call writes nothing.
 --
--- KEYS and ARGV as in lib.lua, with
--- ARGV[4]   the longest wait in microseconds the caller accepts; 0 admits only now.
+-- KEYS and ARGV as in lib.lua (ARGV[2] and ARGV[3] unused), with
+-- ARGV[4]        the number of calls, n;
+-- after the rules, for each call c, three arguments:
+--   its id, unique across the fleet;
+--   its cost, in units;
+--   the longest wait in microseconds it accepts; 0 admits only now.
 --
--- Returns {admitted, wait, remaining, now, reason, pause}:
+-- Returns {now, pause, then for each call: admitted, wait, remaining, reason}:
+--   now        the time the script used, in microseconds;
+--   pause      the time until which the quota or the key is paused, or 0;
 --   admitted   1 when the call was admitted (wait 0) or booked (wait > 0), else 0;
 --   wait       microseconds from now until the call's slot; when refused, how long
 --              until it would fit (its retry-after);
---   remaining  units still free now under the tightest rule;
---   now        the time the script used, in microseconds;
---   reason     0 admitted, 1 refused: the slot lies beyond the wait accepted,
+--   remaining  units still free now under the tightest rule, after the call;
+--   reason     0 admitted; 1 refused: the slot lies beyond the wait accepted;
 --              2 refused: a concurrency rule is full (no slot can be booked, since
 --              no one knows when a holder will finish; wait is then the time until
---              the first lease runs out);
---   pause      the time until which the quota or the key is paused, or 0.
+--              the first lease runs out).
 
 local now = clock()
-local id = ARGV[2]
-local cost = tonumber(ARGV[3])
-local maxwait = tonumber(ARGV[4])
 
 -- earliest_log returns the earliest time >= t at which the new units fit in
 -- every window of length w that would hold them, given the ascending scores s
@@ -45,12 +48,12 @@ local function earliest_log(s, t, r, w)
   return t
 end
 
--- earliest_counter returns the earliest time >= t at which the new units fit
+-- earliest_counter returns the earliest time >= t at which cost more units fit
 -- a sliding counter. A window of length w that ends in bucket j may touch
 -- buckets j-m .. j; each is counted in full, the partly expired one too, so no
 -- window ever holds more than the limit. The units at t fall in bucket k and
 -- into the windows ending in buckets k .. k+m, which must all have room.
-local function earliest_counter(r, t)
+local function earliest_counter(r, t, cost)
   local width, limit = r.p3, r.p1
   local m = math.ceil(r.p2 / width)
   while true do
@@ -79,143 +82,211 @@ local function earliest_counter(r, t)
   end
 end
 
--- load drops what has left every window and reads what each rule needs to
--- decide; it also reports the units the rule has free now.
+-- load drops what has left every window and reads the state each rule
+-- decides from.
 local function load(r)
   if r.kind == LOG then
     redis.call('ZREMRANGEBYSCORE', r.key, '-inf', str(now - r.p2))
-    local n = redis.call('ZCARD', r.key)
-    -- Only a log too full to take the call outright needs its entries read.
-    if n > r.p1 - cost then
-      local raw = redis.call('ZRANGE', r.key, 0, -1, 'WITHSCORES')
-      r.s = {}
-      for k = 2, #raw, 2 do
-        r.s[#r.s + 1] = tonumber(raw[k])
-      end
-    end
-    return r.p1 - n
+    r.n = redis.call('ZCARD', r.key)
   elseif r.kind == COUNTER then
     -- The oldest bucket a window ending now may touch, as earliest_counter
     -- counts them; older ones are gone for good.
     local oldest = bucket_of(now, r.p3) - math.ceil(r.p2 / r.p3)
     local raw = redis.call('HGETALL', r.key)
-    r.counts, r.last = {}, -NEVER
-    local used = 0
+    r.counts, r.last, r.n = {}, -NEVER, 0
     for k = 1, #raw, 2 do
       local b, n = tonumber(raw[k]), tonumber(raw[k + 1])
       if b < oldest then
         redis.call('HDEL', r.key, raw[k])
       else
         r.counts[b] = n
-        used = used + n
+        r.n = r.n + n
         if b > r.last then
           r.last = b
         end
       end
     end
-    return r.p1 - used
   elseif r.kind == BUCKET then
     r.tat = tat_of(r.key)
-    return math.floor((r.p1 * r.p2 - math.max(0, r.tat - now)) / r.p2)
   elseif r.kind == CONCURRENCY then
     redis.call('ZREMRANGEBYSCORE', r.key, '-inf', str(now))
     r.n = redis.call('ZCARD', r.key)
-    return r.p1 - r.n
+  else
+    error('unknown rule kind ' .. tostring(r.kind))
   end
-  return redis.error_reply('unknown rule kind ' .. tostring(r.kind))
+  r.tmax = now
 end
 
-local function earliest(r, t)
-  if r.kind == LOG then
-    if r.s then
-      return earliest_log(r.s, t, r.p1 - cost, r.p2)
+-- free is the units the rule has free now, bookings ahead counted.
+local function free(r)
+  if r.kind == BUCKET then
+    return math.floor((r.p1 * r.p2 - math.max(0, r.tat - now)) / r.p2)
+  end
+  return r.p1 - r.n
+end
+
+-- record writes the call into the state the next call of the batch decides
+-- from; flush writes what the batch recorded to Redis, in as few commands as
+-- it can.
+local function record(r, t, id, cost)
+  r.tmax = math.max(r.tmax, t)
+  r.recorded = true
+  if r.kind == LOG or r.kind == CONCURRENCY then
+    local score = t
+    if r.kind == CONCURRENCY then
+      -- A concurrency slot is held from now, even for a booked call, until
+      -- the call releases it or its lease runs out.
+      score = t + r.p2
     end
-    return t
+    r.pending = r.pending or {}
+    for u = 1, cost do
+      r.pending[#r.pending + 1] = str(score)
+      r.pending[#r.pending + 1] = member(id, u)
+    end
+    r.n = r.n + cost
+    if r.s then
+      local i = #r.s + 1
+      while i > 1 and r.s[i - 1] > t do
+        i = i - 1
+      end
+      for _ = 1, cost do
+        table.insert(r.s, i, t)
+      end
+    end
   elseif r.kind == COUNTER then
-    return earliest_counter(r, t)
+    local b = bucket_of(t, r.p3)
+    r.counts[b] = (r.counts[b] or 0) + cost
+    r.added = r.added or {}
+    r.added[b] = (r.added[b] or 0) + cost
+    r.n = r.n + cost
+    r.last = math.max(r.last, b)
+  else
+    r.tat = math.max(r.tat, t) + cost * r.p2
+    r.last_id = id
+  end
+end
+
+local function flush(r)
+  if r.pending then
+    for i = 1, #r.pending, 1000 do
+      redis.call('ZADD', r.key, unpack(r.pending, i, math.min(i + 999, #r.pending)))
+    end
+    r.pending = nil
+  elseif r.added then
+    for b, n in pairs(r.added) do
+      redis.call('HINCRBY', r.key, str(b), n)
+    end
+    r.added = nil
+  elseif r.last_id then
+    set_tat(r.key, r.tat, r.last_id, now)
+    r.last_id = nil
+  end
+end
+
+local function earliest(r, t, cost)
+  if r.kind == LOG then
+    -- Only a log too full to take the call outright needs its entries read.
+    if r.n <= r.p1 - cost then
+      return t
+    end
+    if not r.s then
+      flush(r)
+      local raw = redis.call('ZRANGE', r.key, 0, -1, 'WITHSCORES')
+      r.s = {}
+      for k = 2, #raw, 2 do
+        r.s[#r.s + 1] = tonumber(raw[k])
+      end
+    end
+    return earliest_log(r.s, t, r.p1 - cost, r.p2)
+  elseif r.kind == COUNTER then
+    return earliest_counter(r, t, cost)
   elseif r.kind == BUCKET then
     -- GCRA: the call conforms once its units fit under the burst above the
     -- theoretical arrival time.
     return math.max(t, r.tat - (r.p1 - cost) * r.p2)
-  else
-    if r.n + cost <= r.p1 then
-      return t
-    end
-    return NEVER
+  elseif r.n + cost <= r.p1 then
+    return t
   end
-end
-
-local function record(r, t)
-  if r.kind == LOG then
-    zadd(r.key, str(t), id, 1, cost)
-    expire(r.key, (t - now + r.p2) / 1000)
-  elseif r.kind == COUNTER then
-    redis.call('HINCRBY', r.key, str(bucket_of(t, r.p3)), cost)
-    expire(r.key, (t - now + r.p2 + r.p3) / 1000)
-  elseif r.kind == BUCKET then
-    set_tat(r.key, math.max(r.tat, t) + cost * r.p2, id, now)
-  else
-    -- A concurrency slot is held from now, even for a booked call, until the
-    -- call releases it or its lease runs out.
-    zadd(r.key, str(t + r.p2), id, 1, cost)
-    expire(r.key, (t - now + r.p2) / 1000)
-  end
+  return NEVER
 end
 
 local rs = rules()
-local remaining = NEVER
 for _, r in ipairs(rs) do
-  if r.p1 < cost then
-    return redis.error_reply('cost ' .. cost .. ' exceeds limit ' .. r.p1)
-  end
-  remaining = math.min(remaining, load(r))
+  load(r)
 end
-if remaining < 0 then
-  remaining = 0
-end
-
--- The earliest time every rule allows. Each rule can only push the time later,
--- and only to one of finitely many times, so this settles.
 local pause = pause_until()
-local t = math.max(now, pause)
-local moved = true
-while moved and t < NEVER do
-  moved = false
+local ncalls = tonumber(ARGV[4])
+local first = 7 + 4 * #rs
+local out = { str(now), str(pause) }
+
+for c = 0, ncalls - 1 do
+  local id = ARGV[first + 3 * c]
+  local cost = tonumber(ARGV[first + 3 * c + 1])
+  local maxwait = tonumber(ARGV[first + 3 * c + 2])
+  local remaining = NEVER
   for _, r in ipairs(rs) do
-    local u = earliest(r, t)
-    if u > t then
-      t = u
-      moved = true
-      if t == NEVER then
-        break
+    if r.p1 < cost then
+      return redis.error_reply('cost ' .. cost .. ' exceeds limit ' .. r.p1)
+    end
+    remaining = math.min(remaining, free(r))
+  end
+  remaining = math.max(remaining, 0)
+
+  -- The earliest time every rule allows. Each rule can only push the time
+  -- later, and only to one of finitely many times, so this settles.
+  local t = math.max(now, pause)
+  local moved = true
+  while moved and t < NEVER do
+    moved = false
+    for _, r in ipairs(rs) do
+      local u = earliest(r, t, cost)
+      if u > t then
+        t = u
+        moved = true
+        if t == NEVER then
+          break
+        end
       end
     end
   end
-end
 
-if t == NEVER then
-  -- Hint at when a slot may free: the first lease to run out in each full
-  -- concurrency rule, the latest of those.
-  local hint = 0
-  for _, r in ipairs(rs) do
-    if r.kind == CONCURRENCY and r.n + cost > r.p1 then
-      local head = redis.call('ZRANGE', r.key, 0, 0, 'WITHSCORES')
-      hint = math.max(hint, tonumber(head[2]) - now)
+  if t == NEVER then
+    -- Hint at when a slot may free: the first lease to run out in each full
+    -- concurrency rule, the latest of those.
+    local hint = 0
+    for _, r in ipairs(rs) do
+      if r.kind == CONCURRENCY and r.n + cost > r.p1 then
+        flush(r)
+        local head = redis.call('ZRANGE', r.key, 0, 0, 'WITHSCORES')
+        hint = math.max(hint, tonumber(head[2]) - now)
+      end
     end
+    out[#out + 1], out[#out + 2], out[#out + 3], out[#out + 4] = 0, str(hint), remaining, 2
+  elseif t - now > maxwait then
+    out[#out + 1], out[#out + 2], out[#out + 3], out[#out + 4] = 0, str(t - now), remaining, 1
+  else
+    for _, r in ipairs(rs) do
+      record(r, t, id, cost)
+    end
+    remaining = remaining - cost
+    if remaining < 0 or t > now then
+      remaining = 0
+    end
+    out[#out + 1], out[#out + 2], out[#out + 3], out[#out + 4] = 1, str(t - now), remaining, 0
   end
-  return { 0, str(hint), remaining, str(now), 2, str(pause) }
 end
 
-local wait = t - now
-if wait > maxwait then
-  return { 0, str(wait), remaining, str(now), 1, str(pause) }
-end
-
+-- Each key must outlive its latest entry by a window.
 for _, r in ipairs(rs) do
-  record(r, t)
+  flush(r)
+  if not r.recorded then
+    -- nothing to keep
+  elseif r.kind == LOG then
+    expire(r.key, (r.tmax - now + r.p2) / 1000)
+  elseif r.kind == COUNTER then
+    expire(r.key, (r.tmax - now + r.p2 + r.p3) / 1000)
+  elseif r.kind == CONCURRENCY then
+    expire(r.key, (r.tmax - now + r.p2) / 1000)
+  end
 end
-remaining = remaining - cost
-if remaining < 0 or wait > 0 then
-  remaining = 0
-end
-return { 1, str(wait), remaining, str(now), 0, str(pause) }
+return out

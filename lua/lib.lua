@@ -106,12 +106,9 @@ local function expire(key, ms)
 end
 
 local function pause_until()
-  local p = 0
-  for k = 1, 2 do
-    local v = tonumber(redis.call('GET', KEYS[k]) or '0')
-    if v > p then
-      p = v
-    end
+  local p = tonumber(redis.call('GET', KEYS[1]) or '0')
+  if KEYS[2] ~= KEYS[1] then
+    p = math.max(p, tonumber(redis.call('GET', KEYS[2]) or '0'))
   end
   return p
 end

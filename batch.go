@@ -1,0 +1,167 @@
+package throttle
+
+import (
+	"context"
+	"fmt"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/throttlekit/throttle/lua"
+)
+
+// maxBatch bounds how many calls one script call decides.
+const maxBatch = 128
+
+// Calls of one process that need a decision at the same moment share one
+// script call: while a decision is on its way to Redis, the calls that
+// arrive for the same keys wait in a lane, and the next script call decides
+// them all, in arrival order. An uncontended call goes at once; a busy
+// process pays one round trip per batch instead of one per call.
+
+// lane holds the calls waiting for the decision of one scope.
+type lane struct {
+	pending []*request
+}
+
+// request is one call waiting for its decision.
+type request struct {
+	c       call
+	maxWait time.Duration
+	member  string
+	done    chan struct{}
+	res     result
+	err     error
+	state   atomic.Int32 // requestWaiting, requestDecided or requestAbandoned
+}
+
+const (
+	requestWaiting int32 = iota
+	requestDecided
+	requestAbandoned
+)
+
+// acquire decides one call: it admits it, books it within maxWait, or
+// refuses it. It waits no longer than ctx and the limiter's Redis timeout.
+func (l *Limiter) acquire(ctx context.Context, c call, maxWait time.Duration) (result, error) {
+	sc := l.scopeFor(c)
+	req := &request{c: c, maxWait: maxWait, member: l.newMember(), done: make(chan struct{})}
+	l.submit(sc, req)
+	timer := time.NewTimer(l.s.redisTimeout)
+	defer timer.Stop()
+	var err error
+	select {
+	case <-req.done:
+		return req.res, req.err
+	case <-ctx.Done():
+		err = ctx.Err()
+	case <-timer.C:
+		err = l.unavailable(fmt.Errorf("no answer within %v", l.s.redisTimeout))
+	}
+	if !req.state.CompareAndSwap(requestWaiting, requestAbandoned) {
+		// The decision came in at the same moment: keep it.
+		<-req.done
+		return req.res, req.err
+	}
+	return result{}, err
+}
+
+// submit puts req in the lane of its scope, and starts the lane if no
+// decision is on its way.
+func (l *Limiter) submit(sc scope, req *request) {
+	l.lanesMu.Lock()
+	ln, busy := l.lanes[sc.id]
+	if busy {
+		ln.pending = append(ln.pending, req)
+		l.lanesMu.Unlock()
+		return
+	}
+	ln = &lane{}
+	l.lanes[sc.id] = ln
+	l.lanesMu.Unlock()
+	go l.drain(sc, ln, []*request{req})
+}
+
+// drain decides batch, then every call that queued in the lane meanwhile,
+// until the lane is empty.
+func (l *Limiter) drain(sc scope, ln *lane, batch []*request) {
+	for {
+		l.decide(sc, batch)
+		l.lanesMu.Lock()
+		batch = batch[:0]
+		for len(ln.pending) > 0 && len(batch) < maxBatch {
+			req := ln.pending[0]
+			ln.pending = ln.pending[1:]
+			if req.state.Load() == requestWaiting {
+				batch = append(batch, req)
+			}
+		}
+		if len(batch) == 0 && len(ln.pending) == 0 {
+			delete(l.lanes, sc.id)
+			l.lanesMu.Unlock()
+			return
+		}
+		l.lanesMu.Unlock()
+	}
+}
+
+// decide runs the acquire script once for a batch of calls of one scope.
+func (l *Limiter) decide(sc scope, batch []*request) {
+	if len(batch) == 0 {
+		return
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), l.s.redisTimeout)
+	defer cancel()
+	args := l.args("", 0, int64(len(batch)), 0, 0)
+	for _, req := range batch {
+		args = append(args, req.member, req.c.cost, req.maxWait.Microseconds())
+	}
+	sent := time.Now()
+	v, err := l.run(ctx, lua.Acquire, sc, args).Int64Slice()
+	if err == nil && len(v) != 2+4*len(batch) {
+		err = fmt.Errorf("unexpected script reply %v", v)
+	}
+	if err != nil {
+		err = l.unavailable(err)
+		for _, req := range batch {
+			req.finish(result{}, err)
+		}
+		return
+	}
+	now := time.Duration(v[0]) * time.Microsecond
+	pause := time.Duration(v[1]) * time.Microsecond
+	l.notePause(sc, now, pause)
+	for i, req := range batch {
+		w := v[2+4*i : 6+4*i]
+		r := result{
+			admitted:  w[0] == 1,
+			wait:      time.Duration(w[1]) * time.Microsecond,
+			remaining: int(w[2]),
+			reason:    int(w[3]),
+			now:       now,
+			pause:     pause,
+			scope:     sc,
+			member:    req.member,
+			sent:      sent,
+		}
+		if !req.finish(r, nil) && r.admitted {
+			// The caller gave up while its call was being booked.
+			l.cancel(context.Background(), req.c, r)
+		}
+	}
+}
+
+// finish hands the decision to the waiting caller, and reports false if the
+// caller had given up.
+func (req *request) finish(r result, err error) bool {
+	req.res, req.err = r, err
+	ok := req.state.CompareAndSwap(requestWaiting, requestDecided)
+	close(req.done)
+	return ok
+}
+
+// batches is the per-scope state of the limiter's batches.
+type batches struct {
+	lanesMu sync.Mutex
+	lanes   map[string]*lane
+}
