@@ -44,9 +44,21 @@ const (
 // acquire decides one call: it admits it, books it within maxWait, or
 // refuses it. It waits no longer than ctx and the limiter's Redis timeout.
 func (l *Limiter) acquire(ctx context.Context, c call, maxWait time.Duration) (result, error) {
+	if err := ctx.Err(); err != nil {
+		return result{}, err
+	}
 	sc := l.scopeFor(c)
 	req := &request{c: c, maxWait: maxWait, member: l.newMember(), done: make(chan struct{})}
-	l.submit(sc, req)
+	if ln := l.submit(sc, req); ln != nil {
+		// Nothing was on its way: decide this call here, with no hand-over
+		// to another goroutine, and leave the calls that queued meanwhile to
+		// a drainer.
+		l.decide(sc, []*request{req})
+		if batch := l.take(sc, ln); batch != nil {
+			go l.drain(sc, ln, batch)
+		}
+		return req.res, req.err
+	}
 	timer := time.NewTimer(l.s.redisTimeout)
 	defer timer.Stop()
 	var err error
@@ -66,42 +78,47 @@ func (l *Limiter) acquire(ctx context.Context, c call, maxWait time.Duration) (r
 	return result{}, err
 }
 
-// submit puts req in the lane of its scope, and starts the lane if no
-// decision is on its way.
-func (l *Limiter) submit(sc scope, req *request) {
+// submit puts req in the lane of its scope if a decision is on its way, and
+// returns nil. Otherwise it opens the lane and returns it: the caller then
+// decides req itself.
+func (l *Limiter) submit(sc scope, req *request) *lane {
 	l.lanesMu.Lock()
-	ln, busy := l.lanes[sc.id]
-	if busy {
+	defer l.lanesMu.Unlock()
+	if ln, busy := l.lanes[sc.id]; busy {
 		ln.pending = append(ln.pending, req)
-		l.lanesMu.Unlock()
-		return
+		return nil
 	}
-	ln = &lane{}
+	ln := &lane{}
 	l.lanes[sc.id] = ln
-	l.lanesMu.Unlock()
-	go l.drain(sc, ln, []*request{req})
+	return ln
+}
+
+// take takes the next batch of calls that queued in the lane while a
+// decision was on its way, or closes the lane and returns nil when there are
+// none.
+func (l *Limiter) take(sc scope, ln *lane) []*request {
+	l.lanesMu.Lock()
+	defer l.lanesMu.Unlock()
+	var batch []*request
+	for len(ln.pending) > 0 && len(batch) < maxBatch {
+		req := ln.pending[0]
+		ln.pending = ln.pending[1:]
+		if req.state.Load() == requestWaiting {
+			batch = append(batch, req)
+		}
+	}
+	if len(batch) == 0 {
+		delete(l.lanes, sc.id)
+	}
+	return batch
 }
 
 // drain decides batch, then every call that queued in the lane meanwhile,
 // until the lane is empty.
 func (l *Limiter) drain(sc scope, ln *lane, batch []*request) {
-	for {
+	for len(batch) > 0 {
 		l.decide(sc, batch)
-		l.lanesMu.Lock()
-		batch = batch[:0]
-		for len(ln.pending) > 0 && len(batch) < maxBatch {
-			req := ln.pending[0]
-			ln.pending = ln.pending[1:]
-			if req.state.Load() == requestWaiting {
-				batch = append(batch, req)
-			}
-		}
-		if len(batch) == 0 && len(ln.pending) == 0 {
-			delete(l.lanes, sc.id)
-			l.lanesMu.Unlock()
-			return
-		}
-		l.lanesMu.Unlock()
+		batch = l.take(sc, ln)
 	}
 }
 

@@ -145,8 +145,13 @@ func WithClock(now func() time.Time) Option { return func(s *settings) { s.clock
 // WithRedisTimeout bounds how long a decision waits for Redis, apart from
 // the caller's context, so that a hung Redis cannot hang every outbound call:
 // past it the call fails with ErrUnavailable. The default is
-// DefaultRedisTimeout. (go-redis itself stops reading at a context's deadline
-// only with Options.ContextTimeoutEnabled; throttle stops waiting either way.)
+// DefaultRedisTimeout.
+//
+// go-redis stops reading a reply at a context's deadline only when its
+// Options.ContextTimeoutEnabled is set; otherwise its ReadTimeout (3s by
+// default) bounds the call that is talking to Redis, while the calls queued
+// behind it still give up at this timeout. Set ContextTimeoutEnabled on the
+// client you pass to New.
 func WithRedisTimeout(d time.Duration) Option { return func(s *settings) { s.redisTimeout = d } }
 
 // WithPrefix sets the start of every Redis key the limiter writes, so that
