@@ -129,13 +129,13 @@ func (l *Limiter) decide(sc scope, batch []*request) {
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), l.s.redisTimeout)
 	defer cancel()
-	args := l.args("", 0, int64(len(batch)), 0, 0)
+	args := l.args("", 0, int64(len(batch)), l.epoch.Load(), 0)
 	for _, req := range batch {
 		args = append(args, req.member, req.c.cost, req.maxWait.Microseconds())
 	}
 	sent := time.Now()
 	v, err := l.run(ctx, lua.Acquire, sc, args).Int64Slice()
-	if err == nil && len(v) != 2+4*len(batch) {
+	if err == nil && len(v) != 4+4*len(batch) {
 		err = fmt.Errorf("unexpected script reply %v", v)
 	}
 	if err != nil {
@@ -148,8 +148,9 @@ func (l *Limiter) decide(sc scope, batch []*request) {
 	now := time.Duration(v[0]) * time.Microsecond
 	pause := time.Duration(v[1]) * time.Microsecond
 	l.notePause(sc, now, pause)
+	l.noteEpoch(v[2], v[3] == 1)
 	for i, req := range batch {
-		w := v[2+4*i : 6+4*i]
+		w := v[4+4*i : 8+4*i]
 		r := result{
 			admitted:  w[0] == 1,
 			wait:      time.Duration(w[1]) * time.Microsecond,
@@ -160,6 +161,7 @@ func (l *Limiter) decide(sc scope, batch []*request) {
 			scope:     sc,
 			member:    req.member,
 			sent:      sent,
+			epoch:     v[2],
 		}
 		if !req.finish(r, nil) && r.admitted {
 			// The caller gave up while its call was being booked.

@@ -86,6 +86,7 @@ type result struct {
 	scope     scope
 	member    string
 	sent      time.Time // when the script was sent
+	epoch     int64     // the quota's epoch when the call was decided
 }
 
 // slot is the Redis time of the call's booked slot.
@@ -139,6 +140,16 @@ func (l *Limiter) notePause(sc scope, now, until time.Duration) {
 	}
 	end := time.Now().Add(until - now)
 	l.pauses.Store(sc.keys[1], end)
+}
+
+// noteEpoch remembers the quota's epoch. A new one means Redis lost the
+// quota's data: calls sleeping towards slots booked before then book again,
+// since the new data knows nothing of them.
+func (l *Limiter) noteEpoch(epoch int64, lost bool) {
+	if old := l.epoch.Swap(epoch); old != epoch && old != 0 {
+		l.s.logger.Warn("throttle: Redis lost the quota's data; every limit counts as full for one window",
+			"quota", l.name, "old_epoch", old, "epoch", epoch, "detected_here", lost)
+	}
 }
 
 // pausedFor reports how long the scope stays paused, as this process knows.

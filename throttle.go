@@ -6,6 +6,7 @@ import (
 	"encoding/base64"
 	"errors"
 	"fmt"
+	"log/slog"
 	"strconv"
 	"strings"
 	"sync"
@@ -117,6 +118,7 @@ func (e *LimitedError) Is(target error) bool { return target == ErrLimited }
 type Option func(*settings)
 
 type settings struct {
+	logger       *slog.Logger
 	redisTimeout time.Duration
 	mode         Mode
 	maxWait      time.Duration
@@ -153,6 +155,11 @@ func WithClock(now func() time.Time) Option { return func(s *settings) { s.clock
 // behind it still give up at this timeout. Set ContextTimeoutEnabled on the
 // client you pass to New.
 func WithRedisTimeout(d time.Duration) Option { return func(s *settings) { s.redisTimeout = d } }
+
+// WithLogger sets where the limiter reports what it changes by itself: Redis
+// losing a quota's data, switching to and from a fallback. The default is
+// slog.Default().
+func WithLogger(l *slog.Logger) Option { return func(s *settings) { s.logger = l } }
 
 // WithPrefix sets the start of every Redis key the limiter writes, so that
 // several applications can share one Redis. The default is DefaultPrefix.
@@ -219,6 +226,7 @@ type Limiter struct {
 	maxCost   int
 	late      time.Duration // how late after its slot a call may still start; 0: any
 	skew      skew
+	epoch     atomic.Int64 // the quota's epoch as last seen; 0 before the first decision
 	s         settings
 	id        string
 	seq       atomic.Uint64
@@ -247,7 +255,7 @@ func New(rdb redis.UniversalClient, name string, policy policies.Policy, opts ..
 	if err != nil {
 		return nil, fmt.Errorf("throttle: quota %q: %w", name, err)
 	}
-	s := settings{mode: Block, maxWait: DefaultMaxWait, prefix: DefaultPrefix, maxQueue: DefaultMaxQueue, redisTimeout: DefaultRedisTimeout}
+	s := settings{logger: slog.Default(), mode: Block, maxWait: DefaultMaxWait, prefix: DefaultPrefix, maxQueue: DefaultMaxQueue, redisTimeout: DefaultRedisTimeout}
 	for _, o := range opts {
 		if o != nil {
 			o(&s)
@@ -258,6 +266,8 @@ func New(rdb redis.UniversalClient, name string, policy policies.Policy, opts ..
 		return nil, fmt.Errorf("throttle: quota %q: WithMode: unknown mode %v", name, s.mode)
 	case s.maxWait < 0:
 		return nil, fmt.Errorf("throttle: quota %q: WithMaxWait must not be negative, got %v", name, s.maxWait)
+	case s.logger == nil:
+		return nil, fmt.Errorf("throttle: quota %q: WithLogger: logger is nil", name)
 	case s.redisTimeout <= 0:
 		return nil, fmt.Errorf("throttle: quota %q: WithRedisTimeout must be > 0, got %v", name, s.redisTimeout)
 	case s.maxQueue <= 0:

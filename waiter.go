@@ -67,10 +67,11 @@ func (l *Limiter) wait(ctx context.Context, c call) (*Permit, error) {
 			return nil, err
 		}
 		// A vendor may have asked the fleet to pause while this call slept,
-		// or the process may have been starved past the slot. Calling late
+		// the process may have been starved past the slot, or Redis may have
+		// lost the booking with the rest of the quota's data. Calling then
 		// would crowd the windows after the slot, so the call gives its slot
 		// back and books again.
-		if l.pausedFor(r.scope) > 0 || l.tooLate(r) {
+		if l.pausedFor(r.scope) > 0 || l.tooLate(r) || l.epoch.Load() != r.epoch {
 			l.cancel(ctx, c, r)
 			continue
 		}

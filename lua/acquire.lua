@@ -6,14 +6,18 @@
 --
 -- KEYS and ARGV as in lib.lua (ARGV[2] and ARGV[3] unused), with
 -- ARGV[4]        the number of calls, n;
+-- ARGV[5]        the quota's epoch as the calling process last saw it, or 0;
 -- after the rules, for each call c, three arguments:
 --   its id, unique across the fleet;
 --   its cost, in units;
 --   the longest wait in microseconds it accepts; 0 admits only now.
 --
--- Returns {now, pause, then for each call: admitted, wait, remaining, reason}:
+-- Returns {now, pause, epoch, lost, then for each call: admitted, wait,
+-- remaining, reason}:
 --   now        the time the script used, in microseconds;
 --   pause      the time until which the quota or the key is paused, or 0;
+--   epoch      the quota's epoch;
+--   lost       1 when this call found that Redis lost the quota's data;
 --   admitted   1 when the call was admitted (wait 0) or booked (wait > 0), else 0;
 --   wait       microseconds from now until the call's slot; when refused, how long
 --              until it would fit (its retry-after);
@@ -211,13 +215,38 @@ local function earliest(r, t, cost)
 end
 
 local rs = rules()
+
+-- A missing meta key means a new quota, or a Redis that lost its data (a
+-- restart without persistence, a failover to a replica that lagged). The
+-- caller tells them apart: it knew an epoch. The vendor still counts the
+-- calls of the last window that Redis forgot, as many as a full window in
+-- the worst case, so every rule is charged full for one window from now.
+-- Concurrency rules are not: their holders release or their leases end.
+local known = tonumber(ARGV[5])
+local epoch, quota_pause, refreshed = read_meta()
+local lost = 0
+if not epoch then
+  epoch = now
+  write_meta(epoch, 0, now)
+  if known > 0 then
+    lost = 1
+    for _, r in ipairs(rs) do
+      if r.kind ~= CONCURRENCY then
+        change(r, 'lost:' .. str(now), 0, r.p1, now, now)
+      end
+    end
+  end
+elseif now - refreshed > META_REFRESH then
+  write_meta(epoch, quota_pause, now)
+end
+
 for _, r in ipairs(rs) do
   load(r)
 end
-local pause = pause_until()
+local pause = pause_until(quota_pause)
 local ncalls = tonumber(ARGV[4])
 local first = 7 + 4 * #rs
-local out = { str(now), str(pause) }
+local out = { str(now), str(pause), str(epoch), lost }
 
 for c = 0, ncalls - 1 do
   local id = ARGV[first + 3 * c]

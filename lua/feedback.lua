@@ -21,10 +21,18 @@ local pause = tonumber(ARGV[4])
 local left = tonumber(ARGV[5])
 local reset = tonumber(ARGV[6])
 
-local until_ = pause_until()
+local epoch, quota_pause, refreshed = read_meta()
+local until_ = pause_until(quota_pause)
 if pause > 0 and now + pause > until_ then
   until_ = now + pause
-  redis.call('SET', KEYS[2], str(until_), 'PX', math.ceil(pause / 1000) + 1)
+  if KEYS[2] == KEYS[1] then
+    if not epoch then
+      epoch, refreshed = now, now
+    end
+    write_meta(epoch, until_, refreshed)
+  else
+    redis.call('SET', KEYS[2], str(until_), 'PX', math.ceil(pause / 1000) + SLACK)
+  end
 end
 
 local charged = 0

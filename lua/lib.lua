@@ -4,9 +4,12 @@
 -- A quota is a list of rules, each kept in its own key. Every script that
 -- touches rules receives them the same way:
 --
--- KEYS[1]        the quota's pause key: a time in microseconds before which no
---                call is admitted (set when the vendor answers 429).
--- KEYS[2]        the pause key of the call's key, or KEYS[1] again.
+-- KEYS[1]        the quota's meta key, "epoch:pause:refreshed": the time the
+--                quota's data was first written (its epoch), a time before which
+--                no call is admitted (set when the vendor answers 429), and when
+--                the key's expiry was last pushed back.
+-- KEYS[2]        the pause key of the call's key: a time before which no call
+--                of that key is admitted; or KEYS[1] again.
 -- KEYS[2+i]      the key of rule i.
 -- ARGV[1]        now in microseconds, or "0" to read Redis TIME (the default, so
 --                that the whole fleet shares one clock).
@@ -105,8 +108,32 @@ local function expire(key, ms)
   end
 end
 
-local function pause_until()
-  local p = tonumber(redis.call('GET', KEYS[1]) or '0')
+-- The meta key lives META_TTL milliseconds after its last refresh, and is
+-- refreshed about daily, so that an idle quota's meta key goes away.
+local META_TTL = 30 * 24 * 3600 * 1000
+local META_REFRESH = 24 * 3600 * 1000000
+
+-- read_meta returns the quota's epoch (nil when the meta key is missing), its
+-- pause, and when it was last refreshed.
+local function read_meta()
+  local v = redis.call('GET', KEYS[1])
+  if v then
+    local e, p, r = string.match(v, '^(%d+):(%d+):(%d+)$')
+    if e then
+      return tonumber(e), tonumber(p), tonumber(r)
+    end
+  end
+  return nil, 0, 0
+end
+
+local function write_meta(epoch, pause, refreshed)
+  redis.call('SET', KEYS[1], str(epoch) .. ':' .. str(pause) .. ':' .. str(refreshed), 'PX', META_TTL)
+end
+
+-- pause_until returns the time before which the call's scope is paused,
+-- given the quota's own pause.
+local function pause_until(quota_pause)
+  local p = quota_pause
   if KEYS[2] ~= KEYS[1] then
     p = math.max(p, tonumber(redis.call('GET', KEYS[2]) or '0'))
   end
