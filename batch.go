@@ -41,13 +41,10 @@ const (
 	requestAbandoned
 )
 
-// acquire decides one call: it admits it, books it within maxWait, or
-// refuses it. It waits no longer than ctx and the limiter's Redis timeout.
-func (l *Limiter) acquire(ctx context.Context, c call, maxWait time.Duration) (result, error) {
-	if err := ctx.Err(); err != nil {
-		return result{}, err
-	}
-	sc := l.scopeFor(c)
+// decideInRedis decides one call in Redis: it admits it, books it within
+// maxWait, or refuses it. It waits no longer than ctx and the limiter's
+// Redis timeout.
+func (l *Limiter) decideInRedis(ctx context.Context, sc scope, c call, maxWait time.Duration) (result, error) {
 	req := &request{c: c, maxWait: maxWait, member: l.newMember(), done: make(chan struct{})}
 	if ln := l.submit(sc, req); ln != nil {
 		// Nothing was on its way: decide this call here, with no hand-over

@@ -87,6 +87,7 @@ type result struct {
 	member    string
 	sent      time.Time // when the script was sent
 	epoch     int64     // the quota's epoch when the call was decided
+	local     bool      // decided without Redis (FailOpen, Local)
 }
 
 // slot is the Redis time of the call's booked slot.
@@ -96,6 +97,12 @@ func (r result) slot() time.Duration { return r.now + r.wait }
 // runs even though ctx has ended; if Redis cannot be reached the booking
 // stays, which wastes its slot but never overfills a window.
 func (l *Limiter) cancel(ctx context.Context, c call, r result) {
+	if r.local {
+		if l.local != nil {
+			l.local.forget(r.scope, r.member)
+		}
+		return
+	}
 	_ = l.run(context.WithoutCancel(ctx), lua.Cancel, r.scope, l.args(r.member, c.cost, r.slot().Microseconds(), 0, 0)).Err()
 }
 

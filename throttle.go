@@ -118,6 +118,8 @@ func (e *LimitedError) Is(target error) bool { return target == ErrLimited }
 type Option func(*settings)
 
 type settings struct {
+	onRedisError OnRedisError
+	replicas     int
 	logger       *slog.Logger
 	redisTimeout time.Duration
 	mode         Mode
@@ -236,6 +238,8 @@ type Limiter struct {
 	q         *queue
 	closed    atomic.Bool
 	batches
+	brk    *breaker
+	local  *local // the Local fallback, or nil
 	loadMu sync.Mutex
 	loaded map[*redis.Script]bool
 }
@@ -266,6 +270,12 @@ func New(rdb redis.UniversalClient, name string, policy policies.Policy, opts ..
 		return nil, fmt.Errorf("throttle: quota %q: WithMode: unknown mode %v", name, s.mode)
 	case s.maxWait < 0:
 		return nil, fmt.Errorf("throttle: quota %q: WithMaxWait must not be negative, got %v", name, s.maxWait)
+	case s.onRedisError != FailClosed && s.onRedisError != FailOpen && s.onRedisError != Local:
+		return nil, fmt.Errorf("throttle: quota %q: WithOnRedisError: unknown policy %v", name, s.onRedisError)
+	case s.replicas < 0:
+		return nil, fmt.Errorf("throttle: quota %q: WithExpectedReplicas must be > 0, got %d", name, s.replicas)
+	case s.onRedisError == Local && s.replicas == 0:
+		return nil, fmt.Errorf("throttle: quota %q: WithOnRedisError(Local) needs WithExpectedReplicas, to divide the quota among the replicas", name)
 	case s.logger == nil:
 		return nil, fmt.Errorf("throttle: quota %q: WithLogger: logger is nil", name)
 	case s.redisTimeout <= 0:
@@ -278,7 +288,12 @@ func New(rdb redis.UniversalClient, name string, policy policies.Policy, opts ..
 	if err := validName("WithPrefix", s.prefix); err != nil {
 		return nil, err
 	}
-	l := &Limiter{rdb: rdb, name: name, rules: rules, s: s, id: newID(), freed: make(chan struct{}), loaded: map[*redis.Script]bool{}}
+	l := &Limiter{rdb: rdb, name: name, rules: rules, s: s, id: newID(), freed: make(chan struct{}), loaded: map[*redis.Script]bool{}, brk: newBreaker()}
+	if s.onRedisError == Local {
+		if l.local, err = newLocal(rules, s.replicas); err != nil {
+			return nil, fmt.Errorf("throttle: quota %q: %w", name, err)
+		}
+	}
 	l.lanes = map[string]*lane{}
 	l.base = s.prefix + ":{" + name + "}:"
 	l.shared = []string{l.base + "pause", l.base + "pause"}
@@ -510,6 +525,11 @@ func (p *Permit) Release() {
 	if p.released.Swap(true) || !p.l.hasConc {
 		return
 	}
+	if p.r.local {
+		p.l.cancel(context.Background(), p.call, p.r)
+		p.l.signalFreed()
+		return
+	}
 	ctx, stop := context.WithTimeout(context.Background(), cleanupTimeout)
 	defer stop()
 	// If Redis cannot be reached, the slots free themselves when the lease ends.
@@ -529,6 +549,9 @@ func (p *Permit) Extend(ctx context.Context, lease time.Duration) error {
 	}
 	if p.released.Load() {
 		return fmt.Errorf("throttle: quota %q: Extend: permit already released", p.l.name)
+	}
+	if p.r.local {
+		return nil // a slot held without Redis lasts until Release
 	}
 	held, err := p.l.run(ctx, lua.Release, p.r.scope, p.l.args(p.r.member, p.held, lease.Microseconds(), 0, 0)).Int64()
 	if err != nil {
@@ -553,7 +576,8 @@ func (p *Permit) Settle(ctx context.Context, actual int) error {
 	if actual < 0 || actual > p.l.maxCost {
 		return fmt.Errorf("throttle: quota %q: Settle: actual cost must be between 0 and %d, got %d", p.l.name, p.l.maxCost, actual)
 	}
-	if actual == p.call.cost {
+	if actual == p.call.cost || p.r.local {
+		// A call decided without Redis has nothing in Redis to settle.
 		return nil
 	}
 	args := p.l.args(p.r.member, p.call.cost, p.r.slot().Microseconds(), int64(actual), 0)

@@ -47,7 +47,9 @@ func (l *Limiter) wait(ctx context.Context, c call) (*Permit, error) {
 			}
 			return nil, l.limited(r.wait)
 		}
-		l.skew.observe(r.now, r.sent)
+		if !r.local {
+			l.skew.observe(r.now, r.sent)
+		}
 		if r.wait <= 0 {
 			if l.tooLate(r) {
 				l.cancel(ctx, c, r)
@@ -71,7 +73,7 @@ func (l *Limiter) wait(ctx context.Context, c call) (*Permit, error) {
 		// lost the booking with the rest of the quota's data. Calling then
 		// would crowd the windows after the slot, so the call gives its slot
 		// back and books again.
-		if l.pausedFor(r.scope) > 0 || l.tooLate(r) || l.epoch.Load() != r.epoch {
+		if !r.local && (l.pausedFor(r.scope) > 0 || l.tooLate(r) || l.epoch.Load() != r.epoch) {
 			l.cancel(ctx, c, r)
 			continue
 		}
@@ -82,7 +84,7 @@ func (l *Limiter) wait(ctx context.Context, c call) (*Permit, error) {
 // tooLate reports whether a call would now start later after its slot than
 // the margin allows.
 func (l *Limiter) tooLate(r result) bool {
-	if l.late <= 0 {
+	if l.late <= 0 || r.local {
 		return false
 	}
 	late, ok := l.skew.lateness(r.slot(), time.Now())

@@ -1,0 +1,180 @@
+package throttle
+
+import (
+	"context"
+	"errors"
+	"strconv"
+	"sync"
+	"time"
+
+	"github.com/cenkalti/backoff/v4"
+)
+
+// OnRedisError says what a call does when Redis cannot decide it: Redis is
+// down, slow past the Redis timeout, or answers an error.
+type OnRedisError int
+
+const (
+	// FailClosed does not make the call: it gets an error matching
+	// ErrUnavailable. The vendor is never called over the cap. The default.
+	FailClosed OnRedisError = iota
+	// FailOpen makes the call as if Redis had admitted it. The fleet keeps
+	// working, and may go over the vendor's cap while Redis is away.
+	FailOpen
+	// Local decides the call in this process, under the quota's limits
+	// divided by the number of replicas (see WithExpectedReplicas): the fleet
+	// stays under the cap, at the price of the quota a shared Redis would
+	// have spread better.
+	Local
+)
+
+// String returns the policy's name.
+func (o OnRedisError) String() string {
+	switch o {
+	case FailClosed:
+		return "FailClosed"
+	case FailOpen:
+		return "FailOpen"
+	case Local:
+		return "Local"
+	}
+	return "OnRedisError(" + strconv.Itoa(int(o)) + ")"
+}
+
+// WithOnRedisError sets what a call does when Redis cannot decide it. The
+// default is FailClosed. Whatever the choice, a breaker stops sending calls
+// to a Redis that keeps failing, probes it with a growing, jittered backoff,
+// and returns to it by itself once it answers; each switch is logged.
+func WithOnRedisError(o OnRedisError) Option { return func(s *settings) { s.onRedisError = o } }
+
+// WithExpectedReplicas sets how many processes share the quota, for the
+// Local fallback: each then admits Limit/n per window, so that the fleet
+// stays under the cap even when every replica has lost Redis.
+func WithExpectedReplicas(n int) Option { return func(s *settings) { s.replicas = n } }
+
+// Breaker timing: consecutive failures that open it, and the backoff
+// between probes.
+const (
+	breakerFailures = 3
+	probeFirst      = 100 * time.Millisecond
+	probeMax        = 10 * time.Second
+)
+
+// errBreakerOpen is the cause of a call decided without asking Redis.
+var errBreakerOpen = errors.New("redis failed repeatedly; waiting to probe it again")
+
+// breaker counts Redis failures and keeps calls away from a Redis that keeps
+// failing, letting one call through now and then to see whether it is back.
+type breaker struct {
+	mu       sync.Mutex
+	failures int
+	open     bool
+	probing  bool
+	next     time.Time
+	bo       *backoff.ExponentialBackOff
+}
+
+func newBreaker() *breaker {
+	bo := backoff.NewExponentialBackOff()
+	bo.InitialInterval = probeFirst
+	bo.MaxInterval = probeMax
+	bo.MaxElapsedTime = 0 // probe for as long as Redis is away
+	return &breaker{bo: bo}
+}
+
+// allow reports whether the call may ask Redis: always while the breaker is
+// closed, and one call at a time once a probe is due.
+func (b *breaker) allow() bool {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	if !b.open {
+		return true
+	}
+	if b.probing || time.Now().Before(b.next) {
+		return false
+	}
+	b.probing = true
+	return true
+}
+
+// success records an answer from Redis, and reports whether it closed the
+// breaker.
+func (b *breaker) success() bool {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	b.failures = 0
+	if !b.open {
+		return false
+	}
+	b.open, b.probing = false, false
+	b.bo.Reset()
+	return true
+}
+
+// failure records a failure, and reports whether it opened the breaker.
+func (b *breaker) failure() bool {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	b.failures++
+	if b.open {
+		b.probing = false
+		b.next = time.Now().Add(b.bo.NextBackOff())
+		return false
+	}
+	if b.failures < breakerFailures {
+		return false
+	}
+	b.open = true
+	b.bo.Reset()
+	b.next = time.Now().Add(b.bo.NextBackOff())
+	return true
+}
+
+// abort ends a probe that got no verdict (the caller's context ended).
+func (b *breaker) abort() {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	b.probing = false
+}
+
+// acquire decides one call: in Redis while Redis answers, and otherwise as
+// the limiter's OnRedisError says.
+func (l *Limiter) acquire(ctx context.Context, c call, maxWait time.Duration) (result, error) {
+	if err := ctx.Err(); err != nil {
+		return result{}, err
+	}
+	sc := l.scopeFor(c)
+	if !l.brk.allow() {
+		return l.fallback(sc, c, maxWait, l.unavailable(errBreakerOpen))
+	}
+	r, err := l.decideInRedis(ctx, sc, c, maxWait)
+	if err == nil {
+		if l.brk.success() {
+			l.s.logger.Info("throttle: Redis answers again; deciding in Redis", "quota", l.name)
+		}
+		return r, nil
+	}
+	if !errors.Is(err, ErrUnavailable) {
+		l.brk.abort()
+		return r, err
+	}
+	if l.brk.failure() {
+		l.s.logger.Warn("throttle: Redis keeps failing; deciding without it until it answers a probe",
+			"quota", l.name, "on_redis_error", l.s.onRedisError.String(), "err", err)
+	}
+	return l.fallback(sc, c, maxWait, err)
+}
+
+// fallback decides a call that Redis could not.
+func (l *Limiter) fallback(sc scope, c call, maxWait time.Duration, cause error) (result, error) {
+	switch l.s.onRedisError {
+	case FailOpen:
+		return result{admitted: true, local: true, scope: sc}, nil
+	case Local:
+		member := l.newMember()
+		r := l.local.decide(sc, c, member, maxWait)
+		r.scope, r.member = sc, member
+		return r, nil
+	}
+	return result{}, cause
+}

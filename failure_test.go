@@ -1,0 +1,189 @@
+package throttle
+
+import (
+	"bytes"
+	"context"
+	"errors"
+	"log/slog"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/redis/go-redis/v9"
+
+	"github.com/throttlekit/throttle/internal/redistest"
+	"github.com/throttlekit/throttle/policies"
+)
+
+// deadRedis is a client of a port where no Redis listens.
+func deadRedis(t *testing.T) *redis.Client {
+	rdb := redis.NewClient(&redis.Options{Addr: "127.0.0.1:1", MaxRetries: -1, DialTimeout: 100 * time.Millisecond})
+	t.Cleanup(func() { rdb.Close() })
+	return rdb
+}
+
+// syncBuffer is a log sink for concurrent writers.
+type syncBuffer struct {
+	mu sync.Mutex
+	b  bytes.Buffer
+}
+
+func (s *syncBuffer) Write(p []byte) (int, error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.b.Write(p)
+}
+
+func (s *syncBuffer) String() string {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.b.String()
+}
+
+func TestOnRedisError_FailClosedRefusesTheCall(t *testing.T) {
+	lim := newLimiter(t, deadRedis(t), perSecond)
+	ran := false
+	_, err := Do(context.Background(), lim, func(context.Context) (int, error) { ran = true; return 0, nil })
+	var ue *UnavailableError
+	if !errors.Is(err, ErrUnavailable) || !errors.As(err, &ue) || ue.Quota != lim.Name() || ran {
+		t.Fatalf("Do on a dead Redis: %v (ran %v), want ErrUnavailable and no call", err, ran)
+	}
+}
+
+func TestOnRedisError_FailOpenMakesTheCall(t *testing.T) {
+	lim := newLimiter(t, deadRedis(t), perSecond, WithOnRedisError(FailOpen))
+	for range 20 {
+		if _, err := Do(context.Background(), lim, func(context.Context) (int, error) { return 0, nil }); err != nil {
+			t.Fatalf("Do with FailOpen on a dead Redis: %v", err)
+		}
+	}
+}
+
+func TestOnRedisError_LocalDividesTheQuota(t *testing.T) {
+	lim := newLimiter(t, deadRedis(t), policies.SlidingLog{Limit: 10, Window: time.Minute},
+		WithOnRedisError(Local), WithExpectedReplicas(3), WithMode(FailFast), WithLogger(slog.New(slog.DiscardHandler)))
+	admitted := 0
+	for range 10 {
+		if p, err := lim.Acquire(context.Background()); err == nil {
+			admitted++
+			p.Release()
+		} else if !errors.Is(err, ErrLimited) {
+			t.Fatalf("Acquire: %v", err)
+		}
+	}
+	if admitted != 3 {
+		t.Errorf("%d calls admitted by the local fallback, want 10/3 = 3", admitted)
+	}
+}
+
+func TestOnRedisError_LocalNeedsReplicas(t *testing.T) {
+	_, err := New(deadRedis(t), "q", perSecond, WithOnRedisError(Local))
+	if err == nil || !strings.Contains(err.Error(), "WithExpectedReplicas") {
+		t.Errorf("Local without replicas: %v", err)
+	}
+	_, err = New(deadRedis(t), "q", perSecond, WithOnRedisError(Local), WithExpectedReplicas(6))
+	if err == nil || !strings.Contains(err.Error(), "less than one unit") {
+		t.Errorf("Local with more replicas than the limit: %v", err)
+	}
+}
+
+func TestBreaker_StopsAskingADeadRedisAndComesBack(t *testing.T) {
+	s := redistest.New(t)
+	rdb := s.Client(t)
+	var logs syncBuffer
+	var scripts countingHook
+	rdb.AddHook(&scripts)
+	lim := newLimiter(t, rdb, policies.SlidingLog{Limit: 1_000_000, Window: time.Second},
+		WithOnRedisError(FailOpen), WithRedisTimeout(200*time.Millisecond),
+		WithLogger(slog.New(slog.NewTextHandler(&logs, nil))))
+	ctx := context.Background()
+	if _, err := lim.Allow(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if s.Real {
+		s.Kill()
+	} else {
+		s.Mini.Close()
+	}
+	for range 50 {
+		if d, err := lim.Allow(ctx); err != nil || !d.OK {
+			t.Fatalf("Allow with FailOpen while Redis is down: %+v, %v", d, err)
+		}
+	}
+	if n := scripts.load(); n > 10 {
+		t.Errorf("%d script calls reached a dead Redis for 50 decisions; the breaker should stop them", n)
+	}
+	if !strings.Contains(logs.String(), "Redis keeps failing") {
+		t.Errorf("no log line for the switch to the fallback:\n%s", logs.String())
+	}
+	if !s.Real {
+		return // miniredis cannot come back on the same port
+	}
+	s.Restart(t)
+	waitFor(t, func() bool {
+		_, _ = lim.Allow(ctx)
+		return strings.Contains(logs.String(), "Redis answers again")
+	}, "the breaker to close")
+}
+
+func TestDataLoss_CountsTheQuotaFullForOneWindow(t *testing.T) {
+	redistest.Each(t, func(t *testing.T, s *redistest.Server) {
+		rdb := s.Client(t)
+		clock := newClock()
+		lim := newLimiter(t, rdb, policies.SlidingLog{Limit: 10, Window: time.Minute}, WithClock(clock.Now),
+			WithLogger(slog.New(slog.DiscardHandler)))
+		ctx := context.Background()
+		if d, _ := lim.Allow(ctx, Cost(4)); !d.OK {
+			t.Fatal("first call refused")
+		}
+		// Redis restarts empty; the vendor still counts those 4 calls.
+		if err := rdb.FlushAll(ctx).Err(); err != nil {
+			t.Fatal(err)
+		}
+		clock.Add(time.Second)
+		d, err := lim.Allow(ctx)
+		if err != nil || d.OK {
+			t.Fatalf("first call after the loss: %+v, %v; want refused for a window", d, err)
+		}
+		if want := time.Minute + policies.DefaultMargin; d.RetryAfter != want {
+			t.Errorf("RetryAfter %v, want one window, %v", d.RetryAfter, want)
+		}
+		// Another process that never knew the old data is held back too.
+		other := newLimiter(t, rdb, policies.SlidingLog{Limit: 10, Window: time.Minute}, WithClock(clock.Now))
+		if d, _ := other.Allow(ctx); d.OK {
+			t.Errorf("another replica was admitted in the window after the loss")
+		}
+		clock.Add(time.Minute + policies.DefaultMargin)
+		if d, _ := lim.Allow(ctx, Cost(10)); !d.OK {
+			t.Errorf("a window after the loss, a full call was refused: %+v", d)
+		}
+	})
+}
+
+// countingHook counts the scripts a client sends.
+type countingHook struct {
+	mu sync.Mutex
+	n  int
+}
+
+func (h *countingHook) load() int {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	return h.n
+}
+
+func (h *countingHook) DialHook(next redis.DialHook) redis.DialHook { return next }
+func (h *countingHook) ProcessHook(next redis.ProcessHook) redis.ProcessHook {
+	return func(ctx context.Context, cmd redis.Cmder) error {
+		if name := cmd.Name(); name == "evalsha" || name == "eval" {
+			h.mu.Lock()
+			h.n++
+			h.mu.Unlock()
+		}
+		return next(ctx, cmd)
+	}
+}
+func (h *countingHook) ProcessPipelineHook(next redis.ProcessPipelineHook) redis.ProcessPipelineHook {
+	return next
+}

@@ -1,0 +1,199 @@
+package throttle
+
+import (
+	"fmt"
+	"slices"
+	"strconv"
+	"sync"
+	"time"
+
+	"github.com/throttlekit/throttle/policies"
+)
+
+// local decides calls in this process when Redis cannot (the Local
+// fallback). Each rule keeps its limit divided by the expected replicas, so
+// that a fleet in which every replica lost Redis stays under the cap. It
+// counts every booking ahead in every window, as a conservative log does.
+type local struct {
+	mu        sync.Mutex
+	rules     []policies.Rule // limits already divided
+	logs      map[string]*localLog
+	decisions int
+}
+
+type localEntry struct {
+	at   time.Time // admission, or for concurrency the lease's end
+	cost int
+	id   string
+}
+
+type localLog struct {
+	entries []localEntry // ascending by at
+	tat     time.Time    // token bucket
+}
+
+// newLocal divides every limit among the replicas, and refuses a division
+// that leaves a rule less than one unit.
+func newLocal(rules []policies.Rule, replicas int) (*local, error) {
+	lr := make([]policies.Rule, len(rules))
+	for i, r := range rules {
+		r.Limit /= replicas
+		if r.Limit < 1 {
+			return nil, fmt.Errorf("WithExpectedReplicas(%d) leaves rule %d (limit %d) less than one unit per replica", replicas, i, rules[i].Limit)
+		}
+		if r.Kind == policies.KindTokenBucket {
+			r.Every *= time.Duration(replicas)
+		}
+		lr[i] = r
+	}
+	return &local{rules: lr, logs: map[string]*localLog{}}, nil
+}
+
+func (lo *local) log(i int, sc scope) *localLog {
+	name := strconv.Itoa(i)
+	if lo.rules[i].PerKey {
+		name += ":" + sc.id
+	}
+	lg := lo.logs[name]
+	if lg == nil {
+		lg = &localLog{}
+		lo.logs[name] = lg
+	}
+	return lg
+}
+
+// units returns the units of the log's entries after t.
+func (lg *localLog) unitsAfter(t time.Time) int {
+	n := 0
+	for _, e := range lg.entries {
+		if e.at.After(t) {
+			n += e.cost
+		}
+	}
+	return n
+}
+
+// decide admits, books or refuses a call, as the script would.
+func (lo *local) decide(sc scope, c call, member string, maxWait time.Duration) result {
+	lo.mu.Lock()
+	defer lo.mu.Unlock()
+	now := time.Now()
+	lo.sweep(now)
+	remaining := -1
+	for i, r := range lo.rules {
+		lg := lo.log(i, sc)
+		var free int
+		switch r.Kind {
+		case policies.KindTokenBucket:
+			free = int((time.Duration(r.Limit)*r.Every - max(0, lg.tat.Sub(now))) / r.Every)
+		case policies.KindConcurrency:
+			free = r.Limit - lg.unitsAfter(now)
+		default:
+			free = r.Limit - lg.unitsAfter(now.Add(-r.Window))
+		}
+		if remaining < 0 || free < remaining {
+			remaining = max(free, 0)
+		}
+	}
+	t := now
+	for moved := true; moved; {
+		moved = false
+		for i, r := range lo.rules {
+			lg := lo.log(i, sc)
+			u := t
+			switch r.Kind {
+			case policies.KindConcurrency:
+				if lg.unitsAfter(now)+c.cost > r.Limit {
+					return result{reason: reasonBusy, wait: r.Lease, remaining: remaining, local: true}
+				}
+			case policies.KindTokenBucket:
+				u = maxTime(t, lg.tat.Add(-time.Duration(r.Limit-c.cost)*r.Every))
+			default:
+				// The earliest time after which at most Limit-cost units of
+				// the log lie within a window of it.
+				over := lg.unitsAfter(t.Add(-r.Window)) + c.cost - r.Limit
+				for j := 0; over > 0 && j < len(lg.entries); j++ {
+					e := lg.entries[j]
+					if e.at.After(t.Add(-r.Window)) {
+						u = e.at.Add(r.Window)
+						over -= e.cost
+					}
+				}
+			}
+			if u.After(t) {
+				t, moved = u, true
+			}
+		}
+	}
+	wait := t.Sub(now)
+	if wait > maxWait {
+		return result{reason: reasonTooFar, wait: wait, remaining: remaining, local: true}
+	}
+	for i, r := range lo.rules {
+		lg := lo.log(i, sc)
+		switch r.Kind {
+		case policies.KindTokenBucket:
+			lg.tat = maxTime(lg.tat, t).Add(time.Duration(c.cost) * r.Every)
+		case policies.KindConcurrency:
+			lg.insert(localEntry{at: t.Add(r.Lease), cost: c.cost, id: member})
+		default:
+			lg.insert(localEntry{at: t, cost: c.cost, id: member})
+		}
+	}
+	if remaining -= c.cost; remaining < 0 || wait > 0 {
+		remaining = 0
+	}
+	return result{admitted: true, wait: wait, remaining: remaining, local: true}
+}
+
+func (lg *localLog) insert(e localEntry) {
+	i, _ := slices.BinarySearchFunc(lg.entries, e.at, func(x localEntry, t time.Time) int { return x.at.Compare(t) })
+	lg.entries = slices.Insert(lg.entries, i, e)
+}
+
+// forget removes the units of call id: a cancelled booking, a released
+// concurrency slot.
+func (lo *local) forget(sc scope, id string) {
+	lo.mu.Lock()
+	defer lo.mu.Unlock()
+	for i := range lo.rules {
+		lg := lo.log(i, sc)
+		lg.entries = slices.DeleteFunc(lg.entries, func(e localEntry) bool { return e.id == id })
+	}
+}
+
+// sweep drops entries that left every window, now and then, so that keys no
+// longer used do not pile up.
+func (lo *local) sweep(now time.Time) {
+	if lo.decisions++; lo.decisions%1024 != 1 {
+		return
+	}
+	for name, lg := range lo.logs {
+		i, _ := strconv.Atoi(name[:indexOrLen(name, ':')])
+		r := lo.rules[i]
+		horizon := now.Add(-r.Window)
+		if r.Kind == policies.KindConcurrency || r.Kind == policies.KindTokenBucket {
+			horizon = now
+		}
+		lg.entries = slices.DeleteFunc(lg.entries, func(e localEntry) bool { return !e.at.After(horizon) })
+		if len(lg.entries) == 0 && !lg.tat.After(now) {
+			delete(lo.logs, name)
+		}
+	}
+}
+
+func indexOrLen(s string, b byte) int {
+	for i := 0; i < len(s); i++ {
+		if s[i] == b {
+			return i
+		}
+	}
+	return len(s)
+}
+
+func maxTime(a, b time.Time) time.Time {
+	if a.After(b) {
+		return a
+	}
+	return b
+}
