@@ -1,0 +1,115 @@
+package throttle_test
+
+import (
+	"errors"
+	"fmt"
+	"io"
+	"net/http"
+	"net/http/httptest"
+	"strings"
+	"time"
+
+	"github.com/alicebob/miniredis/v2"
+	"github.com/redis/go-redis/v9"
+
+	"github.com/throttlekit/throttle"
+	"github.com/throttlekit/throttle/policies"
+)
+
+// Every replica wraps its http.Client the same way; together they send at
+// most 2 requests a minute. In FailFast mode the third request fails at
+// once with an error that matches ErrLimited through http.Client's
+// *url.Error. Had the vendor answered 429, the Transport would have paused
+// the whole fleet until its Retry-After, and retried.
+func ExampleNewTransport() {
+	mr := miniredis.NewMiniRedis() // stands in for the Redis the fleet shares
+	if err := mr.Start(); err != nil {
+		fmt.Println(err)
+		return
+	}
+	defer mr.Close()
+	rdb := redis.NewClient(&redis.Options{Addr: mr.Addr()})
+	defer rdb.Close()
+	vendor := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		io.WriteString(w, "hello")
+	}))
+	defer vendor.Close()
+
+	lim, err := throttle.New(rdb, "vendor-api", policies.SlidingLog{Limit: 2, Window: time.Minute},
+		throttle.WithMode(throttle.FailFast))
+	if err != nil {
+		fmt.Println(err)
+		return
+	}
+	client := &http.Client{Transport: throttle.NewTransport(http.DefaultTransport, lim)}
+
+	for range 3 {
+		resp, err := client.Get(vendor.URL)
+		var limited *throttle.LimitedError
+		if errors.Is(err, throttle.ErrLimited) && errors.As(err, &limited) {
+			fmt.Println("limited, retry within a minute:", limited.RetryAfter <= time.Minute+policies.DefaultMargin)
+			continue
+		}
+		if err != nil {
+			fmt.Println(err)
+			return
+		}
+		body, _ := io.ReadAll(resp.Body)
+		resp.Body.Close()
+		fmt.Println(resp.StatusCode, string(body))
+	}
+	// Output:
+	// 200 hello
+	// 200 hello
+	// limited, retry within a minute: true
+}
+
+// GitHub allows 30 search requests a minute beside 5000 requests an hour for
+// the rest of its API: a route sends the search requests through a quota of
+// their own.
+func ExampleWithRoute() {
+	mr := miniredis.NewMiniRedis()
+	if err := mr.Start(); err != nil {
+		fmt.Println(err)
+		return
+	}
+	defer mr.Close()
+	rdb := redis.NewClient(&redis.Options{Addr: mr.Addr()})
+	defer rdb.Close()
+	github := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {}))
+	defer github.Close()
+	host := strings.TrimPrefix(github.URL, "http://") // api.github.com in real life
+
+	core, err := throttle.New(rdb, "github-core", policies.SlidingLog{Limit: 5000, Window: time.Hour},
+		throttle.WithMode(throttle.FailFast))
+	if err != nil {
+		fmt.Println(err)
+		return
+	}
+	search, err := throttle.New(rdb, "github-search", policies.SlidingLog{Limit: 30, Window: time.Minute},
+		throttle.WithMode(throttle.FailFast))
+	if err != nil {
+		fmt.Println(err)
+		return
+	}
+	client := &http.Client{Transport: throttle.NewTransport(nil, core,
+		throttle.WithRoute(host+"/search/", search),
+	)}
+
+	refused := map[string]int{}
+	for _, path := range []string{"/search/issues", "/repos/golang/go"} {
+		for range 40 {
+			resp, err := client.Get(github.URL + path)
+			if err != nil {
+				refused[path]++
+				continue
+			}
+			resp.Body.Close()
+		}
+	}
+	fmt.Println("search refused:", refused["/search/issues"])
+	fmt.Println("core refused:", refused["/repos/golang/go"])
+	// Output:
+	// search refused: 10
+	// core refused: 0
+}

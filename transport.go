@@ -1,0 +1,509 @@
+package throttle
+
+import (
+	"bytes"
+	"context"
+	"fmt"
+	"io"
+	"math/rand/v2"
+	"net/http"
+	"strings"
+	"time"
+
+	"github.com/cenkalti/backoff/v4"
+
+	"github.com/throttlekit/throttle/policies"
+)
+
+// Defaults of a Transport.
+const (
+	// DefaultMaxRetries is how many times a Transport retries a request the
+	// vendor refused, unless WithMaxRetries says otherwise.
+	DefaultMaxRetries = 3
+	// DefaultMaxRetryTime bounds the time a Transport spends retrying one
+	// request, unless WithMaxRetryTime says otherwise.
+	DefaultMaxRetryTime = time.Minute
+	// DefaultPause is how long the fleet pauses after a 429 that does not
+	// say when to come back, unless WithDefaultPause says otherwise.
+	DefaultPause = time.Second
+)
+
+const (
+	// The delay between attempts grows from retryFirst to retryMax, with
+	// jitter; a vendor's pause, when longer, replaces it.
+	retryFirst = 100 * time.Millisecond
+	retryMax   = 10 * time.Second
+	// maxKeptBody bounds the body of a refusal kept in memory while the
+	// request is retried, to be returned if the retry cannot be made.
+	maxKeptBody = 64 << 10
+)
+
+// Transport is an http.RoundTripper that takes every request through a
+// Limiter before its base RoundTripper sends it, and makes what the vendor
+// answers about its rate limit known to the whole fleet.
+//
+// A request waits, fails or queues as the limiter's Mode says: in Block mode
+// it waits for its slot within the request's context; in FailFast mode a full
+// quota fails it at once with an error matching ErrLimited (errors.As finds
+// the *LimitedError, with RetryAfter, inside the *url.Error of http.Client);
+// in Queue mode it takes its place in the limiter's queue.
+//
+// The vendor's answer is feedback for every replica. A refusal (a 429, a 503
+// with Retry-After, or a 403 that says nothing is left, as GitHub sends)
+// pauses the quota with Limiter.Pause until the time the vendor named in
+// Retry-After, X-RateLimit-Reset or the IETF RateLimit header, and for
+// DefaultPause (with jitter) after a 429 that named none; so does any answer
+// that says nothing is left until a reset. An answer that says fewer calls
+// are left than the shared count believes lowers the count with
+// Limiter.SetRemaining. Durations are rounded up and capped at MaxPause.
+//
+// A refused request is then retried, through the limiter again, as a new
+// call to the vendor: after growing, jittered delays, at most WithMaxRetries
+// times, within WithMaxRetryTime and the request's context. Only a request
+// that can be sent again is retried: its body is absent or GetBody produces
+// it again (a body is read again only through GetBody), and its method is
+// idempotent (GET, HEAD, OPTIONS, TRACE, PUT, DELETE), it carries an
+// Idempotency-Key, or it has GetBody, by which its caller allows sending it
+// again (the vendor refused the call, so it was not carried out). When the
+// retry cannot be made in time (the vendor's pause ends after the budget or
+// the context's deadline, or the limiter refuses it), the vendor's refusal
+// is returned as it came; so it is in FailFast mode, whose caller chose not
+// to wait.
+//
+// Transport keeps the contract of http.RoundTripper: it does not modify the
+// request (a retry sends a clone); it closes the request's body on every
+// path, also when the limiter refuses the request before it is sent; and it
+// returns a response or an error, never both. The permit of a request is
+// released when the response's body is closed, which frees its slot under a
+// policies.Concurrency, or at once when the quota has none; the caller must
+// close the body, as always.
+//
+// A Transport is safe for concurrent use.
+type Transport struct {
+	base         http.RoundTripper
+	lim          *Limiter
+	routes       []route
+	key          func(*http.Request) string
+	cost         func(*http.Request) int
+	priority     func(*http.Request) int
+	maxRetries   int
+	maxRetryTime time.Duration
+	pause        time.Duration
+}
+
+// A TransportOption configures a Transport in NewTransport.
+type TransportOption func(*Transport)
+
+type route struct {
+	match func(*http.Request) bool
+	lim   *Limiter
+}
+
+// NewTransport returns a Transport that takes requests through lim and sends
+// them with base; a nil base means http.DefaultTransport. Requests that match
+// a route (WithRoute) go through that route's limiter instead. A nil lim lets
+// requests that match no route through without limit.
+//
+// Options are checked here: an invalid one panics with a message naming it,
+// as an invalid pattern does in http.ServeMux.
+func NewTransport(base http.RoundTripper, lim *Limiter, opts ...TransportOption) *Transport {
+	if base == nil {
+		base = http.DefaultTransport
+	}
+	t := &Transport{
+		base:         base,
+		lim:          lim,
+		maxRetries:   DefaultMaxRetries,
+		maxRetryTime: DefaultMaxRetryTime,
+		pause:        DefaultPause,
+	}
+	for _, o := range opts {
+		if o != nil {
+			o(t)
+		}
+	}
+	return t
+}
+
+// WithRequestKey sets the Key of each request: the tenant, user or API token
+// it is for, under policies.PerKey limits. An empty string gives the request
+// no key.
+func WithRequestKey(key func(*http.Request) string) TransportOption {
+	return func(t *Transport) { t.key = key }
+}
+
+// WithRequestCost sets the Cost of each request, in units of the quota (a
+// batch endpoint, an estimate of LLM tokens). It must be at least 1 and at
+// most the quota's smallest limit, or the request fails with the limiter's
+// error. Without it every request costs 1.
+func WithRequestCost(cost func(*http.Request) int) TransportOption {
+	return func(t *Transport) { t.cost = cost }
+}
+
+// WithRequestPriority sets the Priority of each request in the queue of a
+// limiter in Queue mode: higher values go first.
+func WithRequestPriority(priority func(*http.Request) int) TransportOption {
+	return func(t *Transport) { t.priority = priority }
+}
+
+// WithRoute sends the requests that match pattern through lim instead of the
+// Transport's limiter, for a vendor whose APIs have quotas of their own
+// (GitHub's search API allows 30 calls a minute beside 5000 an hour for the
+// rest). A pattern is [host]/[path], as in http.ServeMux: a path ending in a
+// slash matches every path under it, any other path matches only itself, and
+// no host matches any host. A host with a port matches that port only; host
+// names compare without regard to case.
+//
+//	throttle.WithRoute("api.github.com/search/", search)
+//
+// Routes are tried in the order given and the first match wins, so give the
+// narrower ones first. A nil lim lets the requests that match through without
+// limit. A pattern without a slash panics.
+func WithRoute(pattern string, lim *Limiter) TransportOption {
+	host, path, ok := strings.Cut(pattern, "/")
+	if !ok {
+		panic(fmt.Sprintf("throttle: WithRoute: pattern %q needs a path starting with /", pattern))
+	}
+	host, path = strings.ToLower(host), "/"+path
+	return WithRouteFunc(func(r *http.Request) bool {
+		if r.URL == nil {
+			return false
+		}
+		if host != "" {
+			h := r.URL.Hostname()
+			if strings.Contains(host, ":") {
+				h = r.URL.Host
+			}
+			if strings.ToLower(h) != host {
+				return false
+			}
+		}
+		p := r.URL.Path
+		if p == "" {
+			p = "/"
+		}
+		if strings.HasSuffix(path, "/") {
+			return strings.HasPrefix(p, path)
+		}
+		return p == path
+	}, lim)
+}
+
+// WithRouteFunc sends the requests for which match reports true through lim,
+// as WithRoute does for a pattern. match must not modify the request.
+func WithRouteFunc(match func(*http.Request) bool, lim *Limiter) TransportOption {
+	if match == nil {
+		panic("throttle: WithRouteFunc: match is nil")
+	}
+	return func(t *Transport) { t.routes = append(t.routes, route{match: match, lim: lim}) }
+}
+
+// WithMaxRetries sets how many times a request the vendor refused is retried;
+// 0 never retries. The default is DefaultMaxRetries.
+func WithMaxRetries(n int) TransportOption {
+	if n < 0 {
+		panic(fmt.Sprintf("throttle: WithMaxRetries must not be negative, got %d", n))
+	}
+	return func(t *Transport) { t.maxRetries = n }
+}
+
+// WithMaxRetryTime bounds the time spent retrying one request, from the
+// vendor's first refusal. A refusal whose pause ends later is returned at
+// once. The default is DefaultMaxRetryTime.
+func WithMaxRetryTime(d time.Duration) TransportOption {
+	if d <= 0 {
+		panic(fmt.Sprintf("throttle: WithMaxRetryTime must be > 0, got %v", d))
+	}
+	return func(t *Transport) { t.maxRetryTime = d }
+}
+
+// WithDefaultPause sets how long the fleet pauses after a 429 that does not
+// say when to come back; up to a quarter more is added at random. The
+// default is DefaultPause.
+func WithDefaultPause(d time.Duration) TransportOption {
+	if d <= 0 {
+		panic(fmt.Sprintf("throttle: WithDefaultPause must be > 0, got %v", d))
+	}
+	return func(t *Transport) { t.pause = d }
+}
+
+// RoundTrip takes req through the limiter, sends it, feeds the vendor's
+// answer back to the limiter, and retries a refused request when it is safe.
+// See Transport for the contract it keeps.
+func (t *Transport) RoundTrip(req *http.Request) (*http.Response, error) {
+	lim := t.limiterFor(req)
+	if lim == nil {
+		return t.base.RoundTrip(req)
+	}
+	ctx := req.Context()
+	opts := t.callOptions(req)
+	var (
+		out     = req           // the request sent by this attempt
+		refusal *http.Response  // the vendor's last refusal, kept while a retry is tried
+		retries backoff.BackOff // made at the first refusal
+		first   time.Time
+	)
+	for {
+		p, err := lim.Acquire(ctx, opts...)
+		if err != nil {
+			closeBody(out)
+			if refusal != nil && ctx.Err() == nil {
+				// The retry cannot be made: the vendor's answer stands.
+				return refusal, nil
+			}
+			discard(refusal)
+			return nil, err
+		}
+		discard(refusal)
+		refusal = nil
+		resp, err := t.base.RoundTrip(out)
+		if err != nil {
+			p.Release()
+			return nil, err
+		}
+		v := parseVendorLimits(resp.Header, time.Now())
+		quiet, refused := t.feedback(ctx, lim, p, resp.StatusCode, v, opts)
+		if !refused {
+			return deliver(resp, p), nil
+		}
+		if retries == nil {
+			first = time.Now()
+			retries = t.newBackOff()
+		}
+		next, delay, ok := t.nextAttempt(req, lim, retries, first, quiet)
+		if !ok {
+			return deliver(resp, p), nil
+		}
+		refusal, ok = keep(resp)
+		if !ok {
+			closeBody(next)
+			return deliver(refusal, p), nil
+		}
+		p.Release()
+		if err := sleep(ctx, delay); err != nil {
+			closeBody(next)
+			discard(refusal)
+			return nil, err
+		}
+		out = next
+	}
+}
+
+// CloseIdleConnections closes the idle connections of the base RoundTripper,
+// when it has that method, as http.Client.CloseIdleConnections expects.
+func (t *Transport) CloseIdleConnections() {
+	if c, ok := t.base.(interface{ CloseIdleConnections() }); ok {
+		c.CloseIdleConnections()
+	}
+}
+
+func (t *Transport) limiterFor(req *http.Request) *Limiter {
+	for _, r := range t.routes {
+		if r.match(req) {
+			return r.lim
+		}
+	}
+	return t.lim
+}
+
+func (t *Transport) callOptions(req *http.Request) []CallOption {
+	var opts []CallOption
+	if t.key != nil {
+		if k := t.key(req); k != "" {
+			opts = append(opts, Key(k))
+		}
+	}
+	if t.cost != nil {
+		opts = append(opts, Cost(t.cost(req)))
+	}
+	if t.priority != nil {
+		opts = append(opts, Priority(t.priority(req)))
+	}
+	return opts
+}
+
+// feedback tells the limiter what the vendor's answer says, and reports how
+// long the vendor asked the fleet to keep quiet and whether it refused the
+// request. It runs even when the request's context has ended, since the
+// fleet needs to know; if Redis cannot be reached the feedback is lost and
+// the answer is returned all the same.
+func (t *Transport) feedback(ctx context.Context, lim *Limiter, p *Permit, status int, v vendorLimits, opts []CallOption) (quiet time.Duration, refused bool) {
+	ctx, stop := context.WithTimeout(context.WithoutCancel(ctx), cleanupTimeout)
+	defer stop()
+	if v.remaining == 0 {
+		quiet = v.reset
+	}
+	switch {
+	case status == http.StatusTooManyRequests:
+		refused = true
+		quiet = max(quiet, v.retryAfter)
+		if quiet == 0 && !v.hasRetryAfter {
+			quiet = t.pause + rand.N(t.pause/4+1)
+		}
+	case status == http.StatusServiceUnavailable && v.hasRetryAfter:
+		refused = true
+		quiet = max(quiet, v.retryAfter)
+	case status == http.StatusForbidden && v.remaining == 0 && quiet > 0:
+		// GitHub's way of refusing a call over its primary rate limit.
+		refused = true
+	}
+	switch {
+	case quiet > 0:
+		_ = lim.Pause(ctx, quiet, opts...)
+	case v.remaining >= 0 && countsCalls(lim) && (lim.hasConc || v.remaining < p.r.remaining):
+		// The count only ever believes fewer are left after it admitted
+		// this call: when it believed no more than the vendor then, a call
+		// to Redis is saved. A Concurrency rule's free slots take part in
+		// that belief, so with one the vendor's count is always passed on.
+		_ = lim.SetRemaining(ctx, v.remaining, v.reset, opts...)
+	}
+	return quiet, refused
+}
+
+// countsCalls reports whether the quota has a rule that counts calls over
+// time, the only kind a vendor's remaining count is about.
+func countsCalls(lim *Limiter) bool {
+	for _, r := range lim.rules {
+		if r.Kind != policies.KindConcurrency {
+			return true
+		}
+	}
+	return false
+}
+
+// nextAttempt prepares the retry of a refused request: a clone of req with
+// its body produced again, and the delay before it asks the limiter for a
+// slot. It reports false when the request must not or cannot be retried in
+// time.
+func (t *Transport) nextAttempt(req *http.Request, lim *Limiter, retries backoff.BackOff, first time.Time, quiet time.Duration) (*http.Request, time.Duration, bool) {
+	if lim.Mode() == FailFast || !replayable(req) {
+		return nil, 0, false
+	}
+	delay := retries.NextBackOff()
+	if delay == backoff.Stop {
+		return nil, 0, false
+	}
+	// The retry runs no earlier than the vendor's pause ends; if that is past
+	// the budget or the deadline, waiting for it would only delay the answer.
+	ready := time.Now().Add(max(delay, quiet))
+	if ready.After(first.Add(t.maxRetryTime)) {
+		return nil, 0, false
+	}
+	if deadline, ok := req.Context().Deadline(); ok && ready.After(deadline) {
+		return nil, 0, false
+	}
+	next := req.Clone(req.Context())
+	if req.GetBody != nil {
+		body, err := req.GetBody()
+		if err != nil {
+			return nil, 0, false
+		}
+		next.Body = body
+	}
+	return next, delay, true
+}
+
+// replayable reports whether a request may be sent again after the vendor
+// refused it: its body can be produced again, and sending it twice is safe,
+// by its method or its Idempotency-Key, or because the caller gave GetBody
+// to have it sent again (a refused call was not carried out).
+func replayable(req *http.Request) bool {
+	if req.Body != nil && req.Body != http.NoBody && req.GetBody == nil {
+		return false
+	}
+	switch req.Method {
+	case "", http.MethodGet, http.MethodHead, http.MethodOptions, http.MethodTrace, http.MethodPut, http.MethodDelete:
+		return true
+	}
+	return req.GetBody != nil || req.Header.Get("Idempotency-Key") != "" || req.Header.Get("X-Idempotency-Key") != ""
+}
+
+func (t *Transport) newBackOff() backoff.BackOff {
+	b := backoff.NewExponentialBackOff(
+		backoff.WithInitialInterval(retryFirst),
+		backoff.WithMaxInterval(retryMax),
+		backoff.WithMaxElapsedTime(t.maxRetryTime),
+	)
+	return backoff.WithMaxRetries(b, uint64(t.maxRetries))
+}
+
+// deliver hands the response over. Under a policies.Concurrency the permit
+// is released when the body is closed, since the call holds the vendor's
+// slot until then; otherwise it is released now.
+func deliver(resp *http.Response, p *Permit) *http.Response {
+	if !p.l.hasConc || resp.Body == nil || resp.Body == http.NoBody {
+		p.Release()
+		return resp
+	}
+	body := releaseOnClose{ReadCloser: resp.Body, p: p}
+	if w, ok := resp.Body.(io.Writer); ok {
+		// A 101 Switching Protocols body is also written to.
+		resp.Body = &releaseOnCloseWriter{releaseOnClose: body, w: w}
+	} else {
+		resp.Body = &body
+	}
+	return resp
+}
+
+// releaseOnClose releases a permit when the response body is closed.
+type releaseOnClose struct {
+	io.ReadCloser
+	p *Permit
+}
+
+func (b *releaseOnClose) Close() error {
+	err := b.ReadCloser.Close()
+	b.p.Release()
+	return err
+}
+
+type releaseOnCloseWriter struct {
+	releaseOnClose
+	w io.Writer
+}
+
+func (b *releaseOnCloseWriter) Write(p []byte) (int, error) { return b.w.Write(p) }
+
+// keep reads the body of a refusal into memory and closes it, which frees
+// the connection while the retry waits, so that the refusal can still be
+// returned as it came. A body too large to keep is left as it is (false).
+func keep(resp *http.Response) (*http.Response, bool) {
+	if resp.Body == nil || resp.Body == http.NoBody {
+		return resp, true
+	}
+	buf, err := io.ReadAll(io.LimitReader(resp.Body, maxKeptBody+1))
+	if len(buf) > maxKeptBody {
+		resp.Body = struct {
+			io.Reader
+			io.Closer
+		}{io.MultiReader(bytes.NewReader(buf), resp.Body), resp.Body}
+		return resp, false
+	}
+	_ = resp.Body.Close()
+	var r io.Reader = bytes.NewReader(buf)
+	if err != nil {
+		r = io.MultiReader(r, errReader{err})
+	}
+	resp.Body = io.NopCloser(r)
+	return resp, true
+}
+
+type errReader struct{ err error }
+
+func (r errReader) Read([]byte) (int, error) { return 0, r.err }
+
+// discard drains and closes the body of a response that will not be
+// returned.
+func discard(resp *http.Response) {
+	if resp == nil || resp.Body == nil {
+		return
+	}
+	_, _ = io.Copy(io.Discard, io.LimitReader(resp.Body, maxKeptBody))
+	_ = resp.Body.Close()
+}
+
+func closeBody(req *http.Request) {
+	if req != nil && req.Body != nil {
+		_ = req.Body.Close()
+	}
+}
