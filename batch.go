@@ -135,6 +135,7 @@ func (l *Limiter) decide(sc scope, batch []*request) {
 	if err == nil && len(v) != 4+4*len(batch) {
 		err = fmt.Errorf("unexpected script reply %v", v)
 	}
+	l.emit(Event{Kind: EventRedis, Duration: time.Since(sent), Calls: len(batch), Err: err})
 	if err != nil {
 		err = l.unavailable(err)
 		for _, req := range batch {

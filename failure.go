@@ -151,6 +151,7 @@ func (l *Limiter) acquire(ctx context.Context, c call, maxWait time.Duration) (r
 	if err == nil {
 		if l.brk.success() {
 			l.s.logger.Info("throttle: Redis answers again; deciding in Redis", "quota", l.name)
+			l.emit(Event{Kind: EventRecovered})
 		}
 		return r, nil
 	}
@@ -161,6 +162,7 @@ func (l *Limiter) acquire(ctx context.Context, c call, maxWait time.Duration) (r
 	if l.brk.failure() {
 		l.s.logger.Warn("throttle: Redis keeps failing; deciding without it until it answers a probe",
 			"quota", l.name, "on_redis_error", l.s.onRedisError.String(), "err", err)
+		l.emit(Event{Kind: EventFallback, Err: err})
 	}
 	return l.fallback(sc, c, maxWait, err)
 }

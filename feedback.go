@@ -71,6 +71,9 @@ func (l *Limiter) feedback(ctx context.Context, pause time.Duration, remaining i
 		return fmt.Errorf("throttle: quota %q: unexpected script reply %v", l.name, v)
 	}
 	l.notePause(sc, time.Duration(v[2])*time.Microsecond, time.Duration(v[0])*time.Microsecond)
+	if pause > 0 {
+		l.emit(Event{Kind: EventPaused, Duration: pause})
+	}
 	return nil
 }
 

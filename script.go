@@ -156,6 +156,7 @@ func (l *Limiter) noteEpoch(epoch int64, lost bool) {
 	if old := l.epoch.Swap(epoch); old != epoch && old != 0 {
 		l.s.logger.Warn("throttle: Redis lost the quota's data; every limit counts as full for one window",
 			"quota", l.name, "old_epoch", old, "epoch", epoch, "detected_here", lost)
+		l.emit(Event{Kind: EventDataLost})
 	}
 }
 

@@ -118,6 +118,8 @@ func (e *LimitedError) Is(target error) bool { return target == ErrLimited }
 type Option func(*settings)
 
 type settings struct {
+	observer     Observer
+	shadow       bool
 	onRedisError OnRedisError
 	replicas     int
 	logger       *slog.Logger
@@ -157,6 +159,12 @@ func WithClock(now func() time.Time) Option { return func(s *settings) { s.clock
 // behind it still give up at this timeout. Set ContextTimeoutEnabled on the
 // client you pass to New.
 func WithRedisTimeout(d time.Duration) Option { return func(s *settings) { s.redisTimeout = d } }
+
+// WithShadow puts the limiter in shadow mode: it decides and reports every
+// call as usual (to its Observer, see Event.Shadow), records the calls that
+// fit, and lets every call through at once, refused or not. Roll a limiter
+// out in front of a live vendor this way, and watch what it would have done.
+func WithShadow() Option { return func(s *settings) { s.shadow = true } }
 
 // WithLogger sets where the limiter reports what it changes by itself: Redis
 // losing a quota's data, switching to and from a fallback. The default is
@@ -364,8 +372,11 @@ func (l *Limiter) Allow(ctx context.Context, opts ...CallOption) (Decision, erro
 		return Decision{}, err
 	}
 	d := Decision{OK: r.admitted, Remaining: r.remaining}
-	if !r.admitted {
+	if r.admitted {
+		l.emitOutcome(c, l.permit(c, r, 0), nil, false)
+	} else {
 		d.RetryAfter = r.wait
+		l.emitOutcome(c, nil, l.limited(r.wait), false)
 	}
 	return d, nil
 }
@@ -384,24 +395,49 @@ func (l *Limiter) Acquire(ctx context.Context, opts ...CallOption) (*Permit, err
 	if err := ctx.Err(); err != nil {
 		return nil, err
 	}
+	if l.s.shadow {
+		return l.shadow(ctx, c)
+	}
+	var p *Permit
 	switch l.s.mode {
 	case FailFast:
-		r, err := l.acquire(ctx, c, 0)
-		if err != nil {
-			return nil, err
+		var r result
+		if r, err = l.acquire(ctx, c, 0); err == nil {
+			if r.admitted {
+				p = l.permit(c, r, 0)
+			} else {
+				err = l.limited(r.wait)
+			}
 		}
-		if !r.admitted {
-			return nil, l.limited(r.wait)
-		}
-		return l.permit(c, r, 0), nil
 	case Queue:
-		w, err := l.q.enqueue(c.priority, l.name)
-		if err != nil {
-			return nil, err
+		var w *waiter
+		if w, err = l.q.enqueue(c.priority, l.name); err == nil {
+			p, err = l.fromQueue(ctx, c, w)
 		}
-		return l.fromQueue(ctx, c, w)
+	default:
+		p, err = l.wait(ctx, c)
 	}
-	return l.wait(ctx, c)
+	l.emitOutcome(c, p, err, false)
+	return p, err
+}
+
+// shadow decides a call as FailFast would, records it when it fits, reports
+// the decision, and lets the call through either way.
+func (l *Limiter) shadow(ctx context.Context, c call) (*Permit, error) {
+	r, err := l.acquire(ctx, c, 0)
+	if err == nil && r.admitted {
+		p := l.permit(c, r, 0)
+		l.emitOutcome(c, p, nil, false)
+		return p, nil
+	}
+	if err == nil {
+		err = l.limited(r.wait)
+	} else if ctx.Err() != nil {
+		return nil, err
+	}
+	l.emitOutcome(c, nil, err, true)
+	// Nothing was recorded: the permit holds nothing to give back.
+	return l.permit(c, result{local: true}, 0), nil
 }
 
 // fromQueue waits for a queued call's turn, then books its slot as Block does.

@@ -1,0 +1,151 @@
+package throttle
+
+import (
+	"errors"
+	"strconv"
+	"time"
+)
+
+// An Observer is told what a limiter, and the transports built on it, do:
+// the calls admitted and refused and how long they waited, each round trip
+// to Redis, the vendor's pushback, the switches to and from a fallback. It
+// feeds metrics; the Prometheus and OpenTelemetry adapters live in their own
+// modules (observe/prometheus, observe/otel).
+//
+// Observe is called on the path of every call: it must be quick, must not
+// block, and must be safe for concurrent use. A limiter without an Observer
+// does none of this work.
+type Observer interface {
+	Observe(Event)
+}
+
+// ObserverFunc adapts a function to an Observer.
+type ObserverFunc func(Event)
+
+// Observe calls f(e).
+func (f ObserverFunc) Observe(e Event) { f(e) }
+
+// WithObserver sets the limiter's Observer.
+func WithObserver(o Observer) Option { return func(s *settings) { s.observer = o } }
+
+// EventKind says what an Event reports.
+type EventKind int
+
+// The kinds of Event.
+const (
+	// EventAdmitted: a call got its permit, after Wait. Cost is its units.
+	EventAdmitted EventKind = iota + 1
+	// EventLimited: a call was refused because the quota is full
+	// (ErrLimited); Wait is how long it would have had to wait.
+	EventLimited
+	// EventQueueFull: a full queue turned a call away (ErrQueueFull).
+	EventQueueFull
+	// EventUnavailable: a call was refused because Redis could not decide
+	// it (ErrUnavailable).
+	EventUnavailable
+	// EventRedis: one script call to Redis. Duration is its round trip,
+	// Calls the number of calls it decided, Err its failure if any.
+	EventRedis
+	// EventFallback: Redis kept failing, and calls are now decided as
+	// OnRedisError says, without Redis.
+	EventFallback
+	// EventRecovered: Redis answered a probe; calls are decided in Redis
+	// again.
+	EventRecovered
+	// EventDataLost: Redis lost the quota's data; every limit counts as
+	// full for one window.
+	EventDataLost
+	// EventVendorLimited: the vendor answered 429 or 503 (Transport).
+	EventVendorLimited
+	// EventPaused: the quota, or one key of it, was paused for Duration at
+	// the vendor's request.
+	EventPaused
+)
+
+// String returns the kind's name.
+func (k EventKind) String() string {
+	switch k {
+	case EventAdmitted:
+		return "admitted"
+	case EventLimited:
+		return "limited"
+	case EventQueueFull:
+		return "queue_full"
+	case EventUnavailable:
+		return "unavailable"
+	case EventRedis:
+		return "redis"
+	case EventFallback:
+		return "fallback"
+	case EventRecovered:
+		return "recovered"
+	case EventDataLost:
+		return "data_lost"
+	case EventVendorLimited:
+		return "vendor_limited"
+	case EventPaused:
+		return "paused"
+	}
+	return "EventKind(" + strconv.Itoa(int(k)) + ")"
+}
+
+// Event is one thing a limiter did. Fields that do not apply to its Kind
+// are zero.
+type Event struct {
+	Kind  EventKind
+	Quota string // the limiter's name; never a call's key, which may be a secret
+	Mode  Mode
+	// Cost is the call's units.
+	Cost int
+	// Wait is how long the call waited for its slot (EventAdmitted), or
+	// would have had to wait (EventLimited).
+	Wait time.Duration
+	// Duration is a Redis round trip (EventRedis) or a pause (EventPaused).
+	Duration time.Duration
+	// Calls is how many calls one script call decided (EventRedis).
+	Calls int
+	// Queued is how many calls wait in the local queue (Queue mode).
+	Queued int
+	// Local reports a call decided without Redis, by the fallback.
+	Local bool
+	// Shadow reports a call that went ahead although the limiter refused
+	// it, because the limiter is in shadow mode (WithShadow).
+	Shadow bool
+	// Err is the failure of a Redis round trip, or why a call was refused.
+	Err error
+}
+
+func (l *Limiter) emit(e Event) {
+	if l.s.observer == nil {
+		return
+	}
+	e.Quota, e.Mode = l.name, l.s.mode
+	if l.q != nil {
+		e.Queued = l.q.len()
+	}
+	l.s.observer.Observe(e)
+}
+
+// emitOutcome reports how a call that asked for a permit fared.
+func (l *Limiter) emitOutcome(c call, p *Permit, err error, shadow bool) {
+	if l.s.observer == nil {
+		return
+	}
+	e := Event{Cost: c.cost, Err: err, Shadow: shadow}
+	switch {
+	case err == nil:
+		e.Kind, e.Wait, e.Local = EventAdmitted, p.waited, p.r.local
+	case errors.Is(err, ErrLimited):
+		e.Kind = EventLimited
+		if le, ok := err.(*LimitedError); ok {
+			e.Wait = le.RetryAfter
+		}
+	case errors.Is(err, ErrQueueFull):
+		e.Kind = EventQueueFull
+	case errors.Is(err, ErrUnavailable):
+		e.Kind = EventUnavailable
+	default:
+		return // the caller's context ended, or bad options
+	}
+	l.emit(e)
+}
