@@ -22,6 +22,8 @@ var (
 	release string
 	//go:embed feedback.lua
 	feedback string
+	//go:embed usage.lua
+	usage string
 )
 
 // The scripts. go-redis runs each with EVALSHA and falls back to EVAL when
@@ -37,4 +39,6 @@ var (
 	Release = redis.NewScript(lib + release)
 	// Feedback records a vendor's pause and remaining count for the fleet.
 	Feedback = redis.NewScript(lib + feedback)
+	// Usage reads how full each rule is, changing nothing.
+	Usage = redis.NewScript(lib + usage)
 )

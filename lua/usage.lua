@@ -1,0 +1,61 @@
+-- usage.lua: read how full each rule of a quota is, without changing
+-- anything: no entry is trimmed, no expiry moved, so it can run as often as a
+-- dashboard likes.
+--
+-- KEYS and ARGV as in lib.lua (ARGV[2] .. ARGV[6] unused).
+--
+-- Returns {now, pause, then for each rule: used, booked, remaining, next}:
+--   used       units admitted in the window ending now;
+--   booked     units booked for later by waiting calls;
+--   remaining  units a call could take now (limit - used - booked, at least 0);
+--   next       microseconds until one more unit fits, 0 when one fits now.
+
+local now = clock()
+local _, quota_pause = read_meta()
+local out = { str(now), str(pause_until(quota_pause)) }
+
+for _, r in ipairs(rules()) do
+  local used, booked, next = 0, 0, 0
+  if r.kind == LOG then
+    used = redis.call('ZCOUNT', r.key, '(' .. str(now - r.p2), str(now))
+    booked = redis.call('ZCOUNT', r.key, '(' .. str(now), '+inf')
+    if used + booked >= r.p1 then
+      -- One unit fits once the oldest entry that counts has left its window.
+      local first = redis.call('ZRANGEBYSCORE', r.key, '(' .. str(now - r.p2), '+inf', 'WITHSCORES', 'LIMIT', used + booked - r.p1, 1)
+      if first[2] then
+        next = math.max(tonumber(first[2]) + r.p2 - now, 0)
+      end
+    end
+  elseif r.kind == COUNTER then
+    local m = math.ceil(r.p2 / r.p3)
+    local k = bucket_of(now, r.p3)
+    local raw = redis.call('HGETALL', r.key)
+    local oldest = nil
+    for i = 1, #raw, 2 do
+      local b, n = tonumber(raw[i]), tonumber(raw[i + 1])
+      if b > k then
+        booked = booked + n
+      elseif b >= k - m then
+        used = used + n
+        if n > 0 and (oldest == nil or b < oldest) then
+          oldest = b
+        end
+      end
+    end
+    if used + booked >= r.p1 and oldest then
+      next = (oldest + m + 1) * r.p3 - now
+    end
+  elseif r.kind == BUCKET then
+    local tat = tat_of(r.key)
+    used = math.ceil(math.max(0, tat - now) / r.p2)
+    next = math.max(0, tat - (r.p1 - 1) * r.p2 - now)
+  else
+    used = redis.call('ZCOUNT', r.key, '(' .. str(now), '+inf')
+    if used >= r.p1 then
+      local first = redis.call('ZRANGEBYSCORE', r.key, '(' .. str(now), '+inf', 'WITHSCORES', 'LIMIT', 0, 1)
+      next = tonumber(first[2]) - now
+    end
+  end
+  out[#out + 1], out[#out + 2], out[#out + 3], out[#out + 4] = used, booked, math.max(r.p1 - used - booked, 0), str(next)
+end
+return out

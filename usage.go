@@ -1,0 +1,75 @@
+package throttle
+
+import (
+	"context"
+	"fmt"
+	"time"
+
+	"github.com/throttlekit/throttle/lua"
+	"github.com/throttlekit/throttle/policies"
+)
+
+// Usage is how full a quota is, for one key, as Usage reads it.
+type Usage struct {
+	// Paused is how long the quota, or the key, stays paused at the
+	// vendor's request.
+	Paused time.Duration
+	// Rules holds the usage of each rule, in the order of policies.Rules.
+	Rules []RuleUsage
+}
+
+// RuleUsage is how full one rule is.
+type RuleUsage struct {
+	Rule policies.Rule
+	// Used is the units admitted in the window ending now (calls in flight,
+	// for a Concurrency rule; the units still to drain, for a TokenBucket).
+	Used int
+	// Booked is the units booked for later by waiting calls.
+	Booked int
+	// Remaining is the units a call could take now.
+	Remaining int
+	// NextFree is how long until one more unit fits; 0 when one fits now.
+	NextFree time.Duration
+}
+
+// Remaining returns the units a call could take now under every rule.
+func (u Usage) Remaining() int {
+	if len(u.Rules) == 0 {
+		return 0
+	}
+	n := u.Rules[0].Remaining
+	for _, r := range u.Rules[1:] {
+		n = min(n, r.Remaining)
+	}
+	return n
+}
+
+// Usage reads how full the quota is, for the call's Key when it has per-key
+// policies, with one read-only script call: it changes nothing in Redis, so
+// a dashboard can run it as often as it likes.
+func (l *Limiter) Usage(ctx context.Context, opts ...CallOption) (Usage, error) {
+	c, err := l.newCall(opts)
+	if err != nil {
+		return Usage{}, err
+	}
+	sc := l.scopeFor(c)
+	v, err := l.run(ctx, lua.Usage, sc, l.args("", 0, 0, 0, 0)).Int64Slice()
+	if err != nil {
+		return Usage{}, l.unavailable(err)
+	}
+	if len(v) != 2+4*len(l.rules) {
+		return Usage{}, l.unavailable(fmt.Errorf("unexpected script reply %v", v))
+	}
+	u := Usage{Paused: max(time.Duration(v[1]-v[0])*time.Microsecond, 0)}
+	for i, r := range l.rules {
+		w := v[2+4*i:]
+		u.Rules = append(u.Rules, RuleUsage{
+			Rule:      r,
+			Used:      int(w[0]),
+			Booked:    int(w[1]),
+			Remaining: int(w[2]),
+			NextFree:  time.Duration(w[3]) * time.Microsecond,
+		})
+	}
+	return u, nil
+}
