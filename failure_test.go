@@ -17,7 +17,7 @@ import (
 )
 
 // deadRedis is a client of a port where no Redis listens.
-func deadRedis(t *testing.T) *redis.Client {
+func deadRedis(t testing.TB) *redis.Client {
 	rdb := redis.NewClient(&redis.Options{Addr: "127.0.0.1:1", MaxRetries: -1, DialTimeout: 100 * time.Millisecond})
 	t.Cleanup(func() { rdb.Close() })
 	return rdb

@@ -25,7 +25,7 @@ func (l *Limiter) Pause(ctx context.Context, d time.Duration, opts ...CallOption
 	if d <= 0 {
 		return nil
 	}
-	return l.feedback(ctx, min(d, MaxPause), -1, 0, opts)
+	return l.feedback(ctx, min(d, MaxPause), -1, 0, 0, opts)
 }
 
 // SetRemaining tells the quota how many units the vendor says are left
@@ -36,13 +36,24 @@ func (l *Limiter) Pause(ctx context.Context, d time.Duration, opts ...CallOption
 // that believes fewer are left is kept: it errs on the safe side. Its scope is
 // that of Pause.
 func (l *Limiter) SetRemaining(ctx context.Context, remaining int, reset time.Duration, opts ...CallOption) error {
+	return l.setRemaining(ctx, remaining, reset, result{}, opts)
+}
+
+// setRemaining is SetRemaining as of the call r, whose answer carried the
+// vendor's count: the units our count holds after r's slot are calls on
+// their way, which the vendor could not have counted yet.
+func (l *Limiter) setRemaining(ctx context.Context, remaining int, reset time.Duration, r result, opts []CallOption) error {
 	if remaining < 0 {
 		return fmt.Errorf("throttle: quota %q: SetRemaining: remaining must not be negative, got %d", l.name, remaining)
 	}
-	return l.feedback(ctx, 0, remaining, max(reset, 0), opts)
+	var asOf time.Duration
+	if r.admitted && !r.local {
+		asOf = r.slot()
+	}
+	return l.feedback(ctx, 0, remaining, max(reset, 0), asOf, opts)
 }
 
-func (l *Limiter) feedback(ctx context.Context, pause time.Duration, remaining int, reset time.Duration, opts []CallOption) error {
+func (l *Limiter) feedback(ctx context.Context, pause time.Duration, remaining int, reset, asOf time.Duration, opts []CallOption) error {
 	c, err := l.newFeedbackCall(opts)
 	if err != nil {
 		return err
@@ -62,7 +73,7 @@ func (l *Limiter) feedback(ctx context.Context, pause time.Duration, remaining i
 			rules = append(rules, r)
 		}
 	}
-	args := argsFor(l.s.clock, l.newMember(), 0, pause.Microseconds(), int64(remaining), reset.Microseconds(), rules)
+	args := argsFor(l.s.clock, l.newMember(), int(asOf.Microseconds()), pause.Microseconds(), int64(remaining), reset.Microseconds(), rules)
 	v, err := lua.Feedback.Run(ctx, l.rdb, keys, args...).Int64Slice()
 	if err != nil {
 		return l.redisErr(err)

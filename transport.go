@@ -347,6 +347,9 @@ func (t *Transport) feedback(ctx context.Context, lim *Limiter, p *Permit, statu
 		// GitHub's way of refusing a call over its primary rate limit.
 		refused = true
 	}
+	if refused {
+		lim.emit(Event{Kind: EventVendorLimited})
+	}
 	switch {
 	case quiet > 0:
 		_ = lim.Pause(ctx, quiet, opts...)
@@ -355,7 +358,9 @@ func (t *Transport) feedback(ctx context.Context, lim *Limiter, p *Permit, statu
 		// this call: when it believed no more than the vendor then, a call
 		// to Redis is saved. A Concurrency rule's free slots take part in
 		// that belief, so with one the vendor's count is always passed on.
-		_ = lim.SetRemaining(ctx, v.remaining, v.reset, opts...)
+		// The vendor counted as of this call: calls admitted after it, on
+		// their way, are not in its number.
+		_ = lim.setRemaining(ctx, v.remaining, v.reset, p.r, opts)
 	}
 	return quiet, refused
 }

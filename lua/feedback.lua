@@ -2,6 +2,9 @@
 --
 -- KEYS and ARGV as in lib.lua; the rules passed are the ones the vendor's
 -- answer is about (the shared ones, or the ones of one key), with
+-- ARGV[3]   the time, in microseconds, of the call whose answer carried the
+--           vendor's count, or 0 for now: units after it are calls on their way
+--           that the vendor has not counted yet;
 -- ARGV[4]   a pause in microseconds from now (a 429 with Retry-After): no call
 --           in the scope of KEYS[2] is admitted before it ends; 0 for none. A
 --           pause only ever lengthens one already in force.
@@ -20,6 +23,10 @@ local id = ARGV[2]
 local pause = tonumber(ARGV[4])
 local left = tonumber(ARGV[5])
 local reset = tonumber(ARGV[6])
+local as_of = tonumber(ARGV[3])
+if as_of <= 0 or as_of > now then
+  as_of = now
+end
 
 local epoch, quota_pause, refreshed = read_meta()
 local until_ = pause_until(quota_pause)
@@ -41,14 +48,14 @@ if left >= 0 then
     local free
     if r.kind == LOG then
       redis.call('ZREMRANGEBYSCORE', r.key, '-inf', str(now - r.p2))
-      free = r.p1 - redis.call('ZCOUNT', r.key, '-inf', str(now))
+      free = r.p1 - redis.call('ZCOUNT', r.key, '-inf', str(as_of))
     elseif r.kind == COUNTER then
       local used = 0
       local raw = redis.call('HGETALL', r.key)
       local oldest = bucket_of(now - r.p2, r.p3)
       for k = 1, #raw, 2 do
         local b = tonumber(raw[k])
-        if b >= oldest and b * r.p3 <= now then
+        if b >= oldest and b * r.p3 <= as_of then
           used = used + tonumber(raw[k + 1])
         end
       end

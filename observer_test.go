@@ -1,0 +1,137 @@
+package throttle
+
+import (
+	"context"
+	"errors"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/throttlekit/throttle/internal/redistest"
+	"github.com/throttlekit/throttle/policies"
+)
+
+// recorder is an Observer that keeps every event.
+type recorder struct {
+	mu     sync.Mutex
+	events []Event
+}
+
+func (r *recorder) Observe(e Event) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	r.events = append(r.events, e)
+}
+
+func (r *recorder) count(k EventKind, shadow bool) (n, units int) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	for _, e := range r.events {
+		if e.Kind == k && e.Shadow == shadow {
+			n++
+			units += e.Cost
+		}
+	}
+	return n, units
+}
+
+func TestObserver_SeesExactlyTheCallsMade(t *testing.T) {
+	redistest.Each(t, func(t *testing.T, s *redistest.Server) {
+		var rec recorder
+		clock := newClock()
+		lim := newLimiter(t, s.Client(t), policies.SlidingLog{Limit: 10, Window: time.Second},
+			WithMode(FailFast), WithObserver(&rec), WithClock(clock.Now))
+		ctx := context.Background()
+		admitted, limited := 0, 0
+		for i := range 12 {
+			_, err := Do(ctx, lim, func(context.Context) (int, error) { return 0, nil }, Cost(1+i%2))
+			switch {
+			case err == nil:
+				admitted++
+			case errors.Is(err, ErrLimited):
+				limited++
+			default:
+				t.Fatal(err)
+			}
+		}
+		if n, units := rec.count(EventAdmitted, false); n != admitted || units != 10 {
+			t.Errorf("observer saw %d admitted calls of %d units; %d were admitted, of 10 units", n, units, admitted)
+		}
+		if n, _ := rec.count(EventLimited, false); n != limited {
+			t.Errorf("observer saw %d limited calls; %d were limited", n, limited)
+		}
+		if n, _ := rec.count(EventRedis, false); n != 12 {
+			t.Errorf("observer saw %d Redis round trips for 12 sequential calls", n)
+		}
+		for _, e := range rec.events {
+			if e.Quota != lim.Name() {
+				t.Fatalf("event %+v has quota %q", e, e.Quota)
+			}
+		}
+	})
+}
+
+func TestObserver_ShadowModeLetsEveryCallThrough(t *testing.T) {
+	s := redistest.Mini(t)
+	var rec recorder
+	lim := newLimiter(t, s.Client(t), policies.SlidingLog{Limit: 3, Window: time.Hour}, WithShadow(), WithObserver(&rec))
+	ran := 0
+	for range 10 {
+		if _, err := Do(context.Background(), lim, func(context.Context) (int, error) { ran++; return 0, nil }); err != nil {
+			t.Fatalf("shadow mode refused a call: %v", err)
+		}
+	}
+	if ran != 10 {
+		t.Errorf("%d of 10 calls ran in shadow mode", ran)
+	}
+	if n, _ := rec.count(EventAdmitted, false); n != 3 {
+		t.Errorf("%d calls within the quota reported, want 3", n)
+	}
+	if n, _ := rec.count(EventLimited, true); n != 7 {
+		t.Errorf("%d calls reported as limited in shadow, want 7", n)
+	}
+}
+
+func TestObserver_SeesFailuresAndTheFallback(t *testing.T) {
+	var rec recorder
+	lim := newLimiter(t, deadRedis(t), perSecond, WithObserver(&rec), WithOnRedisError(FailClosed))
+	for range 5 {
+		if _, err := lim.Acquire(context.Background()); !errors.Is(err, ErrUnavailable) {
+			t.Fatalf("Acquire on a dead Redis: %v", err)
+		}
+	}
+	if n, _ := rec.count(EventUnavailable, false); n != 5 {
+		t.Errorf("%d unavailable calls reported, want 5", n)
+	}
+	if n, _ := rec.count(EventFallback, false); n != 1 {
+		t.Errorf("%d switches to the fallback reported, want 1", n)
+	}
+}
+
+// With no Observer a limiter does no observing work at all; with one, the
+// work is one interface call per event. Compare:
+//
+//	go test -run '^$' -bench Observer -benchmem
+func BenchmarkObserver(b *testing.B) {
+	for _, tc := range []struct {
+		name string
+		opts []Option
+	}{
+		{"none", nil},
+		{"noop", []Option{WithObserver(ObserverFunc(func(Event) {}))}},
+	} {
+		b.Run(tc.name, func(b *testing.B) {
+			lim, err := New(deadRedis(b), "bench", perSecond, tc.opts...)
+			if err != nil {
+				b.Fatal(err)
+			}
+			c := call{cost: 1}
+			p := &Permit{l: lim, call: c}
+			b.ReportAllocs()
+			for b.Loop() {
+				lim.emitOutcome(c, p, nil, false)
+				lim.emit(Event{Kind: EventRedis, Duration: time.Millisecond, Calls: 1})
+			}
+		})
+	}
+}
