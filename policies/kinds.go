@@ -43,12 +43,14 @@ func (p SlidingCounter) Validate() error {
 	switch {
 	case p.Limit <= 0:
 		return fmt.Errorf("policies: SlidingCounter.Limit must be > 0, got %d", p.Limit)
-	case p.Window < MinWindow:
-		return fmt.Errorf("policies: SlidingCounter.Window must be at least %v, got %v", MinWindow, p.Window)
+	case p.Window < MinWindow || p.Window > MaxWindow:
+		return fmt.Errorf("policies: SlidingCounter.Window must be between %v and %v, got %v", MinWindow, MaxWindow, p.Window)
+	case p.Limit > 1<<40:
+		return fmt.Errorf("policies: SlidingCounter.Limit must be at most %d, got %d", 1<<40, p.Limit)
 	case p.Buckets < 0 || p.Buckets > MaxBuckets:
 		return fmt.Errorf("policies: SlidingCounter.Buckets must be between 0 and %d, got %d", MaxBuckets, p.Buckets)
-	case p.Margin < 0:
-		return fmt.Errorf("policies: SlidingCounter.Margin must not be negative, got %v", p.Margin)
+	case p.Margin < 0 || p.Margin > p.Window:
+		return fmt.Errorf("policies: SlidingCounter.Margin must be between 0 and the Window %v, got %v", p.Window, p.Margin)
 	case p.Window/time.Duration(p.buckets()) < time.Microsecond:
 		return fmt.Errorf("policies: SlidingCounter.Window %v is too short for %d buckets", p.Window, p.buckets())
 	}
@@ -96,10 +98,10 @@ func (p TokenBucket) Validate() error {
 	switch {
 	case p.Rate <= 0:
 		return fmt.Errorf("policies: TokenBucket.Rate must be > 0, got %d", p.Rate)
-	case p.Per < MinWindow:
-		return fmt.Errorf("policies: TokenBucket.Per must be at least %v, got %v", MinWindow, p.Per)
-	case p.Burst < 0:
-		return fmt.Errorf("policies: TokenBucket.Burst must not be negative, got %d", p.Burst)
+	case p.Per < MinWindow || p.Per > MaxWindow:
+		return fmt.Errorf("policies: TokenBucket.Per must be between %v and %v, got %v", MinWindow, MaxWindow, p.Per)
+	case p.Burst < 0 || p.Burst > 1<<30:
+		return fmt.Errorf("policies: TokenBucket.Burst must be between 0 and %d, got %d", 1<<30, p.Burst)
 	case p.Per/time.Duration(p.Rate) < time.Microsecond:
 		return fmt.Errorf("policies: TokenBucket.Rate %d per %v is more than one unit per microsecond", p.Rate, p.Per)
 	}
@@ -133,10 +135,10 @@ type Concurrency struct {
 // Validate reports whether the fields are usable.
 func (p Concurrency) Validate() error {
 	switch {
-	case p.Max <= 0:
-		return fmt.Errorf("policies: Concurrency.Max must be > 0, got %d", p.Max)
-	case p.Lease != 0 && p.Lease < MinWindow:
-		return fmt.Errorf("policies: Concurrency.Lease must be zero or at least %v, got %v", MinWindow, p.Lease)
+	case p.Max <= 0 || p.Max > MaxLogLimit:
+		return fmt.Errorf("policies: Concurrency.Max must be between 1 and %d, got %d", MaxLogLimit, p.Max)
+	case p.Lease != 0 && (p.Lease < MinWindow || p.Lease > MaxWindow):
+		return fmt.Errorf("policies: Concurrency.Lease must be zero or between %v and %v, got %v", MinWindow, MaxWindow, p.Lease)
 	}
 	return nil
 }

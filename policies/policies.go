@@ -50,6 +50,14 @@ const DefaultMargin = 30 * time.Millisecond
 // dominates any window.
 const MinWindow = time.Millisecond
 
+// MaxWindow is the longest Window a policy accepts: a year, which keeps every
+// time Redis computes exact in microseconds.
+const MaxWindow = 366 * 24 * time.Hour
+
+// MaxLogLimit is the largest Limit a SlidingLog accepts: it keeps one entry
+// per unit. For larger limits (tokens per minute), use SlidingCounter.
+const MaxLogLimit = 100_000
+
 // A Policy describes the limits of a quota. The types in this package are the
 // only implementations.
 type Policy interface {
@@ -88,8 +96,12 @@ func (p SlidingLog) Validate() error {
 	switch {
 	case p.Limit <= 0:
 		return fmt.Errorf("policies: SlidingLog.Limit must be > 0, got %d", p.Limit)
-	case p.Window < MinWindow:
-		return fmt.Errorf("policies: SlidingLog.Window must be at least %v, got %v", MinWindow, p.Window)
+	case p.Limit > MaxLogLimit:
+		return fmt.Errorf("policies: SlidingLog.Limit must be at most %d (one entry per unit; use SlidingCounter for more), got %d", MaxLogLimit, p.Limit)
+	case p.Window < MinWindow || p.Window > MaxWindow:
+		return fmt.Errorf("policies: SlidingLog.Window must be between %v and %v, got %v", MinWindow, MaxWindow, p.Window)
+	case p.Margin > p.Window:
+		return fmt.Errorf("policies: SlidingLog.Margin must not exceed the Window %v, got %v", p.Window, p.Margin)
 	case p.Margin < 0:
 		return fmt.Errorf("policies: SlidingLog.Margin must not be negative, got %v", p.Margin)
 	}
