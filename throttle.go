@@ -211,17 +211,27 @@ type call struct {
 // Limiter enforces one quota, shared by every process that uses the same
 // Redis and the same name.
 //
-// The quota is a sliding window: at most Limit calls in any window of length
-// Window, wherever the window starts, as most vendors count. One Lua script in
-// Redis decides every call with Redis's own clock, so the fleet needs no
-// synchronised clocks and never sees two different answers.
+// A vendor that allows 100 calls per second in a sliding window counts, at
+// every instant, the calls of the second before it: wherever the window
+// starts, it holds at most 100. The quota's policy states such limits (see
+// package policies: sliding windows, token buckets, concurrency, several at
+// once, per key), and one Lua script in Redis decides every call against all
+// of them with Redis's own clock, so the fleet needs no synchronised clocks
+// and never sees two different answers.
 //
-// Acquire and Do take a call through the limiter in the chosen Mode: Block
-// (the default) books the earliest free slot and sleeps until it, which serves
-// waiting calls in arrival order across the fleet at one Redis round trip per
-// call; FailFast refuses a call that does not fit now with ErrLimited. Allow
-// asks the same question without ever waiting. Most callers should use Do, or
-// a Transport for HTTP.
+// Acquire and Do take a call through the limiter in its Mode:
+//
+//   - Block, the default, books the earliest slot the call fits in and sleeps
+//     until it: waiting calls are served in arrival order across the fleet,
+//     at one Redis round trip per call, and a call whose slot lies past its
+//     context's deadline fails at once. Use it for calls that can wait.
+//   - FailFast refuses a call that does not fit now with ErrLimited, which
+//     says when to retry. Use it on request paths that must answer now.
+//   - Queue holds calls in a bounded local queue by Priority; use it for job
+//     workers, with Go to submit without blocking and Close to drain.
+//
+// Allow asks the same question as FailFast without a Permit. Most callers
+// should use Do, or a Transport for HTTP.
 //
 // A Limiter is safe for concurrent use.
 type Limiter struct {
@@ -245,11 +255,11 @@ type Limiter struct {
 	freedMu   sync.Mutex
 	q         *queue
 	closed    atomic.Bool
-	batches
-	brk    *breaker
-	local  *local // the Local fallback, or nil
-	loadMu sync.Mutex
-	loaded map[*redis.Script]bool
+	batches            // calls waiting for a shared script call
+	brk       *breaker // keeps calls away from a failing Redis
+	local     *local   // the Local fallback, or nil
+	loadMu    sync.Mutex
+	loaded    map[*redis.Script]bool // scripts loaded by this limiter
 }
 
 // New returns a Limiter for the quota called name on rdb (a Client,
