@@ -17,9 +17,18 @@
 //	})
 //
 // When the quota is full, a call waits for its booked slot (Block, the
-// default) or fails at once with ErrLimited (FailFast). Key and Cost describe
-// a call: who it is for, under policies.PerKey limits, and how many units it
-// counts for.
+// default), fails at once with ErrLimited (FailFast), or waits in a bounded
+// local queue by priority (Queue). Key and Cost describe a call: who it is
+// for, under policies.PerKey limits, and how many units it counts for.
+//
+// For HTTP, NewTransport wraps an http.RoundTripper: every request goes
+// through the limiter, and a vendor's 429 pauses the whole fleet.
+//
+//	client := &http.Client{Transport: throttle.NewTransport(http.DefaultTransport, lim)}
+//
+// When Redis fails, a call is refused with ErrUnavailable, made anyway, or
+// decided in-process, as WithOnRedisError says. An Observer sees every
+// decision, for metrics.
 //
 // Redis decides with its own clock, and every key of a quota shares the hash
 // tag {name}, so a quota works the same on a single Redis, behind Sentinel,
