@@ -95,6 +95,7 @@ type fleetEnv struct {
 	exe     string
 	redis   string
 	cluster bool
+	metrics *fleetMetrics // nil without -metrics
 }
 
 // runFleet runs the fleet once against a fresh vendor and returns what the
@@ -135,6 +136,9 @@ func runFleet(ctx context.Context, cfg config, v variant, env fleetEnv, stderr i
 	}
 	if err := awaitReady(ctx, children); err != nil {
 		return Result{}, err
+	}
+	if env.metrics != nil {
+		env.metrics.add(&runMetrics{gate: v, quota: quota, window: cfg.Window, vendor: vendor, children: children})
 	}
 
 	start := time.Now()
@@ -223,6 +227,9 @@ type child struct {
 	exited  chan struct{} // closed when its stdout ends
 	waiting atomic.Int64  // its calls waiting for a slot, as last reported
 
+	totalsMu sync.Mutex
+	totals   totals // its counts, as last reported
+
 	// Set before exited is closed.
 	report  *replicaReport
 	readErr error
@@ -263,6 +270,11 @@ func (c *child) read(stdout io.Reader) {
 			// Drain, so that a replica stuck writing can still exit.
 			_, _ = io.Copy(io.Discard, stdout)
 			return
+		}
+		if m.Totals != nil {
+			c.totalsMu.Lock()
+			c.totals = *m.Totals
+			c.totalsMu.Unlock()
 		}
 		switch m.Kind {
 		case "ready":
@@ -312,6 +324,13 @@ func (c *child) finish() (replicaReport, error) {
 		return replicaReport{}, c.failure("exited without a report")
 	}
 	return *c.report, nil
+}
+
+// counts returns the replica's counts, as last reported.
+func (c *child) counts() totals {
+	c.totalsMu.Lock()
+	defer c.totalsMu.Unlock()
+	return c.totals
 }
 
 // kill ends a replica that a failed run left behind.

@@ -43,6 +43,13 @@
 //	-cluster         treat -redis as a Redis Cluster even with a single address
 //	-chart PATH      SVG chart to write; empty for none (fleet.svg)
 //	-compare         also run the fleet with a local limiter per replica and compare
+//	-metrics ADDR    serve Prometheus metrics at http://ADDR/metrics while the fleet runs, as :9099 (none)
+//
+// With -metrics, the parent serves what the replicas report and what the
+// vendor counts, in the Prometheus text format: the calls admitted and
+// limited per replica, their waits, the vendor's 429s, the calls waiting,
+// the Redis scripts run, and the share of the cap in use. The metrics are
+// listed in observe/README.md. Give -duration time enough for a few scrapes.
 package main
 
 import (
@@ -85,6 +92,7 @@ type config struct {
 	Cluster     bool
 	Chart       string
 	Compare     bool
+	Metrics     string
 
 	// exe is the program the replicas run; os.Executable() when empty.
 	// Tests set it to the test binary, which dispatches in TestMain.
@@ -136,6 +144,7 @@ func parseFlags(args []string, stderr io.Writer) (config, error) {
 	fs.BoolVar(&cfg.Cluster, "cluster", false, "treat -redis as a Redis Cluster even with a single address")
 	fs.StringVar(&cfg.Chart, "chart", "fleet.svg", "SVG chart to write; empty for none")
 	fs.BoolVar(&cfg.Compare, "compare", false, "also run the fleet with a local limiter per replica and compare")
+	fs.StringVar(&cfg.Metrics, "metrics", "", "serve Prometheus metrics at http://ADDR/metrics while the fleet runs, as :9099; empty for none")
 	if err := fs.Parse(args); err != nil {
 		return cfg, err
 	}
@@ -254,13 +263,24 @@ func run(ctx context.Context, cfg config, stdout, stderr io.Writer) (Report, err
 		return rep, err
 	}
 
+	env := fleetEnv{exe: exe, redis: spec, cluster: cluster}
+	if cfg.Metrics != "" {
+		env.metrics = &fleetMetrics{}
+		url, stop, err := serveMetrics(cfg.Metrics, env.metrics)
+		if err != nil {
+			return rep, err
+		}
+		defer stop()
+		fmt.Fprintf(stderr, "metrics: %s\n", url)
+	}
+
 	printHeader(stdout, cfg, where)
 	variants := []variant{shared}
 	if cfg.Compare {
 		variants = append(variants, split, naive)
 	}
 	for _, v := range variants {
-		res, err := runFleet(ctx, cfg, v, fleetEnv{exe: exe, redis: spec, cluster: cluster}, stderr)
+		res, err := runFleet(ctx, cfg, v, env, stderr)
 		if err != nil {
 			return rep, fmt.Errorf("%s run: %w", v, err)
 		}

@@ -12,6 +12,7 @@ import (
 	"net/http"
 	"os"
 	"os/signal"
+	"slices"
 	"strconv"
 	"sync"
 	"sync/atomic"
@@ -129,7 +130,22 @@ func parseReplicaArgs(args []string) (replicaConfig, error) {
 type message struct {
 	Kind    string         `json:"kind"` // "ready", "progress" or "done"
 	Waiting int64          `json:"waiting,omitempty"`
+	Totals  *totals        `json:"totals,omitempty"` // with "progress" and "done"
 	Report  *replicaReport `json:"report,omitempty"`
+}
+
+// totals are a replica's running counts, for the parent's -metrics.
+type totals struct {
+	Admitted    int64 `json:"admitted"`
+	Limited     int64 `json:"limited"`  // refusals by the gate, retried after RetryAfter
+	Rejected    int64 `json:"rejected"` // vendor 429s
+	Failed      int64 `json:"failed"`
+	ScriptCalls int64 `json:"script_calls"`
+	// Waits counts the admitted calls by their wait for a slot, in the
+	// buckets of waitBounds, each bucket on its own (not cumulative); the
+	// last one is past the last bound. WaitSum adds the waits up.
+	Waits   []int64 `json:"waits"`
+	WaitSum float64 `json:"wait_sum_s"`
 }
 
 // replicaReport is what one replica saw of its calls.
@@ -223,9 +239,27 @@ type replica struct {
 	scripts *scriptCounter
 
 	waiting atomic.Int64 // calls that want to go and have not been admitted
+	limited atomic.Int64 // refusals by the gate
 
-	mu  sync.Mutex
-	rep replicaReport
+	mu      sync.Mutex
+	rep     replicaReport
+	waits   []int64 // admitted calls per bucket of waitBounds
+	waitSum time.Duration
+}
+
+// totals returns the replica's counts so far.
+func (r *replica) totals() *totals {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	return &totals{
+		Admitted:    int64(r.rep.Admitted),
+		Limited:     r.limited.Load(),
+		Rejected:    int64(r.rep.Rejected),
+		Failed:      int64(r.rep.Failed),
+		ScriptCalls: r.scripts.n.Load(),
+		Waits:       slices.Clone(r.waits),
+		WaitSum:     r.waitSum.Seconds(),
+	}
 }
 
 // newGate builds the gate rc asks for; release frees what it holds.
@@ -271,6 +305,7 @@ func runReplica(ctx context.Context, rc replicaConfig, in io.Reader, out io.Writ
 		rc:      rc,
 		gate:    g,
 		scripts: scripts,
+		waits:   make([]int64, len(waitBounds)+1),
 		client: &http.Client{
 			Timeout: callTimeout,
 			// Keep one connection per worker, rather than the default
@@ -313,7 +348,7 @@ func runReplica(ctx context.Context, rc replicaConfig, in io.Reader, out io.Writ
 		case <-ctx.Done():
 			running = false
 		case <-tick.C:
-			if err := send(message{Kind: "progress", Waiting: r.waiting.Load()}); err != nil {
+			if err := send(message{Kind: "progress", Waiting: r.waiting.Load(), Totals: r.totals()}); err != nil {
 				stop()
 			}
 		}
@@ -324,7 +359,7 @@ func runReplica(ctx context.Context, rc replicaConfig, in io.Reader, out io.Writ
 	rep := r.rep
 	r.mu.Unlock()
 	rep.ScriptCalls = r.scripts.n.Load()
-	return send(message{Kind: "done", Report: &rep})
+	return send(message{Kind: "done", Report: &rep, Totals: r.totals()})
 }
 
 // work is one worker: it makes a call every Workers/Rate seconds, or one
@@ -376,6 +411,7 @@ func (r *replica) job(ctx context.Context, tenant string) {
 			r.mu.Unlock()
 			return
 		case errors.As(err, &limited):
+			r.limited.Add(1)
 			sleepUntil(ctx, time.Now().Add(max(limited.RetryAfter, time.Millisecond)))
 		default:
 			r.waiting.Add(-1)
@@ -396,6 +432,8 @@ func (r *replica) call(ctx context.Context, tenant string, waited time.Duration)
 	defer r.mu.Unlock()
 	r.rep.Admitted++
 	r.rep.WaitsMicros = append(r.rep.WaitsMicros, waited.Microseconds())
+	r.waits[waitBucket(waited)]++
+	r.waitSum += waited
 	switch {
 	case err != nil:
 		r.failLocked(err)

@@ -1,0 +1,286 @@
+package main
+
+import (
+	"bufio"
+	"fmt"
+	"io"
+	"math"
+	"net"
+	"net/http"
+	"slices"
+	"strconv"
+	"strings"
+	"sync"
+	"time"
+
+	"github.com/throttlekit/throttle/internal/fakevendor"
+)
+
+// The fleet's /metrics endpoint is written by hand in the Prometheus text
+// format: this module must not depend on client_golang, which the
+// observe/prometheus module brings to users who want it. Where a metric
+// means what one of observe/prometheus means, it has the same name and
+// labels (quota, outcome), so that dashboards work on both; the fleet's own
+// metrics start with fleet_.
+
+// waitBounds are the upper bounds of the wait buckets, in seconds, as
+// observe/prometheus.DefaultWaitBuckets.
+var waitBounds = []float64{0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60}
+
+// waitBucket returns the index of the bucket a wait falls in; waits past
+// the last bound fall in len(waitBounds).
+func waitBucket(d time.Duration) int {
+	s := d.Seconds()
+	i, _ := slices.BinarySearch(waitBounds, s)
+	return i
+}
+
+// textFormat is the Content-Type of the Prometheus text format.
+const textFormat = "text/plain; version=0.0.4; charset=utf-8"
+
+// fleetMetrics holds what /metrics reports: every run of the invocation so
+// far, the running one included.
+type fleetMetrics struct {
+	mu   sync.Mutex
+	runs []*runMetrics
+}
+
+// runMetrics is one fleet run as /metrics reads it.
+type runMetrics struct {
+	gate     variant
+	quota    string
+	window   time.Duration
+	vendor   *fakevendor.Vendor
+	children []*child
+}
+
+func (m *fleetMetrics) add(r *runMetrics) {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	m.runs = append(m.runs, r)
+}
+
+// serveMetrics serves m at http://addr/metrics until the returned stop is
+// called. It fails at once when addr cannot be listened on.
+func serveMetrics(addr string, m *fleetMetrics) (url string, stop func(), err error) {
+	ln, err := net.Listen("tcp", addr)
+	if err != nil {
+		return "", nil, fmt.Errorf("-metrics: %w", err)
+	}
+	mux := http.NewServeMux()
+	mux.Handle("GET /metrics", m)
+	srv := &http.Server{Handler: mux, ReadHeaderTimeout: 5 * time.Second}
+	go func() { _ = srv.Serve(ln) }()
+	host, port, _ := net.SplitHostPort(ln.Addr().String())
+	if ip := net.ParseIP(host); ip != nil && ip.IsUnspecified() {
+		host = "localhost" // listening on every address, :9099 says
+	}
+	return "http://" + net.JoinHostPort(host, port) + "/metrics", func() { _ = srv.Close() }, nil
+}
+
+// ServeHTTP writes the metrics in the Prometheus text format.
+func (m *fleetMetrics) ServeHTTP(w http.ResponseWriter, _ *http.Request) {
+	w.Header().Set("Content-Type", textFormat)
+	_ = m.write(w)
+}
+
+// replicaSample is one replica's counts, with the labels of its series.
+type replicaSample struct {
+	labels []string
+	t      totals
+	wait   int64
+}
+
+// write writes every metric, one family after another as the format
+// requires.
+func (m *fleetMetrics) write(out io.Writer) error {
+	m.mu.Lock()
+	runs := slices.Clone(m.runs)
+	m.mu.Unlock()
+
+	// Read every count once, so that the families of one scrape agree.
+	type runSample struct {
+		labels   []string
+		st       fakevendor.Stats
+		limit    int
+		window   time.Duration
+		inWindow int
+		replicas []replicaSample
+	}
+	var samples []runSample
+	for _, r := range runs {
+		rs := runSample{
+			labels: []string{"quota", r.quota, "gate", r.gate.String()},
+			st:     r.vendor.Stats(), limit: r.vendor.Limit(), window: r.window, inWindow: r.vendor.InWindow(),
+		}
+		for _, c := range r.children {
+			rs.replicas = append(rs.replicas, replicaSample{
+				labels: append(slices.Clone(rs.labels), "replica", strconv.Itoa(c.id)),
+				t:      c.counts(),
+				wait:   c.waiting.Load(),
+			})
+		}
+		samples = append(samples, rs)
+	}
+	eachReplica := func(f func(replicaSample)) {
+		for _, rs := range samples {
+			for _, r := range rs.replicas {
+				f(r)
+			}
+		}
+	}
+
+	e := newExpo(out)
+	e.family("throttle_calls_total", "counter",
+		`Calls that asked the replica's gate for a slot, by outcome: admitted, or limited (refused, retried after RetryAfter).`)
+	eachReplica(func(r replicaSample) {
+		e.sample("throttle_calls_total", float64(r.t.Admitted), with(r.labels, "outcome", "admitted")...)
+		e.sample("throttle_calls_total", float64(r.t.Limited), with(r.labels, "outcome", "limited")...)
+	})
+	e.family("throttle_wait_seconds", "histogram", "How long admitted calls waited for their slot.")
+	eachReplica(func(r replicaSample) {
+		e.histogram("throttle_wait_seconds", waitBounds, r.t.Waits, r.t.WaitSum, r.labels...)
+	})
+	e.family("throttle_vendor_limited_total", "counter", "Calls the vendor answered 429, as the replica saw them.")
+	eachReplica(func(r replicaSample) { e.sample("throttle_vendor_limited_total", float64(r.t.Rejected), r.labels...) })
+	e.family("fleet_calls_failed_total", "counter", "Calls lost to Redis or network errors.")
+	eachReplica(func(r replicaSample) { e.sample("fleet_calls_failed_total", float64(r.t.Failed), r.labels...) })
+	e.family("fleet_calls_waiting", "gauge", "Calls that want to go to the vendor and have not been admitted yet.")
+	eachReplica(func(r replicaSample) { e.sample("fleet_calls_waiting", float64(r.wait), r.labels...) })
+	e.family("fleet_redis_scripts_total", "counter", "Redis scripts the replica ran (EVALSHA, EVAL): the limiter's cost in round trips.")
+	eachReplica(func(r replicaSample) { e.sample("fleet_redis_scripts_total", float64(r.t.ScriptCalls), r.labels...) })
+
+	e.family("fleet_vendor_requests_total", "counter", "Calls the vendor answered, by status code: 200 within its cap, 429 past it.")
+	for _, rs := range samples {
+		e.sample("fleet_vendor_requests_total", float64(rs.st.Accepted), with(rs.labels, "code", "200")...)
+		e.sample("fleet_vendor_requests_total", float64(rs.st.OverCap), with(rs.labels, "code", "429")...)
+	}
+	e.family("fleet_vendor_limit", "gauge", "The vendor's cap: calls per window.")
+	for _, rs := range samples {
+		e.sample("fleet_vendor_limit", float64(rs.limit), rs.labels...)
+	}
+	e.family("fleet_vendor_window_seconds", "gauge", "The length of the vendor's sliding window.")
+	for _, rs := range samples {
+		e.sample("fleet_vendor_window_seconds", rs.window.Seconds(), rs.labels...)
+	}
+	e.family("fleet_vendor_window_calls", "gauge", "Calls the vendor counts in its window ending now.")
+	for _, rs := range samples {
+		e.sample("fleet_vendor_window_calls", float64(rs.inWindow), rs.labels...)
+	}
+	e.family("fleet_vendor_cap_used_ratio", "gauge", "Share of the vendor's cap used in its window ending now: window calls over the limit.")
+	for _, rs := range samples {
+		e.sample("fleet_vendor_cap_used_ratio", ratio(rs.inWindow, rs.limit), rs.labels...)
+	}
+	e.family("fleet_vendor_max_window_calls", "gauge", "The most calls the vendor saw in any one window, 429s included; at most the limit when the fleet kept under the cap.")
+	for _, rs := range samples {
+		e.sample("fleet_vendor_max_window_calls", float64(rs.st.MaxInWindow), rs.labels...)
+	}
+	return e.flush()
+}
+
+func ratio(n, d int) float64 {
+	if d <= 0 {
+		return 0
+	}
+	return float64(n) / float64(d)
+}
+
+// with returns labels with one more name and value, leaving labels as it is.
+func with(labels []string, name, value string) []string {
+	return append(slices.Clip(labels), name, value)
+}
+
+// expo writes the Prometheus text exposition format, version 0.0.4: each
+// family a # HELP and a # TYPE line followed by its samples, one per line.
+type expo struct {
+	w   *bufio.Writer
+	err error
+}
+
+func newExpo(w io.Writer) *expo { return &expo{w: bufio.NewWriter(w)} }
+
+func (e *expo) printf(format string, args ...any) {
+	if e.err == nil {
+		_, e.err = fmt.Fprintf(e.w, format, args...)
+	}
+}
+
+// family starts a metric family.
+func (e *expo) family(name, typ, help string) {
+	e.printf("# HELP %s %s\n# TYPE %s %s\n", name, escapeHelp(help), name, typ)
+}
+
+// sample writes one sample; labels are name, value pairs.
+func (e *expo) sample(name string, v float64, labels ...string) {
+	e.printf("%s%s %s\n", name, labelSet(labels), formatValue(v))
+}
+
+// histogram writes the series of one histogram: its cumulative buckets,
+// the +Inf one included, its sum and its count. counts holds a count per
+// bucket, not cumulative, with one more for the values past the last bound;
+// a short or nil counts reads as zeros.
+func (e *expo) histogram(name string, bounds []float64, counts []int64, sum float64, labels ...string) {
+	var cum int64
+	for i, b := range bounds {
+		if i < len(counts) {
+			cum += counts[i]
+		}
+		e.sample(name+"_bucket", float64(cum), with(labels, "le", formatValue(b))...)
+	}
+	if len(counts) > len(bounds) {
+		cum += counts[len(bounds)]
+	}
+	e.sample(name+"_bucket", float64(cum), with(labels, "le", "+Inf")...)
+	e.sample(name+"_sum", sum, labels...)
+	e.sample(name+"_count", float64(cum), labels...)
+}
+
+func (e *expo) flush() error {
+	if e.err != nil {
+		return e.err
+	}
+	return e.w.Flush()
+}
+
+// labelSet renders name, value pairs as {name="value",...}.
+func labelSet(labels []string) string {
+	if len(labels) == 0 {
+		return ""
+	}
+	var b strings.Builder
+	b.WriteByte('{')
+	for i := 0; i+1 < len(labels); i += 2 {
+		if i > 0 {
+			b.WriteByte(',')
+		}
+		b.WriteString(labels[i])
+		b.WriteString(`="`)
+		b.WriteString(labelEscaper.Replace(labels[i+1]))
+		b.WriteByte('"')
+	}
+	b.WriteByte('}')
+	return b.String()
+}
+
+var (
+	labelEscaper = strings.NewReplacer(`\`, `\\`, `"`, `\"`, "\n", `\n`)
+	helpEscaper  = strings.NewReplacer(`\`, `\\`, "\n", `\n`)
+)
+
+func escapeHelp(s string) string { return helpEscaper.Replace(s) }
+
+// formatValue writes a float as the format spells it: +Inf, -Inf, NaN, or
+// the shortest decimal that reads back the same.
+func formatValue(v float64) string {
+	switch {
+	case math.IsInf(v, 1):
+		return "+Inf"
+	case math.IsInf(v, -1):
+		return "-Inf"
+	case math.IsNaN(v):
+		return "NaN"
+	case v == math.Trunc(v) && math.Abs(v) < 1e15:
+		return strconv.FormatFloat(v, 'f', -1, 64) // counts in full, not as 1e+06
+	}
+	return strconv.FormatFloat(v, 'g', -1, 64)
+}

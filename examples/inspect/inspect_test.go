@@ -1,0 +1,239 @@
+package main
+
+import (
+	"bytes"
+	"context"
+	"io"
+	"reflect"
+	"regexp"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/alicebob/miniredis/v2"
+	"github.com/redis/go-redis/v9"
+
+	"github.com/throttlekit/throttle"
+	"github.com/throttlekit/throttle/policies"
+)
+
+func TestParsePolicy(t *testing.T) {
+	tests := []struct {
+		in   string
+		want policies.Policy
+	}{
+		{"log:100/1s", policies.SlidingLog{Limit: 100, Window: time.Second}},
+		{"log:100/s", policies.SlidingLog{Limit: 100, Window: time.Second}},
+		{"log:100/1s,margin=5ms", policies.SlidingLog{Limit: 100, Window: time.Second, Margin: 5 * time.Millisecond}},
+		{"counter:50000/1m", policies.SlidingCounter{Limit: 50000, Window: time.Minute}},
+		{"counter:50000/1m,buckets=60", policies.SlidingCounter{Limit: 50000, Window: time.Minute, Buckets: 60}},
+		{"bucket:10/1s,burst=20", policies.TokenBucket{Rate: 10, Per: time.Second, Burst: 20}},
+		{"concurrency:5", policies.Concurrency{Max: 5}},
+		{"concurrency:5,lease=30s", policies.Concurrency{Max: 5, Lease: 30 * time.Second}},
+		{"key:log:5000/1h", policies.PerKey{Policy: policies.SlidingLog{Limit: 5000, Window: time.Hour}}},
+		{" log:100/1s + key:log:10/1s ", policies.All(
+			policies.SlidingLog{Limit: 100, Window: time.Second},
+			policies.PerKey{Policy: policies.SlidingLog{Limit: 10, Window: time.Second}},
+		)},
+	}
+	for _, tt := range tests {
+		t.Run(tt.in, func(t *testing.T) {
+			got, err := parsePolicy(tt.in)
+			if err != nil {
+				t.Fatal(err)
+			}
+			// Policies compare by the rules they flatten into, which is what
+			// decides the Redis keys.
+			gotRules, err := policies.Rules(got)
+			if err != nil {
+				t.Fatal(err)
+			}
+			wantRules, _ := policies.Rules(tt.want)
+			if !reflect.DeepEqual(gotRules, wantRules) {
+				t.Errorf("rules\n got %+v\nwant %+v", gotRules, wantRules)
+			}
+		})
+	}
+}
+
+func TestParsePolicy_ErrorsNameTheTermAndTheField(t *testing.T) {
+	tests := []struct{ in, want string }{
+		{"", "-policy is empty"},
+		{"log", `term 1 "log": want KIND:SPEC`},
+		{"window:100/1s", `unknown kind "window"`},
+		{"log:100", `"100": want LIMIT/WINDOW`},
+		{"log:x/1s", `LIMIT: "x" is not a whole number`},
+		{"log:100/1sec", `WINDOW: "1sec" is not a duration`},
+		{"log:100/1s+bucket:10/1s,burst=x", `term 2 "bucket:10/1s,burst=x": burst: "x" is not a whole number`},
+		{"bucket:10/1s,burst", `option "burst": want name=value`},
+		{"log:100/1s,burst=3", `unknown option "burst"`},
+		{"log:100/1s,margin=1ms,margin=2ms", "option margin given twice"},
+		{"log:0/1s", "SlidingLog.Limit must be > 0"},
+		{"log:10/1s+concurrency:0", `term 2 "concurrency:0": policies: Concurrency.Max must be`},
+		{"key:key:log:1/1s", `unknown kind "key"`},
+	}
+	for _, tt := range tests {
+		t.Run(tt.in, func(t *testing.T) {
+			_, err := parsePolicy(tt.in)
+			if err == nil || !strings.Contains(err.Error(), tt.want) {
+				t.Errorf("err = %v, want one containing %q", err, tt.want)
+			}
+		})
+	}
+}
+
+func TestParseFlags_NeedsAKeyExactlyForPerKeyTerms(t *testing.T) {
+	base := []string{"-redis", "127.0.0.1:6400", "-quota", "q"}
+	tests := []struct {
+		args    []string
+		wantErr string
+	}{
+		{[]string{"-policy", "log:10/1s"}, ""},
+		{[]string{"-policy", "log:10/1s+key:log:1/1s", "-key", "t1"}, ""},
+		{[]string{"-policy", "log:10/1s+key:log:1/1s"}, "-key is required"},
+		{[]string{"-policy", "log:10/1s", "-key", "t1"}, "no key: term"},
+		{[]string{"-policy", "log:10/1s", "-every", "0s"}, "-every must be positive"},
+	}
+	for _, tt := range tests {
+		t.Run(strings.Join(tt.args, " "), func(t *testing.T) {
+			_, err := parseFlags(append(base, tt.args...), io.Discard)
+			switch {
+			case tt.wantErr == "" && err != nil:
+				t.Fatal(err)
+			case tt.wantErr != "" && (err == nil || !strings.Contains(err.Error(), tt.wantErr)):
+				t.Errorf("err = %v, want one containing %q", err, tt.wantErr)
+			}
+		})
+	}
+	if _, err := parseFlags([]string{"-quota", "q", "-policy", "log:1/1s"}, io.Discard); err == nil {
+		t.Error("no -redis and no -demo: accepted")
+	}
+	if _, err := parseFlags([]string{"-demo", "-redis", "127.0.0.1:6400"}, io.Discard); err == nil {
+		t.Error("-demo with -redis: accepted")
+	}
+}
+
+func TestRender(t *testing.T) {
+	rules, err := policies.Rules(policies.All(
+		policies.SlidingLog{Limit: 100, Window: time.Second},
+		policies.Concurrency{Max: 5},
+		policies.PerKey{Policy: policies.TokenBucket{Rate: 10, Per: time.Second, Burst: 20}},
+		policies.SlidingCounter{Limit: 50000, Window: time.Minute},
+	))
+	if err != nil {
+		t.Fatal(err)
+	}
+	u := throttle.Usage{Paused: 1500 * time.Millisecond, Rules: []throttle.RuleUsage{
+		{Rule: rules[0], Used: 63, Booked: 4, Remaining: 37},
+		{Rule: rules[1], Used: 5, NextFree: 59 * time.Second},
+		{Rule: rules[2], Used: 12, Remaining: 8, NextFree: 0},
+		{Rule: rules[3], Used: 25000, Booked: 100, Remaining: 24900, NextFree: 412345 * time.Microsecond},
+	}}
+	var b bytes.Buffer
+	render(&b, frame{
+		Quota: "sms", Prefix: "throttle", Redis: "127.0.0.1:6379", Key: "tenant-42", HasKey: true,
+		At: time.Date(2025, 1, 2, 12, 4, 5, 0, time.UTC), Rules: rules, Usage: u,
+	})
+	want := `quota "sms", key "tenant-42", on 127.0.0.1:6379  12:04:05
+paused: for 1.5s, at the vendor's request   remaining under every rule: 0
+
+#  scope   kind         limit  window                used   booked  remaining  next free   full
+0  shared  log          100    1s +30ms              63     4       37         now         63%
+1  shared  concurrency  5      in flight, lease 1m   5      -       0          on release  100%
+2  key     bucket       20     1 per 100ms           12     0       8          now         60%
+3  shared  counter      50000  1m +30ms, 10 buckets  25000  100     24900      412ms       50%
+
+redis keys: throttle:{sms}:0, throttle:{sms}:1, throttle:{sms}:2:<key hash>, throttle:{sms}:3
+`
+	if got := b.String(); got != want {
+		t.Errorf("render:\n%s\nwant:\n%s", got, want)
+	}
+}
+
+func TestRender_ShowsTheError(t *testing.T) {
+	var b bytes.Buffer
+	render(&b, frame{Quota: "q", Redis: "r:1", Err: throttle.ErrUnavailable})
+	if !strings.Contains(b.String(), "error: throttle: redis unavailable") {
+		t.Errorf("render of a failed read:\n%s", b.String())
+	}
+}
+
+func TestRun_ShowsTheCallsMade(t *testing.T) {
+	mr := miniredis.RunT(t)
+	rdb := redis.NewClient(&redis.Options{Addr: mr.Addr()})
+	defer rdb.Close()
+	policy := policies.All(policies.SlidingLog{Limit: 10, Window: time.Minute}, policies.PerKey{Policy: policies.SlidingLog{Limit: 5, Window: time.Minute}})
+	lim, err := throttle.New(rdb, "vendor", policy, throttle.WithMode(throttle.FailFast))
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx := context.Background()
+	for _, key := range []string{"a", "a", "a", "b"} {
+		if _, err := lim.Acquire(ctx, throttle.Key(key)); err != nil {
+			t.Fatal(err)
+		}
+	}
+
+	cfg, err := parseFlags([]string{"-redis", "redis://" + mr.Addr(), "-quota", "vendor", "-policy", "log:10/1m+key:log:5/1m", "-key", "a", "-n", "2", "-every", "10ms"}, io.Discard)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var out bytes.Buffer
+	if err := run(ctx, cfg, &out, false); err != nil {
+		t.Fatal(err)
+	}
+	if n := strings.Count(out.String(), "redis keys:"); n != 2 {
+		t.Errorf("got %d frames, want 2:\n%s", n, out.String())
+	}
+	if strings.Contains(out.String(), clearScreen) {
+		t.Error("cleared the screen of a stdout that is not a terminal")
+	}
+	// 4 calls in all, 3 of them for key a.
+	shared := regexp.MustCompile(`(?m)^0\s+shared\s+log\s+10\s+1m \+30ms\s+4\s+0\s+6\s+now\s+40%$`)
+	perKey := regexp.MustCompile(`(?m)^1\s+key\s+log\s+5\s+1m \+30ms\s+3\s+0\s+2\s+now\s+60%$`)
+	if !shared.MatchString(out.String()) || !perKey.MatchString(out.String()) {
+		t.Errorf("want rows with 4 calls shared and 3 for key a:\n%s", out.String())
+	}
+
+	var tty bytes.Buffer
+	cfg.N = 1
+	if err := run(ctx, cfg, &tty, true); err != nil {
+		t.Fatal(err)
+	}
+	if !strings.HasPrefix(tty.String(), clearScreen) {
+		t.Error("did not clear the screen of a terminal")
+	}
+}
+
+func TestRun_FailsWhenTheFirstReadFails(t *testing.T) {
+	mr := miniredis.RunT(t)
+	addr := mr.Addr()
+	mr.Close()
+	cfg, err := parseFlags([]string{"-redis", addr, "-quota", "q", "-policy", "log:1/1s", "-n", "1"}, io.Discard)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := run(context.Background(), cfg, io.Discard, false); err == nil {
+		t.Error("run against a closed Redis returned no error")
+	}
+}
+
+func TestRun_Demo(t *testing.T) {
+	cfg, err := parseFlags([]string{"-demo", "-n", "3", "-every", "300ms"}, io.Discard)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var out bytes.Buffer
+	if err := run(context.Background(), cfg, &out, false); err != nil {
+		t.Fatal(err)
+	}
+	t.Logf("\n%s", out.String())
+	if n := strings.Count(out.String(), "redis keys:"); n != 3 {
+		t.Fatalf("got %d frames, want 3", n)
+	}
+	// After a second of traffic that asks for more than the quota, the
+	// shared log holds calls.
+	if regexp.MustCompile(`(?m)^0\s+shared\s+log\s+20\s+1s \+30ms\s+0\s`).MatchString(out.String()[strings.LastIndex(out.String(), "quota "):]) {
+		t.Errorf("the last frame shows no traffic:\n%s", out.String())
+	}
+}

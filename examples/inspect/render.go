@@ -1,0 +1,161 @@
+package main
+
+import (
+	"fmt"
+	"io"
+	"strconv"
+	"strings"
+	"text/tabwriter"
+	"time"
+
+	"github.com/throttlekit/throttle"
+	"github.com/throttlekit/throttle/policies"
+)
+
+// Terminal control: move the cursor home and clear the screen, as top does
+// before each refresh.
+const clearScreen = "\x1b[H\x1b[2J"
+
+// frame is one refresh of the display.
+type frame struct {
+	Quota  string
+	Prefix string
+	Redis  string // where the quota lives, as the user named it
+	Key    string
+	HasKey bool
+	At     time.Time
+	Rules  []policies.Rule
+	Usage  throttle.Usage
+	Err    error // why Usage could not be read; the rest is then unset
+}
+
+// render writes f as a header and a table with one row per rule.
+func render(w io.Writer, f frame) {
+	title := fmt.Sprintf("quota %q", f.Quota)
+	if f.HasKey {
+		title += fmt.Sprintf(", key %q,", f.Key)
+	}
+	fmt.Fprintf(w, "%s on %s  %s\n", title, f.Redis, f.At.Format("15:04:05"))
+	if f.Err != nil {
+		fmt.Fprintf(w, "error: %v\n", f.Err)
+		return
+	}
+	paused := "no"
+	if f.Usage.Paused > 0 {
+		paused = "for " + until(f.Usage.Paused) + ", at the vendor's request"
+	}
+	fmt.Fprintf(w, "paused: %s   remaining under every rule: %d\n\n", paused, f.Usage.Remaining())
+
+	tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', 0)
+	fmt.Fprintln(tw, "#\tscope\tkind\tlimit\twindow\tused\tbooked\tremaining\tnext free\tfull")
+	for i, u := range f.Usage.Rules {
+		r := u.Rule
+		booked := strconv.Itoa(u.Booked)
+		if r.Kind == policies.KindConcurrency {
+			booked = "-" // a slot in flight cannot be booked ahead
+		}
+		next := "now"
+		switch {
+		case u.NextFree > 0 && r.Kind == policies.KindConcurrency:
+			// Usage gives the end of the oldest lease, but a slot is freed
+			// as soon as its call ends.
+			next = "on release"
+		case u.NextFree > 0:
+			next = until(u.NextFree)
+		}
+		fmt.Fprintf(tw, "%d\t%s\t%s\t%d\t%s\t%d\t%s\t%d\t%s\t%s\n",
+			i, scope(r), kindName(r.Kind), r.Limit, window(r), u.Used, booked, u.Remaining, next, full(u))
+	}
+	tw.Flush()
+	fmt.Fprintf(w, "\nredis keys: %s\n", strings.Join(keys(f), ", "))
+}
+
+func scope(r policies.Rule) string {
+	if r.PerKey {
+		return "key"
+	}
+	return "shared"
+}
+
+func kindName(k policies.Kind) string {
+	switch k {
+	case policies.KindSlidingLog:
+		return "log"
+	case policies.KindSlidingCounter:
+		return "counter"
+	case policies.KindTokenBucket:
+		return "bucket"
+	case policies.KindConcurrency:
+		return "concurrency"
+	}
+	return "kind " + strconv.Itoa(int(k))
+}
+
+// window says what the rule's limit is per: the window and its margin for a
+// log or a counter, the emission interval of a bucket (whose limit is its
+// burst), the lease of a concurrency limit (whose limit is calls in flight).
+func window(r policies.Rule) string {
+	switch r.Kind {
+	case policies.KindSlidingLog:
+		return short(r.Window-r.Margin) + " +" + short(r.Margin)
+	case policies.KindSlidingCounter:
+		n := 0
+		if r.Bucket > 0 {
+			n = int((r.Window + r.Bucket - 1) / r.Bucket)
+		}
+		return fmt.Sprintf("%s +%s, %d buckets", short(r.Window-r.Margin), short(r.Margin), n)
+	case policies.KindTokenBucket:
+		return "1 per " + short(r.Every)
+	case policies.KindConcurrency:
+		return "in flight, lease " + short(r.Lease)
+	}
+	return ""
+}
+
+// full is the share of the limit used now; bookings lie in the future, and
+// are not counted.
+func full(u throttle.RuleUsage) string {
+	if u.Rule.Limit <= 0 {
+		return "-"
+	}
+	return strconv.Itoa(100*u.Used/u.Rule.Limit) + "%"
+}
+
+// keys lists the Redis keys the rules live in: prefix:{quota}:<rule index>,
+// with a hash of the key after it for per-key rules.
+func keys(f frame) []string {
+	var ks []string
+	for i, r := range f.Rules {
+		k := fmt.Sprintf("%s:{%s}:%d", f.Prefix, f.Quota, i)
+		if r.PerKey {
+			k += ":<key hash>"
+		}
+		ks = append(ks, k)
+	}
+	return ks
+}
+
+// until prints a time to wait, to the millisecond.
+func until(d time.Duration) string {
+	if d = d.Round(time.Millisecond); d == 0 {
+		return "<1ms"
+	}
+	return short(d)
+}
+
+// short prints a duration the way a person reads it: 1s, 30ms, 1m, 1.25s.
+func short(d time.Duration) string {
+	switch {
+	case d == 0:
+		return "0"
+	case d%time.Hour == 0:
+		return strconv.FormatInt(int64(d/time.Hour), 10) + "h"
+	case d%time.Minute == 0:
+		return strconv.FormatInt(int64(d/time.Minute), 10) + "m"
+	case d >= time.Second:
+		return strconv.FormatFloat(d.Seconds(), 'f', -1, 64) + "s"
+	case d >= time.Millisecond:
+		return strconv.FormatFloat(float64(d)/float64(time.Millisecond), 'f', -1, 64) + "ms"
+	}
+	return d.String()
+}
