@@ -119,13 +119,16 @@ func (l *Limiter) run(ctx context.Context, s *redis.Script, sc scope, args []any
 }
 
 func (l *Limiter) load(ctx context.Context, s *redis.Script) {
+	if _, ok := l.loaded.Load(s); ok {
+		return
+	}
 	l.loadMu.Lock()
 	defer l.loadMu.Unlock()
-	if l.loaded[s] {
+	if _, ok := l.loaded.Load(s); ok {
 		return
 	}
 	if s.Load(ctx, l.rdb).Err() == nil {
-		l.loaded[s] = true
+		l.loaded.Store(s, true)
 	}
 }
 

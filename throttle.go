@@ -259,7 +259,7 @@ type Limiter struct {
 	brk       *breaker // keeps calls away from a failing Redis
 	local     *local   // the Local fallback, or nil
 	loadMu    sync.Mutex
-	loaded    map[*redis.Script]bool // scripts loaded by this limiter
+	loaded    sync.Map // *redis.Script -> true once this limiter loaded it
 }
 
 // New returns a Limiter for the quota called name on rdb (a Client,
@@ -306,7 +306,7 @@ func New(rdb redis.UniversalClient, name string, policy policies.Policy, opts ..
 	if err := validName("WithPrefix", s.prefix); err != nil {
 		return nil, err
 	}
-	l := &Limiter{rdb: rdb, name: name, rules: rules, s: s, id: newID(), freed: make(chan struct{}), loaded: map[*redis.Script]bool{}, brk: newBreaker()}
+	l := &Limiter{rdb: rdb, name: name, rules: rules, s: s, id: newID(), freed: make(chan struct{}), brk: newBreaker()}
 	if s.onRedisError == Local {
 		if l.local, err = newLocal(rules, s.replicas); err != nil {
 			return nil, fmt.Errorf("throttle: quota %q: %w", name, err)

@@ -12,7 +12,6 @@ import (
 	"github.com/redis/go-redis/v9"
 
 	"github.com/throttlekit/throttle"
-	"github.com/throttlekit/throttle/policies"
 )
 
 // decisionWorkers is how many goroutines ask for decisions at once.
@@ -34,7 +33,7 @@ func BenchmarkDecisions(b *testing.B) {
 	ctx := context.Background()
 	throttleRDB, rateRDB := s.Client(b), s.Client(b)
 	lim, err := throttle.New(throttleRDB, "decisions",
-		policies.SlidingLog{Limit: neverBinds, Window: time.Second})
+		logNeverBinds)
 	if err != nil {
 		b.Fatal(err)
 	}

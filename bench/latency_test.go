@@ -10,7 +10,6 @@ import (
 	"github.com/redis/go-redis/v9"
 
 	"github.com/throttlekit/throttle"
-	"github.com/throttlekit/throttle/policies"
 )
 
 // warmups are untimed calls before a latency benchmark: they load the
@@ -34,7 +33,7 @@ func BenchmarkAcquireUncontended(b *testing.B) {
 	rdb := s.Client(b)
 	ctx := context.Background()
 	lim, err := throttle.New(rdb, "uncontended",
-		policies.SlidingLog{Limit: neverBinds, Window: time.Second})
+		logNeverBinds)
 	if err != nil {
 		b.Fatal(err)
 	}

@@ -220,22 +220,27 @@ local rs = rules()
 -- restart without persistence, a failover to a replica that lagged). The
 -- caller tells them apart: it knew an epoch. The vendor still counts the
 -- calls of the last window that Redis forgot, as many as a full window in
--- the worst case, so every rule is charged full for one window from now.
--- Concurrency rules are not: their holders release or their leases end.
+-- the worst case, so the quota pauses for the longest window of its rules,
+-- as if every one of them were full. Concurrency rules have no window: their
+-- holders release, or their leases end.
 local known = tonumber(ARGV[5])
 local epoch, quota_pause, refreshed = read_meta()
 local lost = 0
 if not epoch then
   epoch = now
-  write_meta(epoch, 0, now)
   if known > 0 then
     lost = 1
+    local span = 0
     for _, r in ipairs(rs) do
-      if r.kind ~= CONCURRENCY then
-        change(r, 'lost:' .. str(now), 0, r.p1, now, now)
+      if r.kind == LOG or r.kind == COUNTER then
+        span = math.max(span, r.p2)
+      elseif r.kind == BUCKET then
+        span = math.max(span, r.p1 * r.p2)
       end
     end
+    quota_pause = now + span
   end
+  write_meta(epoch, quota_pause, now)
 elseif now - refreshed > META_REFRESH then
   write_meta(epoch, quota_pause, now)
 end
