@@ -94,7 +94,7 @@ func TestBreaker_StopsAskingADeadRedisAndComesBack(t *testing.T) {
 	var logs syncBuffer
 	var scripts countingHook
 	rdb.AddHook(&scripts)
-	lim := newLimiter(t, rdb, policies.SlidingLog{Limit: 1_000_000, Window: time.Second},
+	lim := newLimiter(t, rdb, policies.SlidingLog{Limit: 100_000, Window: time.Second},
 		WithOnRedisError(FailOpen), WithRedisTimeout(200*time.Millisecond),
 		WithLogger(slog.New(slog.NewTextHandler(&logs, nil))))
 	ctx := context.Background()

@@ -431,7 +431,7 @@ func TestTTL_FollowsLatestBooking(t *testing.T) {
 func TestScriptFlush_CostsNoCall(t *testing.T) {
 	redistest.Each(t, func(t *testing.T, s *redistest.Server) {
 		rdb := s.Client(t)
-		lim := newLimiter(t, rdb, policies.SlidingLog{Limit: 1_000_000, Window: time.Second})
+		lim := newLimiter(t, rdb, policies.SlidingLog{Limit: 100_000, Window: time.Second})
 		ctx := context.Background()
 		stop := make(chan struct{})
 		var flusher sync.WaitGroup
