@@ -7,6 +7,7 @@ import (
 	"log/slog"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -92,8 +93,8 @@ func TestBreaker_StopsAskingADeadRedisAndComesBack(t *testing.T) {
 	s := redistest.New(t)
 	rdb := s.Client(t)
 	var logs syncBuffer
-	var scripts countingHook
-	rdb.AddHook(&scripts)
+	var scripts atomic.Int64
+	rdb.AddHook(countScripts{&scripts})
 	lim := newLimiter(t, rdb, policies.SlidingLog{Limit: 100_000, Window: time.Second},
 		WithOnRedisError(FailOpen), WithRedisTimeout(200*time.Millisecond),
 		WithLogger(slog.New(slog.NewTextHandler(&logs, nil))))
@@ -111,7 +112,7 @@ func TestBreaker_StopsAskingADeadRedisAndComesBack(t *testing.T) {
 			t.Fatalf("Allow with FailOpen while Redis is down: %+v, %v", d, err)
 		}
 	}
-	if n := scripts.load(); n > 10 {
+	if n := scripts.Load(); n > 10 {
 		t.Errorf("%d script calls reached a dead Redis for 50 decisions; the breaker should stop them", n)
 	}
 	if !strings.Contains(logs.String(), "Redis keeps failing") {
@@ -159,31 +160,4 @@ func TestDataLoss_CountsTheQuotaFullForOneWindow(t *testing.T) {
 			t.Errorf("a window after the loss, a full call was refused: %+v", d)
 		}
 	})
-}
-
-// countingHook counts the scripts a client sends.
-type countingHook struct {
-	mu sync.Mutex
-	n  int
-}
-
-func (h *countingHook) load() int {
-	h.mu.Lock()
-	defer h.mu.Unlock()
-	return h.n
-}
-
-func (h *countingHook) DialHook(next redis.DialHook) redis.DialHook { return next }
-func (h *countingHook) ProcessHook(next redis.ProcessHook) redis.ProcessHook {
-	return func(ctx context.Context, cmd redis.Cmder) error {
-		if name := cmd.Name(); name == "evalsha" || name == "eval" {
-			h.mu.Lock()
-			h.n++
-			h.mu.Unlock()
-		}
-		return next(ctx, cmd)
-	}
-}
-func (h *countingHook) ProcessPipelineHook(next redis.ProcessPipelineHook) redis.ProcessPipelineHook {
-	return next
 }

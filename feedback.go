@@ -91,12 +91,7 @@ func (l *Limiter) feedback(ctx context.Context, pause time.Duration, remaining i
 // newFeedbackCall reads the options of Pause and SetRemaining: only Key
 // matters, and only on a quota of per-key policies.
 func (l *Limiter) newFeedbackCall(opts []CallOption) (call, error) {
-	c := call{cost: 1}
-	for _, o := range opts {
-		if o != nil {
-			o(&c)
-		}
-	}
+	c := callOf(opts)
 	if l.perKey && !l.hasShared && !c.hasKey {
 		return c, fmt.Errorf("throttle: quota %q has only per-key limits: the feedback needs a Key", l.name)
 	}

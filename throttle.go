@@ -634,13 +634,20 @@ func (p *Permit) Settle(ctx context.Context, actual int) error {
 	return nil
 }
 
-func (l *Limiter) newCall(opts []CallOption) (call, error) {
+// callOf applies a call's options to the defaults.
+func callOf(opts []CallOption) call {
 	c := call{cost: 1}
 	for _, o := range opts {
 		if o != nil {
 			o(&c)
 		}
 	}
+	return c
+}
+
+// newCall reads and checks a call's options.
+func (l *Limiter) newCall(opts []CallOption) (call, error) {
+	c := callOf(opts)
 	switch {
 	case c.cost <= 0:
 		return c, fmt.Errorf("throttle: quota %q: Cost must be > 0, got %d", l.name, c.cost)
