@@ -8,6 +8,7 @@ import (
 	"time"
 
 	"github.com/cenkalti/backoff/v4"
+	"github.com/redis/go-redis/v9"
 )
 
 // OnRedisError says what a call does when Redis cannot decide it: Redis is
@@ -159,6 +160,7 @@ func (l *Limiter) acquire(ctx context.Context, c call, maxWait time.Duration) (r
 		l.brk.abort()
 		return r, err
 	}
+	l.reloadSlots(err)
 	if l.brk.failure() {
 		l.s.logger.Warn("throttle: Redis keeps failing; deciding without it until it answers a probe",
 			"quota", l.name, "on_redis_error", l.s.onRedisError.String(), "err", err)
@@ -179,4 +181,18 @@ func (l *Limiter) fallback(sc scope, c call, maxWait time.Duration, cause error)
 		return r, nil
 	}
 	return result{}, cause
+}
+
+// reloadSlots asks a ClusterClient to reload its slot map when a decision
+// failed for want of a node rather than with an error reply. go-redis
+// otherwise learns of a failover only from a MOVED reply, which a dead master
+// never sends, or after ClusterStateReloadInterval (a minute by default). The
+// reload is lazy and coalesced by go-redis.
+func (l *Limiter) reloadSlots(err error) {
+	cc, ok := l.rdb.(*redis.ClusterClient)
+	var reply redis.Error
+	if !ok || errors.As(err, &reply) {
+		return
+	}
+	cc.ReloadState(context.Background())
 }

@@ -652,17 +652,12 @@ func TestFault_ClusterFailover(t *testing.T) {
 	clusterFailover(t, &redis.ClusterOptions{ContextTimeoutEnabled: true, ClusterStateReloadInterval: 500 * time.Millisecond})
 }
 
-// Known bug: with a ClusterClient left at go-redis's defaults, the fleet
-// keeps failing for up to a minute after a failover that took 3 s. The
-// limiter sends every decision to the dead master's address, because the
-// client reloads its slot map only on MOVED (which a dead node never
-// answers) or once ClusterStateReloadInterval (60 s) has passed; the
-// breaker's probes meet the same dead address. Seen: no call succeeded
-// within 15 s of the promotion. Calling ReloadState on the ClusterClient
-// when a decision fails for want of a connection brings the fleet back
-// 0.4 s after the promotion.
+// With a ClusterClient left at go-redis's defaults, the client reloads its
+// slot map only on MOVED (which a dead node never answers) or once
+// ClusterStateReloadInterval (60 s) has passed. The limiter asks it to
+// reload when a decision fails for want of a node, so the fleet comes back
+// soon after the promotion rather than a minute later.
 func TestFault_ClusterFailoverWithDefaultClient(t *testing.T) {
-	t.Skip("known bug: after a failover a default ClusterClient keeps its stale slot map for up to 60 s, and the limiter never asks it to reload; see the comment")
 	clusterFailover(t, &redis.ClusterOptions{ContextTimeoutEnabled: true})
 }
 
