@@ -161,6 +161,9 @@ func (l *Limiter) decide(sc scope, batch []*request) {
 			sent:      sent,
 			epoch:     v[2],
 		}
+		if r.admitted && l.local != nil {
+			l.noteHorizon(sent.Add(r.wait))
+		}
 		if !req.finish(r, nil) && r.admitted {
 			// The caller gave up while its call was being booked.
 			l.cancel(context.Background(), req.c, r)
@@ -181,4 +184,15 @@ func (req *request) finish(r result, err error) bool {
 type batches struct {
 	lanesMu sync.Mutex
 	lanes   map[string]*lane
+}
+
+// noteHorizon remembers the latest slot booked in Redis, in local time, for
+// the Local fallback to respect should Redis fail.
+func (l *Limiter) noteHorizon(slot time.Time) {
+	for {
+		old := l.horizon.Load()
+		if slot.UnixNano() <= old || l.horizon.CompareAndSwap(old, slot.UnixNano()) {
+			return
+		}
+	}
 }

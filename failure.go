@@ -9,6 +9,9 @@ import (
 
 	"github.com/cenkalti/backoff/v4"
 	"github.com/redis/go-redis/v9"
+
+	"github.com/throttlekit/throttle/lua"
+	"github.com/throttlekit/throttle/policies"
 )
 
 // OnRedisError says what a call does when Redis cannot decide it: Redis is
@@ -150,6 +153,9 @@ func (l *Limiter) acquire(ctx context.Context, c call, maxWait time.Duration) (r
 	}
 	r, err := l.decideInRedis(ctx, sc, c, maxWait)
 	if err == nil {
+		if l.localNow.Swap(false) {
+			l.handBack(ctx)
+		}
 		if l.brk.success() {
 			l.s.logger.Info("throttle: Redis answers again; deciding in Redis", "quota", l.name)
 			l.emit(Event{Kind: EventRecovered})
@@ -175,6 +181,9 @@ func (l *Limiter) fallback(sc scope, c call, maxWait time.Duration, cause error)
 	case FailOpen:
 		return result{admitted: true, local: true, scope: sc}, nil
 	case Local:
+		if !l.localNow.Swap(true) {
+			l.local.takeOver(time.Unix(0, l.horizon.Load()))
+		}
 		member := l.newMember()
 		r := l.local.decide(sc, c, member, maxWait)
 		r.scope, r.member = sc, member
@@ -195,4 +204,24 @@ func (l *Limiter) reloadSlots(err error) {
 		return
 	}
 	cc.ReloadState(context.Background())
+}
+
+// handBack tells Redis, back from a failure, of the calls the Local
+// fallback admitted that still count in a window, at their own times, so
+// that the fleet deciding in Redis again does not admit them a second time.
+func (l *Limiter) handBack(ctx context.Context) {
+	ctx = context.WithoutCancel(ctx)
+	// Redis's clock is at most this far ahead of ours; placing the units
+	// late keeps them in the windows a little longer, never shorter.
+	var ahead time.Duration
+	if late, ok := l.skew.lateness(0, time.Unix(0, 0)); ok {
+		ahead = late
+	}
+	for _, c := range l.local.handBack() {
+		r := l.rules[c.rule]
+		keys := []string{c.scope.keys[0], c.scope.keys[1], c.scope.keys[2+c.rule]}
+		at := time.Duration(c.at.UnixMicro())*time.Microsecond + ahead
+		args := argsFor(l.s.clock, l.newMember(), 0, at.Microseconds(), int64(c.units), 0, []policies.Rule{r})
+		_ = lua.Settle.Run(ctx, l.rdb, keys, args...).Err()
+	}
 }

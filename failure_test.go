@@ -62,11 +62,23 @@ func TestOnRedisError_FailOpenMakesTheCall(t *testing.T) {
 }
 
 func TestOnRedisError_LocalDividesTheQuota(t *testing.T) {
-	lim := newLimiter(t, deadRedis(t), policies.SlidingLog{Limit: 10, Window: time.Minute},
+	// Long enough that the round trips to a dead Redis, before the breaker
+	// opens, stay within one window.
+	window := 3 * time.Second
+	lim := newLimiter(t, deadRedis(t), policies.SlidingLog{Limit: 10, Window: window},
 		WithOnRedisError(Local), WithExpectedReplicas(3), WithMode(FailFast), WithLogger(slog.New(slog.DiscardHandler)))
+	ctx := context.Background()
+	// Redis may have admitted a whole window before it failed: the fallback
+	// waits one out first.
+	_, err := lim.Acquire(ctx)
+	var le *LimitedError
+	if !errors.As(err, &le) || le.RetryAfter < window/2 || le.RetryAfter > window+policies.DefaultMargin {
+		t.Fatalf("first call of the fallback: %v, want ErrLimited for about a window", err)
+	}
+	time.Sleep(le.RetryAfter)
 	admitted := 0
 	for range 10 {
-		if p, err := lim.Acquire(context.Background()); err == nil {
+		if p, err := lim.Acquire(ctx); err == nil {
 			admitted++
 			p.Release()
 		} else if !errors.Is(err, ErrLimited) {

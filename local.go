@@ -19,6 +19,7 @@ type local struct {
 	rules     []policies.Rule // limits already divided
 	logs      map[string]*localLog
 	decisions int
+	full      time.Time // every rule counts as full for a window from here
 }
 
 type localEntry struct {
@@ -28,6 +29,8 @@ type localEntry struct {
 }
 
 type localLog struct {
+	rule    int
+	scope   scope
 	entries []localEntry // ascending by at
 	tat     time.Time    // token bucket
 }
@@ -56,7 +59,7 @@ func (lo *local) log(i int, sc scope) *localLog {
 	}
 	lg := lo.logs[name]
 	if lg == nil {
-		lg = &localLog{}
+		lg = &localLog{rule: i, scope: sc}
 		lo.logs[name] = lg
 	}
 	return lg
@@ -96,6 +99,14 @@ func (lo *local) decide(sc scope, c call, member string, maxWait time.Duration) 
 		}
 	}
 	t := now
+	for _, r := range lo.rules {
+		switch r.Kind {
+		case policies.KindSlidingLog, policies.KindSlidingCounter:
+			t = maxTime(t, lo.full.Add(r.Window))
+		case policies.KindTokenBucket:
+			t = maxTime(t, lo.full.Add(time.Duration(r.Limit)*r.Every))
+		}
+	}
 	for moved := true; moved; {
 		moved = false
 		for i, r := range lo.rules {
@@ -149,6 +160,51 @@ func (lo *local) decide(sc scope, c call, member string, maxWait time.Duration) 
 func (lg *localLog) insert(e localEntry) {
 	i, _ := slices.BinarySearchFunc(lg.entries, e.at, func(x localEntry, t time.Time) int { return x.at.Compare(t) })
 	lg.entries = slices.Insert(lg.entries, i, e)
+}
+
+// takeOver is called when the fallback starts deciding. Redis may have
+// admitted a full window just before it failed, and booked calls up to
+// horizon: the fallback admits nothing until a window after both.
+func (lo *local) takeOver(horizon time.Time) {
+	lo.mu.Lock()
+	defer lo.mu.Unlock()
+	lo.full = maxTime(time.Now(), horizon)
+	lo.logs = map[string]*localLog{}
+}
+
+// charge is units a returning Redis must learn of: calls the fallback
+// admitted, or booked, that still count in a window.
+type charge struct {
+	rule  int
+	scope scope
+	at    time.Time
+	units int
+}
+
+// handBack ends the fallback's turn: it returns what it admitted that still
+// counts, and forgets it.
+func (lo *local) handBack() []charge {
+	lo.mu.Lock()
+	defer lo.mu.Unlock()
+	now := time.Now()
+	var out []charge
+	for _, lg := range lo.logs {
+		r := lo.rules[lg.rule]
+		switch r.Kind {
+		case policies.KindSlidingLog, policies.KindSlidingCounter:
+			for _, e := range lg.entries {
+				if e.at.After(now.Add(-r.Window)) {
+					out = append(out, charge{lg.rule, lg.scope, e.at, e.cost})
+				}
+			}
+		case policies.KindTokenBucket:
+			if ahead := lg.tat.Sub(now); ahead > 0 {
+				out = append(out, charge{lg.rule, lg.scope, now, int(ahead / r.Every)})
+			}
+		}
+	}
+	lo.logs = map[string]*localLog{}
+	return out
 }
 
 // forget removes the units of call id: a cancelled booking, a released

@@ -255,9 +255,11 @@ type Limiter struct {
 	freedMu   sync.Mutex
 	q         *queue
 	closed    atomic.Bool
-	batches            // calls waiting for a shared script call
-	brk       *breaker // keeps calls away from a failing Redis
-	local     *local   // the Local fallback, or nil
+	batches                // calls waiting for a shared script call
+	brk       *breaker     // keeps calls away from a failing Redis
+	local     *local       // the Local fallback, or nil
+	localNow  atomic.Bool  // the Local fallback decides calls now
+	horizon   atomic.Int64 // local Unix nanoseconds of the latest slot booked in Redis
 	loadMu    sync.Mutex
 	loaded    sync.Map // *redis.Script -> true once this limiter loaded it
 }
