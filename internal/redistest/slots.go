@@ -158,6 +158,7 @@ func AgreeOnOwner(ctx context.Context, nodes []*Server, slot int, owner *Server)
 			if st := parseInfo(info)["cluster_state"]; st != "ok" {
 				return fmt.Errorf("cluster_state:%s", st)
 			}
+			//lint:ignore SA1019 CLUSTER SLOTS answers on Redis before 7.0 too, which CLUSTER SHARDS does not.
 			slots, err := c.ClusterSlots(ctx).Result()
 			if err != nil {
 				return err
@@ -182,7 +183,7 @@ func AgreeOnOwner(ctx context.Context, nodes []*Server, slot int, owner *Server)
 // WaitOwner polls until a live node other than old claims slot and every
 // live node agrees on it, as after a failover, and returns that node.
 func WaitOwner(ctx context.Context, nodes []*Server, slot int, old *Server) (*Server, error) {
-	last := errors.New("no new owner yet")
+	var last error
 	for {
 		if n, err := SlotOwner(ctx, nodes, slot); err != nil {
 			last = err
