@@ -76,7 +76,7 @@ func (l *Limiter) feedback(ctx context.Context, pause time.Duration, remaining i
 	args := argsFor(l.s.clock, l.newMember(), int(asOf.Microseconds()), pause.Microseconds(), int64(remaining), reset.Microseconds(), rules)
 	v, err := lua.Feedback.Run(ctx, l.rdb, keys, args...).Int64Slice()
 	if err != nil {
-		return l.redisErr(err)
+		return l.unavailable(err)
 	}
 	if len(v) != 3 {
 		return fmt.Errorf("throttle: quota %q: unexpected script reply %v", l.name, v)

@@ -132,10 +132,6 @@ func (l *Limiter) load(ctx context.Context, s *redis.Script) {
 	}
 }
 
-func (l *Limiter) redisErr(err error) error {
-	return l.unavailable(err)
-}
-
 // unavailable wraps an error of Redis, or of the way to it.
 func (l *Limiter) unavailable(err error) error {
 	return &UnavailableError{Quota: l.name, Err: err}

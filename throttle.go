@@ -603,7 +603,7 @@ func (p *Permit) Extend(ctx context.Context, lease time.Duration) error {
 	}
 	held, err := p.l.run(ctx, lua.Release, p.r.scope, p.l.args(p.r.member, p.held, lease.Microseconds(), 0, 0)).Int64()
 	if err != nil {
-		return p.l.redisErr(err)
+		return p.l.unavailable(err)
 	}
 	if held == 0 {
 		return fmt.Errorf("throttle: quota %q: Extend: the lease had already run out", p.l.name)
@@ -630,7 +630,7 @@ func (p *Permit) Settle(ctx context.Context, actual int) error {
 	}
 	args := p.l.args(p.r.member, p.call.cost, p.r.slot().Microseconds(), int64(actual), 0)
 	if err := p.l.run(ctx, lua.Settle, p.r.scope, args).Err(); err != nil {
-		return p.l.redisErr(err)
+		return p.l.unavailable(err)
 	}
 	p.call.cost = actual
 	return nil
