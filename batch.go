@@ -13,6 +13,13 @@ import (
 // maxBatch bounds how many calls one script call decides.
 const maxBatch = 128
 
+// The acquire script's reply: a header, then a fixed number of values per
+// call (see lua/acquire.lua).
+const (
+	replyHeader  = 6
+	replyPerCall = 4
+)
+
 // Calls of one process that need a decision at the same moment share one
 // script call: while a decision is on its way to Redis, the calls that
 // arrive for the same keys wait in a lane, and the next script call decides
@@ -29,6 +36,7 @@ type request struct {
 	c       call
 	maxWait time.Duration
 	member  string
+	late    *result // a booking of this call to give back first: it would start too late
 	done    chan struct{}
 	res     result
 	err     error
@@ -44,8 +52,11 @@ const (
 // decideInRedis decides one call in Redis: it admits it, books it within
 // maxWait, or refuses it. It waits no longer than ctx and the limiter's
 // Redis timeout.
-func (l *Limiter) decideInRedis(ctx context.Context, sc scope, c call, maxWait time.Duration) (result, error) {
-	req := &request{c: c, maxWait: maxWait, member: l.newMember(), done: make(chan struct{})}
+//
+// A call that got a slot too late to start in it passes that booking as
+// late: it is given back in the same script call that books the call again.
+func (l *Limiter) decideInRedis(ctx context.Context, sc scope, c call, maxWait time.Duration, late *result) (result, error) {
+	req := &request{c: c, maxWait: maxWait, member: l.newMember(), late: late, done: make(chan struct{})}
 	if ln := l.submit(sc, req); ln != nil {
 		// Nothing was on its way: decide this call here, with no hand-over
 		// to another goroutine, and leave the calls that queued meanwhile to
@@ -126,16 +137,31 @@ func (l *Limiter) decide(sc scope, batch []*request) {
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), l.s.redisTimeout)
 	defer cancel()
-	args := l.args("", 0, int64(len(batch)), l.epoch.Load(), 0)
+	var late []*result
+	for _, req := range batch {
+		if req.late != nil {
+			late = append(late, req.late)
+		}
+	}
+	args := l.args("", 0, int64(len(batch)), l.epoch.Load(), int64(len(late)))
+	delay, spread, ok := l.timing.report()
+	if !ok {
+		delay = -time.Microsecond
+	}
+	args = append(args, delay.Microseconds(), spread.Microseconds())
+	for _, r := range late {
+		args = append(args, r.member, r.cost, r.slot().Microseconds(), r.epoch)
+	}
 	for _, req := range batch {
 		args = append(args, req.member, req.c.cost, req.maxWait.Microseconds())
 	}
-	sent := time.Now()
+	sent := l.timing.now()
 	v, err := l.run(ctx, lua.Acquire, sc, args).Int64Slice()
-	if err == nil && len(v) != 4+4*len(batch) {
+	recvd := l.timing.now()
+	if err == nil && len(v) != replyHeader+replyPerCall*len(batch) {
 		err = fmt.Errorf("unexpected script reply %v", v)
 	}
-	l.emit(Event{Kind: EventRedis, Duration: time.Since(sent), Calls: len(batch), Err: err})
+	l.emit(Event{Kind: EventRedis, Duration: recvd - sent, Calls: len(batch), Err: err})
 	if err != nil {
 		err = l.unavailable(err)
 		for _, req := range batch {
@@ -145,10 +171,14 @@ func (l *Limiter) decide(sc scope, batch []*request) {
 	}
 	now := time.Duration(v[0]) * time.Microsecond
 	pause := time.Duration(v[1]) * time.Microsecond
+	margin := time.Duration(v[4]) * time.Microsecond
+	done := time.Duration(v[5]) * time.Microsecond
+	l.timing.observe(done, sent, recvd)
+	l.margin.Store(int64(margin))
 	l.notePause(sc, now, pause)
 	l.noteEpoch(v[2], v[3] == 1)
 	for i, req := range batch {
-		w := v[4+4*i : 8+4*i]
+		w := v[replyHeader+replyPerCall*i : replyHeader+replyPerCall*(i+1)]
 		r := result{
 			admitted:  w[0] == 1,
 			wait:      time.Duration(w[1]) * time.Microsecond,
@@ -158,11 +188,13 @@ func (l *Limiter) decide(sc scope, batch []*request) {
 			pause:     pause,
 			scope:     sc,
 			member:    req.member,
-			sent:      sent,
+			cost:      req.c.cost,
 			epoch:     v[2],
+			margin:    margin,
+			done:      done,
 		}
 		if r.admitted && l.local != nil {
-			l.noteHorizon(sent.Add(r.wait))
+			l.noteHorizon(time.Now().Add(r.wait))
 		}
 		if !req.finish(r, nil) && r.admitted {
 			// The caller gave up while its call was being booked.

@@ -143,7 +143,10 @@ func (b *breaker) abort() {
 
 // acquire decides one call: in Redis while Redis answers, and otherwise as
 // the limiter's OnRedisError says.
-func (l *Limiter) acquire(ctx context.Context, c call, maxWait time.Duration) (result, error) {
+//
+// giveBack, when not nil, is a booking of the call to give back in the same
+// script call: it came too late to start in.
+func (l *Limiter) acquire(ctx context.Context, c call, maxWait time.Duration, giveBack *result) (result, error) {
 	if err := ctx.Err(); err != nil {
 		return result{}, err
 	}
@@ -151,7 +154,11 @@ func (l *Limiter) acquire(ctx context.Context, c call, maxWait time.Duration) (r
 	if !l.brk.allow() {
 		return l.fallback(sc, c, maxWait, l.unavailable(errBreakerOpen))
 	}
-	r, err := l.decideInRedis(ctx, sc, c, maxWait)
+	if giveBack != nil && giveBack.local {
+		l.cancel(ctx, c, *giveBack)
+		giveBack = nil
+	}
+	r, err := l.decideInRedis(ctx, sc, c, maxWait, giveBack)
 	if err == nil {
 		if l.localNow.Swap(false) {
 			l.handBack(ctx)
@@ -211,17 +218,16 @@ func (l *Limiter) reloadSlots(err error) {
 // that the fleet deciding in Redis again does not admit them a second time.
 func (l *Limiter) handBack(ctx context.Context) {
 	ctx = context.WithoutCancel(ctx)
-	// Redis's clock is at most this far ahead of ours; placing the units
-	// late keeps them in the windows a little longer, never shorter.
-	var ahead time.Duration
-	if late, ok := l.skew.lateness(0, time.Unix(0, 0)); ok {
-		ahead = late
-	}
 	for _, c := range l.local.handBack() {
 		r := l.rules[c.rule]
 		keys := []string{c.scope.keys[0], c.scope.keys[1], c.scope.keys[2+c.rule]}
-		at := time.Duration(c.at.UnixMicro())*time.Microsecond + ahead
-		args := argsFor(l.s.clock, l.newMember(), 0, at.Microseconds(), int64(c.units), 0, []policies.Rule{r})
+		// Placed no earlier than they happened, as Redis's clock goes: late
+		// units stay in the windows a little longer, never shorter.
+		at, ok := l.timing.redisAt(c.at)
+		if !ok {
+			continue
+		}
+		args := argsFor(l.s.clock, l.newMember(), 0, at.Microseconds(), int64(c.units), l.epoch.Load(), []policies.Rule{r})
 		_ = lua.Settle.Run(ctx, l.rdb, keys, args...).Err()
 	}
 }

@@ -95,11 +95,13 @@ func runFleet(t *testing.T, fc fleetCase, newClient func(*testing.T) redis.Unive
 	defer cancel()
 	var admitted, refused atomic.Int64
 	var wg sync.WaitGroup
+	var lims []*Limiter
 	for range replicas {
 		lim, err := New(newClient(t), "fleet-"+fc.name, fc.policy)
 		if err != nil {
 			t.Fatal(err)
 		}
+		lims = append(lims, lim)
 		for range workers {
 			wg.Go(func() {
 				for ctx.Err() == nil {
@@ -132,8 +134,16 @@ func runFleet(t *testing.T, fc fleetCase, newClient func(*testing.T) redis.Unive
 		t.Errorf("vendor accepted %d calls, the fleet admitted %d", st.Accepted, admitted.Load())
 	}
 	util := arrivals.utilization(limit, window)
-	t.Logf("admitted %d, refused at the end %d, over cap %d, max in a window %d, utilization %.3f",
-		admitted.Load(), refused.Load(), st.OverCap, st.MaxInWindow, util)
+	var margin time.Duration
+	u, err := lims[0].Usage(context.Background())
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, r := range u.Rules {
+		margin = max(margin, r.Margin)
+	}
+	t.Logf("admitted %d, refused at the end %d, over cap %d, max in a window %d, utilization %.3f, spread %v, margin %v",
+		admitted.Load(), refused.Load(), st.OverCap, st.MaxInWindow, util, u.Spread, margin)
 	if util < fc.minUtil {
 		t.Errorf("utilization %.3f, want at least %.2f", util, fc.minUtil)
 	}

@@ -18,6 +18,7 @@ const (
 	reasonNone = iota
 	reasonTooFar
 	reasonBusy // a concurrency rule is full
+	reasonLate // every admission came too late to start in (decided here, not by the script)
 )
 
 // scope is the set of Redis keys one call touches: the pause keys and the
@@ -62,7 +63,7 @@ func argsFor(clock func() time.Time, id string, cost int, a, b, c int64, rules [
 	if clock != nil {
 		now = clock().UnixMicro()
 	}
-	args := make([]any, 0, 6+4*len(rules))
+	args := make([]any, 0, 6+5*len(rules))
 	args = append(args, now, id, cost, a, b, c)
 	for _, r := range rules {
 		for _, v := range r.Args() {
@@ -82,16 +83,24 @@ type result struct {
 	wait      time.Duration
 	remaining int
 	now       time.Duration // Redis time since the Unix epoch
+	done      time.Duration // Redis time the script ended
 	pause     time.Duration // Redis time until which the scope is paused, or 0
 	scope     scope
 	member    string
-	sent      time.Time // when the script was sent
-	epoch     int64     // the quota's epoch when the call was decided
-	local     bool      // decided without Redis (FailOpen, Local)
+	cost      int           // the units booked
+	epoch     int64         // the quota's epoch when the call was decided
+	margin    time.Duration // the smallest guarded margin in force, 0 for none
+	local     bool          // decided without Redis (FailOpen, Local)
 }
 
 // slot is the Redis time of the call's booked slot.
 func (r result) slot() time.Duration { return r.now + r.wait }
+
+// startsAt is the Redis time from which the call can start: its slot, or
+// the end of the script that admitted it, if later. The script's own time
+// is not the caller's lateness: it stays under a millisecond on Redis at
+// every policy's bounds.
+func (r result) startsAt() time.Duration { return max(r.slot(), r.done) }
 
 // cancel gives a booking back so that the next caller can have the slot. It
 // runs even though ctx has ended; if Redis cannot be reached the booking
@@ -103,7 +112,7 @@ func (l *Limiter) cancel(ctx context.Context, c call, r result) {
 		}
 		return
 	}
-	_ = l.run(context.WithoutCancel(ctx), lua.Cancel, r.scope, l.args(r.member, c.cost, r.slot().Microseconds(), 0, 0)).Err()
+	_ = l.run(context.WithoutCancel(ctx), lua.Cancel, r.scope, l.args(r.member, c.cost, r.slot().Microseconds(), r.epoch, 0)).Err()
 }
 
 // run runs a script with the limiter's Redis timeout. It loads the script

@@ -104,10 +104,17 @@ type LimitedError struct {
 	Quota string
 	// RetryAfter is how long until the call would fit, as Redis saw it.
 	RetryAfter time.Duration
+	// Reason says why the call was refused, when the quota being full now
+	// is not the whole story: the slot lay beyond MaxWait or the context's
+	// deadline, or every slot came too late to start in. Empty otherwise.
+	Reason string
 }
 
 // Error describes the refusal.
 func (e *LimitedError) Error() string {
+	if e.Reason != "" {
+		return fmt.Sprintf("throttle: quota %q: rate limited (%s), retry after %v", e.Quota, e.Reason, e.RetryAfter)
+	}
 	return fmt.Sprintf("throttle: quota %q: rate limited, retry after %v", e.Quota, e.RetryAfter)
 }
 
@@ -244,8 +251,8 @@ type Limiter struct {
 	hasShared bool     // some rule is shared by all keys
 	hasConc   bool     // some rule is a Concurrency
 	maxCost   int
-	late      time.Duration // how late after its slot a call may still start; 0: any
-	skew      skew
+	timing    *timing
+	margin    atomic.Int64 // the smallest guarded margin in force, as Redis last said; 0: none
 	epoch     atomic.Int64 // the quota's epoch as last seen; 0 before the first decision
 	s         settings
 	id        string
@@ -308,7 +315,7 @@ func New(rdb redis.UniversalClient, name string, policy policies.Policy, opts ..
 	if err := validName("WithPrefix", s.prefix); err != nil {
 		return nil, err
 	}
-	l := &Limiter{rdb: rdb, name: name, rules: rules, s: s, id: newID(), freed: make(chan struct{}), brk: newBreaker()}
+	l := &Limiter{rdb: rdb, name: name, rules: rules, s: s, id: newID(), freed: make(chan struct{}), brk: newBreaker(), timing: newTiming(s.clock)}
 	if s.onRedisError == Local {
 		if l.local, err = newLocal(rules, s.replicas); err != nil {
 			return nil, fmt.Errorf("throttle: quota %q: %w", name, err)
@@ -324,8 +331,9 @@ func New(rdb redis.UniversalClient, name string, policy policies.Policy, opts ..
 		l.hasShared = l.hasShared || !r.PerKey
 		l.hasConc = l.hasConc || r.Kind == policies.KindConcurrency
 		l.maxCost = min(l.maxCost, r.Limit)
-		if r.Margin >= minGuardedMargin && (l.late == 0 || r.Margin/2 < l.late) {
-			l.late = r.Margin / 2
+		guarded := r.Kind == policies.KindSlidingLog || r.Kind == policies.KindSlidingCounter
+		if m := time.Duration(l.margin.Load()); guarded && r.Margin >= minGuardedMargin && (m == 0 || r.Margin < m) {
+			l.margin.Store(int64(r.Margin))
 		}
 	}
 	if s.mode == Queue {
@@ -379,7 +387,7 @@ func (l *Limiter) Allow(ctx context.Context, opts ...CallOption) (Decision, erro
 	if err != nil {
 		return Decision{}, err
 	}
-	r, err := l.acquire(ctx, c, 0)
+	r, err := l.now(ctx, c)
 	if err != nil {
 		return Decision{}, err
 	}
@@ -388,7 +396,7 @@ func (l *Limiter) Allow(ctx context.Context, opts ...CallOption) (Decision, erro
 		l.emitOutcome(c, l.permit(c, r, 0), nil, false)
 	} else {
 		d.RetryAfter = r.wait
-		l.emitOutcome(c, nil, l.limited(r.wait), false)
+		l.emitOutcome(c, nil, l.refused(r), false)
 	}
 	return d, nil
 }
@@ -400,6 +408,16 @@ func (l *Limiter) Allow(ctx context.Context, opts ...CallOption) (Decision, erro
 // golang.org/x/time/rate's Wait does. If the context ends while it waits, it
 // gives its slot back and returns the context's error.
 func (l *Limiter) Acquire(ctx context.Context, opts ...CallOption) (*Permit, error) {
+	p, err := l.acquirePermit(ctx, opts)
+	if err == nil {
+		p.start()
+	}
+	return p, err
+}
+
+// acquirePermit is Acquire without noting when the call starts: Do, Go and the
+// Transport note it themselves, right before the call.
+func (l *Limiter) acquirePermit(ctx context.Context, opts []CallOption) (*Permit, error) {
 	c, err := l.newCall(opts)
 	if err != nil {
 		return nil, err
@@ -414,11 +432,11 @@ func (l *Limiter) Acquire(ctx context.Context, opts ...CallOption) (*Permit, err
 	switch l.s.mode {
 	case FailFast:
 		var r result
-		if r, err = l.acquire(ctx, c, 0); err == nil {
+		if r, err = l.now(ctx, c); err == nil {
 			if r.admitted {
 				p = l.permit(c, r, 0)
 			} else {
-				err = l.limited(r.wait)
+				err = l.refused(r)
 			}
 		}
 	case Queue:
@@ -436,14 +454,14 @@ func (l *Limiter) Acquire(ctx context.Context, opts ...CallOption) (*Permit, err
 // shadow decides a call as FailFast would, records it when it fits, reports
 // the decision, and lets the call through either way.
 func (l *Limiter) shadow(ctx context.Context, c call) (*Permit, error) {
-	r, err := l.acquire(ctx, c, 0)
+	r, err := l.now(ctx, c)
 	if err == nil && r.admitted {
 		p := l.permit(c, r, 0)
 		l.emitOutcome(c, p, nil, false)
 		return p, nil
 	}
 	if err == nil {
-		err = l.limited(r.wait)
+		err = l.refused(r)
 	} else if ctx.Err() != nil {
 		return nil, err
 	}
@@ -485,12 +503,13 @@ func (l *Limiter) Close(ctx context.Context) error {
 // Do acquires a permit from l, runs fn, and releases the permit. It returns
 // fn's result, or the error that kept fn from running.
 func Do[T any](ctx context.Context, l *Limiter, fn func(context.Context) (T, error), opts ...CallOption) (T, error) {
-	p, err := l.Acquire(ctx, opts...)
+	p, err := l.acquirePermit(ctx, opts)
 	if err != nil {
 		var zero T
 		return zero, err
 	}
 	defer p.Release()
+	p.start()
 	return fn(ctx)
 }
 
@@ -534,12 +553,13 @@ func Go[T any](ctx context.Context, l *Limiter, fn func(context.Context) (T, err
 		if w != nil {
 			p, f.err = l.fromQueue(ctx, c, w)
 		} else {
-			p, f.err = l.Acquire(ctx, opts...)
+			p, f.err = l.acquirePermit(ctx, opts)
 		}
 		if f.err != nil {
 			return
 		}
 		defer p.Release()
+		p.start()
 		f.v, f.err = fn(ctx)
 	}()
 	return f
@@ -628,7 +648,7 @@ func (p *Permit) Settle(ctx context.Context, actual int) error {
 		// A call decided without Redis has nothing in Redis to settle.
 		return nil
 	}
-	args := p.l.args(p.r.member, p.call.cost, p.r.slot().Microseconds(), int64(actual), 0)
+	args := p.l.args(p.r.member, p.call.cost, p.r.slot().Microseconds(), int64(actual), p.r.epoch)
 	if err := p.l.run(ctx, lua.Settle, p.r.scope, args).Err(); err != nil {
 		return p.l.unavailable(err)
 	}
@@ -663,6 +683,14 @@ func (l *Limiter) newCall(opts []CallOption) (call, error) {
 	return c, nil
 }
 
-func (l *Limiter) limited(retryAfter time.Duration) error {
-	return &LimitedError{Quota: l.name, RetryAfter: retryAfter}
+func (l *Limiter) limited(retryAfter time.Duration, reason string) error {
+	return &LimitedError{Quota: l.name, RetryAfter: retryAfter, Reason: reason}
+}
+
+// refused returns the error of a call that Redis did not admit now.
+func (l *Limiter) refused(r result) error {
+	if r.reason == reasonLate {
+		return l.limited(r.wait, lateReason)
+	}
+	return l.limited(r.wait, "")
 }

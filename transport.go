@@ -244,7 +244,7 @@ func (t *Transport) RoundTrip(req *http.Request) (*http.Response, error) {
 		first   time.Time
 	)
 	for {
-		p, err := lim.Acquire(ctx, opts...)
+		p, err := lim.acquirePermit(ctx, opts)
 		if err != nil {
 			closeBody(out)
 			if refusal != nil && ctx.Err() == nil {
@@ -256,6 +256,7 @@ func (t *Transport) RoundTrip(req *http.Request) (*http.Response, error) {
 		}
 		discard(refusal)
 		refusal = nil
+		p.start()
 		resp, err := t.base.RoundTrip(out)
 		if err != nil {
 			p.Release()

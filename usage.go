@@ -14,6 +14,11 @@ type Usage struct {
 	// Paused is how long the quota, or the key, stays paused at the
 	// vendor's request.
 	Paused time.Duration
+	// Spread is how much later after its slot one call of the fleet may
+	// start than another, as the fleet's processes measure it and report it
+	// with their calls. The windows' margins follow it (see
+	// policies.SlidingLog.Margin).
+	Spread time.Duration
 	// Rules holds the usage of each rule, in the order of policies.Rules.
 	Rules []RuleUsage
 }
@@ -30,6 +35,10 @@ type RuleUsage struct {
 	Remaining int
 	// NextFree is how long until one more unit fits; 0 when one fits now.
 	NextFree time.Duration
+	// Margin is the margin in force of a SlidingLog or SlidingCounter
+	// rule: its configured Margin, or wider when the fleet's Spread needs
+	// it. The rule counts a window of Rule.Window - Rule.Margin + Margin.
+	Margin time.Duration
 }
 
 // Remaining returns the units a call could take now under every rule.
@@ -57,18 +66,21 @@ func (l *Limiter) Usage(ctx context.Context, opts ...CallOption) (Usage, error) 
 	if err != nil {
 		return Usage{}, l.unavailable(err)
 	}
-	if len(v) != 2+4*len(l.rules) {
+	const header, perRule = 3, 5
+	if len(v) != header+perRule*len(l.rules) {
 		return Usage{}, l.unavailable(fmt.Errorf("unexpected script reply %v", v))
 	}
-	u := Usage{Paused: max(time.Duration(v[1]-v[0])*time.Microsecond, 0)}
+	us := func(x int64) time.Duration { return time.Duration(x) * time.Microsecond }
+	u := Usage{Paused: max(us(v[1]-v[0]), 0), Spread: us(v[2])}
 	for i, r := range l.rules {
-		w := v[2+4*i:]
+		w := v[header+perRule*i:]
 		u.Rules = append(u.Rules, RuleUsage{
 			Rule:      r,
 			Used:      int(w[0]),
 			Booked:    int(w[1]),
 			Remaining: int(w[2]),
-			NextFree:  time.Duration(w[3]) * time.Microsecond,
+			NextFree:  us(w[3]),
+			Margin:    us(w[4]),
 		})
 	}
 	return u, nil

@@ -33,7 +33,7 @@ func TestUsage_ReadsEveryRuleWithoutChangingIt(t *testing.T) {
 			t.Fatal("second call refused")
 		}
 		// A waiting call books a slot: the log frees 6 units at 1s.
-		r, err := lim.acquire(ctx, call{cost: 2}, time.Minute)
+		r, err := lim.acquire(ctx, call{cost: 2}, time.Minute, nil)
 		if err != nil || !r.admitted || r.wait != 700*time.Millisecond {
 			t.Fatalf("booking: %+v, %v", r, err)
 		}

@@ -3,7 +3,6 @@ package throttle
 import (
 	"context"
 	"math/rand/v2"
-	"sync"
 	"time"
 )
 
@@ -21,6 +20,13 @@ const (
 	minGuardedMargin = 2 * time.Millisecond
 )
 
+// maxRebooks bounds how many times a call books again because it would
+// start too late in its slot; past it the call fails with ErrLimited.
+const maxRebooks = 3
+
+// lateReason is the LimitedError.Reason of a call that failed for that.
+const lateReason = "every slot came too late to start in: Redis's replies or this process are slower than the margin allows"
+
 // wait is Block mode: book the earliest slot the call fits in, within the
 // context's deadline and MaxWait, and sleep until it. One script call admits
 // the call; a waiter never polls, except for a concurrency slot, whose
@@ -28,12 +34,17 @@ const (
 func (l *Limiter) wait(ctx context.Context, c call) (*Permit, error) {
 	start := time.Now()
 	busy := busyFirst
+	var giveBack *result // a booking to give back in the next script call
+	rebooks := 0
 	for {
 		maxWait := l.s.maxWait - time.Since(start)
-		if deadline, ok := ctx.Deadline(); ok {
-			maxWait = min(maxWait, time.Until(deadline))
+		reason := "the slot lies beyond MaxWait " + l.s.maxWait.String()
+		if deadline, ok := ctx.Deadline(); ok && time.Until(deadline) < maxWait {
+			maxWait = time.Until(deadline)
+			reason = "the slot lies beyond the context's deadline"
 		}
-		r, err := l.acquire(ctx, c, max(maxWait, 0))
+		r, err := l.acquire(ctx, c, max(maxWait, 0), giveBack)
+		giveBack = nil
 		if err != nil {
 			return nil, err
 		}
@@ -45,96 +56,96 @@ func (l *Limiter) wait(ctx context.Context, c call) (*Permit, error) {
 				busy = min(2*busy, busyMax)
 				continue
 			}
-			return nil, l.limited(r.wait)
+			if r.reason == reasonBusy {
+				reason = "every concurrency slot is taken"
+			}
+			return nil, l.limited(r.wait, reason)
 		}
-		if !r.local {
-			l.skew.observe(r.now, r.sent)
-		}
-		if r.wait <= 0 {
-			if l.tooLate(r) {
+		if r.wait > 0 {
+			// The script counted the wait from its own clock; the reply took
+			// some of it to arrive, so sleeping the whole wait from here never
+			// wakes early.
+			if deadline, ok := ctx.Deadline(); ok && time.Now().Add(r.wait).After(deadline) {
 				l.cancel(ctx, c, r)
+				return nil, l.limited(r.wait, "the slot lies beyond the context's deadline")
+			}
+			if err := sleep(ctx, r.wait); err != nil {
+				l.cancel(ctx, c, r)
+				return nil, err
+			}
+			// A vendor may have asked the fleet to pause while this call
+			// slept, or Redis may have lost the booking with the rest of the
+			// quota's data. Calling then would crowd the windows after the
+			// slot, so the call gives its slot back and books again.
+			if !r.local && (l.pausedFor(r.scope) > 0 || l.epoch.Load() != r.epoch) {
+				giveBack = &r
 				continue
 			}
-			return l.permit(c, r, time.Since(start)), nil
 		}
-		// The script counted the wait from its own clock; the reply took some
-		// of it to arrive, so sleeping the whole wait from here never wakes
-		// early.
-		if deadline, ok := ctx.Deadline(); ok && time.Now().Add(r.wait).After(deadline) {
-			l.cancel(ctx, c, r)
-			return nil, l.limited(r.wait)
-		}
-		if err := sleep(ctx, r.wait); err != nil {
-			l.cancel(ctx, c, r)
-			return nil, err
-		}
-		// A vendor may have asked the fleet to pause while this call slept,
-		// the process may have been starved past the slot, or Redis may have
-		// lost the booking with the rest of the quota's data. Calling then
-		// would crowd the windows after the slot, so the call gives its slot
-		// back and books again.
-		if !r.local && (l.pausedFor(r.scope) > 0 || l.tooLate(r) || l.epoch.Load() != r.epoch) {
-			l.cancel(ctx, c, r)
+		if late, tooLate := l.late(r); tooLate {
+			// The reply came, or this process woke, later after the slot than
+			// the margin allows: arriving now would crowd the windows after
+			// the slot. Book again, a bounded number of times.
+			if rebooks++; rebooks > maxRebooks {
+				l.cancel(ctx, c, r)
+				return nil, l.limited(late, lateReason)
+			}
+			giveBack = &r
 			continue
 		}
 		return l.permit(c, r, time.Since(start)), nil
 	}
 }
 
-// tooLate reports whether a call would now start later after its slot than
-// the margin allows.
-func (l *Limiter) tooLate(r result) bool {
-	if l.late <= 0 || r.local {
-		return false
-	}
-	late, ok := l.skew.lateness(r.slot(), time.Now())
-	return ok && late > l.late
-}
-
-// skew estimates how far Redis's clock runs ahead of this process's, so that
-// a call can tell how late after its slot it starts, whatever the clocks of
-// the machines say. The script ran at Redis time now, after the call was sent
-// at local time asked: so the offset is at most now - asked. The least such
-// bound over recent calls is close to the true offset; a call's lateness is
-// then at most its local start minus its slot, plus that bound. Bounds are
-// kept for two periods, so that a clock that steps is forgotten soon.
-type skew struct {
-	mu       sync.Mutex
-	cur      time.Duration // least bound in the current period
-	prev     time.Duration // least bound in the previous period
-	curSet   bool
-	prevSet  bool
-	periodAt time.Time
-}
-
-const skewPeriod = 10 * time.Second
-
-func (k *skew) observe(redisNow time.Duration, asked time.Time) {
-	bound := redisNow - time.Duration(asked.UnixMicro())*time.Microsecond
-	k.mu.Lock()
-	defer k.mu.Unlock()
-	if asked.Sub(k.periodAt) > skewPeriod {
-		k.prev, k.prevSet = k.cur, k.curSet
-		k.curSet, k.periodAt = false, asked
-	}
-	if !k.curSet || bound < k.cur {
-		k.cur, k.curSet = bound, true
+// now decides a call that runs now or not at all (FailFast, Allow, shadow
+// mode), with the same late-start guard as Block mode: an admission that
+// arrives too late to start in is given back and asked again, a bounded
+// number of times, and then refused with reasonLate.
+func (l *Limiter) now(ctx context.Context, c call) (result, error) {
+	var giveBack *result
+	for tries := 0; ; tries++ {
+		r, err := l.acquire(ctx, c, 0, giveBack)
+		if err != nil || !r.admitted {
+			return r, err
+		}
+		late, tooLate := l.late(r)
+		if !tooLate {
+			return r, nil
+		}
+		if tries == maxRebooks {
+			l.cancel(ctx, c, r)
+			return result{reason: reasonLate, wait: late, remaining: 0}, nil
+		}
+		giveBack = &r
 	}
 }
 
-// lateness returns an upper bound of how long after the Redis time slot the
-// local time at lies, and false before any observation.
-func (k *skew) lateness(slot time.Duration, at time.Time) (time.Duration, bool) {
-	k.mu.Lock()
-	defer k.mu.Unlock()
-	if !k.curSet {
+// late returns how late after its slot the call r would start now, beyond
+// the usual delay of Redis's replies, and whether that is more than half the
+// margin in force, which is as late as a call may start. A call that is too
+// late is noted for the spread the margin follows.
+func (l *Limiter) late(r result) (time.Duration, bool) {
+	m := time.Duration(l.margin.Load())
+	if r.local || m < minGuardedMargin {
 		return 0, false
 	}
-	bound := k.cur
-	if k.prevSet && k.prev < bound {
-		bound = k.prev
+	late, ok := l.timing.lateness(r.startsAt())
+	if !ok || late <= m/2 {
+		return late, false
 	}
-	return time.Duration(at.UnixMicro())*time.Microsecond - slot + bound, true
+	l.timing.noteLate(late)
+	return late, true
+}
+
+// start notes how late after its slot an admitted call starts, right before
+// it runs, for the spread the fleet's margin follows.
+func (p *Permit) start() {
+	if p.r.local || !p.r.admitted {
+		return
+	}
+	if late, ok := p.l.timing.lateness(p.r.startsAt()); ok {
+		p.l.timing.noteLate(late)
+	}
 }
 
 // sleepBusy waits before a call retries a full concurrency rule: d with

@@ -7,17 +7,29 @@
 -- KEYS and ARGV as in lib.lua (ARGV[2] and ARGV[3] unused), with
 -- ARGV[4]        the number of calls, n;
 -- ARGV[5]        the quota's epoch as the calling process last saw it, or 0;
--- after the rules, for each call c, three arguments:
---   its id, unique across the fleet;
---   its cost, in units;
---   the longest wait in microseconds it accepts; 0 admits only now.
+-- ARGV[6]        the number of bookings to give back first, g;
+-- after the rules:
+--   the calling process's usual one-way delay from Redis in microseconds, or
+--   -1 when it does not know it yet;
+--   how much later than that its calls start after their slots (see
+--   note_timing in lib.lua);
+--   for each booking to give back (a call that would start too late books
+--   again in the same script call), four arguments: its id, its cost, its
+--   slot in microseconds, and the epoch it was booked in;
+--   for each call c, three arguments: its id, unique across the fleet; its
+--   cost, in units; the longest wait in microseconds it accepts (0 admits
+--   only now).
 --
--- Returns {now, pause, epoch, lost, then for each call: admitted, wait,
--- remaining, reason}:
+-- Returns {now, pause, epoch, lost, margin, done, then for each call: admitted,
+-- wait, remaining, reason}:
 --   now        the time the script used, in microseconds;
 --   pause      the time until which the quota or the key is paused, or 0;
 --   epoch      the quota's epoch;
 --   lost       1 when this call found that Redis lost the quota's data;
+--   margin     the smallest margin in force of the guarded windows, in
+--              microseconds, or 0 when no window is guarded (see margins);
+--   done       the time the script ended: a call admitted now starts no
+--              earlier, and the caller measures the reply's trip from it;
 --   admitted   1 when the call was admitted (wait 0) or booked (wait > 0), else 0;
 --   wait       microseconds from now until the call's slot; when refused, how long
 --              until it would fit (its retry-after);
@@ -90,21 +102,26 @@ end
 -- decides from.
 local function load(r)
   if r.kind == LOG then
-    redis.call('ZREMRANGEBYSCORE', r.key, '-inf', str(now - r.p2))
-    r.n = redis.call('ZCARD', r.key)
+    -- Entries are kept as long as the widest margin could count them; the
+    -- window in force counts those after now - r.p2.
+    redis.call('ZREMRANGEBYSCORE', r.key, '-inf', str(now - r.keep))
+    r.n = redis.call('ZCOUNT', r.key, '(' .. str(now - r.p2), '+inf')
   elseif r.kind == COUNTER then
     -- The oldest bucket a window ending now may touch, as earliest_counter
-    -- counts them; older ones are gone for good.
+    -- counts them; older ones are dropped once no margin could count them.
     local oldest = bucket_of(now, r.p3) - math.ceil(r.p2 / r.p3)
+    local kept = bucket_of(now, r.p3) - math.ceil(r.keep / r.p3)
     local raw = redis.call('HGETALL', r.key)
     r.counts, r.last, r.n = {}, -NEVER, 0
     for k = 1, #raw, 2 do
       local b, n = tonumber(raw[k]), tonumber(raw[k + 1])
-      if b < oldest then
+      if b < kept then
         redis.call('HDEL', r.key, raw[k])
       else
         r.counts[b] = n
-        r.n = r.n + n
+        if b >= oldest then
+          r.n = r.n + n
+        end
         if b > r.last then
           r.last = b
         end
@@ -215,6 +232,10 @@ local function earliest(r, t, cost)
 end
 
 local rs = rules()
+local ncalls, ngive = tonumber(ARGV[4]), tonumber(ARGV[6])
+local arg = after_rules()
+local delay, spread = tonumber(ARGV[arg]), tonumber(ARGV[arg + 1])
+arg = arg + 2
 
 -- A missing meta key means a new quota, or a Redis that lost its data (a
 -- restart without persistence, a failover to a replica that lagged). The
@@ -224,10 +245,12 @@ local rs = rules()
 -- as if every one of them were full. Concurrency rules have no window: their
 -- holders release, or their leases end.
 local known = tonumber(ARGV[5])
-local epoch, quota_pause, refreshed = read_meta()
+local meta = read_meta()
 local lost = 0
-if not epoch then
-  epoch = now
+local dirty = false
+if not meta then
+  meta = new_meta(now)
+  dirty = true
   if known > 0 then
     lost = 1
     local span = 0
@@ -238,20 +261,43 @@ if not epoch then
         span = math.max(span, r.p1 * r.p2)
       end
     end
-    quota_pause = now + span
+    meta.pause = now + span
   end
-  write_meta(epoch, quota_pause, now)
-elseif now - refreshed > META_REFRESH then
-  write_meta(epoch, quota_pause, now)
+elseif now - meta.refreshed > META_REFRESH then
+  meta.refreshed = now
+  dirty = true
+end
+if note_timing(meta, now, delay, spread) then
+  dirty = true
+end
+if dirty then
+  write_meta(meta, rs)
+end
+local margin = margins(rs, fleet_spread(meta, now))
+
+-- Bookings given back, before anything is decided: their slots go to the
+-- calls of this batch as to any other. A booking of another epoch is gone
+-- with the data it was written in.
+for g = 0, ngive - 1 do
+  local id, cost, t, ep = ARGV[arg], tonumber(ARGV[arg + 1]), tonumber(ARGV[arg + 2]), tonumber(ARGV[arg + 3])
+  arg = arg + 4
+  if ep == meta.epoch then
+    for _, r in ipairs(rs) do
+      if r.kind == CONCURRENCY then
+        zrem(r.key, id, 1, cost)
+      else
+        change(r, id, cost, 0, t, now)
+      end
+    end
+  end
 end
 
 for _, r in ipairs(rs) do
   load(r)
 end
-local pause = pause_until(quota_pause)
-local ncalls = tonumber(ARGV[4])
-local first = 7 + 4 * #rs
-local out = { str(now), str(pause), str(epoch), lost }
+local pause = pause_until(meta.pause)
+local first = arg
+local out = { str(now), str(pause), str(meta.epoch), lost, str(margin), 0 }
 
 for c = 0, ncalls - 1 do
   local id = ARGV[first + 3 * c]
@@ -316,11 +362,12 @@ for _, r in ipairs(rs) do
   if not r.recorded then
     -- nothing to keep
   elseif r.kind == LOG then
-    expire(r.key, (r.tmax - now + r.p2) / 1000)
+    expire(r.key, (r.tmax - now + r.keep) / 1000)
   elseif r.kind == COUNTER then
-    expire(r.key, (r.tmax - now + r.p2 + r.p3) / 1000)
+    expire(r.key, (r.tmax - now + r.keep + r.p3) / 1000)
   elseif r.kind == CONCURRENCY then
     expire(r.key, (r.tmax - now + r.p2) / 1000)
   end
 end
+out[6] = str(clock())
 return out

@@ -2,7 +2,9 @@
 -- its slot goes to the next caller.
 --
 -- KEYS and ARGV as in lib.lua, with
--- ARGV[4]   the time of the call's slot, in microseconds, as acquire.lua booked it.
+-- ARGV[4]   the time of the call's slot, in microseconds, as acquire.lua booked it;
+-- ARGV[5]   the quota's epoch when it was booked: a booking of another epoch
+--           is gone with the data it was written in, and nothing is given back.
 --
 -- Returns 1.
 
@@ -10,7 +12,13 @@ local now = clock()
 local id = ARGV[2]
 local cost = tonumber(ARGV[3])
 local t = tonumber(ARGV[4])
-for _, r in ipairs(rules()) do
+local meta = read_meta()
+if not meta or meta.epoch ~= tonumber(ARGV[5]) then
+  return 1
+end
+local rs = rules()
+margins(rs, 0)
+for _, r in ipairs(rs) do
   if r.kind == CONCURRENCY then
     zrem(r.key, id, 1, cost)
   else

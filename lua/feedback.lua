@@ -28,15 +28,16 @@ if as_of <= 0 or as_of > now then
   as_of = now
 end
 
-local epoch, quota_pause, refreshed = read_meta()
-local until_ = pause_until(quota_pause)
+local rs = rules()
+local meta = read_meta()
+margins(rs, fleet_spread(meta, now))
+local until_ = pause_until(meta and meta.pause or 0)
 if pause > 0 and now + pause > until_ then
   until_ = now + pause
   if KEYS[2] == KEYS[1] then
-    if not epoch then
-      epoch, refreshed = now, now
-    end
-    write_meta(epoch, until_, refreshed)
+    meta = meta or new_meta(now)
+    meta.pause = until_
+    write_meta(meta, rs)
   else
     redis.call('SET', KEYS[2], str(until_), 'PX', math.ceil(pause / 1000) + SLACK)
   end
@@ -44,11 +45,10 @@ end
 
 local charged = 0
 if left >= 0 then
-  for _, r in ipairs(rules()) do
+  for _, r in ipairs(rs) do
     local free
     if r.kind == LOG then
-      redis.call('ZREMRANGEBYSCORE', r.key, '-inf', str(now - r.p2))
-      free = r.p1 - redis.call('ZCOUNT', r.key, '-inf', str(as_of))
+      free = r.p1 - redis.call('ZCOUNT', r.key, '(' .. str(now - r.p2), str(as_of))
     elseif r.kind == COUNTER then
       local used = 0
       local raw = redis.call('HGETALL', r.key)

@@ -4,10 +4,9 @@
 -- A quota is a list of rules, each kept in its own key. Every script that
 -- touches rules receives them the same way:
 --
--- KEYS[1]        the quota's meta key, "epoch:pause:refreshed": the time the
---                quota's data was first written (its epoch), a time before which
---                no call is admitted (set when the vendor answers 429), and when
---                the key's expiry was last pushed back.
+-- KEYS[1]        the quota's meta key (see read_meta): its epoch, a time before
+--                which no call is admitted (set when the vendor answers 429), and
+--                the fleet's timing as its processes report it.
 -- KEYS[2]        the pause key of the call's key: a time before which no call
 --                of that key is admitted; or KEYS[1] again.
 -- KEYS[2+i]      the key of rule i.
@@ -16,13 +15,17 @@
 -- ARGV[2]        the call's id, unique across the fleet.
 -- ARGV[3]        cost: the units this call counts for.
 -- ARGV[4..6]     arguments of the script's own (see each script).
--- ARGV[3+4i]     rule i's kind: 1 sliding log, 2 sliding counter, 3 token bucket
+-- ARGV[2+5i]     rule i's kind: 1 sliding log, 2 sliding counter, 3 token bucket
 --                (GCRA), 4 concurrency;
--- ARGV[4+4i] .. ARGV[6+4i]  its three parameters, by kind:
---                log:         limit, window (µs), unused
---                counter:     limit, window (µs), bucket width (µs)
---                bucket:      burst, emission interval per unit (µs), unused
---                concurrency: max, lease (µs), unused
+-- ARGV[3+5i] .. ARGV[6+5i]  its four parameters, by kind:
+--                log:         limit, window (µs), unused, margin (µs)
+--                counter:     limit, window (µs), bucket width (µs), margin (µs)
+--                bucket:      burst, emission interval per unit (µs), unused, unused
+--                concurrency: max, lease (µs), unused, unused
+--                A window includes its configured margin; the margin in force
+--                may be wider (see margins).
+-- Arguments of the script's own that follow the rules start at ARGV[7+5n],
+-- for n rules.
 --
 -- No script calls redis.replicate_commands: since Redis 5 scripts replicate
 -- their effects, and some hosted services reject the call.
@@ -48,16 +51,22 @@ end
 local function rules()
   local rs = {}
   for i = 1, #KEYS - 2 do
-    local a = 3 + 4 * i
+    local a = 2 + 5 * i
     rs[i] = {
       key = KEYS[2 + i],
       kind = tonumber(ARGV[a]),
       p1 = tonumber(ARGV[a + 1]),
       p2 = tonumber(ARGV[a + 2]),
       p3 = tonumber(ARGV[a + 3]),
+      margin = tonumber(ARGV[a + 4]),
     }
   end
   return rs
+end
+
+-- The first argument after the rules.
+local function after_rules()
+  return 7 + 5 * (#KEYS - 2)
 end
 
 -- Unit u of call id is the member id (u = 1) or id.u: a call's units stay
@@ -108,26 +117,132 @@ local function expire(key, ms)
   end
 end
 
--- The meta key lives META_TTL milliseconds after its last refresh, and is
--- refreshed about daily, so that an idle quota's meta key goes away.
+-- The meta key is refreshed about daily, and lives META_TTL milliseconds
+-- after its last refresh, or twice the longest window of the quota if that
+-- is longer: an idle quota's meta key goes away, but never while a window's
+-- data may still be in Redis, lest its absence look like a loss.
 local META_TTL = 30 * 24 * 3600 * 1000
 local META_REFRESH = 24 * 3600 * 1000000
 
--- read_meta returns the quota's epoch (nil when the meta key is missing), its
--- pause, and when it was last refreshed.
+-- The meta key holds, separated by colons:
+--   epoch      when the quota's data was first written, in microseconds;
+--   pause      a time before which no call of the quota is admitted;
+--   refreshed  when the key's expiry was last pushed back;
+--   jp         the timing period (now // TIMING_PERIOD) of jhi and jlo;
+--   jhi, jlo   the fleet's timing in period jp (see note_timing);
+--   phi, plo   the same in period jp - 1, or -1 when unknown.
+-- read_meta returns them as a table, or nil when the key is missing.
 local function read_meta()
   local v = redis.call('GET', KEYS[1])
-  if v then
-    local e, p, r = string.match(v, '^(%d+):(%d+):(%d+)$')
-    if e then
-      return tonumber(e), tonumber(p), tonumber(r)
-    end
+  if not v then
+    return nil
   end
-  return nil, 0, 0
+  local f = {}
+  for x in string.gmatch(v, '[^:]+') do
+    f[#f + 1] = tonumber(x)
+  end
+  return {
+    epoch = f[1] or 0, pause = f[2] or 0, refreshed = f[3] or 0,
+    jp = f[4] or -1, jhi = f[5] or -1, jlo = f[6] or -1, phi = f[7] or -1, plo = f[8] or -1,
+  }
 end
 
-local function write_meta(epoch, pause, refreshed)
-  redis.call('SET', KEYS[1], str(epoch) .. ':' .. str(pause) .. ':' .. str(refreshed), 'PX', META_TTL)
+local function new_meta(now)
+  return { epoch = now, pause = 0, refreshed = now, jp = -1, jhi = -1, jlo = -1, phi = -1, plo = -1 }
+end
+
+local function write_meta(m, rs)
+  local ttl = META_TTL
+  for _, r in ipairs(rs) do
+    if r.kind == LOG or r.kind == COUNTER then
+      ttl = math.max(ttl, 2 * r.p2 / 1000)
+    end
+  end
+  local v = { m.epoch, m.pause, m.refreshed, m.jp, m.jhi, m.jlo, m.phi, m.plo }
+  for i = 1, #v do
+    v[i] = str(v[i])
+  end
+  redis.call('SET', KEYS[1], table.concat(v, ':'), 'PX', math.ceil(ttl))
+end
+
+-- Timing: each process reports, with its calls, its usual one-way delay from
+-- Redis (delay) and how much later than that its calls start after their
+-- slots (spread). The fleet's spread is the widest gap between the latest
+-- start (delay + spread) and the earliest (delay) among the processes that
+-- reported in this period or the last one: a call may reach the vendor that
+-- much later after its slot than another. Periods roll, so a process that
+-- stops reporting a wide spread stops widening the margin within two.
+local TIMING_PERIOD = 5000000
+
+-- note_timing folds a process's report into the meta, and reports whether
+-- the meta changed.
+local function note_timing(m, now, delay, spread)
+  if delay < 0 then
+    return false
+  end
+  local hi, lo = delay + spread, delay
+  local p = math.floor(now / TIMING_PERIOD)
+  if m.jp == p then
+    if hi <= m.jhi and lo >= m.jlo then
+      return false
+    end
+    m.jhi, m.jlo = math.max(m.jhi, hi), math.min(m.jlo, lo)
+  elseif m.jp == p - 1 then
+    m.phi, m.plo = m.jhi, m.jlo
+    m.jp, m.jhi, m.jlo = p, hi, lo
+  else
+    m.jp, m.jhi, m.jlo, m.phi, m.plo = p, hi, lo, -1, -1
+  end
+  return true
+end
+
+-- fleet_spread returns the fleet's spread as of now, 0 when unknown.
+local function fleet_spread(m, now)
+  local p = math.floor(now / TIMING_PERIOD)
+  if not m or m.jp < p - 1 or m.jhi < 0 then
+    return 0
+  end
+  local hi, lo = m.jhi, m.jlo
+  if m.jp == p and m.phi >= 0 then
+    hi, lo = math.max(hi, m.phi), math.min(lo, m.plo)
+  end
+  return math.max(hi - lo, 0)
+end
+
+-- Margins. A window's margin absorbs the spread between the decision in
+-- Redis and the arrival at the vendor. Its configured value is a floor: when
+-- the fleet's spread needs more, the margin in force grows to twice the
+-- spread (half of the margin for the start of calls, which the late-start
+-- guard holds to it, half for the way to the vendor), up to a ceiling of a
+-- tenth of the window, at most one second. A margin under GUARDED is a
+-- choice to run without one, and never grows.
+local GUARDED = 2000
+local MAX_MARGIN = 1000000
+
+local function margin_ceiling(r)
+  return math.max(r.margin, math.min(math.floor((r.p2 - r.margin) / 10), MAX_MARGIN))
+end
+
+-- margins sets, for each windowed rule, the margin in force (r.margin), the
+-- window it widens (r.p2), and the span its data must be kept (r.keep: the
+-- widest the window can grow, so that no entry it may count is dropped).
+-- It returns the smallest guarded margin in force, or 0 when none is.
+local function margins(rs, spread)
+  local least = 0
+  for _, r in ipairs(rs) do
+    if r.kind == LOG or r.kind == COUNTER then
+      local w, m = r.p2 - r.margin, r.margin
+      local ceiling = margin_ceiling(r)
+      if m >= GUARDED then
+        m = math.min(math.max(m, 2 * spread), ceiling)
+        if least == 0 or m < least then
+          least = m
+        end
+      end
+      r.margin, r.p2, r.keep = m, w + m, w + ceiling
+    end
+  end
+  return least
 end
 
 -- pause_until returns the time before which the call's scope is paused,
@@ -172,7 +287,7 @@ local function change(r, id, from, to, t, now)
   if r.kind == LOG then
     if to > from then
       zadd(r.key, str(t), id, from + 1, to)
-      expire(r.key, (t - now + r.p2) / 1000)
+      expire(r.key, (t - now + r.keep) / 1000)
     else
       zrem(r.key, id, to + 1, from)
     end
@@ -181,7 +296,7 @@ local function change(r, id, from, to, t, now)
     if redis.call('HINCRBY', r.key, b, to - from) <= 0 then
       redis.call('HDEL', r.key, b)
     end
-    expire(r.key, (t - now + r.p2 + r.p3) / 1000)
+    expire(r.key, (t - now + r.keep + r.p3) / 1000)
   elseif r.kind == BUCKET then
     local tat, last = tat_of(r.key)
     if to > from then

@@ -7,7 +7,10 @@
 -- KEYS and ARGV as in lib.lua, with ARGV[3] the cost the call was admitted
 -- with, and
 -- ARGV[4]   the time of the call's slot, in microseconds;
--- ARGV[5]   the actual cost.
+-- ARGV[5]   the actual cost;
+-- ARGV[6]   the quota's epoch when the call was admitted: the units of a call
+--           of another epoch are gone with the data they were written in, so
+--           they are not refunded, only charged.
 --
 -- Returns 1.
 
@@ -16,7 +19,13 @@ local id = ARGV[2]
 local from = tonumber(ARGV[3])
 local t = tonumber(ARGV[4])
 local to = tonumber(ARGV[5])
-for _, r in ipairs(rules()) do
+local meta = read_meta()
+if (not meta or meta.epoch ~= tonumber(ARGV[6])) and to < from then
+  return 1
+end
+local rs = rules()
+margins(rs, 0)
+for _, r in ipairs(rs) do
   if r.kind ~= CONCURRENCY then
     change(r, id, from, to, t, now)
   end

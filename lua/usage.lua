@@ -4,17 +4,23 @@
 --
 -- KEYS and ARGV as in lib.lua (ARGV[2] .. ARGV[6] unused).
 --
--- Returns {now, pause, then for each rule: used, booked, remaining, next}:
+-- Returns {now, pause, spread, then for each rule: used, booked, remaining,
+-- next, margin}:
+--   spread     the fleet's spread of call starts (see note_timing in lib.lua);
 --   used       units admitted in the window ending now;
 --   booked     units booked for later by waiting calls;
 --   remaining  units a call could take now (limit - used - booked, at least 0);
---   next       microseconds until one more unit fits, 0 when one fits now.
+--   next       microseconds until one more unit fits, 0 when one fits now;
+--   margin     the margin in force, in microseconds (0 for a rule with none).
 
 local now = clock()
-local _, quota_pause = read_meta()
-local out = { str(now), str(pause_until(quota_pause)) }
+local meta = read_meta()
+local spread = fleet_spread(meta, now)
+local rs = rules()
+margins(rs, spread)
+local out = { str(now), str(pause_until(meta and meta.pause or 0)), str(spread) }
 
-for _, r in ipairs(rules()) do
+for _, r in ipairs(rs) do
   local used, booked, next = 0, 0, 0
   if r.kind == LOG then
     used = redis.call('ZCOUNT', r.key, '(' .. str(now - r.p2), str(now))
@@ -56,6 +62,7 @@ for _, r in ipairs(rules()) do
       next = tonumber(first[2]) - now
     end
   end
-  out[#out + 1], out[#out + 2], out[#out + 3], out[#out + 4] = used, booked, math.max(r.p1 - used - booked, 0), str(next)
+  out[#out + 1], out[#out + 2], out[#out + 3], out[#out + 4], out[#out + 5] =
+    used, booked, math.max(r.p1 - used - booked, 0), str(next), str(r.margin or 0)
 end
 return out

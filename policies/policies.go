@@ -214,19 +214,19 @@ type Rule struct {
 	Margin time.Duration
 }
 
-// Args encodes the rule as the script reads it: the kind and three
+// Args encodes the rule as the script reads it: the kind and four
 // parameters in microseconds or units (see lua/lib.lua).
-func (r Rule) Args() [4]int64 {
+func (r Rule) Args() [5]int64 {
 	us := func(d time.Duration) int64 { return d.Microseconds() }
 	switch r.Kind {
 	case KindSlidingCounter:
-		return [4]int64{int64(r.Kind), int64(r.Limit), us(r.Window), us(r.Bucket)}
+		return [5]int64{int64(r.Kind), int64(r.Limit), us(r.Window), us(r.Bucket), us(r.Margin)}
 	case KindTokenBucket:
-		return [4]int64{int64(r.Kind), int64(r.Limit), us(r.Every), 0}
+		return [5]int64{int64(r.Kind), int64(r.Limit), us(r.Every), 0, 0}
 	case KindConcurrency:
-		return [4]int64{int64(r.Kind), int64(r.Limit), us(r.Lease), 0}
+		return [5]int64{int64(r.Kind), int64(r.Limit), us(r.Lease), 0, 0}
 	}
-	return [4]int64{int64(r.Kind), int64(r.Limit), us(r.Window), 0}
+	return [5]int64{int64(r.Kind), int64(r.Limit), us(r.Window), 0, us(r.Margin)}
 }
 
 // Rules validates p and flattens it into the rules the script checks, in a

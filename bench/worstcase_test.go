@@ -1,0 +1,678 @@
+package bench
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"math"
+	"slices"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/redis/go-redis/v9"
+
+	"github.com/throttlekit/throttle"
+	"github.com/throttlekit/throttle/policies"
+)
+
+// Redis runs one script at a time, so one slow decision stalls every client
+// of that Redis. The target is under 1 ms of Redis time per script call at
+// each policy's bounds.
+const worstTarget = time.Millisecond
+
+const (
+	// worstRuns is how often each case is measured, each run from the same
+	// state; a case stops early once its runs have taken worstCaseBudget, so
+	// that slow cases keep the whole benchmark near a minute.
+	worstRuns       = 5
+	worstCaseBudget = 3 * time.Second
+	// worstMaxWait bounds the bookings ahead of a full sliding log: at
+	// 100,000 units per window each window booked ahead is 100,000 entries,
+	// so the default MaxWait of a minute (58 windows of 1.03 s, 5.9 million
+	// entries) would take minutes to build.
+	worstMaxWait = 5 * time.Second
+	// worstBatch is how many calls queue behind a first one in the batch
+	// cases: the most one script call decides.
+	worstBatch = 128
+	// worstFillCalls is how many calls fill one window of a sliding log,
+	// spread evenly over it.
+	worstFillCalls = 100
+)
+
+// BenchmarkWorstCase measures the Redis time of one decision of each policy
+// at its bounds: the largest limits, full quotas, bookings up to MaxWait.
+// Every case builds its state through the public API with the limiters'
+// clock standing still (WithClock), keeps a DUMP of every key of the quota,
+// and before each run restores it. Redis's own time of each script call is
+// read from SLOWLOG (slowlog-log-slower-than 0), which logs every command
+// with its duration, and the decisions of each call from the limiter's
+// Observer (EventRedis.Calls). It prints a table; see README.md.
+func BenchmarkWorstCase(b *testing.B) {
+	s := newServer(b)
+	// Long timeouts on both sides: a decision may keep Redis busy for
+	// seconds, and it is measured, not cut off.
+	rdb := redis.NewClient(&redis.Options{Addr: s.Addr, ReadTimeout: 2 * time.Minute, WriteTimeout: time.Minute, PoolSize: 4 * worstBatch})
+	b.Cleanup(func() { _ = rdb.Close() })
+	ctx := context.Background()
+	for k, v := range map[string]string{"slowlog-log-slower-than": "0", "slowlog-max-len": "100000"} {
+		if err := rdb.ConfigSet(ctx, k, v).Err(); err != nil {
+			b.Fatal(err)
+		}
+	}
+
+	var rows []worstRow
+	for b.Loop() {
+		w := &worstBench{b: b, rdb: rdb, t0: time.Now().Truncate(time.Second)}
+		rows = w.runAll()
+	}
+	printWorstTable(rows)
+	var worst time.Duration
+	over := 0
+	for _, r := range rows {
+		worst = max(worst, r.max)
+		if r.max > worstTarget {
+			over++
+		}
+	}
+	b.ReportMetric(us(worst), "max-redis-µs/script-call")
+	b.ReportMetric(float64(over), "cases-over-1ms")
+}
+
+// worstBench builds the states and measures the decisions of one run. Every
+// limiter reads the same clock, which stands at now.
+type worstBench struct {
+	b   *testing.B
+	rdb *redis.Client
+	t0  time.Time    // the time every decision is measured at
+	now atomic.Int64 // the limiters' clock, Unix µs
+
+	mu       sync.Mutex
+	batches  []int              // calls decided by each script call, in order
+	decided  int                // their sum
+	expected int                // calls the measured operation decides
+	stop     context.CancelFunc // ends a measured Block call once decided
+}
+
+// Observe keeps the size of each script call's batch.
+func (w *worstBench) Observe(e throttle.Event) {
+	if e.Kind != throttle.EventRedis {
+		return
+	}
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	w.batches = append(w.batches, e.Calls)
+	w.decided += e.Calls
+	if w.stop != nil && w.decided >= w.expected {
+		// A single Block call decides in its own goroutine, so this cannot
+		// abandon it; if the state let it book, it gives the slot back at
+		// once instead of sleeping towards it, and the run fails.
+		w.stop()
+	}
+}
+
+func (w *worstBench) at(t time.Time) { w.now.Store(t.UnixMicro()) }
+
+func (w *worstBench) limiter(quota string, p policies.Policy, opts ...throttle.Option) *throttle.Limiter {
+	w.b.Helper()
+	opts = append([]throttle.Option{
+		throttle.WithClock(func() time.Time { return time.UnixMicro(w.now.Load()) }),
+		throttle.WithRedisTimeout(2 * time.Minute),
+		throttle.WithObserver(w),
+	}, opts...)
+	lim, err := throttle.New(w.rdb, quota, p, opts...)
+	if err != nil {
+		w.b.Fatal(err)
+	}
+	return lim
+}
+
+// worstCase is one row of the table: a quota brought to a state, and the
+// operation measured on it.
+type worstCase struct {
+	name  string
+	quota string
+	build func()
+	// decide is the measured operation; it makes calls decisions and fails
+	// unless each ends as expected.
+	decide func(ctx context.Context) error
+	calls  int
+	// batch: the row reports the script call that decided the most calls,
+	// not the call that went first and alone.
+	batch bool
+}
+
+type worstRow struct {
+	name       string
+	entries    int64 // elements in the quota's keys before the decision
+	runs       int
+	median     time.Duration // Redis time of the reported script call
+	max        time.Duration
+	calls      int // decisions in the reported script call
+	scriptCall int // script calls per run
+}
+
+func (w *worstBench) runAll() []worstRow {
+	ctx := context.Background()
+	log := policies.SlidingLog{Limit: policies.MaxLogLimit, Window: time.Second}
+	log40k := policies.SlidingLog{Limit: 40_000, Window: time.Second}
+	counter := policies.SlidingCounter{Limit: 1, Window: time.Second, Buckets: policies.MaxBuckets}
+	fastBucket := policies.TokenBucket{Rate: 1_000_000, Per: time.Second, Burst: 1 << 30}
+	slowBucket := policies.TokenBucket{Rate: 1, Per: policies.MaxWindow, Burst: 1 << 30}
+	conc := policies.Concurrency{Max: policies.MaxLogLimit}
+	all := policies.All(log, counter, fastBucket)
+	ahead := windowsAhead(log.EffectiveWindow(), worstMaxWait)
+
+	allow := func(lim **throttle.Limiter, cost int, wantOK bool) func(context.Context) error {
+		return func(ctx context.Context) error {
+			d, err := (*lim).Allow(ctx, throttle.Cost(cost))
+			if err == nil && d.OK != wantOK {
+				err = fmt.Errorf("Allow: admitted %v, want %v (retry after %v)", d.OK, wantOK, d.RetryAfter)
+			}
+			return err
+		}
+	}
+	refused := func(lim **throttle.Limiter) func(context.Context) error {
+		return func(ctx context.Context) error {
+			p, err := (*lim).Acquire(ctx)
+			if err == nil {
+				p.Release()
+				return errors.New("Acquire: admitted, want refused")
+			}
+			if !errors.Is(err, throttle.ErrLimited) {
+				return fmt.Errorf("Acquire: %w, want refused", err)
+			}
+			return nil
+		}
+	}
+	// batchOf makes n+1 calls of one at once: the first goes alone, the n
+	// that queue behind it share the next script call.
+	batchOf := func(n int, one func(context.Context) error) func(context.Context) error {
+		return func(ctx context.Context) error {
+			errs := make([]error, n+1)
+			var wg sync.WaitGroup
+			start := make(chan struct{})
+			for i := range errs {
+				wg.Go(func() {
+					<-start
+					errs[i] = one(ctx)
+				})
+			}
+			close(start)
+			wg.Wait()
+			return errors.Join(errs...)
+		}
+	}
+
+	var lim [12]*throttle.Limiter
+	cases := []worstCase{
+		{
+			name:  "SlidingLog 100k/1s full; Allow refused",
+			quota: "log-full",
+			build: func() {
+				lim[0] = w.limiter("log-full", log, throttle.WithMode(throttle.FailFast))
+				w.buildLog("log-full", log, 0, 0)
+			},
+			decide: allow(&lim[0], 1, false),
+			calls:  1,
+		},
+		{
+			name:  fmt.Sprintf("SlidingLog 100k/1s full, %d windows booked ahead (MaxWait %v); Block refused", ahead, worstMaxWait),
+			quota: "log-ahead",
+			build: func() {
+				lim[1] = w.limiter("log-ahead", log, throttle.WithMaxWait(worstMaxWait))
+				w.buildLog("log-ahead", log, 0, ahead)
+			},
+			decide: refused(&lim[1]),
+			calls:  1,
+		},
+		{
+			name:  "SlidingLog 40k/1s, 1 window booked ahead, 4,000 given back now; Allow cost 4,000 admitted",
+			quota: "log-gap",
+			build: func() {
+				lim[2] = w.limiter("log-gap", log40k, throttle.WithMode(throttle.FailFast))
+				w.buildLog("log-gap", log40k, 4000, 1)
+			},
+			decide: allow(&lim[2], 4000, true),
+			calls:  1,
+		},
+		{
+			name:  "SlidingCounter 1/1s, 1000 buckets, booked ahead to MaxWait 10s; Block refused",
+			quota: "counter-10s",
+			build: func() {
+				lim[3] = w.limiter("counter-10s", counter, throttle.WithMaxWait(10*time.Second))
+				w.buildCounter("counter-10s", counter, 10*time.Second)
+			},
+			decide: refused(&lim[3]),
+			calls:  1,
+		},
+		{
+			name:  "SlidingCounter 1/1s, 1000 buckets, booked ahead to MaxWait 1m; Block refused",
+			quota: "counter-1m",
+			build: func() {
+				lim[4] = w.limiter("counter-1m", counter, throttle.WithMaxWait(throttle.DefaultMaxWait))
+				w.buildCounter("counter-1m", counter, throttle.DefaultMaxWait)
+			},
+			decide: refused(&lim[4]),
+			calls:  1,
+		},
+		{
+			name:  "TokenBucket 1e6/s, Burst 2^30, emptied; Allow refused",
+			quota: "bucket-fast",
+			build: func() {
+				lim[5] = w.limiter("bucket-fast", fastBucket, throttle.WithMode(throttle.FailFast))
+				w.buildBucket("bucket-fast", fastBucket)
+			},
+			decide: allow(&lim[5], 1, false),
+			calls:  1,
+		},
+		{
+			name:  "TokenBucket 1 per 366 days, Burst 2^30, emptied; Allow refused",
+			quota: "bucket-slow",
+			build: func() {
+				lim[6] = w.limiter("bucket-slow", slowBucket, throttle.WithMode(throttle.FailFast))
+				w.buildBucket("bucket-slow", slowBucket)
+			},
+			decide: allow(&lim[6], 1, false),
+			calls:  1,
+		},
+		{
+			name:  "Concurrency 100k full; FailFast Acquire refused",
+			quota: "conc-full",
+			build: func() {
+				lim[7] = w.limiter("conc-full", conc, throttle.WithMode(throttle.FailFast))
+				w.buildConcurrency("conc-full", conc)
+			},
+			decide: refused(&lim[7]),
+			calls:  1,
+		},
+		{
+			name:  fmt.Sprintf("All(log 100k/1s, counter 1/1s/1000, bucket 1e6/s), each full and booked to MaxWait %v; Block refused", worstMaxWait),
+			quota: "all",
+			build: func() {
+				lim[8] = w.limiter("all", all, throttle.WithMaxWait(worstMaxWait))
+				w.buildAll("all", lim[8], func(quota string) {
+					w.buildLog(quota, log, 0, ahead)
+				}, func(quota string) {
+					w.buildCounter(quota, counter, worstMaxWait)
+				}, func(quota string) {
+					w.buildBucket(quota, fastBucket)
+				})
+			},
+			decide: refused(&lim[8]),
+			calls:  1,
+		},
+		{
+			name:  fmt.Sprintf("Batch: %d Allow on SlidingLog 100k/1s full", worstBatch),
+			quota: "batch-full",
+			build: func() {
+				lim[9] = w.limiter("batch-full", log, throttle.WithMode(throttle.FailFast))
+				w.buildLog("batch-full", log, 0, 0)
+			},
+			decide: batchOf(worstBatch, allow(&lim[9], 1, false)),
+			calls:  worstBatch + 1,
+			batch:  true,
+		},
+		{
+			name:  fmt.Sprintf("Batch: %d Block on SlidingLog 100k/1s full, %d windows booked ahead (MaxWait %v)", worstBatch, ahead, worstMaxWait),
+			quota: "batch-ahead",
+			build: func() {
+				lim[10] = w.limiter("batch-ahead", log, throttle.WithMaxWait(worstMaxWait))
+				w.buildLog("batch-ahead", log, 0, ahead)
+			},
+			decide: batchOf(worstBatch, refused(&lim[10])),
+			calls:  worstBatch + 1,
+			batch:  true,
+		},
+	}
+
+	var rows []worstRow
+	for _, c := range cases {
+		start := time.Now()
+		w.at(w.t0)
+		c.build()
+		q := w.snapshot(ctx, c.quota)
+		built := time.Since(start)
+		row := w.measure(ctx, c, q)
+		w.drop(ctx, q)
+		w.b.Logf("%s: built in %v, measured in %v", c.name, built.Round(time.Millisecond), (time.Since(start) - built).Round(time.Millisecond))
+		rows = append(rows, row)
+	}
+	return rows
+}
+
+// windowsAhead is how many full windows of length e a saturated queue books
+// ahead within maxWait: its next slot then lies beyond maxWait.
+func windowsAhead(e, maxWait time.Duration) int { return int(maxWait / e) }
+
+// measure restores q's state before each run, makes c's decisions, and reads
+// Redis's time of each script call they caused.
+func (w *worstBench) measure(ctx context.Context, c worstCase, q quotaState) worstRow {
+	w.b.Helper()
+	row := worstRow{name: c.name, entries: q.entries}
+	var times []time.Duration
+	start := time.Now()
+	for row.runs < worstRuns && (row.runs == 0 || time.Since(start) < worstCaseBudget) {
+		w.restore(ctx, q)
+		w.at(w.t0)
+		if err := w.rdb.SlowLogReset(ctx).Err(); err != nil {
+			w.b.Fatal(err)
+		}
+		runCtx, cancel := context.WithCancel(ctx)
+		w.mu.Lock()
+		w.batches, w.decided, w.expected, w.stop = nil, 0, c.calls, nil
+		if c.calls == 1 {
+			w.stop = cancel
+		}
+		w.mu.Unlock()
+		err := c.decide(runCtx)
+		cancel()
+		if err != nil {
+			w.b.Fatalf("%s: %v", c.name, err)
+		}
+		scripts := w.scriptCalls(ctx)
+		w.mu.Lock()
+		batches := slices.Clone(w.batches)
+		w.mu.Unlock()
+		if len(scripts) != len(batches) {
+			w.b.Fatalf("%s: Redis ran %d script calls %v, the limiter reported %d %v", c.name, len(scripts), scripts, len(batches), batches)
+		}
+		// The reported script call: the only one, or the largest batch.
+		i := 0
+		for j := range batches {
+			if batches[j] > batches[i] || (batches[j] == batches[i] && scripts[j] > scripts[i]) {
+				i = j
+			}
+		}
+		if !c.batch && len(scripts) != 1 {
+			w.b.Fatalf("%s: %d script calls (batches %v), want 1", c.name, len(scripts), batches)
+		}
+		times = append(times, scripts[i])
+		row.calls, row.scriptCall = batches[i], len(scripts)
+		row.runs++
+	}
+	slices.Sort(times)
+	row.median, row.max = times[(len(times)-1)/2], times[len(times)-1]
+	return row
+}
+
+// scriptCalls returns Redis's own time of each script call since the last
+// SLOWLOG RESET, oldest first. The commands a script runs are logged apart,
+// under their own names.
+func (w *worstBench) scriptCalls(ctx context.Context) []time.Duration {
+	logs, err := w.rdb.SlowLogGet(ctx, -1).Result()
+	if err != nil {
+		w.b.Fatal(err)
+	}
+	var d []time.Duration
+	for _, l := range slices.Backward(logs) {
+		if len(l.Args) > 0 && isScriptCmd(strings.ToLower(l.Args[0])) {
+			d = append(d, l.Duration)
+		}
+	}
+	return d
+}
+
+// quotaState is every key of a quota, as DUMP gave it.
+type quotaState struct {
+	pattern string
+	dumps   map[string]string
+	entries int64
+}
+
+func (w *worstBench) keys(ctx context.Context, pattern string) []string {
+	keys, err := w.rdb.Keys(ctx, pattern).Result()
+	if err != nil {
+		w.b.Fatal(err)
+	}
+	return keys
+}
+
+// quotaPattern matches every key of quota, as throttle.New names them:
+// prefix:{name}:pause, prefix:{name}:<rule index>, and per-key suffixes.
+func quotaPattern(quota string) string { return throttle.DefaultPrefix + ":{" + quota + "}:*" }
+
+// ruleKey is the key of rule i of a quota without per-key rules.
+func ruleKey(quota string, i int) string {
+	return fmt.Sprintf("%s:{%s}:%d", throttle.DefaultPrefix, quota, i)
+}
+
+// snapshot dumps every key of quota and counts the elements they hold.
+func (w *worstBench) snapshot(ctx context.Context, quota string) quotaState {
+	q := quotaState{pattern: quotaPattern(quota), dumps: map[string]string{}}
+	for _, k := range w.keys(ctx, q.pattern) {
+		v, err := w.rdb.Dump(ctx, k).Result()
+		if err != nil {
+			w.b.Fatalf("DUMP %s: %v", k, err)
+		}
+		q.dumps[k] = v
+		q.entries += w.elements(ctx, k)
+	}
+	return q
+}
+
+// elements is how many elements key holds, whatever its type.
+func (w *worstBench) elements(ctx context.Context, key string) int64 {
+	typ, err := w.rdb.Type(ctx, key).Result()
+	if err != nil {
+		w.b.Fatal(err)
+	}
+	var n *redis.IntCmd
+	switch typ {
+	case "zset":
+		n = w.rdb.ZCard(ctx, key)
+	case "hash":
+		n = w.rdb.HLen(ctx, key)
+	case "set":
+		n = w.rdb.SCard(ctx, key)
+	case "list":
+		n = w.rdb.LLen(ctx, key)
+	default:
+		return 1
+	}
+	if err := n.Err(); err != nil {
+		w.b.Fatal(err)
+	}
+	return n.Val()
+}
+
+// restore puts q's keys back as they were dumped, without expiry, and
+// deletes any other key of the quota.
+func (w *worstBench) restore(ctx context.Context, q quotaState) {
+	for _, k := range w.keys(ctx, q.pattern) {
+		if _, ok := q.dumps[k]; !ok {
+			w.del(ctx, k)
+		}
+	}
+	for k, v := range q.dumps {
+		if err := w.rdb.RestoreReplace(ctx, k, 0, v).Err(); err != nil {
+			w.b.Fatalf("RESTORE %s: %v", k, err)
+		}
+	}
+}
+
+func (w *worstBench) drop(ctx context.Context, q quotaState) {
+	w.del(ctx, w.keys(ctx, q.pattern)...)
+}
+
+func (w *worstBench) del(ctx context.Context, keys ...string) {
+	if len(keys) == 0 {
+		return
+	}
+	if err := w.rdb.Del(ctx, keys...).Err(); err != nil {
+		w.b.Fatal(err)
+	}
+}
+
+// persist takes the expiry off every key of quota. The scripts set expiries
+// from the limiters' clock, so a key written at a clock a minute ahead
+// would still live only about a window in Redis's time.
+func (w *worstBench) persist(ctx context.Context, quota string) {
+	for _, k := range w.keys(ctx, quotaPattern(quota)) {
+		if err := w.rdb.Persist(ctx, k).Err(); err != nil {
+			w.b.Fatal(err)
+		}
+	}
+}
+
+// admit makes lim admit a call of cost now at t; the state is built of
+// nothing else.
+func (w *worstBench) admit(lim *throttle.Limiter, t time.Time, cost int) {
+	w.b.Helper()
+	w.at(t)
+	d, err := lim.Allow(context.Background(), throttle.Cost(cost))
+	if err == nil && !d.OK {
+		err = fmt.Errorf("refused, retry after %v", d.RetryAfter)
+	}
+	if err != nil {
+		w.b.Fatalf("building %s: cost %d at t0%+v: %v", lim.Name(), cost, t.Sub(w.t0), err)
+	}
+}
+
+// buildLog brings quota's sliding log to where a saturated queue leaves it:
+// the window ending at t0 full of admitted calls, less the last call's gap
+// units (a booking given back), and ahead more windows booked after it,
+// each the one before it replayed a window later. Each window is
+// worstFillCalls calls spread evenly over it.
+//
+// Booked windows are written by limiters of quotas of their own, then merged
+// into quota's log with ZUNIONSTORE: today's script inserts each unit of a
+// call into its sorted copy of the log one by one, so admitting a call in
+// front of a booked window costs its units times the window's (filling
+// windows from the last back, at a clock standing before each, took over a
+// minute per window). The merge needs the log to be a sorted set of unique
+// members, as throttle.New documents it; it fails otherwise.
+func (w *worstBench) buildLog(quota string, p policies.SlidingLog, gap, ahead int) {
+	w.b.Helper()
+	ctx := context.Background()
+	e := p.EffectiveWindow()
+	fill := func(quota string, from time.Time, gap int) {
+		lim := w.limiter(quota, p, throttle.WithMode(throttle.FailFast))
+		cost := p.Limit / worstFillCalls
+		calls := worstFillCalls - gap/cost
+		if gap%cost != 0 {
+			w.b.Fatalf("gap %d is not a whole number of calls of %d", gap, cost)
+		}
+		for i := range calls {
+			w.admit(lim, from.Add(e*time.Duration(i+1)/worstFillCalls), cost)
+		}
+		w.persist(ctx, quota)
+	}
+	fill(quota, w.t0.Add(-e), gap)
+	if ahead == 0 {
+		return
+	}
+	keys := []string{ruleKey(quota, 0)}
+	for k := 1; k <= ahead; k++ {
+		helper := fmt.Sprintf("%s-ahead-%d", quota, k)
+		fill(helper, w.t0.Add(e*time.Duration(k-1)), 0)
+		keys = append(keys, ruleKey(helper, 0))
+	}
+	for _, k := range keys {
+		if typ := w.rdb.Type(ctx, k).Val(); typ != "zset" {
+			w.b.Fatalf("%s is a %s, not a sorted set: buildLog cannot merge booked windows", k, typ)
+		}
+	}
+	if err := w.rdb.ZUnionStore(ctx, keys[0], &redis.ZStore{Keys: keys}).Err(); err != nil {
+		w.b.Fatal(err)
+	}
+	for _, k := range keys[1:] {
+		w.del(ctx, w.keys(ctx, quotaPattern(strings.TrimSuffix(strings.TrimPrefix(k, throttle.DefaultPrefix+":{"), "}:0")))...)
+	}
+}
+
+// buildCounter brings quota's sliding counter of limit 1 to where a
+// saturated queue leaves it: one unit admitted at t0, and one booked in
+// every later window up to maxWait, each the first bucket whose windows
+// leave room (the buckets a window touches, and one). The bookings are
+// written from the last back, the clock standing at each.
+func (w *worstBench) buildCounter(quota string, p policies.SlidingCounter, maxWait time.Duration) {
+	w.b.Helper()
+	rules, err := policies.Rules(p)
+	if err != nil {
+		w.b.Fatal(err)
+	}
+	r := rules[0]
+	m := (r.Window + r.Bucket - 1) / r.Bucket
+	step := (m + 1) * r.Bucket
+	lim := w.limiter(quota, p, throttle.WithMode(throttle.FailFast))
+	for k := int(maxWait / step); k >= 0; k-- {
+		w.admit(lim, w.t0.Add(time.Duration(k)*step), p.Limit)
+	}
+	w.persist(context.Background(), quota)
+}
+
+// buildBucket empties quota's token bucket at t0.
+func (w *worstBench) buildBucket(quota string, p policies.TokenBucket) {
+	w.b.Helper()
+	w.admit(w.limiter(quota, p, throttle.WithMode(throttle.FailFast)), w.t0, p.Burst)
+	w.persist(context.Background(), quota)
+}
+
+// buildConcurrency takes every slot of quota at t0 and never gives them back.
+func (w *worstBench) buildConcurrency(quota string, p policies.Concurrency) {
+	w.b.Helper()
+	lim := w.limiter(quota, p, throttle.WithMode(throttle.FailFast))
+	w.at(w.t0)
+	if _, err := lim.Acquire(context.Background(), throttle.Cost(p.Max)); err != nil {
+		w.b.Fatal(err)
+	}
+	w.persist(context.Background(), quota)
+}
+
+// buildAll builds each rule of quota, whose limiter is lim, in a quota of
+// its own and copies its key in as the rule's key (throttle.New keys rule i
+// of quota <prefix>:{<quota>}:<i>). A call an hour before t0 first writes
+// the quota's meta key; what else it wrote has left every window, and is
+// replaced.
+func (w *worstBench) buildAll(quota string, lim *throttle.Limiter, rules ...func(quota string)) {
+	w.b.Helper()
+	ctx := context.Background()
+	w.admit(lim, w.t0.Add(-time.Hour), 1)
+	for i, build := range rules {
+		helper := fmt.Sprintf("%s-rule-%d", quota, i)
+		build(helper)
+		if err := w.rdb.Copy(ctx, ruleKey(helper, 0), ruleKey(quota, i), 0, true).Err(); err != nil {
+			w.b.Fatal(err)
+		}
+		w.del(ctx, w.keys(ctx, quotaPattern(helper))...)
+	}
+	w.persist(ctx, quota)
+}
+
+func printWorstTable(rows []worstRow) {
+	fmt.Printf("\n| case | entries in Redis | runs | Redis µs per script call, median / max | calls per script call | Redis µs per decision |\n")
+	fmt.Printf("| --- | --- | --- | --- | --- | --- |\n")
+	for _, r := range rows {
+		flag := ""
+		if r.max > worstTarget {
+			flag = " **over 1 ms**"
+		}
+		fmt.Printf("| %s | %s | %d | %s / %s%s | %d | %s |\n", r.name, thousands(r.entries), r.runs,
+			thousands(int64(us(r.median))), thousands(int64(us(r.max))), flag, r.calls,
+			perDecision(r.median, r.calls))
+	}
+	fmt.Println()
+}
+
+func perDecision(d time.Duration, calls int) string {
+	x := us(d) / float64(max(calls, 1))
+	if x >= 100 {
+		return thousands(int64(math.Round(x)))
+	}
+	return fmt.Sprintf("%.1f", x)
+}
+
+// thousands writes n with a comma between groups of three digits.
+func thousands(n int64) string {
+	s := fmt.Sprint(n)
+	if n < 0 {
+		return "-" + thousands(-n)
+	}
+	for i := len(s) - 3; i > 0; i -= 3 {
+		s = s[:i] + "," + s[i:]
+	}
+	return s
+}

@@ -1,0 +1,218 @@
+package throttle
+
+import (
+	"slices"
+	"sync"
+	"time"
+)
+
+// What the vendor sees is not when Redis admitted a call but when the call
+// arrives. Between the two lie the trip of Redis's reply back to the caller,
+// the caller's timer and scheduler, and the way to the vendor. A delay that
+// every call shares does no harm: a Redis 50 ms away shifts every arrival by
+// the same 50 ms and keeps the calls as far apart as their slots. What can
+// put two calls closer together at the vendor than at Redis is the spread of
+// that delay, and the window's Margin is there to absorb it.
+//
+// So a call's lateness is measured against the usual delay, not against
+// zero: it is how much later than the fastest reply this process has seen
+// the call starts after its slot. The clocks of this process and of Redis
+// need not agree: a reply that left Redis at Redis time now and arrived at
+// local time recvd gives recvd - now, the one-way delay plus the offset of
+// the two clocks; the least such value over recent replies is the fastest
+// delay plus the same offset, and the offset cancels out in the difference.
+// Local times are read from the monotonic clock, so a step of this machine's
+// wall clock changes nothing.
+
+// timingPeriod is how long a reading counts towards the fastest reply and
+// the spread: a reading is forgotten after one to two periods.
+const timingPeriod = 10 * time.Second
+
+// clockStep is the least change between the clocks of Redis and of this
+// process that counts as a step rather than as the drift of two clocks.
+const clockStep = time.Millisecond
+
+// lateSamples bounds the latenesses a process remembers to estimate its
+// spread.
+const lateSamples = 128
+
+// spreadQuantile is the share of the remembered latenesses the reported
+// spread covers: the rest are rare enough to be caught by the late-start
+// guard, at one script call each.
+const spreadQuantile = 0.98
+
+// timing keeps what a limiter needs to tell how late its calls start: the
+// fastest reply of recent periods, the shortest round trip, and the
+// latenesses of its recent calls.
+type timing struct {
+	mu     sync.Mutex
+	origin time.Time // local times are durations since origin, on the monotonic clock
+	clock  func() time.Time
+
+	periodAt time.Duration // local time the current period began
+	fast     [2]minimum    // least recvd - Redis now, this period and the last
+	ahead    [2]minimum    // least Redis now - asked
+	rtt      [2]minimum    // least round trip
+
+	late    [lateSamples]lateSample
+	lateN   int // samples written in all, to index the ring
+	spread  time.Duration
+	spreadN int // lateN when spread was computed
+}
+
+type minimum struct {
+	v   time.Duration
+	set bool
+}
+
+func (m *minimum) add(v time.Duration) {
+	if !m.set || v < m.v {
+		m.v, m.set = v, true
+	}
+}
+
+type lateSample struct {
+	at   time.Duration // local time of the sample
+	late time.Duration
+}
+
+func newTiming(clock func() time.Time) *timing {
+	return &timing{origin: time.Now(), clock: clock}
+}
+
+// now returns the local time, on the monotonic clock.
+func (k *timing) now() time.Duration { return time.Since(k.origin) }
+
+// roll starts a new period when the current one is over. k.mu is held.
+func (k *timing) roll(at time.Duration) {
+	if at-k.periodAt < timingPeriod {
+		return
+	}
+	k.periodAt = at
+	for _, m := range []*[2]minimum{&k.fast, &k.ahead, &k.rtt} {
+		m[1], m[0] = m[0], minimum{}
+	}
+}
+
+// observe records a reply that Redis sent at Redis time redisNow, for a
+// request sent at local time asked and answered at local time recvd.
+func (k *timing) observe(redisNow, asked, recvd time.Duration) {
+	if k.clock != nil {
+		return // the time is given: lateness is read off that clock
+	}
+	k.mu.Lock()
+	defer k.mu.Unlock()
+	k.roll(recvd)
+	off, rtt := recvd-redisNow, recvd-asked
+	// The reply's delay is between zero and the round trip, so the offset
+	// of the clocks lies within [off - rtt, off]; each reading narrows it.
+	// A reading that falls outside what the others allow means that the
+	// clocks moved against each other (Redis's clock stepped, a failover to
+	// a server whose clock differs): what was known no longer holds.
+	fast, okF := least(k.fast)
+	ahead, okA := least(k.ahead)
+	if okF && off-rtt > fast+clockStep || okA && off < -ahead-clockStep {
+		k.fast, k.ahead, k.rtt = [2]minimum{}, [2]minimum{}, [2]minimum{}
+	}
+	k.fast[0].add(off)
+	k.ahead[0].add(redisNow - asked)
+	k.rtt[0].add(rtt)
+}
+
+// fastest returns the least recvd - Redis now of the last two periods.
+// k.mu is held.
+func (k *timing) fastest() (time.Duration, bool) { return least(k.fast) }
+
+// least returns the lesser of a minimum of this period and the last.
+func least(m [2]minimum) (time.Duration, bool) {
+	a, b := m[0], m[1]
+	switch {
+	case a.set && b.set:
+		return min(a.v, b.v), true
+	case a.set:
+		return a.v, true
+	case b.set:
+		return b.v, true
+	}
+	return 0, false
+}
+
+// lateness returns how late after the Redis time slot a call starting now
+// starts, beyond the fastest reply's delay; false before any reading.
+func (k *timing) lateness(slot time.Duration) (time.Duration, bool) {
+	if k.clock != nil {
+		return time.Duration(k.clock().UnixMicro())*time.Microsecond - slot, true
+	}
+	at := k.now()
+	k.mu.Lock()
+	defer k.mu.Unlock()
+	fast, ok := k.fastest()
+	if !ok {
+		return 0, false
+	}
+	return at - slot - fast, true
+}
+
+// redisAt returns an estimate of Redis's clock at the local time at that is
+// never behind it: a request sent at local time asked reached Redis no
+// earlier than asked, so Redis's clock runs at most (Redis now - asked)
+// ahead of ours, the least of which is closest.
+func (k *timing) redisAt(at time.Time) (time.Duration, bool) {
+	if k.clock != nil {
+		return time.Duration(k.clock().UnixMicro())*time.Microsecond - time.Since(at), true
+	}
+	local := k.now() - time.Since(at)
+	k.mu.Lock()
+	defer k.mu.Unlock()
+	ahead, ok := least(k.ahead)
+	if !ok {
+		return 0, false
+	}
+	return local + ahead, true
+}
+
+// noteLate records how late a call started, for the spread.
+func (k *timing) noteLate(late time.Duration) {
+	k.mu.Lock()
+	defer k.mu.Unlock()
+	k.late[k.lateN%lateSamples] = lateSample{at: k.now(), late: max(late, 0)}
+	k.lateN++
+}
+
+// report returns what this process tells the fleet of its timing: its usual
+// one-way delay (half the shortest round trip) and how late its calls start
+// beyond it, at the spreadQuantile of the recent ones; false when it knows
+// nothing yet.
+func (k *timing) report() (delay, spread time.Duration, ok bool) {
+	k.mu.Lock()
+	defer k.mu.Unlock()
+	rtt := k.rtt[0]
+	if k.rtt[1].set && (!rtt.set || k.rtt[1].v < rtt.v) {
+		rtt = k.rtt[1]
+	}
+	if !rtt.set || k.lateN == 0 {
+		return 0, 0, false
+	}
+	if k.spreadN != k.lateN {
+		k.spread, k.spreadN = k.quantile(), k.lateN
+	}
+	return rtt.v / 2, k.spread, true
+}
+
+// quantile returns the spreadQuantile of the latenesses of the last two
+// periods. k.mu is held.
+func (k *timing) quantile() time.Duration {
+	now := k.now()
+	var buf [lateSamples]time.Duration
+	v := buf[:0]
+	for i := range min(k.lateN, lateSamples) {
+		if s := k.late[i]; now-s.at < 2*timingPeriod {
+			v = append(v, s.late)
+		}
+	}
+	if len(v) == 0 {
+		return 0
+	}
+	slices.Sort(v)
+	return v[int(spreadQuantile*float64(len(v)-1))]
+}
