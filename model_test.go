@@ -93,15 +93,24 @@ func checkAgainstModel(t *testing.T, rdb redis.UniversalClient, mini *miniredis.
 		{policies.KindSlidingLog, policies.KindSlidingCounter, policies.KindTokenBucket, policies.KindConcurrency},
 	} {
 		for seed := range seeds {
-			checkSeed(t, rdb, mini, kinds, uint64(seed))
+			rng := rand.New(rand.NewPCG(uint64(seed), uint64(len(kinds))*7+uint64(kinds[0])))
+			run := modelRun{name: fmt.Sprint(kinds), tc: randomPolicy(rng, kinds), steps: 150, maxCost: 3}
+			checkSeed(t, rdb, mini, rng, run, uint64(seed))
 		}
 	}
 }
 
-func checkSeed(t *testing.T, rdb redis.UniversalClient, mini *miniredis.Miniredis, kinds []policies.Kind, seed uint64) {
+// modelRun is one random history checked against the model.
+type modelRun struct {
+	name    string
+	tc      modelCase
+	steps   int
+	maxCost int
+}
+
+func checkSeed(t *testing.T, rdb redis.UniversalClient, mini *miniredis.Miniredis, rng *rand.Rand, run modelRun, seed uint64) {
 	ctx := context.Background()
-	rng := rand.New(rand.NewPCG(seed, uint64(len(kinds))*7+uint64(kinds[0])))
-	tc := randomPolicy(rng, kinds)
+	tc, kinds := run.tc, run.name
 	now := int64(1_700_000_000_000_000) + int64(seed)*1_000_000_000
 	var opts []Option
 	useTIME := mini != nil && seed%2 == 0
@@ -130,8 +139,8 @@ func checkSeed(t *testing.T, rdb redis.UniversalClient, mini *miniredis.Miniredi
 		*hs = append((*hs)[:i], (*hs)[i+1:]...)
 		return h
 	}
-	where := func(i int) string { return fmt.Sprintf("kinds %v seed %d step %d (%+v)", kinds, seed, i, tc.rules) }
-	for i := range 150 {
+	where := func(i int) string { return fmt.Sprintf("kinds %s seed %d step %d (%+v)", kinds, seed, i, tc.rules) }
+	for i := range run.steps {
 		switch rng.IntN(3) {
 		case 0: // same microsecond
 		case 1:
@@ -166,7 +175,7 @@ func checkSeed(t *testing.T, rdb redis.UniversalClient, mini *miniredis.Miniredi
 			var batch []*request
 			for range 1 + rng.IntN(3)*rng.IntN(3) {
 				batch = append(batch, &request{
-					c:       call{key: key, hasKey: true, cost: 1 + rng.IntN(min(3, lim.maxCost))},
+					c:       call{key: key, hasKey: true, cost: 1 + rng.IntN(min(run.maxCost, lim.maxCost))},
 					maxWait: []time.Duration{0, 7 * time.Millisecond, 40 * time.Millisecond, 200 * time.Millisecond}[rng.IntN(4)],
 					member:  lim.newMember(),
 					done:    make(chan struct{}),
@@ -195,7 +204,7 @@ func checkSeed(t *testing.T, rdb redis.UniversalClient, mini *miniredis.Miniredi
 		}
 	}
 	if v := m.Violations(); len(v) > 0 {
-		t.Fatalf("kinds %v seed %d: the model broke its promise: %v", kinds, seed, v)
+		t.Fatalf("kinds %s seed %d: the model broke its promise: %v", kinds, seed, v)
 	}
 	checkRedisWindows(t, rdb, lim, tc.rules)
 }

@@ -41,63 +41,6 @@
 
 local now = clock()
 
--- earliest_log returns the earliest time >= t at which the new units fit in
--- every window of length w that would hold them, given the ascending scores s
--- of a log and r, the number of units such a window may already hold.
---
--- Any r+1 consecutive entries s[j] .. s[j+r] that lie within w of each other
--- forbid exactly the times in the open interval (s[j+r] - w, s[j] + w): a call
--- there would share one window with all of them. Those intervals start and end
--- in ascending order, so one pass finds the first allowed time. Bookings ahead
--- count like any other entry, so a freed booking can never let a window
--- overfill, and a gap between bookings is used when it is wide enough.
-local function earliest_log(s, t, r, w)
-  for j = 1, #s - r do
-    local a, b = s[j], s[j + r]
-    if b - w >= t then
-      return t
-    end
-    if b - a < w and t < a + w then
-      t = a + w
-    end
-  end
-  return t
-end
-
--- earliest_counter returns the earliest time >= t at which cost more units fit
--- a sliding counter. A window of length w that ends in bucket j may touch
--- buckets j-m .. j; each is counted in full, the partly expired one too, so no
--- window ever holds more than the limit. The units at t fall in bucket k and
--- into the windows ending in buckets k .. k+m, which must all have room.
-local function earliest_counter(r, t, cost)
-  local width, limit = r.p3, r.p1
-  local m = math.ceil(r.p2 / width)
-  while true do
-    local k = bucket_of(t, width)
-    if k - m > r.last then
-      return t -- every window from here on is empty
-    end
-    local sum = 0
-    for x = k - m, k do
-      sum = sum + (r.counts[x] or 0)
-    end
-    local fits = true
-    for j = k, k + m do
-      if j > k then
-        sum = sum + (r.counts[j] or 0) - (r.counts[j - m - 1] or 0)
-      end
-      if sum + cost > limit then
-        fits = false
-        break
-      end
-    end
-    if fits then
-      return t
-    end
-    t = (k + 1) * width
-  end
-end
-
 -- load drops what has left every window and reads the state each rule
 -- decides from.
 local function load(r)
@@ -106,27 +49,27 @@ local function load(r)
     -- window in force counts those after now - r.p2.
     redis.call('ZREMRANGEBYSCORE', r.key, '-inf', str(now - r.keep))
     r.n = redis.call('ZCOUNT', r.key, '(' .. str(now - r.p2), '+inf')
+    r.s, r.upto, r.memo = {}, now - r.p2, {}
   elseif r.kind == COUNTER then
     -- The oldest bucket a window ending now may touch, as earliest_counter
     -- counts them; older ones are dropped once no margin could count them.
     local oldest = bucket_of(now, r.p3) - math.ceil(r.p2 / r.p3)
     local kept = bucket_of(now, r.p3) - math.ceil(r.keep / r.p3)
     local raw = redis.call('HGETALL', r.key)
-    r.counts, r.last, r.n = {}, -NEVER, 0
+    r.counts, r.bs, r.n = {}, {}, 0
     for k = 1, #raw, 2 do
       local b, n = tonumber(raw[k]), tonumber(raw[k + 1])
-      if b < kept then
+      if b < kept or n <= 0 then
         redis.call('HDEL', r.key, raw[k])
       else
         r.counts[b] = n
+        r.bs[#r.bs + 1] = b
         if b >= oldest then
           r.n = r.n + n
         end
-        if b > r.last then
-          r.last = b
-        end
       end
     end
+    table.sort(r.bs)
   elseif r.kind == BUCKET then
     r.tat = tat_of(r.key)
   elseif r.kind == CONCURRENCY then
@@ -165,22 +108,43 @@ local function record(r, t, id, cost)
       r.pending[#r.pending + 1] = member(id, u)
     end
     r.n = r.n + cost
-    if r.s then
-      local i = #r.s + 1
-      while i > 1 and r.s[i - 1] > t do
-        i = i - 1
-      end
-      for _ = 1, cost do
-        table.insert(r.s, i, t)
+    if r.s and t <= r.upto then
+      -- Keep the entries read in order: at the end, the usual place, or
+      -- copied around the new ones, in one pass whatever the cost.
+      local s = r.s
+      if #s == 0 or t >= s[#s] then
+        for _ = 1, cost do
+          s[#s + 1] = t
+        end
+      else
+        local merged, i = {}, 1
+        while s[i] <= t do
+          merged[i] = s[i]
+          i = i + 1
+        end
+        for _ = 1, cost do
+          merged[#merged + 1] = t
+        end
+        for x = i, #s do
+          merged[#merged + 1] = s[x]
+        end
+        r.s = merged
       end
     end
   elseif r.kind == COUNTER then
     local b = bucket_of(t, r.p3)
+    if not r.counts[b] then
+      -- A bucket newly in use takes its place among the others.
+      local i = #r.bs + 1
+      while i > 1 and r.bs[i - 1] > b do
+        i = i - 1
+      end
+      table.insert(r.bs, i, b)
+    end
     r.counts[b] = (r.counts[b] or 0) + cost
     r.added = r.added or {}
     r.added[b] = (r.added[b] or 0) + cost
     r.n = r.n + cost
-    r.last = math.max(r.last, b)
   else
     r.tat = math.max(r.tat, t) + cost * r.p2
     r.last_id = id
@@ -204,21 +168,197 @@ local function flush(r)
   end
 end
 
-local function earliest(r, t, cost)
+-- How much of a log one call may read, in entries, before it settles for
+-- the time after the log's last entries; and how many entries one read
+-- takes. A log's entries are read lazily, in order, so that a call that
+-- fits early reads few, and no call reads more than about SCAN.
+local SCAN = 2048
+local CHUNK = 256
+
+-- log_more reads the next entries of a log into r.s, the ascending scores
+-- of every entry in (now - window, r.upto]; r.upto is NEVER once r.s holds
+-- them all. It returns the entries read.
+local function log_more(r)
+  flush(r)
+  local raw = redis.call('ZRANGEBYSCORE', r.key, '(' .. str(r.upto), '+inf', 'WITHSCORES', 'LIMIT', 0, CHUNK)
+  local got = #raw / 2
+  if got < CHUNK then
+    for k = 2, #raw, 2 do
+      r.s[#r.s + 1] = tonumber(raw[k])
+    end
+    r.upto = NEVER
+    return got
+  end
+  -- Entries of equal score must be read together, or the next read would
+  -- skip the rest of them: leave the last score's out, unless the whole
+  -- read is that score (one call of many units), then count them all.
+  local last = tonumber(raw[#raw])
+  local keep = got
+  while keep > 0 and tonumber(raw[2 * keep]) == last do
+    keep = keep - 1
+  end
+  if keep == 0 then
+    local n = redis.call('ZCOUNT', r.key, str(last), str(last))
+    for _ = 1, n do
+      r.s[#r.s + 1] = last
+    end
+    r.upto = last
+    return n
+  end
+  for k = 1, keep do
+    r.s[#r.s + 1] = tonumber(raw[2 * k])
+  end
+  r.upto = tonumber(raw[2 * keep])
+  return keep
+end
+
+-- log_tail returns the earliest time >= t after every entry of the log at
+-- which the new units fit: past the last entry, and a window after the
+-- entry that has room units after it. Two lookups by rank find it, however
+-- long the log.
+local function log_tail(r, t, room)
+  flush(r)
+  local total = redis.call('ZCARD', r.key)
+  local last = redis.call('ZRANGE', r.key, -1, -1, 'WITHSCORES')
+  local nth = redis.call('ZRANGE', r.key, total - 1 - room, total - 1 - room, 'WITHSCORES')
+  return math.max(t, tonumber(last[2]), tonumber(nth[2]) + r.p2)
+end
+
+-- earliest_log returns the earliest time >= t at which cost more units fit
+-- in every window of the log that would hold them: a window of length
+-- w = r.p2 may already hold room = limit - cost units.
+--
+-- Any room+1 consecutive entries s[j] .. s[j+room] that lie within w of each
+-- other forbid exactly the times in the open interval (s[j+room] - w,
+-- s[j] + w): a call there would share one window with all of them. Those
+-- intervals start and end in ascending order, so one pass from the first
+-- entry after t - w finds the first allowed time. Bookings ahead count like
+-- any other entry, so a freed booking can never let a window overfill, and
+-- a gap between bookings is used when it is wide enough. A pass longer than
+-- the budget (a log booked far ahead) settles for the time after the whole
+-- log, which is always allowed.
+local function earliest_log(r, t, cost, budget)
+  local room, w = r.p1 - cost, r.p2
+  while r.upto < t - w do
+    if budget.left <= 0 then
+      return log_tail(r, t, room)
+    end
+    budget.left = budget.left - log_more(r)
+  end
+  -- The first entry after t - w, by bisection.
+  local s = r.s
+  local lo, hi = 1, #s + 1
+  while lo < hi do
+    local mid = math.floor((lo + hi) / 2)
+    if s[mid] > t - w then
+      hi = mid
+    else
+      lo = mid + 1
+    end
+  end
+  local j = lo
+  while true do
+    while j + room > #s and r.upto ~= NEVER do
+      if budget.left <= 0 then
+        return log_tail(r, t, room)
+      end
+      budget.left = budget.left - log_more(r)
+    end
+    if j + room > #s then
+      return t
+    end
+    local a, b = s[j], s[j + room]
+    if b - w >= t then
+      return t
+    end
+    if b - a < w and t < a + w then
+      t = a + w
+    end
+    j = j + 1
+    budget.left = budget.left - 1
+    if budget.left <= 0 then
+      return log_tail(r, t, room)
+    end
+  end
+end
+
+-- earliest_counter returns the earliest time >= t at which cost more units fit
+-- a sliding counter. A window of length w that ends in bucket j may touch
+-- buckets j-m .. j; each is counted in full, the partly expired one too, so no
+-- window ever holds more than the limit. The units at t fall in bucket k and
+-- into the windows ending in buckets k .. k+m, which must all have room.
+--
+-- Put another way, the m+1 buckets from i on hold W(i) units, and a window
+-- too full to take the call (W(i) > limit - cost) forbids buckets i .. i+m.
+-- W changes only where a bucket that holds units enters (at i = b - m) or
+-- leaves (at i = b + 1), so one sweep over the buckets that hold units,
+-- r.bs in ascending order, finds the first bucket no full window forbids:
+-- the work follows the buckets in use, not the span they cover.
+local function earliest_counter(r, t, cost)
+  local width, room = r.p3, r.p1 - cost
+  if r.n <= room then
+    return t
+  end
+  local m = math.ceil(r.p2 / width)
+  local k0 = bucket_of(t, width)
+  local k = k0
+  local bs, counts = r.bs, r.counts
+  local n = #bs
+  local enter, leave, w = 1, 1, 0
+  while leave <= n do
+    -- The next place W changes; past k, no window can forbid k any more.
+    local at = bs[leave] + 1
+    if enter <= n then
+      at = math.min(at, bs[enter] - m)
+    end
+    if at > k then
+      break
+    end
+    while enter <= n and bs[enter] - m == at do
+      w = w + counts[bs[enter]]
+      enter = enter + 1
+    end
+    while leave <= n and bs[leave] + 1 == at do
+      w = w - counts[bs[leave]]
+      leave = leave + 1
+    end
+    if w > room then
+      -- W stays this high until its next change: the windows from at to
+      -- there forbid buckets at .. (next - 1) + m.
+      local nxt = bs[leave] + 1
+      if enter <= n then
+        nxt = math.min(nxt, bs[enter] - m)
+      end
+      if nxt - 1 + m >= k then
+        k = nxt + m
+      end
+    end
+  end
+  if k == k0 then
+    return t
+  end
+  return k * width
+end
+
+local function earliest(r, t, cost, budget)
   if r.kind == LOG then
     -- Only a log too full to take the call outright needs its entries read.
     if r.n <= r.p1 - cost then
       return t
     end
-    if not r.s then
-      flush(r)
-      local raw = redis.call('ZRANGE', r.key, 0, -1, 'WITHSCORES')
-      r.s = {}
-      for k = 2, #raw, 2 do
-        r.s[#r.s + 1] = tonumber(raw[k])
+    -- Calls of a batch only add entries, and a costlier call fits in fewer
+    -- places: a call costing at least as much as an earlier one, asked
+    -- from no earlier a time, fits no earlier than it did. So the calls of
+    -- a batch queued at the end of a long log do not each read it again.
+    local from = t
+    for c, m in pairs(r.memo) do
+      if c <= cost and m.t <= t and m.at > from then
+        from = m.at
       end
     end
-    return earliest_log(r.s, t, r.p1 - cost, r.p2)
+    local at = earliest_log(r, from, cost, budget)
+    r.memo[cost] = { t = t, at = at }
+    return at
   elseif r.kind == COUNTER then
     return earliest_counter(r, t, cost)
   elseif r.kind == BUCKET then
@@ -313,13 +453,21 @@ for c = 0, ncalls - 1 do
   remaining = math.max(remaining, 0)
 
   -- The earliest time every rule allows. Each rule can only push the time
-  -- later, and only to one of finitely many times, so this settles.
+  -- later, and only to one of finitely many times, so this settles; should
+  -- the rules push each other on for long, the logs settle for their tails,
+  -- which no rule pushes further.
   local t = math.max(now, pause)
   local moved = true
+  local budget = { left = SCAN }
+  local rounds = 0
   while moved and t < NEVER do
     moved = false
+    rounds = rounds + 1
+    if rounds > 16 then
+      budget.left = 0
+    end
     for _, r in ipairs(rs) do
-      local u = earliest(r, t, cost)
+      local u = earliest(r, t, cost, budget)
       if u > t then
         t = u
         moved = true

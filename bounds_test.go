@@ -1,0 +1,114 @@
+package throttle
+
+import (
+	"context"
+	"math/rand/v2"
+	"testing"
+	"time"
+
+	"github.com/throttlekit/throttle/internal/model"
+	"github.com/throttlekit/throttle/internal/redistest"
+	"github.com/throttlekit/throttle/policies"
+)
+
+// The scripts read a long log a chunk at a time and sweep a counter's
+// buckets in use rather than the span they cover. Large limits and costs,
+// calls of many units in one microsecond, and counters cut into many buckets
+// take those paths across their edges (a read that ends inside a run of
+// equal times, a run longer than a read), and every decision must still
+// equal the brute-force model's.
+func TestScript_MatchesModelOnLargeQuotas(t *testing.T) {
+	ms := func(rng *rand.Rand, lo, hi int) time.Duration {
+		return time.Duration(lo+rng.IntN(hi-lo)) * time.Millisecond
+	}
+	gens := []struct {
+		name    string
+		maxCost int
+		policy  func(*rand.Rand) policies.Policy
+	}{
+		{"log-chunks", 40, func(rng *rand.Rand) policies.Policy {
+			return policies.SlidingLog{Limit: 100 + rng.IntN(200), Window: ms(rng, 150, 300), Margin: time.Millisecond}
+		}},
+		{"log-runs", 300, func(rng *rand.Rand) policies.Policy {
+			return policies.SlidingLog{Limit: 300 + rng.IntN(100), Window: ms(rng, 150, 300), Margin: time.Millisecond}
+		}},
+		{"counter-buckets", 40, func(rng *rand.Rand) policies.Policy {
+			return policies.SlidingCounter{Limit: 50 + rng.IntN(350), Window: ms(rng, 150, 300), Buckets: 50 + rng.IntN(951), Margin: time.Millisecond}
+		}},
+		{"log-and-counter", 40, func(rng *rand.Rand) policies.Policy {
+			return policies.All(
+				policies.SlidingLog{Limit: 100 + rng.IntN(200), Window: ms(rng, 150, 300), Margin: time.Millisecond},
+				policies.PerKey{Policy: policies.SlidingCounter{Limit: 100 + rng.IntN(200), Window: ms(rng, 150, 300), Buckets: 200, Margin: time.Millisecond}},
+			)
+		}},
+	}
+	redistest.Each(t, func(t *testing.T, s *redistest.Server) {
+		for _, g := range gens {
+			for seed := range 4 {
+				rng := rand.New(rand.NewPCG(uint64(seed), uint64(len(g.name))))
+				policy := g.policy(rng)
+				rules, err := policies.Rules(policy)
+				if err != nil {
+					t.Fatal(err)
+				}
+				tc := modelCase{policy: policy}
+				for _, r := range rules {
+					tc.rules = append(tc.rules, toModel(r))
+				}
+				checkSeed(t, s.Client(t), s.Mini, rng, modelRun{name: g.name, tc: tc, steps: 150, maxCost: g.maxCost}, uint64(seed))
+			}
+		}
+	})
+}
+
+// A log booked further ahead than one call may read (2,048 entries)
+// settles for the time
+// after its last entries, even when a booking given back deep inside it left
+// room earlier: a slot later than need be, never an overfilled window.
+func TestScript_LongLogSettlesForItsTail(t *testing.T) {
+	redistest.Each(t, func(t *testing.T, s *redistest.Server) {
+		const limit, window = 100, 100 * time.Millisecond
+		clock := newClock()
+		lim := newLimiter(t, s.Client(t), policies.SlidingLog{Limit: limit, Window: window, Margin: time.Nanosecond}, WithClock(clock.Now))
+		ctx := context.Background()
+		// Fifty windows booked ahead, far more than one call reads.
+		var deep result
+		for i := range 50 {
+			r, err := lim.acquire(ctx, call{cost: limit}, time.Minute, nil)
+			if err != nil || !r.admitted || r.wait != time.Duration(i)*window {
+				t.Fatalf("booking %d: %+v, %v", i, r, err)
+			}
+			if i == 30 {
+				deep = r
+			}
+		}
+		lim.cancel(ctx, call{cost: limit}, deep)
+		// A call that could take the hole thirty windows ahead is booked
+		// after the last window instead.
+		r, err := lim.acquire(ctx, call{cost: 1}, time.Minute, nil)
+		if err != nil || !r.admitted {
+			t.Fatalf("acquire: %+v, %v", r, err)
+		}
+		if want := 50 * window; r.wait != want {
+			t.Errorf("booked %v ahead, want %v (after the last booked window)", r.wait, want)
+		}
+		checkRedisWindows(t, s.Client(t), lim, []model.Rule{toModel(lim.rules[0])})
+		// Within reach of one read, the hole is used.
+		lim2 := newLimiter(t, s.Client(t), policies.SlidingLog{Limit: limit, Window: window, Margin: time.Nanosecond}, WithClock(clock.Now), WithPrefix("near"))
+		var near result
+		for i := range 5 {
+			r, err := lim2.acquire(ctx, call{cost: limit}, time.Minute, nil)
+			if err != nil || !r.admitted {
+				t.Fatalf("booking %d: %+v, %v", i, r, err)
+			}
+			if i == 2 {
+				near = r
+			}
+		}
+		lim2.cancel(ctx, call{cost: limit}, near)
+		r, err = lim2.acquire(ctx, call{cost: 1}, time.Minute, nil)
+		if err != nil || !r.admitted || r.wait != 2*window {
+			t.Errorf("near hole: %+v, %v; want booked %v ahead", r, err, 2*window)
+		}
+	})
+}
