@@ -144,11 +144,11 @@ func (l *Limiter) decide(sc scope, batch []*request) {
 		}
 	}
 	args := l.args("", 0, int64(len(batch)), l.epoch.Load(), int64(len(late)))
-	delay, spread, ok := l.timing.report()
+	spread, ok := l.timing.report()
 	if !ok {
-		delay = -time.Microsecond
+		spread = -time.Microsecond
 	}
-	args = append(args, delay.Microseconds(), spread.Microseconds())
+	args = append(args, spread.Microseconds())
 	for _, r := range late {
 		args = append(args, r.member, r.cost, r.slot().Microseconds(), r.epoch)
 	}

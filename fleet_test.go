@@ -4,9 +4,13 @@ import (
 	"cmp"
 	"context"
 	"errors"
+	"fmt"
 	"io"
 	"net/http"
 	"net/http/httptest"
+	"os"
+	"os/exec"
+	"runtime"
 	"slices"
 	"sync"
 	"sync/atomic"
@@ -15,6 +19,7 @@ import (
 
 	"github.com/redis/go-redis/v9"
 
+	"github.com/throttlekit/throttle/internal/delayproxy"
 	"github.com/throttlekit/throttle/internal/fakevendor"
 	"github.com/throttlekit/throttle/internal/redistest"
 	"github.com/throttlekit/throttle/policies"
@@ -31,6 +36,8 @@ type fleetCase struct {
 	// maxInFlight, when set, bounds the calls at the vendor at once, and
 	// each call takes a while there.
 	maxInFlight int
+	// maxScripts, when set, bounds the script calls per admitted call.
+	maxScripts float64
 }
 
 var fleetCases = []fleetCase{
@@ -70,6 +77,72 @@ func TestFleet_NeverOverCapOnCluster(t *testing.T) {
 	runFleet(t, fleetCases[0], func(t *testing.T) redis.UniversalClient { return c.Client(t) })
 }
 
+// Redis tens of milliseconds away delays every call by about the same
+// time, which does no harm at the vendor: the fleet keeps under the cap and
+// uses it, at about one script call per admitted call, whatever the round
+// trip, with jitter on every packet.
+func TestFleet_RedisFarAway(t *testing.T) {
+	s := redistest.Real(t)
+	for _, d := range []struct{ latency, jitter time.Duration }{
+		{time.Millisecond, 500 * time.Microsecond},
+		{10 * time.Millisecond, 3 * time.Millisecond},
+		{25 * time.Millisecond, 5 * time.Millisecond},
+		{50 * time.Millisecond, 5 * time.Millisecond},
+	} {
+		t.Run(fmt.Sprintf("%v±%v", d.latency, d.jitter), func(t *testing.T) {
+			proxy := delayproxy.Start(t, s.Addr, delayproxy.WithLatency(d.latency), delayproxy.WithJitter(d.jitter))
+			fc := fleetCase{
+				name:       fmt.Sprintf("far-%v", d.latency),
+				policy:     policies.SlidingLog{Limit: 100, Window: time.Second},
+				vendor:     100,
+				minUtil:    0.94,
+				maxScripts: 1.5,
+			}
+			runFleet(t, fc, func(t *testing.T) redis.UniversalClient {
+				rdb := redis.NewClient(&redis.Options{Addr: proxy.Addr(), ContextTimeoutEnabled: true, PoolSize: 20})
+				t.Cleanup(func() { rdb.Close() })
+				return rdb
+			})
+		})
+	}
+}
+
+// On a machine whose every core is busy with other work, calls start late
+// after their slots, and later than each other: the fleet measures the
+// spread, widens its margin, and keeps under the cap.
+func TestFleet_BusyMachine(t *testing.T) {
+	s := redistest.Real(t)
+	busyLoops(t, 2*runtime.NumCPU())
+	fc := fleetCase{name: "busy", policy: policies.SlidingLog{Limit: 100, Window: time.Second}, vendor: 100, minUtil: 0.5}
+	runFleet(t, fc, func(t *testing.T) redis.UniversalClient { return s.Client(t) })
+}
+
+// busyLoops starts n processes that spin until the test ends.
+func busyLoops(t *testing.T, n int) {
+	for range n {
+		cmd := exec.Command(os.Args[0], "-test.run=^TestHelperBusyLoop$")
+		cmd.Env = append(os.Environ(), "THROTTLE_BUSY_LOOP=1")
+		if err := cmd.Start(); err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() {
+			_ = cmd.Process.Kill()
+			_ = cmd.Wait()
+		})
+	}
+}
+
+// TestHelperBusyLoop spins, as a process of busyLoops; it does nothing in a
+// normal run.
+func TestHelperBusyLoop(t *testing.T) {
+	if os.Getenv("THROTTLE_BUSY_LOOP") != "1" {
+		return
+	}
+	for x := 0; ; x++ {
+		_ = x
+	}
+}
+
 func runFleet(t *testing.T, fc fleetCase, newClient func(*testing.T) redis.UniversalClient) {
 	const (
 		replicas = 3
@@ -96,8 +169,11 @@ func runFleet(t *testing.T, fc fleetCase, newClient func(*testing.T) redis.Unive
 	var admitted, refused atomic.Int64
 	var wg sync.WaitGroup
 	var lims []*Limiter
+	var scripts atomic.Int64
 	for range replicas {
-		lim, err := New(newClient(t), "fleet-"+fc.name, fc.policy)
+		rdb := newClient(t)
+		rdb.AddHook(countScripts{&scripts})
+		lim, err := New(rdb, "fleet-"+fc.name, fc.policy)
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -134,6 +210,8 @@ func runFleet(t *testing.T, fc fleetCase, newClient func(*testing.T) redis.Unive
 		t.Errorf("vendor accepted %d calls, the fleet admitted %d", st.Accepted, admitted.Load())
 	}
 	util := arrivals.utilization(limit, window)
+	// A busy machine widens the margin, and so gives up some of the cap on
+	// purpose: the bound follows the margin in force, up to its ceiling.
 	var margin time.Duration
 	u, err := lims[0].Usage(context.Background())
 	if err != nil {
@@ -142,10 +220,18 @@ func runFleet(t *testing.T, fc fleetCase, newClient func(*testing.T) redis.Unive
 	for _, r := range u.Rules {
 		margin = max(margin, r.Margin)
 	}
-	t.Logf("admitted %d, refused at the end %d, over cap %d, max in a window %d, utilization %.3f, spread %v, margin %v",
-		admitted.Load(), refused.Load(), st.OverCap, st.MaxInWindow, util, u.Spread, margin)
-	if util < fc.minUtil {
-		t.Errorf("utilization %.3f, want at least %.2f", util, fc.minUtil)
+	perCall := float64(scripts.Load()) / float64(max(admitted.Load(), 1))
+	t.Logf("admitted %d, refused at the end %d, over cap %d, max in a window %d, utilization %.3f, spread %v, margin %v, %.2f script calls per admitted call",
+		admitted.Load(), refused.Load(), st.OverCap, st.MaxInWindow, util, u.Spread, margin, perCall)
+	want := fc.minUtil
+	if margin > policies.DefaultMargin {
+		want *= float64(window+policies.DefaultMargin) / float64(window+margin)
+	}
+	if util < want {
+		t.Errorf("utilization %.3f, want at least %.3f", util, want)
+	}
+	if fc.maxScripts > 0 && perCall > fc.maxScripts {
+		t.Errorf("%.2f script calls per admitted call, want at most %.2f", perCall, fc.maxScripts)
 	}
 	if fc.maxInFlight > 0 && arrivals.maxInFlight > fc.maxInFlight {
 		t.Errorf("%d calls at the vendor at once, want at most %d", arrivals.maxInFlight, fc.maxInFlight)

@@ -42,8 +42,7 @@ const lateSamples = 128
 const spreadQuantile = 0.98
 
 // timing keeps what a limiter needs to tell how late its calls start: the
-// fastest reply of recent periods, the shortest round trip, and the
-// latenesses of its recent calls.
+// fastest reply of recent periods, and the latenesses of its recent calls.
 type timing struct {
 	mu     sync.Mutex
 	origin time.Time // local times are durations since origin, on the monotonic clock
@@ -52,7 +51,6 @@ type timing struct {
 	periodAt time.Duration // local time the current period began
 	fast     [2]minimum    // least recvd - Redis now, this period and the last
 	ahead    [2]minimum    // least Redis now - asked
-	rtt      [2]minimum    // least round trip
 
 	late    [lateSamples]lateSample
 	lateN   int // samples written in all, to index the ring
@@ -89,7 +87,7 @@ func (k *timing) roll(at time.Duration) {
 		return
 	}
 	k.periodAt = at
-	for _, m := range []*[2]minimum{&k.fast, &k.ahead, &k.rtt} {
+	for _, m := range []*[2]minimum{&k.fast, &k.ahead} {
 		m[1], m[0] = m[0], minimum{}
 	}
 }
@@ -112,11 +110,10 @@ func (k *timing) observe(redisNow, asked, recvd time.Duration) {
 	fast, okF := least(k.fast)
 	ahead, okA := least(k.ahead)
 	if okF && off-rtt > fast+clockStep || okA && off < -ahead-clockStep {
-		k.fast, k.ahead, k.rtt = [2]minimum{}, [2]minimum{}, [2]minimum{}
+		k.fast, k.ahead = [2]minimum{}, [2]minimum{}
 	}
 	k.fast[0].add(off)
 	k.ahead[0].add(redisNow - asked)
-	k.rtt[0].add(rtt)
 }
 
 // fastest returns the least recvd - Redis now of the last two periods.
@@ -179,24 +176,19 @@ func (k *timing) noteLate(late time.Duration) {
 	k.lateN++
 }
 
-// report returns what this process tells the fleet of its timing: its usual
-// one-way delay (half the shortest round trip) and how late its calls start
-// beyond it, at the spreadQuantile of the recent ones; false when it knows
-// nothing yet.
-func (k *timing) report() (delay, spread time.Duration, ok bool) {
+// report returns what this process tells the fleet of its timing: how much
+// later than its usual delay its recent calls started after their slots, at
+// the spreadQuantile; false when it knows nothing yet.
+func (k *timing) report() (time.Duration, bool) {
 	k.mu.Lock()
 	defer k.mu.Unlock()
-	rtt := k.rtt[0]
-	if k.rtt[1].set && (!rtt.set || k.rtt[1].v < rtt.v) {
-		rtt = k.rtt[1]
-	}
-	if !rtt.set || k.lateN == 0 {
-		return 0, 0, false
+	if k.lateN == 0 {
+		return 0, false
 	}
 	if k.spreadN != k.lateN {
 		k.spread, k.spreadN = k.quantile(), k.lateN
 	}
-	return rtt.v / 2, k.spread, true
+	return k.spread, true
 }
 
 // quantile returns the spreadQuantile of the latenesses of the last two

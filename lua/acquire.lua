@@ -9,10 +9,9 @@
 -- ARGV[5]        the quota's epoch as the calling process last saw it, or 0;
 -- ARGV[6]        the number of bookings to give back first, g;
 -- after the rules:
---   the calling process's usual one-way delay from Redis in microseconds, or
---   -1 when it does not know it yet;
---   how much later than that its calls start after their slots (see
---   note_timing in lib.lua);
+--   how much later than its usual delay the calling process's calls start
+--   after their slots, in microseconds (its spread, see note_timing in
+--   lib.lua), or -1 when it does not know yet;
 --   for each booking to give back (a call that would start too late books
 --   again in the same script call), four arguments: its id, its cost, its
 --   slot in microseconds, and the epoch it was booked in;
@@ -374,8 +373,8 @@ end
 local rs = rules()
 local ncalls, ngive = tonumber(ARGV[4]), tonumber(ARGV[6])
 local arg = after_rules()
-local delay, spread = tonumber(ARGV[arg]), tonumber(ARGV[arg + 1])
-arg = arg + 2
+local spread = tonumber(ARGV[arg])
+arg = arg + 1
 
 -- A missing meta key means a new quota, or a Redis that lost its data (a
 -- restart without persistence, a failover to a replica that lagged). The
@@ -407,7 +406,7 @@ elseif now - meta.refreshed > META_REFRESH then
   meta.refreshed = now
   dirty = true
 end
-if note_timing(meta, now, delay, spread) then
+if note_timing(meta, now, spread) then
   dirty = true
 end
 if dirty then

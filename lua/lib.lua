@@ -128,9 +128,9 @@ local META_REFRESH = 24 * 3600 * 1000000
 --   epoch      when the quota's data was first written, in microseconds;
 --   pause      a time before which no call of the quota is admitted;
 --   refreshed  when the key's expiry was last pushed back;
---   jp         the timing period (now // TIMING_PERIOD) of jhi and jlo;
---   jhi, jlo   the fleet's timing in period jp (see note_timing);
---   phi, plo   the same in period jp - 1, or -1 when unknown.
+--   jp         the timing period (now // TIMING_PERIOD) of js;
+--   js         the fleet's spread reported in period jp (see note_timing);
+--   ps         the same in period jp - 1, or -1 when unknown.
 -- read_meta returns them as a table, or nil when the key is missing.
 local function read_meta()
   local v = redis.call('GET', KEYS[1])
@@ -143,12 +143,12 @@ local function read_meta()
   end
   return {
     epoch = f[1] or 0, pause = f[2] or 0, refreshed = f[3] or 0,
-    jp = f[4] or -1, jhi = f[5] or -1, jlo = f[6] or -1, phi = f[7] or -1, plo = f[8] or -1,
+    jp = f[4] or -1, js = f[5] or -1, ps = f[6] or -1,
   }
 end
 
 local function new_meta(now)
-  return { epoch = now, pause = 0, refreshed = now, jp = -1, jhi = -1, jlo = -1, phi = -1, plo = -1 }
+  return { epoch = now, pause = 0, refreshed = now, jp = -1, js = -1, ps = -1 }
 end
 
 local function write_meta(m, rs)
@@ -158,40 +158,37 @@ local function write_meta(m, rs)
       ttl = math.max(ttl, 2 * r.p2 / 1000)
     end
   end
-  local v = { m.epoch, m.pause, m.refreshed, m.jp, m.jhi, m.jlo, m.phi, m.plo }
+  local v = { m.epoch, m.pause, m.refreshed, m.jp, m.js, m.ps }
   for i = 1, #v do
     v[i] = str(v[i])
   end
   redis.call('SET', KEYS[1], table.concat(v, ':'), 'PX', math.ceil(ttl))
 end
 
--- Timing: each process reports, with its calls, its usual one-way delay from
--- Redis (delay) and how much later than that its calls start after their
--- slots (spread). The fleet's spread is the widest gap between the latest
--- start (delay + spread) and the earliest (delay) among the processes that
--- reported in this period or the last one: a call may reach the vendor that
--- much later after its slot than another. Periods roll, so a process that
--- stops reporting a wide spread stops widening the margin within two.
+-- Timing: each process reports, with its calls, how much later than its
+-- usual delay its calls start after their slots (its spread, see timing.go).
+-- The fleet's spread is the widest that any process reported in this period
+-- or the last one: one call may reach the vendor that much later after its
+-- slot than another. Periods roll, so a process that stops reporting a wide
+-- spread stops widening the margin within two.
 local TIMING_PERIOD = 5000000
 
--- note_timing folds a process's report into the meta, and reports whether
--- the meta changed.
-local function note_timing(m, now, delay, spread)
-  if delay < 0 then
+-- note_timing folds a process's spread (negative: none) into the meta, and
+-- reports whether the meta changed.
+local function note_timing(m, now, spread)
+  if spread < 0 then
     return false
   end
-  local hi, lo = delay + spread, delay
   local p = math.floor(now / TIMING_PERIOD)
   if m.jp == p then
-    if hi <= m.jhi and lo >= m.jlo then
+    if spread <= m.js then
       return false
     end
-    m.jhi, m.jlo = math.max(m.jhi, hi), math.min(m.jlo, lo)
+    m.js = spread
   elseif m.jp == p - 1 then
-    m.phi, m.plo = m.jhi, m.jlo
-    m.jp, m.jhi, m.jlo = p, hi, lo
+    m.jp, m.js, m.ps = p, spread, m.js
   else
-    m.jp, m.jhi, m.jlo, m.phi, m.plo = p, hi, lo, -1, -1
+    m.jp, m.js, m.ps = p, spread, -1
   end
   return true
 end
@@ -199,14 +196,14 @@ end
 -- fleet_spread returns the fleet's spread as of now, 0 when unknown.
 local function fleet_spread(m, now)
   local p = math.floor(now / TIMING_PERIOD)
-  if not m or m.jp < p - 1 or m.jhi < 0 then
+  if not m or m.jp < p - 1 then
     return 0
   end
-  local hi, lo = m.jhi, m.jlo
-  if m.jp == p and m.phi >= 0 then
-    hi, lo = math.max(hi, m.phi), math.min(lo, m.plo)
+  local spread = m.js
+  if m.jp == p then
+    spread = math.max(spread, m.ps)
   end
-  return math.max(hi - lo, 0)
+  return math.max(spread, 0)
 end
 
 -- Margins. A window's margin absorbs the spread between the decision in

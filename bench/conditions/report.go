@@ -1,0 +1,202 @@
+package main
+
+import (
+	"fmt"
+	"io"
+	"math"
+	"strconv"
+	"strings"
+	"time"
+	"unicode/utf8"
+)
+
+// result is one scenario's row, and what the notes say of it.
+type result struct {
+	Name     string
+	Admitted int
+	// What the vendor saw.
+	OverCap     int // units answered 429
+	MaxInWindow int // the most units in one of its windows
+	Cap         int
+	Utilization float64
+
+	ScriptCalls      int64
+	WaitP50, WaitP99 time.Duration
+
+	// Calls that failed because the run ended, in all and by how.
+	EndOfRun, EndLimited, EndContext, EndUnavailable int
+	Unavailable                                      int // ErrUnavailable before the end
+	TimedOut                                         int // of which Redis answered too late
+	FirstUnavailable                                 string
+	Errors                                           int // any other failure
+	Late                                             int // of which ErrLimited: a late start refused
+	FirstError                                       string
+
+	Spread, Margin time.Duration // at the end, as Usage read them
+	UsageError     string
+	Stderr         []string // what the replicas wrote on stderr
+
+	// Where the time went.
+	RoundTrip   spread // of the script calls, as the limiters saw them
+	WayToVendor spread // from fn's start to the arrival at the vendor
+	// MaxStartedInWindow is the most calls started in one vendor window,
+	// by fn's start rather than by the arrival at the vendor.
+	MaxStartedInWindow int
+	ScriptMicros       float64       // Redis's mean time per EVALSHA
+	RedisCPU           time.Duration // the CPU time Redis used
+	Load               string        // the load average at the end
+}
+
+// spread sums up a set of durations.
+type spread struct {
+	P50, P99, Max time.Duration
+}
+
+// newSpread sums up sorted.
+func newSpread(sorted []time.Duration) spread {
+	if len(sorted) == 0 {
+		return spread{}
+	}
+	return spread{percentile(sorted, 0.50), percentile(sorted, 0.99), sorted[len(sorted)-1]}
+}
+
+func (s spread) String() string {
+	return formatMs(s.P50) + " / " + formatMs(s.P99) + " / " + formatMs(s.Max)
+}
+
+// scriptsPerAdmitted is the script calls per admitted call.
+func (r result) scriptsPerAdmitted() float64 {
+	if r.Admitted == 0 {
+		return math.NaN()
+	}
+	return float64(r.ScriptCalls) / float64(r.Admitted)
+}
+
+var tableHeader = []string{
+	"scenario", "admitted", "429s", "max/cap", "utilization", "scripts/admitted",
+	"wait p50 / p99 (ms)", "errors (late starts)", "unavailable (timed out)", "spread / margin (ms)",
+}
+
+func (r result) cells() []string {
+	return []string{
+		r.Name,
+		strconv.Itoa(r.Admitted),
+		strconv.Itoa(r.OverCap),
+		fmt.Sprintf("%d/%d", r.MaxInWindow, r.Cap),
+		strconv.FormatFloat(r.Utilization, 'f', 3, 64),
+		strconv.FormatFloat(r.scriptsPerAdmitted(), 'f', 3, 64),
+		formatMs(r.WaitP50) + " / " + formatMs(r.WaitP99),
+		fmt.Sprintf("%d (%d)", r.Errors, r.Late),
+		fmt.Sprintf("%d (%d)", r.Unavailable, r.TimedOut),
+		formatMs(r.Spread) + " / " + formatMs(r.Margin),
+	}
+}
+
+var detailHeader = []string{
+	"scenario", "script round trip p50 / p99 / max (ms)", "fn start to vendor p50 / p99 / max (ms)",
+	"max/cap by fn start", "EVALSHA µs in Redis", "Redis CPU (s)",
+	"failed at the end: slot past it / context / context in a round trip", "load",
+}
+
+func (r result) detailCells() []string {
+	return []string{
+		r.Name, r.RoundTrip.String(), r.WayToVendor.String(),
+		fmt.Sprintf("%d/%d", r.MaxStartedInWindow, r.Cap),
+		strconv.FormatFloat(r.ScriptMicros, 'f', 0, 64),
+		strconv.FormatFloat(r.RedisCPU.Seconds(), 'f', 1, 64),
+		fmt.Sprintf("%d / %d / %d", r.EndLimited, r.EndContext, r.EndUnavailable),
+		r.Load,
+	}
+}
+
+// writeTable prints the main table.
+func writeTable(w io.Writer, results []result) {
+	rows := [][]string{tableHeader}
+	for _, r := range results {
+		rows = append(rows, r.cells())
+	}
+	writeMarkdown(w, rows)
+}
+
+// writeDetails prints where the time went, and how calls failed at the end.
+func writeDetails(w io.Writer, results []result) {
+	rows := [][]string{detailHeader}
+	for _, r := range results {
+		rows = append(rows, r.detailCells())
+	}
+	writeMarkdown(w, rows)
+}
+
+// writeMarkdown prints rows, the header first, as a Markdown table with
+// aligned columns.
+func writeMarkdown(w io.Writer, rows [][]string) {
+	widths := make([]int, len(rows[0]))
+	for _, row := range rows {
+		for i, cell := range row {
+			widths[i] = max(widths[i], utf8.RuneCountInString(cell))
+		}
+	}
+	line := func(cells []string) {
+		var b strings.Builder
+		b.WriteString("|")
+		for i, cell := range cells {
+			b.WriteString(" " + cell + strings.Repeat(" ", widths[i]-utf8.RuneCountInString(cell)) + " |")
+		}
+		fmt.Fprintln(w, b.String())
+	}
+	line(rows[0])
+	rule := make([]string, len(widths))
+	for i, n := range widths {
+		rule[i] = strings.Repeat("-", n)
+	}
+	line(rule)
+	for _, row := range rows[1:] {
+		line(row)
+	}
+}
+
+// stderrLines is how many lines of each replica's stderr the notes show.
+const stderrLines = 5
+
+// writeNotes prints anything that went wrong.
+func writeNotes(w io.Writer, results []result) {
+	for _, r := range results {
+		if r.FirstError != "" {
+			fmt.Fprintf(w, "%s: first error: %s\n", r.Name, r.FirstError)
+		}
+		if r.FirstUnavailable != "" {
+			fmt.Fprintf(w, "%s: first ErrUnavailable: %s\n", r.Name, r.FirstUnavailable)
+		}
+		if r.UsageError != "" {
+			fmt.Fprintf(w, "%s: Usage: %s\n", r.Name, r.UsageError)
+		}
+		for _, s := range r.Stderr {
+			lines := strings.Split(s, "\n")
+			if len(lines) > stderrLines {
+				fmt.Fprintf(w, "%s: %s (%d lines on stderr, the last %d)\n", r.Name, strings.SplitN(s, ":", 2)[0], len(lines), stderrLines)
+				lines = lines[len(lines)-stderrLines:]
+			}
+			for _, l := range lines {
+				fmt.Fprintf(w, "%s: %s\n", r.Name, l)
+			}
+		}
+	}
+}
+
+// formatMs formats d in milliseconds, with one decimal under 100ms.
+func formatMs(d time.Duration) string {
+	ms := float64(d) / float64(time.Millisecond)
+	if ms < 100 {
+		return strconv.FormatFloat(ms, 'f', 1, 64)
+	}
+	return strconv.FormatFloat(ms, 'f', 0, 64)
+}
+
+// percentile returns the nearest-rank q-quantile (0 < q <= 1) of sorted.
+func percentile(sorted []time.Duration, q float64) time.Duration {
+	if len(sorted) == 0 {
+		return 0
+	}
+	i := int(math.Ceil(q*float64(len(sorted)))) - 1
+	return sorted[min(max(i, 0), len(sorted)-1)]
+}

@@ -1,0 +1,518 @@
+package main
+
+import (
+	"bytes"
+	"context"
+	"crypto/rand"
+	"encoding/hex"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"net"
+	"net/http"
+	"os"
+	"os/exec"
+	"runtime"
+	"slices"
+	"strconv"
+	"strings"
+	"sync"
+	"time"
+
+	"github.com/redis/go-redis/v9"
+
+	"github.com/throttlekit/throttle/internal/delayproxy"
+	"github.com/throttlekit/throttle/internal/fakevendor"
+)
+
+const (
+	// window is the vendor's window, and the quota's.
+	window = time.Second
+	// vendorWork is how long the vendor takes to answer an accepted call,
+	// so that calls overlap as they do against a real API.
+	vendorWork = 10 * time.Millisecond
+	// readyTimeout bounds the start of the replicas.
+	readyTimeout = 60 * time.Second
+	// reportTimeout bounds the wait for the replicas' reports past the end
+	// of the run; they are then killed.
+	reportTimeout = 30 * time.Second
+	// stderrKeep is how much of a replica's stderr is kept.
+	stderrKeep = 8 << 10
+)
+
+// scenario is one row of the table.
+type scenario struct {
+	name     string
+	procs    int // replica processes
+	limiters int // limiters per process, each with its own client
+	workers  int // workers per limiter
+	pool     int // PoolSize of each client
+	limit    int // the vendor's cap per window, and the quota's Limit
+	proxy    bool
+	latency  time.Duration // one-way, through the proxy
+	jitter   time.Duration
+	spinners int // busy-looping processes beside the fleet
+}
+
+func scenarios() []scenario {
+	fleet := func(name string, latency, jitter time.Duration) scenario {
+		return scenario{name: name, procs: 3, limiters: 1, workers: 20, pool: 20, limit: 100, proxy: true, latency: latency, jitter: jitter}
+	}
+	busy := fleet("busy", 25*time.Millisecond, 5*time.Millisecond)
+	busy.spinners = 2 * runtime.NumCPU()
+	return []scenario{
+		fleet("fleet-d0", 0, 0),
+		fleet("fleet-d1", time.Millisecond, 500*time.Microsecond),
+		fleet("fleet-d10", 10*time.Millisecond, 5*time.Millisecond),
+		fleet("fleet-d25", 25*time.Millisecond, 5*time.Millisecond),
+		fleet("fleet-d50", 50*time.Millisecond, 5*time.Millisecond),
+		busy,
+		{name: "replicas-1000", procs: 1, limiters: 1000, workers: 1, pool: 2, limit: 1000},
+		{name: "replicas-100x10", procs: 1, limiters: 100, workers: 10, pool: 2, limit: 1000},
+	}
+}
+
+func scenarioNames() []string {
+	var names []string
+	for _, sc := range scenarios() {
+		names = append(names, sc.name)
+	}
+	return names
+}
+
+// env is what every scenario of one invocation shares.
+type env struct {
+	exe   string
+	redis string // host:port of the redis-server
+}
+
+// runScenario runs one scenario against a fresh vendor and an emptied Redis
+// and returns its row.
+func runScenario(ctx context.Context, e env, sc scenario, duration time.Duration) (result, error) {
+	admin := redis.NewClient(&redis.Options{Addr: e.redis})
+	defer admin.Close()
+	// An empty Redis, and its command statistics from zero.
+	if err := admin.FlushAll(ctx).Err(); err != nil {
+		return result{}, fmt.Errorf("FLUSHALL: %w", err)
+	}
+	if err := admin.ConfigResetStat(ctx).Err(); err != nil {
+		return result{}, fmt.Errorf("CONFIG RESETSTAT: %w", err)
+	}
+	cpuBefore, err := redisCPU(ctx, admin)
+	if err != nil {
+		return result{}, err
+	}
+	vendor := fakevendor.NewInProcess(fakevendor.Config{Limit: sc.limit, Window: window, Work: vendorWork})
+	var arrivals arrivalLog
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		return result{}, fmt.Errorf("vendor: %w", err)
+	}
+	srv := &http.Server{Handler: arrivals.record(vendor.Handler()), ReadHeaderTimeout: callTimeout}
+	go func() { _ = srv.Serve(ln) }()
+	defer srv.Close()
+
+	redisAddr := e.redis
+	if sc.proxy {
+		p, err := delayproxy.New(e.redis, delayproxy.WithLatency(sc.latency), delayproxy.WithJitter(sc.jitter))
+		if err != nil {
+			return result{}, err
+		}
+		defer p.Close()
+		redisAddr = p.Addr()
+	}
+
+	var procs []*child
+	defer func() {
+		for _, c := range procs {
+			c.kill()
+		}
+	}()
+	for range sc.spinners {
+		c, err := startChild(e.exe, "spinner", []string{spinFlag})
+		if err != nil {
+			return result{}, err
+		}
+		procs = append(procs, c)
+	}
+	quota := "conditions-" + sc.name + "-" + randomHex(4)
+	var replicas []*child
+	for i := range sc.procs {
+		rc := replicaConfig{
+			ID: i, Redis: redisAddr, Vendor: "http://" + ln.Addr().String() + "/call", Quota: quota,
+			Limit: sc.limit, Window: window, Limiters: sc.limiters, Workers: sc.workers, Pool: sc.pool,
+		}
+		c, err := startChild(e.exe, fmt.Sprintf("replica %d", i), rc.args())
+		if err != nil {
+			return result{}, err
+		}
+		procs = append(procs, c)
+		replicas = append(replicas, c)
+	}
+	readyBy := time.Now().Add(readyTimeout)
+	for _, c := range replicas {
+		if _, err := c.await(ctx, readyBy, func(m message) bool { return m.Ready }); err != nil {
+			return result{}, err
+		}
+	}
+
+	end := time.Now().Add(duration)
+	for _, c := range replicas {
+		if _, err := fmt.Fprintf(c.stdin, "go %d\n", end.UnixNano()); err != nil {
+			return result{}, fmt.Errorf("%s: %w", c.name, err)
+		}
+	}
+	var reps []report
+	for _, c := range replicas {
+		m, err := c.await(ctx, end.Add(reportTimeout), func(m message) bool { return m.Report != nil })
+		if err != nil {
+			return result{}, err
+		}
+		reps = append(reps, *m.Report)
+	}
+	var stderr []string
+	for _, c := range replicas {
+		if err := c.finish(); err != nil {
+			return result{}, err
+		}
+		if s := strings.TrimSpace(c.stderr.String()); s != "" {
+			stderr = append(stderr, c.name+": "+s)
+		}
+	}
+	// Every admitted call has completed: the replicas reported after it.
+	st := vendor.Stats()
+	res := summarize(sc, reps)
+	res.OverCap, res.MaxInWindow = st.OverCap, st.MaxInWindow
+	res.Utilization = arrivals.utilization(sc.limit, window)
+	res.WayToVendor = newSpread(arrivals.waysToVendor())
+	res.MaxStartedInWindow = arrivals.maxStartedInWindow(window)
+	res.Load = loadAverage()
+	if res.ScriptMicros, err = scriptMicros(ctx, admin); err != nil {
+		return result{}, err
+	}
+	cpuAfter, err := redisCPU(ctx, admin)
+	if err != nil {
+		return result{}, err
+	}
+	res.RedisCPU = cpuAfter - cpuBefore
+	res.Stderr = stderr
+	return res, nil
+}
+
+// summarize adds up the replicas' reports.
+func summarize(sc scenario, reps []report) result {
+	res := result{Name: sc.name, Cap: sc.limit}
+	var waits, trips []time.Duration
+	for _, r := range reps {
+		res.Admitted += r.Admitted
+		res.EndOfRun += r.EndLimited + r.EndContext + r.EndUnavailable
+		res.EndLimited += r.EndLimited
+		res.EndContext += r.EndContext
+		res.EndUnavailable += r.EndUnavailable
+		res.Unavailable += r.Unavailable
+		res.TimedOut += r.TimedOut
+		res.Errors += r.Errors
+		res.Late += r.Late
+		if res.FirstError == "" {
+			res.FirstError = r.FirstError
+		}
+		if res.FirstUnavailable == "" {
+			res.FirstUnavailable = r.FirstUnavailable
+		}
+		if res.UsageError == "" {
+			res.UsageError = r.UsageError
+		}
+		res.ScriptCalls += r.ScriptCalls
+		for _, w := range r.WaitsMicros {
+			waits = append(waits, time.Duration(w)*time.Microsecond)
+		}
+		for _, d := range r.RoundTripsMicros {
+			trips = append(trips, time.Duration(d)*time.Microsecond)
+		}
+		res.Spread = max(res.Spread, time.Duration(r.SpreadMicros)*time.Microsecond)
+		res.Margin = max(res.Margin, time.Duration(r.MarginMicros)*time.Microsecond)
+	}
+	slices.Sort(waits)
+	res.WaitP50, res.WaitP99 = percentile(waits, 0.50), percentile(waits, 0.99)
+	slices.Sort(trips)
+	res.RoundTrip = newSpread(trips)
+	return res
+}
+
+// loadAverage returns the machine's load average over the last minute, as
+// Linux reports it, or "" elsewhere.
+func loadAverage() string {
+	b, err := os.ReadFile("/proc/loadavg")
+	if err != nil {
+		return ""
+	}
+	f := strings.Fields(string(b))
+	if len(f) == 0 {
+		return ""
+	}
+	return f[0]
+}
+
+// scriptMicros returns Redis's own mean time per EVALSHA since the last
+// CONFIG RESETSTAT, in microseconds, from INFO commandstats.
+func scriptMicros(ctx context.Context, admin *redis.Client) (float64, error) {
+	info, err := admin.Info(ctx, "commandstats").Result()
+	if err != nil {
+		return 0, fmt.Errorf("INFO commandstats: %w", err)
+	}
+	for f := range strings.SplitSeq(infoField(info, "cmdstat_evalsha"), ",") {
+		if v, ok := strings.CutPrefix(f, "usec_per_call="); ok {
+			return strconv.ParseFloat(v, 64)
+		}
+	}
+	return 0, nil
+}
+
+// redisCPU returns the CPU time Redis has used, from INFO cpu.
+func redisCPU(ctx context.Context, admin *redis.Client) (time.Duration, error) {
+	info, err := admin.Info(ctx, "cpu").Result()
+	if err != nil {
+		return 0, fmt.Errorf("INFO cpu: %w", err)
+	}
+	var total float64
+	for _, field := range []string{"used_cpu_sys", "used_cpu_user"} {
+		v, err := strconv.ParseFloat(infoField(info, field), 64)
+		if err != nil {
+			return 0, fmt.Errorf("INFO cpu: %s: %w", field, err)
+		}
+		total += v
+	}
+	return time.Duration(total * float64(time.Second)), nil
+}
+
+func randomHex(n int) string {
+	b := make([]byte, n)
+	_, _ = rand.Read(b) // crypto/rand.Read never fails
+	return hex.EncodeToString(b)
+}
+
+// arrivalLog records when each request reaches the vendor, and how long
+// after fn started it.
+type arrivalLog struct {
+	mu      sync.Mutex
+	at      []time.Time
+	started []time.Time     // when fn started each call that said so
+	ways    []time.Duration // from fn's start to the arrival
+}
+
+func (a *arrivalLog) record(h http.Handler) http.Handler {
+	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		now := time.Now()
+		started, err := strconv.ParseInt(r.Header.Get(headerStarted), 10, 64)
+		a.mu.Lock()
+		a.at = append(a.at, now)
+		if err == nil {
+			a.started = append(a.started, time.Unix(0, started))
+			a.ways = append(a.ways, now.Sub(time.Unix(0, started)))
+		}
+		a.mu.Unlock()
+		h.ServeHTTP(w, r)
+	})
+}
+
+// maxStartedInWindow is the most calls that fn started in any window: what
+// the vendor would have counted at most had every call reached it at once.
+func (a *arrivalLog) maxStartedInWindow(window time.Duration) int {
+	a.mu.Lock()
+	started := slices.Clone(a.started)
+	a.mu.Unlock()
+	return maxInWindow(started, window)
+}
+
+// maxInWindow returns the most times in any half-open window (t-window, t].
+func maxInWindow(at []time.Time, window time.Duration) int {
+	slices.SortFunc(at, func(x, y time.Time) int { return x.Compare(y) })
+	most, lo := 0, 0
+	for hi, t := range at {
+		for !at[lo].After(t.Add(-window)) {
+			lo++
+		}
+		most = max(most, hi-lo+1)
+	}
+	return most
+}
+
+// waysToVendor returns the times from fn's start to the arrival, sorted.
+func (a *arrivalLog) waysToVendor() []time.Duration {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	ways := slices.Clone(a.ways)
+	slices.Sort(ways)
+	return ways
+}
+
+// utilization is the average, over every millisecond from the end of the
+// first window to the last arrival, of the vendor's window count against its
+// cap: the share of the quota the fleet kept in use once it was running.
+// (The definition of arrivalLog.utilization in the root package's
+// fleet_test.go.)
+func (a *arrivalLog) utilization(limit int, window time.Duration) float64 {
+	a.mu.Lock()
+	at := slices.Clone(a.at)
+	a.mu.Unlock()
+	slices.SortFunc(at, func(x, y time.Time) int { return x.Compare(y) })
+	if len(at) < 2 {
+		return 0
+	}
+	var sum, n float64
+	lo, hi := 0, 0
+	for t := at[0].Add(window); !t.After(at[len(at)-1]); t = t.Add(time.Millisecond) {
+		for hi < len(at) && !at[hi].After(t) {
+			hi++
+		}
+		for lo < hi && !at[lo].After(t.Add(-window)) {
+			lo++
+		}
+		sum += float64(hi - lo)
+		n++
+	}
+	if n == 0 {
+		return 0
+	}
+	return sum / n / float64(limit)
+}
+
+// child is a process this program started: a replica, or a spinner.
+type child struct {
+	name   string // "replica 2", "spinner"
+	cmd    *exec.Cmd
+	stdin  io.WriteCloser
+	stderr *tailBuffer
+	msgs   chan message  // the replica's messages, in order
+	exited chan struct{} // closed when its stdout ends
+	// Set before exited is closed.
+	readErr error
+	waited  bool
+}
+
+func startChild(exe, name string, args []string) (*child, error) {
+	c := &child{name: name, stderr: &tailBuffer{max: stderrKeep}, msgs: make(chan message, 4), exited: make(chan struct{})}
+	c.cmd = exec.Command(exe, args...)
+	c.cmd.Stderr = c.stderr
+	var err error
+	if c.stdin, err = c.cmd.StdinPipe(); err != nil {
+		return nil, err
+	}
+	stdout, err := c.cmd.StdoutPipe()
+	if err != nil {
+		return nil, err
+	}
+	if err := c.cmd.Start(); err != nil {
+		return nil, fmt.Errorf("start %s: %w", name, err)
+	}
+	go c.read(stdout)
+	return c, nil
+}
+
+// read passes the child's messages on until its stdout ends.
+func (c *child) read(stdout io.Reader) {
+	defer close(c.exited)
+	dec := json.NewDecoder(stdout)
+	for {
+		var m message
+		if err := dec.Decode(&m); err != nil {
+			if !errors.Is(err, io.EOF) {
+				c.readErr = err
+			}
+			_, _ = io.Copy(io.Discard, stdout)
+			return
+		}
+		c.msgs <- m
+	}
+}
+
+// await returns the first message that want accepts, skipping others.
+func (c *child) await(ctx context.Context, by time.Time, want func(message) bool) (message, error) {
+	timeout := time.NewTimer(time.Until(by))
+	defer timeout.Stop()
+	for {
+		select {
+		case m := <-c.msgs:
+			if want(m) {
+				return m, nil
+			}
+		case <-c.exited:
+			select {
+			case m := <-c.msgs:
+				if want(m) {
+					return m, nil
+				}
+			default:
+			}
+			if c.readErr != nil {
+				return message{}, c.failure("bad message: " + c.readErr.Error())
+			}
+			return message{}, c.failure("exited early")
+		case <-timeout.C:
+			return message{}, c.failure("no answer in time")
+		case <-ctx.Done():
+			return message{}, ctx.Err()
+		}
+	}
+}
+
+// finish lets a replica that has reported exit, and waits for it.
+func (c *child) finish() error {
+	c.stdin.Close()
+	select {
+	case <-c.exited:
+	case <-time.After(reportTimeout):
+		_ = c.cmd.Process.Kill()
+		<-c.exited
+	}
+	err := c.cmd.Wait()
+	c.waited = true
+	if err != nil {
+		return c.failure(err.Error())
+	}
+	return nil
+}
+
+// kill ends a child that is still running.
+func (c *child) kill() {
+	if c.waited {
+		return
+	}
+	_ = c.stdin.Close()
+	_ = c.cmd.Process.Kill()
+	<-c.exited
+	_ = c.cmd.Wait()
+	c.waited = true
+}
+
+func (c *child) failure(what string) error {
+	msg := c.name + ": " + what
+	if s := strings.TrimSpace(c.stderr.String()); s != "" {
+		msg += "\n" + s
+	}
+	return errors.New(msg)
+}
+
+// tailBuffer keeps the last max bytes written to it.
+type tailBuffer struct {
+	mu  sync.Mutex
+	max int
+	buf []byte
+}
+
+func (b *tailBuffer) Write(p []byte) (int, error) {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	b.buf = append(b.buf, p...)
+	if over := len(b.buf) - b.max; over > 0 {
+		b.buf = bytes.Clone(b.buf[over:])
+	}
+	return len(p), nil
+}
+
+func (b *tailBuffer) String() string {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	return string(b.buf)
+}
