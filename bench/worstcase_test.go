@@ -26,34 +26,34 @@ const worstTarget = time.Millisecond
 const (
 	// worstRuns is how often each case is measured, each run from the same
 	// state; a case stops early once its runs have taken worstCaseBudget, so
-	// that slow cases keep the whole benchmark near a minute.
+	// that slow cases keep the whole benchmark under a minute.
 	worstRuns       = 5
 	worstCaseBudget = 3 * time.Second
-	// worstMaxWait bounds the bookings ahead of a full sliding log: at
-	// 100,000 units per window each window booked ahead is 100,000 entries,
-	// so the default MaxWait of a minute (58 windows of 1.03 s, 5.9 million
-	// entries) would take minutes to build.
+	// worstMaxWait is the MaxWait up to which sliding logs are booked
+	// ahead. Each window booked ahead of a log of 100,000 is 100,000
+	// entries: at the default MaxWait of a minute, 58 windows of 1.03 s and
+	// 5.9 million entries, the state alone takes a minute to build.
 	worstMaxWait = 5 * time.Second
 	// worstBatch is how many calls queue behind a first one in the batch
 	// cases: the most one script call decides.
 	worstBatch = 128
-	// worstFillCalls is how many calls fill one window of a sliding log,
-	// spread evenly over it.
+	// worstFillCalls is how many calls fill one window of a sliding log of
+	// 100,000, spread evenly over it.
 	worstFillCalls = 100
 )
 
-// BenchmarkWorstCase measures the Redis time of one decision of each policy
+// BenchmarkWorstCase measures Redis's time for one decision of each policy
 // at its bounds: the largest limits, full quotas, bookings up to MaxWait.
-// Every case builds its state through the public API with the limiters'
+// Each case builds its state through the public API with the limiters'
 // clock standing still (WithClock), keeps a DUMP of every key of the quota,
-// and before each run restores it. Redis's own time of each script call is
-// read from SLOWLOG (slowlog-log-slower-than 0), which logs every command
-// with its duration, and the decisions of each call from the limiter's
+// and restores it before each run. Redis's own time of each script call
+// comes from SLOWLOG (slowlog-log-slower-than 0, every command logged with
+// its duration), and the calls each script call decided from the limiter's
 // Observer (EventRedis.Calls). It prints a table; see README.md.
 func BenchmarkWorstCase(b *testing.B) {
 	s := newServer(b)
-	// Long timeouts on both sides: a decision may keep Redis busy for
-	// seconds, and it is measured, not cut off.
+	// A decision may keep Redis busy for seconds: it is measured, not cut
+	// off (the limiters get a long WithRedisTimeout too).
 	rdb := redis.NewClient(&redis.Options{Addr: s.Addr, ReadTimeout: 2 * time.Minute})
 	b.Cleanup(func() { _ = rdb.Close() })
 	ctx := context.Background()
@@ -81,8 +81,8 @@ func BenchmarkWorstCase(b *testing.B) {
 	b.ReportMetric(float64(over), "cases-over-1ms")
 }
 
-// worstBench builds the states and measures the decisions of one run. Every
-// limiter reads the same clock, which stands at now.
+// worstBench builds the states and measures the decisions. Every limiter
+// reads the same clock, which stands where at puts it.
 type worstBench struct {
 	b   *testing.B
 	rdb *redis.Client
@@ -94,7 +94,7 @@ type worstBench struct {
 	stop    context.CancelFunc // ends a single measured call soon after its decision
 }
 
-// Observe keeps the size of each script call's batch.
+// Observe keeps the number of calls each script call decided.
 func (w *worstBench) Observe(e throttle.Event) {
 	if e.Kind != throttle.EventRedis {
 		return
@@ -103,10 +103,9 @@ func (w *worstBench) Observe(e throttle.Event) {
 	defer w.mu.Unlock()
 	w.batches = append(w.batches, e.Calls)
 	if w.stop != nil {
-		// Every measured Block call should be refused. Should the state let
-		// one book, it gives its slot back soon instead of sleeping towards
-		// it, and the run fails; the delay leaves the decision time to reach
-		// the caller first.
+		// Should a measured Block call book a slot, it gives it back soon
+		// instead of sleeping towards it, and the run fails; the delay
+		// leaves the decision time to reach the caller first.
 		time.AfterFunc(100*time.Millisecond, w.stop)
 	}
 }
@@ -128,29 +127,30 @@ func (w *worstBench) limiter(quota string, p policies.Policy, opts ...throttle.O
 }
 
 // worstCase is one row of the table: a quota brought to a state, and the
-// decision measured on it.
+// calls measured on it.
 type worstCase struct {
 	name   string
 	quota  string
 	policy policies.Policy
 	opts   []throttle.Option
-	// build brings the quota to its state at t0. Each run's decision is
-	// made by a new limiter with opts, which knows no epoch of the quota yet.
+	// build brings the quota to its state at t0. Each run's calls are made
+	// by a new limiter with opts, which knows no epoch of the quota yet.
 	build  func(quota string)
-	decide func(context.Context, *throttle.Limiter) error
-	// batch: decide makes a batch of calls, and the row reports the script
-	// call that decided the most of them.
+	decide decision
+	// batch: decide makes many calls at once, and the row reports the
+	// script call that decided the most of them.
 	batch bool
 }
 
 type worstRow struct {
 	name    string
-	entries int64 // elements in the quota's keys before the decision
+	entries int64 // elements in the quota's keys before the calls
 	runs    int
 	median  time.Duration // Redis time of the reported script call
 	max     time.Duration
-	calls   int   // decisions in the reported script call
-	err     error // the decision failed in Redis
+	calls   int    // calls decided by the reported script call
+	outcome string // what became of the calls
+	err     error  // the decision failed in Redis
 }
 
 func (w *worstBench) runAll() []worstRow {
@@ -167,70 +167,74 @@ func (w *worstBench) runAll() []worstRow {
 
 	cases := []worstCase{
 		{
-			name:   "SlidingLog 100k/1s full; Allow refused",
+			name:   "SlidingLog 100k/1s full; Allow",
 			quota:  "log-full",
 			policy: log,
 			opts:   []throttle.Option{failFast},
 			build:  func(q string) { w.buildLog(q, log, worstFillCalls, 0, w.t0) },
-			decide: allow(1, false),
+			decide: allow(1),
 		},
 		{
-			name:   fmt.Sprintf("SlidingLog 100k/1s full, booked ahead to MaxWait %v; Block refused", worstMaxWait),
+			name:   fmt.Sprintf("SlidingLog 100k/1s full, booked ahead to MaxWait %v; Block", worstMaxWait),
 			quota:  "log-ahead",
 			policy: log,
 			opts:   []throttle.Option{maxWait},
 			build:  func(q string) { w.buildLog(q, log, worstFillCalls, 0, bookedTo) },
-			decide: refused,
+			decide: acquire,
 		},
 		{
-			name:   "SlidingLog 40k/1s full, booked 1 window ahead, a booking of 4,000 given back now; Allow of 4,000 admitted",
+			// The booking given back leaves room now, in front of the
+			// window booked ahead.
+			name:   "SlidingLog 40k/1s full, 1 window booked ahead, a booking of 4,000 given back now; Allow of 4,000",
 			quota:  "log-gap",
 			policy: log40k,
 			opts:   []throttle.Option{failFast},
-			build:  func(q string) { w.buildLog(q, log40k, 10, 1, w.t0.Add(log40k.EffectiveWindow()+time.Microsecond)) },
-			decide: allow(4000, true),
+			build: func(q string) {
+				w.buildLog(q, log40k, 10, 1, w.t0.Add(log40k.EffectiveWindow()+time.Microsecond))
+			},
+			decide: allow(4000),
 		},
 		{
-			name:   "SlidingCounter 1/1s, 1000 buckets, booked ahead to MaxWait 10s; Block refused",
+			name:   "SlidingCounter 1/1s, 1000 buckets, booked ahead to MaxWait 10s; Block",
 			quota:  "counter-10s",
 			policy: counter,
 			opts:   []throttle.Option{throttle.WithMaxWait(10 * time.Second)},
 			build:  func(q string) { w.buildCounter(q, counter, 10*time.Second) },
-			decide: refused,
+			decide: acquire,
 		},
 		{
-			name:   "SlidingCounter 1/1s, 1000 buckets, booked ahead to MaxWait 1m (the default); Block refused",
+			name:   "SlidingCounter 1/1s, 1000 buckets, booked ahead to MaxWait 1m (the default); Block",
 			quota:  "counter-1m",
 			policy: counter,
 			build:  func(q string) { w.buildCounter(q, counter, throttle.DefaultMaxWait) },
-			decide: refused,
+			decide: acquire,
 		},
 		{
-			name:   "TokenBucket 1e6/s, Burst 2^30, emptied; Allow refused",
+			name:   "TokenBucket 1e6/s, Burst 2^30, emptied; Allow",
 			quota:  "bucket-fast",
 			policy: fastBucket,
 			opts:   []throttle.Option{failFast},
 			build:  func(q string) { w.buildBucket(q, fastBucket) },
-			decide: allow(1, false),
+			decide: allow(1),
 		},
 		{
-			name:   "TokenBucket 1 per 366 days, Burst 2^30, full; Allow of 2^30 admitted",
+			name:   "TokenBucket 1 per 366 days, Burst 2^30, full; Allow of 2^30",
 			quota:  "bucket-slow",
 			policy: slowBucket,
 			opts:   []throttle.Option{failFast},
 			build:  func(string) {},
-			decide: allow(slowBucket.Burst, true),
+			decide: allow(slowBucket.Burst),
 		},
 		{
-			name:   "Concurrency 100k full; FailFast Acquire refused",
+			name:   "Concurrency 100k full; FailFast Acquire",
 			quota:  "conc-full",
 			policy: conc,
 			opts:   []throttle.Option{failFast},
 			build:  func(q string) { w.buildConcurrency(q, conc) },
-			decide: refused,
+			decide: acquire,
 		},
 		{
-			name:   fmt.Sprintf("All(counter 1/1s/1000, log 100k/1s, bucket 1e6/s), each full and booked ahead to MaxWait %v; Block refused", worstMaxWait),
+			name:   fmt.Sprintf("All(counter 1/1s/1000, log 100k/1s, bucket 1e6/s), each full and booked ahead to MaxWait %v; Block", worstMaxWait),
 			quota:  "all",
 			policy: policies.All(counter, log, fastBucket),
 			opts:   []throttle.Option{maxWait},
@@ -240,24 +244,24 @@ func (w *worstBench) runAll() []worstRow {
 					func(q string) { w.buildLog(q, log, worstFillCalls, 0, bookedTo) },
 					func(q string) { w.buildBucket(q, fastBucket) })
 			},
-			decide: refused,
+			decide: acquire,
 		},
 		{
-			name:   fmt.Sprintf("Batch: %d Allow on SlidingLog 100k/1s full", worstBatch),
+			name:   fmt.Sprintf("Batch: 1 + %d Allow on SlidingLog 100k/1s full", worstBatch),
 			quota:  "batch-full",
 			policy: log,
 			opts:   []throttle.Option{failFast},
 			build:  func(q string) { w.buildLog(q, log, worstFillCalls, 0, w.t0) },
-			decide: batchOf(worstBatch, allow(1, false)),
+			decide: batchOf(worstBatch, allow(1)),
 			batch:  true,
 		},
 		{
-			name:   fmt.Sprintf("Batch: %d Block on SlidingLog 100k/1s full, booked ahead to MaxWait %v", worstBatch, worstMaxWait),
+			name:   fmt.Sprintf("Batch: 1 + %d Block on SlidingLog 100k/1s full, booked ahead to MaxWait %v", worstBatch, worstMaxWait),
 			quota:  "batch-ahead",
 			policy: log,
 			opts:   []throttle.Option{maxWait},
 			build:  func(q string) { w.buildLog(q, log, worstFillCalls, 0, bookedTo) },
-			decide: batchOf(worstBatch, refused),
+			decide: batchOf(worstBatch, acquire),
 			batch:  true,
 		},
 	}
@@ -276,51 +280,63 @@ func (w *worstBench) runAll() []worstRow {
 	return rows
 }
 
-// allow is a decision by Allow of cost, which must be admitted or not as
-// wantOK says.
-func allow(cost int, wantOK bool) func(context.Context, *throttle.Limiter) error {
-	return func(ctx context.Context, lim *throttle.Limiter) error {
+// A decision makes the measured calls, and returns how many there were and
+// how many of them were admitted.
+type decision func(context.Context, *throttle.Limiter) (calls, admitted int, err error)
+
+// allow decides a call of cost by Allow.
+func allow(cost int) decision {
+	return func(ctx context.Context, lim *throttle.Limiter) (int, int, error) {
 		d, err := lim.Allow(ctx, throttle.Cost(cost))
-		if err == nil && d.OK != wantOK {
-			err = fmt.Errorf("Allow: admitted %v, want %v (retry after %v)", d.OK, wantOK, d.RetryAfter)
+		if err != nil || !d.OK {
+			return 1, 0, err
 		}
-		return err
+		return 1, 1, nil
 	}
 }
 
-// refused is a decision by Acquire, which must be refused.
-func refused(ctx context.Context, lim *throttle.Limiter) error {
-	p, err := lim.Acquire(ctx)
-	if err == nil {
-		p.Release()
-		return errors.New("Acquire: admitted, want refused")
+// acquire decides a call by Acquire, in the limiter's mode. Block calls are
+// measured where every slot within MaxWait is booked: one that books a slot
+// fails, since it would otherwise sleep towards it.
+func acquire(ctx context.Context, lim *throttle.Limiter) (int, int, error) {
+	_, err := lim.Acquire(ctx)
+	switch {
+	case err == nil:
+		// The permit is not released: the next run restores the state.
+		return 1, 1, nil
+	case errors.Is(err, throttle.ErrLimited):
+		return 1, 0, nil
+	case errors.Is(err, context.Canceled):
+		return 1, 0, fmt.Errorf("Acquire booked a slot within MaxWait, where the state should leave none: %w", err)
 	}
-	if !errors.Is(err, throttle.ErrLimited) {
-		return fmt.Errorf("Acquire: %w, want refused", err)
-	}
-	return nil
+	return 1, 0, err
 }
 
-// batchOf makes n+1 decisions by one at once: the first goes alone, and the
-// n that queue behind it while it is decided share the next script call.
-func batchOf(n int, one func(context.Context, *throttle.Limiter) error) func(context.Context, *throttle.Limiter) error {
-	return func(ctx context.Context, lim *throttle.Limiter) error {
+// batchOf makes n+1 calls of one at once: the first goes alone, and the n
+// that queue behind it while it is decided share the next script call.
+func batchOf(n int, one decision) decision {
+	return func(ctx context.Context, lim *throttle.Limiter) (int, int, error) {
+		admitted := make([]int, n+1)
 		errs := make([]error, n+1)
 		start := make(chan struct{})
 		var wg sync.WaitGroup
 		for i := range errs {
 			wg.Go(func() {
 				<-start
-				errs[i] = one(ctx, lim)
+				_, admitted[i], errs[i] = one(ctx, lim)
 			})
 		}
 		close(start)
 		wg.Wait()
-		return errors.Join(errs...)
+		total := 0
+		for _, a := range admitted {
+			total += a
+		}
+		return n + 1, total, errors.Join(errs...)
 	}
 }
 
-// measure restores q's state before each run, makes c's decisions, and reads
+// measure restores q's state before each run, makes c's calls, and reads
 // Redis's time of each script call they caused.
 func (w *worstBench) measure(ctx context.Context, c worstCase, q quotaState) worstRow {
 	w.b.Helper()
@@ -331,8 +347,8 @@ func (w *worstBench) measure(ctx context.Context, c worstCase, q quotaState) wor
 		w.restore(ctx, q)
 		w.at(w.t0)
 		// A new Lua interpreter, so that no run pays for collecting the
-		// garbage of the scripts before it; the run's new limiter loads
-		// its scripts again.
+		// garbage of the scripts before it; the run's new limiter loads its
+		// scripts again.
 		for _, err := range []error{w.rdb.ScriptFlush(ctx).Err(), w.rdb.SlowLogReset(ctx).Err()} {
 			if err != nil {
 				w.b.Fatal(err)
@@ -345,7 +361,7 @@ func (w *worstBench) measure(ctx context.Context, c worstCase, q quotaState) wor
 			w.stop = cancel
 		}
 		w.mu.Unlock()
-		err := c.decide(runCtx, w.limiter(c.quota, c.policy, c.opts...))
+		calls, admitted, err := c.decide(runCtx, w.limiter(c.quota, c.policy, c.opts...))
 		cancel()
 		if errors.Is(err, throttle.ErrUnavailable) {
 			// The script failed: a finding for the table, not a fault of
@@ -361,8 +377,8 @@ func (w *worstBench) measure(ctx context.Context, c worstCase, q quotaState) wor
 		w.mu.Lock()
 		batches := slices.Clone(w.batches)
 		w.mu.Unlock()
-		if len(scripts) != len(batches) {
-			w.b.Fatalf("%s: Redis ran %d script calls %v, the limiter reported %d %v", c.name, len(scripts), scripts, len(batches), batches)
+		if len(scripts) != len(batches) || (!c.batch && len(scripts) != 1) {
+			w.b.Fatalf("%s: Redis ran %d script calls %v, the limiter reported %d deciding %v calls", c.name, len(scripts), scripts, len(batches), batches)
 		}
 		// The reported script call: the only one, or the largest batch.
 		i := 0
@@ -371,11 +387,9 @@ func (w *worstBench) measure(ctx context.Context, c worstCase, q quotaState) wor
 				i = j
 			}
 		}
-		if !c.batch && len(scripts) != 1 {
-			w.b.Fatalf("%s: %d script calls (batches %v), want 1", c.name, len(scripts), batches)
-		}
 		times = append(times, scripts[i])
 		row.calls = batches[i]
+		row.outcome = outcome(calls, admitted)
 		row.runs++
 	}
 	slices.Sort(times)
@@ -404,19 +418,12 @@ func (w *worstBench) scriptCalls(ctx context.Context) []time.Duration {
 type quotaState struct {
 	pattern string
 	dumps   map[string]string
-	entries int64
-}
-
-func (w *worstBench) keys(ctx context.Context, pattern string) []string {
-	keys, err := w.rdb.Keys(ctx, pattern).Result()
-	if err != nil {
-		w.b.Fatal(err)
-	}
-	return keys
+	entries int64 // elements in all the keys; a string counts one
 }
 
 // quotaPattern matches every key of quota, as throttle.New names them:
-// prefix:{name}:pause, prefix:{name}:<rule index>, and per-key suffixes.
+// <prefix>:{<quota>}:pause, <prefix>:{<quota>}:<rule index>, and the same
+// with a suffix for per-key rules.
 func quotaPattern(quota string) string { return throttle.DefaultPrefix + ":{" + quota + "}:*" }
 
 // ruleKey is the key of rule i of a quota without per-key rules.
@@ -426,6 +433,14 @@ func ruleKey(quota string, i int) string {
 
 // metaKey is the key of a quota's epoch and pause.
 func metaKey(quota string) string { return throttle.DefaultPrefix + ":{" + quota + "}:pause" }
+
+func (w *worstBench) keys(ctx context.Context, pattern string) []string {
+	keys, err := w.rdb.Keys(ctx, pattern).Result()
+	if err != nil {
+		w.b.Fatal(err)
+	}
+	return keys
+}
 
 // snapshot dumps every key of quota and counts the elements they hold.
 func (w *worstBench) snapshot(ctx context.Context, quota string) quotaState {
@@ -495,8 +510,8 @@ func (w *worstBench) del(ctx context.Context, keys ...string) {
 }
 
 // persist takes the expiry off every key of quota. The scripts set expiries
-// from the limiters' clock, so a key written at a clock a minute ahead
-// would still live only about a window in Redis's time.
+// from the limiters' clock, so a key written with the clock a minute ahead
+// would still live only about a window of Redis's time.
 func (w *worstBench) persist(ctx context.Context, quota string) {
 	for _, k := range w.keys(ctx, quotaPattern(quota)) {
 		if err := w.rdb.Persist(ctx, k).Err(); err != nil {
@@ -505,7 +520,7 @@ func (w *worstBench) persist(ctx context.Context, quota string) {
 	}
 }
 
-// admit makes lim admit a call of cost now at t; the state is built of
+// admit makes lim admit a call of cost now at t: the states are built of
 // nothing else.
 func (w *worstBench) admit(lim *throttle.Limiter, t time.Time, cost int) {
 	w.b.Helper()
@@ -522,19 +537,18 @@ func (w *worstBench) admit(lim *throttle.Limiter, t time.Time, cost int) {
 // buildLog brings quota's sliding log to where a saturated queue leaves it
 // at t0: the window ending at t0 full of admitted calls, less its last given
 // calls (bookings given back), and every slot booked after it up to until,
-// each window the one before it replayed a window and a microsecond later:
-// no two entries lie exactly a window apart, which a script may count as
-// within one window or not. A window is calls calls of Limit/calls units,
+// each window the one before it replayed a window and a microsecond later
+// (no two entries lie exactly a window apart, which a script may count as
+// within one window or not). A window is calls calls of Limit/calls units,
 // spread evenly over it.
 //
-// The booked windows are written by limiters of quotas of their own, then
-// merged into quota's log with ZUNIONSTORE. Today's script inserts the
-// units of a call one by one into its sorted copy of the log, so admitting
-// a call in front of booked windows costs its units times theirs: writing
-// the windows from the last back, the clock standing before each, took
-// over a minute for one window of 100,000. The merge needs the log to be a
-// sorted set of members unique to each call, as the scripts keep it; it
-// fails otherwise.
+// The windows booked ahead are written by limiters of quotas of their own,
+// then merged into quota's log with ZUNIONSTORE: through quota itself they
+// would be admitted from the last back, each in front of the ones after it,
+// which the scripts up to commit 5a2c012 did in time quadratic in the
+// entries (over a minute for one window of 100,000). The merge needs the log
+// to be a sorted set with members unique to each call, as the scripts keep
+// it; it fails otherwise.
 func (w *worstBench) buildLog(quota string, p policies.SlidingLog, calls, given int, until time.Time) {
 	w.b.Helper()
 	ctx := context.Background()
@@ -565,7 +579,7 @@ func (w *worstBench) buildLog(quota string, p policies.SlidingLog, calls, given 
 	}
 	for _, k := range keys {
 		if typ := w.rdb.Type(ctx, k).Val(); typ != "zset" {
-			w.b.Fatalf("%s is a %s, not a sorted set: buildLog cannot merge the booked windows", k, typ)
+			w.b.Fatalf("%s is a %s, not a sorted set: buildLog cannot merge the windows booked ahead", k, typ)
 		}
 	}
 	if err := w.rdb.ZUnionStore(ctx, keys[0], &redis.ZStore{Keys: keys}).Err(); err != nil {
@@ -578,9 +592,9 @@ func (w *worstBench) buildLog(quota string, p policies.SlidingLog, calls, given 
 
 // buildCounter brings quota's sliding counter of limit 1 to where a
 // saturated queue leaves it: one unit admitted at t0, and one booked in
-// every later window up to maxWait, each the first bucket whose windows
-// leave room (the buckets a window touches, and one). The bookings are
-// written from the last back, the clock standing at each.
+// every later window up to maxWait, each in the first bucket whose windows
+// have room (as many buckets on as a window touches, and one). The
+// bookings are written from the last back, the clock standing at each.
 func (w *worstBench) buildCounter(quota string, p policies.SlidingCounter, maxWait time.Duration) {
 	w.b.Helper()
 	rules, err := policies.Rules(p)
@@ -604,7 +618,7 @@ func (w *worstBench) buildBucket(quota string, p policies.TokenBucket) {
 	w.persist(context.Background(), quota)
 }
 
-// buildConcurrency takes every slot of quota at t0 and never gives them back.
+// buildConcurrency takes every slot of quota at t0, and never gives them back.
 func (w *worstBench) buildConcurrency(quota string, p policies.Concurrency) {
 	w.b.Helper()
 	lim := w.limiter(quota, p, throttle.WithMode(throttle.FailFast))
@@ -616,8 +630,9 @@ func (w *worstBench) buildConcurrency(quota string, p policies.Concurrency) {
 }
 
 // buildAll builds rule i of quota with rules[i], in a quota of its own, and
-// copies in its key as the rule's key (throttle.New keys rule i of a quota
-// <prefix>:{<quota>}:<i>), and the first one's meta key as quota's.
+// copies in that quota's only rule key as the key of rule i (throttle.New
+// keys rule i of a quota <prefix>:{<quota>}:<i>), and the first one's meta
+// key as quota's.
 func (w *worstBench) buildAll(quota string, rules ...func(quota string)) {
 	w.b.Helper()
 	ctx := context.Background()
@@ -639,22 +654,37 @@ func (w *worstBench) buildAll(quota string, rules ...func(quota string)) {
 }
 
 func printWorstTable(rows []worstRow) {
-	fmt.Printf("\n| case | entries in Redis | runs | Redis µs per script call, median / max | calls per script call | Redis µs per decision |\n")
-	fmt.Printf("| --- | --- | --- | --- | --- | --- |\n")
+	fmt.Printf("\n| case | entries in Redis | runs | outcome | Redis µs per script call, median / max | calls per script call | Redis µs per call |\n")
+	fmt.Printf("| --- | --- | --- | --- | --- | --- | --- |\n")
 	for _, r := range rows {
 		if r.err != nil {
-			fmt.Printf("| %s | %s | %d | fails: %v | | |\n", r.name, thousands(r.entries), r.runs, redisError(r.err))
+			fmt.Printf("| %s | %s | %d | fails in Redis: %v | | | |\n", r.name, thousands(r.entries), r.runs, redisError(r.err))
 			continue
 		}
 		flag := ""
 		if r.median > worstTarget {
 			flag = " **over 1 ms**"
 		}
-		fmt.Printf("| %s | %s | %d | %s / %s%s | %d | %s |\n", r.name, thousands(r.entries), r.runs,
+		fmt.Printf("| %s | %s | %d | %s | %s / %s%s | %d | %s |\n", r.name, thousands(r.entries), r.runs, r.outcome,
 			thousands(int64(us(r.median))), thousands(int64(us(r.max))), flag, r.calls,
-			perDecision(r.median, r.calls))
+			perCall(r.median, r.calls))
 	}
 	fmt.Println()
+}
+
+// outcome says what became of calls, of which admitted were admitted.
+func outcome(calls, admitted int) string {
+	switch {
+	case calls == 1 && admitted == 1:
+		return "admitted"
+	case calls == 1:
+		return "refused"
+	case admitted == 0:
+		return fmt.Sprintf("%d refused", calls)
+	case admitted == calls:
+		return fmt.Sprintf("%d admitted", calls)
+	}
+	return fmt.Sprintf("%d admitted, %d refused", admitted, calls-admitted)
 }
 
 // redisError is what Redis answered when a decision failed there.
@@ -666,7 +696,7 @@ func redisError(err error) error {
 	return err
 }
 
-func perDecision(d time.Duration, calls int) string {
+func perCall(d time.Duration, calls int) string {
 	x := us(d) / float64(max(calls, 1))
 	if x >= 100 {
 		return thousands(int64(math.Round(x)))
@@ -676,10 +706,10 @@ func perDecision(d time.Duration, calls int) string {
 
 // thousands writes n with a comma between groups of three digits.
 func thousands(n int64) string {
-	s := fmt.Sprint(n)
 	if n < 0 {
 		return "-" + thousands(-n)
 	}
+	s := fmt.Sprint(n)
 	for i := len(s) - 3; i > 0; i -= 3 {
 		s = s[:i] + "," + s[i:]
 	}

@@ -207,16 +207,21 @@ local function fleet_spread(m, now)
 end
 
 -- Margins. A window's margin absorbs the spread between the decision in
--- Redis and the arrival at the vendor. Its configured value is a floor: when
--- the fleet's spread needs more, the margin in force grows to twice the
+-- Redis and the arrival at the vendor. A log's configured margin is a floor:
+-- when the fleet's spread needs more, the margin in force grows to twice the
 -- spread (half of the margin for the start of calls, which the late-start
 -- guard holds to it, half for the way to the vendor), up to a ceiling of a
--- tenth of the window, at most one second. A margin under GUARDED is a
--- choice to run without one, and never grows.
+-- tenth of the window, at most one second. A counter keeps its configured
+-- margin: it counts whole buckets, far coarser than the spread, and a wider
+-- margin would cost it a whole bucket of the quota. A margin under GUARDED
+-- is a choice to run without one, and never grows.
 local GUARDED = 2000
 local MAX_MARGIN = 1000000
 
 local function margin_ceiling(r)
+  if r.kind ~= LOG or r.margin < GUARDED then
+    return r.margin
+  end
   return math.max(r.margin, math.min(math.floor((r.p2 - r.margin) / 10), MAX_MARGIN))
 end
 

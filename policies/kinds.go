@@ -35,6 +35,10 @@ type SlidingCounter struct {
 	// work per call.
 	Buckets int
 	// Margin widens the window as for SlidingLog. Zero means DefaultMargin.
+	// Unlike a log's, it does not grow with the fleet's spread: the counter
+	// counts whole buckets, far coarser than the spread, and one more
+	// bucket would cost a share of the quota. Calls that start later than
+	// half of it after their slots book again, as for SlidingLog.
 	Margin time.Duration
 }
 

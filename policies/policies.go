@@ -45,6 +45,17 @@ import (
 // its maximum.
 const DefaultMargin = 30 * time.Millisecond
 
+// MarginCeiling returns the widest a SlidingLog's margin grows for a
+// window of length w (see SlidingLog.Margin): a tenth of the window, at most
+// MaxMarginCeiling, and never less than the configured margin.
+func MarginCeiling(w, configured time.Duration) time.Duration {
+	return max(configured, min(w/10, MaxMarginCeiling))
+}
+
+// MaxMarginCeiling bounds the growth of a SlidingLog's margin, whatever its
+// window.
+const MaxMarginCeiling = time.Second
+
 // MinWindow is the shortest Window a policy accepts. Redis keeps time in
 // microseconds, and below a millisecond the jitter of a network round trip
 // dominates any window.
@@ -83,11 +94,20 @@ type SlidingLog struct {
 	// the admission at Redis and the arrival at the vendor. Zero means
 	// DefaultMargin. To run with no margin, set 1ns. It must not be negative.
 	//
-	// Half of it bounds how late a call may start: a call that gets its
-	// permit more than Margin/2 after its slot (a slow Redis reply, a starved
-	// process) gives its slot back and books again, since arriving late at
-	// the vendor would crowd the windows after it. A Margin under 2ms turns
-	// that check off.
+	// It is a floor. Every process measures how much later than its usual
+	// delay its calls start after their slots, and reports it with its
+	// calls; the margin in force grows to twice the widest such spread of
+	// the fleet, up to MarginCeiling, so that a fleet on busy machines
+	// widens its windows instead of going over the cap. It narrows again
+	// within ten seconds of the spread going down. Usage shows both.
+	//
+	// Half of the margin in force bounds how late a call may start: a call
+	// that would start more than that after its slot, beyond the usual delay
+	// of Redis's replies (a slow reply, a starved process), gives its slot
+	// back and books again in the same script call, at most three times,
+	// and then fails with ErrLimited. A delay that every call shares, such as
+	// a Redis 50 ms away, is no lateness: it shifts every call alike. A
+	// Margin under 2ms turns the check, and the growth, off.
 	Margin time.Duration
 }
 

@@ -224,3 +224,12 @@ func TestRun_FleetScenarioEndToEnd(t *testing.T) {
 		t.Errorf("the table has no fleet-d1 row:\n%s", out.String())
 	}
 }
+
+func TestDistinctLines_CountsRepeatsWithoutTheirLogTimes(t *testing.T) {
+	s := "2026/11/22 22:35:47 WARN a\n2026/11/22 22:35:48 WARN a\nplain\n\n2026/11/22 22:35:49 WARN a\n"
+	got := distinctLines(s)
+	want := []counted{{"WARN a", 3}, {"plain", 1}}
+	if fmt.Sprint(got) != fmt.Sprint(want) {
+		t.Errorf("distinctLines = %v, want %v", got, want)
+	}
+}

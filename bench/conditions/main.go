@@ -49,8 +49,9 @@
 //	                         in brackets, those refused with ErrLimited because every
 //	                         slot came too late to start in
 //	unavailable (timed out)  calls that failed with ErrUnavailable before the end; in
-//	                         brackets, those whose Redis reply came too late (the
-//	                         rest were refused at once by the open breaker)
+//	                         brackets, those that took throttle.DefaultRedisTimeout
+//	                         or more: Redis answered too late (the rest were refused
+//	                         at once, mostly by the open breaker)
 //	spread / margin          Usage.Spread and the widest RuleUsage.Margin at the end
 //
 // A call that fails because the run ends is not an error: ErrLimited whose

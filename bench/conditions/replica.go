@@ -113,7 +113,8 @@ type report struct {
 	EndContext     int `json:"end_context"`
 	EndUnavailable int `json:"end_unavailable"`
 	// Calls that failed for another reason: ErrUnavailable (of which
-	// TimedOut when Redis answered too late), or anything else.
+	// TimedOut after waiting at least throttle.DefaultRedisTimeout, that is
+	// when Redis answered too late), or anything else.
 	Unavailable      int    `json:"unavailable"`
 	TimedOut         int    `json:"timed_out"`
 	FirstUnavailable string `json:"first_unavailable,omitempty"`
@@ -274,7 +275,7 @@ func work(ctx context.Context, lim *throttle.Limiter, httpc *http.Client, url st
 				o = failed // the vendor call itself failed
 			}
 		}
-		t.note(o, err)
+		t.note(o, err, time.Since(asked))
 		switch o {
 		case endLimited, endContext, endUnavailable:
 			return
@@ -339,7 +340,8 @@ func (t *tally) admitted(wait time.Duration) {
 	t.rep.WaitsMicros = append(t.rep.WaitsMicros, wait.Microseconds())
 }
 
-func (t *tally) note(o outcome, err error) {
+// note counts a call that ended as o with err after took.
+func (t *tally) note(o outcome, err error, took time.Duration) {
 	t.mu.Lock()
 	defer t.mu.Unlock()
 	switch o {
@@ -351,7 +353,9 @@ func (t *tally) note(o outcome, err error) {
 		t.rep.EndUnavailable++
 	case unavailable:
 		t.rep.Unavailable++
-		if errors.Is(err, context.DeadlineExceeded) {
+		// Told by the time it took, whatever the error says: the breaker's
+		// refusals come at once.
+		if took >= throttle.DefaultRedisTimeout {
 			t.rep.TimedOut++
 		}
 		if t.rep.FirstUnavailable == "" {

@@ -34,7 +34,7 @@ type result struct {
 
 	Spread, Margin time.Duration // at the end, as Usage read them
 	UsageError     string
-	Stderr         []string // what the replicas wrote on stderr
+	Stderr         []counted // the distinct lines the replicas wrote on stderr
 
 	// Where the time went.
 	RoundTrip   spread // of the script calls, as the limiters saw them
@@ -45,6 +45,12 @@ type result struct {
 	ScriptMicros       float64       // Redis's mean time per EVALSHA
 	RedisCPU           time.Duration // the CPU time Redis used
 	Load               string        // the load average at the end
+}
+
+// counted is a line and how many times it came.
+type counted struct {
+	line string
+	n    int
 }
 
 // spread sums up a set of durations.
@@ -155,8 +161,12 @@ func writeMarkdown(w io.Writer, rows [][]string) {
 	}
 }
 
-// stderrLines is how many lines of each replica's stderr the notes show.
-const stderrLines = 5
+// How many distinct lines of the replicas' stderr the notes show for a
+// scenario, and how much of each.
+const (
+	stderrLines = 5
+	stderrWidth = 300
+)
 
 // writeNotes prints anything that went wrong.
 func writeNotes(w io.Writer, results []result) {
@@ -170,15 +180,16 @@ func writeNotes(w io.Writer, results []result) {
 		if r.UsageError != "" {
 			fmt.Fprintf(w, "%s: Usage: %s\n", r.Name, r.UsageError)
 		}
-		for _, s := range r.Stderr {
-			lines := strings.Split(s, "\n")
-			if len(lines) > stderrLines {
-				fmt.Fprintf(w, "%s: %s (%d lines on stderr, the last %d)\n", r.Name, strings.SplitN(s, ":", 2)[0], len(lines), stderrLines)
-				lines = lines[len(lines)-stderrLines:]
+		for i, c := range r.Stderr {
+			if i == stderrLines {
+				fmt.Fprintf(w, "%s: stderr: %d more distinct lines\n", r.Name, len(r.Stderr)-i)
+				break
 			}
-			for _, l := range lines {
-				fmt.Fprintf(w, "%s: %s\n", r.Name, l)
+			line := c.line
+			if len(line) > stderrWidth {
+				line = line[:stderrWidth] + "..."
 			}
+			fmt.Fprintf(w, "%s: stderr, %d×: %s\n", r.Name, c.n, line)
 		}
 	}
 }

@@ -13,6 +13,7 @@ import (
 	"net/http"
 	"os"
 	"os/exec"
+	"regexp"
 	"runtime"
 	"slices"
 	"strconv"
@@ -171,14 +172,12 @@ func runScenario(ctx context.Context, e env, sc scenario, duration time.Duration
 		}
 		reps = append(reps, *m.Report)
 	}
-	var stderr []string
+	var stderr strings.Builder
 	for _, c := range replicas {
 		if err := c.finish(); err != nil {
 			return result{}, err
 		}
-		if s := strings.TrimSpace(c.stderr.String()); s != "" {
-			stderr = append(stderr, c.name+": "+s)
-		}
+		stderr.WriteString(c.stderr.String())
 	}
 	// Every admitted call has completed: the replicas reported after it.
 	st := vendor.Stats()
@@ -196,7 +195,7 @@ func runScenario(ctx context.Context, e env, sc scenario, duration time.Duration
 		return result{}, err
 	}
 	res.RedisCPU = cpuAfter - cpuBefore
-	res.Stderr = stderr
+	res.Stderr = distinctLines(stderr.String())
 	return res, nil
 }
 
@@ -238,6 +237,29 @@ func summarize(sc scenario, reps []report) result {
 	slices.Sort(trips)
 	res.RoundTrip = newSpread(trips)
 	return res
+}
+
+// logTime is the date and time the standard logger puts before a line.
+var logTime = regexp.MustCompile(`^\d{4}/\d\d/\d\d \d\d:\d\d:\d\d `)
+
+// distinctLines returns the distinct lines of s, their log times left out,
+// in the order they first appear, each with the times it appears.
+func distinctLines(s string) []counted {
+	var out []counted
+	index := map[string]int{}
+	for line := range strings.Lines(s) {
+		line = logTime.ReplaceAllString(strings.TrimSpace(line), "")
+		if line == "" {
+			continue
+		}
+		if i, ok := index[line]; ok {
+			out[i].n++
+			continue
+		}
+		index[line] = len(out)
+		out = append(out, counted{line, 1})
+	}
+	return out
 }
 
 // loadAverage returns the machine's load average over the last minute, as

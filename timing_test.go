@@ -1,0 +1,277 @@
+package throttle
+
+import (
+	"context"
+	"errors"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/redis/go-redis/v9"
+
+	"github.com/throttlekit/throttle/internal/redistest"
+	"github.com/throttlekit/throttle/policies"
+)
+
+const ms = time.Millisecond
+
+func TestTiming_LatenessIsBeyondTheFastestReply(t *testing.T) {
+	k := newTiming(nil)
+	// Redis's clock runs 5 s ahead of ours. Replies take 20 to 30 ms: a
+	// distant Redis, with jitter.
+	const offset = 5 * time.Second
+	for i, delay := range []time.Duration{25 * ms, 20 * ms, 30 * ms} {
+		asked := time.Duration(i) * time.Second
+		redisNow := asked + 20*ms + offset
+		k.observe(redisNow, asked, redisNow-offset+delay)
+	}
+	// A call whose slot is Redis's now, starting now: as late as the
+	// fastest reply would make it, so not late at all.
+	slot := k.now() + offset
+	late, ok := k.lateness(slot)
+	if !ok || late < -20*ms || late > -20*ms+5*ms {
+		t.Errorf("lateness %v, %v; want about -20ms (the slot is 20ms behind the fastest reply)", late, ok)
+	}
+	slot = k.now() + offset - 20*ms - 50*ms
+	if late, _ := k.lateness(slot); late < 50*ms || late > 55*ms {
+		t.Errorf("lateness %v, want about 50ms", late)
+	}
+}
+
+func TestTiming_ForgetsWhatAClockStepContradicts(t *testing.T) {
+	for _, step := range []time.Duration{-time.Second, time.Second} {
+		k := newTiming(nil)
+		k.observe(time.Second+2*ms, time.Second, time.Second+4*ms)
+		// Redis's clock steps: the next reply cannot have come from the
+		// clock the first one did.
+		k.observe(2*time.Second+2*ms+step, 2*time.Second, 2*time.Second+4*ms)
+		k.mu.Lock()
+		fast, _ := least(k.fast)
+		k.mu.Unlock()
+		if want := 2*ms - step; fast != want {
+			t.Errorf("step %v: fastest reply offset %v, want %v (the readings before the step forgotten)", step, fast, want)
+		}
+	}
+}
+
+func TestTiming_ReportsTheSpreadOfRecentCalls(t *testing.T) {
+	k := newTiming(nil)
+	if _, ok := k.report(); ok {
+		t.Fatal("a process with no calls reported a spread")
+	}
+	for i := range 100 {
+		k.noteLate(time.Duration(i) * ms)
+	}
+	// The 98th percentile of 0..99 ms, not the slowest call.
+	if spread, ok := k.report(); !ok || spread != 97*ms {
+		t.Errorf("spread %v, %v; want 97ms", spread, ok)
+	}
+	for range lateSamples {
+		k.noteLate(-3 * ms) // early counts as on time
+	}
+	if spread, _ := k.report(); spread != 0 {
+		t.Errorf("spread %v after on-time calls, want 0", spread)
+	}
+}
+
+// The margin in force follows the widest spread the fleet reports, from the
+// configured margin up to a tenth of the window, and narrows once no one
+// reports it any more. A counter's margin, and a margin set under 2ms, stay
+// as configured.
+func TestMargin_FollowsTheFleetsSpread(t *testing.T) {
+	redistest.Each(t, func(t *testing.T, s *redistest.Server) {
+		clock := newClock()
+		policy := policies.All(
+			policies.SlidingLog{Limit: 1000, Window: time.Second},
+			policies.SlidingLog{Limit: 1000, Window: 2 * time.Second, Margin: time.Nanosecond},
+			policies.SlidingCounter{Limit: 1000, Window: time.Second},
+		)
+		a := newLimiter(t, s.Client(t), policy, WithClock(clock.Now))
+		b, err := New(s.Client(t), a.Name(), policy, WithClock(clock.Now))
+		if err != nil {
+			t.Fatal(err)
+		}
+		ctx := context.Background()
+		margins := func() []time.Duration {
+			t.Helper()
+			u, err := a.Usage(ctx)
+			if err != nil {
+				t.Fatal(err)
+			}
+			return []time.Duration{u.Spread, u.Rules[0].Margin, u.Rules[1].Margin, u.Rules[2].Margin}
+		}
+		check := func(what string, want ...time.Duration) {
+			t.Helper()
+			if got := margins(); !equalDurations(got, want) {
+				t.Errorf("%s: spread and margins %v, want %v", what, got, want)
+			}
+		}
+		allow := func(l *Limiter) {
+			t.Helper()
+			if d, err := l.Allow(ctx); err != nil || !d.OK {
+				t.Fatalf("Allow: %+v, %v", d, err)
+			}
+		}
+		allow(a)
+		check("quiet", 0, policies.DefaultMargin, 0, policies.DefaultMargin)
+
+		// One process starts its calls up to 20ms late, the other up to
+		// 40ms: the widest spread counts, twice.
+		a.timing.noteLate(20 * ms)
+		b.timing.noteLate(40 * ms)
+		allow(a)
+		allow(b)
+		check("busy", 40*ms, 80*ms, 0, policies.DefaultMargin)
+		if got := time.Duration(b.margin.Load()); got != 30*ms {
+			t.Errorf("the late-start guard uses %v, want the smallest guarded margin in force, 30ms", got)
+		}
+
+		// A starved process: the margin stops at a tenth of the window.
+		for range lateSamples {
+			b.timing.noteLate(900 * ms)
+		}
+		allow(b)
+		check("starved", 900*ms, 100*ms, 0, policies.DefaultMargin)
+
+		// Ten seconds without such reports: back to the floor.
+		a.timing = newTiming(clock.Now)
+		b.timing = newTiming(clock.Now)
+		clock.Add(11 * time.Second)
+		allow(a)
+		check("calm again", 0, policies.DefaultMargin, 0, policies.DefaultMargin)
+	})
+}
+
+func equalDurations(a, b []time.Duration) bool {
+	if len(a) != len(b) {
+		return false
+	}
+	for i := range a {
+		if a[i] != b[i] {
+			return false
+		}
+	}
+	return true
+}
+
+// slowReplies delays the reply of the next n script calls by d, as a
+// congested network or a starved process would.
+type slowReplies struct {
+	d       time.Duration
+	n       atomic.Int64
+	scripts atomic.Int64
+}
+
+func (*slowReplies) DialHook(next redis.DialHook) redis.DialHook { return next }
+func (h *slowReplies) ProcessHook(next redis.ProcessHook) redis.ProcessHook {
+	return func(ctx context.Context, cmd redis.Cmder) error {
+		err := next(ctx, cmd)
+		if name := cmd.Name(); name == "evalsha" || name == "eval" {
+			h.scripts.Add(1)
+			if h.n.Add(-1) >= 0 {
+				time.Sleep(h.d)
+			}
+		}
+		return err
+	}
+}
+func (*slowReplies) ProcessPipelineHook(next redis.ProcessPipelineHook) redis.ProcessPipelineHook {
+	return next
+}
+
+// guardLimiter is one call per 100ms with a 10ms margin, per key, on a
+// client whose replies the test can slow down, with the usual delay of the
+// replies already known.
+func guardLimiter(t *testing.T, s *redistest.Server, opts ...Option) (*Limiter, *slowReplies) {
+	t.Helper()
+	rdb := s.Client(t)
+	slow := &slowReplies{d: 60 * ms}
+	rdb.AddHook(slow)
+	lim := newLimiter(t, rdb, policies.PerKey{Policy: policies.SlidingLog{Limit: 1, Window: 100 * ms, Margin: 10 * ms}}, opts...)
+	for _, k := range []string{"w1", "w2", "w3"} {
+		if _, err := lim.Allow(context.Background(), Key(k)); err != nil {
+			t.Fatal(err)
+		}
+	}
+	slow.scripts.Store(0)
+	return lim, slow
+}
+
+// A reply that arrives 60ms late would have the call start 60ms after its
+// slot, and the next call, a window after that slot, less than a window
+// after it at the vendor. On every path, the call gives that slot back and
+// books again in the same script call.
+func TestGuard_LateReplyBooksAgainOnEveryPath(t *testing.T) {
+	paths := []struct {
+		name string
+		opts []Option
+		call func(*Limiter) error
+	}{
+		{"Block", nil, func(l *Limiter) error { _, err := l.Acquire(context.Background(), Key("a")); return err }},
+		{"FailFast", []Option{WithMode(FailFast)}, func(l *Limiter) error { _, err := l.Acquire(context.Background(), Key("a")); return err }},
+		{"Queue", []Option{WithMode(Queue)}, func(l *Limiter) error { _, err := l.Acquire(context.Background(), Key("a")); return err }},
+		{"Shadow", []Option{WithShadow()}, func(l *Limiter) error { _, err := l.Acquire(context.Background(), Key("a")); return err }},
+		{"Allow", nil, func(l *Limiter) error {
+			d, err := l.Allow(context.Background(), Key("a"))
+			if err == nil && !d.OK {
+				err = errors.New("refused")
+			}
+			return err
+		}},
+	}
+	redistest.Each(t, func(t *testing.T, s *redistest.Server) {
+		for _, p := range paths {
+			t.Run(p.name, func(t *testing.T) {
+				lim, slow := guardLimiter(t, s, p.opts...)
+				slow.n.Store(1)
+				if err := p.call(lim); err != nil {
+					t.Fatalf("first call: %v", err)
+				}
+				first := time.Now()
+				if n := slow.scripts.Load(); n != 2 {
+					t.Errorf("%d script calls, want 2: the late admission, then one that gives it back and books again", n)
+				}
+				// The next call of the key starts no earlier than a window
+				// after the first one started.
+				for {
+					d, err := lim.Allow(context.Background(), Key("a"))
+					if err != nil {
+						t.Fatal(err)
+					}
+					if d.OK {
+						break
+					}
+					time.Sleep(d.RetryAfter)
+				}
+				if gap := time.Since(first); gap < 100*ms {
+					t.Errorf("the next call started %v after the first, inside the vendor's 100ms window", gap)
+				}
+			})
+		}
+	})
+}
+
+// A call whose every reply comes too late books again three times, and then
+// fails with ErrLimited saying why, holding nothing.
+func TestGuard_BooksAgainABoundedNumberOfTimes(t *testing.T) {
+	redistest.Each(t, func(t *testing.T, s *redistest.Server) {
+		lim, slow := guardLimiter(t, s, WithMode(FailFast))
+		slow.n.Store(100)
+		_, err := lim.Acquire(context.Background(), Key("a"))
+		var le *LimitedError
+		if !errors.As(err, &le) || le.Reason != lateReason {
+			t.Fatalf("err %v, want a LimitedError saying every slot came too late", err)
+		}
+		if n := slow.scripts.Load(); n != 1+maxRebooks+1 {
+			t.Errorf("%d script calls, want %d: the first, %d more, and one giving the last slot back", n, 2+maxRebooks, maxRebooks)
+		}
+		slow.n.Store(0)
+		u, err := lim.Usage(context.Background(), Key("a"))
+		if err != nil {
+			t.Fatal(err)
+		}
+		if r := u.Rules[0]; r.Used != 0 || r.Booked != 0 {
+			t.Errorf("the failed call still holds %d used and %d booked units", r.Used, r.Booked)
+		}
+	})
+}
