@@ -48,7 +48,7 @@ local function load(r)
     -- window in force counts those after now - r.p2.
     redis.call('ZREMRANGEBYSCORE', r.key, '-inf', str(now - r.keep))
     r.n = redis.call('ZCOUNT', r.key, '(' .. str(now - r.p2), '+inf')
-    r.s, r.upto, r.memo = {}, now - r.p2, {}
+    r.memo = {}
   elseif r.kind == COUNTER then
     -- The oldest bucket a window ending now may touch, as earliest_counter
     -- counts them; older ones are dropped once no margin could count them.
@@ -107,29 +107,6 @@ local function record(r, t, id, cost)
       r.pending[#r.pending + 1] = member(id, u)
     end
     r.n = r.n + cost
-    if r.s and t <= r.upto then
-      -- Keep the entries read in order: at the end, the usual place, or
-      -- copied around the new ones, in one pass whatever the cost.
-      local s = r.s
-      if #s == 0 or t >= s[#s] then
-        for _ = 1, cost do
-          s[#s + 1] = t
-        end
-      else
-        local merged, i = {}, 1
-        while s[i] <= t do
-          merged[i] = s[i]
-          i = i + 1
-        end
-        for _ = 1, cost do
-          merged[#merged + 1] = t
-        end
-        for x = i, #s do
-          merged[#merged + 1] = s[x]
-        end
-        r.s = merged
-      end
-    end
   elseif r.kind == COUNTER then
     local b = bucket_of(t, r.p3)
     if not r.counts[b] then
@@ -168,47 +145,22 @@ local function flush(r)
 end
 
 -- How much of a log one call may read, in entries, before it settles for
--- the time after the log's last entries; and how many entries one read
--- takes. A log's entries are read lazily, in order, so that a call that
--- fits early reads few, and no call reads more than about SCAN.
+-- the time after the log's last entries. A log is read by rank, a few
+-- entries at a time where the search needs them, so that a call reads
+-- about as many entries as its search steps over, not the whole log.
 local SCAN = 2048
-local CHUNK = 256
+local FIRST_READ = 16
+local MAX_READ = 256
 
--- log_more reads the next entries of a log into r.s, the ascending scores
--- of every entry in (now - window, r.upto]; r.upto is NEVER once r.s holds
--- them all. It returns the entries read.
-local function log_more(r)
-  flush(r)
-  local raw = redis.call('ZRANGEBYSCORE', r.key, '(' .. str(r.upto), '+inf', 'WITHSCORES', 'LIMIT', 0, CHUNK)
-  local got = #raw / 2
-  if got < CHUNK then
-    for k = 2, #raw, 2 do
-      r.s[#r.s + 1] = tonumber(raw[k])
-    end
-    r.upto = NEVER
-    return got
+-- scores returns the scores of the entries of ranks from .. from+n-1 (from
+-- 0), fewer at the end of the log.
+local function scores(key, from, n)
+  local raw = redis.call('ZRANGE', key, from, from + n - 1, 'WITHSCORES')
+  local out = {}
+  for k = 2, #raw, 2 do
+    out[#out + 1] = tonumber(raw[k])
   end
-  -- Entries of equal score must be read together, or the next read would
-  -- skip the rest of them: leave the last score's out, unless the whole
-  -- read is that score (one call of many units), then count them all.
-  local last = tonumber(raw[#raw])
-  local keep = got
-  while keep > 0 and tonumber(raw[2 * keep]) == last do
-    keep = keep - 1
-  end
-  if keep == 0 then
-    local n = redis.call('ZCOUNT', r.key, str(last), str(last))
-    for _ = 1, n do
-      r.s[#r.s + 1] = last
-    end
-    r.upto = last
-    return n
-  end
-  for k = 1, keep do
-    r.s[#r.s + 1] = tonumber(raw[2 * k])
-  end
-  r.upto = tonumber(raw[2 * keep])
-  return keep
+  return out
 end
 
 -- log_tail returns the earliest time >= t after every entry of the log at
@@ -235,49 +187,39 @@ end
 -- any other entry, so a freed booking can never let a window overfill, and
 -- a gap between bookings is used when it is wide enough. A pass longer than
 -- the budget (a log booked far ahead) settles for the time after the whole
--- log, which is always allowed.
+-- log, which is always allowed. The second value reports an exact answer:
+-- no earlier time fits.
 local function earliest_log(r, t, cost, budget)
+  flush(r)
   local room, w = r.p1 - cost, r.p2
-  while r.upto < t - w do
-    if budget.left <= 0 then
-      return log_tail(r, t, room)
-    end
-    budget.left = budget.left - log_more(r)
-  end
-  -- The first entry after t - w, by bisection.
-  local s = r.s
-  local lo, hi = 1, #s + 1
-  while lo < hi do
-    local mid = math.floor((lo + hi) / 2)
-    if s[mid] > t - w then
-      hi = mid
-    else
-      lo = mid + 1
-    end
-  end
-  local j = lo
+  -- j, the rank of the first entry after t - w; a and b hold the scores of
+  -- the entries from rank j and from rank j + room, read as needed.
+  local j = redis.call('ZCOUNT', r.key, '-inf', str(t - w))
+  local a, b, i, n = {}, {}, 1, FIRST_READ
   while true do
-    while j + room > #s and r.upto ~= NEVER do
+    if i > #a then
       if budget.left <= 0 then
         return log_tail(r, t, room)
       end
-      budget.left = budget.left - log_more(r)
+      a, b, i = scores(r.key, j, n), scores(r.key, j + room, n), 1
+      budget.left = budget.left - 2 * n
+      n = math.min(2 * n, MAX_READ)
+      if #b == 0 then
+        return t, true
+      end
     end
-    if j + room > #s then
-      return t
+    if i > #b then
+      -- Fewer than room+1 entries from here on: no window can fill.
+      return t, true
     end
-    local a, b = s[j], s[j + room]
-    if b - w >= t then
-      return t
+    if b[i] - w >= t then
+      return t, true
     end
-    if b - a < w and t < a + w then
-      t = a + w
+    if b[i] - a[i] < w and t < a[i] + w then
+      t = a[i] + w
     end
-    j = j + 1
+    i, j = i + 1, j + 1
     budget.left = budget.left - 1
-    if budget.left <= 0 then
-      return log_tail(r, t, room)
-    end
   end
 end
 
@@ -345,18 +287,30 @@ local function earliest(r, t, cost, budget)
     if r.n <= r.p1 - cost then
       return t
     end
-    -- Calls of a batch only add entries, and a costlier call fits in fewer
-    -- places: a call costing at least as much as an earlier one, asked
-    -- from no earlier a time, fits no earlier than it did. So the calls of
-    -- a batch queued at the end of a long log do not each read it again.
+    -- Calls only add entries, and a costlier call fits in fewer places: a
+    -- call costing at least as much as an earlier one, asked from no
+    -- earlier a time, fits no earlier than it did. So the calls of a batch,
+    -- and the calls of later batches through the log's hint, do not each
+    -- read a log booked far ahead again (see read_hint in lib.lua).
     local from = t
     for c, m in pairs(r.memo) do
       if c <= cost and m.t <= t and m.at > from then
         from = m.at
       end
     end
-    local at = earliest_log(r, from, cost, budget)
+    if r.hint == nil then
+      r.hint = read_hint(r)
+    end
+    local h = r.hint
+    if h and h.c <= cost and h.t <= t and h.w <= r.p2 and h.at > from then
+      from = h.at
+    end
+    local at, exact = earliest_log(r, from, cost, budget)
     r.memo[cost] = { t = t, at = at }
+    if exact and (not h or cost < h.c or cost == h.c and at > h.at or h.t > t or h.w > r.p2) then
+      r.hint = { t = t, at = at, c = cost, w = r.p2 }
+      r.hint_changed = true
+    end
     return at
   elseif r.kind == COUNTER then
     return earliest_counter(r, t, cost)
@@ -506,6 +460,9 @@ end
 -- Each key must outlive its latest entry by a window.
 for _, r in ipairs(rs) do
   flush(r)
+  if r.hint_changed then
+    write_hint(r, now)
+  end
   if not r.recorded then
     -- nothing to keep
   elseif r.kind == LOG then

@@ -278,6 +278,40 @@ local function bucket_of(t, width)
   return math.floor(t / width)
 end
 
+-- A log's hint, in the key r.key .. ':next', remembers where the last
+-- search of the log ended, so that a log booked far ahead is not read again
+-- from the start by every call: "t:at:c:w" says that, with window w, no
+-- time from t to at fit c more units. Entries only added keep it true for
+-- every call costing c or more, asked from t or later, with a window of w or
+-- more. Taking entries out can make room again, but only within a window of
+-- them: change lowers the hint below that.
+local function read_hint(r)
+  local v = redis.call('GET', r.key .. ':next')
+  if v then
+    local t, at, c, w = string.match(v, '^(%-?%d+):(%-?%d+):(%d+):(%d+)$')
+    if t then
+      return { t = tonumber(t), at = tonumber(at), c = tonumber(c), w = tonumber(w) }
+    end
+  end
+  return false
+end
+
+local function write_hint(r, now)
+  local h = r.hint
+  redis.call('SET', r.key .. ':next', str(h.t) .. ':' .. str(h.at) .. ':' .. h.c .. ':' .. str(h.w),
+    'PX', math.ceil((math.max(h.at, now) - now + r.keep) / 1000) + SLACK)
+end
+
+-- lower_hint makes the hint of log r say nothing after time t.
+local function lower_hint(r, t, now)
+  local h = read_hint(r)
+  if h and h.at > t then
+    h.at = t
+    r.hint = h
+    write_hint(r, now)
+  end
+end
+
 -- change applies a change of units (positive: charge, negative: refund) to the
 -- rule for the call id whose slot was at time t. Sliding counter, token bucket
 -- and log rules change their count; a concurrency rule is not a count of units
@@ -292,6 +326,7 @@ local function change(r, id, from, to, t, now)
       expire(r.key, (t - now + r.keep) / 1000)
     else
       zrem(r.key, id, to + 1, from)
+      lower_hint(r, t - r.keep, now)
     end
   elseif r.kind == COUNTER then
     local b = str(bucket_of(t, r.p3))

@@ -233,3 +233,11 @@ func TestDistinctLines_CountsRepeatsWithoutTheirLogTimes(t *testing.T) {
 		t.Errorf("distinctLines = %v, want %v", got, want)
 	}
 }
+
+func TestTailBuffer_KeepsWholeLinesOfTheEnd(t *testing.T) {
+	b := &tailBuffer{max: 10}
+	fmt.Fprint(b, "first line\nsecond\nthird\n")
+	if got := b.String(); got != "third\n" {
+		t.Errorf("String = %q, want %q", got, "third\n")
+	}
+}

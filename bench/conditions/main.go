@@ -15,7 +15,8 @@
 //	throttle.Do(ctx, lim, fn)
 //
 // in Block mode, where fn makes one HTTP GET to the vendor (on a context that
-// the run's end does not cancel: an admitted call completes). The quota is a
+// the run's end does not cancel: an admitted call completes), which answers
+// an accepted call after 10ms. The quota is a
 // policies.SlidingLog with the vendor's Limit and Window and the default
 // Margin. Redis is a throwaway redis-server the program starts on a free
 // 127.0.0.1 port (never 6379), with no persistence, emptied before each
@@ -64,8 +65,9 @@
 // the vendor, the most calls started (rather than arrived) in one vendor
 // window, Redis's own mean time per EVALSHA and CPU time (INFO commandstats
 // and cpu), the calls that failed at the end by how, and the machine's load
-// average. Notes below give the first error of each kind and the end of any
-// replica's stderr.
+// average. Notes below give the first error of each kind and the distinct
+// lines the replicas logged (the library logs through log/slog's default,
+// to stderr).
 //
 // Usage:
 //

@@ -39,7 +39,7 @@ const (
 	// of the run; they are then killed.
 	reportTimeout = 30 * time.Second
 	// stderrKeep is how much of a replica's stderr is kept.
-	stderrKeep = 8 << 10
+	stderrKeep = 64 << 10
 )
 
 // scenario is one row of the table.
@@ -521,6 +521,7 @@ type tailBuffer struct {
 	mu  sync.Mutex
 	max int
 	buf []byte
+	cut bool // the start was dropped
 }
 
 func (b *tailBuffer) Write(p []byte) (int, error) {
@@ -529,12 +530,20 @@ func (b *tailBuffer) Write(p []byte) (int, error) {
 	b.buf = append(b.buf, p...)
 	if over := len(b.buf) - b.max; over > 0 {
 		b.buf = bytes.Clone(b.buf[over:])
+		b.cut = true
 	}
 	return len(p), nil
 }
 
+// String returns the whole lines kept.
 func (b *tailBuffer) String() string {
 	b.mu.Lock()
 	defer b.mu.Unlock()
-	return string(b.buf)
+	s := string(b.buf)
+	if b.cut {
+		if _, rest, ok := strings.Cut(s, "\n"); ok {
+			return rest
+		}
+	}
+	return s
 }
