@@ -144,11 +144,7 @@ func (l *Limiter) decide(sc scope, batch []*request) {
 		}
 	}
 	args := l.args("", 0, int64(len(batch)), l.epoch.Load(), int64(len(late)))
-	spread, ok := l.timing.report()
-	if !ok {
-		spread = -time.Microsecond
-	}
-	args = append(args, spread.Microseconds())
+	args = append(args, l.timing.report())
 	for _, r := range late {
 		args = append(args, r.member, r.cost, r.slot().Microseconds(), r.epoch)
 	}

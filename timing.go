@@ -1,7 +1,8 @@
 package throttle
 
 import (
-	"slices"
+	"math"
+	"strconv"
 	"sync"
 	"time"
 )
@@ -32,17 +33,14 @@ const timingPeriod = 10 * time.Second
 // process that counts as a step rather than as the drift of two clocks.
 const clockStep = time.Millisecond
 
-// lateSamples bounds the latenesses a process remembers to estimate its
-// spread.
-const lateSamples = 128
-
-// spreadQuantile is the share of the remembered latenesses the reported
-// spread covers: the rest are rare enough to be caught by the late-start
-// guard, at one script call each.
-const spreadQuantile = 0.98
+// lateBuckets is how many buckets of lateness a process reports: bucket 0
+// holds latenesses under 1ms, bucket k those under 2^(k/2) ms, the last one
+// all the rest (see note_timing in lua/lib.lua).
+const lateBuckets = 22
 
 // timing keeps what a limiter needs to tell how late its calls start: the
-// fastest reply of recent periods, and the latenesses of its recent calls.
+// fastest reply of recent periods; and the latenesses of its calls since it
+// last reported them to the fleet.
 type timing struct {
 	mu     sync.Mutex
 	origin time.Time // local times are durations since origin, on the monotonic clock
@@ -52,10 +50,7 @@ type timing struct {
 	fast     [2]minimum    // least recvd - Redis now, this period and the last
 	ahead    [2]minimum    // least Redis now - asked
 
-	late    [lateSamples]lateSample
-	lateN   int // samples written in all, to index the ring
-	spread  time.Duration
-	spreadN int // lateN when spread was computed
+	late [lateBuckets]int
 }
 
 type minimum struct {
@@ -67,11 +62,6 @@ func (m *minimum) add(v time.Duration) {
 	if !m.set || v < m.v {
 		m.v, m.set = v, true
 	}
-}
-
-type lateSample struct {
-	at   time.Duration // local time of the sample
-	late time.Duration
 }
 
 func newTiming(clock func() time.Time) *timing {
@@ -168,43 +158,34 @@ func (k *timing) redisAt(at time.Time) (time.Duration, bool) {
 	return local + ahead, true
 }
 
-// noteLate records how late a call started, for the spread.
+// noteLate records how late a call started, for the fleet's spread.
 func (k *timing) noteLate(late time.Duration) {
+	b := 0
+	if late >= time.Millisecond {
+		b = min(int(2*math.Log2(float64(late)/float64(time.Millisecond)))+1, lateBuckets-1)
+	}
 	k.mu.Lock()
-	defer k.mu.Unlock()
-	k.late[k.lateN%lateSamples] = lateSample{at: k.now(), late: max(late, 0)}
-	k.lateN++
+	k.late[b]++
+	k.mu.Unlock()
 }
 
-// report returns what this process tells the fleet of its timing: how much
-// later than its usual delay its recent calls started after their slots, at
-// the spreadQuantile; false when it knows nothing yet.
-func (k *timing) report() (time.Duration, bool) {
+// report returns the latenesses noted since the last report, as the script
+// takes them: "k:n,k:n", n calls in bucket k; "" when there are none.
+func (k *timing) report() string {
 	k.mu.Lock()
 	defer k.mu.Unlock()
-	if k.lateN == 0 {
-		return 0, false
-	}
-	if k.spreadN != k.lateN {
-		k.spread, k.spreadN = k.quantile(), k.lateN
-	}
-	return k.spread, true
-}
-
-// quantile returns the spreadQuantile of the latenesses of the last two
-// periods. k.mu is held.
-func (k *timing) quantile() time.Duration {
-	now := k.now()
-	var buf [lateSamples]time.Duration
-	v := buf[:0]
-	for i := range min(k.lateN, lateSamples) {
-		if s := k.late[i]; now-s.at < 2*timingPeriod {
-			v = append(v, s.late)
+	var b []byte
+	for i, n := range k.late {
+		if n == 0 {
+			continue
 		}
+		if len(b) > 0 {
+			b = append(b, ',')
+		}
+		b = strconv.AppendInt(b, int64(i), 10)
+		b = append(b, ':')
+		b = strconv.AppendInt(b, int64(n), 10)
+		k.late[i] = 0
 	}
-	if len(v) == 0 {
-		return 0
-	}
-	slices.Sort(v)
-	return v[int(spreadQuantile*float64(len(v)-1))]
+	return string(b)
 }

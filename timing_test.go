@@ -54,29 +54,27 @@ func TestTiming_ForgetsWhatAClockStepContradicts(t *testing.T) {
 	}
 }
 
-func TestTiming_ReportsTheSpreadOfRecentCalls(t *testing.T) {
+func TestTiming_ReportsLatenessesOnceByBucket(t *testing.T) {
 	k := newTiming(nil)
-	if _, ok := k.report(); ok {
-		t.Fatal("a process with no calls reported a spread")
+	if r := k.report(); r != "" {
+		t.Fatalf("a process with no calls reported %q", r)
 	}
-	for i := range 100 {
-		k.noteLate(time.Duration(i) * ms)
+	for _, late := range []time.Duration{-3 * ms, 0, 999 * time.Microsecond, ms, 1500 * ms / 1000, 3 * ms, time.Hour} {
+		k.noteLate(late)
 	}
-	// The 98th percentile of 0..99 ms, not the slowest call.
-	if spread, ok := k.report(); !ok || spread != 97*ms {
-		t.Errorf("spread %v, %v; want 97ms", spread, ok)
+	// Under 1ms, then buckets up to 2^(k/2) ms: [1, 1.41), [1.41, 2),
+	// [2, 2.83), [2.83, 4), ...; an hour goes in the last one.
+	if r, want := k.report(), "0:3,1:1,2:1,4:1,21:1"; r != want {
+		t.Errorf("report %q, want %q", r, want)
 	}
-	for range lateSamples {
-		k.noteLate(-3 * ms) // early counts as on time
-	}
-	if spread, _ := k.report(); spread != 0 {
-		t.Errorf("spread %v after on-time calls, want 0", spread)
+	if r := k.report(); r != "" {
+		t.Errorf("second report %q, want nothing: each lateness is reported once", r)
 	}
 }
 
-// The margin in force follows the widest spread the fleet reports, from the
-// configured margin up to a tenth of the window, and narrows once no one
-// reports it any more. A counter's margin, and a margin set under 2ms, stay
+// The margin in force follows the spread of the fleet's calls, from the
+// configured margin up to a tenth of the window, and narrows once the calls
+// start on time again. A counter's margin, and a margin set under 2ms, stay
 // as configured.
 func TestMargin_FollowsTheFleetsSpread(t *testing.T) {
 	redistest.Each(t, func(t *testing.T, s *redistest.Server) {
@@ -92,52 +90,49 @@ func TestMargin_FollowsTheFleetsSpread(t *testing.T) {
 			t.Fatal(err)
 		}
 		ctx := context.Background()
-		margins := func() []time.Duration {
+		check := func(what string, want ...time.Duration) {
 			t.Helper()
 			u, err := a.Usage(ctx)
 			if err != nil {
 				t.Fatal(err)
 			}
-			return []time.Duration{u.Spread, u.Rules[0].Margin, u.Rules[1].Margin, u.Rules[2].Margin}
-		}
-		check := func(what string, want ...time.Duration) {
-			t.Helper()
-			if got := margins(); !equalDurations(got, want) {
+			got := []time.Duration{u.Spread, u.Rules[0].Margin, u.Rules[1].Margin, u.Rules[2].Margin}
+			if !equalDurations(got, want) {
 				t.Errorf("%s: spread and margins %v, want %v", what, got, want)
 			}
 		}
-		allow := func(l *Limiter) {
+		report := func(l *Limiter, n int, late time.Duration) {
 			t.Helper()
+			for range n {
+				l.timing.noteLate(late)
+			}
 			if d, err := l.Allow(ctx); err != nil || !d.OK {
 				t.Fatalf("Allow: %+v, %v", d, err)
 			}
 		}
-		allow(a)
-		check("quiet", 0, policies.DefaultMargin, 0, policies.DefaultMargin)
+		report(a, 100, 0)
+		check("on time", 0, policies.DefaultMargin, 0, policies.DefaultMargin)
 
-		// One process starts its calls up to 20ms late, the other up to
-		// 40ms: the widest spread counts, twice.
-		a.timing.noteLate(20 * ms)
-		b.timing.noteLate(40 * ms)
-		allow(a)
-		allow(b)
-		check("busy", 40*ms, 80*ms, 0, policies.DefaultMargin)
+		// 190 calls on time and 20 about 40ms late: more than 5% are, so
+		// the spread is the top of their bucket, 45ms, and the margin twice
+		// it.
+		report(a, 90, 0)
+		report(b, 20, 40*ms)
+		check("some late", 45254*time.Microsecond, 90508*time.Microsecond, 0, policies.DefaultMargin)
 		if got := time.Duration(b.margin.Load()); got != 30*ms {
 			t.Errorf("the late-start guard uses %v, want the smallest guarded margin in force, 30ms", got)
 		}
 
-		// A starved process: the margin stops at a tenth of the window.
-		for range lateSamples {
-			b.timing.noteLate(900 * ms)
-		}
-		allow(b)
-		check("starved", 900*ms, 100*ms, 0, policies.DefaultMargin)
+		// A starved fleet: the margin stops at a tenth of the window.
+		report(b, 100, 900*ms)
+		check("starved", 1024*ms, 100*ms, 0, policies.DefaultMargin)
 
-		// Ten seconds without such reports: back to the floor.
-		a.timing = newTiming(clock.Now)
-		b.timing = newTiming(clock.Now)
-		clock.Add(11 * time.Second)
-		allow(a)
+		// A period later, the calls of the last one say the spread; two
+		// periods on time, and it is back to nothing.
+		clock.Add(2 * time.Second)
+		report(a, 100, 0)
+		clock.Add(2 * time.Second)
+		report(a, 100, 0)
 		check("calm again", 0, policies.DefaultMargin, 0, policies.DefaultMargin)
 	})
 }

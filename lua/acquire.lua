@@ -9,9 +9,9 @@
 -- ARGV[5]        the quota's epoch as the calling process last saw it, or 0;
 -- ARGV[6]        the number of bookings to give back first, g;
 -- after the rules:
---   how much later than its usual delay the calling process's calls start
---   after their slots, in microseconds (its spread, see note_timing in
---   lib.lua), or -1 when it does not know yet;
+--   how much later than its usual delay the calling process's calls since
+--   its last report started after their slots: "k:n,k:n", n calls in
+--   bucket k (see note_timing in lib.lua), or "" for none;
 --   for each booking to give back (a call that would start too late books
 --   again in the same script call), four arguments: its id, its cost, its
 --   slot in microseconds, and the epoch it was booked in;
@@ -187,8 +187,7 @@ end
 -- any other entry, so a freed booking can never let a window overfill, and
 -- a gap between bookings is used when it is wide enough. A pass longer than
 -- the budget (a log booked far ahead) settles for the time after the whole
--- log, which is always allowed. The second value reports an exact answer:
--- no earlier time fits.
+-- log, which is always allowed.
 local function earliest_log(r, t, cost, budget)
   flush(r)
   local room, w = r.p1 - cost, r.p2
@@ -205,15 +204,15 @@ local function earliest_log(r, t, cost, budget)
       budget.left = budget.left - 2 * n
       n = math.min(2 * n, MAX_READ)
       if #b == 0 then
-        return t, true
+        return t
       end
     end
     if i > #b then
       -- Fewer than room+1 entries from here on: no window can fill.
-      return t, true
+      return t
     end
     if b[i] - w >= t then
-      return t, true
+      return t
     end
     if b[i] - a[i] < w and t < a[i] + w then
       t = a[i] + w
@@ -305,9 +304,13 @@ local function earliest(r, t, cost, budget)
     if h and h.c <= cost and h.t <= t and h.w <= r.p2 and h.at > from then
       from = h.at
     end
-    local at, exact = earliest_log(r, from, cost, budget)
+    -- A search that settled for the log's tail leaves the hint there too:
+    -- room deeper in the log than one search reads stays unused, as it
+    -- would for every later call anyway, until entries taken out of the
+    -- log lower the hint.
+    local at = earliest_log(r, from, cost, budget)
     r.memo[cost] = { t = t, at = at }
-    if exact and (not h or cost < h.c or cost == h.c and at > h.at or h.t > t or h.w > r.p2) then
+    if not h or cost < h.c or cost == h.c and at > h.at or h.t > t or h.w > r.p2 then
       r.hint = { t = t, at = at, c = cost, w = r.p2 }
       r.hint_changed = true
     end
@@ -327,7 +330,7 @@ end
 local rs = rules()
 local ncalls, ngive = tonumber(ARGV[4]), tonumber(ARGV[6])
 local arg = after_rules()
-local spread = tonumber(ARGV[arg])
+local report = ARGV[arg]
 arg = arg + 1
 
 -- A missing meta key means a new quota, or a Redis that lost its data (a
@@ -360,7 +363,7 @@ elseif now - meta.refreshed > META_REFRESH then
   meta.refreshed = now
   dirty = true
 end
-if note_timing(meta, now, spread) then
+if note_timing(meta, now, report) then
   dirty = true
 end
 if dirty then

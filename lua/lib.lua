@@ -128,27 +128,40 @@ local META_REFRESH = 24 * 3600 * 1000000
 --   epoch      when the quota's data was first written, in microseconds;
 --   pause      a time before which no call of the quota is admitted;
 --   refreshed  when the key's expiry was last pushed back;
---   jp         the timing period (now // TIMING_PERIOD) of js;
---   js         the fleet's spread reported in period jp (see note_timing);
---   ps         the same in period jp - 1, or -1 when unknown.
+--   jp         the timing period (now // TIMING_PERIOD) the histogram is of;
+--   js         the fleet's spread in force (see note_timing);
+--   h          the histogram of the period's latenesses, comma-separated
+--              counts per LATE_BUCKETS bucket.
 -- read_meta returns them as a table, or nil when the key is missing.
 local function read_meta()
   local v = redis.call('GET', KEYS[1])
   if not v then
     return nil
   end
-  local f = {}
-  for x in string.gmatch(v, '[^:]+') do
-    f[#f + 1] = tonumber(x)
+  -- The histogram is kept as text until a report needs it.
+  local e, p, r, jp, js, h = string.match(v, '^(%d+):(%d+):(%d+):?(%-?%d*):?(%d*):?([%d,]*)$')
+  if not e then
+    return nil
   end
   return {
-    epoch = f[1] or 0, pause = f[2] or 0, refreshed = f[3] or 0,
-    jp = f[4] or -1, js = f[5] or -1, ps = f[6] or -1,
+    epoch = tonumber(e), pause = tonumber(p), refreshed = tonumber(r),
+    jp = tonumber(jp) or -1, js = tonumber(js) or 0, htext = h,
   }
 end
 
 local function new_meta(now)
-  return { epoch = now, pause = 0, refreshed = now, jp = -1, js = -1, ps = -1 }
+  return { epoch = now, pause = 0, refreshed = now, jp = -1, js = 0, htext = '' }
+end
+
+-- histogram returns the meta's histogram as a table of counts.
+local function histogram(m)
+  if not m.h then
+    m.h = {}
+    for x in string.gmatch(m.htext, '[^,]+') do
+      m.h[#m.h + 1] = tonumber(x)
+    end
+  end
+  return m.h
 end
 
 local function write_meta(m, rs)
@@ -158,52 +171,95 @@ local function write_meta(m, rs)
       ttl = math.max(ttl, 2 * r.p2 / 1000)
     end
   end
-  local v = { m.epoch, m.pause, m.refreshed, m.jp, m.js, m.ps }
+  local v = { m.epoch, m.pause, m.refreshed, m.jp, m.js }
   for i = 1, #v do
     v[i] = str(v[i])
   end
+  v[#v + 1] = m.h and table.concat(m.h, ',') or m.htext
   redis.call('SET', KEYS[1], table.concat(v, ':'), 'PX', math.ceil(ttl))
 end
 
 -- Timing: each process reports, with its calls, how much later than its
--- usual delay its calls start after their slots (its spread, see timing.go).
--- The fleet's spread is the widest that any process reported in this period
--- or the last one: one call may reach the vendor that much later after its
--- slot than another. Periods roll, so a process that stops reporting a wide
--- spread stops widening the margin within two.
-local TIMING_PERIOD = 5000000
+-- usual delay its calls since its last report started after their slots
+-- (see timing.go), as counts per bucket of lateness. Bucket 0 holds
+-- latenesses under 1ms, bucket k those under 2^(k/2) ms. The fleet's spread
+-- is the SPREAD_QUANTILE of the latenesses of all its calls over a period:
+-- how much later after its slot one call may start than another, but for
+-- the few that the late-start guard books again. It is computed when a
+-- period ends, and raised during a period as soon as enough calls show more.
+-- So one slow process among many widens the margin only as much as its
+-- share of the calls, and a fleet that calms down narrows it within two
+-- periods.
+local TIMING_PERIOD = 2000000
+local LATE_BUCKETS = 22
+local SPREAD_QUANTILE = 0.99
+local SPREAD_SAMPLES = 50
 
--- note_timing folds a process's spread (negative: none) into the meta, and
--- reports whether the meta changed.
-local function note_timing(m, now, spread)
-  if spread < 0 then
+-- bucket_top returns the top of bucket k, in microseconds; 0 for bucket 0:
+-- a spread under a millisecond is none.
+local function bucket_top(k)
+  if k == 0 then
+    return 0
+  end
+  return math.floor(1000 * 2 ^ (k / 2))
+end
+
+-- quantile returns the SPREAD_QUANTILE of histogram h, at the top of its
+-- bucket, and the number of latenesses in it.
+local function quantile(h)
+  local total = 0
+  for k = 1, LATE_BUCKETS do
+    total = total + (h[k] or 0)
+  end
+  local want, seen = SPREAD_QUANTILE * total, 0
+  for k = 1, LATE_BUCKETS do
+    seen = seen + (h[k] or 0)
+    if seen >= want and seen > 0 then
+      return bucket_top(k - 1), total
+    end
+  end
+  return 0, total
+end
+
+-- note_timing folds a process's report ("k:n,k:n": n latenesses in bucket
+-- k) into the meta, and reports whether it changed.
+local function note_timing(m, now, report)
+  local p = math.floor(now / TIMING_PERIOD)
+  if report == '' and m.jp >= p - 1 then
     return false
   end
-  local p = math.floor(now / TIMING_PERIOD)
-  if m.jp == p then
-    if spread <= m.js then
-      return false
+  if m.jp ~= p then
+    -- A new period: the last one, if it saw enough calls, says the spread;
+    -- a fleet idle for a period or more starts from nothing.
+    local q, n = quantile(histogram(m))
+    if m.jp == p - 1 and n >= SPREAD_SAMPLES then
+      m.js = q
+    elseif m.jp < p - 1 then
+      m.js = 0
     end
-    m.js = spread
-  elseif m.jp == p - 1 then
-    m.jp, m.js, m.ps = p, spread, m.js
-  else
-    m.jp, m.js, m.ps = p, spread, -1
+    m.jp, m.h = p, {}
+  end
+  histogram(m)
+  for k, n in string.gmatch(report, '(%d+):(%d+)') do
+    k = math.min(tonumber(k), LATE_BUCKETS - 1) + 1
+    m.h[k] = (m.h[k] or 0) + tonumber(n)
+  end
+  for k = 1, LATE_BUCKETS do
+    m.h[k] = m.h[k] or 0
+  end
+  local q, n = quantile(m.h)
+  if n >= SPREAD_SAMPLES and q > m.js then
+    m.js = q
   end
   return true
 end
 
 -- fleet_spread returns the fleet's spread as of now, 0 when unknown.
 local function fleet_spread(m, now)
-  local p = math.floor(now / TIMING_PERIOD)
-  if not m or m.jp < p - 1 then
+  if not m or m.jp < math.floor(now / TIMING_PERIOD) - 1 then
     return 0
   end
-  local spread = m.js
-  if m.jp == p then
-    spread = math.max(spread, m.ps)
-  end
-  return math.max(spread, 0)
+  return m.js
 end
 
 -- Margins. A window's margin absorbs the spread between the decision in
@@ -326,7 +382,14 @@ local function change(r, id, from, to, t, now)
       expire(r.key, (t - now + r.keep) / 1000)
     else
       zrem(r.key, id, to + 1, from)
-      lower_hint(r, t - r.keep, now)
+      -- Taking out units booked at t makes room only in windows holding t.
+      -- For a slot already past (a call that came too late gives its slot
+      -- back), the times that could gain room lie between now and t + w,
+      -- all within the window (t, t + w]: if that window is full anyway,
+      -- none gains room, and the hint stays.
+      if t >= now or redis.call('ZCOUNT', r.key, '(' .. str(t), str(t + r.p2)) < r.p1 then
+        lower_hint(r, t - r.keep, now)
+      end
     end
   elseif r.kind == COUNTER then
     local b = str(bucket_of(t, r.p3))
