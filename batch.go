@@ -76,7 +76,7 @@ func (l *Limiter) decideInRedis(ctx context.Context, sc scope, c call, maxWait t
 	case <-ctx.Done():
 		err = ctx.Err()
 	case <-timer.C:
-		err = l.unavailable(fmt.Errorf("no answer within %v", l.s.redisTimeout))
+		err = l.unavailable(fmt.Errorf("no answer within %v: %w", l.s.redisTimeout, context.DeadlineExceeded))
 	}
 	if !req.state.CompareAndSwap(requestWaiting, requestAbandoned) {
 		// The decision came in at the same moment: keep it.

@@ -115,30 +115,14 @@ func (l *Limiter) cancel(ctx context.Context, c call, r result) {
 	_ = l.run(context.WithoutCancel(ctx), lua.Cancel, r.scope, l.args(r.member, c.cost, r.slot().Microseconds(), r.epoch, 0)).Err()
 }
 
-// run runs a script with the limiter's Redis timeout. It loads the script
-// once per limiter before its first use, so that a fleet starting on an empty
-// script cache pays one SCRIPT LOAD per process rather than a NOSCRIPT round
-// trip per call; after a SCRIPT FLUSH or a failover, go-redis falls back to
-// EVAL on NOSCRIPT.
+// run runs a script with the limiter's Redis timeout. go-redis sends
+// EVALSHA, and EVAL when Redis does not know the script yet: a fleet on a
+// Redis that has the script sends only its SHA, however many replicas start
+// at once.
 func (l *Limiter) run(ctx context.Context, s *redis.Script, sc scope, args []any) *redis.Cmd {
 	ctx, cancel := context.WithTimeout(ctx, l.s.redisTimeout)
 	defer cancel()
-	l.load(ctx, s)
 	return s.Run(ctx, l.rdb, sc.keys, args...)
-}
-
-func (l *Limiter) load(ctx context.Context, s *redis.Script) {
-	if _, ok := l.loaded.Load(s); ok {
-		return
-	}
-	l.loadMu.Lock()
-	defer l.loadMu.Unlock()
-	if _, ok := l.loaded.Load(s); ok {
-		return
-	}
-	if s.Load(ctx, l.rdb).Err() == nil {
-		l.loaded.Store(s, true)
-	}
 }
 
 // unavailable wraps an error of Redis, or of the way to it.

@@ -267,8 +267,6 @@ type Limiter struct {
 	local     *local       // the Local fallback, or nil
 	localNow  atomic.Bool  // the Local fallback decides calls now
 	horizon   atomic.Int64 // local Unix nanoseconds of the latest slot booked in Redis
-	loadMu    sync.Mutex
-	loaded    sync.Map // *redis.Script -> true once this limiter loaded it
 }
 
 // New returns a Limiter for the quota called name on rdb (a Client,

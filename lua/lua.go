@@ -5,6 +5,7 @@ package lua
 
 import (
 	_ "embed"
+	"strings"
 
 	"github.com/redis/go-redis/v9"
 )
@@ -27,18 +28,35 @@ var (
 )
 
 // The scripts. go-redis runs each with EVALSHA and falls back to EVAL when
-// Redis answers NOSCRIPT (after SCRIPT FLUSH, a restart or a failover).
+// Redis answers NOSCRIPT (a new Redis, SCRIPT FLUSH, a restart or a
+// failover). They reach Redis without their comments, which are most of
+// their text: a fleet of many replicas starting on a Redis that lost its
+// scripts sends each one once per replica.
 var (
 	// Acquire admits, books or refuses one call against every rule of a quota.
-	Acquire = redis.NewScript(lib + acquire)
+	Acquire = script(acquire)
 	// Cancel gives back the booking of a call that stopped waiting.
-	Cancel = redis.NewScript(lib + cancel)
+	Cancel = script(cancel)
 	// Settle replaces a call's estimated cost by its actual cost.
-	Settle = redis.NewScript(lib + settle)
+	Settle = script(settle)
 	// Release frees a call's concurrency slots or extends their lease.
-	Release = redis.NewScript(lib + release)
+	Release = script(release)
 	// Feedback records a vendor's pause and remaining count for the fleet.
-	Feedback = redis.NewScript(lib + feedback)
+	Feedback = script(feedback)
 	// Usage reads how full each rule is, changing nothing.
-	Usage = redis.NewScript(lib + usage)
+	Usage = script(usage)
 )
+
+// script prepends lib.lua to a script and drops the lines that hold only a
+// comment.
+func script(src string) *redis.Script {
+	var b strings.Builder
+	for _, line := range strings.Split(lib+src, "\n") {
+		if t := strings.TrimSpace(line); t == "" || strings.HasPrefix(t, "--") {
+			continue
+		}
+		b.WriteString(line)
+		b.WriteByte('\n')
+	}
+	return redis.NewScript(b.String())
+}
