@@ -144,7 +144,7 @@ func (l *Limiter) decide(sc scope, batch []*request) {
 		}
 	}
 	args := l.args("", 0, int64(len(batch)), l.epoch.Load(), int64(len(late)))
-	args = append(args, l.timing.report())
+	args = append(args, l.lates.report(), l.timing.delay().Microseconds())
 	for _, r := range late {
 		args = append(args, r.member, r.cost, r.slot().Microseconds(), r.epoch)
 	}
@@ -169,8 +169,7 @@ func (l *Limiter) decide(sc scope, batch []*request) {
 	pause := time.Duration(v[1]) * time.Microsecond
 	margin := time.Duration(v[4]) * time.Microsecond
 	done := time.Duration(v[5]) * time.Microsecond
-	l.timing.observe(done, sent, recvd)
-	l.margin.Store(int64(margin))
+	l.timing.observe(now, done, sent, recvd)
 	l.notePause(sc, now, pause)
 	l.noteEpoch(v[2], v[3] == 1)
 	for i, req := range batch {

@@ -251,8 +251,8 @@ type Limiter struct {
 	hasShared bool     // some rule is shared by all keys
 	hasConc   bool     // some rule is a Concurrency
 	maxCost   int
-	timing    *timing
-	margin    atomic.Int64 // the smallest guarded margin in force, as Redis last said; 0: none
+	timing    *timing // how late calls start, shared with the process's other limiters on the same server
+	lates     lates   // how late this limiter's calls started since its last report
 	epoch     atomic.Int64 // the quota's epoch as last seen; 0 before the first decision
 	s         settings
 	id        string
@@ -313,7 +313,7 @@ func New(rdb redis.UniversalClient, name string, policy policies.Policy, opts ..
 	if err := validName("WithPrefix", s.prefix); err != nil {
 		return nil, err
 	}
-	l := &Limiter{rdb: rdb, name: name, rules: rules, s: s, id: newID(), freed: make(chan struct{}), brk: newBreaker(), timing: newTiming(s.clock)}
+	l := &Limiter{rdb: rdb, name: name, rules: rules, s: s, id: newID(), freed: make(chan struct{}), brk: newBreaker(), timing: timingFor(rdb, s.clock)}
 	if s.onRedisError == Local {
 		if l.local, err = newLocal(rules, s.replicas); err != nil {
 			return nil, fmt.Errorf("throttle: quota %q: %w", name, err)
@@ -329,10 +329,6 @@ func New(rdb redis.UniversalClient, name string, policy policies.Policy, opts ..
 		l.hasShared = l.hasShared || !r.PerKey
 		l.hasConc = l.hasConc || r.Kind == policies.KindConcurrency
 		l.maxCost = min(l.maxCost, r.Limit)
-		guarded := r.Kind == policies.KindSlidingLog || r.Kind == policies.KindSlidingCounter
-		if m := time.Duration(l.margin.Load()); guarded && r.Margin >= minGuardedMargin && (m == 0 || r.Margin < m) {
-			l.margin.Store(int64(r.Margin))
-		}
 	}
 	if s.mode == Queue {
 		l.q = newQueue(s.maxQueue, s.overflow, min(l.maxCost, maxDispatched))

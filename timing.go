@@ -5,6 +5,8 @@ import (
 	"strconv"
 	"sync"
 	"time"
+
+	"github.com/redis/go-redis/v9"
 )
 
 // What the vendor sees is not when Redis admitted a call but when the call
@@ -49,9 +51,26 @@ type timing struct {
 	periodAt time.Duration // local time the current period began
 	fast     [2]minimum    // least recvd - Redis now, this period and the last
 	ahead    [2]minimum    // least Redis now - asked
-
-	late [lateBuckets]int
+	trip     [2]minimum    // least round trip, the script's own time left out
+	readings int           // replies observed since the last reset
 }
+
+// lates counts how late a limiter's calls started since it last reported
+// them to the fleet, by bucket (see lateBuckets).
+type lates struct {
+	mu sync.Mutex
+	n  [lateBuckets]int
+}
+
+// minReadings is how many replies a process observes before it tells the
+// fleet its usual delay: the first ones may include opening a connection.
+const minReadings = 5
+
+// timings shares one timing among the limiters of a process that talk to
+// the same Redis server through plain clients: a limiter that makes a call a
+// second learns the usual delay from all of them, not from its own few
+// replies, which a busy moment may all have slowed.
+var timings sync.Map // server address -> *timing
 
 type minimum struct {
 	v   time.Duration
@@ -68,6 +87,19 @@ func newTiming(clock func() time.Time) *timing {
 	return &timing{origin: time.Now(), clock: clock}
 }
 
+// timingFor returns the timing of a limiter on rdb: the one shared by every
+// limiter of the process on the same server when rdb is a plain client,
+// else one of its own (a cluster's nodes, a failover's masters, each have a
+// clock of their own).
+func timingFor(rdb redis.UniversalClient, clock func() time.Time) *timing {
+	c, ok := rdb.(*redis.Client)
+	if !ok || clock != nil {
+		return newTiming(clock)
+	}
+	k, _ := timings.LoadOrStore(c.Options().Network+"/"+c.Options().Addr, newTiming(nil))
+	return k.(*timing)
+}
+
 // now returns the local time, on the monotonic clock.
 func (k *timing) now() time.Duration { return time.Since(k.origin) }
 
@@ -77,14 +109,17 @@ func (k *timing) roll(at time.Duration) {
 		return
 	}
 	k.periodAt = at
-	for _, m := range []*[2]minimum{&k.fast, &k.ahead} {
+	for _, m := range []*[2]minimum{&k.fast, &k.ahead, &k.trip} {
 		m[1], m[0] = m[0], minimum{}
 	}
 }
 
 // observe records a reply that Redis sent at Redis time redisNow, for a
 // request sent at local time asked and answered at local time recvd.
-func (k *timing) observe(redisNow, asked, recvd time.Duration) {
+//
+// The script ran from Redis time began to Redis time redisNow; that part of
+// the round trip is Redis's work, not the way to it.
+func (k *timing) observe(began, redisNow, asked, recvd time.Duration) {
 	if k.clock != nil {
 		return // the time is given: lateness is read off that clock
 	}
@@ -92,6 +127,7 @@ func (k *timing) observe(redisNow, asked, recvd time.Duration) {
 	defer k.mu.Unlock()
 	k.roll(recvd)
 	off, rtt := recvd-redisNow, recvd-asked
+	k.readings++
 	// The reply's delay is between zero and the round trip, so the offset
 	// of the clocks lies within [off - rtt, off]; each reading narrows it.
 	// A reading that falls outside what the others allow means that the
@@ -100,10 +136,12 @@ func (k *timing) observe(redisNow, asked, recvd time.Duration) {
 	fast, okF := least(k.fast)
 	ahead, okA := least(k.ahead)
 	if okF && off-rtt > fast+clockStep || okA && off < -ahead-clockStep {
-		k.fast, k.ahead = [2]minimum{}, [2]minimum{}
+		k.fast, k.ahead, k.trip = [2]minimum{}, [2]minimum{}, [2]minimum{}
+		k.readings = 1
 	}
 	k.fast[0].add(off)
 	k.ahead[0].add(redisNow - asked)
+	k.trip[0].add(rtt - (redisNow - began))
 }
 
 // fastest returns the least recvd - Redis now of the last two periods.
@@ -158,24 +196,24 @@ func (k *timing) redisAt(at time.Time) (time.Duration, bool) {
 	return local + ahead, true
 }
 
-// noteLate records how late a call started, for the fleet's spread.
-func (k *timing) noteLate(late time.Duration) {
+// note records how late a call started, for the fleet's spread.
+func (c *lates) note(late time.Duration) {
 	b := 0
 	if late >= time.Millisecond {
 		b = min(int(2*math.Log2(float64(late)/float64(time.Millisecond)))+1, lateBuckets-1)
 	}
-	k.mu.Lock()
-	k.late[b]++
-	k.mu.Unlock()
+	c.mu.Lock()
+	c.n[b]++
+	c.mu.Unlock()
 }
 
 // report returns the latenesses noted since the last report, as the script
 // takes them: "k:n,k:n", n calls in bucket k; "" when there are none.
-func (k *timing) report() string {
-	k.mu.Lock()
-	defer k.mu.Unlock()
+func (c *lates) report() string {
+	c.mu.Lock()
+	defer c.mu.Unlock()
 	var b []byte
-	for i, n := range k.late {
+	for i, n := range c.n {
 		if n == 0 {
 			continue
 		}
@@ -185,7 +223,20 @@ func (k *timing) report() string {
 		b = strconv.AppendInt(b, int64(i), 10)
 		b = append(b, ':')
 		b = strconv.AppendInt(b, int64(n), 10)
-		k.late[i] = 0
+		c.n[i] = 0
 	}
 	return string(b)
+}
+
+// delay returns this process's usual one-way delay from Redis, half its
+// shortest round trip, or -1 while it has seen too few replies to tell.
+// Latenesses are measured from this process's usual delay; the delays of
+// the processes differ by as much again, which the fleet adds to the spread.
+func (k *timing) delay() time.Duration {
+	k.mu.Lock()
+	defer k.mu.Unlock()
+	if trip, ok := least(k.trip); ok && k.readings >= minReadings {
+		return max(trip, 0) / 2
+	}
+	return -time.Microsecond
 }

@@ -24,7 +24,7 @@ func TestTiming_LatenessIsBeyondTheFastestReply(t *testing.T) {
 	for i, delay := range []time.Duration{25 * ms, 20 * ms, 30 * ms} {
 		asked := time.Duration(i) * time.Second
 		redisNow := asked + 20*ms + offset
-		k.observe(redisNow, asked, redisNow-offset+delay)
+		k.observe(redisNow, redisNow, asked, redisNow-offset+delay)
 	}
 	// A call whose slot is Redis's now, starting now: as late as the
 	// fastest reply would make it, so not late at all.
@@ -42,10 +42,10 @@ func TestTiming_LatenessIsBeyondTheFastestReply(t *testing.T) {
 func TestTiming_ForgetsWhatAClockStepContradicts(t *testing.T) {
 	for _, step := range []time.Duration{-time.Second, time.Second} {
 		k := newTiming(nil)
-		k.observe(time.Second+2*ms, time.Second, time.Second+4*ms)
+		k.observe(time.Second+2*ms, time.Second+2*ms, time.Second, time.Second+4*ms)
 		// Redis's clock steps: the next reply cannot have come from the
 		// clock the first one did.
-		k.observe(2*time.Second+2*ms+step, 2*time.Second, 2*time.Second+4*ms)
+		k.observe(2*time.Second+2*ms+step, 2*time.Second+2*ms+step, 2*time.Second, 2*time.Second+4*ms)
 		k.mu.Lock()
 		fast, _ := least(k.fast)
 		k.mu.Unlock()
@@ -56,20 +56,41 @@ func TestTiming_ForgetsWhatAClockStepContradicts(t *testing.T) {
 }
 
 func TestTiming_ReportsLatenessesOnceByBucket(t *testing.T) {
-	k := newTiming(nil)
-	if r := k.report(); r != "" {
-		t.Fatalf("a process with no calls reported %q", r)
+	var c lates
+	if r := c.report(); r != "" {
+		t.Fatalf("a limiter with no calls reported %q", r)
 	}
 	for _, late := range []time.Duration{-3 * ms, 0, 999 * time.Microsecond, ms, 1500 * ms / 1000, 3 * ms, time.Hour} {
-		k.noteLate(late)
+		c.note(late)
 	}
 	// Under 1ms, then buckets up to 2^(k/2) ms: [1, 1.41), [1.41, 2),
 	// [2, 2.83), [2.83, 4), ...; an hour goes in the last one.
-	if r, want := k.report(), "0:3,1:1,2:1,4:1,21:1"; r != want {
+	if r, want := c.report(), "0:3,1:1,2:1,4:1,21:1"; r != want {
 		t.Errorf("report %q, want %q", r, want)
 	}
-	if r := k.report(); r != "" {
+	if r := c.report(); r != "" {
 		t.Errorf("second report %q, want nothing: each lateness is reported once", r)
+	}
+}
+
+// A process tells the fleet its usual delay once it has seen a few replies:
+// half its shortest round trip, the script's own time left out.
+func TestTiming_UsualDelay(t *testing.T) {
+	k := newTiming(nil)
+	for i := range minReadings {
+		if d := k.delay(); d >= 0 {
+			t.Fatalf("after %d replies: delay %v, want none yet", i, d)
+		}
+		asked := time.Duration(i) * time.Second
+		// 10ms each way, 4ms of script; one reply slowed by 20ms more.
+		extra := time.Duration(0)
+		if i == 2 {
+			extra = 20 * ms
+		}
+		k.observe(asked+10*ms, asked+14*ms, asked, asked+24*ms+extra)
+	}
+	if d := k.delay(); d != 10*ms {
+		t.Errorf("delay %v, want 10ms", d)
 	}
 }
 
@@ -105,7 +126,7 @@ func TestMargin_FollowsTheFleetsSpread(t *testing.T) {
 		report := func(l *Limiter, n int, late time.Duration) {
 			t.Helper()
 			for range n {
-				l.timing.noteLate(late)
+				l.lates.note(late)
 			}
 			if d, err := l.Allow(ctx); err != nil || !d.OK {
 				t.Fatalf("Allow: %+v, %v", d, err)
@@ -120,19 +141,19 @@ func TestMargin_FollowsTheFleetsSpread(t *testing.T) {
 		report(a, 90, 0)
 		report(b, 20, 40*ms)
 		check("some late", 45254*time.Microsecond, 90508*time.Microsecond, 0, policies.DefaultMargin)
-		if got := time.Duration(b.margin.Load()); got != 30*ms {
-			t.Errorf("the late-start guard uses %v, want the smallest guarded margin in force, 30ms", got)
-		}
-
 		// A starved fleet: the margin stops at a tenth of the window.
 		report(b, 100, 900*ms)
 		check("starved", 1024*ms, 100*ms, 0, policies.DefaultMargin)
 
-		// A period later, the calls of the last one say the spread; two
-		// periods on time, and it is back to nothing.
+		// The calls of the period after still go by it: the calls booked
+		// with the wide margin may start as late as it allows, and the
+		// windows after them keep it.
 		clock.Add(2 * time.Second)
 		report(a, 100, 0)
-		clock.Add(2 * time.Second)
+		check("held", 1024*ms, 100*ms, 0, policies.DefaultMargin)
+		// Once those calls have left the longest window, and a period went
+		// by on time, it is back to the floor.
+		clock.Add(3 * time.Second)
 		report(a, 100, 0)
 		check("calm again", 0, policies.DefaultMargin, 0, policies.DefaultMargin)
 	})

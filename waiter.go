@@ -122,10 +122,12 @@ func (l *Limiter) now(ctx context.Context, c call) (result, error) {
 
 // late returns how late after its slot the call r would start now, beyond
 // the usual delay of Redis's replies, and whether that is more than half the
-// margin in force, which is as late as a call may start. A call that is too
-// late is noted for the spread the margin follows.
+// margin in force when it was booked, which is as late as a call may start:
+// the calls booked after it keep that margin from it, and the script never
+// narrows the margin while such calls are ahead. A call that is too late is
+// noted for the spread the margin follows.
 func (l *Limiter) late(r result) (time.Duration, bool) {
-	m := time.Duration(l.margin.Load())
+	m := r.margin
 	if r.local || m < minGuardedMargin {
 		return 0, false
 	}
@@ -133,7 +135,7 @@ func (l *Limiter) late(r result) (time.Duration, bool) {
 	if !ok || late <= m/2 {
 		return late, false
 	}
-	l.timing.noteLate(late)
+	l.lates.note(late)
 	return late, true
 }
 
@@ -144,7 +146,7 @@ func (p *Permit) start() {
 		return
 	}
 	if late, ok := p.l.timing.lateness(p.r.startsAt()); ok {
-		p.l.timing.noteLate(late)
+		p.l.lates.note(late)
 	}
 }
 

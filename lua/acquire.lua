@@ -12,6 +12,7 @@
 --   how much later than its usual delay the calling process's calls since
 --   its last report started after their slots: "k:n,k:n", n calls in
 --   bucket k (see note_timing in lib.lua), or "" for none;
+--   that usual delay, one way, in microseconds, or -1 when unknown;
 --   for each booking to give back (a call that would start too late books
 --   again in the same script call), four arguments: its id, its cost, its
 --   slot in microseconds, and the epoch it was booked in;
@@ -330,8 +331,8 @@ end
 local rs = rules()
 local ncalls, ngive = tonumber(ARGV[4]), tonumber(ARGV[6])
 local arg = after_rules()
-local report = ARGV[arg]
-arg = arg + 1
+local report, delay = ARGV[arg], tonumber(ARGV[arg + 1])
+arg = arg + 2
 
 -- A missing meta key means a new quota, or a Redis that lost its data (a
 -- restart without persistence, a failover to a replica that lagged). The
@@ -363,13 +364,11 @@ elseif now - meta.refreshed > META_REFRESH then
   meta.refreshed = now
   dirty = true
 end
-if note_timing(meta, now, report) then
+if note_timing(meta, now, report, delay) then
   dirty = true
 end
-if dirty then
-  write_meta(meta, rs)
-end
-local margin = margins(rs, fleet_spread(meta, now))
+local spread = spread_in_force(meta, now)
+local margin = margins(rs, spread)
 
 -- Bookings given back, before anything is decided: their slots go to the
 -- calls of this batch as to any other. A booking of another epoch is gone
@@ -458,6 +457,19 @@ for c = 0, ncalls - 1 do
     end
     out[#out + 1], out[#out + 2], out[#out + 3], out[#out + 4] = 1, str(t - now), remaining, 0
   end
+end
+
+local latest = 0
+for _, r in ipairs(rs) do
+  if r.recorded then
+    latest = math.max(latest, r.tmax)
+  end
+end
+if latest > 0 and hold_spread(meta, now, spread, latest, rs) then
+  dirty = true
+end
+if dirty then
+  write_meta(meta, rs)
 end
 
 -- Each key must outlive its latest entry by a window.

@@ -30,7 +30,7 @@ end
 
 local rs = rules()
 local meta = read_meta()
-margins(rs, fleet_spread(meta, now))
+margins(rs, spread_in_force(meta, now))
 local until_ = pause_until(meta and meta.pause or 0)
 if pause > 0 and now + pause > until_ then
   until_ = now + pause

@@ -131,7 +131,14 @@ local META_REFRESH = 24 * 3600 * 1000000
 --   jp         the timing period (now // TIMING_PERIOD) the histogram is of;
 --   js         the fleet's spread in force (see note_timing);
 --   h          the histogram of the period's latenesses, comma-separated
---              counts per LATE_BUCKETS bucket.
+--              counts per LATE_BUCKETS bucket;
+--   dx, dn     the longest and shortest usual delay from Redis that the
+--              fleet's processes reported in period jp; pdx, pdn the same in
+--              the period before, or -1;
+--   hs, hu     a spread held until time hu: calls were booked with the
+--              margins it gave, and may start as late as those allow, so
+--              the margins may not narrow until they have all left their
+--              windows (see spread_in_force).
 -- read_meta returns them as a table, or nil when the key is missing.
 local function read_meta()
   local v = redis.call('GET', KEYS[1])
@@ -139,18 +146,27 @@ local function read_meta()
     return nil
   end
   -- The histogram is kept as text until a report needs it.
-  local e, p, r, jp, js, h = string.match(v, '^(%d+):(%d+):(%d+):?(%-?%d*):?(%d*):?([%d,]*)$')
+  local f = {}
+  for x in string.gmatch(v, '([^:]*):?') do
+    f[#f + 1] = x
+  end
+  local e = tonumber(f[1])
   if not e then
     return nil
   end
   return {
-    epoch = tonumber(e), pause = tonumber(p), refreshed = tonumber(r),
-    jp = tonumber(jp) or -1, js = tonumber(js) or 0, htext = h,
+    epoch = e, pause = tonumber(f[2]) or 0, refreshed = tonumber(f[3]) or 0,
+    jp = tonumber(f[4]) or -1, js = tonumber(f[5]) or 0, htext = f[6] or '',
+    hs = tonumber(f[7]) or 0, hu = tonumber(f[8]) or 0,
+    dx = tonumber(f[9]) or -1, dn = tonumber(f[10]) or -1, pdx = tonumber(f[11]) or -1, pdn = tonumber(f[12]) or -1,
   }
 end
 
 local function new_meta(now)
-  return { epoch = now, pause = 0, refreshed = now, jp = -1, js = 0, htext = '' }
+  return {
+    epoch = now, pause = 0, refreshed = now, jp = -1, js = 0, htext = '', hs = 0, hu = 0,
+    dx = -1, dn = -1, pdx = -1, pdn = -1,
+  }
 end
 
 -- histogram returns the meta's histogram as a table of counts.
@@ -171,11 +187,11 @@ local function write_meta(m, rs)
       ttl = math.max(ttl, 2 * r.p2 / 1000)
     end
   end
-  local v = { m.epoch, m.pause, m.refreshed, m.jp, m.js }
+  local v = { m.epoch, m.pause, m.refreshed, m.jp, m.js, 0, m.hs, m.hu, m.dx, m.dn, m.pdx, m.pdn }
   for i = 1, #v do
     v[i] = str(v[i])
   end
-  v[#v + 1] = m.h and table.concat(m.h, ',') or m.htext
+  v[6] = m.h and table.concat(m.h, ',') or m.htext
   redis.call('SET', KEYS[1], table.concat(v, ':'), 'PX', math.ceil(ttl))
 end
 
@@ -222,10 +238,12 @@ local function quantile(h)
 end
 
 -- note_timing folds a process's report ("k:n,k:n": n latenesses in bucket
--- k) into the meta, and reports whether it changed.
-local function note_timing(m, now, report)
+-- k; its usual delay from Redis, or -1) into the meta, and reports whether
+-- it changed.
+local function note_timing(m, now, report, delay)
   local p = math.floor(now / TIMING_PERIOD)
-  if report == '' and m.jp >= p - 1 then
+  local known = delay < 0 or m.jp == p and delay <= m.dx and delay >= m.dn
+  if report == '' and known and m.jp >= p - 1 then
     return false
   end
   if m.jp ~= p then
@@ -234,10 +252,20 @@ local function note_timing(m, now, report)
     local q, n = quantile(histogram(m))
     if m.jp == p - 1 and n >= SPREAD_SAMPLES then
       m.js = q
+      m.pdx, m.pdn = m.dx, m.dn
     elseif m.jp < p - 1 then
       m.js = 0
+      m.pdx, m.pdn = -1, -1
     end
-    m.jp, m.h = p, {}
+    m.jp, m.h, m.dx, m.dn = p, {}, -1, -1
+  end
+  if delay >= 0 then
+    if m.dx < 0 or delay > m.dx then
+      m.dx = delay
+    end
+    if m.dn < 0 or delay < m.dn then
+      m.dn = delay
+    end
   end
   histogram(m)
   for k, n in string.gmatch(report, '(%d+):(%d+)') do
@@ -254,12 +282,59 @@ local function note_timing(m, now, report)
   return true
 end
 
--- fleet_spread returns the fleet's spread as of now, 0 when unknown.
+-- fleet_spread returns the fleet's spread as of now, 0 when unknown: the
+-- lateness of its calls beyond each process's usual delay, and how much the
+-- usual delays of its processes differ.
 local function fleet_spread(m, now)
   if not m or m.jp < math.floor(now / TIMING_PERIOD) - 1 then
     return 0
   end
+  local dx, dn = m.dx, m.dn
+  if m.pdx >= 0 then
+    dx = math.max(dx, m.pdx)
+    dn = dn < 0 and m.pdn or math.min(dn, m.pdn)
+  end
+  if dx >= 0 and dn >= 0 then
+    return m.js + dx - dn
+  end
   return m.js
+end
+
+-- spread_in_force returns the spread the margins follow now: the fleet's,
+-- or a wider one still held for the calls booked with it.
+local function spread_in_force(m, now)
+  local spread = fleet_spread(m, now)
+  if m and m.hu > now then
+    spread = math.max(spread, m.hs)
+  end
+  return spread
+end
+
+-- hold_spread keeps spread in force until the calls booked up to slot have
+-- left the windows of rules rs, and the latest of them may have started:
+-- a call may start as late as half the margin it was booked with, and the
+-- calls after it keep that margin from it. It reports whether the meta
+-- changed.
+local function hold_spread(m, now, spread, slot, rs)
+  if spread <= 0 then
+    return false
+  end
+  local span = 0
+  for _, r in ipairs(rs) do
+    if r.kind == LOG or r.kind == COUNTER then
+      span = math.max(span, r.p2 + r.margin)
+    end
+  end
+  local hu = slot + span
+  -- Pushed back in steps of a tenth of the span, to spare a write per call.
+  if spread > m.hs or m.hu <= now or hu > m.hu + span / 10 then
+    if m.hu <= now or spread > m.hs then
+      m.hs = spread
+    end
+    m.hu = math.max(m.hu, hu + span / 10)
+    return true
+  end
+  return false
 end
 
 -- Margins. A window's margin absorbs the spread between the decision in

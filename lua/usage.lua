@@ -15,7 +15,7 @@
 
 local now = clock()
 local meta = read_meta()
-local spread = fleet_spread(meta, now)
+local spread = spread_in_force(meta, now)
 local rs = rules()
 margins(rs, spread)
 local out = { str(now), str(pause_until(meta and meta.pause or 0)), str(spread) }
