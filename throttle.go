@@ -251,8 +251,8 @@ type Limiter struct {
 	hasShared bool     // some rule is shared by all keys
 	hasConc   bool     // some rule is a Concurrency
 	maxCost   int
-	timing    *timing // how late calls start, shared with the process's other limiters on the same server
-	lates     lates   // how late this limiter's calls started since its last report
+	timing    *timing      // how late calls start, shared with the process's other limiters on the same server
+	lates     lates        // how late this limiter's calls started since its last report
 	epoch     atomic.Int64 // the quota's epoch as last seen; 0 before the first decision
 	s         settings
 	id        string
