@@ -36,7 +36,8 @@ type request struct {
 	c       call
 	maxWait time.Duration
 	member  string
-	late    *result // a booking of this call to give back first: it would start too late
+	late    *result       // a booking of this call to give back first: it would start too late
+	sent    chan struct{} // closed when the script call deciding it is sent
 	done    chan struct{}
 	res     result
 	err     error
@@ -56,7 +57,7 @@ const (
 // A call that got a slot too late to start in it passes that booking as
 // late: it is given back in the same script call that books the call again.
 func (l *Limiter) decideInRedis(ctx context.Context, sc scope, c call, maxWait time.Duration, late *result) (result, error) {
-	req := &request{c: c, maxWait: maxWait, member: l.newMember(), late: late, done: make(chan struct{})}
+	req := &request{c: c, maxWait: maxWait, member: l.newMember(), late: late, sent: make(chan struct{}), done: make(chan struct{})}
 	if ln := l.submit(sc, req); ln != nil {
 		// Nothing was on its way: decide this call here, with no hand-over
 		// to another goroutine, and leave the calls that queued meanwhile to
@@ -67,16 +68,33 @@ func (l *Limiter) decideInRedis(ctx context.Context, sc scope, c call, maxWait t
 		}
 		return req.res, req.err
 	}
-	timer := time.NewTimer(l.s.redisTimeout)
-	defer timer.Stop()
-	var err error
-	select {
-	case <-req.done:
-		return req.res, req.err
-	case <-ctx.Done():
-		err = ctx.Err()
-	case <-timer.C:
-		err = l.unavailable(fmt.Errorf("no answer within %v: %w", l.s.redisTimeout, context.DeadlineExceeded))
+	// The Redis timeout runs from when the call's own script call is sent:
+	// waiting behind another one, itself bounded by the timeout, is no sign
+	// of a failing Redis.
+	var (
+		err     error
+		sent    = req.sent
+		timer   *time.Timer
+		timeout <-chan time.Time
+	)
+	defer func() {
+		if timer != nil {
+			timer.Stop()
+		}
+	}()
+	for err == nil {
+		select {
+		case <-req.done:
+			return req.res, req.err
+		case <-ctx.Done():
+			err = ctx.Err()
+		case <-sent:
+			sent = nil
+			timer = time.NewTimer(l.s.redisTimeout)
+			timeout = timer.C
+		case <-timeout:
+			err = l.unavailable(fmt.Errorf("no answer within %v: %w", l.s.redisTimeout, context.DeadlineExceeded))
+		}
 	}
 	if !req.state.CompareAndSwap(requestWaiting, requestAbandoned) {
 		// The decision came in at the same moment: keep it.
@@ -150,6 +168,9 @@ func (l *Limiter) decide(sc scope, batch []*request) {
 	}
 	for _, req := range batch {
 		args = append(args, req.member, req.c.cost, req.maxWait.Microseconds())
+	}
+	for _, req := range batch {
+		close(req.sent)
 	}
 	sent := l.timing.now()
 	v, err := l.run(ctx, lua.Acquire, sc, args).Int64Slice()

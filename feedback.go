@@ -74,6 +74,7 @@ func (l *Limiter) feedback(ctx context.Context, pause time.Duration, remaining i
 		}
 	}
 	args := argsFor(l.s.clock, l.newMember(), int(asOf.Microseconds()), pause.Microseconds(), int64(remaining), reset.Microseconds(), rules)
+	args = append(args, l.epoch.Load())
 	v, err := lua.Feedback.Run(ctx, l.rdb, keys, args...).Int64Slice()
 	if err != nil {
 		return l.unavailable(err)

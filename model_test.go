@@ -178,6 +178,7 @@ func checkSeed(t *testing.T, rdb redis.UniversalClient, mini *miniredis.Miniredi
 					c:       call{key: key, hasKey: true, cost: 1 + rng.IntN(min(run.maxCost, lim.maxCost))},
 					maxWait: []time.Duration{0, 7 * time.Millisecond, 40 * time.Millisecond, 200 * time.Millisecond}[rng.IntN(4)],
 					member:  lim.newMember(),
+					sent:    make(chan struct{}),
 					done:    make(chan struct{}),
 				})
 			}

@@ -133,13 +133,28 @@ func (l *Limiter) unavailable(err error) error {
 // notePause remembers, in local time, until when a scope is paused, so that
 // a waiter of this process that wakes during a pause books again instead of
 // calling a vendor that asked for quiet.
+//
+// Pauses that ended are swept now and then, so that the memory of a quota
+// with many keys paused once does not only grow.
 func (l *Limiter) notePause(sc scope, now, until time.Duration) {
 	if until <= now {
 		return
 	}
 	end := time.Now().Add(until - now)
-	l.pauses.Store(sc.keys[1], end)
+	if _, had := l.pauses.Swap(sc.keys[1], end); !had && l.pausesAdded.Add(1)%pauseSweep == 0 {
+		t := time.Now()
+		l.pauses.Range(func(k, v any) bool {
+			if !v.(time.Time).After(t) {
+				l.pauses.CompareAndDelete(k, v)
+			}
+			return true
+		})
+	}
 }
+
+// pauseSweep is how many pauses are noted between two sweeps of the ended
+// ones.
+const pauseSweep = 256
 
 // noteEpoch remembers the quota's epoch. A new one means Redis lost the
 // quota's data: calls sleeping towards slots booked before then book again,

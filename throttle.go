@@ -242,31 +242,32 @@ type call struct {
 //
 // A Limiter is safe for concurrent use.
 type Limiter struct {
-	rdb       redis.UniversalClient
-	name      string
-	rules     []policies.Rule
-	base      string   // start of every key: prefix:{name}:
-	shared    []string // the Redis keys of a call with no key; per-key rules get the key appended
-	perKey    bool     // some rule is per key
-	hasShared bool     // some rule is shared by all keys
-	hasConc   bool     // some rule is a Concurrency
-	maxCost   int
-	timing    *timing      // how late calls start, shared with the process's other limiters on the same server
-	lates     lates        // how late this limiter's calls started since its last report
-	epoch     atomic.Int64 // the quota's epoch as last seen; 0 before the first decision
-	s         settings
-	id        string
-	seq       atomic.Uint64
-	pauses    sync.Map // scope pause key -> local time.Time the pause ends
-	freed     chan struct{}
-	freedMu   sync.Mutex
-	q         *queue
-	closed    atomic.Bool
-	batches                // calls waiting for a shared script call
-	brk       *breaker     // keeps calls away from a failing Redis
-	local     *local       // the Local fallback, or nil
-	localNow  atomic.Bool  // the Local fallback decides calls now
-	horizon   atomic.Int64 // local Unix nanoseconds of the latest slot booked in Redis
+	rdb         redis.UniversalClient
+	name        string
+	rules       []policies.Rule
+	base        string   // start of every key: prefix:{name}:
+	shared      []string // the Redis keys of a call with no key; per-key rules get the key appended
+	perKey      bool     // some rule is per key
+	hasShared   bool     // some rule is shared by all keys
+	hasConc     bool     // some rule is a Concurrency
+	maxCost     int
+	timing      *timing      // how late calls start, shared with the process's other limiters on the same server
+	lates       lates        // how late this limiter's calls started since its last report
+	epoch       atomic.Int64 // the quota's epoch as last seen; 0 before the first decision
+	s           settings
+	id          string
+	seq         atomic.Uint64
+	pauses      sync.Map // scope pause key -> local time.Time the pause ends
+	pausesAdded atomic.Uint64
+	freed       chan struct{}
+	freedMu     sync.Mutex
+	q           *queue
+	closed      atomic.Bool
+	batches                  // calls waiting for a shared script call
+	brk         *breaker     // keeps calls away from a failing Redis
+	local       *local       // the Local fallback, or nil
+	localNow    atomic.Bool  // the Local fallback decides calls now
+	horizon     atomic.Int64 // local Unix nanoseconds of the latest slot booked in Redis
 }
 
 // New returns a Limiter for the quota called name on rdb (a Client,

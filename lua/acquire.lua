@@ -72,9 +72,15 @@ local function load(r)
     table.sort(r.bs)
   elseif r.kind == BUCKET then
     r.tat = tat_of(r.key)
+    if r.loss > 0 then
+      r.tat = math.max(r.tat, r.loss + r.p1 * r.p2)
+    end
   elseif r.kind == CONCURRENCY then
     redis.call('ZREMRANGEBYSCORE', r.key, '-inf', str(now))
     r.n = redis.call('ZCARD', r.key)
+    if now < r.loss + r.p2 then
+      r.n, r.lost_until = r.p1, r.loss + r.p2
+    end
   else
     error('unknown rule kind ' .. tostring(r.kind))
   end
@@ -334,41 +340,24 @@ local arg = after_rules()
 local report, delay = ARGV[arg], tonumber(ARGV[arg + 1])
 arg = arg + 2
 
--- A missing meta key means a new quota, or a Redis that lost its data (a
--- restart without persistence, a failover to a replica that lagged). The
--- caller tells them apart: it knew an epoch. The vendor still counts the
--- calls of the last window that Redis forgot, as many as a full window in
--- the worst case, so the quota pauses for the longest window of its rules,
--- as if every one of them were full. Concurrency rules have no window: their
--- holders release, or their leases end.
+-- A missing or changed meta key may mean that Redis lost the quota's data
+-- (see check_loss in lib.lua).
 local known = tonumber(ARGV[5])
 local meta = read_meta()
-local lost = 0
-local dirty = false
-if not meta then
-  meta = new_meta(now)
-  dirty = true
-  if known > 0 then
-    lost = 1
-    local span = 0
-    for _, r in ipairs(rs) do
-      if r.kind == LOG or r.kind == COUNTER then
-        span = math.max(span, r.p2)
-      elseif r.kind == BUCKET then
-        span = math.max(span, r.p1 * r.p2)
-      end
-    end
-    meta.pause = now + span
-  end
-elseif now - meta.refreshed > META_REFRESH then
+local dirty = meta == nil
+if meta and now - meta.refreshed > META_REFRESH then
   meta.refreshed = now
   dirty = true
 end
-if note_timing(meta, now, report, delay) then
+if meta and note_timing(meta, now, report, delay) then
   dirty = true
 end
 local spread = spread_in_force(meta, now)
 local margin = margins(rs, spread)
+local changed, found = false, false
+meta, changed, found = check_loss(meta, now, known, rs)
+dirty = dirty or changed
+local lost = found and 1 or 0
 
 -- Bookings given back, before anything is decided: their slots go to the
 -- calls of this batch as to any other. A booking of another epoch is gone
@@ -388,6 +377,7 @@ for g = 0, ngive - 1 do
 end
 
 for _, r in ipairs(rs) do
+  r.loss = meta.loss
   load(r)
 end
 local pause = pause_until(meta.pause)
@@ -441,7 +431,8 @@ for c = 0, ncalls - 1 do
       if r.kind == CONCURRENCY and r.n + cost > r.p1 then
         flush(r)
         local head = redis.call('ZRANGE', r.key, 0, 0, 'WITHSCORES')
-        hint = math.max(hint, tonumber(head[2]) - now)
+        local free_at = r.lost_until or tonumber(head[2] or now)
+        hint = math.max(hint, free_at - now)
       end
     end
     out[#out + 1], out[#out + 2], out[#out + 3], out[#out + 4] = 0, str(hint), remaining, 2

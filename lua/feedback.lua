@@ -9,7 +9,9 @@
 --           in the scope of KEYS[2] is admitted before it ends; 0 for none. A
 --           pause only ever lengthens one already in force.
 -- ARGV[5]   the units the vendor says are left, or -1 when it did not say.
--- ARGV[6]   microseconds until the vendor's window resets, or 0 when unknown.
+-- ARGV[6]   microseconds until the vendor's window resets, or 0 when unknown;
+-- after the rules, the quota's epoch as the calling process last saw it, or
+-- 0: a pause must not hide a loss of the quota's data (see check_loss).
 --
 -- When the vendor has fewer units left than a rule believes (another consumer
 -- of the same API key, a restart), the rule is charged the difference, under
@@ -31,16 +33,24 @@ end
 local rs = rules()
 local meta = read_meta()
 margins(rs, spread_in_force(meta, now))
+local known = tonumber(ARGV[after_rules()])
+local dirty = false
+if meta or pause > 0 and KEYS[2] == KEYS[1] then
+  meta, dirty = check_loss(meta, now, known, rs)
+end
 local until_ = pause_until(meta and meta.pause or 0)
 if pause > 0 and now + pause > until_ then
   until_ = now + pause
   if KEYS[2] == KEYS[1] then
-    meta = meta or new_meta(now)
     meta.pause = until_
-    write_meta(meta, rs)
+    dirty = true
   else
     redis.call('SET', KEYS[2], str(until_), 'PX', math.ceil(pause / 1000) + SLACK)
   end
+end
+
+if dirty then
+  write_meta(meta, rs)
 end
 
 local charged = 0

@@ -135,6 +135,7 @@ local META_REFRESH = 24 * 3600 * 1000000
 --   dx, dn     the longest and shortest usual delay from Redis that the
 --              fleet's processes reported in period jp; pdx, pdn the same in
 --              the period before, or -1;
+--   loss       when Redis was last found to have lost the quota's data, or 0;
 --   hs, hu     a spread held until time hu: calls were booked with the
 --              margins it gave, and may start as late as those allow, so
 --              the margins may not narrow until they have all left their
@@ -159,13 +160,14 @@ local function read_meta()
     jp = tonumber(f[4]) or -1, js = tonumber(f[5]) or 0, htext = f[6] or '',
     hs = tonumber(f[7]) or 0, hu = tonumber(f[8]) or 0,
     dx = tonumber(f[9]) or -1, dn = tonumber(f[10]) or -1, pdx = tonumber(f[11]) or -1, pdn = tonumber(f[12]) or -1,
+    loss = tonumber(f[13]) or 0,
   }
 end
 
 local function new_meta(now)
   return {
     epoch = now, pause = 0, refreshed = now, jp = -1, js = 0, htext = '', hs = 0, hu = 0,
-    dx = -1, dn = -1, pdx = -1, pdn = -1,
+    dx = -1, dn = -1, pdx = -1, pdn = -1, loss = 0,
   }
 end
 
@@ -187,7 +189,7 @@ local function write_meta(m, rs)
       ttl = math.max(ttl, 2 * r.p2 / 1000)
     end
   end
-  local v = { m.epoch, m.pause, m.refreshed, m.jp, m.js, 0, m.hs, m.hu, m.dx, m.dn, m.pdx, m.pdn }
+  local v = { m.epoch, m.pause, m.refreshed, m.jp, m.js, 0, m.hs, m.hu, m.dx, m.dn, m.pdx, m.pdn, m.loss }
   for i = 1, #v do
     v[i] = str(v[i])
   end
@@ -376,6 +378,53 @@ local function margins(rs, spread)
     end
   end
   return least
+end
+
+-- Losses. A missing meta key means a new quota, or a Redis that lost its
+-- data (a restart without persistence, a failover to a replica that lagged,
+-- FLUSHALL). A caller that knew an epoch tells them apart; so does a caller
+-- that finds an epoch other than the one it knew: another process, new,
+-- met the empty Redis first. The vendor still counts the calls Redis
+-- forgot, as many as full windows in the worst case, so from the loss on,
+-- every rule counts as full: the quota pauses for its longest window; a
+-- token bucket counts as empty at the loss, and refills from there; a
+-- concurrency rule counts as taken until a lease has run out, since its
+-- holders may still be running.
+
+-- loss_pause returns the time until which the windows of rules rs count as
+-- full after a loss at time at.
+local function loss_pause(rs, at)
+  local span = 0
+  for _, r in ipairs(rs) do
+    if r.kind == LOG or r.kind == COUNTER then
+      span = math.max(span, r.p2)
+    end
+  end
+  return at + span
+end
+
+-- check_loss finds a loss the caller knew nothing of: m is the meta read
+-- (nil when missing), known the epoch the caller knew (0 for none). It
+-- returns the meta to use, whether it changed, and whether this call found
+-- the loss.
+local function check_loss(m, now, known, rs)
+  if not m then
+    m = new_meta(now)
+    if known > 0 then
+      m.loss = now
+      m.pause = loss_pause(rs, now)
+      return m, true, true
+    end
+    return m, true, false
+  end
+  if known > 0 and known ~= m.epoch and m.loss < m.epoch then
+    -- The data was lost before this epoch began; what the fleet admitted
+    -- since is in it.
+    m.loss = m.epoch
+    m.pause = math.max(m.pause, loss_pause(rs, m.epoch))
+    return m, true, true
+  end
+  return m, false, false
 end
 
 -- pause_until returns the time before which the call's scope is paused,

@@ -1,0 +1,246 @@
+package throttle
+
+import (
+	"context"
+	"errors"
+	"log/slog"
+	"strings"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/redis/go-redis/v9"
+
+	"github.com/throttlekit/throttle/internal/redistest"
+	"github.com/throttlekit/throttle/policies"
+)
+
+func quiet() Option { return WithLogger(slog.New(slog.DiscardHandler)) }
+
+// A new replica may meet the empty Redis first and write a fresh epoch. The
+// replica that knew the old one still finds out, and pauses the quota for a
+// window from the new epoch: what Redis forgot is still counted at the
+// vendor.
+func TestDataLoss_NoticedAfterANewReplicaWroteAFreshEpoch(t *testing.T) {
+	redistest.Each(t, func(t *testing.T, s *redistest.Server) {
+		rdb := s.Client(t)
+		clock := newClock()
+		policy := policies.SlidingLog{Limit: 10, Window: time.Minute}
+		a := newLimiter(t, rdb, policy, WithClock(clock.Now), quiet())
+		ctx := context.Background()
+		if d, _ := a.Allow(ctx, Cost(10)); !d.OK {
+			t.Fatal("first call refused")
+		}
+		if err := rdb.FlushAll(ctx).Err(); err != nil {
+			t.Fatal(err)
+		}
+		clock.Add(time.Second)
+		b, err := New(rdb, a.Name(), policy, WithClock(clock.Now), quiet())
+		if err != nil {
+			t.Fatal(err)
+		}
+		// B cannot tell a loss from a new quota.
+		if d, _ := b.Allow(ctx); !d.OK {
+			t.Fatal("the new replica was refused on what looks like a new quota")
+		}
+		clock.Add(time.Second)
+		d, err := a.Allow(ctx)
+		if err != nil || d.OK {
+			t.Fatalf("the old replica after the loss: %+v, %v; want refused for a window from the new epoch", d, err)
+		}
+		if want := time.Minute + policies.DefaultMargin - time.Second; d.RetryAfter != want {
+			t.Errorf("RetryAfter %v, want %v", d.RetryAfter, want)
+		}
+		if d, _ := b.Allow(ctx); d.OK {
+			t.Error("the new replica was admitted after the loss was found")
+		}
+	})
+}
+
+// A vendor's 429 that is the first script on an empty Redis does not hide
+// the loss: the pause is set, and the quota counts as full for a window.
+func TestDataLoss_NoticedByAPause(t *testing.T) {
+	redistest.Each(t, func(t *testing.T, s *redistest.Server) {
+		rdb := s.Client(t)
+		clock := newClock()
+		lim := newLimiter(t, rdb, policies.SlidingLog{Limit: 10, Window: time.Minute}, WithClock(clock.Now), quiet())
+		ctx := context.Background()
+		if d, _ := lim.Allow(ctx, Cost(10)); !d.OK {
+			t.Fatal("first call refused")
+		}
+		if err := rdb.FlushAll(ctx).Err(); err != nil {
+			t.Fatal(err)
+		}
+		if err := lim.Pause(ctx, 100*time.Millisecond); err != nil {
+			t.Fatal(err)
+		}
+		clock.Add(200 * time.Millisecond)
+		if d, _ := lim.Allow(ctx, Cost(10)); d.OK {
+			t.Error("after the loss and a short pause, a full window was admitted again")
+		}
+	})
+}
+
+// Concurrency holders keep running through a loss: their slots count as
+// taken until a lease has run out.
+func TestDataLoss_ConcurrencySlotsCountAsTakenForALease(t *testing.T) {
+	redistest.Each(t, func(t *testing.T, s *redistest.Server) {
+		rdb := s.Client(t)
+		clock := newClock()
+		lim := newLimiter(t, rdb, policies.Concurrency{Max: 2, Lease: 10 * time.Second}, WithMode(FailFast), WithClock(clock.Now), quiet())
+		ctx := context.Background()
+		for range 2 {
+			if _, err := lim.Acquire(ctx); err != nil {
+				t.Fatal(err)
+			}
+		}
+		if err := rdb.FlushAll(ctx).Err(); err != nil {
+			t.Fatal(err)
+		}
+		clock.Add(time.Second)
+		if _, err := lim.Acquire(ctx); !errors.Is(err, ErrLimited) {
+			t.Fatalf("after the loss, with 2 of 2 slots held: %v, want ErrLimited", err)
+		}
+		clock.Add(10 * time.Second)
+		if _, err := lim.Acquire(ctx); err != nil {
+			t.Errorf("a lease after the loss: %v, want a slot", err)
+		}
+	})
+}
+
+// A token bucket counts as empty at the loss, and refills at its rate: a
+// loss does not stop a quota for the bucket's whole refill time, and a log
+// beside it resumes after its window.
+func TestDataLoss_TokenBucketRefillsFromEmpty(t *testing.T) {
+	redistest.Each(t, func(t *testing.T, s *redistest.Server) {
+		rdb := s.Client(t)
+		clock := newClock()
+		every := 24 * time.Hour / 1000
+		lim := newLimiter(t, rdb, policies.All(
+			policies.SlidingLog{Limit: 10, Window: time.Second},
+			policies.TokenBucket{Rate: 1000, Per: 24 * time.Hour, Burst: 1000},
+		), WithClock(clock.Now), quiet())
+		ctx := context.Background()
+		if d, _ := lim.Allow(ctx); !d.OK {
+			t.Fatal("first call refused")
+		}
+		if err := rdb.FlushAll(ctx).Err(); err != nil {
+			t.Fatal(err)
+		}
+		d, err := lim.Allow(ctx)
+		if err != nil || d.OK {
+			t.Fatalf("right after the loss: %+v, %v; want refused", d, err)
+		}
+		if d.RetryAfter > every+time.Second {
+			t.Errorf("RetryAfter %v, want about one emission interval (%v), not the bucket's refill time", d.RetryAfter, every)
+		}
+		clock.Add(every + time.Second)
+		if d, _ := lim.Allow(ctx); !d.OK {
+			t.Errorf("one interval after the loss: %+v, want one call admitted", d)
+		}
+		if d, _ := lim.Allow(ctx); d.OK {
+			t.Error("a second call right after: admitted, want the bucket still refilling")
+		}
+	})
+}
+
+func TestTokenBucket_RefusesABurstThatTakesOverAYearToRefill(t *testing.T) {
+	_, err := policies.Rules(policies.TokenBucket{Rate: 1, Per: policies.MaxWindow, Burst: 1 << 30})
+	if err == nil || !containsAll(err.Error(), "TokenBucket.Burst", "1073741824") {
+		t.Errorf("err %v, want one naming TokenBucket.Burst and its value", err)
+	}
+}
+
+// A quota with windows of months keeps its meta key as long as its data:
+// an idle month is not a data loss.
+func TestMeta_OutlivesTheLongestWindow(t *testing.T) {
+	redistest.Each(t, func(t *testing.T, s *redistest.Server) {
+		rdb := s.Client(t)
+		lim := newLimiter(t, rdb, policies.SlidingLog{Limit: 10, Window: 60 * 24 * time.Hour})
+		ctx := context.Background()
+		if _, err := lim.Allow(ctx); err != nil {
+			t.Fatal(err)
+		}
+		ttl, err := rdb.PTTL(ctx, lim.shared[0]).Result()
+		if err != nil {
+			t.Fatal(err)
+		}
+		if ttl < 120*24*time.Hour {
+			t.Errorf("meta key lives %v, want at least two 60-day windows", ttl)
+		}
+	})
+}
+
+// Pauses of many keys that have ended do not stay in memory.
+func TestPauses_EndedOnesAreForgotten(t *testing.T) {
+	s := redistest.Mini(t)
+	lim := newLimiter(t, s.Client(t), policies.PerKey{Policy: policies.SlidingLog{Limit: 10, Window: time.Second}})
+	sc := func(i int) scope {
+		return lim.scopeFor(call{key: string(rune('a'+i%26)) + string(rune(i)), hasKey: true})
+	}
+	for i := range 2000 {
+		lim.notePause(sc(i), 0, time.Microsecond) // ends at once
+	}
+	n := 0
+	lim.pauses.Range(func(any, any) bool { n++; return true })
+	if n > pauseSweep {
+		t.Errorf("%d pauses remembered after they all ended, want at most %d", n, pauseSweep)
+	}
+}
+
+// slowScripts delays every script reply, as a Redis that is slow but
+// answers.
+type slowScripts struct{ d time.Duration }
+
+func (slowScripts) DialHook(next redis.DialHook) redis.DialHook { return next }
+func (h slowScripts) ProcessHook(next redis.ProcessHook) redis.ProcessHook {
+	return func(ctx context.Context, cmd redis.Cmder) error {
+		if name := cmd.Name(); name == "evalsha" || name == "eval" {
+			time.Sleep(h.d)
+		}
+		return next(ctx, cmd)
+	}
+}
+func (slowScripts) ProcessPipelineHook(next redis.ProcessPipelineHook) redis.ProcessPipelineHook {
+	return next
+}
+
+// A call that waits for another call's script before its own is sent is
+// not failed by that wait: the Redis timeout runs from its own script call.
+func TestRedisTimeout_RunsFromTheCallsOwnScript(t *testing.T) {
+	s := redistest.New(t)
+	rdb := s.Client(t)
+	lim := newLimiter(t, rdb, policies.SlidingLog{Limit: 100, Window: time.Second}, quiet())
+	ctx := context.Background()
+	if _, err := lim.Allow(ctx); err != nil { // Redis learns the script
+		t.Fatal(err)
+	}
+	rdb.AddHook(slowScripts{d: 600 * time.Millisecond})
+	var failed atomic.Int32
+	done := make(chan struct{})
+	for range 3 {
+		go func() {
+			defer func() { done <- struct{}{} }()
+			if _, err := lim.Allow(ctx); err != nil {
+				t.Logf("Allow: %v", err)
+				failed.Add(1)
+			}
+		}()
+		time.Sleep(50 * time.Millisecond)
+	}
+	for range 3 {
+		<-done
+	}
+	if n := failed.Load(); n != 0 {
+		t.Errorf("%d of 3 calls failed behind a Redis that answers each script in 600ms, within the 1s timeout", n)
+	}
+}
+
+func containsAll(s string, subs ...string) bool {
+	for _, sub := range subs {
+		if !strings.Contains(s, sub) {
+			return false
+		}
+	}
+	return true
+}
