@@ -162,7 +162,7 @@ func (l *Limiter) decide(sc scope, batch []*request) {
 		}
 	}
 	args := l.args("", 0, int64(len(batch)), l.epoch.Load(), int64(len(late)))
-	args = append(args, l.lates.report(), l.timing.delay().Microseconds())
+	args = append(args, l.lates.report(), l.timing.delay().Microseconds(), l.policyID)
 	for _, r := range late {
 		args = append(args, r.member, r.cost, r.slot().Microseconds(), r.epoch)
 	}

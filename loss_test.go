@@ -244,3 +244,61 @@ func containsAll(s string, subs ...string) bool {
 	}
 	return true
 }
+
+// A deploy that changes a quota's policy: a rule of another kind or window
+// gets a key of its own (no WRONGTYPE from the old data), and the quota
+// pauses once for the new policy's windows, since the calls the old rule
+// admitted are not in the new rule's data. Reordering the rules, or changing
+// a limit, keeps the data and does not pause.
+func TestDeploy_ChangedPolicyTakesOverCleanly(t *testing.T) {
+	redistest.Each(t, func(t *testing.T, s *redistest.Server) {
+		rdb := s.Client(t)
+		clock := newClock()
+		ctx := context.Background()
+		name := "deploy-" + s.Addr
+		version := func(p policies.Policy) *Limiter {
+			t.Helper()
+			lim, err := New(rdb, name, p, WithClock(clock.Now), quiet())
+			if err != nil {
+				t.Fatal(err)
+			}
+			return lim
+		}
+		log := policies.SlidingLog{Limit: 10, Window: time.Second}
+		bucket := policies.TokenBucket{Rate: 100, Per: time.Second, Burst: 10}
+		v1 := version(policies.All(log, bucket))
+		if d, err := v1.Allow(ctx, Cost(10)); err != nil || !d.OK {
+			t.Fatalf("v1: %+v, %v", d, err)
+		}
+		clock.Add(200 * time.Millisecond)
+		// The same rules in another order, and a higher limit: the same data.
+		v2 := version(policies.All(bucket, policies.SlidingLog{Limit: 12, Window: time.Second}))
+		if d, err := v2.Allow(ctx, Cost(2)); err != nil || !d.OK {
+			t.Fatalf("v2, reordered with a higher limit: %+v, %v; want the 2 units the new limit leaves", d, err)
+		}
+		if d, err := v2.Allow(ctx); err != nil || d.OK {
+			t.Fatalf("v2: %+v, %v; want the log full with v1's calls", d, err)
+		}
+		// The log becomes a counter: no error, and no call until a window
+		// of the new policy has passed.
+		v3 := version(policies.All(bucket, policies.SlidingCounter{Limit: 12, Window: time.Second}))
+		d, err := v3.Allow(ctx)
+		if err != nil {
+			t.Fatalf("v3, a counter where a log was: %v", err)
+		}
+		if d.OK {
+			t.Fatal("v3 admitted a call while the vendor still counts v1's and v2's")
+		}
+		clock.Add(time.Second + policies.DefaultMargin)
+		if d, err := v3.Allow(ctx); err != nil || !d.OK {
+			t.Errorf("v3 a window later: %+v, %v", d, err)
+		}
+		// Both versions running side by side do not pause each other again.
+		if d, err := v2.Allow(ctx); err != nil || !d.OK {
+			t.Errorf("v2 beside v3: %+v, %v", d, err)
+		}
+		if d, err := v3.Allow(ctx); err != nil || !d.OK {
+			t.Errorf("v3 beside v2: %+v, %v", d, err)
+		}
+	})
+}

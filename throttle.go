@@ -3,10 +3,12 @@ package throttle
 import (
 	"context"
 	"crypto/rand"
+	"crypto/sha256"
 	"encoding/base64"
 	"errors"
 	"fmt"
 	"log/slog"
+	"slices"
 	"strconv"
 	"strings"
 	"sync"
@@ -246,6 +248,7 @@ type Limiter struct {
 	name        string
 	rules       []policies.Rule
 	base        string   // start of every key: prefix:{name}:
+	policyID    string   // names the set of rules, whatever their order
 	shared      []string // the Redis keys of a call with no key; per-key rules get the key appended
 	perKey      bool     // some rule is per key
 	hasShared   bool     // some rule is shared by all keys
@@ -324,8 +327,24 @@ func New(rdb redis.UniversalClient, name string, policy policies.Policy, opts ..
 	l.base = s.prefix + ":{" + name + "}:"
 	l.shared = []string{l.base + "pause", l.base + "pause"}
 	l.maxCost = rules[0].Limit
-	for i, r := range rules {
-		l.shared = append(l.shared, l.base+strconv.Itoa(i))
+	seen := map[string]int{}
+	var ids []string
+	for _, r := range rules {
+		id := r.ID()
+		if r.PerKey {
+			id = "key:" + id
+		}
+		if seen[id]++; seen[id] > 1 {
+			id += "#" + strconv.Itoa(seen[id])
+		}
+		ids = append(ids, id)
+		l.shared = append(l.shared, l.base+id)
+	}
+	sorted := slices.Clone(ids)
+	slices.Sort(sorted)
+	sum := sha256.Sum256([]byte(strings.Join(sorted, ",")))
+	l.policyID = base64.RawURLEncoding.EncodeToString(sum[:9])
+	for _, r := range rules {
 		l.perKey = l.perKey || r.PerKey
 		l.hasShared = l.hasShared || !r.PerKey
 		l.hasConc = l.hasConc || r.Kind == policies.KindConcurrency

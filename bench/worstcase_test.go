@@ -422,13 +422,14 @@ type quotaState struct {
 }
 
 // quotaPattern matches every key of quota, as throttle.New names them:
-// <prefix>:{<quota>}:pause, <prefix>:{<quota>}:<rule index>, and the same
-// with a suffix for per-key rules.
+// <prefix>:{<quota>}:pause, <prefix>:{<quota>}:<rule id> (see
+// policies.Rule.ID), a log's <rule id>:next, and the same with a suffix for
+// per-key rules.
 func quotaPattern(quota string) string { return throttle.DefaultPrefix + ":{" + quota + "}:*" }
 
-// ruleKey is the key of rule i of a quota without per-key rules.
-func ruleKey(quota string, i int) string {
-	return fmt.Sprintf("%s:{%s}:%d", throttle.DefaultPrefix, quota, i)
+// ruleKey is the key of rule r of a quota without per-key rules.
+func ruleKey(quota string, r policies.Rule) string {
+	return fmt.Sprintf("%s:{%s}:%s", throttle.DefaultPrefix, quota, r.ID())
 }
 
 // metaKey is the key of a quota's epoch and pause.
@@ -573,9 +574,13 @@ func (w *worstBench) buildLog(quota string, p policies.SlidingLog, calls, given 
 	if len(helpers) == 0 {
 		return
 	}
-	keys := []string{ruleKey(quota, 0)}
+	rules, err := policies.Rules(p)
+	if err != nil {
+		w.b.Fatal(err)
+	}
+	keys := []string{ruleKey(quota, rules[0])}
 	for _, h := range helpers {
-		keys = append(keys, ruleKey(h, 0))
+		keys = append(keys, ruleKey(h, rules[0]))
 	}
 	for _, k := range keys {
 		if typ := w.rdb.Type(ctx, k).Val(); typ != "zset" {
@@ -629,17 +634,22 @@ func (w *worstBench) buildConcurrency(quota string, p policies.Concurrency) {
 	w.persist(context.Background(), quota)
 }
 
-// buildAll builds rule i of quota with rules[i], in a quota of its own, and
-// copies in that quota's only rule key as the key of rule i (throttle.New
-// keys rule i of a quota <prefix>:{<quota>}:<i>), and the first one's meta
-// key as quota's.
+// buildAll builds each rule of quota in a quota of its own, and copies in
+// that quota's keys but its meta key (throttle.New names a rule's keys by
+// the rule, not by its place in the policy), and the first one's meta key as
+// quota's.
 func (w *worstBench) buildAll(quota string, rules ...func(quota string)) {
 	w.b.Helper()
 	ctx := context.Background()
 	for i, build := range rules {
 		helper := fmt.Sprintf("%s-rule-%d", quota, i)
 		build(helper)
-		copies := [][2]string{{ruleKey(helper, 0), ruleKey(quota, i)}}
+		var copies [][2]string
+		for _, k := range w.keys(ctx, quotaPattern(helper)) {
+			if k != metaKey(helper) {
+				copies = append(copies, [2]string{k, strings.Replace(k, "{"+helper+"}", "{"+quota+"}", 1)})
+			}
+		}
 		if i == 0 {
 			copies = append(copies, [2]string{metaKey(helper), metaKey(quota)})
 		}

@@ -13,6 +13,7 @@
 --   its last report started after their slots: "k:n,k:n", n calls in
 --   bucket k (see note_timing in lib.lua), or "" for none;
 --   that usual delay, one way, in microseconds, or -1 when unknown;
+--   the id of the caller's policy (see check_policy in lib.lua);
 --   for each booking to give back (a call that would start too late books
 --   again in the same script call), four arguments: its id, its cost, its
 --   slot in microseconds, and the epoch it was booked in;
@@ -337,8 +338,8 @@ end
 local rs = rules()
 local ncalls, ngive = tonumber(ARGV[4]), tonumber(ARGV[6])
 local arg = after_rules()
-local report, delay = ARGV[arg], tonumber(ARGV[arg + 1])
-arg = arg + 2
+local report, delay, policy = ARGV[arg], tonumber(ARGV[arg + 1]), ARGV[arg + 2]
+arg = arg + 3
 
 -- A missing or changed meta key may mean that Redis lost the quota's data
 -- (see check_loss in lib.lua).
@@ -355,8 +356,12 @@ end
 local spread = spread_in_force(meta, now)
 local margin = margins(rs, spread)
 local changed, found = false, false
+local created = meta == nil
 meta, changed, found = check_loss(meta, now, known, rs)
 dirty = dirty or changed
+if check_policy(meta, now, policy, rs, created) then
+  dirty = true
+end
 local lost = found and 1 or 0
 
 -- Bookings given back, before anything is decided: their slots go to the

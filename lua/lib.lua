@@ -136,6 +136,8 @@ local META_REFRESH = 24 * 3600 * 1000000
 --              fleet's processes reported in period jp; pdx, pdn the same in
 --              the period before, or -1;
 --   loss       when Redis was last found to have lost the quota's data, or 0;
+--   policies   the ids of the policies the quota ran under lately, newest
+--              first, comma-separated (see check_policy);
 --   hs, hu     a spread held until time hu: calls were booked with the
 --              margins it gave, and may start as late as those allow, so
 --              the margins may not narrow until they have all left their
@@ -160,14 +162,14 @@ local function read_meta()
     jp = tonumber(f[4]) or -1, js = tonumber(f[5]) or 0, htext = f[6] or '',
     hs = tonumber(f[7]) or 0, hu = tonumber(f[8]) or 0,
     dx = tonumber(f[9]) or -1, dn = tonumber(f[10]) or -1, pdx = tonumber(f[11]) or -1, pdn = tonumber(f[12]) or -1,
-    loss = tonumber(f[13]) or 0,
+    loss = tonumber(f[13]) or 0, policies = f[14] or '',
   }
 end
 
 local function new_meta(now)
   return {
     epoch = now, pause = 0, refreshed = now, jp = -1, js = 0, htext = '', hs = 0, hu = 0,
-    dx = -1, dn = -1, pdx = -1, pdn = -1, loss = 0,
+    dx = -1, dn = -1, pdx = -1, pdn = -1, loss = 0, policies = '',
   }
 end
 
@@ -193,6 +195,7 @@ local function write_meta(m, rs)
   for i = 1, #v do
     v[i] = str(v[i])
   end
+  v[14] = m.policies
   v[6] = m.h and table.concat(m.h, ',') or m.htext
   redis.call('SET', KEYS[1], table.concat(v, ':'), 'PX', math.ceil(ttl))
 end
@@ -425,6 +428,32 @@ local function check_loss(m, now, known, rs)
     return m, true, true
   end
   return m, false, false
+end
+
+-- check_policy notes that the quota runs under policy id (see
+-- policyID in throttle.go), and reports whether the meta changed. A policy
+-- the quota has not run under lately comes with a deploy that changed a
+-- rule's kind or window: such a rule starts on a key of its own, empty,
+-- while the vendor still counts the calls the old rule admitted; so, once,
+-- the quota pauses for the windows of the new policy, as after a loss. A
+-- new quota takes its first policy as it is.
+local function check_policy(m, now, id, rs, new)
+  local ids = {}
+  for x in string.gmatch(m.policies, '[^,]+') do
+    if x == id then
+      return false
+    end
+    ids[#ids + 1] = x
+  end
+  if not new and #ids > 0 then
+    m.pause = math.max(m.pause, loss_pause(rs, now))
+  end
+  table.insert(ids, 1, id)
+  while #ids > 4 do
+    table.remove(ids)
+  end
+  m.policies = table.concat(ids, ',')
+  return true
 end
 
 -- pause_until returns the time before which the call's scope is paused,

@@ -28,6 +28,7 @@ package policies
 import (
 	"errors"
 	"fmt"
+	"strconv"
 	"time"
 )
 
@@ -247,6 +248,27 @@ func (r Rule) Args() [5]int64 {
 		return [5]int64{int64(r.Kind), int64(r.Limit), us(r.Lease), 0, 0}
 	}
 	return [5]int64{int64(r.Kind), int64(r.Limit), us(r.Window), 0, us(r.Margin)}
+}
+
+// ID names the rule by what its data means, for the Redis key that holds
+// it: its kind, and the parameters that shape the data (a window, a bucket
+// width, an emission interval), not its limit. A deploy that changes a
+// limit keeps the data; one that changes a rule's kind or window starts
+// that rule on a key of its own, where the old data cannot be misread; the
+// order of the rules in All does not matter.
+func (r Rule) ID() string {
+	us := func(d time.Duration) string { return strconv.FormatInt(d.Microseconds(), 10) }
+	switch r.Kind {
+	case KindSlidingLog:
+		return "log" + us(r.Window-r.Margin)
+	case KindSlidingCounter:
+		return "counter" + us(r.Window-r.Margin) + "/" + us(r.Bucket)
+	case KindTokenBucket:
+		return "bucket" + us(r.Every)
+	case KindConcurrency:
+		return "concurrency"
+	}
+	return "kind" + strconv.Itoa(int(r.Kind))
 }
 
 // Rules validates p and flattens it into the rules the script checks, in a

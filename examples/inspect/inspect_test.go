@@ -143,7 +143,7 @@ paused: for 1.5s, at the vendor's request   remaining under every rule: 0
 2  key     bucket       20     1 per 100ms           12     0       8          now         60%
 3  shared  counter      50000  1m +30ms, 10 buckets  25000  100     24900      412ms       50%
 
-redis keys: throttle:{sms}:0, throttle:{sms}:1, throttle:{sms}:2:<key hash>, throttle:{sms}:3
+redis keys: throttle:{sms}:log1000000, throttle:{sms}:concurrency, throttle:{sms}:key:bucket100000:<key hash>, throttle:{sms}:counter60000000/6003000
 `
 	if got := b.String(); got != want {
 		t.Errorf("render:\n%s\nwant:\n%s", got, want)

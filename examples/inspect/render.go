@@ -121,12 +121,21 @@ func full(u throttle.RuleUsage) string {
 	return strconv.Itoa(100*u.Used/u.Rule.Limit) + "%"
 }
 
-// keys lists the Redis keys the rules live in: prefix:{quota}:<rule index>,
-// with a hash of the key after it for per-key rules.
+// keys lists the Redis keys the rules live in: prefix:{quota}:<rule id>
+// (see policies.Rule.ID), after "key:" and with a hash of the key after it
+// for per-key rules.
 func keys(f frame) []string {
 	var ks []string
-	for i, r := range f.Rules {
-		k := fmt.Sprintf("%s:{%s}:%d", f.Prefix, f.Quota, i)
+	seen := map[string]int{}
+	for _, r := range f.Rules {
+		id := r.ID()
+		if r.PerKey {
+			id = "key:" + id
+		}
+		if seen[id]++; seen[id] > 1 {
+			id += "#" + strconv.Itoa(seen[id])
+		}
+		k := fmt.Sprintf("%s:{%s}:%s", f.Prefix, f.Quota, id)
 		if r.PerKey {
 			k += ":<key hash>"
 		}
