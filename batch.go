@@ -162,7 +162,16 @@ func (l *Limiter) decide(sc scope, batch []*request) {
 		}
 	}
 	args := l.args("", 0, int64(len(batch)), l.epoch.Load(), int64(len(late)))
-	args = append(args, l.lates.report(), l.timing.delay().Microseconds(), l.policyID)
+	// A forward step of Redis's clock larger than the margin shortened the
+	// windows by that much: the script treats it as a loss, once.
+	stepped := 0
+	if seq, by := l.timing.step(); seq > l.seenStep.Load() {
+		l.seenStep.Store(seq)
+		if by > l.minMargin {
+			stepped = 1
+		}
+	}
+	args = append(args, l.lates.report(), l.timing.delay().Microseconds(), l.policyID, stepped)
 	for _, r := range late {
 		args = append(args, r.member, r.cost, r.slot().Microseconds(), r.epoch)
 	}
@@ -190,7 +199,12 @@ func (l *Limiter) decide(sc scope, batch []*request) {
 	pause := time.Duration(v[1]) * time.Microsecond
 	margin := time.Duration(v[4]) * time.Microsecond
 	done := time.Duration(v[5]) * time.Microsecond
+	before, _ := l.timing.step()
 	l.timing.observe(now, done, sent, recvd)
+	// Decided by a clock that just stepped forward: the calls go back and
+	// ask again, the step now known.
+	after, by := l.timing.step()
+	stale := after > before && by > l.minMargin
 	l.notePause(sc, now, pause)
 	l.noteEpoch(v[2], v[3] == 1)
 	for i, req := range batch {
@@ -208,6 +222,7 @@ func (l *Limiter) decide(sc scope, batch []*request) {
 			epoch:     v[2],
 			margin:    margin,
 			done:      done,
+			stale:     stale,
 		}
 		if r.admitted && l.local != nil {
 			l.noteHorizon(time.Now().Add(r.wait))

@@ -302,3 +302,26 @@ func TestDeploy_ChangedPolicyTakesOverCleanly(t *testing.T) {
 		}
 	})
 }
+
+// Redis's clock stepping forward (NTP, a failover to a master whose clock
+// is ahead) ends every window early by the step: a step larger than the
+// margin is treated as a loss. Only miniredis can step its clock.
+func TestClockStep_ForwardStepCountsAsALoss(t *testing.T) {
+	s := redistest.Mini(t)
+	t0 := time.Now()
+	s.Mini.SetTime(t0)
+	lim := newLimiter(t, s.Client(t), policies.SlidingLog{Limit: 10, Window: time.Minute}, quiet())
+	ctx := context.Background()
+	if d, _ := lim.Allow(ctx, Cost(10)); !d.OK {
+		t.Fatal("first call refused")
+	}
+	if d, _ := lim.Allow(ctx); d.OK {
+		t.Fatal("a call over the limit admitted")
+	}
+	// Redis's clock jumps past the window: by it, the window is empty.
+	s.Mini.SetTime(t0.Add(61 * time.Second))
+	d, err := lim.Allow(ctx, Cost(10))
+	if err != nil || d.OK {
+		t.Errorf("after the clock stepped a minute forward: %+v, %v; want refused, the quota counting as full", d, err)
+	}
+}

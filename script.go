@@ -90,6 +90,7 @@ type result struct {
 	cost      int           // the units booked
 	epoch     int64         // the quota's epoch when the call was decided
 	margin    time.Duration // the smallest guarded margin in force, 0 for none
+	stale     bool          // decided by a Redis clock that had just stepped forward
 	local     bool          // decided without Redis (FailOpen, Local)
 }
 

@@ -247,12 +247,14 @@ type Limiter struct {
 	rdb         redis.UniversalClient
 	name        string
 	rules       []policies.Rule
-	base        string   // start of every key: prefix:{name}:
-	policyID    string   // names the set of rules, whatever their order
-	shared      []string // the Redis keys of a call with no key; per-key rules get the key appended
-	perKey      bool     // some rule is per key
-	hasShared   bool     // some rule is shared by all keys
-	hasConc     bool     // some rule is a Concurrency
+	base        string        // start of every key: prefix:{name}:
+	policyID    string        // names the set of rules, whatever their order
+	minMargin   time.Duration // the smallest margin configured, or the default
+	seenStep    atomic.Uint64 // the timing's forward steps already told to the script
+	shared      []string      // the Redis keys of a call with no key; per-key rules get the key appended
+	perKey      bool          // some rule is per key
+	hasShared   bool          // some rule is shared by all keys
+	hasConc     bool          // some rule is a Concurrency
 	maxCost     int
 	timing      *timing      // how late calls start, shared with the process's other limiters on the same server
 	lates       lates        // how late this limiter's calls started since its last report
@@ -344,7 +346,11 @@ func New(rdb redis.UniversalClient, name string, policy policies.Policy, opts ..
 	slices.Sort(sorted)
 	sum := sha256.Sum256([]byte(strings.Join(sorted, ",")))
 	l.policyID = base64.RawURLEncoding.EncodeToString(sum[:9])
+	l.minMargin = policies.DefaultMargin
 	for _, r := range rules {
+		if (r.Kind == policies.KindSlidingLog || r.Kind == policies.KindSlidingCounter) && r.Margin < l.minMargin {
+			l.minMargin = max(r.Margin, minStep)
+		}
 		l.perKey = l.perKey || r.PerKey
 		l.hasShared = l.hasShared || !r.PerKey
 		l.hasConc = l.hasConc || r.Kind == policies.KindConcurrency

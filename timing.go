@@ -35,6 +35,11 @@ const timingPeriod = 10 * time.Second
 // process that counts as a step rather than as the drift of two clocks.
 const clockStep = time.Millisecond
 
+// minStep is the least forward step of Redis's clock that counts as a loss
+// of the quota's data, whatever the margin: two machines' clocks drift
+// apart by about a millisecond in the periods a reading is kept.
+const minStep = 5 * time.Millisecond
+
 // lateBuckets is how many buckets of lateness a process reports: bucket 0
 // holds latenesses under 1ms, bucket k those under 2^(k/2) ms, the last one
 // all the rest (see note_timing in lua/lib.lua).
@@ -53,6 +58,8 @@ type timing struct {
 	ahead    [2]minimum    // least Redis now - asked
 	trip     [2]minimum    // least round trip, the script's own time left out
 	readings int           // replies observed since the last reset
+	steps    uint64        // forward steps of Redis's clock seen
+	stepBy   time.Duration // the size of the last one
 }
 
 // lates counts how late a limiter's calls started since it last reported
@@ -136,6 +143,12 @@ func (k *timing) observe(began, redisNow, asked, recvd time.Duration) {
 	fast, okF := least(k.fast)
 	ahead, okA := least(k.ahead)
 	if okF && off-rtt > fast+clockStep || okA && off < -ahead-clockStep {
+		if okA && off < -ahead-clockStep {
+			// Redis's clock is ahead of where it can be: it stepped forward,
+			// and windows measured by it end early.
+			k.steps++
+			k.stepBy = -ahead - off
+		}
 		k.fast, k.ahead, k.trip = [2]minimum{}, [2]minimum{}, [2]minimum{}
 		k.readings = 1
 	}
@@ -226,6 +239,14 @@ func (c *lates) report() string {
 		c.n[i] = 0
 	}
 	return string(b)
+}
+
+// step returns how many forward steps of Redis's clock this process has
+// seen, and the size of the last one.
+func (k *timing) step() (uint64, time.Duration) {
+	k.mu.Lock()
+	defer k.mu.Unlock()
+	return k.steps, k.stepBy
 }
 
 // delay returns this process's usual one-way delay from Redis, half its

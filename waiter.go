@@ -61,6 +61,10 @@ func (l *Limiter) wait(ctx context.Context, c call) (*Permit, error) {
 			}
 			return nil, l.limited(r.wait, reason)
 		}
+		if r.stale {
+			giveBack = &r
+			continue
+		}
 		if r.wait > 0 {
 			// The script counted the wait from its own clock; the reply took
 			// some of it to arrive, so sleeping the whole wait from here never
@@ -107,6 +111,10 @@ func (l *Limiter) now(ctx context.Context, c call) (result, error) {
 		r, err := l.acquire(ctx, c, 0, giveBack)
 		if err != nil || !r.admitted {
 			return r, err
+		}
+		if r.stale && tries < maxRebooks {
+			giveBack = &r
+			continue
 		}
 		late, tooLate := l.late(r)
 		if !tooLate {

@@ -14,6 +14,9 @@
 --   bucket k (see note_timing in lib.lua), or "" for none;
 --   that usual delay, one way, in microseconds, or -1 when unknown;
 --   the id of the caller's policy (see check_policy in lib.lua);
+--   1 when the caller saw Redis's clock step forward by more than the
+--   margin since it last said so, else 0: windows measured by that clock
+--   ended early, and the quota counts as full for a window, as after a loss;
 --   for each booking to give back (a call that would start too late books
 --   again in the same script call), four arguments: its id, its cost, its
 --   slot in microseconds, and the epoch it was booked in;
@@ -338,8 +341,8 @@ end
 local rs = rules()
 local ncalls, ngive = tonumber(ARGV[4]), tonumber(ARGV[6])
 local arg = after_rules()
-local report, delay, policy = ARGV[arg], tonumber(ARGV[arg + 1]), ARGV[arg + 2]
-arg = arg + 3
+local report, delay, policy, stepped = ARGV[arg], tonumber(ARGV[arg + 1]), ARGV[arg + 2], ARGV[arg + 3]
+arg = arg + 4
 
 -- A missing or changed meta key may mean that Redis lost the quota's data
 -- (see check_loss in lib.lua).
@@ -360,6 +363,11 @@ local created = meta == nil
 meta, changed, found = check_loss(meta, now, known, rs)
 dirty = dirty or changed
 if check_policy(meta, now, policy, rs, created) then
+  dirty = true
+end
+if stepped == '1' and meta.loss < now then
+  meta.loss = now
+  meta.pause = math.max(meta.pause, loss_pause(rs, now))
   dirty = true
 end
 local lost = found and 1 or 0
