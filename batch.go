@@ -11,7 +11,7 @@ import (
 )
 
 // maxBatch bounds how many calls one script call decides.
-const maxBatch = 128
+const maxBatch = 32
 
 // The acquire script's reply: a header, then a fixed number of values per
 // call (see lua/acquire.lua).

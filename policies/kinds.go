@@ -108,7 +108,7 @@ func (p TokenBucket) Validate() error {
 		return fmt.Errorf("policies: TokenBucket.Burst must be between 0 and %d, got %d", 1<<30, p.Burst)
 	case p.Per/time.Duration(p.Rate) < time.Microsecond:
 		return fmt.Errorf("policies: TokenBucket.Rate %d per %v is more than one unit per microsecond", p.Rate, p.Per)
-	case int64(max(p.Burst, 1)) > int64(MaxWindow/p.rules(false)[0].Every):
+	case float64(max(p.Burst, 1))*float64(p.Per)/float64(p.Rate) > float64(MaxWindow):
 		return fmt.Errorf("policies: TokenBucket.Burst %d takes longer than %v to refill at %d per %v; lower Burst or raise Rate", p.Burst, MaxWindow, p.Rate, p.Per)
 	}
 	return nil
