@@ -187,8 +187,8 @@ func (l *Limiter) decide(sc scope, batch []*request) {
 	if err == nil && len(v) != replyHeader+replyPerCall*len(batch) {
 		err = fmt.Errorf("unexpected script reply %v", v)
 	}
-	l.emit(Event{Kind: EventRedis, Duration: recvd - sent, Calls: len(batch), Err: err})
 	if err != nil {
+		l.emit(Event{Kind: EventRedis, Duration: recvd - sent, Calls: len(batch), Err: err})
 		err = l.unavailable(err)
 		for _, req := range batch {
 			req.finish(result{}, err)
@@ -199,6 +199,7 @@ func (l *Limiter) decide(sc scope, batch []*request) {
 	pause := time.Duration(v[1]) * time.Microsecond
 	margin := time.Duration(v[4]) * time.Microsecond
 	done := time.Duration(v[5]) * time.Microsecond
+	l.emit(Event{Kind: EventRedis, Duration: recvd - sent, Calls: len(batch), Margin: margin})
 	before, _ := l.timing.step()
 	l.timing.observe(now, done, sent, recvd)
 	// Decided by a clock that just stepped forward: the calls go back and

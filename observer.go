@@ -44,6 +44,8 @@ const (
 	// it (ErrUnavailable).
 	EventUnavailable
 	// EventRedis: one script call to Redis. Duration is its round trip,
+	// Margin the smallest margin in force of the quota's windows, as the
+	// script answered (0 when it failed or no window has one),
 	// Calls the number of calls it decided, Err its failure if any.
 	EventRedis
 	// EventFallback: Redis kept failing, and calls are now decided as
@@ -102,6 +104,10 @@ type Event struct {
 	Wait time.Duration
 	// Duration is a Redis round trip (EventRedis) or a pause (EventPaused).
 	Duration time.Duration
+	// Margin is the smallest margin in force of the quota's windows: the
+	// configured Margin, or wider while the fleet's calls start late
+	// (EventRedis; see policies.SlidingLog.Margin).
+	Margin time.Duration
 	// Calls is how many calls one script call decided (EventRedis).
 	Calls int
 	// Queued is how many calls wait in the local queue (Queue mode).

@@ -69,6 +69,7 @@ type Observer struct {
 	pauses           metric.Int64Counter
 	pauseTime        metric.Float64Counter
 	queueDepth       metric.Int64Gauge
+	margin           metric.Float64Gauge
 
 	mu     sync.Mutex // serializes the creation of a quota's attributes
 	quotas sync.Map   // quota name -> *quotaAttrs
@@ -158,6 +159,9 @@ func New(meter metric.Meter) (*Observer, error) {
 	try(err)
 	o.queueDepth = gauge("throttle.queue.depth", "{call}",
 		"Calls waiting in the local queue of a limiter in Queue mode, as of its latest event.")
+	o.margin, err = meter.Float64Gauge("throttle.margin", metric.WithUnit("s"),
+		metric.WithDescription("The smallest margin in force of the quota's windows: the configured Margin, or wider while the fleet's calls start late after their slots."))
+	try(err)
 	if err := errors.Join(errs...); err != nil {
 		return nil, err
 	}
@@ -187,6 +191,9 @@ func (o *Observer) Observe(e throttle.Event) {
 		o.roundTrip.Record(ctx, e.Duration.Seconds(), a.quota.rec...)
 		if e.Calls > 0 {
 			o.callsPerScript.Record(ctx, int64(e.Calls), a.quota.rec...)
+		}
+		if e.Err == nil {
+			o.margin.Record(ctx, e.Margin.Seconds(), a.quota.rec...)
 		}
 		if e.Err != nil {
 			o.redisErrors.Add(ctx, 1, a.quota.add...)

@@ -75,6 +75,7 @@ type Observer struct {
 	pauses           *prometheus.CounterVec
 	pauseSeconds     *prometheus.CounterVec
 	queueDepth       *prometheus.GaugeVec
+	margin           *prometheus.GaugeVec
 
 	quotas sync.Map // quota name -> *quotaMetrics
 }
@@ -106,6 +107,7 @@ type quotaMetrics struct {
 	vendorLimited    prometheus.Counter
 	pauses           prometheus.Counter
 	pauseSeconds     prometheus.Counter
+	margin           prometheus.Gauge
 
 	// Created on first use: only a limiter in shadow mode has shadow
 	// refusals, and only one in Queue mode has a queue. Others would export
@@ -177,6 +179,8 @@ func New(opts ...Option) *Observer {
 			"The pauses' requested lengths, added up.", "quota"),
 		queueDepth: gauge("throttle_queue_depth",
 			"Calls waiting in the local queue of a limiter in Queue mode, as of its latest event."),
+		margin: gauge("throttle_margin_seconds",
+			"The smallest margin in force of the quota's windows: the configured Margin, or wider while the fleet's calls start late after their slots."),
 	}
 }
 
@@ -197,7 +201,7 @@ func (o *Observer) Collect(ch chan<- prometheus.Metric) {
 func (o *Observer) collectors() []prometheus.Collector {
 	return []prometheus.Collector{
 		o.calls, o.units, o.wait, o.fallbackAdmitted, o.roundTrip, o.redisErrors, o.callsPerScript,
-		o.fallbackActive, o.fallbackSwitches, o.dataLost, o.vendorLimited, o.pauses, o.pauseSeconds, o.queueDepth,
+		o.fallbackActive, o.fallbackSwitches, o.dataLost, o.vendorLimited, o.pauses, o.pauseSeconds, o.queueDepth, o.margin,
 	}
 }
 
@@ -222,6 +226,9 @@ func (o *Observer) Observe(e throttle.Event) {
 		m.roundTrip.Observe(e.Duration.Seconds())
 		if e.Calls > 0 {
 			m.callsPerScript.Observe(float64(e.Calls))
+		}
+		if e.Err == nil {
+			m.margin.Set(e.Margin.Seconds())
 		}
 		if e.Err != nil {
 			m.redisErrors.Inc()
@@ -283,6 +290,7 @@ func (o *Observer) quota(name string) *quotaMetrics {
 		vendorLimited:    o.vendorLimited.WithLabelValues(name),
 		pauses:           o.pauses.WithLabelValues(name),
 		pauseSeconds:     o.pauseSeconds.WithLabelValues(name),
+		margin:           o.margin.WithLabelValues(name),
 	}
 	for i, outcome := range refusals {
 		m.refused[i] = o.calls.WithLabelValues(name, outcome, "false")
