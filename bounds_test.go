@@ -27,18 +27,18 @@ func TestScript_MatchesModelOnLargeQuotas(t *testing.T) {
 		maxCost int
 		policy  func(*rand.Rand) policies.Policy
 	}{
-		{"log-reads", 30, func(rng *rand.Rand) policies.Policy {
-			return policies.SlidingLog{Limit: 60 + rng.IntN(90), Window: ms(rng, 200, 400), Margin: time.Millisecond}
+		{"log-reads", 20, func(rng *rand.Rand) policies.Policy {
+			return policies.SlidingLog{Limit: 40 + rng.IntN(40), Window: ms(rng, 200, 400), Margin: time.Millisecond}
 		}},
-		{"log-runs", 100, func(rng *rand.Rand) policies.Policy {
-			return policies.SlidingLog{Limit: 100 + rng.IntN(50), Window: ms(rng, 200, 400), Margin: time.Millisecond}
+		{"log-runs", 60, func(rng *rand.Rand) policies.Policy {
+			return policies.SlidingLog{Limit: 60 + rng.IntN(30), Window: ms(rng, 200, 400), Margin: time.Millisecond}
 		}},
 		{"counter-buckets", 40, func(rng *rand.Rand) policies.Policy {
 			return policies.SlidingCounter{Limit: 50 + rng.IntN(350), Window: ms(rng, 150, 300), Buckets: 50 + rng.IntN(951), Margin: time.Millisecond}
 		}},
 		{"log-and-counter", 40, func(rng *rand.Rand) policies.Policy {
 			return policies.All(
-				policies.SlidingLog{Limit: 60 + rng.IntN(90), Window: ms(rng, 200, 400), Margin: time.Millisecond},
+				policies.SlidingLog{Limit: 40 + rng.IntN(40), Window: ms(rng, 200, 400), Margin: time.Millisecond},
 				policies.PerKey{Policy: policies.SlidingCounter{Limit: 100 + rng.IntN(200), Window: ms(rng, 150, 300), Buckets: 200, Margin: time.Millisecond}},
 			)
 		}},
@@ -62,7 +62,7 @@ func TestScript_MatchesModelOnLargeQuotas(t *testing.T) {
 	})
 }
 
-// A log booked further ahead than one call may read (1,024 entries)
+// A log booked further ahead than one call may read (512 entries)
 // settles for the time
 // after its last entries, even when a booking given back deep inside it left
 // room earlier: a slot later than need be, never an overfilled window.

@@ -159,7 +159,7 @@ end
 -- the time after the log's last entries. A log is read by rank, a few
 -- entries at a time where the search needs them, so that a call reads
 -- about as many entries as its search steps over, not the whole log.
-local SCAN = 1024
+local SCAN = 512
 local FIRST_READ = 16
 local MAX_READ = 256
 
