@@ -395,9 +395,9 @@ func TestSecurity_ACLUserMissingARight(t *testing.T) {
 			t.Run("ErrorNamesTheCommand", func(t *testing.T) {
 				// Known gap: Redis 7.0 refuses a command inside a script
 				// with "ERR The user executing the script can't run this
-				// command or subcommand script: <sha>, on @user_script:447."
-				// The line is the script's as sent: the library could read
-				// the command off it (line 447 of acquire calls ZADD).
+				// command or subcommand script: <sha>, on @user_script:<line>."
+				// The line is one of the script as sent: the library could
+				// read the command off it (there, redis.call('ZADD', ...)).
 				if !redisAtLeast(t, admin, 7, 2) {
 					t.Skip("known gap: Redis before 7.2 does not name a command refused inside a script, and the library does not either; ACL LOG does")
 				}
