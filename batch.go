@@ -16,7 +16,7 @@ const maxBatch = 32
 // The acquire script's reply: a header, then a fixed number of values per
 // call (see lua/acquire.lua).
 const (
-	replyHeader  = 6
+	replyHeader  = 7
 	replyPerCall = 4
 )
 
@@ -171,7 +171,11 @@ func (l *Limiter) decide(sc scope, batch []*request) {
 			stepped = 1
 		}
 	}
-	args = append(args, l.lates.report(), l.timing.delay().Microseconds(), l.policyID, stepped)
+	wantHorizon := 0
+	if l.local != nil {
+		wantHorizon = 1
+	}
+	args = append(args, l.lates.report(), l.timing.delay().Microseconds(), l.policyID, wantHorizon, stepped)
 	for _, r := range late {
 		args = append(args, r.member, r.cost, r.slot().Microseconds(), r.epoch)
 	}
@@ -200,6 +204,11 @@ func (l *Limiter) decide(sc scope, batch []*request) {
 	margin := time.Duration(v[4]) * time.Microsecond
 	done := time.Duration(v[5]) * time.Microsecond
 	l.emit(Event{Kind: EventRedis, Duration: recvd - sent, Calls: len(batch), Margin: margin})
+	if horizon := time.Duration(v[6]) * time.Microsecond; horizon > done && l.local != nil {
+		// The latest slot the fleet booked, not only this process: should
+		// Redis fail, every replica's booked calls still wake and run.
+		l.noteHorizon(time.Now().Add(horizon - done))
+	}
 	before, _ := l.timing.step()
 	l.timing.observe(now, done, sent, recvd)
 	// Decided by a clock that just stepped forward: the calls go back and
@@ -224,9 +233,6 @@ func (l *Limiter) decide(sc scope, batch []*request) {
 			margin:    margin,
 			done:      done,
 			stale:     stale,
-		}
-		if r.admitted && l.local != nil {
-			l.noteHorizon(time.Now().Add(r.wait))
 		}
 		if !req.finish(r, nil) && r.admitted {
 			// The caller gave up while its call was being booked.

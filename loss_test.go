@@ -325,3 +325,50 @@ func TestClockStep_ForwardStepCountsAsALoss(t *testing.T) {
 		t.Errorf("after the clock stepped a minute forward: %+v, %v; want refused, the quota counting as full", d, err)
 	}
 }
+
+// The Local fallback waits out the fleet's bookings, not only its own: the
+// calls another replica booked in Redis still wake and run after Redis
+// fails. Each reply tells a replica on the Local fallback how far ahead the
+// fleet booked.
+func TestLocal_WaitsPastTheFleetsBookings(t *testing.T) {
+	s := redistest.Mini(t)
+	policy := policies.SlidingLog{Limit: 10, Window: 200 * time.Millisecond}
+	opts := []Option{WithOnRedisError(Local), WithExpectedReplicas(2), WithMode(FailFast), quiet()}
+	a := newLimiter(t, s.Client(t), policy, opts...)
+	b, err := New(s.Client(t), a.Name(), policy, opts...)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx := context.Background()
+	// B books ten windows ahead, as its waiting calls would.
+	var last result
+	for range 10 {
+		r, err := b.acquire(ctx, call{cost: 10}, 5*time.Second, nil)
+		if err != nil || !r.admitted {
+			t.Fatalf("B's booking: %+v, %v", r, err)
+		}
+		last = r
+	}
+	if last.wait < time.Second {
+		t.Fatalf("B's last booking is %v ahead, want about 2s", last.wait)
+	}
+	lastSlot := time.Now().Add(last.wait)
+	// A asks once, and learns how far the fleet booked.
+	if d, err := a.Allow(ctx); err != nil || d.OK {
+		t.Fatalf("A on a full quota: %+v, %v", d, err)
+	}
+	s.Mini.Close()
+	var le *LimitedError
+	for range 5 { // until the breaker opens and the fallback decides
+		_, err = a.Acquire(ctx)
+		if errors.As(err, &le) {
+			break
+		}
+	}
+	if le == nil {
+		t.Fatalf("A without Redis: %v, want the Local fallback to refuse", err)
+	}
+	if until := time.Until(lastSlot.Add(policy.EffectiveWindow())); le.RetryAfter < until-50*time.Millisecond {
+		t.Errorf("the fallback's first call would go in %v, before B's last booking (in %v) left its window", le.RetryAfter, time.Until(lastSlot))
+	}
+}

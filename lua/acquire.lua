@@ -14,6 +14,8 @@
 --   bucket k (see note_timing in lib.lua), or "" for none;
 --   that usual delay, one way, in microseconds, or -1 when unknown;
 --   the id of the caller's policy (see check_policy in lib.lua);
+--   1 when the caller decides without Redis should Redis fail (the Local
+--   fallback), and so needs to know how far ahead the fleet booked, else 0;
 --   1 when the caller saw Redis's clock step forward by more than the
 --   margin since it last said so, else 0: windows measured by that clock
 --   ended early, and the quota counts as full for a window, as after a loss;
@@ -24,7 +26,7 @@
 --   cost, in units; the longest wait in microseconds it accepts (0 admits
 --   only now).
 --
--- Returns {now, pause, epoch, lost, margin, done, then for each call: admitted,
+-- Returns {now, pause, epoch, lost, margin, done, horizon, then for each call: admitted,
 -- wait, remaining, reason}:
 --   now        the time the script used, in microseconds;
 --   pause      the time until which the quota or the key is paused, or 0;
@@ -34,6 +36,8 @@
 --              microseconds, or 0 when no window is guarded (see margins);
 --   done       the time the script ended: a call admitted now starts no
 --              earlier, and the caller measures the reply's trip from it;
+--   horizon    when asked for: the latest time the fleet booked a call at in
+--              the windowed rules of this scope, or 0;
 --   admitted   1 when the call was admitted (wait 0) or booked (wait > 0), else 0;
 --   wait       microseconds from now until the call's slot; when refused, how long
 --              until it would fit (its retry-after);
@@ -341,8 +345,9 @@ end
 local rs = rules()
 local ncalls, ngive = tonumber(ARGV[4]), tonumber(ARGV[6])
 local arg = after_rules()
-local report, delay, policy, stepped = ARGV[arg], tonumber(ARGV[arg + 1]), ARGV[arg + 2], ARGV[arg + 3]
-arg = arg + 4
+local report, delay, policy = ARGV[arg], tonumber(ARGV[arg + 1]), ARGV[arg + 2]
+local want_horizon, stepped = ARGV[arg + 3], ARGV[arg + 4]
+arg = arg + 5
 
 -- A missing or changed meta key may mean that Redis lost the quota's data
 -- (see check_loss in lib.lua).
@@ -395,7 +400,7 @@ for _, r in ipairs(rs) do
 end
 local pause = pause_until(meta.pause)
 local first = arg
-local out = { str(now), str(pause), str(meta.epoch), lost, str(margin), 0 }
+local out = { str(now), str(pause), str(meta.epoch), lost, str(margin), 0, 0 }
 
 for c = 0, ncalls - 1 do
   local id = ARGV[first + 3 * c]
@@ -491,6 +496,22 @@ for _, r in ipairs(rs) do
   elseif r.kind == CONCURRENCY then
     expire(r.key, (r.tmax - now + r.p2) / 1000)
   end
+end
+if want_horizon == '1' then
+  local horizon = 0
+  for _, r in ipairs(rs) do
+    if r.kind == LOG then
+      local last = redis.call('ZRANGE', r.key, -1, -1, 'WITHSCORES')
+      if last[2] then
+        horizon = math.max(horizon, tonumber(last[2]))
+      end
+    elseif r.kind == COUNTER and #r.bs > 0 then
+      horizon = math.max(horizon, (r.bs[#r.bs] + 1) * r.p3)
+    elseif r.kind == BUCKET then
+      horizon = math.max(horizon, r.tat)
+    end
+  end
+  out[7] = str(horizon)
 end
 out[6] = str(clock())
 return out
