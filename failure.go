@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"strconv"
+	"strings"
 	"sync"
 	"time"
 
@@ -173,6 +174,11 @@ func (l *Limiter) acquire(ctx context.Context, c call, maxWait time.Duration, gi
 		l.brk.abort()
 		return r, err
 	}
+	if refusedByConfiguration(err) {
+		// Not an outage: no fallback would be right, and no probe will fix it.
+		l.brk.abort()
+		return r, err
+	}
 	l.reloadSlots(err)
 	if l.brk.failure() {
 		l.s.logger.Warn("throttle: Redis keeps failing; deciding without it until it answers a probe",
@@ -197,6 +203,26 @@ func (l *Limiter) fallback(sc scope, c call, maxWait time.Duration, cause error)
 		return r, nil
 	}
 	return result{}, cause
+}
+
+// refusedByConfiguration reports whether Redis refused the script for a
+// reason only its configuration can change: a user without the rights the
+// scripts need, a password refused, a key of another type. Such a call fails
+// with the error whatever WithOnRedisError says: FailOpen must not turn a
+// missing right into no limit at all.
+func refusedByConfiguration(err error) bool {
+	var reply redis.Error
+	if !errors.As(err, &reply) {
+		return false
+	}
+	msg := reply.Error()
+	for _, p := range []string{"NOPERM", "NOAUTH", "WRONGPASS", "WRONGTYPE"} {
+		if strings.HasPrefix(msg, p) {
+			return true
+		}
+	}
+	// Redis 7.0's words for a command a user may not run inside a script.
+	return strings.Contains(msg, "can't run this command")
 }
 
 // reloadSlots asks a ClusterClient to reload its slot map when a decision

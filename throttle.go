@@ -83,8 +83,12 @@ type UnavailableError struct {
 	Err error
 }
 
-// Error describes the failure.
+// Error describes the failure. When Redis refused a command a script calls
+// without naming it (Redis before 7.2), it names the command.
 func (e *UnavailableError) Error() string {
+	if c := lua.CommandAt(e.Err.Error()); c != "" {
+		return fmt.Sprintf("throttle: quota %q: redis unavailable: %v (the script calls %s there)", e.Quota, e.Err, c)
+	}
 	return fmt.Sprintf("throttle: quota %q: redis unavailable: %v", e.Quota, e.Err)
 }
 

@@ -3,6 +3,7 @@ package throttle
 import (
 	"math"
 	"strconv"
+	"strings"
 	"sync"
 	"time"
 
@@ -103,7 +104,13 @@ func timingFor(rdb redis.UniversalClient, clock func() time.Time) *timing {
 	if !ok || clock != nil {
 		return newTiming(clock)
 	}
-	k, _ := timings.LoadOrStore(c.Options().Network+"/"+c.Options().Addr, newTiming(nil))
+	// A FailoverClient is a Client whose Addr names no server: the master
+	// it talks to changes.
+	o := c.Options()
+	if !strings.Contains(o.Addr, ":") && !strings.HasPrefix(o.Addr, "/") {
+		return newTiming(nil)
+	}
+	k, _ := timings.LoadOrStore(o.Network+"/"+o.Addr, newTiming(nil))
 	return k.(*timing)
 }
 

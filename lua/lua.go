@@ -5,6 +5,8 @@ package lua
 
 import (
 	_ "embed"
+	"regexp"
+	"strconv"
 	"strings"
 
 	"github.com/redis/go-redis/v9"
@@ -47,6 +49,9 @@ var (
 	Usage = script(usage)
 )
 
+// sent maps each script's SHA1 to its lines as Redis has them.
+var sent = map[string][]string{}
+
 // script prepends lib.lua to a script and drops the lines that hold only a
 // comment.
 func script(src string) *redis.Script {
@@ -58,5 +63,32 @@ func script(src string) *redis.Script {
 		b.WriteString(line)
 		b.WriteByte('\n')
 	}
-	return redis.NewScript(b.String())
+	s := redis.NewScript(b.String())
+	sent[s.Hash()] = strings.Split(b.String(), "\n")
+	return s
+}
+
+var (
+	scriptLine = regexp.MustCompile(`script: ([0-9a-f]{40}), on @user_script:(\d+)`)
+	redisCall  = regexp.MustCompile(`redis\.call\('([A-Z]+)'`)
+)
+
+// CommandAt returns the Redis command that the line of one of these scripts
+// named in a Redis error calls ("ZADD"), or "" when the error names no such
+// line. Redis before 7.2 says only where in a script it refused a command
+// that the user may not run.
+func CommandAt(msg string) string {
+	m := scriptLine.FindStringSubmatch(msg)
+	if m == nil {
+		return ""
+	}
+	lines := sent[m[1]]
+	n, err := strconv.Atoi(m[2])
+	if err != nil || n < 1 || n > len(lines) {
+		return ""
+	}
+	if c := redisCall.FindStringSubmatch(lines[n-1]); c != nil {
+		return c[1]
+	}
+	return ""
 }
