@@ -16,7 +16,7 @@ const maxBatch = 32
 // The acquire script's reply: a header, then a fixed number of values per
 // call (see lua/acquire.lua).
 const (
-	replyHeader  = 7
+	replyHeader  = 8
 	replyPerCall = 4
 )
 
@@ -161,7 +161,7 @@ func (l *Limiter) decide(sc scope, batch []*request) {
 			late = append(late, req.late)
 		}
 	}
-	args := l.args("", 0, int64(len(batch)), l.epoch.Load(), int64(len(late)))
+	args := l.args("", int(l.scripts.Load()), int64(len(batch)), l.epoch.Load(), int64(len(late)))
 	// A forward step of Redis's clock larger than the margin shortened the
 	// windows by that much: the script treats it as a loss, once.
 	stepped := 0
@@ -216,7 +216,9 @@ func (l *Limiter) decide(sc scope, batch []*request) {
 	after, by := l.timing.step()
 	stale := after > before && by > l.minMargin
 	l.notePause(sc, now, pause)
+	newEpoch := l.epoch.Load() != v[2]
 	l.noteEpoch(v[2], v[3] == 1)
+	l.noteScripts(newEpoch, v[7])
 	for i, req := range batch {
 		w := v[replyHeader+replyPerCall*i : replyHeader+replyPerCall*(i+1)]
 		r := result{

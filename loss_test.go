@@ -372,3 +372,37 @@ func TestLocal_WaitsPastTheFleetsBookings(t *testing.T) {
 		t.Errorf("the fallback's first call would go in %v, before B's last booking (in %v) left its window", le.RetryAfter, time.Until(lastSlot))
 	}
 }
+
+// A Redis that goes back in time (a failover to a replica that missed the
+// latest writes, a restart from an old snapshot) keeps the quota's meta key
+// and its epoch, but not its count of scripts run: the fleet's count is
+// ahead, and the data counts as lost.
+func TestDataLoss_NoticedWhenRedisGoesBackInTime(t *testing.T) {
+	redistest.Each(t, func(t *testing.T, s *redistest.Server) {
+		rdb := s.Client(t)
+		clock := newClock()
+		lim := newLimiter(t, rdb, policies.SlidingLog{Limit: 10, Window: time.Minute}, WithClock(clock.Now), quiet())
+		ctx := context.Background()
+		if d, _ := lim.Allow(ctx, Cost(2)); !d.OK {
+			t.Fatal("first call refused")
+		}
+		snapshot, err := rdb.Get(ctx, lim.shared[0]).Result()
+		if err != nil {
+			t.Fatal(err)
+		}
+		if d, _ := lim.Allow(ctx, Cost(8)); !d.OK {
+			t.Fatal("second call refused")
+		}
+		// The snapshot comes back: the 8 units are gone from Redis.
+		if err := rdb.FlushAll(ctx).Err(); err != nil {
+			t.Fatal(err)
+		}
+		if err := rdb.Set(ctx, lim.shared[0], snapshot, 0).Err(); err != nil {
+			t.Fatal(err)
+		}
+		clock.Add(time.Second)
+		if d, err := lim.Allow(ctx); err != nil || d.OK {
+			t.Errorf("after Redis went back in time: %+v, %v; want refused, the quota counting as full", d, err)
+		}
+	})
+}

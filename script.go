@@ -168,6 +168,22 @@ func (l *Limiter) noteEpoch(epoch int64, lost bool) {
 	}
 }
 
+// noteScripts remembers the quota's count of scripts run in its epoch (a
+// new one when newEpoch), so that a Redis whose count goes back (a replica
+// that missed the latest writes) is found out by the script.
+func (l *Limiter) noteScripts(newEpoch bool, n int64) {
+	if newEpoch {
+		l.scripts.Store(n)
+		return
+	}
+	for {
+		old := l.scripts.Load()
+		if n <= old || l.scripts.CompareAndSwap(old, n) {
+			return
+		}
+	}
+}
+
 // pausedFor reports how long the scope stays paused, as this process knows.
 func (l *Limiter) pausedFor(sc scope) time.Duration {
 	v, ok := l.pauses.Load(sc.keys[1])

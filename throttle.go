@@ -263,6 +263,7 @@ type Limiter struct {
 	timing      *timing      // how late calls start, shared with the process's other limiters on the same server
 	lates       lates        // how late this limiter's calls started since its last report
 	epoch       atomic.Int64 // the quota's epoch as last seen; 0 before the first decision
+	scripts     atomic.Int64 // the quota's count of scripts run, as last seen in that epoch
 	s           settings
 	id          string
 	seq         atomic.Uint64

@@ -4,10 +4,12 @@
 -- ones before it. A call is recorded only when it is admitted or booked; a
 -- refused call writes nothing.
 --
--- KEYS and ARGV as in lib.lua (ARGV[2] and ARGV[3] unused), with
+-- KEYS and ARGV as in lib.lua (ARGV[2] unused), with
 -- ARGV[4]        the number of calls, n;
 -- ARGV[5]        the quota's epoch as the calling process last saw it, or 0;
 -- ARGV[6]        the number of bookings to give back first, g;
+-- ARGV[3]        the quota's count of scripts run (see check_seq in lib.lua)
+--                as the calling process last saw it, or 0;
 -- after the rules:
 --   how much later than its usual delay the calling process's calls since
 --   its last report started after their slots: "k:n,k:n", n calls in
@@ -26,7 +28,7 @@
 --   cost, in units; the longest wait in microseconds it accepts (0 admits
 --   only now).
 --
--- Returns {now, pause, epoch, lost, margin, done, horizon, then for each call: admitted,
+-- Returns {now, pause, epoch, lost, margin, done, horizon, seq, then for each call: admitted,
 -- wait, remaining, reason}:
 --   now        the time the script used, in microseconds;
 --   pause      the time until which the quota or the key is paused, or 0;
@@ -38,6 +40,7 @@
 --              earlier, and the caller measures the reply's trip from it;
 --   horizon    when asked for: the latest time the fleet booked a call at in
 --              the windowed rules of this scope, or 0;
+--   seq        the quota's count of scripts run, this one included;
 --   admitted   1 when the call was admitted (wait 0) or booked (wait > 0), else 0;
 --   wait       microseconds from now until the call's slot; when refused, how long
 --              until it would fit (its retry-after);
@@ -367,6 +370,11 @@ local changed, found = false, false
 local created = meta == nil
 meta, changed, found = check_loss(meta, now, known, rs)
 dirty = dirty or changed
+if not found and check_seq(meta, now, known, tonumber(ARGV[3]), rs) then
+  found = true
+end
+meta.seq = meta.seq + 1
+dirty = true
 if check_policy(meta, now, policy, rs, created) then
   dirty = true
 end
@@ -400,7 +408,7 @@ for _, r in ipairs(rs) do
 end
 local pause = pause_until(meta.pause)
 local first = arg
-local out = { str(now), str(pause), str(meta.epoch), lost, str(margin), 0, 0 }
+local out = { str(now), str(pause), str(meta.epoch), lost, str(margin), 0, 0, str(meta.seq) }
 
 for c = 0, ncalls - 1 do
   local id = ARGV[first + 3 * c]

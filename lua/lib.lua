@@ -138,6 +138,9 @@ local META_REFRESH = 24 * 3600 * 1000000
 --   loss       when Redis was last found to have lost the quota's data, or 0;
 --   policies   the ids of the policies the quota ran under lately, newest
 --              first, comma-separated (see check_policy);
+--   seq        how many acquire scripts have run in this epoch: a Redis
+--              whose count is behind what a caller saw has gone back in
+--              time (see check_seq).
 --   hs, hu     a spread held until time hu: calls were booked with the
 --              margins it gave, and may start as late as those allow, so
 --              the margins may not narrow until they have all left their
@@ -162,14 +165,14 @@ local function read_meta()
     jp = tonumber(f[4]) or -1, js = tonumber(f[5]) or 0, htext = f[6] or '',
     hs = tonumber(f[7]) or 0, hu = tonumber(f[8]) or 0,
     dx = tonumber(f[9]) or -1, dn = tonumber(f[10]) or -1, pdx = tonumber(f[11]) or -1, pdn = tonumber(f[12]) or -1,
-    loss = tonumber(f[13]) or 0, policies = f[14] or '',
+    loss = tonumber(f[13]) or 0, policies = f[14] or '', seq = tonumber(f[15]) or 0,
   }
 end
 
 local function new_meta(now)
   return {
     epoch = now, pause = 0, refreshed = now, jp = -1, js = 0, htext = '', hs = 0, hu = 0,
-    dx = -1, dn = -1, pdx = -1, pdn = -1, loss = 0, policies = '',
+    dx = -1, dn = -1, pdx = -1, pdn = -1, loss = 0, policies = '', seq = 0,
   }
 end
 
@@ -196,6 +199,7 @@ local function write_meta(m, rs)
     v[i] = str(v[i])
   end
   v[14] = m.policies
+  v[15] = str(m.seq)
   v[6] = m.h and table.concat(m.h, ',') or m.htext
   redis.call('SET', KEYS[1], table.concat(v, ':'), 'PX', math.ceil(ttl))
 end
@@ -428,6 +432,22 @@ local function check_loss(m, now, known, rs)
     return m, true, true
   end
   return m, false, false
+end
+
+-- check_seq finds a Redis that went back in time: a failover to a replica
+-- that missed the latest writes, a restart from an old snapshot. The meta
+-- key is there, with its epoch, but its count of scripts run is behind the
+-- one the caller saw (seen, in the caller's epoch known). The bookings
+-- Redis forgot still run, and the vendor still counts the calls: the data
+-- counts as lost, under a new epoch, so that every process's sleeping
+-- calls book again. It returns whether it found a loss.
+local function check_seq(m, now, known, seen, rs)
+  if known <= 0 or known ~= m.epoch or seen <= m.seq then
+    return false
+  end
+  m.epoch, m.loss = now, now
+  m.pause = math.max(m.pause, loss_pause(rs, now))
+  return true
 end
 
 -- check_policy notes that the quota runs under policy id (see
