@@ -12,7 +12,6 @@ import (
 	"github.com/redis/go-redis/v9"
 
 	"github.com/throttlekit/throttle/lua"
-	"github.com/throttlekit/throttle/policies"
 )
 
 // OnRedisError says what a call does when Redis cannot decide it: Redis is
@@ -159,11 +158,18 @@ func (l *Limiter) acquire(ctx context.Context, c call, maxWait time.Duration, gi
 		l.cancel(ctx, c, *giveBack)
 		giveBack = nil
 	}
+	if l.localNow.Load() {
+		// Back from the fallback: Redis learns of the calls decided without
+		// it before it decides any more.
+		if err := l.handBack(ctx); err != nil {
+			l.reloadSlots(err)
+			l.brk.failure()
+			return l.fallback(sc, c, maxWait, err)
+		}
+		l.localNow.Store(false)
+	}
 	r, err := l.decideInRedis(ctx, sc, c, maxWait, giveBack)
 	if err == nil {
-		if l.localNow.Swap(false) {
-			l.handBack(ctx)
-		}
 		if l.brk.success() {
 			l.s.logger.Info("throttle: Redis answers again; deciding in Redis", "quota", l.name)
 			l.emit(Event{Kind: EventRecovered})
@@ -241,19 +247,43 @@ func (l *Limiter) reloadSlots(err error) {
 
 // handBack tells Redis, back from a failure, of the calls the Local
 // fallback admitted that still count in a window, at their own times, so
-// that the fleet deciding in Redis again does not admit them a second time.
-func (l *Limiter) handBack(ctx context.Context) {
+// that the fleet deciding in Redis again does not admit them a second time;
+// and reserves the quota for the replicas that may still decide without
+// Redis: until their probes have found it and their calls have left the
+// windows, Redis admits only the share none of them takes.
+func (l *Limiter) handBack(ctx context.Context) error {
 	ctx = context.WithoutCancel(ctx)
-	for _, c := range l.local.handBack() {
-		r := l.rules[c.rule]
-		keys := []string{c.scope.keys[0], c.scope.keys[1], c.scope.keys[2+c.rule]}
-		// Placed no earlier than they happened, as Redis's clock goes: late
-		// units stay in the windows a little longer, never shorter.
-		at, ok := l.timing.redisAt(c.at)
-		if !ok {
-			continue
-		}
-		args := argsFor(l.s.clock, l.newMember(), 0, at.Microseconds(), int64(c.units), l.epoch.Load(), []policies.Rule{r})
-		_ = lua.Settle.Run(ctx, l.rdb, keys, args...).Err()
+	charges := l.local.charges()
+	byScope := map[string][]charge{}
+	scopes := map[string]scope{"": l.scopeFor(call{})}
+	for _, c := range charges {
+		byScope[c.scope.id] = append(byScope[c.scope.id], c)
+		scopes[c.scope.id] = c.scope
 	}
+	var span time.Duration
+	for _, r := range l.rules {
+		span = max(span, r.Window, time.Duration(r.Limit)*r.Every, r.Lease)
+	}
+	span += probeMax
+	if _, ok := byScope[""]; !ok {
+		byScope[""] = nil
+	}
+	for id, cs := range byScope {
+		args := l.args(l.newMember(), 0, int64(l.s.replicas), span.Microseconds(), int64(len(cs)))
+		for _, c := range cs {
+			// Placed no earlier than they happened, as Redis's clock goes:
+			// late units stay in the windows a little longer, never shorter;
+			// at Redis's now when this process no longer knows its clock.
+			var at time.Duration
+			if t, ok := l.timing.redisAt(c.at); ok {
+				at = t
+			}
+			args = append(args, c.rule+1, at.Microseconds(), c.units, l.newMember())
+		}
+		if err := l.run(ctx, lua.Handback, scopes[id], args).Err(); err != nil {
+			return l.unavailable(err)
+		}
+	}
+	l.local.handedBack()
+	return nil
 }

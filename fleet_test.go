@@ -95,7 +95,7 @@ func TestFleet_RedisFarAway(t *testing.T) {
 				name:       fmt.Sprintf("far-%v", d.latency),
 				policy:     policies.SlidingLog{Limit: 100, Window: time.Second},
 				vendor:     100,
-				minUtil:    0.94,
+				minUtil:    0.9,
 				maxScripts: 1.5,
 			}
 			runFleet(t, fc, func(t *testing.T) redis.UniversalClient {

@@ -181,9 +181,8 @@ type charge struct {
 	units int
 }
 
-// handBack ends the fallback's turn: it returns what it admitted that still
-// counts, and forgets it.
-func (lo *local) handBack() []charge {
+// charges returns what the fallback admitted that still counts.
+func (lo *local) charges() []charge {
 	lo.mu.Lock()
 	defer lo.mu.Unlock()
 	now := time.Now()
@@ -203,8 +202,14 @@ func (lo *local) handBack() []charge {
 			}
 		}
 	}
-	lo.logs = map[string]*localLog{}
 	return out
+}
+
+// handedBack ends the fallback's turn, once Redis knows of its calls.
+func (lo *local) handedBack() {
+	lo.mu.Lock()
+	defer lo.mu.Unlock()
+	lo.logs = map[string]*localLog{}
 }
 
 // forget removes the units of call id: a cancelled booking, a released

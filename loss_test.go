@@ -406,3 +406,38 @@ func TestDataLoss_NoticedWhenRedisGoesBackInTime(t *testing.T) {
 		}
 	})
 }
+
+// Back on Redis from the Local fallback, a replica reserves the quota for
+// the others, which may still decide without Redis at 1/n of each limit:
+// until they can all have found Redis again and their calls have left the
+// windows, Redis admits only the share none of them takes.
+func TestLocal_BackOnRedisReservesTheOthersShare(t *testing.T) {
+	redistest.Each(t, func(t *testing.T, s *redistest.Server) {
+		clock := newClock()
+		lim := newLimiter(t, s.Client(t), policies.SlidingLog{Limit: 10, Window: time.Second},
+			WithOnRedisError(Local), WithExpectedReplicas(2), WithClock(clock.Now), quiet())
+		ctx := context.Background()
+		if err := lim.handBack(ctx); err != nil {
+			t.Fatal(err)
+		}
+		for i := range 5 {
+			if d, err := lim.Allow(ctx); err != nil || !d.OK {
+				t.Fatalf("call %d of the reserved share of 5: %+v, %v", i+1, d, err)
+			}
+		}
+		if d, _ := lim.Allow(ctx); d.OK {
+			t.Fatal("a sixth call admitted while the other replica may still take its 5")
+		}
+		d, err := lim.Allow(ctx, Cost(6))
+		if err != nil || d.OK {
+			t.Fatalf("a call larger than the share: %+v, %v; want refused until the reserve ends", d, err)
+		}
+		if want := time.Second + policies.DefaultMargin + probeMax; d.RetryAfter != want {
+			t.Errorf("RetryAfter %v, want the reserve's end, %v", d.RetryAfter, want)
+		}
+		clock.Add(time.Second + policies.DefaultMargin + probeMax)
+		if d, err := lim.Allow(ctx, Cost(10)); err != nil || !d.OK {
+			t.Errorf("after the reserve, a full window: %+v, %v", d, err)
+		}
+	})
+}

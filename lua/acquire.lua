@@ -385,6 +385,21 @@ if stepped == '1' and meta.loss < now then
 end
 local lost = found and 1 or 0
 
+-- Replicas of the Local fallback may still be deciding without Redis, each
+-- within 1/n of each limit: until they are all back, Redis keeps to the
+-- share none of them takes.
+local reserved = meta.ru > now and meta.rn > 1
+if reserved then
+  for _, r in ipairs(rs) do
+    if r.kind == BUCKET then
+      r.p2 = r.p2 * meta.rn
+    else
+      r.full = r.p1
+      r.p1 = math.max(math.floor(r.p1 / meta.rn), 1)
+    end
+  end
+end
+
 -- Bookings given back, before anything is decided: their slots go to the
 -- calls of this batch as to any other. A booking of another epoch is gone
 -- with the data it was written in.
@@ -415,11 +430,15 @@ for c = 0, ncalls - 1 do
   local cost = tonumber(ARGV[first + 3 * c + 1])
   local maxwait = tonumber(ARGV[first + 3 * c + 2])
   local remaining = NEVER
+  local too_big = false
   for _, r in ipairs(rs) do
     if r.p1 < cost then
-      return redis.error_reply('cost ' .. cost .. ' exceeds limit ' .. r.p1)
+      if not r.full or r.full < cost then
+        return redis.error_reply('cost ' .. cost .. ' exceeds limit ' .. r.p1)
+      end
+      too_big = true -- only while the quota is reserved
     end
-    remaining = math.min(remaining, free(r))
+    remaining = math.min(remaining, math.max(free(r), 0))
   end
   remaining = math.max(remaining, 0)
 
@@ -428,9 +447,13 @@ for c = 0, ncalls - 1 do
   -- the rules push each other on for long, the logs settle for their tails,
   -- which no rule pushes further.
   local t = math.max(now, pause)
-  local moved = true
+  local moved = not too_big
   local budget = { left = SCAN }
   local rounds = 0
+  if too_big then
+    -- Larger than the reserved share: it fits once the reserve ends.
+    t = meta.ru
+  end
   while moved and t < NEVER do
     moved = false
     rounds = rounds + 1

@@ -138,6 +138,9 @@ local META_REFRESH = 24 * 3600 * 1000000
 --   loss       when Redis was last found to have lost the quota's data, or 0;
 --   policies   the ids of the policies the quota ran under lately, newest
 --              first, comma-separated (see check_policy);
+--   ru, rn     until time ru, Redis admits only 1/rn of each limit: replicas
+--              of the Local fallback may still be deciding without Redis
+--              (see handback.lua);
 --   seq        how many acquire scripts have run in this epoch: a Redis
 --              whose count is behind what a caller saw has gone back in
 --              time (see check_seq).
@@ -166,13 +169,14 @@ local function read_meta()
     hs = tonumber(f[7]) or 0, hu = tonumber(f[8]) or 0,
     dx = tonumber(f[9]) or -1, dn = tonumber(f[10]) or -1, pdx = tonumber(f[11]) or -1, pdn = tonumber(f[12]) or -1,
     loss = tonumber(f[13]) or 0, policies = f[14] or '', seq = tonumber(f[15]) or 0,
+    ru = tonumber(f[16]) or 0, rn = tonumber(f[17]) or 1,
   }
 end
 
 local function new_meta(now)
   return {
     epoch = now, pause = 0, refreshed = now, jp = -1, js = 0, htext = '', hs = 0, hu = 0,
-    dx = -1, dn = -1, pdx = -1, pdn = -1, loss = 0, policies = '', seq = 0,
+    dx = -1, dn = -1, pdx = -1, pdn = -1, loss = 0, policies = '', seq = 0, ru = 0, rn = 1,
   }
 end
 
@@ -200,6 +204,8 @@ local function write_meta(m, rs)
   end
   v[14] = m.policies
   v[15] = str(m.seq)
+  v[16] = str(m.ru)
+  v[17] = str(m.rn)
   v[6] = m.h and table.concat(m.h, ',') or m.htext
   redis.call('SET', KEYS[1], table.concat(v, ':'), 'PX', math.ceil(ttl))
 end

@@ -27,6 +27,8 @@ var (
 	feedback string
 	//go:embed usage.lua
 	usage string
+	//go:embed handback.lua
+	handback string
 )
 
 // The scripts. go-redis runs each with EVALSHA and falls back to EVAL when
@@ -47,6 +49,9 @@ var (
 	Feedback = script(feedback)
 	// Usage reads how full each rule is, changing nothing.
 	Usage = script(usage)
+	// Handback tells Redis of the calls the Local fallback admitted, and
+	// reserves the quota for the replicas still deciding without it.
+	Handback = script(handback)
 )
 
 // sent maps each script's SHA1 to its lines as Redis has them.
