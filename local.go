@@ -114,6 +114,11 @@ func (lo *local) decide(sc scope, c call, member string, maxWait time.Duration) 
 			u := t
 			switch r.Kind {
 			case policies.KindConcurrency:
+				// The slots held through Redis when it failed are still
+				// taken until their leases run out: no one here knows which.
+				if freeAt := lo.full.Add(r.Lease); now.Before(freeAt) {
+					return result{reason: reasonBusy, wait: freeAt.Sub(now), remaining: remaining, local: true}
+				}
 				if lg.unitsAfter(now)+c.cost > r.Limit {
 					return result{reason: reasonBusy, wait: r.Lease, remaining: remaining, local: true}
 				}
@@ -164,7 +169,9 @@ func (lg *localLog) insert(e localEntry) {
 
 // takeOver is called when the fallback starts deciding. Redis may have
 // admitted a full window just before it failed, and booked calls up to
-// horizon: the fallback admits nothing until a window after both.
+// horizon: the fallback admits nothing until a window after both, and no
+// concurrency slot until a lease after it, since the slots held through
+// Redis are still taken.
 func (lo *local) takeOver(horizon time.Time) {
 	lo.mu.Lock()
 	defer lo.mu.Unlock()
@@ -199,6 +206,14 @@ func (lo *local) charges() []charge {
 		case policies.KindTokenBucket:
 			if ahead := lg.tat.Sub(now); ahead > 0 {
 				out = append(out, charge{lg.rule, lg.scope, now, int(ahead / r.Every)})
+			}
+		case policies.KindConcurrency:
+			// Slots still held: Redis keeps them taken until their leases
+			// end (their Release goes to the fallback, which forgets them).
+			for _, e := range lg.entries {
+				if e.at.After(now) {
+					out = append(out, charge{lg.rule, lg.scope, e.at, e.cost})
+				}
 			}
 		}
 	}

@@ -441,3 +441,39 @@ func TestLocal_BackOnRedisReservesTheOthersShare(t *testing.T) {
 		}
 	})
 }
+
+// The Local fallback does not hand out concurrency slots that the fleet
+// may hold through Redis: none until a lease after it took over. Back on
+// Redis, the slots it handed out are taken there until their leases end.
+func TestLocal_ConcurrencySlotsHeldThroughRedisStayTaken(t *testing.T) {
+	s := redistest.New(t)
+	lim := newLimiter(t, s.Client(t), policies.Concurrency{Max: 4, Lease: time.Second},
+		WithOnRedisError(Local), WithExpectedReplicas(2), WithMode(FailFast), quiet())
+	ctx := context.Background()
+	for range 2 {
+		if _, err := lim.Acquire(ctx); err != nil {
+			t.Fatal(err)
+		}
+	}
+	lim.local.takeOver(time.Now())
+	lim.localNow.Store(true)
+	r := lim.local.decide(lim.scopeFor(call{}), call{cost: 1}, "m", 0)
+	if r.admitted || r.wait < 900*time.Millisecond {
+		t.Fatalf("the fallback right after it took over: %+v, want no slot for about a lease", r)
+	}
+	lim.local.full = time.Now().Add(-time.Second) // a lease later
+	if r := lim.local.decide(lim.scopeFor(call{}), call{cost: 2}, "m", 0); !r.admitted {
+		t.Fatalf("a lease later: %+v, want the replica's 2 slots", r)
+	}
+	// Back on Redis: 2 held before the failure, 2 by the fallback.
+	if err := lim.handBack(ctx); err != nil {
+		t.Fatal(err)
+	}
+	u, err := lim.Usage(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if used := u.Rules[0].Used; used != 4 {
+		t.Errorf("Redis counts %d slots taken, want 4", used)
+	}
+}
