@@ -57,6 +57,7 @@ const (
 // A call that got a slot too late to start in it passes that booking as
 // late: it is given back in the same script call that books the call again.
 func (l *Limiter) decideInRedis(ctx context.Context, sc scope, c call, maxWait time.Duration, late *result) (result, error) {
+	l.listen()
 	req := &request{c: c, maxWait: maxWait, member: l.newMember(), late: late, sent: make(chan struct{}), done: make(chan struct{})}
 	if ln := l.submit(sc, req); ln != nil {
 		// Nothing was on its way: decide this call here, with no hand-over

@@ -328,6 +328,9 @@ func faultLimitersFor(t *testing.T, name string, policy policies.Policy, newClie
 	var lims []*Limiter
 	var clients []redis.UniversalClient
 	closeAll := func() {
+		for _, l := range lims {
+			_ = l.Close(context.Background())
+		}
 		for _, c := range clients {
 			_ = c.Close()
 		}

@@ -477,3 +477,76 @@ func TestLocal_ConcurrencySlotsHeldThroughRedisStayTaken(t *testing.T) {
 		t.Errorf("Redis counts %d slots taken, want 4", used)
 	}
 }
+
+// A call sleeping towards its slot in one replica learns what another
+// replica learned meanwhile, though its own process makes no call: a pause
+// the vendor asked for, a loss of the quota's data. It books again rather
+// than call into the pause, or with a booking the new data knows nothing of.
+func TestNews_SleepingCallsLearnWhatOtherReplicasLearned(t *testing.T) {
+	redistest.Each(t, func(t *testing.T, s *redistest.Server) {
+		ctx := context.Background()
+		policy := policies.SlidingLog{Limit: 1, Window: 300 * time.Millisecond}
+		t.Run("Pause", func(t *testing.T) {
+			a := newLimiter(t, s.Client(t), policy, quiet())
+			b, err := New(s.Client(t), a.Name(), policy, quiet())
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer a.Close(ctx)
+			defer b.Close(ctx)
+			if d, _ := a.Allow(ctx); !d.OK {
+				t.Fatal("first call refused")
+			}
+			done := make(chan time.Duration)
+			start := time.Now()
+			go func() {
+				if _, err := b.Acquire(ctx); err != nil { // books ~330ms ahead, sleeps
+					t.Error(err)
+				}
+				done <- time.Since(start)
+			}()
+			time.Sleep(100 * time.Millisecond)
+			if err := a.Pause(ctx, 1500*time.Millisecond); err != nil {
+				t.Fatal(err)
+			}
+			if took := <-done; took < 1500*time.Millisecond {
+				t.Errorf("B's call started %v after it asked, inside the 1.5s pause A set at 100ms", took)
+			}
+		})
+		t.Run("Loss", func(t *testing.T) {
+			rdb := s.Client(t)
+			a := newLimiter(t, rdb, policy, quiet())
+			b, err := New(s.Client(t), a.Name(), policy, quiet())
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer a.Close(ctx)
+			defer b.Close(ctx)
+			if d, _ := b.Allow(ctx); !d.OK {
+				t.Fatal("first call refused")
+			}
+			if d, _ := a.Allow(ctx); d.OK {
+				t.Fatal("a second call admitted")
+			}
+			done := make(chan time.Duration)
+			start := time.Now()
+			go func() {
+				if _, err := b.Acquire(ctx); err != nil { // books ~330ms ahead, sleeps
+					t.Error(err)
+				}
+				done <- time.Since(start)
+			}()
+			time.Sleep(100 * time.Millisecond)
+			if err := rdb.FlushAll(ctx).Err(); err != nil {
+				t.Fatal(err)
+			}
+			// A finds the loss: the quota counts as full for a window from now.
+			if d, _ := a.Allow(ctx); d.OK {
+				t.Fatal("admitted right after the loss")
+			}
+			if took := <-done; took < 100*time.Millisecond+policy.EffectiveWindow() {
+				t.Errorf("B's call, booked before the loss, started %v after it asked, inside the window after the loss", took)
+			}
+		})
+	})
+}

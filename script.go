@@ -162,6 +162,7 @@ const pauseSweep = 256
 // since the new data knows nothing of them.
 func (l *Limiter) noteEpoch(epoch int64, lost bool) {
 	if old := l.epoch.Swap(epoch); old != epoch && old != 0 {
+		l.scripts.Store(0)
 		l.s.logger.Warn("throttle: Redis lost the quota's data; every limit counts as full for one window",
 			"quota", l.name, "old_epoch", old, "epoch", epoch, "detected_here", lost)
 		l.emit(Event{Kind: EventDataLost})
@@ -185,15 +186,20 @@ func (l *Limiter) noteScripts(newEpoch bool, n int64) {
 }
 
 // pausedFor reports how long the scope stays paused, as this process knows.
+// A pause of the whole quota holds for every key.
 func (l *Limiter) pausedFor(sc scope) time.Duration {
-	v, ok := l.pauses.Load(sc.keys[1])
-	if !ok {
-		return 0
+	var longest time.Duration
+	for _, k := range sc.keys[:2] {
+		v, ok := l.pauses.Load(k)
+		if !ok {
+			continue
+		}
+		d := time.Until(v.(time.Time))
+		if d <= 0 {
+			l.pauses.CompareAndDelete(k, v)
+			continue
+		}
+		longest = max(longest, d)
 	}
-	d := time.Until(v.(time.Time))
-	if d <= 0 {
-		l.pauses.CompareAndDelete(sc.keys[1], v)
-		return 0
-	}
-	return d
+	return longest
 }

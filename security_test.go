@@ -217,8 +217,8 @@ const aclPassword = "a-password-for-the-test"
 // yet; and every command the scripts call, for Redis checks each one
 // against the user running the script.
 var aclRules = []string{
-	"~throttle:*", "resetchannels", "-@all",
-	"+evalsha", "+eval",
+	"~throttle:*", "resetchannels", "&throttle:*", "-@all",
+	"+evalsha", "+eval", "+publish", "+subscribe", "+unsubscribe", "+ping",
 	"+time", "+get", "+set", "+del", "+pttl", "+pexpire",
 	"+hgetall", "+hmget", "+hset", "+hincrby", "+hdel",
 	"+zadd", "+zrem", "+zcard", "+zcount", "+zrange", "+zrangebyscore", "+zremrangebyscore",

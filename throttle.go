@@ -263,6 +263,7 @@ type Limiter struct {
 	timing      *timing      // how late calls start, shared with the process's other limiters on the same server
 	lates       lates        // how late this limiter's calls started since its last report
 	epoch       atomic.Int64 // the quota's epoch as last seen; 0 before the first decision
+	listening   sync.Once    // subscribed to the quota's news (news.go)
 	scripts     atomic.Int64 // the quota's count of scripts run, as last seen in that epoch
 	s           settings
 	id          string
@@ -515,10 +516,14 @@ func (l *Limiter) Queued() int {
 // Close stops the limiter from taking calls: later calls get ErrClosed. In
 // Queue mode it then drains the queue: it waits until every queued call has
 // had its turn. If ctx ends first, the calls still queued get ErrClosed and
-// Close returns ctx's error; no call is dropped without an error. Close does
-// not close the Redis client, which belongs to the caller.
+// Close returns ctx's error; no call is dropped without an error. It ends
+// the limiter's subscription to its quota's news (what other replicas learn
+// of pauses and losses), which the last limiter on a client closes. Close
+// does not close the Redis client, which belongs to the caller.
 func (l *Limiter) Close(ctx context.Context) error {
-	l.closed.Store(true)
+	if !l.closed.Swap(true) {
+		defer l.unlisten()
+	}
 	if l.q != nil {
 		return l.q.close(ctx, l.name)
 	}

@@ -1011,8 +1011,8 @@ func TestTransport_QueueServesHigherPriorityFirst(t *testing.T) {
 
 // No goroutine and no connection outlives the requests: after a mix of
 // successes, retries, refusals and cancellations, closing the client's idle
-// connections closes every connection the vendor saw, and the goroutine
-// count comes back.
+// connections closes every connection the vendor saw, and once the limiter
+// is closed the goroutine count comes back.
 func TestTransport_LeaksNoGoroutinesOrConnections(t *testing.T) {
 	redistest.Each(t, func(t *testing.T, s *redistest.Server) {
 		before := transportGoroutines()
@@ -1038,6 +1038,10 @@ func TestTransport_LeaksNoGoroutinesOrConnections(t *testing.T) {
 		}
 		wg.Wait()
 		client.CloseIdleConnections()
+		// The limiter's subscription to its quota's news ends with it.
+		if err := lim.Close(context.Background()); err != nil {
+			t.Fatal(err)
+		}
 		eventually(t, "every connection to the vendor to close", func() bool {
 			return srv.opened.Load() == srv.closed.Load()
 		})

@@ -368,6 +368,7 @@ local spread = spread_in_force(meta, now)
 local margin = margins(rs, spread)
 local changed, found = false, false
 local created = meta == nil
+local pause_before = meta and meta.pause or 0
 meta, changed, found = check_loss(meta, now, known, rs)
 dirty = dirty or changed
 if not found and check_seq(meta, now, known, tonumber(ARGV[3]), rs) then
@@ -510,6 +511,9 @@ if latest > 0 and hold_spread(meta, now, spread, latest, rs) then
 end
 if dirty then
   write_meta(meta, rs)
+end
+if found or meta.pause > pause_before and meta.pause > now then
+  announce_quota(meta, now)
 end
 
 -- Each key must outlive its latest entry by a window.

@@ -34,23 +34,28 @@ local rs = rules()
 local meta = read_meta()
 margins(rs, spread_in_force(meta, now))
 local known = tonumber(ARGV[after_rules()])
-local dirty = false
+local dirty, found = false, false
 if meta or pause > 0 and KEYS[2] == KEYS[1] then
-  meta, dirty = check_loss(meta, now, known, rs)
+  meta, dirty, found = check_loss(meta, now, known, rs)
 end
+local announce = found
 local until_ = pause_until(meta and meta.pause or 0)
 if pause > 0 and now + pause > until_ then
   until_ = now + pause
   if KEYS[2] == KEYS[1] then
     meta.pause = until_
-    dirty = true
+    dirty, announce = true, true
   else
+    announce_key(until_, now)
     redis.call('SET', KEYS[2], str(until_), 'PX', math.ceil(pause / 1000) + SLACK)
   end
 end
 
 if dirty then
   write_meta(meta, rs)
+end
+if announce then
+  announce_quota(meta, now)
 end
 
 local charged = 0

@@ -456,6 +456,17 @@ local function check_seq(m, now, known, seen, rs)
   return true
 end
 
+-- announce tells every process listening on the quota's channel (named as
+-- its meta key) what one script learned (see news.go): the quota's epoch
+-- and pause after a loss or a pause, or the pause of one key.
+local function announce_quota(m, now)
+  redis.call('PUBLISH', KEYS[1], 'q ' .. str(m.epoch) .. ' ' .. str(m.pause) .. ' ' .. str(now))
+end
+
+local function announce_key(until_, now)
+  redis.call('PUBLISH', KEYS[1], 'k ' .. KEYS[2] .. ' ' .. str(until_) .. ' ' .. str(now))
+end
+
 -- check_policy notes that the quota runs under policy id (see
 -- policyID in throttle.go), and reports whether the meta changed. A policy
 -- the quota has not run under lately comes with a deploy that changed a
