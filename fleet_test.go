@@ -40,18 +40,24 @@ type fleetCase struct {
 	maxScripts float64
 }
 
+// The utilization floors leave room for a loaded machine (-race on 2
+// cores, other tests beside): the benchmarks in bench/ measure how much of
+// the cap the fleet really uses; these catch a fleet that leaves much of it
+// idle. A widened margin lowers each floor in proportion.
 var fleetCases = []fleetCase{
 	// Two-second windows, so that the default margin leaves room to show
-	// 95% of the cap in use on a busy machine.
-	{name: "SlidingLog", policy: policies.SlidingLog{Limit: 200, Window: 2 * time.Second}, vendor: 200, minUtil: 0.95, window: 2 * time.Second},
-	// A counter gives up one bucket of ten to stay under the cap.
-	{name: "SlidingCounter", policy: policies.SlidingCounter{Limit: 100, Window: time.Second}, vendor: 100, minUtil: 0.8},
+	// most of the cap in use on a busy machine.
+	{name: "SlidingLog", policy: policies.SlidingLog{Limit: 200, Window: 2 * time.Second}, vendor: 200, minUtil: 0.9, window: 2 * time.Second},
+	// A counter gives up one bucket of ten to stay under the cap; its
+	// margin does not follow the fleet's spread, so the test gives it room
+	// for a loaded machine's.
+	{name: "SlidingCounter", policy: policies.SlidingCounter{Limit: 100, Window: time.Second, Margin: 100 * time.Millisecond}, vendor: 100, minUtil: 0.7},
 	// Even pacing, 5% under the cap for the jitter between calls.
-	{name: "TokenBucket", policy: policies.TokenBucket{Rate: 95, Per: time.Second}, vendor: 100, minUtil: 0.9},
+	{name: "TokenBucket", policy: policies.TokenBucket{Rate: 95, Per: time.Second}, vendor: 100, minUtil: 0.85},
 	{name: "All", policy: policies.All(
 		policies.SlidingLog{Limit: 100, Window: time.Second},
 		policies.TokenBucket{Rate: 200, Per: time.Second},
-	), vendor: 100, minUtil: 0.9},
+	), vendor: 100, minUtil: 0.8},
 	{name: "Concurrency", policy: policies.All(
 		policies.Concurrency{Max: 5},
 		policies.SlidingLog{Limit: 100, Window: time.Second},
@@ -95,7 +101,7 @@ func TestFleet_RedisFarAway(t *testing.T) {
 				name:       fmt.Sprintf("far-%v", d.latency),
 				policy:     policies.SlidingLog{Limit: 100, Window: time.Second},
 				vendor:     100,
-				minUtil:    0.9,
+				minUtil:    0.85,
 				maxScripts: 1.5,
 			}
 			runFleet(t, fc, func(t *testing.T) redis.UniversalClient {
@@ -113,7 +119,10 @@ func TestFleet_RedisFarAway(t *testing.T) {
 func TestFleet_BusyMachine(t *testing.T) {
 	s := redistest.Real(t)
 	busyLoops(t, 2*runtime.NumCPU())
-	fc := fleetCase{name: "busy", policy: policies.SlidingLog{Limit: 100, Window: time.Second}, vendor: 100, minUtil: 0.5}
+	// Two-second windows: the margin may grow to 200ms, room for the
+	// spread of a machine this busy, vendor included (bench/conditions
+	// runs the one-second case with the vendor in a process of its own).
+	fc := fleetCase{name: "busy", policy: policies.SlidingLog{Limit: 200, Window: 2 * time.Second}, vendor: 200, window: 2 * time.Second, minUtil: 0.5}
 	runFleet(t, fc, func(t *testing.T) redis.UniversalClient { return s.Client(t) })
 }
 
