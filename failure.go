@@ -47,7 +47,8 @@ func (o OnRedisError) String() string {
 
 // WithOnRedisError sets what a call does when Redis cannot decide it. The
 // default is FailClosed. Whatever the choice, a breaker stops sending calls
-// to a Redis that keeps failing, probes it with a growing, jittered backoff,
+// to a Redis that keeps failing (three failures in a row, over 50ms at
+// least), probes it with a growing, jittered backoff,
 // and returns to it by itself once it answers; each switch is logged.
 func WithOnRedisError(o OnRedisError) Option { return func(s *settings) { s.onRedisError = o } }
 
@@ -56,10 +57,13 @@ func WithOnRedisError(o OnRedisError) Option { return func(s *settings) { s.onRe
 // stays under the cap even when every replica has lost Redis.
 func WithExpectedReplicas(n int) Option { return func(s *settings) { s.replicas = n } }
 
-// Breaker timing: consecutive failures that open it, and the backoff
-// between probes.
+// Breaker timing: consecutive failures that open it, over at least how
+// long (the calls that were on connections a Redis restart or CLIENT KILL
+// closed fail at one instant, which is no sign of a Redis down), and the
+// backoff between probes.
 const (
 	breakerFailures = 3
+	breakerSpan     = 50 * time.Millisecond
 	probeFirst      = 100 * time.Millisecond
 	probeMax        = 10 * time.Second
 )
@@ -72,6 +76,7 @@ var errBreakerOpen = errors.New("redis failed repeatedly; waiting to probe it ag
 type breaker struct {
 	mu       sync.Mutex
 	failures int
+	first    time.Time // the first failure of the current run
 	open     bool
 	probing  bool
 	next     time.Time
@@ -119,13 +124,15 @@ func (b *breaker) success() bool {
 func (b *breaker) failure() bool {
 	b.mu.Lock()
 	defer b.mu.Unlock()
-	b.failures++
+	if b.failures++; b.failures == 1 {
+		b.first = time.Now()
+	}
 	if b.open {
 		b.probing = false
 		b.next = time.Now().Add(b.bo.NextBackOff())
 		return false
 	}
-	if b.failures < breakerFailures {
+	if b.failures < breakerFailures || time.Since(b.first) < breakerSpan {
 		return false
 	}
 	b.open = true

@@ -57,7 +57,7 @@ var fleetCases = []fleetCase{
 	{name: "All", policy: policies.All(
 		policies.SlidingLog{Limit: 100, Window: time.Second},
 		policies.TokenBucket{Rate: 200, Per: time.Second},
-	), vendor: 100, minUtil: 0.8},
+	), vendor: 100, minUtil: 0.7},
 	{name: "Concurrency", policy: policies.All(
 		policies.Concurrency{Max: 5},
 		policies.SlidingLog{Limit: 100, Window: time.Second},
