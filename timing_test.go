@@ -135,12 +135,12 @@ func TestMargin_FollowsTheFleetsSpread(t *testing.T) {
 		report(a, 100, 0)
 		check("on time", 0, policies.DefaultMargin, 0, policies.DefaultMargin)
 
-		// 190 calls on time and 20 about 20ms late: more than 1% are, so
-		// the spread is the top of their bucket, 22.6ms, and the margin
-		// twice it, plus half the configured margin.
+		// 190 calls on time and 20 about 40ms late: more than 5% are, so
+		// the spread is the top of their bucket, 45ms, and the margin twice
+		// it.
 		report(a, 90, 0)
-		report(b, 20, 20*ms)
-		check("some late", 22627*time.Microsecond, 15*ms+45254*time.Microsecond, 0, policies.DefaultMargin)
+		report(b, 20, 40*ms)
+		check("some late", 45254*time.Microsecond, 90508*time.Microsecond, 0, policies.DefaultMargin)
 		// A starved fleet: the margin stops at a tenth of the window.
 		report(b, 100, 900*ms)
 		check("starved", 1024*ms, 100*ms, 0, policies.DefaultMargin)

@@ -355,11 +355,9 @@ end
 -- Margins. A window's margin absorbs the spread between the decision in
 -- Redis and the arrival at the vendor. A log's configured margin is a floor:
 -- when the fleet's spread needs more, the margin in force grows to twice the
--- spread (half of it for the start of calls, which the late-start guard
--- holds to it, half for the way to the vendor, which slows with the same
--- load), plus half the configured margin, kept for what no process can
--- measure (the network to the vendor), up to a ceiling of a tenth of the
--- window, at most one second. A counter keeps its configured
+-- spread (half of the margin for the start of calls, which the late-start
+-- guard holds to it, half for the way to the vendor), up to a ceiling of a
+-- tenth of the window, at most one second. A counter keeps its configured
 -- margin: it counts whole buckets, far coarser than the spread, and a wider
 -- margin would cost it a whole bucket of the quota. A margin under GUARDED
 -- is a choice to run without one, and never grows.
@@ -384,7 +382,7 @@ local function margins(rs, spread)
       local w, m = r.p2 - r.margin, r.margin
       local ceiling = margin_ceiling(r)
       if m >= GUARDED then
-        m = math.min(math.max(m, math.floor(m / 2) + 2 * spread), ceiling)
+        m = math.min(math.max(m, 2 * spread), ceiling)
         if least == 0 or m < least then
           least = m
         end

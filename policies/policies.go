@@ -97,13 +97,10 @@ type SlidingLog struct {
 	//
 	// It is a floor. Every process measures how much later than its usual
 	// delay its calls start after their slots, and reports it with its
-	// calls; when the fleet's spread (the 99th percentile of those
-	// latenesses, plus how much the processes' usual delays differ) needs
-	// more, the margin in force grows to half the configured Margin plus
-	// twice the spread, up to MarginCeiling, so that a fleet on busy
-	// machines widens its windows instead of going over the cap. It narrows
-	// again once the calls booked with the wider margin have left their
-	// windows and the spread went down. Usage shows both.
+	// calls; the margin in force grows to twice the widest such spread of
+	// the fleet, up to MarginCeiling, so that a fleet on busy machines
+	// widens its windows instead of going over the cap. It narrows again
+	// within ten seconds of the spread going down. Usage shows both.
 	//
 	// Half of the margin in force bounds how late a call may start: a call
 	// that would start more than that after its slot, beyond the usual delay
