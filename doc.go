@@ -33,4 +33,14 @@
 // Redis decides with its own clock, and every key of a quota shares the hash
 // tag {name}, so a quota works the same on a single Redis, behind Sentinel,
 // and on Redis Cluster.
+//
+// What reaches the vendor is when a call arrives, not when Redis admitted
+// it. A delay every call shares (a Redis 50 ms away) does no harm; the
+// spread of that delay does. Each process measures how late its calls start
+// after their slots, beyond its usual delay, and the fleet's windows widen
+// by a margin that follows that spread (see policies.SlidingLog.Margin); a
+// call that would start later than its margin allows books again. What one
+// replica learns (a vendor's pause, a loss of the quota's data in Redis)
+// reaches the others through a Redis channel before their waiting calls
+// wake.
 package throttle
