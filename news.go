@@ -6,6 +6,7 @@ import (
 	"strings"
 	"sync"
 	"time"
+	"weak"
 
 	"github.com/redis/go-redis/v9"
 )
@@ -22,11 +23,12 @@ import (
 //	q <epoch> <pause until> <now>    the quota's epoch and pause, after a loss or a pause
 //	k <pause key> <until> <now>      the pause of one key of a quota
 
-// hub is the subscription of one client, shared by its limiters.
+// hub is the subscription of one client, shared by its limiters. It holds
+// them weakly: a limiter dropped without Close is forgotten, not kept.
 type hub struct {
 	mu   sync.Mutex
 	ps   *redis.PubSub
-	subs map[string][]*Limiter // channel -> limiters
+	subs map[string][]weak.Pointer[Limiter] // channel -> limiters
 }
 
 var hubs sync.Map // redis.UniversalClient -> *hub
@@ -34,12 +36,12 @@ var hubs sync.Map // redis.UniversalClient -> *hub
 // listen subscribes l to its quota's news, once, without waiting for Redis.
 func (l *Limiter) listen() {
 	l.listening.Do(func() {
-		v, _ := hubs.LoadOrStore(l.rdb, &hub{subs: map[string][]*Limiter{}})
+		v, _ := hubs.LoadOrStore(l.rdb, &hub{subs: map[string][]weak.Pointer[Limiter]{}})
 		h := v.(*hub)
 		h.mu.Lock()
 		defer h.mu.Unlock()
 		channel := l.shared[0]
-		h.subs[channel] = append(h.subs[channel], l)
+		h.subs[channel] = append(live(h.subs[channel], nil), weak.Make(l))
 		if h.ps == nil {
 			h.ps = l.rdb.Subscribe(context.Background(), channel)
 			go h.serve(h.ps.Channel())
@@ -60,13 +62,7 @@ func (l *Limiter) unlisten() {
 	h.mu.Lock()
 	defer h.mu.Unlock()
 	channel := l.shared[0]
-	subs := h.subs[channel]
-	for i, x := range subs {
-		if x == l {
-			subs = append(subs[:i:i], subs[i+1:]...)
-			break
-		}
-	}
+	subs := live(h.subs[channel], l)
 	if len(subs) > 0 {
 		h.subs[channel] = subs
 		return
@@ -86,12 +82,26 @@ func (l *Limiter) unlisten() {
 func (h *hub) serve(ch <-chan *redis.Message) {
 	for msg := range ch {
 		h.mu.Lock()
-		subs := h.subs[msg.Channel]
+		subs := live(h.subs[msg.Channel], nil)
+		h.subs[msg.Channel] = subs
 		h.mu.Unlock()
-		for _, l := range subs {
-			l.news(msg.Payload)
+		for _, p := range subs {
+			if l := p.Value(); l != nil {
+				l.news(msg.Payload)
+			}
 		}
 	}
+}
+
+// live returns the limiters of subs that are still in use, but drop.
+func live(subs []weak.Pointer[Limiter], drop *Limiter) []weak.Pointer[Limiter] {
+	out := subs[:0:0]
+	for _, p := range subs {
+		if l := p.Value(); l != nil && l != drop {
+			out = append(out, p)
+		}
+	}
+	return out
 }
 
 // news applies a message of the quota's channel.
