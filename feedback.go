@@ -2,6 +2,7 @@ package throttle
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"time"
 
@@ -25,7 +26,28 @@ func (l *Limiter) Pause(ctx context.Context, d time.Duration, opts ...CallOption
 	if d <= 0 {
 		return nil
 	}
-	return l.feedback(ctx, min(d, MaxPause), -1, 0, 0, opts)
+	return l.feedback(ctx, min(d, MaxPause), -1, 0, result{}, false, opts)
+}
+
+// Refused tells the quota that the vendor refused the permit's call for
+// being over its rate limit (a 429): every replica pauses for retryAfter
+// (none when it is 0; at most MaxPause), and, unless the limiter was made
+// WithoutLearning, the quota learns the vendor's cap from the refusal: each
+// rule counting calls over time takes as its limit what the fleet admitted
+// in the window before the call, which the vendor accepted (one refusal
+// lowers a limit by half at most; see policies.SlidingLog.Limit). The cap
+// holds for eight windows without a refusal, then rises back towards the
+// configured limit, step by step, while the fleet fills it.
+//
+// A Transport calls it on every 429 about the quota; call it from Do's fn
+// (see PermitFrom) when the vendor's client reports the refusal itself. Do
+// not call it for a refusal about something else (a limit of one endpoint,
+// a vendor overloaded): Pause alone is right for those.
+func (p *Permit) Refused(ctx context.Context, retryAfter time.Duration) error {
+	if p == nil || p.l == nil {
+		return errors.New("throttle: Refused: the permit is nil")
+	}
+	return p.l.feedback(ctx, min(max(retryAfter, 0), MaxPause), -1, 0, p.r, !p.l.s.noLearning, p.opts())
 }
 
 // SetRemaining tells the quota how many units the vendor says are left
@@ -46,14 +68,18 @@ func (l *Limiter) setRemaining(ctx context.Context, remaining int, reset time.Du
 	if remaining < 0 {
 		return fmt.Errorf("throttle: quota %q: SetRemaining: remaining must not be negative, got %d", l.name, remaining)
 	}
+	return l.feedback(ctx, 0, remaining, max(reset, 0), r, false, opts)
+}
+
+// feedback runs the feedback script: a pause of the call's scope, the
+// vendor's remaining count as of the call r (or of now, for a zero r), and,
+// when learn, a cap learned from the vendor's refusal of r.
+func (l *Limiter) feedback(ctx context.Context, pause time.Duration, remaining int, reset time.Duration, r result, learn bool, opts []CallOption) error {
 	var asOf time.Duration
 	if r.admitted && !r.local {
 		asOf = r.slot()
 	}
-	return l.feedback(ctx, 0, remaining, max(reset, 0), asOf, opts)
-}
-
-func (l *Limiter) feedback(ctx context.Context, pause time.Duration, remaining int, reset, asOf time.Duration, opts []CallOption) error {
+	learn = learn && asOf > 0 && countsCalls(l)
 	c, err := l.newFeedbackCall(opts)
 	if err != nil {
 		return err
@@ -74,17 +100,26 @@ func (l *Limiter) feedback(ctx context.Context, pause time.Duration, remaining i
 		}
 	}
 	args := argsFor(l.s.clock, l.newMember(), int(asOf.Microseconds()), pause.Microseconds(), int64(remaining), reset.Microseconds(), rules)
-	args = append(args, l.epoch.Load())
+	learnArg := 0
+	if learn {
+		learnArg = 1
+	}
+	args = append(args, l.epoch.Load(), learnArg)
 	v, err := lua.Feedback.Run(ctx, l.rdb, keys, args...).Int64Slice()
 	if err != nil {
 		return l.unavailable(err)
 	}
-	if len(v) != 3 {
+	if len(v) != 5 {
 		return fmt.Errorf("throttle: quota %q: unexpected script reply %v", l.name, v)
 	}
 	l.notePause(sc, time.Duration(v[2])*time.Microsecond, time.Duration(v[0])*time.Microsecond)
 	if pause > 0 {
 		l.emit(Event{Kind: EventPaused, Duration: pause})
+	}
+	if v[3] == 1 {
+		l.s.logger.Warn("throttle: the vendor refused a call over its limit; the quota's limit in force is lowered to what the vendor accepted",
+			"quota", l.name, "limit", v[4])
+		l.emit(Event{Kind: EventCapLearned, Limit: int(v[4])})
 	}
 	return nil
 }
@@ -97,4 +132,12 @@ func (l *Limiter) newFeedbackCall(opts []CallOption) (call, error) {
 		return c, fmt.Errorf("throttle: quota %q has only per-key limits: the feedback needs a Key", l.name)
 	}
 	return c, nil
+}
+
+// opts returns the options that name the permit's scope: its Key.
+func (p *Permit) opts() []CallOption {
+	if !p.call.hasKey {
+		return nil
+	}
+	return []CallOption{Key(p.call.key)}
 }

@@ -16,35 +16,72 @@ const maxRemaining = math.MaxInt32
 // duration lies in [0, MaxPause], rounded up: waiting a little too long costs
 // a little of the quota, calling too early costs a 429.
 type vendorLimits struct {
-	// retryAfter is the Retry-After header, when hasRetryAfter.
+	// retryAfter is the Retry-After header (or OpenAI's retry-after-ms),
+	// when hasRetryAfter.
 	retryAfter    time.Duration
 	hasRetryAfter bool
-	// remaining is the fewest units the vendor said are left under any of
-	// its limits, or -1 when it said nothing.
+	// remaining is the fewest requests, or units of no stated kind, the
+	// vendor said are left under any of its limits, or -1 when it said
+	// nothing.
 	remaining int
 	// reset is how long until the window of that limit resets, or 0 when
 	// unknown.
 	reset time.Duration
+	// limit is that limit's size, when the vendor said it, or 0.
+	limit int
+	// tokens and tokensReset are the same for the vendor's limits on
+	// tokens (OpenAI's -tokens headers, Anthropic's tokens, input-tokens
+	// and output-tokens), when hasTokens.
+	tokens      int
+	tokensReset time.Duration
+	hasTokens   bool
+	// noRetry reports a vendor that said the call must not be sent again
+	// (Stripe-Should-Retry: false).
+	noRetry bool
+	// scope is what a refusal is about, when the vendor said so: Discord's
+	// X-RateLimit-Scope (user, global, shared), GitHub's
+	// x-ratelimit-resource (core, search, graphql).
+	scope string
 }
 
 // note keeps the tightest of the limits seen: the fewest units left, and for
 // equal counts the later reset.
-func (v *vendorLimits) note(remaining int, reset time.Duration) {
+func (v *vendorLimits) note(remaining int, reset time.Duration, limit int) {
 	if remaining < 0 {
 		return
 	}
 	if v.remaining < 0 || remaining < v.remaining || remaining == v.remaining && reset > v.reset {
-		v.remaining, v.reset = remaining, reset
+		v.remaining, v.reset, v.limit = remaining, reset, limit
+	}
+}
+
+// noteTokens is note for a limit on tokens.
+func (v *vendorLimits) noteTokens(remaining int, reset time.Duration) {
+	if remaining < 0 {
+		return
+	}
+	if !v.hasTokens || remaining < v.tokens || remaining == v.tokens && reset > v.tokensReset {
+		v.tokens, v.tokensReset, v.hasTokens = remaining, reset, true
 	}
 }
 
 // parseVendorLimits reads the rate-limit headers vendors send:
 //
-//   - Retry-After, in delta seconds or as an HTTP date (RFC 9110);
-//   - X-RateLimit-Remaining with X-RateLimit-Reset (GitHub, Twitter's
-//     X-Rate-Limit-*), the reset in delta seconds, epoch seconds or epoch
-//     milliseconds, told apart by size, or X-RateLimit-Reset-After in delta
-//     seconds;
+//   - Retry-After, in delta seconds (fractions too, as Shopify sends) or as
+//     an HTTP date (RFC 9110), and OpenAI's retry-after-ms;
+//   - X-RateLimit-Remaining with X-RateLimit-Limit and X-RateLimit-Reset
+//     (GitHub, Discord, Twitter's X-Rate-Limit-*, Zendesk's
+//     ratelimit-*), the reset in delta seconds, epoch seconds (fractions
+//     too, as Discord sends) or epoch milliseconds, told apart by size, or
+//     X-RateLimit-Reset-After in delta seconds; x-ratelimit-resource
+//     (GitHub) and X-RateLimit-Scope (Discord) as the refusal's scope;
+//   - OpenAI's x-ratelimit-{limit,remaining,reset}-{requests,tokens}, the
+//     resets as durations ("1s", "6m0s", "850ms");
+//   - Anthropic's anthropic-ratelimit-{requests,tokens,input-tokens,
+//     output-tokens}-{limit,remaining,reset}, the resets in RFC 3339;
+//   - Shopify's X-Shopify-Shop-Api-Call-Limit ("32/40": used of the
+//     bucket) and Salesforce's Sforce-Limit-Info ("api-usage=18/5000");
+//   - Stripe-Should-Retry;
 //   - the IETF headers of draft-ietf-httpapi-ratelimit-headers: the
 //     structured RateLimit ("default";r=0;t=30, several limits in a list)
 //     with RateLimit-Policy ("default";q=100;w=60), the dictionary of draft 07
@@ -62,6 +99,10 @@ func parseVendorLimits(h http.Header, now time.Time) vendorLimits {
 			v.hasRetryAfter = true
 		}
 	}
+	if ms, ok := parseNumber(strings.TrimSpace(h.Get("Retry-After-Ms"))); ok {
+		v.retryAfter = max(v.retryAfter, secondsCeil(ms/1000))
+		v.hasRetryAfter = true
+	}
 	for _, prefix := range []string{"X-RateLimit-", "X-Rate-Limit-", "RateLimit-"} {
 		remaining, ok := parseRemaining(h.Values(prefix + "Remaining"))
 		if !ok {
@@ -71,10 +112,84 @@ func parseVendorLimits(h http.Header, now time.Time) vendorLimits {
 		if after, ok := parseSeconds(h.Get(prefix + "Reset-After")); ok {
 			reset = max(reset, after)
 		}
-		v.note(remaining, reset)
+		limit, _ := parseRemaining(h.Values(prefix + "Limit"))
+		v.note(remaining, reset, limit)
+	}
+	for _, name := range []string{"X-RateLimit-Scope", "X-RateLimit-Resource"} {
+		if s := strings.ToLower(strings.TrimSpace(h.Get(name))); s != "" {
+			v.scope = s
+		}
+	}
+	parseTwoKinds(h, &v, now)
+	parseUsedOf(h, &v)
+	if s := strings.ToLower(strings.TrimSpace(h.Get("Stripe-Should-Retry"))); s == "false" {
+		v.noRetry = true
 	}
 	parseRateLimitField(h, &v)
 	return v
+}
+
+// parseTwoKinds reads the headers of the LLM APIs, which count requests and
+// tokens apart: OpenAI's x-ratelimit-*-requests and -tokens, with resets
+// as durations, and Anthropic's anthropic-ratelimit-*, with resets in RFC
+// 3339.
+func parseTwoKinds(h http.Header, v *vendorLimits, now time.Time) {
+	for _, kind := range []string{"requests", "tokens"} {
+		remaining, ok := parseRemaining(h.Values("X-Ratelimit-Remaining-" + kind))
+		if !ok {
+			continue
+		}
+		reset, _ := parseSeconds(h.Get("X-Ratelimit-Reset-" + kind))
+		if kind == "requests" {
+			limit, _ := parseRemaining(h.Values("X-Ratelimit-Limit-" + kind))
+			v.note(remaining, reset, limit)
+		} else {
+			v.noteTokens(remaining, reset)
+		}
+	}
+	for _, kind := range []string{"requests", "tokens", "input-tokens", "output-tokens"} {
+		prefix := "Anthropic-Ratelimit-" + kind + "-"
+		remaining, ok := parseRemaining(h.Values(prefix + "Remaining"))
+		if !ok {
+			continue
+		}
+		var reset time.Duration
+		if t, err := time.Parse(time.RFC3339, strings.TrimSpace(h.Get(prefix+"Reset"))); err == nil {
+			reset = untilCeil(t, now)
+		}
+		if kind == "requests" {
+			limit, _ := parseRemaining(h.Values(prefix + "Limit"))
+			v.note(remaining, reset, limit)
+		} else {
+			v.noteTokens(remaining, reset)
+		}
+	}
+}
+
+// parseUsedOf reads the headers that give the units used of a limit:
+// Shopify's X-Shopify-Shop-Api-Call-Limit ("32/40") and Salesforce's
+// Sforce-Limit-Info ("api-usage=18/5000"). Neither says when units come
+// back.
+func parseUsedOf(h http.Header, v *vendorLimits) {
+	usedOf := func(s string) {
+		used, limit, ok := strings.Cut(strings.TrimSpace(s), "/")
+		if !ok {
+			return
+		}
+		u, ok1 := parseCount(used)
+		l, ok2 := parseCount(limit)
+		if ok1 && ok2 {
+			v.note(max(l-u, 0), 0, l)
+		}
+	}
+	if s := h.Get("X-Shopify-Shop-Api-Call-Limit"); s != "" {
+		usedOf(s)
+	}
+	for part := range strings.SplitSeq(h.Get("Sforce-Limit-Info"), ",") {
+		if k, val, ok := strings.Cut(part, "="); ok && strings.EqualFold(strings.TrimSpace(k), "api-usage") {
+			usedOf(val)
+		}
+	}
 }
 
 // parseRetryAfter reads a Retry-After value: delta seconds (fractions
@@ -218,22 +333,28 @@ func parseRateLimitField(h http.Header, v *vendorLimits) {
 	if strings.TrimSpace(field) == "" {
 		return
 	}
-	windows := map[string]time.Duration{}
+	windows, quotas := map[string]time.Duration{}, map[string]int{}
 	for _, m := range sfList(strings.Join(h.Values("RateLimit-Policy"), ",")) {
 		if w, ok := parseSeconds(m.params["w"]); ok {
 			windows[m.item] = w
 		}
+		if q, ok := parseCount(m.params["q"]); ok {
+			quotas[m.item] = q
+		}
 	}
 	dict := vendorLimits{remaining: -1}
 	var dictReset time.Duration
+	var dictLimit int
 	for _, m := range sfList(field) {
 		if key, val, ok := strings.Cut(m.item, "="); ok {
 			// A dictionary member of draft 07.
 			switch strings.ToLower(strings.TrimSpace(key)) {
 			case "remaining":
 				if n, ok := parseCount(val); ok {
-					dict.note(n, 0)
+					dict.note(n, 0, 0)
 				}
+			case "limit":
+				dictLimit, _ = parseCount(val)
 			case "reset":
 				dictReset, _ = parseSeconds(val)
 			}
@@ -247,10 +368,10 @@ func parseRateLimitField(h http.Header, v *vendorLimits) {
 		if !ok {
 			reset = windows[m.item]
 		}
-		v.note(r, reset)
+		v.note(r, reset, quotas[m.item])
 	}
 	if dict.remaining >= 0 {
-		v.note(dict.remaining, dictReset)
+		v.note(dict.remaining, dictReset, dictLimit)
 	}
 }
 

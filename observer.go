@@ -62,6 +62,10 @@ const (
 	// EventPaused: the quota, or one key of it, was paused for Duration at
 	// the vendor's request.
 	EventPaused
+	// EventCapLearned: the vendor refused a call over its limit, and the
+	// quota learned its cap: Limit is the lowest limit in force of its rules
+	// (see Permit.Refused).
+	EventCapLearned
 )
 
 // String returns the kind's name.
@@ -87,6 +91,8 @@ func (k EventKind) String() string {
 		return "vendor_limited"
 	case EventPaused:
 		return "paused"
+	case EventCapLearned:
+		return "cap_learned"
 	}
 	return "EventKind(" + strconv.Itoa(int(k)) + ")"
 }
@@ -110,6 +116,9 @@ type Event struct {
 	Margin time.Duration
 	// Calls is how many calls one script call decided (EventRedis).
 	Calls int
+	// Limit is the lowest limit in force of the quota's rules after the
+	// vendor's refusal taught it a cap (EventCapLearned).
+	Limit int
 	// Queued is how many calls wait in the local queue (Queue mode).
 	Queued int
 	// Local reports a call decided without Redis, by the fallback.

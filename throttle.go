@@ -143,7 +143,13 @@ type settings struct {
 	prefix       string
 	maxQueue     int
 	overflow     Overflow
+	noLearning   bool
 }
+
+// WithoutLearning keeps the configured limits whatever the vendor says: its
+// refusals pause the fleet, but never teach the quota a lower cap (see
+// Permit.Refused). Its remaining counts are still heeded.
+func WithoutLearning() Option { return func(s *settings) { s.noLearning = true } }
 
 // WithMode sets what a call does when the quota is full. The default is Block.
 func WithMode(m Mode) Option { return func(s *settings) { s.mode = m } }
@@ -531,7 +537,9 @@ func (l *Limiter) Close(ctx context.Context) error {
 }
 
 // Do acquires a permit from l, runs fn, and releases the permit. It returns
-// fn's result, or the error that kept fn from running.
+// fn's result, or the error that kept fn from running. fn finds its permit
+// in its context with PermitFrom: to settle the call's actual cost, or to
+// tell the quota that the vendor refused it.
 func Do[T any](ctx context.Context, l *Limiter, fn func(context.Context) (T, error), opts ...CallOption) (T, error) {
 	p, err := l.acquirePermit(ctx, opts)
 	if err != nil {
@@ -540,7 +548,28 @@ func Do[T any](ctx context.Context, l *Limiter, fn func(context.Context) (T, err
 	}
 	defer p.Release()
 	p.start()
-	return fn(ctx)
+	return fn(withPermit(ctx, p))
+}
+
+type permitKey struct{}
+
+func withPermit(ctx context.Context, p *Permit) context.Context {
+	return context.WithValue(ctx, permitKey{}, p)
+}
+
+// PermitFrom returns the permit of the call that Do or Go runs with ctx, or
+// nil for a context they did not make.
+//
+//	reply, err := throttle.Do(ctx, lim, func(ctx context.Context) (*Reply, error) {
+//		reply, err := llm.Complete(ctx, prompt)
+//		if err == nil {
+//			err = throttle.PermitFrom(ctx).Settle(ctx, reply.Usage.TotalTokens)
+//		}
+//		return reply, err
+//	}, throttle.Cost(estimate))
+func PermitFrom(ctx context.Context) *Permit {
+	p, _ := ctx.Value(permitKey{}).(*Permit)
+	return p
 }
 
 // Future is the outcome of a call submitted with Go.
@@ -590,7 +619,7 @@ func Go[T any](ctx context.Context, l *Limiter, fn func(context.Context) (T, err
 		}
 		defer p.Release()
 		p.start()
-		f.v, f.err = fn(ctx)
+		f.v, f.err = fn(withPermit(ctx, p))
 	}()
 	return f
 }
@@ -620,7 +649,7 @@ func (p *Permit) Cost() int { return p.call.cost }
 // whatever happens, so for them Release only marks the permit used. Calling
 // it more than once is harmless.
 func (p *Permit) Release() {
-	if p.released.Swap(true) || !p.l.hasConc {
+	if p == nil || p.l == nil || p.released.Swap(true) || !p.l.hasConc {
 		return
 	}
 	if p.r.local {
@@ -639,6 +668,9 @@ func (p *Permit) Release() {
 // runs longer than policies.Concurrency.Lease: the slots stay taken for
 // lease from now. It does nothing for a quota without a Concurrency policy.
 func (p *Permit) Extend(ctx context.Context, lease time.Duration) error {
+	if p == nil || p.l == nil {
+		return errors.New("throttle: Extend: the permit is nil")
+	}
 	if !p.l.hasConc {
 		return nil
 	}
@@ -671,6 +703,9 @@ func (p *Permit) Extend(ctx context.Context, lease time.Duration) error {
 // the quota's smallest limit. A Permit's methods are for the goroutine that
 // holds it; Release alone may be called from anywhere.
 func (p *Permit) Settle(ctx context.Context, actual int) error {
+	if p == nil || p.l == nil {
+		return errors.New("throttle: Settle: the permit is nil")
+	}
 	if actual < 0 || actual > p.l.maxCost {
 		return fmt.Errorf("throttle: quota %q: Settle: actual cost must be between 0 and %d, got %d", p.l.name, p.l.maxCost, actual)
 	}

@@ -85,6 +85,7 @@ type Transport struct {
 	routes       []route
 	key          func(*http.Request) string
 	cost         func(*http.Request) int
+	respCost     func(*http.Response) int
 	priority     func(*http.Request) int
 	maxRetries   int
 	maxRetryTime time.Duration
@@ -138,6 +139,31 @@ func WithRequestKey(key func(*http.Request) string) TransportOption {
 // error. Without it every request costs 1.
 func WithRequestCost(cost func(*http.Request) int) TransportOption {
 	return func(t *Transport) { t.cost = cost }
+}
+
+// WithResponseCost reads the actual cost of each request from its response,
+// for a vendor that says what a call cost (a header of tokens or points
+// used): a value of 0 or more settles the call's cost with Permit.Settle
+// before the response is returned, up to the quota's smallest limit; a
+// negative value leaves the cost as it was admitted. cost must not read the
+// body. For a cost the body tells (an LLM's usage), read the body, then
+// settle the permit that PermitFrom(resp.Request.Context()) returns.
+func WithResponseCost(cost func(*http.Response) int) TransportOption {
+	return func(t *Transport) { t.respCost = cost }
+}
+
+// settle replaces the cost of a request admitted by p with the cost its
+// response states. A failure to reach Redis leaves the admitted cost.
+func (t *Transport) settle(ctx context.Context, lim *Limiter, p *Permit, resp *http.Response) {
+	n := t.respCost(resp)
+	if n < 0 || n == p.Cost() {
+		return
+	}
+	ctx, stop := context.WithTimeout(context.WithoutCancel(ctx), cleanupTimeout)
+	defer stop()
+	if err := p.Settle(ctx, min(n, lim.maxCost)); err != nil {
+		lim.s.logger.Warn("throttle: could not settle a request's cost from its response", "quota", lim.name, "err", err)
+	}
 }
 
 // WithRequestPriority sets the Priority of each request in the queue of a
@@ -257,14 +283,21 @@ func (t *Transport) RoundTrip(req *http.Request) (*http.Response, error) {
 		discard(refusal)
 		refusal = nil
 		p.start()
-		resp, err := t.base.RoundTrip(out)
+		// The request sent carries its permit, which the caller finds with
+		// PermitFrom(resp.Request.Context()): to settle the call's cost
+		// from the body, once read.
+		resp, err := t.base.RoundTrip(out.WithContext(withPermit(out.Context(), p)))
 		if err != nil {
 			p.Release()
 			return nil, err
 		}
 		v := parseVendorLimits(resp.Header, time.Now())
 		quiet, refused := t.feedback(ctx, lim, p, resp.StatusCode, v, opts)
-		if !refused {
+		if t.respCost != nil && !refused {
+			t.settle(ctx, lim, p, resp)
+		}
+		if !refused || v.noRetry {
+			// Stripe-Should-Retry: false says a retry would fail too.
 			return deliver(resp, p), nil
 		}
 		if retries == nil {
@@ -334,6 +367,15 @@ func (t *Transport) feedback(ctx context.Context, lim *Limiter, p *Permit, statu
 	if v.remaining == 0 {
 		quiet = v.reset
 	}
+	if v.hasTokens && v.tokens == 0 {
+		quiet = max(quiet, v.tokensReset)
+	}
+	// The count the quota keeps: of tokens when its requests cost what
+	// WithRequestCost says and the vendor counts tokens, else of requests.
+	remaining, reset := v.remaining, v.reset
+	if t.cost != nil && v.hasTokens {
+		remaining, reset = v.tokens, v.tokensReset
+	}
 	switch {
 	case status == http.StatusTooManyRequests:
 		refused = true
@@ -344,24 +386,36 @@ func (t *Transport) feedback(ctx context.Context, lim *Limiter, p *Permit, statu
 	case status == http.StatusServiceUnavailable && v.hasRetryAfter:
 		refused = true
 		quiet = max(quiet, v.retryAfter)
-	case status == http.StatusForbidden && v.remaining == 0 && quiet > 0:
-		// GitHub's way of refusing a call over its primary rate limit.
+	case status == http.StatusForbidden && (v.remaining == 0 && quiet > 0 || v.hasRetryAfter):
+		// GitHub's ways of refusing a call over its primary rate limit
+		// (nothing left until the reset), or over a secondary one.
 		refused = true
+		quiet = max(quiet, v.retryAfter)
 	}
 	if refused {
 		lim.emit(Event{Kind: EventVendorLimited})
 	}
+	// A refusal that says nothing of the vendor's count teaches the quota
+	// the vendor's cap (Permit.Refused). One that gives the count is
+	// heeded through it: nothing left until the reset is a pause, units
+	// left mean a secondary limit or a limit of one endpoint, not the
+	// quota's. An overloaded vendor (503) teaches nothing either.
+	// A refusal that Discord says is about a resource shared with others
+	// teaches nothing either.
+	learn := refused && status != http.StatusServiceUnavailable && remaining < 0 && v.scope != "shared"
 	switch {
+	case learn && !lim.s.noLearning:
+		_ = lim.feedback(ctx, quiet, -1, 0, p.r, true, opts)
 	case quiet > 0:
 		_ = lim.Pause(ctx, quiet, opts...)
-	case v.remaining >= 0 && countsCalls(lim) && (lim.hasConc || v.remaining < p.r.remaining):
+	case remaining >= 0 && countsCalls(lim) && (lim.hasConc || remaining < p.r.remaining):
 		// The count only ever believes fewer are left after it admitted
 		// this call: when it believed no more than the vendor then, a call
 		// to Redis is saved. A Concurrency rule's free slots take part in
 		// that belief, so with one the vendor's count is always passed on.
 		// The vendor counted as of this call: calls admitted after it, on
 		// their way, are not in its number.
-		_ = lim.setRemaining(ctx, v.remaining, v.reset, p.r, opts)
+		_ = lim.setRemaining(ctx, remaining, reset, p.r, opts)
 	}
 	return quiet, refused
 }

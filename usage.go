@@ -39,6 +39,10 @@ type RuleUsage struct {
 	// rule: its configured Margin, or wider when the fleet's Spread needs
 	// it. The rule counts a window of Rule.Window - Rule.Margin + Margin.
 	Margin time.Duration
+	// Limit is the limit in force: Rule.Limit, or lower while a cap learned
+	// from the vendor's refusals holds (see Permit.Refused). For a
+	// TokenBucket, the units of a burst's span, whose rate falls with it.
+	Limit int
 }
 
 // Remaining returns the units a call could take now under every rule.
@@ -66,7 +70,7 @@ func (l *Limiter) Usage(ctx context.Context, opts ...CallOption) (Usage, error) 
 	if err != nil {
 		return Usage{}, l.unavailable(err)
 	}
-	const header, perRule = 3, 5
+	const header, perRule = 3, 6
 	if len(v) != header+perRule*len(l.rules) {
 		return Usage{}, l.unavailable(fmt.Errorf("unexpected script reply %v", v))
 	}
@@ -81,6 +85,7 @@ func (l *Limiter) Usage(ctx context.Context, opts ...CallOption) (Usage, error) 
 			Remaining: int(w[2]),
 			NextFree:  us(w[3]),
 			Margin:    us(w[4]),
+			Limit:     int(w[5]),
 		})
 	}
 	return u, nil

@@ -46,12 +46,12 @@ func TestUsage_ReadsEveryRuleWithoutChangingIt(t *testing.T) {
 			t.Errorf("Usage changed Redis:\nbefore %s\nafter  %s", before, after)
 		}
 		want := []RuleUsage{
-			{Used: 10, Booked: 2, Remaining: 0, NextFree: 700 * time.Millisecond},
-			{Used: 10, Booked: 2, Remaining: 88},
+			{Used: 10, Booked: 2, Remaining: 0, NextFree: 700 * time.Millisecond, Limit: 10},
+			{Used: 10, Booked: 2, Remaining: 88, Limit: 100},
 			// 12 units at 100ms each from the first call: 900ms of them
 			// are still to drain, 9 units.
-			{Used: 9, Booked: 0, Remaining: 11},
-			{Used: 12, Booked: 0, Remaining: 38},
+			{Used: 9, Booked: 0, Remaining: 11, Limit: 20},
+			{Used: 12, Booked: 0, Remaining: 38, Limit: 50},
 		}
 		for i, w := range want {
 			got := u.Rules[i]

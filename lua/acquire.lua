@@ -386,6 +386,9 @@ if stepped == '1' and meta.loss < now then
 end
 local lost = found and 1 or 0
 
+-- Limits the vendor taught the fleet (see read_caps in lib.lua).
+read_caps(rs, meta, now)
+
 -- Replicas of the Local fallback may still be deciding without Redis, each
 -- within 1/n of each limit: until they are all back, Redis keeps to the
 -- share none of them takes.
@@ -422,6 +425,7 @@ for _, r in ipairs(rs) do
   r.loss = meta.loss
   load(r)
 end
+raise_caps(rs, meta, now)
 local pause = pause_until(meta.pause)
 local first = arg
 local out = { str(now), str(pause), str(meta.epoch), lost, str(margin), 0, 0, str(meta.seq) }
@@ -433,11 +437,11 @@ for c = 0, ncalls - 1 do
   local remaining = NEVER
   local too_big = false
   for _, r in ipairs(rs) do
-    if r.p1 < cost then
-      if not r.full or r.full < cost then
-        return redis.error_reply('cost ' .. cost .. ' exceeds limit ' .. r.p1)
-      end
-      too_big = true -- only while the quota is reserved
+    if r.conf < cost then
+      return redis.error_reply('cost ' .. cost .. ' exceeds limit ' .. r.conf)
+    elseif r.p1 < cost then
+      -- Only while the quota is reserved, or a learned cap is below cost.
+      too_big = true
     end
     remaining = math.min(remaining, math.max(free(r), 0))
   end
@@ -452,8 +456,17 @@ for c = 0, ncalls - 1 do
   local budget = { left = SCAN }
   local rounds = 0
   if too_big then
-    -- Larger than the reserved share: it fits once the reserve ends.
-    t = meta.ru
+    -- Larger than the reserved share, or than a learned cap: it fits once
+    -- the reserve ends, and the caps rise.
+    t = math.max(t, reserved and meta.ru or 0)
+    for _, r in ipairs(rs) do
+      if r.cap and r.cap.lim < cost then
+        -- No slot can be booked under a cap that may not rise: refused,
+        -- with a hint of when it may have.
+        t = math.max(t, r.cap.next + span_of(r))
+        maxwait = -1
+      end
+    end
   end
   while moved and t < NEVER do
     moved = false

@@ -11,14 +11,22 @@
 -- ARGV[5]   the units the vendor says are left, or -1 when it did not say.
 -- ARGV[6]   microseconds until the vendor's window resets, or 0 when unknown;
 -- after the rules, the quota's epoch as the calling process last saw it, or
--- 0: a pause must not hide a loss of the quota's data (see check_loss).
+-- 0: a pause must not hide a loss of the quota's data (see check_loss);
+-- then 1 when the vendor refused the call of ARGV[3] for being over its
+-- limit, so that the rules learn a cap (see learn_cap in lib.lua), else 0.
 --
 -- When the vendor has fewer units left than a rule believes (another consumer
 -- of the same API key, a restart), the rule is charged the difference, under
 -- ARGV[2], so that the fleet slows down before the vendor answers 429. The
--- charge leaves the rule's window when the vendor's window resets.
+-- charge leaves the rule's window when the vendor's window resets. The
+-- charges of a rule are also listed in r.key .. ':ch' (member "id:units",
+-- scored by the time they sit at): a charge may sit after the time of the
+-- next answer's call, and the next answer must count it all the same, or
+-- the answers of calls in flight together would each charge the gap again.
 --
--- Returns {pause until (or 0), units charged, now}.
+-- Returns {pause until (or 0), units charged, now, lowered, cap}: lowered is
+-- 1 when a rule's cap dropped; cap the lowest limit in force of a capped
+-- rule, or -1 when no rule is capped.
 
 local now = clock()
 local id = ARGV[2]
@@ -34,9 +42,21 @@ local rs = rules()
 local meta = read_meta()
 margins(rs, spread_in_force(meta, now))
 local known = tonumber(ARGV[after_rules()])
+local learn = ARGV[after_rules() + 1] == '1' and tonumber(ARGV[3]) > 0
 local dirty, found = false, false
-if meta or pause > 0 and KEYS[2] == KEYS[1] then
+if meta or learn or pause > 0 and KEYS[2] == KEYS[1] then
   meta, dirty, found = check_loss(meta, now, known, rs)
+end
+read_caps(rs, meta, now)
+local lowered = 0
+if learn then
+  local cu = meta.cu
+  for _, r in ipairs(rs) do
+    if r.kind ~= CONCURRENCY and learn_cap(r, as_of, meta, now) then
+      lowered = 1
+    end
+  end
+  dirty = dirty or meta.cu ~= cu
 end
 local announce = found
 local until_ = pause_until(meta and meta.pause or 0)
@@ -58,12 +78,24 @@ if announce then
   announce_quota(meta, now)
 end
 
+-- charged_after returns the units charged to rule r that sit after time t
+-- and within its window, and drops the charges that left it.
+local function charged_after(r, t)
+  local key = r.key .. ':ch'
+  redis.call('ZREMRANGEBYSCORE', key, '-inf', str(now - r.p2))
+  local n = 0
+  for _, m in ipairs(redis.call('ZRANGEBYSCORE', key, '(' .. str(t), '+inf')) do
+    n = n + (tonumber(string.match(m, ':(%d+)$')) or 0)
+  end
+  return n
+end
+
 local charged = 0
 if left >= 0 then
   for _, r in ipairs(rs) do
     local free
     if r.kind == LOG then
-      free = r.p1 - redis.call('ZCOUNT', r.key, '(' .. str(now - r.p2), str(as_of))
+      free = r.p1 - redis.call('ZCOUNT', r.key, '(' .. str(now - r.p2), str(as_of)) - charged_after(r, as_of)
     elseif r.kind == COUNTER then
       local used = 0
       local raw = redis.call('HGETALL', r.key)
@@ -74,7 +106,7 @@ if left >= 0 then
           used = used + tonumber(raw[k + 1])
         end
       end
-      free = r.p1 - used
+      free = r.p1 - used - charged_after(r, bucket_of(as_of, r.p3) * r.p3 + r.p3 - 1)
     elseif r.kind == BUCKET then
       local tat = tat_of(r.key)
       free = math.floor((r.p1 * r.p2 - math.max(0, tat - now)) / r.p2)
@@ -86,8 +118,20 @@ if left >= 0 then
         at = math.min(now, math.max(now + reset - r.p2, now - r.p2 + 1))
       end
       change(r, id, 0, free - left, at, now)
+      if r.kind ~= BUCKET then
+        local key = r.key .. ':ch'
+        redis.call('ZADD', key, str(at), id .. ':' .. str(free - left))
+        redis.call('PEXPIRE', key, math.ceil((at - now + r.p2) / 1000) + SLACK)
+      end
       charged = math.max(charged, free - left)
     end
   end
 end
-return { str(until_), charged, str(now) }
+
+local cap = -1
+for _, r in ipairs(rs) do
+  if r.cap and (cap < 0 or r.cap.lim < cap) then
+    cap = r.cap.lim
+  end
+end
+return { str(until_), charged, str(now), lowered, cap }

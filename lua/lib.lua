@@ -60,6 +60,9 @@ local function rules()
       p3 = tonumber(ARGV[a + 3]),
       margin = tonumber(ARGV[a + 4]),
     }
+    -- The configured limit, or burst, and interval: a learned cap (see
+    -- read_caps) and the Local fallback's reserve may lower p1 and p2.
+    rs[i].conf, rs[i].conf_p2 = rs[i].p1, rs[i].p2
   end
   return rs
 end
@@ -148,6 +151,9 @@ local META_REFRESH = 24 * 3600 * 1000000
 --              margins it gave, and may start as late as those allow, so
 --              the margins may not narrow until they have all left their
 --              windows (see spread_in_force).
+--   cu         until time cu, rules of the quota may have learned caps
+--              (see read_caps): before it, scripts read them; after it,
+--              they spare the reads.
 -- read_meta returns them as a table, or nil when the key is missing.
 local function read_meta()
   local v = redis.call('GET', KEYS[1])
@@ -169,14 +175,14 @@ local function read_meta()
     hs = tonumber(f[7]) or 0, hu = tonumber(f[8]) or 0,
     dx = tonumber(f[9]) or -1, dn = tonumber(f[10]) or -1, pdx = tonumber(f[11]) or -1, pdn = tonumber(f[12]) or -1,
     loss = tonumber(f[13]) or 0, policies = f[14] or '', seq = tonumber(f[15]) or 0,
-    ru = tonumber(f[16]) or 0, rn = tonumber(f[17]) or 1,
+    ru = tonumber(f[16]) or 0, rn = tonumber(f[17]) or 1, cu = tonumber(f[18]) or 0,
   }
 end
 
 local function new_meta(now)
   return {
     epoch = now, pause = 0, refreshed = now, jp = -1, js = 0, htext = '', hs = 0, hu = 0,
-    dx = -1, dn = -1, pdx = -1, pdn = -1, loss = 0, policies = '', seq = 0, ru = 0, rn = 1,
+    dx = -1, dn = -1, pdx = -1, pdn = -1, loss = 0, policies = '', seq = 0, ru = 0, rn = 1, cu = 0,
   }
 end
 
@@ -206,6 +212,7 @@ local function write_meta(m, rs)
   v[15] = str(m.seq)
   v[16] = str(m.ru)
   v[17] = str(m.rn)
+  v[18] = str(m.cu)
   v[6] = m.h and table.concat(m.h, ',') or m.htext
   redis.call('SET', KEYS[1], table.concat(v, ':'), 'PX', math.ceil(ttl))
 end
@@ -601,4 +608,171 @@ local function change(r, id, from, to, t, now)
       set_tat(r.key, tat - (from - to) * r.p2, to > 0 and id or '', now)
     end
   end
+end
+
+-- Learned caps. A vendor may lower its cap without warning, and answer 429
+-- past it. When it refuses a call for being over its limit (feedback.lua,
+-- told so by the transport or by Permit.Refused), each counting rule the
+-- refusal is about learns a cap (see learn_cap): half its limit at first,
+-- then what the fleet had admitted in the vendor's window before a refused
+-- call, which the vendor did accept. One refusal drops the limit in force
+-- by half at most, so that a refusal about something else (a limit of one
+-- endpoint, another consumer of the same key) costs little and is soon
+-- made good; a token bucket keeps no history, and halves. From then on
+-- every script decides against the cap.
+--
+-- After CAP_HOLD windows without a refusal, while the fleet fills its
+-- capped window, the cap rises, by a step that doubles at each window, back
+-- to the configured limit: a vendor that raises its cap again is followed.
+-- A refusal during the rise ends it: the cap drops to what the vendor
+-- accepted, and holds again.
+--
+-- The cap of rule r is kept in r.key .. ':cap' as "lim:at:from:next:step":
+--   lim   the limit in force, below the configured one; for a token bucket,
+--         the units of its burst's span, whose rate falls with it;
+--   at    when it last dropped;
+--   from  the limit in force before that drop: a refusal of a call decided
+--         before the drop drops from there again, not from lim, so that the
+--         refusals of the calls in flight at a drop do not compound;
+--   next  the earliest time it may rise;
+--   step  how much it rises then.
+local CAP_HOLD = 8
+local CAP_FIRST_STEP = 16
+local CAP_TTL = 24 * 3600 * 1000
+local CAP_TTL_WINDOWS = 100
+
+-- span_of returns the window the vendor counts a rule's limit over, as
+-- configured: a window without its margin; a token bucket's burst span.
+local function span_of(r)
+  if r.kind == BUCKET then
+    return r.conf * r.conf_p2
+  end
+  return r.p2 - r.margin
+end
+
+-- set_limit makes lim the limit in force of rule r.
+local function set_limit(r, lim)
+  lim = math.max(math.min(lim, r.conf), 1)
+  if r.kind == BUCKET then
+    r.p2 = math.ceil(r.conf * r.conf_p2 / lim)
+  end
+  r.p1 = lim
+end
+
+-- read_caps applies the learned caps of rules rs, when the meta says some
+-- rule of the quota may have one.
+local function read_caps(rs, m, now)
+  if not m or m.cu <= now then
+    return
+  end
+  for _, r in ipairs(rs) do
+    if r.kind ~= CONCURRENCY then
+      local v = redis.call('GET', r.key .. ':cap')
+      local lim, at, from, nxt, step
+      if v then
+        lim, at, from, nxt, step = string.match(v, '^(%d+):(%-?%d+):(%d+):(%-?%d+):(%d+)$')
+      end
+      if lim and tonumber(lim) < r.conf then
+        r.cap = { lim = tonumber(lim), at = tonumber(at), from = tonumber(from), next = tonumber(nxt), step = tonumber(step) }
+        set_limit(r, r.cap.lim)
+      end
+    end
+  end
+end
+
+-- write_cap keeps rule r's cap c, or drops it when it has come back to the
+-- configured limit, and notes in meta m that the quota has caps.
+local function write_cap(r, c, m, now)
+  if c.lim >= r.conf then
+    redis.call('DEL', r.key .. ':cap')
+    r.cap = nil
+    set_limit(r, r.conf)
+    return
+  end
+  local ttl = math.ceil(math.max(CAP_TTL, CAP_TTL_WINDOWS * span_of(r) / 1000))
+  redis.call('SET', r.key .. ':cap', str(c.lim) .. ':' .. str(c.at) .. ':' .. str(c.from) .. ':' .. str(c.next) .. ':' .. str(c.step), 'PX', ttl)
+  m.cu = math.max(m.cu, now + ttl * 1000)
+  r.cap = c
+  set_limit(r, c.lim)
+end
+
+-- accepted_before returns the units the fleet admitted in the vendor's
+-- window before time t, by rule r's record, or nil for a rule that keeps
+-- none. A counter's buckets count for the part of them inside the window.
+local function accepted_before(r, t)
+  local w = span_of(r)
+  if r.kind == LOG then
+    return redis.call('ZCOUNT', r.key, '(' .. str(t - w), '(' .. str(t))
+  elseif r.kind == COUNTER then
+    local width, n = r.p3, 0
+    local raw = redis.call('HGETALL', r.key)
+    for k = 1, #raw, 2 do
+      local lo = tonumber(raw[k]) * width
+      local inside = math.min(lo + width, t) - math.max(lo, t - w)
+      if inside > 0 then
+        n = n + tonumber(raw[k + 1]) * inside / width
+      end
+    end
+    return math.floor(n)
+  end
+  return nil
+end
+
+-- learn_cap lowers rule r's cap after the vendor refused a call decided at
+-- time as_of, and reports whether the cap dropped. A first refusal halves
+-- the limit in force: what the fleet admitted before the refused call says
+-- little then, since the vendor may have counted it under a higher cap
+-- that it has just lowered. A refusal of a call decided under the cap
+-- lowers it to what the fleet admitted in the vendor's window before the
+-- call, which the vendor accepted, and by half at most. A refusal of a call
+-- decided before the cap's last drop (the calls in flight at a drop) lowers
+-- it only to that count, never below half the limit before the drop.
+local function learn_cap(r, as_of, m, now)
+  local c = r.cap
+  local lim, from
+  if not c then
+    lim, from = math.ceil(r.conf / 2), r.conf
+  elseif as_of < c.at then
+    lim, from = math.max(accepted_before(r, as_of) or 0, math.ceil(c.from / 2)), c.from
+  else
+    lim, from = math.max(accepted_before(r, as_of) or 0, math.ceil(c.lim / 2)), c.lim
+  end
+  lim = math.max(lim, 1)
+  local hold = now + CAP_HOLD * span_of(r)
+  if not c or lim < c.lim then
+    write_cap(r, {
+      lim = lim, at = now, from = from, next = hold,
+      step = math.max(1, math.floor(lim / CAP_FIRST_STEP)),
+    }, m, now)
+    return true
+  end
+  -- Refused at the cap: it rose too far, or the vendor is still at it.
+  c.next, c.step = math.max(c.next, hold), math.max(1, math.floor(c.lim / CAP_FIRST_STEP))
+  write_cap(r, c, m, now)
+  return false
+end
+
+-- raise_caps raises, by their steps, the caps of rules rs whose hold has
+-- ended and whose capped window the fleet fills (r.n, read by load): a cap
+-- the fleet does not reach learns nothing from rising. It reports whether
+-- a cap changed.
+local function raise_caps(rs, m, now)
+  local raised = false
+  for _, r in ipairs(rs) do
+    local c = r.cap
+    if c and now >= c.next then
+      local full
+      if r.kind == BUCKET then
+        full = r.tat - now > (r.p1 - 1) * r.p2
+      else
+        full = r.n >= r.p1
+      end
+      if full then
+        c.lim, c.next, c.step = c.lim + c.step, now + span_of(r), 2 * c.step
+        write_cap(r, c, m, now)
+        raised = true
+      end
+    end
+  end
+  return raised
 end

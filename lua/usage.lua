@@ -5,19 +5,22 @@
 -- KEYS and ARGV as in lib.lua (ARGV[2] .. ARGV[6] unused).
 --
 -- Returns {now, pause, spread, then for each rule: used, booked, remaining,
--- next, margin}:
+-- next, margin, limit}:
 --   spread     the fleet's spread of call starts (see note_timing in lib.lua);
 --   used       units admitted in the window ending now;
 --   booked     units booked for later by waiting calls;
 --   remaining  units a call could take now (limit - used - booked, at least 0);
 --   next       microseconds until one more unit fits, 0 when one fits now;
---   margin     the margin in force, in microseconds (0 for a rule with none).
+--   margin     the margin in force, in microseconds (0 for a rule with none);
+--   limit      the limit in force: the configured one, or a cap learned from
+--              the vendor's refusals (see read_caps in lib.lua).
 
 local now = clock()
 local meta = read_meta()
 local spread = spread_in_force(meta, now)
 local rs = rules()
 margins(rs, spread)
+read_caps(rs, meta, now)
 local out = { str(now), str(pause_until(meta and meta.pause or 0)), str(spread) }
 
 for _, r in ipairs(rs) do
@@ -62,7 +65,7 @@ for _, r in ipairs(rs) do
       next = tonumber(first[2]) - now
     end
   end
-  out[#out + 1], out[#out + 2], out[#out + 3], out[#out + 4], out[#out + 5] =
-    used, booked, math.max(r.p1 - used - booked, 0), str(next), str(r.margin or 0)
+  out[#out + 1], out[#out + 2], out[#out + 3], out[#out + 4], out[#out + 5], out[#out + 6] =
+    used, booked, math.max(r.p1 - used - booked, 0), str(next), str(r.margin or 0), r.p1
 end
 return out
