@@ -26,7 +26,7 @@ func (l *Limiter) Pause(ctx context.Context, d time.Duration, opts ...CallOption
 	if d <= 0 {
 		return nil
 	}
-	return l.feedback(ctx, min(d, MaxPause), -1, 0, result{}, false, opts)
+	return l.feedback(ctx, min(d, MaxPause), -1, 0, result{}, false, -1, opts)
 }
 
 // Refused tells the quota that the vendor refused the permit's call for
@@ -47,7 +47,7 @@ func (p *Permit) Refused(ctx context.Context, retryAfter time.Duration) error {
 	if p == nil || p.l == nil {
 		return errors.New("throttle: Refused: the permit is nil")
 	}
-	return p.l.feedback(ctx, min(max(retryAfter, 0), MaxPause), -1, 0, p.r, !p.l.s.noLearning, p.opts())
+	return p.l.feedback(ctx, min(max(retryAfter, 0), MaxPause), -1, 0, p.r, !p.l.s.noLearning, -1, p.opts())
 }
 
 // SetRemaining tells the quota how many units the vendor says are left
@@ -68,13 +68,14 @@ func (l *Limiter) setRemaining(ctx context.Context, remaining int, reset time.Du
 	if remaining < 0 {
 		return fmt.Errorf("throttle: quota %q: SetRemaining: remaining must not be negative, got %d", l.name, remaining)
 	}
-	return l.feedback(ctx, 0, remaining, max(reset, 0), r, false, opts)
+	return l.feedback(ctx, 0, remaining, max(reset, 0), r, false, -1, opts)
 }
 
 // feedback runs the feedback script: a pause of the call's scope, the
 // vendor's remaining count as of the call r (or of now, for a zero r), and,
-// when learn, a cap learned from the vendor's refusal of r.
-func (l *Limiter) feedback(ctx context.Context, pause time.Duration, remaining int, reset time.Duration, r result, learn bool, opts []CallOption) error {
+// when learn, a cap learned from the vendor's refusal of r, which stated
+// the vendor's limit when vendorLimit > 0.
+func (l *Limiter) feedback(ctx context.Context, pause time.Duration, remaining int, reset time.Duration, r result, learn bool, vendorLimit int, opts []CallOption) error {
 	var asOf time.Duration
 	if r.admitted && !r.local {
 		asOf = r.slot()
@@ -104,7 +105,7 @@ func (l *Limiter) feedback(ctx context.Context, pause time.Duration, remaining i
 	if learn {
 		learnArg = 1
 	}
-	args = append(args, l.epoch.Load(), learnArg)
+	args = append(args, l.epoch.Load(), learnArg, max(vendorLimit, -1))
 	v, err := lua.Feedback.Run(ctx, l.rdb, keys, args...).Int64Slice()
 	if err != nil {
 		return l.unavailable(err)

@@ -4,6 +4,7 @@ import (
 	"context"
 	"net/http"
 	"net/http/httptest"
+	"strconv"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -69,7 +70,7 @@ func TestFollow_LearnsALoweredCapAndFindsItRaised(t *testing.T) {
 		limit    = 100 // per window
 		halveAt  = 3 * window
 		raiseAt  = 12 * window // the cap learned holds 8 windows
-		endAt    = 21 * window
+		endAt    = 24 * window
 	)
 	s := redistest.Real(t)
 	q := &quietVendor{v: fakevendor.NewInProcess(fakevendor.Config{Limit: limit, Window: window})}
@@ -78,6 +79,7 @@ func TestFollow_LearnsALoweredCapAndFindsItRaised(t *testing.T) {
 
 	ctx, cancel := context.WithCancel(context.Background())
 	defer cancel()
+	q.start = time.Now()
 	var wg sync.WaitGroup
 	var learned atomic.Int64
 	for range replicas {
@@ -99,7 +101,6 @@ func TestFollow_LearnsALoweredCapAndFindsItRaised(t *testing.T) {
 			})
 		}
 	}
-	q.start = time.Now()
 	time.AfterFunc(halveAt, func() { q.v.SetLimit(limit / 2) })
 	time.AfterFunc(raiseAt, func() { q.v.SetLimit(limit) })
 	time.Sleep(endAt)
@@ -121,11 +122,156 @@ func TestFollow_LearnsALoweredCapAndFindsItRaised(t *testing.T) {
 		t.Errorf("%d calls served at the halved cap, want at least %.0f (90%%)", okLate, want)
 	}
 	// Raised again, the cap is found within a few windows of the learned
-	// cap's hold.
-	found := endAt - 2*window
+	// cap's hold: the fleet runs at the cap, but for its margin, a sixteenth
+	// of windows this short.
+	found := endAt - 4*window
 	okEnd, refusedEnd := q.count(found, endAt)
 	t.Logf("cap raised again: %d calls served in the last %v, %d refused", okEnd, endAt-found, refusedEnd)
-	if want := 0.9 * float64(limit) * float64(endAt-found) / float64(window); float64(okEnd) < want {
-		t.Errorf("%d calls served in the last two windows with the cap back at %d, want at least %.0f", okEnd, limit, want)
+	if want := 0.85 * float64(limit) * float64(endAt-found) / float64(window); float64(okEnd) < want {
+		t.Errorf("%d calls served in the last four windows with the cap back at %d, want at least %.0f", okEnd, limit, want)
+	}
+}
+
+// fixedWindowVendor counts calls in fixed windows, as GitHub and most
+// vendors that send a reset time do, and answers in one vendor's shape of
+// headers.
+type fixedWindowVendor struct {
+	limit  int
+	window time.Duration
+	shape  func(h http.Header, limit, remaining int, reset time.Time)
+	start  time.Time
+	mu     sync.Mutex
+	k      int64 // the window counted
+	n      int   // calls accepted in it
+	ok, no int
+	// okLate counts the calls accepted from lateFrom on.
+	lateFrom time.Time
+	okLate   int
+	perWindow      map[int64]int // calls accepted in each window
+}
+
+func (v *fixedWindowVendor) ServeHTTP(w http.ResponseWriter, _ *http.Request) {
+	now := time.Now()
+	v.mu.Lock()
+	k := int64(now.Sub(v.start) / v.window)
+	if k != v.k {
+		v.k, v.n = k, 0
+	}
+	accepted := v.n < v.limit
+	if accepted {
+		v.n++
+		v.ok++
+		if v.perWindow == nil {
+			v.perWindow = map[int64]int{}
+		}
+		v.perWindow[k]++
+		if !v.lateFrom.IsZero() && now.After(v.lateFrom) {
+			v.okLate++
+		}
+	} else {
+		v.no++
+	}
+	remaining := v.limit - v.n
+	reset := v.start.Add(time.Duration(k+1) * v.window)
+	v.mu.Unlock()
+	v.shape(w.Header(), v.limit, remaining, reset)
+	if !accepted {
+		w.WriteHeader(http.StatusTooManyRequests)
+	}
+}
+
+// The shapes of the vendors' headers, with the counts of one window.
+var headerShapes = []struct {
+	name  string
+	shape func(h http.Header, limit, remaining int, reset time.Time)
+}{
+	{"GitHub", func(h http.Header, limit, remaining int, reset time.Time) {
+		h.Set("x-ratelimit-limit", strconv.Itoa(limit))
+		h.Set("x-ratelimit-remaining", strconv.Itoa(remaining))
+		h.Set("x-ratelimit-reset", strconv.FormatInt(reset.Add(time.Second-1).Unix(), 10))
+	}},
+	{"OpenAI", func(h http.Header, limit, remaining int, reset time.Time) {
+		h.Set("x-ratelimit-limit-requests", strconv.Itoa(limit))
+		h.Set("x-ratelimit-remaining-requests", strconv.Itoa(remaining))
+		h.Set("x-ratelimit-reset-requests", time.Until(reset).Round(time.Millisecond).String())
+	}},
+	{"Anthropic", func(h http.Header, limit, remaining int, reset time.Time) {
+		h.Set("anthropic-ratelimit-requests-limit", strconv.Itoa(limit))
+		h.Set("anthropic-ratelimit-requests-remaining", strconv.Itoa(remaining))
+		h.Set("anthropic-ratelimit-requests-reset", reset.Add(time.Second-1).UTC().Truncate(time.Second).Format(time.RFC3339))
+	}},
+	{"Discord", func(h http.Header, limit, remaining int, reset time.Time) {
+		h.Set("X-RateLimit-Limit", strconv.Itoa(limit))
+		h.Set("X-RateLimit-Remaining", strconv.Itoa(remaining))
+		h.Set("X-RateLimit-Reset-After", strconv.FormatFloat(time.Until(reset).Seconds(), 'f', 3, 64))
+	}},
+	{"IETF", func(h http.Header, limit, remaining int, reset time.Time) {
+		h.Set("RateLimit-Policy", `"default";q=`+strconv.Itoa(limit)+`;w=`+strconv.Itoa(int(clampWindow/time.Second)))
+		h.Set("RateLimit", `"default";r=`+strconv.Itoa(remaining)+`;t=`+strconv.Itoa(int((time.Until(reset)+time.Second-1)/time.Second)))
+	}},
+}
+
+// clampWindow is the vendor's window in TestFollow_ClampConverges: headers
+// that give resets in whole seconds cost up to a second of each window,
+// waited on purpose (a second of an hour at GitHub).
+const clampWindow = 3 * time.Second
+
+// A fleet configured at twice the vendor's real cap converges to it from
+// the vendor's answers, whatever the shape of its headers: most of the cap
+// used, and a handful of 429s while it learns, none once it has.
+func TestFollow_ClampConverges(t *testing.T) {
+	const (
+		replicas = 3
+		workers  = 10
+		window   = clampWindow
+		limit    = 40 // the vendor's, per window
+		windows  = 4
+	)
+	s := redistest.Real(t)
+	for _, hs := range headerShapes {
+		t.Run(hs.name, func(t *testing.T) {
+			t.Parallel()
+			v := &fixedWindowVendor{limit: limit, window: window, shape: hs.shape, start: time.Now().Truncate(time.Second)}
+			srv := httptest.NewServer(v)
+			defer srv.Close()
+			ctx, cancel := context.WithCancel(context.Background())
+			var wg sync.WaitGroup
+			for range replicas {
+				lim, err := New(s.Client(t), "clamp-"+hs.name, policies.SlidingLog{Limit: 2 * limit, Window: window})
+				if err != nil {
+					t.Fatal(err)
+				}
+				c := &http.Client{Transport: NewTransport(&http.Transport{MaxIdleConnsPerHost: workers}, lim)}
+				for range workers {
+					wg.Go(func() {
+						for ctx.Err() == nil {
+							_, _ = get(ctx, c, srv.URL)
+						}
+					})
+				}
+			}
+			v.mu.Lock()
+			v.lateFrom = time.Now().Add(window)
+			v.mu.Unlock()
+			time.Sleep(2 * window)
+			v.mu.Lock()
+			noEarly := v.no
+			v.mu.Unlock()
+			time.Sleep((windows - 2) * window)
+			cancel()
+			wg.Wait()
+			v.mu.Lock()
+			defer v.mu.Unlock()
+			util := float64(v.okLate) / (float64(limit) * float64(windows-1))
+			t.Logf("%s: %d accepted, %d refused, %d in the last %d windows; %.0f%% of the cap after the first window; accepted per window %v",
+				hs.name, v.ok, v.no, v.no-noEarly, windows-2, 100*util, v.perWindow)
+			if util < 0.9 {
+				t.Errorf("%.0f%% of the vendor's cap used, want at least 90%%", 100*util)
+			}
+			if v.no > replicas*workers/2 || v.no > noEarly {
+				t.Errorf("%d 429s, %d in the last %d windows; want at most %d, none in those",
+					v.no, v.no-noEarly, windows-2, replicas*workers/2)
+			}
+		})
 	}
 }

@@ -150,14 +150,14 @@ func TestRefused_CapRisesBackAfterItsHold(t *testing.T) {
 		}
 		// Through the hold, a fleet that fills the cap stays at it.
 		for w := range 7 {
-			if n := admittedIn(lim, clock, time.Second, 2*time.Millisecond); n > 50 {
+			if n := admittedIn(lim, clock, time.Second, 5*time.Millisecond); n > 50 {
 				t.Fatalf("window %d of the hold admitted %d calls under a cap of 50", w, n)
 			}
 		}
 		// Then it rises, by a step that doubles each window.
 		var seen []int
 		for len(seen) < 3 {
-			admittedIn(lim, clock, time.Second, 2*time.Millisecond)
+			admittedIn(lim, clock, time.Second, 5*time.Millisecond)
 			if l := limitInForce(t, lim)[0]; l != 50 && (len(seen) == 0 || l != seen[len(seen)-1]) {
 				seen = append(seen, l)
 			}
@@ -176,7 +176,7 @@ func TestRefused_CapRisesBackAfterItsHold(t *testing.T) {
 		}
 		// Left alone, the cap rises back to the configured limit, and goes.
 		for range 8 + 6 {
-			admittedIn(lim, clock, time.Second, 2*time.Millisecond)
+			admittedIn(lim, clock, time.Second, 5*time.Millisecond)
 		}
 		if got := limitInForce(t, lim); got[0] != 100 {
 			t.Fatalf("limit in force %v fourteen windows on, want 100", got)

@@ -141,16 +141,27 @@ func (l *Limiter) notePause(sc scope, now, until time.Duration) {
 	if until <= now {
 		return
 	}
-	end := time.Now().Add(until - now)
-	if _, had := l.pauses.Swap(sc.keys[1], end); !had && l.pausesAdded.Add(1)%pauseSweep == 0 {
+	p := pauseEnd{local: time.Now().Add(until - now), until: until}
+	if old, had := l.pauses.Load(sc.keys[1]); had && old.(pauseEnd).until >= until {
+		// Each reply restates a pause it knows; the first news of it
+		// stands, however long its trip took.
+		return
+	}
+	if _, had := l.pauses.Swap(sc.keys[1], p); !had && l.pausesAdded.Add(1)%pauseSweep == 0 {
 		t := time.Now()
 		l.pauses.Range(func(k, v any) bool {
-			if !v.(time.Time).After(t) {
+			if !v.(pauseEnd).local.After(t) {
 				l.pauses.CompareAndDelete(k, v)
 			}
 			return true
 		})
 	}
+}
+
+// pauseEnd is the end of a pause, in local time and in Redis time.
+type pauseEnd struct {
+	local time.Time
+	until time.Duration
 }
 
 // pauseSweep is how many pauses are noted between two sweeps of the ended
@@ -185,21 +196,19 @@ func (l *Limiter) noteScripts(newEpoch bool, n int64) {
 	}
 }
 
-// pausedFor reports how long the scope stays paused, as this process knows.
-// A pause of the whole quota holds for every key.
-func (l *Limiter) pausedFor(sc scope) time.Duration {
-	var longest time.Duration
+// pausedPast reports whether a pause this process knows of, not over yet,
+// ends after the Redis time slot: a call booked at slot before the pause
+// was known must not go ahead. A pause that ends at the slot or before it
+// is one the booking already kept.
+func (l *Limiter) pausedPast(sc scope, slot time.Duration) bool {
+	now := time.Now()
 	for _, k := range sc.keys[:2] {
-		v, ok := l.pauses.Load(k)
-		if !ok {
-			continue
+		if v, ok := l.pauses.Load(k); ok {
+			p := v.(pauseEnd)
+			if p.local.After(now) && p.until > slot {
+				return true
+			}
 		}
-		d := time.Until(v.(time.Time))
-		if d <= 0 {
-			l.pauses.CompareAndDelete(k, v)
-			continue
-		}
-		longest = max(longest, d)
 	}
-	return longest
+	return false
 }

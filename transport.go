@@ -372,9 +372,9 @@ func (t *Transport) feedback(ctx context.Context, lim *Limiter, p *Permit, statu
 	}
 	// The count the quota keeps: of tokens when its requests cost what
 	// WithRequestCost says and the vendor counts tokens, else of requests.
-	remaining, reset := v.remaining, v.reset
+	remaining, reset, limit := v.remaining, v.reset, v.limit
 	if t.cost != nil && v.hasTokens {
-		remaining, reset = v.tokens, v.tokensReset
+		remaining, reset, limit = v.tokens, v.tokensReset, 0
 	}
 	switch {
 	case status == http.StatusTooManyRequests:
@@ -395,17 +395,19 @@ func (t *Transport) feedback(ctx context.Context, lim *Limiter, p *Permit, statu
 	if refused {
 		lim.emit(Event{Kind: EventVendorLimited})
 	}
-	// A refusal that says nothing of the vendor's count teaches the quota
-	// the vendor's cap (Permit.Refused). One that gives the count is
-	// heeded through it: nothing left until the reset is a pause, units
-	// left mean a secondary limit or a limit of one endpoint, not the
-	// quota's. An overloaded vendor (503) teaches nothing either.
-	// A refusal that Discord says is about a resource shared with others
-	// teaches nothing either.
-	learn := refused && status != http.StatusServiceUnavailable && remaining < 0 && v.scope != "shared"
+	// A refusal teaches the quota the vendor's cap (Permit.Refused): the
+	// limit the vendor states with it, or, when it says nothing of its
+	// count, what the fleet admitted before the call. A refusal that gives
+	// a count of units left without a limit is heeded through the count:
+	// nothing left until the reset is a pause, units left mean a secondary
+	// limit or a limit of one endpoint, not the quota's. An overloaded
+	// vendor (503) teaches nothing, nor does a refusal that Discord says is
+	// about a resource shared with others.
+	learn := refused && status != http.StatusServiceUnavailable && v.scope != "shared" &&
+		(remaining < 0 || remaining == 0 && limit > 0)
 	switch {
 	case learn && !lim.s.noLearning:
-		_ = lim.feedback(ctx, quiet, -1, 0, p.r, true, opts)
+		_ = lim.feedback(ctx, quiet, -1, 0, p.r, true, limit, opts)
 	case quiet > 0:
 		_ = lim.Pause(ctx, quiet, opts...)
 	case remaining >= 0 && countsCalls(lim) && (lim.hasConc || remaining < p.r.remaining):

@@ -13,7 +13,8 @@
 -- after the rules, the quota's epoch as the calling process last saw it, or
 -- 0: a pause must not hide a loss of the quota's data (see check_loss);
 -- then 1 when the vendor refused the call of ARGV[3] for being over its
--- limit, so that the rules learn a cap (see learn_cap in lib.lua), else 0.
+-- limit, so that the rules learn a cap (see learn_cap in lib.lua), else 0;
+-- then the limit the vendor stated with its refusal, or -1.
 --
 -- When the vendor has fewer units left than a rule believes (another consumer
 -- of the same API key, a restart), the rule is charged the difference, under
@@ -52,7 +53,7 @@ local lowered = 0
 if learn then
   local cu = meta.cu
   for _, r in ipairs(rs) do
-    if r.kind ~= CONCURRENCY and learn_cap(r, as_of, meta, now) then
+    if r.kind ~= CONCURRENCY and learn_cap(r, as_of, meta, now, tonumber(ARGV[after_rules() + 2])) then
       lowered = 1
     end
   end

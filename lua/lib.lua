@@ -727,7 +727,11 @@ end
 -- call, which the vendor accepted, and by half at most. A refusal of a call
 -- decided before the cap's last drop (the calls in flight at a drop) lowers
 -- it only to that count, never below half the limit before the drop.
-local function learn_cap(r, as_of, m, now)
+--
+-- A vendor that states its limit with the refusal (x-ratelimit-limit and
+-- the like: vlimit > 0) is taken at its word, within the same bound of
+-- half.
+local function learn_cap(r, as_of, m, now, vlimit)
   local c = r.cap
   local lim, from
   if not c then
@@ -736,6 +740,9 @@ local function learn_cap(r, as_of, m, now)
     lim, from = math.max(accepted_before(r, as_of) or 0, math.ceil(c.from / 2)), c.from
   else
     lim, from = math.max(accepted_before(r, as_of) or 0, math.ceil(c.lim / 2)), c.lim
+  end
+  if vlimit > 0 then
+    lim = math.max(vlimit, math.ceil(from / 2))
   end
   lim = math.max(lim, 1)
   local hold = now + CAP_HOLD * span_of(r)
