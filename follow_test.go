@@ -145,9 +145,9 @@ type fixedWindowVendor struct {
 	n      int   // calls accepted in it
 	ok, no int
 	// okLate counts the calls accepted from lateFrom on.
-	lateFrom time.Time
-	okLate   int
-	perWindow      map[int64]int // calls accepted in each window
+	lateFrom  time.Time
+	okLate    int
+	perWindow map[int64]int // calls accepted in each window
 }
 
 func (v *fixedWindowVendor) ServeHTTP(w http.ResponseWriter, _ *http.Request) {
