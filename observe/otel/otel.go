@@ -70,6 +70,8 @@ type Observer struct {
 	pauseTime        metric.Float64Counter
 	queueDepth       metric.Int64Gauge
 	margin           metric.Float64Gauge
+	capsLearned      metric.Int64Counter
+	learnedLimit     metric.Int64Gauge
 
 	mu     sync.Mutex // serializes the creation of a quota's attributes
 	quotas sync.Map   // quota name -> *quotaAttrs
@@ -162,6 +164,10 @@ func New(meter metric.Meter) (*Observer, error) {
 	o.margin, err = meter.Float64Gauge("throttle.margin", metric.WithUnit("s"),
 		metric.WithDescription("The smallest margin in force of the quota's windows: the configured Margin, or wider while the fleet's calls start late after their slots."))
 	try(err)
+	o.capsLearned = counter("throttle.caps_learned", "{cap}",
+		"Times a vendor's refusal lowered the quota's limit in force to a cap learned from it.")
+	o.learnedLimit = gauge("throttle.learned_limit", "{unit}",
+		"The lowest limit in force of the quota's rules after the latest cap learned from the vendor; Limiter.Usage says when it rose back.")
 	if err := errors.Join(errs...); err != nil {
 		return nil, err
 	}
@@ -211,6 +217,9 @@ func (o *Observer) Observe(e throttle.Event) {
 	case throttle.EventPaused:
 		o.pauses.Add(ctx, 1, a.quota.add...)
 		o.pauseTime.Add(ctx, e.Duration.Seconds(), a.quota.add...)
+	case throttle.EventCapLearned:
+		o.capsLearned.Add(ctx, 1, a.quota.add...)
+		o.learnedLimit.Record(ctx, int64(e.Limit), a.quota.rec...)
 	}
 	// Only a limiter in Queue mode has a queue; others would report a
 	// gauge that is always 0.

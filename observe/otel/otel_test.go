@@ -159,6 +159,8 @@ func TestObserver_RecordsEveryEventKind(t *testing.T) {
 	ev(throttle.EventVendorLimited, throttle.Event{})
 	ev(throttle.EventPaused, throttle.Event{Duration: 1500 * time.Millisecond})
 	ev(throttle.EventPaused, throttle.Event{Duration: 500 * time.Millisecond})
+	ev(throttle.EventCapLearned, throttle.Event{Limit: 50})
+	ev(throttle.EventCapLearned, throttle.Event{Limit: 40})
 	obs.Observe(throttle.Event{Kind: throttle.EventAdmitted, Quota: "jobs", Mode: throttle.Queue, Cost: 1, Queued: 4})
 	obs.Observe(throttle.Event{Kind: throttle.EventQueueFull, Quota: "jobs", Mode: throttle.Queue, Queued: 2})
 
@@ -194,6 +196,7 @@ func TestObserver_RecordsEveryEventKind(t *testing.T) {
 		{"throttle.data_lost", "{event}", sms, 1},
 		{"throttle.vendor.limited", "{response}", sms, 2},
 		{"throttle.pauses", "{pause}", sms, 2},
+		{"throttle.caps_learned", "{cap}", sms, 2},
 	} {
 		if got := sum[int64](t, ms, c.name, c.unit, c.attrs); got != c.want {
 			t.Errorf("%s{%s} = %d, want %d", c.name, c.attrs, got, c.want)
@@ -201,6 +204,9 @@ func TestObserver_RecordsEveryEventKind(t *testing.T) {
 	}
 	if got := sum[float64](t, ms, "throttle.pause.time", "s", sms); !near(got, 2) {
 		t.Errorf("throttle.pause.time = %v, want 2", got)
+	}
+	if got := gauge(t, ms, "throttle.learned_limit", "{unit}", sms); got != 40 {
+		t.Errorf("throttle.learned_limit = %d, want 40, the latest", got)
 	}
 	if got := gauge(t, ms, "throttle.fallback.active", "1", sms); got != 1 {
 		t.Errorf("throttle.fallback.active = %d after a second fallback, want 1", got)

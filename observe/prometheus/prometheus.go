@@ -76,6 +76,8 @@ type Observer struct {
 	pauseSeconds     *prometheus.CounterVec
 	queueDepth       *prometheus.GaugeVec
 	margin           *prometheus.GaugeVec
+	capsLearned      *prometheus.CounterVec
+	learnedLimit     *prometheus.GaugeVec
 
 	quotas sync.Map // quota name -> *quotaMetrics
 }
@@ -108,6 +110,8 @@ type quotaMetrics struct {
 	pauses           prometheus.Counter
 	pauseSeconds     prometheus.Counter
 	margin           prometheus.Gauge
+	capsLearned      prometheus.Counter
+	learnedLimit     prometheus.Gauge
 
 	// Created on first use: only a limiter in shadow mode has shadow
 	// refusals, and only one in Queue mode has a queue. Others would export
@@ -181,6 +185,10 @@ func New(opts ...Option) *Observer {
 			"Calls waiting in the local queue of a limiter in Queue mode, as of its latest event."),
 		margin: gauge("throttle_margin_seconds",
 			"The smallest margin in force of the quota's windows: the configured Margin, or wider while the fleet's calls start late after their slots."),
+		capsLearned: counter("throttle_caps_learned_total",
+			"Times a vendor's refusal lowered the quota's limit in force to a cap learned from it.", "quota"),
+		learnedLimit: gauge("throttle_learned_limit",
+			"The lowest limit in force of the quota's rules after the latest cap learned from the vendor; Limiter.Usage says when it rose back."),
 	}
 }
 
@@ -202,6 +210,7 @@ func (o *Observer) collectors() []prometheus.Collector {
 	return []prometheus.Collector{
 		o.calls, o.units, o.wait, o.fallbackAdmitted, o.roundTrip, o.redisErrors, o.callsPerScript,
 		o.fallbackActive, o.fallbackSwitches, o.dataLost, o.vendorLimited, o.pauses, o.pauseSeconds, o.queueDepth, o.margin,
+		o.capsLearned, o.learnedLimit,
 	}
 }
 
@@ -246,6 +255,9 @@ func (o *Observer) Observe(e throttle.Event) {
 	case throttle.EventPaused:
 		m.pauses.Inc()
 		m.pauseSeconds.Add(e.Duration.Seconds())
+	case throttle.EventCapLearned:
+		m.capsLearned.Inc()
+		m.learnedLimit.Set(float64(e.Limit))
 	}
 	if e.Mode == throttle.Queue {
 		m.queueOnce.Do(func() { m.queueDepth = o.queueDepth.WithLabelValues(m.name) })
@@ -291,6 +303,8 @@ func (o *Observer) quota(name string) *quotaMetrics {
 		pauses:           o.pauses.WithLabelValues(name),
 		pauseSeconds:     o.pauseSeconds.WithLabelValues(name),
 		margin:           o.margin.WithLabelValues(name),
+		capsLearned:      o.capsLearned.WithLabelValues(name),
+		learnedLimit:     o.learnedLimit.WithLabelValues(name),
 	}
 	for i, outcome := range refusals {
 		m.refused[i] = o.calls.WithLabelValues(name, outcome, "false")

@@ -150,6 +150,8 @@ func TestObserver_ExportsEveryEventKind(t *testing.T) {
 	ev(throttle.EventVendorLimited, throttle.Event{})
 	ev(throttle.EventPaused, throttle.Event{Duration: 1500 * time.Millisecond})
 	ev(throttle.EventPaused, throttle.Event{Duration: 500 * time.Millisecond})
+	ev(throttle.EventCapLearned, throttle.Event{Limit: 50})
+	ev(throttle.EventCapLearned, throttle.Event{Limit: 40})
 	// A limiter in Queue mode: the gauge follows its latest event.
 	obs.Observe(throttle.Event{Kind: throttle.EventAdmitted, Quota: "jobs", Mode: throttle.Queue, Cost: 1, Queued: 4})
 	obs.Observe(throttle.Event{Kind: throttle.EventQueueFull, Quota: "jobs", Mode: throttle.Queue, Queued: 2})
@@ -190,10 +192,14 @@ func TestObserver_ExportsEveryEventKind(t *testing.T) {
 		{"throttle_vendor_limited_total", sms, 2},
 		{"throttle_pauses_total", sms, 2},
 		{"throttle_pause_seconds_total", sms, 2},
+		{"throttle_caps_learned_total", sms, 2},
 	} {
 		if got := counter(t, fams, c.name, c.labels...); !near(got, c.want) {
 			t.Errorf("%s%v = %v, want %v", c.name, c.labels, got, c.want)
 		}
+	}
+	if got := gauge(t, fams, "throttle_learned_limit", sms...); got != 40 {
+		t.Errorf("throttle_learned_limit = %v, want 40, the latest", got)
 	}
 	if got := gauge(t, fams, "throttle_fallback_active", sms...); got != 1 {
 		t.Errorf("throttle_fallback_active = %v after a second fallback, want 1", got)
