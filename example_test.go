@@ -135,3 +135,31 @@ func ExampleLimitedError() {
 	}
 	// Output: limited; retry within the hour: true
 }
+
+// An LLM call is admitted with an estimate of its tokens, and settled with
+// what it used; a refusal by the vendor teaches the whole fleet its cap.
+func ExamplePermitFrom() {
+	rdb, done := exampleRedis()
+	defer done()
+	lim, err := throttle.New(rdb, "llm-tokens", policies.SlidingCounter{Limit: 200_000, Window: time.Minute})
+	if err != nil {
+		fmt.Println(err)
+		return
+	}
+	ctx := context.Background()
+	used, err := throttle.Do(ctx, lim, func(ctx context.Context) (int, error) {
+		used := 1200 // as the vendor's reply says
+		return used, throttle.PermitFrom(ctx).Settle(ctx, used)
+	}, throttle.Cost(4000))
+	fmt.Println(used, err)
+
+	_, err = throttle.Do(ctx, lim, func(ctx context.Context) (int, error) {
+		// The vendor answered 429: the fleet pauses, and learns its cap.
+		return 0, throttle.PermitFrom(ctx).Refused(ctx, time.Second)
+	}, throttle.Cost(10))
+	u, _ := lim.Usage(ctx)
+	fmt.Println(err, u.Rules[0].Limit, u.Paused > 0)
+	// Output:
+	// 1200 <nil>
+	// <nil> 100000 true
+}

@@ -159,6 +159,13 @@ func TestTransport_HeedsTheVendorsOwnHeaders(t *testing.T) {
 		var calls atomic.Int64
 		vendor := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 			calls.Add(1)
+			if r.URL.Path == "/github-secondary" {
+				w.Header().Set("retry-after", "30")
+				w.Header().Set("x-ratelimit-limit", "5000")
+				w.Header().Set("x-ratelimit-remaining", "4990")
+				w.WriteHeader(http.StatusForbidden)
+				return
+			}
 			if r.URL.Path == "/stripe" {
 				w.Header().Set("Stripe-Should-Retry", "false")
 				w.WriteHeader(http.StatusTooManyRequests)
@@ -192,10 +199,27 @@ func TestTransport_HeedsTheVendorsOwnHeaders(t *testing.T) {
 			t.Errorf("a quota of tokens has %d left, want the vendor's 1000 tokens", got)
 		}
 
-		lim := newLimiter(t, s.Client(t), policies.SlidingLog{Limit: 5000, Window: time.Minute}, WithPrefix("stripe"))
-		c := &http.Client{Transport: NewTransport(nil, lim, WithDefaultPause(time.Millisecond))}
+		// A 403 with Retry-After is GitHub's secondary limit: the token
+		// pauses for that long, and its limit stays.
+		lim := newLimiter(t, s.Client(t), policies.SlidingLog{Limit: 5000, Window: time.Minute}, WithPrefix("secondary"), WithMode(FailFast))
+		c := &http.Client{Transport: NewTransport(nil, lim)}
+		resp, err := c.Get(vendor.URL + "/github-secondary")
+		if err != nil {
+			t.Fatal(err)
+		}
+		resp.Body.Close()
+		u, err := lim.Usage(ctx)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if resp.StatusCode != http.StatusForbidden || u.Paused < 25*time.Second || u.Rules[0].Limit != 5000 {
+			t.Errorf("a secondary limit: status %d, paused %v, limit %d; want the 403, a pause of 30s, the limit kept", resp.StatusCode, u.Paused, u.Rules[0].Limit)
+		}
+
+		lim = newLimiter(t, s.Client(t), policies.SlidingLog{Limit: 5000, Window: time.Minute}, WithPrefix("stripe"))
+		c = &http.Client{Transport: NewTransport(nil, lim, WithDefaultPause(time.Millisecond))}
 		calls.Store(0)
-		resp, err := c.Get(vendor.URL + "/stripe")
+		resp, err = c.Get(vendor.URL + "/stripe")
 		if err != nil {
 			t.Fatal(err)
 		}
