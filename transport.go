@@ -86,6 +86,7 @@ type Transport struct {
 	key          func(*http.Request) string
 	cost         func(*http.Request) int
 	respCost     func(*http.Response) int
+	pool         *keyPool
 	priority     func(*http.Request) int
 	maxRetries   int
 	maxRetryTime time.Duration
@@ -270,7 +271,15 @@ func (t *Transport) RoundTrip(req *http.Request) (*http.Response, error) {
 		first   time.Time
 	)
 	for {
-		p, err := lim.acquirePermit(ctx, opts)
+		send, callOpts, key := out, opts, -1
+		if t.pool != nil {
+			// Each attempt picks its key: a retry may find another with room.
+			key = t.pool.pick(lim)
+			callOpts = append(opts[:len(opts):len(opts)], Key(t.pool.keys[key].key))
+			send = out.Clone(ctx)
+			t.pool.set(send, t.pool.keys[key].key)
+		}
+		p, err := lim.acquirePermit(ctx, callOpts)
 		if err != nil {
 			closeBody(out)
 			if refusal != nil && ctx.Err() == nil {
@@ -286,13 +295,16 @@ func (t *Transport) RoundTrip(req *http.Request) (*http.Response, error) {
 		// The request sent carries its permit, which the caller finds with
 		// PermitFrom(resp.Request.Context()): to settle the call's cost
 		// from the body, once read.
-		resp, err := t.base.RoundTrip(out.WithContext(withPermit(out.Context(), p)))
+		resp, err := t.base.RoundTrip(send.WithContext(withPermit(send.Context(), p)))
 		if err != nil {
 			p.Release()
 			return nil, err
 		}
 		v := parseVendorLimits(resp.Header, time.Now())
-		quiet, refused := t.feedback(ctx, lim, p, resp.StatusCode, v, opts)
+		quiet, refused := t.feedback(ctx, lim, p, resp.StatusCode, v, callOpts)
+		if key >= 0 {
+			t.pool.heard(key, p.r.remaining, v.remaining, quiet)
+		}
 		if t.respCost != nil && !refused {
 			t.settle(ctx, lim, p, resp)
 		}
@@ -342,7 +354,7 @@ func (t *Transport) limiterFor(req *http.Request) *Limiter {
 
 func (t *Transport) callOptions(req *http.Request) []CallOption {
 	var opts []CallOption
-	if t.key != nil {
+	if t.key != nil && t.pool == nil {
 		if k := t.key(req); k != "" {
 			opts = append(opts, Key(k))
 		}

@@ -1,0 +1,173 @@
+package throttle
+
+import (
+	"context"
+	"fmt"
+	"net/http"
+	"net/http/httptest"
+	"strconv"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/throttlekit/throttle/internal/redistest"
+	"github.com/throttlekit/throttle/policies"
+)
+
+// tokenVendor counts each token's calls in fixed windows and answers with
+// GitHub's headers, refusing a token over its limit with a 403.
+type tokenVendor struct {
+	limit  int
+	window time.Duration
+	start  time.Time
+	mu     sync.Mutex
+	n      map[string]int // calls counted in the current window, per token
+	k      map[string]int64
+	served map[string]int
+	no     map[string]int
+}
+
+func newTokenVendor(limit int, window time.Duration) *tokenVendor {
+	return &tokenVendor{limit: limit, window: window, start: time.Now(),
+		n: map[string]int{}, k: map[string]int64{}, served: map[string]int{}, no: map[string]int{}}
+}
+
+// spend counts a call of token by another consumer.
+func (v *tokenVendor) spend(token string) (bool, int, time.Time) {
+	now := time.Now()
+	v.mu.Lock()
+	defer v.mu.Unlock()
+	k := int64(now.Sub(v.start) / v.window)
+	if v.k[token] != k {
+		v.k[token], v.n[token] = k, 0
+	}
+	ok := v.n[token] < v.limit
+	if ok {
+		v.n[token]++
+	}
+	return ok, v.limit - v.n[token], v.start.Add(time.Duration(k+1) * v.window)
+}
+
+func (v *tokenVendor) ServeHTTP(w http.ResponseWriter, r *http.Request) {
+	token := strings.TrimPrefix(r.Header.Get("Authorization"), "Bearer ")
+	ok, remaining, reset := v.spend(token)
+	v.mu.Lock()
+	if ok {
+		v.served[token]++
+	} else {
+		v.no[token]++
+	}
+	v.mu.Unlock()
+	w.Header().Set("x-ratelimit-limit", strconv.Itoa(v.limit))
+	w.Header().Set("x-ratelimit-remaining", strconv.Itoa(remaining))
+	w.Header().Set("x-ratelimit-reset", strconv.FormatInt(reset.Add(time.Second-1).Unix(), 10))
+	if !ok {
+		w.WriteHeader(http.StatusForbidden)
+	}
+}
+
+func (v *tokenVendor) counts() (served, refused map[string]int) {
+	v.mu.Lock()
+	defer v.mu.Unlock()
+	served, refused = map[string]int{}, map[string]int{}
+	for k, n := range v.served {
+		served[k] = n
+	}
+	for k, n := range v.no {
+		refused[k] = n
+	}
+	return served, refused
+}
+
+// A fleet with four tokens of one vendor spreads its calls over them, each
+// within its own limit, and skips a token another service has spent until
+// its reset.
+func TestKeyPool_SpreadsCallsOverTheKeysWithRoom(t *testing.T) {
+	const (
+		replicas = 3
+		workers  = 5
+		limit    = 20 // per token and window
+		window   = 2 * time.Second
+		windows  = 3
+	)
+	s := redistest.Real(t)
+	v := newTokenVendor(limit, window)
+	srv := httptest.NewServer(v)
+	defer srv.Close()
+	tokens := []string{"t0", "t1", "t2", "t3"}
+	// Another service spends all of t2's calls as each window starts.
+	stop := make(chan struct{})
+	go func() {
+		for {
+			select {
+			case <-stop:
+				return
+			case <-time.After(5 * time.Millisecond):
+				v.spend("t2")
+			}
+		}
+	}()
+	defer close(stop)
+
+	ctx, cancel := context.WithTimeout(context.Background(), windows*window)
+	defer cancel()
+	var wg sync.WaitGroup
+	for range replicas {
+		lim, err := New(s.Client(t), "pool", policies.PerKey{Policy: policies.SlidingLog{Limit: limit, Window: window}})
+		if err != nil {
+			t.Fatal(err)
+		}
+		c := &http.Client{Transport: NewTransport(nil, lim, WithKeyPool(tokens, func(r *http.Request, token string) {
+			r.Header.Set("Authorization", "Bearer "+token)
+		}))}
+		for range workers {
+			wg.Go(func() {
+				for ctx.Err() == nil {
+					req, _ := http.NewRequestWithContext(ctx, http.MethodGet, srv.URL, nil)
+					if resp, err := c.Do(req); err == nil {
+						resp.Body.Close()
+						if req.Header.Get("Authorization") != "" {
+							t.Error("the pool changed the caller's request")
+						}
+					}
+				}
+			})
+		}
+	}
+	wg.Wait()
+	served, refused := v.counts()
+	t.Logf("served per token %v, refused %v", served, refused)
+	for _, tok := range []string{"t0", "t1", "t3"} {
+		if min := limit * (windows - 1); served[tok] < min {
+			t.Errorf("token %s served %d calls in %d windows of %d, want at least %d", tok, served[tok], windows, limit, min)
+		}
+		if refused[tok] > 0 {
+			t.Errorf("token %s refused %d times, want none", tok, refused[tok])
+		}
+	}
+	if refused["t2"] > replicas*windows {
+		t.Errorf("the spent token t2 was refused %d times, want at most one per replica and window", refused["t2"])
+	}
+}
+
+func TestKeyPool_RefusesABadPool(t *testing.T) {
+	for _, tc := range []struct {
+		name string
+		opt  func() TransportOption
+		want string
+	}{
+		{"no key", func() TransportOption { return WithKeyPool(nil, func(*http.Request, string) {}) }, "no key"},
+		{"an empty key", func() TransportOption { return WithKeyPool([]string{"a", ""}, func(*http.Request, string) {}) }, "key 1 is empty"},
+		{"no set", func() TransportOption { return WithKeyPool([]string{"a"}, nil) }, "set is nil"},
+	} {
+		func() {
+			defer func() {
+				if r := recover(); r == nil || !strings.Contains(fmt.Sprint(r), tc.want) {
+					t.Errorf("%s: %v, want a panic naming %q", tc.name, r, tc.want)
+				}
+			}()
+			tc.opt()
+		}()
+	}
+}
