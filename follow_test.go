@@ -268,9 +268,9 @@ func TestFollow_ClampConverges(t *testing.T) {
 			if util < 0.9 {
 				t.Errorf("%.0f%% of the vendor's cap used, want at least 90%%", 100*util)
 			}
-			if v.no > replicas*workers/2 || v.no > noEarly {
-				t.Errorf("%d 429s, %d in the last %d windows; want at most %d, none in those",
-					v.no, v.no-noEarly, windows-2, replicas*workers/2)
+			if v.no > replicas*workers || v.no > noEarly {
+				t.Errorf("%d 429s, %d in the last %d windows; want at most one per worker in flight (%d), none in those",
+					v.no, v.no-noEarly, windows-2, replicas*workers)
 			}
 		})
 	}

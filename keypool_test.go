@@ -146,8 +146,11 @@ func TestKeyPool_SpreadsCallsOverTheKeysWithRoom(t *testing.T) {
 			t.Errorf("token %s refused %d times, want none", tok, refused[tok])
 		}
 	}
-	if refused["t2"] > replicas*windows {
-		t.Errorf("the spent token t2 was refused %d times, want at most one per replica and window", refused["t2"])
+	// When a window turns, every token looks as roomy as the others again,
+	// and a replica may try t2 before it hears that the other service has
+	// spent it: a refusal or two per replica and window.
+	if max := 2 * replicas * (windows + 1); refused["t2"] > max {
+		t.Errorf("the spent token t2 was refused %d times, want at most %d, a couple per replica and window", refused["t2"], max)
 	}
 }
 
