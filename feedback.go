@@ -26,7 +26,7 @@ func (l *Limiter) Pause(ctx context.Context, d time.Duration, opts ...CallOption
 	if d <= 0 {
 		return nil
 	}
-	return l.feedback(ctx, min(d, MaxPause), -1, 0, result{}, false, -1, opts)
+	return l.feedback(ctx, vendorSaid{pause: min(d, MaxPause), units: unknownCount, calls: unknownCount}, result{}, opts)
 }
 
 // Refused tells the quota that the vendor refused the permit's call for
@@ -47,7 +47,8 @@ func (p *Permit) Refused(ctx context.Context, retryAfter time.Duration) error {
 	if p == nil || p.l == nil {
 		return errors.New("throttle: Refused: the permit is nil")
 	}
-	return p.l.feedback(ctx, min(max(retryAfter, 0), MaxPause), -1, 0, p.r, !p.l.s.noLearning, -1, p.opts())
+	said := vendorSaid{pause: min(max(retryAfter, 0), MaxPause), units: unknownCount, calls: unknownCount, learn: !p.l.s.noLearning}
+	return p.l.feedback(ctx, said, p.r, p.opts())
 }
 
 // SetRemaining tells the quota how many units the vendor says are left
@@ -56,7 +57,8 @@ func (p *Permit) Refused(ctx context.Context, retryAfter time.Duration) error {
 // the same API key, a restart), the difference is charged to the quota until
 // the reset, so the fleet slows down before the vendor answers 429. A count
 // that believes fewer are left is kept: it errs on the safe side. Its scope is
-// that of Pause.
+// that of Pause. The count is of the units the calls cost; on a quota whose
+// every rule is a policies.PerCall, of calls.
 func (l *Limiter) SetRemaining(ctx context.Context, remaining int, reset time.Duration, opts ...CallOption) error {
 	return l.setRemaining(ctx, remaining, reset, result{}, opts)
 }
@@ -68,19 +70,44 @@ func (l *Limiter) setRemaining(ctx context.Context, remaining int, reset time.Du
 	if remaining < 0 {
 		return fmt.Errorf("throttle: quota %q: SetRemaining: remaining must not be negative, got %d", l.name, remaining)
 	}
-	return l.feedback(ctx, 0, remaining, max(reset, 0), r, false, -1, opts)
+	c := vendorCount{left: remaining, reset: max(reset, 0), limit: -1}
+	said := vendorSaid{units: c, calls: unknownCount}
+	if !l.unitRules {
+		said.units, said.calls = unknownCount, c
+	}
+	return l.feedback(ctx, said, r, opts)
 }
 
-// feedback runs the feedback script: a pause of the call's scope, the
-// vendor's remaining count as of the call r (or of now, for a zero r), and,
-// when learn, a cap learned from the vendor's refusal of r, which stated
-// the vendor's limit when vendorLimit > 0.
-func (l *Limiter) feedback(ctx context.Context, pause time.Duration, remaining int, reset time.Duration, r result, learn bool, vendorLimit int, opts []CallOption) error {
+// vendorSaid is what a vendor's answer tells the quota: a pause, its
+// counts of the units that the calls cost and of calls (requests), and
+// whether it refused the call for being over its limit, which teaches the
+// quota a cap.
+type vendorSaid struct {
+	pause        time.Duration
+	units, calls vendorCount
+	learn        bool
+}
+
+// vendorCount is one of the vendor's counts: what is left (-1 when
+// unknown), how long until its reset (0 when unknown), and the limit (-1
+// when unknown).
+type vendorCount struct {
+	left  int
+	reset time.Duration
+	limit int
+}
+
+var unknownCount = vendorCount{left: -1, limit: -1}
+
+// feedback runs the feedback script: what the vendor said, as of the call
+// r (or of now, for a zero r).
+func (l *Limiter) feedback(ctx context.Context, said vendorSaid, r result, opts []CallOption) error {
 	var asOf time.Duration
 	if r.admitted && !r.local {
 		asOf = r.slot()
 	}
-	learn = learn && asOf > 0 && countsCalls(l)
+	pause := said.pause
+	learn := said.learn && asOf > 0 && countsCalls(l)
 	c, err := l.newFeedbackCall(opts)
 	if err != nil {
 		return err
@@ -100,12 +127,14 @@ func (l *Limiter) feedback(ctx context.Context, pause time.Duration, remaining i
 			rules = append(rules, r)
 		}
 	}
-	args := argsFor(l.s.clock, l.newMember(), int(asOf.Microseconds()), pause.Microseconds(), int64(remaining), reset.Microseconds(), rules)
+	args := argsFor(l.s.clock, l.newMember(), int(asOf.Microseconds()), pause.Microseconds(),
+		int64(max(said.units.left, -1)), said.units.reset.Microseconds(), rules)
 	learnArg := 0
 	if learn {
 		learnArg = 1
 	}
-	args = append(args, l.epoch.Load(), learnArg, max(vendorLimit, -1))
+	args = append(args, l.epoch.Load(), learnArg, max(said.units.limit, -1),
+		max(said.calls.left, -1), said.calls.reset.Microseconds(), max(said.calls.limit, -1))
 	v, err := lua.Feedback.Run(ctx, l.rdb, keys, args...).Int64Slice()
 	if err != nil {
 		return l.unavailable(err)

@@ -198,17 +198,35 @@ func TestTransport_HeedsTheVendorsOwnHeaders(t *testing.T) {
 		if got := remainingAfter("tokens", WithRequestCost(func(*http.Request) int { return 100 })); got != 1000 {
 			t.Errorf("a quota of tokens has %d left, want the vendor's 1000 tokens", got)
 		}
-
-		// A 403 with Retry-After is GitHub's secondary limit: the token
-		// pauses for that long, and its limit stays.
-		lim := newLimiter(t, s.Client(t), policies.SlidingLog{Limit: 5000, Window: time.Minute}, WithPrefix("secondary"), WithMode(FailFast))
-		c := &http.Client{Transport: NewTransport(nil, lim)}
-		resp, err := c.Get(vendor.URL + "/github-secondary")
+		// Requests and tokens in one quota: each rule follows its count.
+		both := newLimiter(t, s.Client(t), policies.All(
+			policies.PerCall{Policy: policies.SlidingLog{Limit: 500, Window: time.Minute}},
+			policies.SlidingCounter{Limit: 200_000, Window: time.Minute},
+		), WithPrefix("both"))
+		c := &http.Client{Transport: NewTransport(nil, both, WithRequestCost(func(*http.Request) int { return 100 }))}
+		resp, err := c.Get(vendor.URL + "/openai")
 		if err != nil {
 			t.Fatal(err)
 		}
 		resp.Body.Close()
-		u, err := lim.Usage(ctx)
+		u, err := both.Usage(ctx)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if u.Rules[0].Remaining != 3 || u.Rules[1].Remaining != 1000 {
+			t.Errorf("requests and tokens left %d and %d, want the vendor's 3 and 1000", u.Rules[0].Remaining, u.Rules[1].Remaining)
+		}
+
+		// A 403 with Retry-After is GitHub's secondary limit: the token
+		// pauses for that long, and its limit stays.
+		lim := newLimiter(t, s.Client(t), policies.SlidingLog{Limit: 5000, Window: time.Minute}, WithPrefix("secondary"), WithMode(FailFast))
+		c = &http.Client{Transport: NewTransport(nil, lim)}
+		resp, err = c.Get(vendor.URL + "/github-secondary")
+		if err != nil {
+			t.Fatal(err)
+		}
+		resp.Body.Close()
+		u, err = lim.Usage(ctx)
 		if err != nil {
 			t.Fatal(err)
 		}

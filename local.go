@@ -111,6 +111,7 @@ func (lo *local) decide(sc scope, c call, member string, maxWait time.Duration) 
 		moved = false
 		for i, r := range lo.rules {
 			lg := lo.log(i, sc)
+			cost := unitsOf(r, c.cost)
 			u := t
 			switch r.Kind {
 			case policies.KindConcurrency:
@@ -119,15 +120,15 @@ func (lo *local) decide(sc scope, c call, member string, maxWait time.Duration) 
 				if freeAt := lo.full.Add(r.Lease); now.Before(freeAt) {
 					return result{reason: reasonBusy, wait: freeAt.Sub(now), remaining: remaining, local: true}
 				}
-				if lg.unitsAfter(now)+c.cost > r.Limit {
+				if lg.unitsAfter(now)+cost > r.Limit {
 					return result{reason: reasonBusy, wait: r.Lease, remaining: remaining, local: true}
 				}
 			case policies.KindTokenBucket:
-				u = maxTime(t, lg.tat.Add(-time.Duration(r.Limit-c.cost)*r.Every))
+				u = maxTime(t, lg.tat.Add(-time.Duration(r.Limit-cost)*r.Every))
 			default:
 				// The earliest time after which at most Limit-cost units of
 				// the log lie within a window of it.
-				over := lg.unitsAfter(t.Add(-r.Window)) + c.cost - r.Limit
+				over := lg.unitsAfter(t.Add(-r.Window)) + cost - r.Limit
 				for j := 0; over > 0 && j < len(lg.entries); j++ {
 					e := lg.entries[j]
 					if e.at.After(t.Add(-r.Window)) {
@@ -147,13 +148,14 @@ func (lo *local) decide(sc scope, c call, member string, maxWait time.Duration) 
 	}
 	for i, r := range lo.rules {
 		lg := lo.log(i, sc)
+		cost := unitsOf(r, c.cost)
 		switch r.Kind {
 		case policies.KindTokenBucket:
-			lg.tat = maxTime(lg.tat, t).Add(time.Duration(c.cost) * r.Every)
+			lg.tat = maxTime(lg.tat, t).Add(time.Duration(cost) * r.Every)
 		case policies.KindConcurrency:
-			lg.insert(localEntry{at: t.Add(r.Lease), cost: c.cost, id: member})
+			lg.insert(localEntry{at: t.Add(r.Lease), cost: cost, id: member})
 		default:
-			lg.insert(localEntry{at: t, cost: c.cost, id: member})
+			lg.insert(localEntry{at: t, cost: cost, id: member})
 		}
 	}
 	if remaining -= c.cost; remaining < 0 || wait > 0 {
@@ -272,4 +274,13 @@ func maxTime(a, b time.Time) time.Time {
 		return a
 	}
 	return b
+}
+
+// unitsOf returns what a call of cost counts for under rule r: its cost, or
+// 1 under a policies.PerCall rule.
+func unitsOf(r policies.Rule, cost int) int {
+	if r.PerCall {
+		return 1
+	}
+	return cost
 }

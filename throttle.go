@@ -265,6 +265,8 @@ type Limiter struct {
 	perKey      bool          // some rule is per key
 	hasShared   bool          // some rule is shared by all keys
 	hasConc     bool          // some rule is a Concurrency
+	unitRules   bool          // some rule counts the units calls cost
+	callRules   bool          // some rule counts calls (policies.PerCall)
 	maxCost     int
 	timing      *timing      // how late calls start, shared with the process's other limiters on the same server
 	lates       lates        // how late this limiter's calls started since its last report
@@ -340,7 +342,9 @@ func New(rdb redis.UniversalClient, name string, policy policies.Policy, opts ..
 	l.lanes = map[string]*lane{}
 	l.base = s.prefix + ":{" + name + "}:"
 	l.shared = []string{l.base + "pause", l.base + "pause"}
-	l.maxCost = rules[0].Limit
+	// Cost counts under the rules that count units: it may not exceed the
+	// smallest of their limits. Under rules that count calls it is 1.
+	l.maxCost = maxRemaining
 	seen := map[string]int{}
 	var ids []string
 	for _, r := range rules {
@@ -366,7 +370,11 @@ func New(rdb redis.UniversalClient, name string, policy policies.Policy, opts ..
 		l.perKey = l.perKey || r.PerKey
 		l.hasShared = l.hasShared || !r.PerKey
 		l.hasConc = l.hasConc || r.Kind == policies.KindConcurrency
-		l.maxCost = min(l.maxCost, r.Limit)
+		l.callRules = l.callRules || r.PerCall
+		l.unitRules = l.unitRules || !r.PerCall && r.Kind != policies.KindConcurrency
+		if !r.PerCall {
+			l.maxCost = min(l.maxCost, r.Limit)
+		}
 	}
 	if s.mode == Queue {
 		l.q = newQueue(s.maxQueue, s.overflow, min(l.maxCost, maxDispatched))

@@ -382,11 +382,29 @@ func (t *Transport) feedback(ctx context.Context, lim *Limiter, p *Permit, statu
 	if v.hasTokens && v.tokens == 0 {
 		quiet = max(quiet, v.tokensReset)
 	}
-	// The count the quota keeps: of tokens when its requests cost what
-	// WithRequestCost says and the vendor counts tokens, else of requests.
-	remaining, reset, limit := v.remaining, v.reset, v.limit
-	if t.cost != nil && v.hasTokens {
-		remaining, reset, limit = v.tokens, v.tokensReset, 0
+	// The vendor's counts, as the quota's rules keep them: the rules that
+	// count units follow its count of tokens when the requests cost what
+	// WithRequestCost says and the vendor counts tokens, else its count of
+	// requests; policies.PerCall rules follow its count of requests.
+	requests := vendorCount{left: v.remaining, reset: v.reset, limit: v.limit}
+	if v.limit == 0 {
+		requests.limit = -1
+	}
+	said := vendorSaid{units: requests, calls: unknownCount}
+	switch {
+	case t.cost != nil && v.hasTokens:
+		said.units = vendorCount{left: v.tokens, reset: v.tokensReset, limit: -1}
+	case t.cost != nil && lim.callRules:
+		said.units = unknownCount // the vendor counts requests alone
+	}
+	if lim.callRules {
+		said.calls = requests
+	}
+	// The count that says whether the vendor refused for being over its
+	// limit: the units', or the requests' when the units' is unknown.
+	remaining, limit := said.units.left, said.units.limit
+	if remaining < 0 {
+		remaining, limit = said.calls.left, said.calls.limit
 	}
 	switch {
 	case status == http.StatusTooManyRequests:
@@ -419,17 +437,22 @@ func (t *Transport) feedback(ctx context.Context, lim *Limiter, p *Permit, statu
 		(remaining < 0 || remaining == 0 && limit > 0)
 	switch {
 	case learn && !lim.s.noLearning:
-		_ = lim.feedback(ctx, quiet, -1, 0, p.r, true, limit, opts)
+		said.pause, said.learn = quiet, true
+		said.units.left, said.calls.left = -1, -1
+		_ = lim.feedback(ctx, said, p.r, opts)
 	case quiet > 0:
 		_ = lim.Pause(ctx, quiet, opts...)
-	case remaining >= 0 && countsCalls(lim) && (lim.hasConc || remaining < p.r.remaining):
+	case (said.units.left >= 0 || said.calls.left >= 0) && countsCalls(lim) &&
+		(lim.hasConc || lim.callRules || said.units.left < p.r.remaining):
 		// The count only ever believes fewer are left after it admitted
 		// this call: when it believed no more than the vendor then, a call
 		// to Redis is saved. A Concurrency rule's free slots take part in
-		// that belief, so with one the vendor's count is always passed on.
-		// The vendor counted as of this call: calls admitted after it, on
-		// their way, are not in its number.
-		_ = lim.setRemaining(ctx, remaining, reset, p.r, opts)
+		// that belief, and so do the counts of calls beside units: with
+		// one, the vendor's count is always passed on. The vendor counted
+		// as of this call: calls admitted after it, on their way, are not
+		// in its number.
+		said.units.limit, said.calls.limit = -1, -1
+		_ = lim.feedback(ctx, said, p.r, opts)
 	}
 	return quiet, refused
 }

@@ -413,9 +413,9 @@ for g = 0, ngive - 1 do
   if ep == meta.epoch then
     for _, r in ipairs(rs) do
       if r.kind == CONCURRENCY then
-        zrem(r.key, id, 1, cost)
+        zrem(r.key, id, 1, units(r, cost))
       else
-        change(r, id, cost, 0, t, now)
+        change(r, id, units(r, cost), 0, t, now)
       end
     end
   end
@@ -434,18 +434,20 @@ for c = 0, ncalls - 1 do
   local id = ARGV[first + 3 * c]
   local cost = tonumber(ARGV[first + 3 * c + 1])
   local maxwait = tonumber(ARGV[first + 3 * c + 2])
-  local remaining = NEVER
+  local remaining, after = NEVER, NEVER
   local too_big = false
   for _, r in ipairs(rs) do
-    if r.conf < cost then
-      return redis.error_reply('cost ' .. cost .. ' exceeds limit ' .. r.conf)
-    elseif r.p1 < cost then
+    local u = units(r, cost)
+    if r.conf < u then
+      return redis.error_reply('cost ' .. u .. ' exceeds limit ' .. r.conf)
+    elseif r.p1 < u then
       -- Only while the quota is reserved, or a learned cap is below cost.
       too_big = true
     end
+    -- Units free under the tightest rule, and once the call is in.
     remaining = math.min(remaining, math.max(free(r), 0))
+    after = math.min(after, math.max(free(r) - u, 0))
   end
-  remaining = math.max(remaining, 0)
 
   -- The earliest time every rule allows. Each rule can only push the time
   -- later, and only to one of finitely many times, so this settles; should
@@ -460,7 +462,7 @@ for c = 0, ncalls - 1 do
     -- the reserve ends, and the caps rise.
     t = math.max(t, reserved and meta.ru or 0)
     for _, r in ipairs(rs) do
-      if r.cap and r.cap.lim < cost then
+      if r.cap and r.cap.lim < units(r, cost) then
         -- No slot can be booked under a cap that may not rise: refused,
         -- with a hint of when it may have.
         t = math.max(t, r.cap.next + span_of(r))
@@ -475,7 +477,7 @@ for c = 0, ncalls - 1 do
       budget.left = 0
     end
     for _, r in ipairs(rs) do
-      local u = earliest(r, t, cost, budget)
+      local u = earliest(r, t, units(r, cost), budget)
       if u > t then
         t = u
         moved = true
@@ -491,7 +493,7 @@ for c = 0, ncalls - 1 do
     -- concurrency rule, the latest of those.
     local hint = 0
     for _, r in ipairs(rs) do
-      if r.kind == CONCURRENCY and r.n + cost > r.p1 then
+      if r.kind == CONCURRENCY and r.n + units(r, cost) > r.p1 then
         flush(r)
         local head = redis.call('ZRANGE', r.key, 0, 0, 'WITHSCORES')
         local free_at = r.lost_until or tonumber(head[2] or now)
@@ -503,10 +505,10 @@ for c = 0, ncalls - 1 do
     out[#out + 1], out[#out + 2], out[#out + 3], out[#out + 4] = 0, str(t - now), remaining, 1
   else
     for _, r in ipairs(rs) do
-      record(r, t, id, cost)
+      record(r, t, id, units(r, cost))
     end
-    remaining = remaining - cost
-    if remaining < 0 or t > now then
+    remaining = after
+    if t > now then
       remaining = 0
     end
     out[#out + 1], out[#out + 2], out[#out + 3], out[#out + 4] = 1, str(t - now), remaining, 0

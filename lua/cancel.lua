@@ -20,9 +20,9 @@ local rs = rules()
 margins(rs, 0)
 for _, r in ipairs(rs) do
   if r.kind == CONCURRENCY then
-    zrem(r.key, id, 1, cost)
+    zrem(r.key, id, 1, units(r, cost))
   else
-    change(r, id, cost, 0, t, now)
+    change(r, id, units(r, cost), 0, t, now)
   end
 end
 return 1

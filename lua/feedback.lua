@@ -14,7 +14,11 @@
 -- 0: a pause must not hide a loss of the quota's data (see check_loss);
 -- then 1 when the vendor refused the call of ARGV[3] for being over its
 -- limit, so that the rules learn a cap (see learn_cap in lib.lua), else 0;
--- then the limit the vendor stated with its refusal, or -1.
+-- then the limit the vendor stated with its refusal, or -1; then the same
+-- three of the vendor's counts of requests, for the rules that count calls
+-- (see units in lib.lua): the requests left (or -1), microseconds until
+-- their reset (or 0), the limit stated (or -1). ARGV[5], ARGV[6] and the
+-- limit before speak of the other rules.
 --
 -- When the vendor has fewer units left than a rule believes (another consumer
 -- of the same API key, a restart), the rule is charged the difference, under
@@ -53,7 +57,8 @@ local lowered = 0
 if learn then
   local cu = meta.cu
   for _, r in ipairs(rs) do
-    if r.kind ~= CONCURRENCY and learn_cap(r, as_of, meta, now, tonumber(ARGV[after_rules() + 2])) then
+    local vlimit = tonumber(ARGV[after_rules() + (r.per_call and 5 or 2)])
+    if r.kind ~= CONCURRENCY and learn_cap(r, as_of, meta, now, vlimit) then
       lowered = 1
     end
   end
@@ -92,8 +97,13 @@ local function charged_after(r, t)
 end
 
 local charged = 0
-if left >= 0 then
-  for _, r in ipairs(rs) do
+local calls_left, calls_reset = tonumber(ARGV[after_rules() + 3]), tonumber(ARGV[after_rules() + 4])
+for _, r in ipairs(rs) do
+  local left, reset = left, reset
+  if r.per_call then
+    left, reset = calls_left, calls_reset
+  end
+  if left >= 0 then
     local free
     if r.kind == LOG then
       free = r.p1 - redis.call('ZCOUNT', r.key, '(' .. str(now - r.p2), str(as_of)) - charged_after(r, as_of)

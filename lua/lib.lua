@@ -16,7 +16,8 @@
 -- ARGV[3]        cost: the units this call counts for.
 -- ARGV[4..6]     arguments of the script's own (see each script).
 -- ARGV[2+5i]     rule i's kind: 1 sliding log, 2 sliding counter, 3 token bucket
---                (GCRA), 4 concurrency;
+--                (GCRA), 4 concurrency; plus PER_CALL for a rule that counts
+--                each call once, whatever its cost (see units);
 -- ARGV[3+5i] .. ARGV[6+5i]  its four parameters, by kind:
 --                log:         limit, window (µs), unused, margin (µs)
 --                counter:     limit, window (µs), bucket width (µs), margin (µs)
@@ -48,13 +49,17 @@ local function clock()
   return now
 end
 
+local PER_CALL = 16
+
 local function rules()
   local rs = {}
   for i = 1, #KEYS - 2 do
     local a = 2 + 5 * i
+    local kind = tonumber(ARGV[a])
     rs[i] = {
       key = KEYS[2 + i],
-      kind = tonumber(ARGV[a]),
+      kind = kind % PER_CALL,
+      per_call = kind >= PER_CALL,
       p1 = tonumber(ARGV[a + 1]),
       p2 = tonumber(ARGV[a + 2]),
       p3 = tonumber(ARGV[a + 3]),
@@ -65,6 +70,15 @@ local function rules()
     rs[i].conf, rs[i].conf_p2 = rs[i].p1, rs[i].p2
   end
   return rs
+end
+
+-- units returns what a call of cost counts for under rule r: its cost, or
+-- 1 under a rule that counts calls.
+local function units(r, cost)
+  if r.per_call and cost > 0 then
+    return 1
+  end
+  return cost
 end
 
 -- The first argument after the rules.

@@ -14,9 +14,9 @@ local held = 0
 for _, r in ipairs(rules()) do
   if r.kind == CONCURRENCY then
     if lease == 0 then
-      zrem(r.key, id, 1, cost)
+      zrem(r.key, id, 1, units(r, cost))
     else
-      for u = 1, cost do
+      for u = 1, units(r, cost) do
         held = held + redis.call('ZADD', r.key, 'XX', 'CH', str(now + lease), member(id, u))
       end
       expire(r.key, lease / 1000)

@@ -26,7 +26,8 @@ end
 local rs = rules()
 margins(rs, 0)
 for _, r in ipairs(rs) do
-  if r.kind ~= CONCURRENCY then
+  -- A call is one call whatever it cost: rules that count calls stay.
+  if r.kind ~= CONCURRENCY and not r.per_call then
     change(r, id, from, to, t, now)
   end
 end

@@ -195,10 +195,67 @@ func (p PerKey) Validate() error {
 
 func (p PerKey) rules(bool) []Rule { return p.Policy.rules(true) }
 
+// PerCall counts each call once, whatever its Cost, under Policy: requests
+// per minute beside tokens per minute, in one All whose calls cost their
+// tokens.
+//
+//	policies.All(
+//		policies.PerCall{Policy: policies.SlidingLog{Limit: 500, Window: time.Minute}},
+//		policies.SlidingCounter{Limit: 200_000, Window: time.Minute},
+//	)
+//
+// A call's Cost, and what Permit.Settle makes of it, count under the other
+// policies only; the one script decides both, booked slots included. A
+// vendor's counts of requests (OpenAI's x-ratelimit-*-requests) speak of
+// the PerCall policies, its counts of tokens of the others.
+type PerCall struct {
+	Policy Policy
+}
+
+// Validate reports whether the wrapped policy is usable.
+func (p PerCall) Validate() error {
+	if p.Policy == nil {
+		return errors.New("policies: PerCall.Policy is nil")
+	}
+	if hasPerCall(p.Policy) {
+		return errors.New("policies: PerCall.Policy must not contain another PerCall")
+	}
+	if err := p.Policy.Validate(); err != nil {
+		return fmt.Errorf("policies: PerCall.Policy: %w", err)
+	}
+	return nil
+}
+
+func (p PerCall) rules(perKey bool) []Rule {
+	rs := p.Policy.rules(perKey)
+	for i := range rs {
+		rs[i].PerCall = true
+	}
+	return rs
+}
+
+func hasPerCall(p Policy) bool {
+	switch p := p.(type) {
+	case PerCall:
+		return true
+	case PerKey:
+		return hasPerCall(p.Policy)
+	case all:
+		for _, q := range p {
+			if hasPerCall(q) {
+				return true
+			}
+		}
+	}
+	return false
+}
+
 func hasPerKey(p Policy) bool {
 	switch p := p.(type) {
 	case PerKey:
 		return true
+	case PerCall:
+		return hasPerKey(p.Policy)
 	case all:
 		for _, q := range p {
 			if hasPerKey(q) {
@@ -223,13 +280,14 @@ const (
 // A Rule is one limit in the flat form the Redis script checks. Most users
 // never see one; throttle.New flattens a Policy into its rules.
 type Rule struct {
-	Kind   Kind
-	PerKey bool          // the rule applies to each key separately
-	Limit  int           // units per window, burst, or calls in flight
-	Window time.Duration // window length, margin included (log, counter)
-	Bucket time.Duration // bucket width (counter)
-	Every  time.Duration // emission interval per unit (token bucket)
-	Lease  time.Duration // how long a crashed holder keeps its slot (concurrency)
+	Kind    Kind
+	PerKey  bool          // the rule applies to each key separately
+	PerCall bool          // the rule counts each call once, whatever its cost
+	Limit   int           // units per window, burst, or calls in flight
+	Window  time.Duration // window length, margin included (log, counter)
+	Bucket  time.Duration // bucket width (counter)
+	Every   time.Duration // emission interval per unit (token bucket)
+	Lease   time.Duration // how long a crashed holder keeps its slot (concurrency)
 	// Margin is the jitter the rule absorbs between the decision in Redis
 	// and the arrival at the vendor (log, counter, token bucket).
 	Margin time.Duration
@@ -239,16 +297,24 @@ type Rule struct {
 // parameters in microseconds or units (see lua/lib.lua).
 func (r Rule) Args() [5]int64 {
 	us := func(d time.Duration) int64 { return d.Microseconds() }
+	kind := int64(r.Kind)
+	if r.PerCall {
+		kind += perCallFlag
+	}
 	switch r.Kind {
 	case KindSlidingCounter:
-		return [5]int64{int64(r.Kind), int64(r.Limit), us(r.Window), us(r.Bucket), us(r.Margin)}
+		return [5]int64{kind, int64(r.Limit), us(r.Window), us(r.Bucket), us(r.Margin)}
 	case KindTokenBucket:
-		return [5]int64{int64(r.Kind), int64(r.Limit), us(r.Every), 0, 0}
+		return [5]int64{kind, int64(r.Limit), us(r.Every), 0, 0}
 	case KindConcurrency:
-		return [5]int64{int64(r.Kind), int64(r.Limit), us(r.Lease), 0, 0}
+		return [5]int64{kind, int64(r.Limit), us(r.Lease), 0, 0}
 	}
-	return [5]int64{int64(r.Kind), int64(r.Limit), us(r.Window), 0, us(r.Margin)}
+	return [5]int64{kind, int64(r.Limit), us(r.Window), 0, us(r.Margin)}
 }
+
+// perCallFlag is added to the kind of a rule that counts each call once
+// (see lua/lib.lua).
+const perCallFlag = 16
 
 // ID names the rule by what its data means, for the Redis key that holds
 // it: its kind, and the parameters that shape the data (a window, a bucket
@@ -257,6 +323,11 @@ func (r Rule) Args() [5]int64 {
 // that rule on a key of its own, where the old data cannot be misread; the
 // order of the rules in All does not matter.
 func (r Rule) ID() string {
+	if r.PerCall {
+		// Calls and units are different data.
+		r.PerCall = false
+		return "calls:" + r.ID()
+	}
 	us := func(d time.Duration) string { return strconv.FormatInt(d.Microseconds(), 10) }
 	switch r.Kind {
 	case KindSlidingLog:

@@ -1,0 +1,180 @@
+package throttle
+
+import (
+	"context"
+	"errors"
+	"math/rand/v2"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/throttlekit/throttle/internal/fakevendor"
+	"github.com/throttlekit/throttle/internal/redistest"
+	"github.com/throttlekit/throttle/policies"
+)
+
+// llmPolicy is an LLM API's quota in one All: requests and tokens.
+func llmPolicy(requests, tokens int, window time.Duration) policies.Policy {
+	return policies.All(
+		policies.PerCall{Policy: policies.SlidingLog{Limit: requests, Window: window, Margin: time.Millisecond}},
+		policies.SlidingLog{Limit: tokens, Window: window, Margin: time.Millisecond},
+	)
+}
+
+func TestPerCall_CountsCallsBesideUnits(t *testing.T) {
+	redistest.Each(t, func(t *testing.T, s *redistest.Server) {
+		clock := newClock()
+		lim := newLimiter(t, s.Client(t), llmPolicy(5, 1000, time.Second), WithMode(FailFast), WithClock(clock.Now))
+		ctx := context.Background()
+		// 300 tokens a call: the tokens bind, at the fourth call.
+		var ps []*Permit
+		for i := range 3 {
+			p, err := lim.Acquire(ctx, Cost(300))
+			if err != nil {
+				t.Fatalf("call %d of 300 tokens: %v", i+1, err)
+			}
+			ps = append(ps, p)
+		}
+		if _, err := lim.Acquire(ctx, Cost(300)); !errors.Is(err, ErrLimited) {
+			t.Fatalf("a fourth call of 300 tokens under 1000: %v, want ErrLimited", err)
+		}
+		// Settled at 100 tokens each: only the tokens come back, the calls
+		// still count 3 of 5.
+		for _, p := range ps {
+			if err := p.Settle(ctx, 100); err != nil {
+				t.Fatal(err)
+			}
+		}
+		u, err := lim.Usage(ctx)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if u.Rules[0].Used != 3 || u.Rules[1].Used != 300 {
+			t.Fatalf("usage %d calls, %d tokens; want 3 and 300", u.Rules[0].Used, u.Rules[1].Used)
+		}
+		// Now the requests bind: two more calls, then none, with tokens left.
+		for i := range 2 {
+			if _, err := lim.Acquire(ctx, Cost(10)); err != nil {
+				t.Fatalf("call %d: %v", 4+i, err)
+			}
+		}
+		_, err = lim.Acquire(ctx, Cost(10))
+		var le *LimitedError
+		if !errors.As(err, &le) {
+			t.Fatalf("a sixth call under 5 requests: %v, want ErrLimited", err)
+		}
+		// A cost above the requests' limit is fine: it counts once there.
+		clock.Add(2 * time.Second)
+		if _, err := lim.Acquire(ctx, Cost(900)); err != nil {
+			t.Fatalf("a call of 900 tokens under 1000 tokens and 5 requests: %v", err)
+		}
+		if _, err := lim.Acquire(ctx, Cost(1001)); err == nil {
+			t.Fatal("a call of 1001 tokens under a limit of 1000 was accepted")
+		}
+	})
+}
+
+func TestPerCall_BookingsAndGivingBackCountEachRuleItsWay(t *testing.T) {
+	redistest.Each(t, func(t *testing.T, s *redistest.Server) {
+		lim := newLimiter(t, s.Client(t), llmPolicy(2, 1000, time.Minute))
+		ctx := context.Background()
+		for range 2 {
+			if _, err := lim.Acquire(ctx, Cost(100)); err != nil {
+				t.Fatal(err)
+			}
+		}
+		// A third call books a slot a minute ahead; giving up gives back
+		// one call and its 100 tokens.
+		short, cancel := context.WithTimeout(ctx, 50*time.Millisecond)
+		defer cancel()
+		if _, err := lim.Acquire(short, Cost(100)); err == nil {
+			t.Fatal("a third call under 2 requests a minute was admitted at once")
+		}
+		u, err := lim.Usage(ctx)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if got := []int{u.Rules[0].Used + u.Rules[0].Booked, u.Rules[1].Used + u.Rules[1].Booked}; got[0] != 2 || got[1] != 200 {
+			t.Errorf("counts %v after a call gave up, want [2 200]", got)
+		}
+	})
+}
+
+func TestPerCall_RejectsNesting(t *testing.T) {
+	_, err := policies.Rules(policies.PerCall{Policy: policies.PerCall{Policy: policies.SlidingLog{Limit: 1, Window: time.Second}}})
+	if err == nil {
+		t.Error("a PerCall inside a PerCall was accepted")
+	}
+	if _, err := policies.Rules(policies.PerCall{}); err == nil {
+		t.Error("a PerCall without a policy was accepted")
+	}
+}
+
+// An LLM API counts requests and tokens per window, strictly. A fleet
+// whose calls cost 20 to 100 tokens runs from one All: neither cap is
+// crossed, and the binding one is used.
+func TestPerCall_FleetUnderRequestsAndTokens(t *testing.T) {
+	const (
+		replicas = 3
+		workers  = 10
+		requests = 40   // per window
+		tokens   = 2000 // per window: about 33 calls of 60 tokens bind first
+		window   = time.Second
+		runFor   = 4 * window
+	)
+	s := redistest.Real(t)
+	reqs := fakevendor.NewInProcess(fakevendor.Config{Limit: requests, Window: window})
+	toks := fakevendor.NewInProcess(fakevendor.Config{Limit: tokens, Window: window})
+	policy := policies.All(
+		policies.PerCall{Policy: policies.SlidingLog{Limit: requests, Window: window}},
+		policies.SlidingLog{Limit: tokens, Window: window},
+	)
+	ctx, cancel := context.WithTimeout(context.Background(), runFor)
+	defer cancel()
+	var mu sync.Mutex
+	var first, last time.Time
+	var admitted atomic.Int64
+	var wg sync.WaitGroup
+	for range replicas {
+		lim, err := New(s.Client(t), "llm-fleet", policy)
+		if err != nil {
+			t.Fatal(err)
+		}
+		for range workers {
+			wg.Go(func() {
+				for ctx.Err() == nil {
+					cost := 20 + rand.IntN(81)
+					_, err := Do(ctx, lim, func(context.Context) (bool, error) {
+						now := time.Now()
+						mu.Lock()
+						if first.IsZero() {
+							first = now
+						}
+						last = now
+						mu.Unlock()
+						reqs.ArriveN(1)
+						toks.ArriveN(cost)
+						admitted.Add(1)
+						return true, nil
+					}, Cost(cost))
+					if err != nil {
+						return
+					}
+				}
+			})
+		}
+	}
+	wg.Wait()
+	rs, ts := reqs.Stats(), toks.Stats()
+	span := last.Sub(first)
+	util := float64(ts.Accepted) / (float64(tokens) * float64(span+window) / float64(window))
+	t.Logf("%d calls: requests over cap %d (max %d in a window of %d), tokens over cap %d (max %d of %d), tokens used %.0f%%",
+		admitted.Load(), rs.OverCap, rs.MaxInWindow, requests, ts.OverCap, ts.MaxInWindow, tokens, 100*util)
+	if rs.OverCap != 0 || ts.OverCap != 0 {
+		t.Errorf("over the cap: %d requests, %d tokens", rs.OverCap, ts.OverCap)
+	}
+	if util < 0.9 {
+		t.Errorf("%.0f%% of the tokens used, want at least 90%%", 100*util)
+	}
+}
