@@ -158,6 +158,9 @@ func (l *Limiter) feedback(ctx context.Context, said vendorSaid, r result, opts 
 // matters, and only on a quota of per-key policies.
 func (l *Limiter) newFeedbackCall(opts []CallOption) (call, error) {
 	c := callOf(opts)
+	if err := l.made(); err != nil {
+		return c, err
+	}
 	if l.perKey && !l.hasShared && !c.hasKey {
 		return c, fmt.Errorf("throttle: quota %q has only per-key limits: the feedback needs a Key", l.name)
 	}

@@ -49,7 +49,11 @@ func FuzzConfiguration(f *testing.F) {
 		// A window too long for Redis's clock arithmetic must still not panic.
 		ctx, cancel := context.WithTimeout(context.Background(), time.Second)
 		defer cancel()
-		d, err := lim.Allow(ctx, Cost(cost), Key(key))
+		opts := []CallOption{Cost(cost)}
+		if lim.perKey {
+			opts = append(opts, Key(key))
+		}
+		d, err := lim.Allow(ctx, opts...)
 		if err != nil && !errors.Is(err, ErrUnavailable) && cost > 0 && cost <= lim.maxCost {
 			t.Fatalf("Allow(Cost(%d)) on %#v: %v", cost, p, err)
 		}

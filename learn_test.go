@@ -6,6 +6,7 @@ import (
 	"net/http"
 	"net/http/httptest"
 	"slices"
+	"strings"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -409,5 +410,44 @@ func TestDo_HandsFnItsPermit(t *testing.T) {
 			t.Error("a nil permit's methods succeeded")
 		}
 		(&Permit{}).Release()
+	})
+}
+
+// The surprises a user meets first: zero values, a Key a quota does not
+// use, messages that name what the user set.
+func TestNewcomer_ZeroValuesAndMessages(t *testing.T) {
+	ctx := context.Background()
+	var zero Limiter
+	if _, err := zero.Acquire(ctx); err == nil || !strings.Contains(err.Error(), "throttle.New") {
+		t.Errorf("a zero Limiter's Acquire: %v, want an error saying to use throttle.New", err)
+	}
+	if _, err := Do(ctx, (*Limiter)(nil), func(context.Context) (int, error) { return 0, nil }); err == nil {
+		t.Error("Do on a nil Limiter ran")
+	}
+	if zero.Pause(ctx, time.Second) == nil || zero.Close(ctx) == nil || zero.Queued() != 0 {
+		t.Error("a zero Limiter's Pause or Close succeeded")
+	}
+	resp, err := (&Transport{}).RoundTrip(httptest.NewRequest(http.MethodGet, "http://127.0.0.1:1/", nil))
+	if err == nil {
+		resp.Body.Close()
+	}
+	// (A zero Transport sends with http.DefaultTransport: here, to nowhere.)
+
+	redistest.Each(t, func(t *testing.T, s *redistest.Server) {
+		shared := newLimiter(t, s.Client(t), policies.TokenBucket{Rate: 100, Per: time.Second}, WithMode(FailFast))
+		if _, err := shared.Acquire(ctx, Key("tenant-1")); err == nil || !strings.Contains(err.Error(), "PerKey") {
+			t.Errorf("a Key on a quota with no per-key limit: %v, want an error naming PerKey", err)
+		}
+		if _, err := shared.Acquire(ctx, Cost(2)); err == nil || !strings.Contains(err.Error(), "TokenBucket.Burst 1") {
+			t.Errorf("Cost 2 over the default burst: %v, want an error naming TokenBucket.Burst", err)
+		}
+		// While paused, nothing is left.
+		p := newLimiter(t, s.Client(t), policies.SlidingLog{Limit: 10, Window: time.Second}, WithMode(FailFast), WithPrefix("paused"))
+		if err := p.Pause(ctx, time.Minute); err != nil {
+			t.Fatal(err)
+		}
+		if d, err := p.Allow(ctx); err != nil || d.OK || d.Remaining != 0 {
+			t.Errorf("Allow during a pause: %+v, %v; want refused with 0 remaining", d, err)
+		}
 	})
 }

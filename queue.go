@@ -84,17 +84,17 @@ func (q *queue) enqueue(priority int, quota string) (*waiter, error) {
 	q.mu.Lock()
 	defer q.mu.Unlock()
 	if q.closed {
-		return nil, fmt.Errorf("throttle: quota %q: %w", quota, ErrClosed)
+		return nil, quotaErr(quota, ErrClosed, "limiter closed")
 	}
 	q.seq++
 	w := &waiter{priority: priority, seq: q.seq, ready: make(chan struct{})}
 	if len(q.waiting) >= q.max {
 		victim := q.victim(w)
 		if victim == w {
-			return nil, fmt.Errorf("throttle: quota %q: %w (%d calls waiting)", quota, ErrQueueFull, len(q.waiting))
+			return nil, quotaErr(quota, ErrQueueFull, fmt.Sprintf("queue full (%d waiting, WithMaxQueue %d)", len(q.waiting), q.max))
 		}
 		heap.Remove(&q.waiting, victim.index)
-		victim.err = fmt.Errorf("throttle: quota %q: %w: turned away by a newer call (%v)", quota, ErrQueueFull, q.overflow)
+		victim.err = quotaErr(quota, ErrQueueFull, fmt.Sprintf("queue full: turned away by a newer call (%v)", q.overflow))
 		close(victim.ready)
 	}
 	heap.Push(&q.waiting, w)
@@ -196,7 +196,7 @@ func (q *queue) close(ctx context.Context, quota string) error {
 	q.mu.Lock()
 	for len(q.waiting) > 0 {
 		w := heap.Pop(&q.waiting).(*waiter)
-		w.err = fmt.Errorf("throttle: quota %q: %w before the call's turn", quota, ErrClosed)
+		w.err = quotaErr(quota, ErrClosed, "limiter closed before the call's turn")
 		close(w.ready)
 	}
 	q.settled()
@@ -238,3 +238,17 @@ func (h *waitHeap) Pop() any {
 	*h = old[:len(old)-1]
 	return w
 }
+
+// quotaErr is an error of quota that matches sentinel through errors.Is,
+// and says msg once: "throttle: quota "sms": queue full (...)".
+func quotaErr(quota string, sentinel error, msg string) error {
+	return &sentinelError{msg: fmt.Sprintf("throttle: quota %q: %s", quota, msg), err: sentinel}
+}
+
+type sentinelError struct {
+	msg string
+	err error
+}
+
+func (e *sentinelError) Error() string { return e.msg }
+func (e *sentinelError) Unwrap() error { return e.err }

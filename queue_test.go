@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"slices"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -110,8 +111,8 @@ func TestQueue_FullQueueTurnsAwayPerOverflow(t *testing.T) {
 			case <-time.After(10 * time.Second):
 				t.Fatalf("call %s was not turned away", tt.wantAway)
 			}
-			if _, err := away.Wait(); !errors.Is(err, ErrQueueFull) {
-				t.Errorf("call %s: %v, want ErrQueueFull", tt.wantAway, err)
+			if _, err := away.Wait(); !errors.Is(err, ErrQueueFull) || strings.Count(err.Error(), "throttle") != 1 {
+				t.Errorf("call %s: %v, want ErrQueueFull, saying throttle once", tt.wantAway, err)
 			}
 			if n := lim.Queued(); n != 2 {
 				t.Errorf("%d calls queued, want 2", n)

@@ -268,6 +268,7 @@ type Limiter struct {
 	unitRules   bool          // some rule counts the units calls cost
 	callRules   bool          // some rule counts calls (policies.PerCall)
 	maxCost     int
+	maxCostIs   string // the limit maxCost comes from, as the user set it
 	timing      *timing      // how late calls start, shared with the process's other limiters on the same server
 	lates       lates        // how late this limiter's calls started since its last report
 	epoch       atomic.Int64 // the quota's epoch as last seen; 0 before the first decision
@@ -372,8 +373,9 @@ func New(rdb redis.UniversalClient, name string, policy policies.Policy, opts ..
 		l.hasConc = l.hasConc || r.Kind == policies.KindConcurrency
 		l.callRules = l.callRules || r.PerCall
 		l.unitRules = l.unitRules || !r.PerCall && r.Kind != policies.KindConcurrency
-		if !r.PerCall {
-			l.maxCost = min(l.maxCost, r.Limit)
+		if !r.PerCall && r.Limit < l.maxCost {
+			l.maxCost = r.Limit
+			l.maxCostIs = limitName(r)
 		}
 	}
 	if s.mode == Queue {
@@ -421,12 +423,15 @@ type Decision struct {
 
 // Allow admits the call now if it fits, and counts it; it never waits and
 // never books a slot. Limits are reported in the Decision, not as an error;
-// the error is for bad options and Redis failures.
+// the error is for bad options and Redis failures. Under a
+// policies.Concurrency limit, a call Allow admits holds its slots until the
+// lease runs out, since no Permit releases them: use Acquire there.
 func (l *Limiter) Allow(ctx context.Context, opts ...CallOption) (Decision, error) {
 	c, err := l.newCall(opts)
 	if err != nil {
 		return Decision{}, err
 	}
+
 	r, err := l.now(ctx, c)
 	if err != nil {
 		return Decision{}, err
@@ -521,7 +526,7 @@ func (l *Limiter) fromQueue(ctx context.Context, c call, w *waiter) (*Permit, er
 
 // Queued returns how many calls wait in the local queue (Queue mode).
 func (l *Limiter) Queued() int {
-	if l.q == nil {
+	if l == nil || l.q == nil {
 		return 0
 	}
 	return l.q.len()
@@ -535,6 +540,9 @@ func (l *Limiter) Queued() int {
 // of pauses and losses), which the last limiter on a client closes. Close
 // does not close the Redis client, which belongs to the caller.
 func (l *Limiter) Close(ctx context.Context) error {
+	if err := l.made(); err != nil {
+		return err
+	}
 	if !l.closed.Swap(true) {
 		defer l.unlisten()
 	}
@@ -743,17 +751,38 @@ func callOf(opts []CallOption) call {
 // newCall reads and checks a call's options.
 func (l *Limiter) newCall(opts []CallOption) (call, error) {
 	c := callOf(opts)
+	if err := l.made(); err != nil {
+		return c, err
+	}
 	switch {
 	case c.cost <= 0:
 		return c, fmt.Errorf("throttle: quota %q: Cost must be > 0, got %d", l.name, c.cost)
 	case c.cost > l.maxCost:
-		return c, fmt.Errorf("throttle: quota %q: Cost %d exceeds the quota's smallest Limit %d and could never run", l.name, c.cost, l.maxCost)
+		return c, fmt.Errorf("throttle: quota %q: Cost %d exceeds %s and could never run", l.name, c.cost, l.maxCostIs)
 	case l.perKey && !c.hasKey:
 		return c, fmt.Errorf("throttle: quota %q has a per-key limit: the call needs a Key", l.name)
+	case c.hasKey && !l.perKey:
+		return c, fmt.Errorf("throttle: quota %q: Key %q given, but no policy is a policies.PerKey: every key would share one quota", l.name, redactKey(c.key))
 	case l.closed.Load():
-		return c, fmt.Errorf("throttle: quota %q: %w", l.name, ErrClosed)
+		return c, quotaErr(l.name, ErrClosed, "limiter closed")
 	}
 	return c, nil
+}
+
+// made reports a Limiter that New did not make: a nil one, or a zero value.
+func (l *Limiter) made() error {
+	if l == nil || l.rdb == nil {
+		return errors.New("throttle: the Limiter is nil or a zero value: make it with throttle.New")
+	}
+	return nil
+}
+
+// redactKey shows the start of a key, which may be a secret (an API token).
+func redactKey(k string) string {
+	if len(k) <= 4 {
+		return strings.Repeat("*", len(k))
+	}
+	return k[:4] + "…"
 }
 
 func (l *Limiter) limited(retryAfter time.Duration, reason string) error {
@@ -766,4 +795,17 @@ func (l *Limiter) refused(r result) error {
 		return l.limited(r.wait, lateReason)
 	}
 	return l.limited(r.wait, "")
+}
+
+// limitName names the field a rule's limit comes from, with its value.
+func limitName(r policies.Rule) string {
+	switch r.Kind {
+	case policies.KindTokenBucket:
+		return fmt.Sprintf("TokenBucket.Burst %d (by default Rate)", r.Limit)
+	case policies.KindConcurrency:
+		return fmt.Sprintf("Concurrency.Max %d", r.Limit)
+	case policies.KindSlidingCounter:
+		return fmt.Sprintf("SlidingCounter.Limit %d", r.Limit)
+	}
+	return fmt.Sprintf("SlidingLog.Limit %d", r.Limit)
 }

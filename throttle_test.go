@@ -103,8 +103,8 @@ func TestCall_RejectsBadOptions(t *testing.T) {
 	}{
 		{"zero cost", global, []CallOption{Cost(0)}, "Cost must be > 0, got 0"},
 		{"negative cost", global, []CallOption{Cost(-2)}, "Cost must be > 0, got -2"},
-		{"cost over limit", global, []CallOption{Cost(6)}, "Cost 6 exceeds the quota's smallest Limit 5"},
-		{"cost over per-key limit", keyed, []CallOption{Key("a"), Cost(3)}, "Cost 3 exceeds the quota's smallest Limit 2"},
+		{"cost over limit", global, []CallOption{Cost(6)}, "Cost 6 exceeds SlidingLog.Limit 5 and could never run"},
+		{"cost over per-key limit", keyed, []CallOption{Key("a"), Cost(3)}, "Cost 3 exceeds SlidingLog.Limit 2 and could never run"},
 		{"missing key", keyed, nil, "needs a Key"},
 	}
 	for _, tt := range tests {

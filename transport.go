@@ -78,7 +78,8 @@ const (
 // policies.Concurrency, or at once when the quota has none; the caller must
 // close the body, as always.
 //
-// A Transport is safe for concurrent use.
+// A Transport is safe for concurrent use. Its zero value sends every
+// request with http.DefaultTransport, without a limiter or retries.
 type Transport struct {
 	base         http.RoundTripper
 	lim          *Limiter
@@ -176,7 +177,8 @@ func WithRequestPriority(priority func(*http.Request) int) TransportOption {
 // WithRoute sends the requests that match pattern through lim instead of the
 // Transport's limiter, for a vendor whose APIs have quotas of their own
 // (GitHub's search API allows 30 calls a minute beside 5000 an hour for the
-// rest). A pattern is [host]/[path], as in http.ServeMux: a path ending in a
+// rest). A pattern is a host, which may be left out, then a path, as in
+// http.ServeMux ("api.github.com/search/", "/v1/chat/"): a path ending in a
 // slash matches every path under it, any other path matches only itself, and
 // no host matches any host. A host with a port matches that port only; host
 // names compare without regard to case.
@@ -258,6 +260,16 @@ func WithDefaultPause(d time.Duration) TransportOption {
 // answer back to the limiter, and retries a refused request when it is safe.
 // See Transport for the contract it keeps.
 func (t *Transport) RoundTrip(req *http.Request) (*http.Response, error) {
+	if t.base == nil {
+		// A Transport not made by NewTransport: its zero value sends
+		// with http.DefaultTransport, as NewTransport's nil base does.
+		t2 := *t
+		t2.base = http.DefaultTransport
+		if t2.maxRetryTime <= 0 {
+			t2.maxRetryTime, t2.pause = DefaultMaxRetryTime, DefaultPause
+		}
+		return t2.RoundTrip(req)
+	}
 	lim := t.limiterFor(req)
 	if lim == nil {
 		return t.base.RoundTrip(req)
@@ -433,8 +445,11 @@ func (t *Transport) feedback(ctx context.Context, lim *Limiter, p *Permit, statu
 	// limit or a limit of one endpoint, not the quota's. An overloaded
 	// vendor (503) teaches nothing, nor does a refusal that Discord says is
 	// about a resource shared with others.
-	learn := refused && status != http.StatusServiceUnavailable && v.scope != "shared" &&
-		(remaining < 0 || remaining == 0 && limit > 0)
+	//
+	// An answer that says nothing is left of a limit it states teaches that
+	// limit too, refused or not: the fleet has just used it all.
+	learn := status != http.StatusServiceUnavailable && v.scope != "shared" &&
+		(refused && remaining < 0 || remaining == 0 && limit > 0)
 	switch {
 	case learn && !lim.s.noLearning:
 		said.pause, said.learn = quiet, true

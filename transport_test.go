@@ -519,7 +519,7 @@ func TestTransport_RetriesOnlyWhatCanBeSentAgain(t *testing.T) {
 func TestTransport_DoesNotModifyTheRequest(t *testing.T) {
 	s := redistest.Mini(t)
 	srv := newVendorServer(t, refuseFirst(2, "Retry-After", "0"))
-	lim := replicaLimiter(t, s, "untouched", policies.SlidingLog{Limit: 10, Window: time.Minute})
+	lim := replicaLimiter(t, s, "untouched", policies.PerKey{Policy: policies.SlidingLog{Limit: 10, Window: time.Minute}})
 	tr := NewTransport(nil, lim, WithRequestKey(func(r *http.Request) string { return r.Header.Get("X-Tenant") }))
 	req := mustRequest(t, context.Background(), http.MethodPost, srv.URL+"/v1/messages?x=1", strings.NewReader("hello"))
 	req.Header.Set("X-Tenant", "t-1")

@@ -454,6 +454,10 @@ for c = 0, ncalls - 1 do
   -- the rules push each other on for long, the logs settle for their tails,
   -- which no rule pushes further.
   local t = math.max(now, pause)
+  if pause > now then
+    -- Nothing is free while the vendor asked for quiet.
+    remaining, after = 0, 0
+  end
   local moved = not too_big
   local budget = { left = SCAN }
   local rounds = 0
