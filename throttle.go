@@ -268,7 +268,7 @@ type Limiter struct {
 	unitRules   bool          // some rule counts the units calls cost
 	callRules   bool          // some rule counts calls (policies.PerCall)
 	maxCost     int
-	maxCostIs   string // the limit maxCost comes from, as the user set it
+	maxCostIs   string       // the limit maxCost comes from, as the user set it
 	timing      *timing      // how late calls start, shared with the process's other limiters on the same server
 	lates       lates        // how late this limiter's calls started since its last report
 	epoch       atomic.Int64 // the quota's epoch as last seen; 0 before the first decision
