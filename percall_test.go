@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"math/rand/v2"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -177,4 +178,67 @@ func TestPerCall_FleetUnderRequestsAndTokens(t *testing.T) {
 	if util < 0.9 {
 		t.Errorf("%.0f%% of the tokens used, want at least 90%%", 100*util)
 	}
+}
+
+func TestPermit_CancelGivesTheCallBack(t *testing.T) {
+	redistest.Each(t, func(t *testing.T, s *redistest.Server) {
+		lim := newLimiter(t, s.Client(t), policies.All(
+			policies.PerCall{Policy: policies.All(
+				policies.SlidingLog{Limit: 5, Window: time.Minute},
+				policies.Concurrency{Max: 2, Lease: time.Minute},
+			)},
+			policies.SlidingLog{Limit: 1000, Window: time.Minute},
+		), WithMode(FailFast))
+		ctx := context.Background()
+		p, err := lim.Acquire(ctx, Cost(300))
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := p.Settle(ctx, 400); err != nil {
+			t.Fatal(err)
+		}
+		if err := p.Cancel(ctx); err != nil {
+			t.Fatal(err)
+		}
+		u, err := lim.Usage(ctx)
+		if err != nil {
+			t.Fatal(err)
+		}
+		for i, r := range u.Rules {
+			if r.Used+r.Booked != 0 {
+				t.Errorf("rule %d still counts %d after Cancel", i, r.Used+r.Booked)
+			}
+		}
+		if err := p.Cancel(ctx); err != nil {
+			t.Errorf("a second Cancel: %v", err)
+		}
+		p.Release()
+	})
+}
+
+// Without WithMaxWait, a call waits for any slot its deadline allows: the
+// 31st call of 30 a minute, under a deadline of two minutes, books its slot
+// a minute ahead instead of failing at once.
+func TestBlock_DeadlineAloneBoundsTheWaitByDefault(t *testing.T) {
+	redistest.Each(t, func(t *testing.T, s *redistest.Server) {
+		lim := newLimiter(t, s.Client(t), policies.SlidingLog{Limit: 30, Window: time.Minute})
+		ctx := context.Background()
+		for range 30 {
+			if _, err := lim.Acquire(ctx); err != nil {
+				t.Fatal(err)
+			}
+		}
+		r, err := lim.acquire(ctx, call{cost: 1}, 2*time.Minute, nil)
+		if err != nil || !r.admitted {
+			t.Fatalf("the 31st call with two minutes to wait: %+v, %v; want a slot a minute ahead", r, err)
+		}
+		lim.cancel(ctx, call{cost: 1}, r)
+		short, cancel := context.WithTimeout(ctx, 10*time.Second)
+		defer cancel()
+		_, err = lim.Acquire(short)
+		var le *LimitedError
+		if !errors.As(err, &le) || !strings.Contains(le.Reason, "deadline") || le.RetryAfter < 50*time.Second {
+			t.Fatalf("the 31st call with 10s to wait: %v, want refused at once, naming the deadline", err)
+		}
+	})
 }

@@ -55,7 +55,8 @@ func (m Mode) String() string {
 // Defaults of a Limiter.
 const (
 	// DefaultMaxWait bounds how long a call waits in Block mode when its
-	// context has no earlier deadline.
+	// context has no deadline and WithMaxWait was not given: a call with a
+	// deadline waits for any slot before it.
 	DefaultMaxWait = time.Minute
 	// DefaultPrefix starts every Redis key a Limiter writes.
 	DefaultPrefix = "throttle"
@@ -144,6 +145,7 @@ type settings struct {
 	maxQueue     int
 	overflow     Overflow
 	noLearning   bool
+	maxWaitSet   bool
 }
 
 // WithoutLearning keeps the configured limits whatever the vendor says: its
@@ -156,9 +158,12 @@ func WithMode(m Mode) Option { return func(s *settings) { s.mode = m } }
 
 // WithMaxWait bounds how long a call may wait for its slot in Block mode. A
 // call whose slot lies further away fails at once with ErrLimited instead of
-// sleeping. The default is DefaultMaxWait; the context's deadline, when
-// earlier, bounds the wait too.
-func WithMaxWait(d time.Duration) Option { return func(s *settings) { s.maxWait = d } }
+// sleeping; the context's deadline, when earlier, bounds the wait too.
+// Without it, a call waits for any slot before its context's deadline, and
+// DefaultMaxWait bounds a call whose context has none.
+func WithMaxWait(d time.Duration) Option {
+	return func(s *settings) { s.maxWait, s.maxWaitSet = d, true }
+}
 
 // WithClock makes the limiter pass the time from now() to the script instead
 // of letting the script read Redis TIME. Use it only for hosted services that
@@ -680,6 +685,36 @@ func (p *Permit) Release() {
 	p.l.signalFreed()
 }
 
+// Cancel gives the call back when it was not made after all (the request
+// never left, the job was dropped before it ran): its units, and its call
+// under policies.PerCall limits, no longer count, and its concurrency slots
+// are free. A call that reached the vendor must not be cancelled, since the
+// vendor counted it; use Settle for what it cost. Cancel releases the
+// permit; calling it again, or after Release, does nothing more.
+func (p *Permit) Cancel(ctx context.Context) error {
+	if p == nil || p.l == nil {
+		return errors.New("throttle: Cancel: the permit is nil")
+	}
+	if p.released.Swap(true) {
+		return nil
+	}
+	defer p.l.signalFreed()
+	if p.r.local {
+		if p.l.local != nil {
+			p.l.local.forget(p.r.scope, p.r.member)
+		}
+		return nil
+	}
+	if err := p.l.run(ctx, lua.Cancel, p.r.scope, p.l.args(p.r.member, p.call.cost, p.r.slot().Microseconds(), p.r.epoch, 0)).Err(); err != nil {
+		return p.l.unavailable(err)
+	}
+	if p.l.hasConc && p.held != p.call.cost {
+		// Settle changed the cost: the slots held are still the first.
+		_ = p.l.run(ctx, lua.Release, p.r.scope, p.l.args(p.r.member, p.held, 0, 0, 0)).Err()
+	}
+	return nil
+}
+
 // Extend renews the lease of the call's concurrency slots for a call that
 // runs longer than policies.Concurrency.Lease: the slots stay taken for
 // lease from now. It does nothing for a quota without a Concurrency policy.
@@ -791,10 +826,15 @@ func (l *Limiter) limited(retryAfter time.Duration, reason string) error {
 
 // refused returns the error of a call that Redis did not admit now.
 func (l *Limiter) refused(r result) error {
-	if r.reason == reasonLate {
+	switch {
+	case r.reason == reasonLate:
 		return l.limited(r.wait, lateReason)
+	case r.reason == reasonBusy:
+		return l.limited(r.wait, "every concurrency slot is taken")
+	case r.pause > r.now:
+		return l.limited(r.wait, "the vendor asked the fleet to pause")
 	}
-	return l.limited(r.wait, "")
+	return l.limited(r.wait, "the quota is full now, and the call does not wait")
 }
 
 // limitName names the field a rule's limit comes from, with its value.
