@@ -68,6 +68,7 @@ func githubFleet(t *testing.T, s *redistest.Server, name, baseURL string, limit 
 }
 
 func TestGitHub_NoRefusalAtTheRightConfiguration(t *testing.T) {
+	t.Parallel()
 	const limit, window, windows = 40, 2 * time.Second, 3
 	s := redistest.Real(t)
 	v := newFixedWindow(limit, window)
@@ -88,6 +89,7 @@ func TestGitHub_NoRefusalAtTheRightConfiguration(t *testing.T) {
 // the vendor's count, and takes most of what is left. A few of its calls in
 // flight at a window's start meet the other service's first calls of it.
 func TestGitHub_FollowsATokenAnotherConsumerSpends(t *testing.T) {
+	t.Parallel()
 	const limit, window, windows = 40, 2 * time.Second, 4
 	s := redistest.Real(t)
 	v := newFixedWindow(limit, window)

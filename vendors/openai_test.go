@@ -69,6 +69,7 @@ func openaiFleet(t *testing.T, s *redistest.Server, name, baseURL string, limit 
 }
 
 func TestOpenAI_NoRefusalAtTheRightConfiguration(t *testing.T) {
+	t.Parallel()
 	const limit, window, windows = 40, 2 * time.Second, 3
 	s := redistest.Real(t)
 	v := newFixedWindow(limit, window)
@@ -88,6 +89,7 @@ func TestOpenAI_NoRefusalAtTheRightConfiguration(t *testing.T) {
 // Another service spends 40% of the same key's requests: the fleet reads
 // x-ratelimit-remaining-requests, and takes most of what is left.
 func TestOpenAI_FollowsAKeyAnotherConsumerSpends(t *testing.T) {
+	t.Parallel()
 	const limit, window, windows = 40, 2 * time.Second, 4
 	s := redistest.Real(t)
 	v := newFixedWindow(limit, window)
