@@ -759,6 +759,10 @@ local function learn_cap(r, as_of, m, now, vlimit)
     lim = math.max(vlimit, math.ceil(from / 2))
   end
   lim = math.max(lim, 1)
+  if not c and lim >= r.conf then
+    -- The vendor's limit is the configured one: nothing to learn.
+    return false
+  end
   local hold = now + CAP_HOLD * span_of(r)
   if not c or lim < c.lim then
     write_cap(r, {

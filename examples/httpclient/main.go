@@ -5,9 +5,11 @@
 // answers 429 with Retry-After past it, and an embedded Redis (or uses
 // -redis). Each replica has its own Redis client, limiter and http.Client, as
 // separate processes would. Part-way through, the vendor lowers its cap to
-// -lowered without telling anyone: the first 429 pauses the whole fleet until
-// the vendor's Retry-After, and the fleet then resumes at what the vendor
-// accepts. The program prints the vendor's arrivals over time and a summary.
+// -lowered. Its answers state the new limit in X-RateLimit-Limit: the first
+// that says none of it is left teaches every replica the lowered cap, a 429
+// (one per call in flight at most) pauses the whole fleet until the vendor's
+// Retry-After, and the fleet runs on at what the vendor accepts. The program
+// prints the vendor's arrivals over time and a summary.
 //
 //	go run ./examples/httpclient
 //	go run ./examples/httpclient -replicas 4 -workers 5 -limit 40 -lowered 15

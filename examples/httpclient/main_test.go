@@ -22,17 +22,16 @@ func TestRun_FleetFollowsTheVendor(t *testing.T) {
 	if res.BeforeOverCap != 0 {
 		t.Errorf("%d requests over the cap before the vendor lowered it, want 0", res.BeforeOverCap)
 	}
-	if res.Refused == 0 || res.Pauses == 0 {
-		t.Errorf("%d 429s in %d pauses, want the lowered cap to show", res.Refused, res.Pauses)
-	}
-	// Each worker gets at most one 429 per pause (see the transport's tests).
-	if most := res.Pauses * cfg.Replicas * cfg.Workers; res.Refused > most {
+	// The vendor's answers state its lowered limit: the fleet learns it
+	// from the first that says none is left, so that a 429 comes only to
+	// the calls already in flight (see the transport's tests).
+	if most := (res.Pauses + 1) * cfg.Replicas * cfg.Workers; res.Refused > most {
 		t.Errorf("%d 429s in %d pauses, want at most %d", res.Refused, res.Pauses, most)
 	}
 	if res.OK < cfg.Limit {
 		t.Errorf("%d requests succeeded, want at least %d", res.OK, cfg.Limit)
 	}
-	for _, want := range []string{"vendor: 20 requests per 1s", "fleet: 2 replicas × 2 workers", "paused"} {
+	for _, want := range []string{"vendor: 20 requests per 1s", "fleet: 2 replicas × 2 workers"} {
 		if !strings.Contains(out.String(), want) {
 			t.Errorf("output lacks %q", want)
 		}

@@ -145,9 +145,10 @@ func run(ctx context.Context, cfg config, out io.Writer) (result, error) {
 }
 
 // complete sends one chat completion: a prompt of 20 to 60 tokens, with a
-// reply of at most 100 and 60 on average, admitted with the prompt and the
-// average reply as its estimate, and settled with the tokens the API says
-// it used.
+// reply of at most 100, admitted with the most it can use as its estimate,
+// and settled with the tokens the API says it used. An estimate below what
+// a call may use would let the fleet past the tokens' cap; what it
+// overestimates is held until the call is settled.
 func complete(ctx context.Context, client *http.Client, url string, rng *rand.Rand) error {
 	prompt, most := 20+rng.IntN(41), 100
 	req, err := http.NewRequestWithContext(ctx, http.MethodPost, url+"/v1/chat/completions",
@@ -155,7 +156,7 @@ func complete(ctx context.Context, client *http.Client, url string, rng *rand.Ra
 	if err != nil {
 		return err
 	}
-	req.Header.Set("X-Estimate", strconv.Itoa(prompt+60))
+	req.Header.Set("X-Estimate", strconv.Itoa(prompt+most))
 	req.Header.Set("X-Prompt-Tokens", strconv.Itoa(prompt))
 	resp, err := client.Do(req)
 	if err != nil {
@@ -183,6 +184,7 @@ type fakeAPI struct {
 	start            time.Time
 	mu               sync.Mutex
 	arrivals         []arrival // accepted, for the windows
+	accepted         []arrival // accepted, all of them
 	perSecond        map[int][2]int
 	over             [2]int
 }
@@ -212,6 +214,7 @@ func (a *fakeAPI) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	okRequests, okTokens := len(a.arrivals) < a.requests, inTokens+used <= a.tokens
 	if okRequests && okTokens {
 		a.arrivals = append(a.arrivals, arrival{now, used})
+		a.accepted = append(a.accepted, arrival{now, used})
 		s := a.perSecond[int(now.Sub(a.start)/time.Second)]
 		a.perSecond[int(now.Sub(a.start)/time.Second)] = [2]int{s[0] + 1, s[1] + used}
 		inTokens += used
@@ -252,12 +255,21 @@ func (a *fakeAPI) report(out io.Writer) result {
 		fmt.Fprintf(out, "%8d %10d %10d\n", s, n[0], n[1])
 		res.Calls += n[0]
 		res.Tokens += n[1]
-		if s >= 1 && s < last {
-			res.TokenUse += float64(n[1])
-		}
 	}
-	if last > 1 {
-		res.TokenUse /= float64(last-1) * float64(a.tokens) * float64(time.Second) / float64(a.window)
+	// The tokens' use from the end of the first window to a window before
+	// the last call, against the cap over that span: the first window runs
+	// its burst, the last the calls cut short by the end of the run.
+	if len(a.accepted) > 1 {
+		from, to := a.accepted[0].at.Add(a.window), a.accepted[len(a.accepted)-1].at.Add(-a.window)
+		used := 0
+		for _, x := range a.accepted {
+			if x.at.After(from) && !x.at.After(to) {
+				used += x.tokens
+			}
+		}
+		if span := to.Sub(from); span > 0 {
+			res.TokenUse = float64(used) / (float64(a.tokens) * float64(span) / float64(a.window))
+		}
 	}
 	res.OverRequests, res.OverTokens = a.over[0], a.over[1]
 	fmt.Fprintf(out, "%d requests, %d tokens; past the cap: %d requests, %d tokens; %.0f%% of the tokens' cap used\n",
