@@ -308,25 +308,28 @@ func TestWithoutLearning_RefusalsOnlyPause(t *testing.T) {
 func TestTransport_LearnsOnlyFromRefusalsAboutTheQuota(t *testing.T) {
 	redistest.Each(t, func(t *testing.T, s *redistest.Server) {
 		var remaining atomic.Int64
-		remaining.Store(-1)
+		var retryAfter atomic.Value
 		vendor := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 			if n := remaining.Load(); n >= 0 {
 				w.Header().Set("X-RateLimit-Remaining", "7")
 			}
-			w.Header().Set("Retry-After", "0")
+			w.Header().Set("Retry-After", retryAfter.Load().(string))
 			w.WriteHeader(http.StatusTooManyRequests)
 		}))
 		defer vendor.Close()
 		for _, tc := range []struct {
-			name      string
-			prefix    string
-			remaining int64
-			want      int
+			name       string
+			prefix     string
+			remaining  int64
+			retryAfter string
+			want       int
 		}{
-			{"a 429 that says nothing of the count", "silent", -1, 50},
-			{"a 429 with units left: a secondary limit", "secondary", 7, 100},
+			{"a 429 that says nothing of the count", "silent", -1, "1", 50},
+			{"a 429 with units left: a secondary limit", "secondary", 7, "1", 100},
+			{"a 429 that says to retry now", "now", -1, "0", 100},
 		} {
 			remaining.Store(tc.remaining)
+			retryAfter.Store(tc.retryAfter)
 			lim := newLimiter(t, s.Client(t), policies.SlidingLog{Limit: 100, Window: time.Second}, WithMode(FailFast), WithPrefix(tc.prefix))
 			c := &http.Client{Transport: NewTransport(nil, lim, WithMaxRetries(0))}
 			resp, err := c.Get(vendor.URL)

@@ -447,9 +447,12 @@ func (t *Transport) feedback(ctx context.Context, lim *Limiter, p *Permit, statu
 	// about a resource shared with others.
 	//
 	// An answer that says nothing is left of a limit it states teaches that
-	// limit too, refused or not: the fleet has just used it all.
+	// limit too, refused or not: the fleet has just used it all. A refusal
+	// with Retry-After: 0 teaches nothing: a vendor over a window's cap
+	// says when there is room, and this one says there is room now.
+	retryNow := v.hasRetryAfter && v.retryAfter == 0
 	learn := status != http.StatusServiceUnavailable && v.scope != "shared" &&
-		(refused && remaining < 0 || remaining == 0 && limit > 0)
+		(refused && remaining < 0 && !retryNow || remaining == 0 && limit > 0)
 	switch {
 	case learn && !lim.s.noLearning:
 		said.pause, said.learn = quiet, true
