@@ -19,10 +19,17 @@
 // When the quota is full, a call waits for its booked slot (Block, the
 // default), fails at once with ErrLimited (FailFast), or waits in a bounded
 // local queue by priority (Queue). Key and Cost describe a call: who it is
-// for, under policies.PerKey limits, and how many units it counts for.
+// for, under policies.PerKey limits, and how many units it counts for
+// (policies.PerCall limits count each call once: requests beside tokens).
+// Do's function finds its Permit with PermitFrom, to Settle the call's
+// actual cost.
 //
 // For HTTP, NewTransport wraps an http.RoundTripper: every request goes
-// through the limiter, and a vendor's 429 pauses the whole fleet.
+// through the limiter, and what the vendor answers reaches every replica:
+// its remaining counts, in the headers of GitHub, OpenAI, Anthropic,
+// Discord, Shopify, Salesforce, Zendesk, Stripe and the IETF draft; its
+// pauses; and, from its refusals, the cap it really allows, which the
+// quota learns and then probes back up (see Permit.Refused).
 //
 //	client := &http.Client{Transport: throttle.NewTransport(http.DefaultTransport, lim)}
 //
