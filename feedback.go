@@ -70,7 +70,7 @@ func (l *Limiter) setRemaining(ctx context.Context, remaining int, reset time.Du
 	if remaining < 0 {
 		return fmt.Errorf("throttle: quota %q: SetRemaining: remaining must not be negative, got %d", l.name, remaining)
 	}
-	c := vendorCount{left: remaining, reset: max(reset, 0), limit: -1}
+	c := vendorCount{left: remaining, reset: max(reset, 0)}
 	said := vendorSaid{units: c, calls: unknownCount}
 	if !l.unitRules {
 		said.units, said.calls = unknownCount, c
@@ -89,15 +89,15 @@ type vendorSaid struct {
 }
 
 // vendorCount is one of the vendor's counts: what is left (-1 when
-// unknown), how long until its reset (0 when unknown), and the limit (-1
-// when unknown).
+// unknown), how long until its reset (0 when unknown), and the limit (0
+// when unknown, as in vendorLimits).
 type vendorCount struct {
 	left  int
 	reset time.Duration
 	limit int
 }
 
-var unknownCount = vendorCount{left: -1, limit: -1}
+var unknownCount = vendorCount{left: -1}
 
 // feedback runs the feedback script: what the vendor said, as of the call
 // r (or of now, for a zero r).
@@ -133,8 +133,8 @@ func (l *Limiter) feedback(ctx context.Context, said vendorSaid, r result, opts 
 	if learn {
 		learnArg = 1
 	}
-	args = append(args, l.epoch.Load(), learnArg, max(said.units.limit, -1),
-		max(said.calls.left, -1), said.calls.reset.Microseconds(), max(said.calls.limit, -1))
+	args = append(args, l.epoch.Load(), learnArg, max(said.units.limit, 0),
+		max(said.calls.left, -1), said.calls.reset.Microseconds(), max(said.calls.limit, 0))
 	v, err := lua.Feedback.Run(ctx, l.rdb, keys, args...).Int64Slice()
 	if err != nil {
 		return l.unavailable(err)

@@ -399,13 +399,10 @@ func (t *Transport) feedback(ctx context.Context, lim *Limiter, p *Permit, statu
 	// WithRequestCost says and the vendor counts tokens, else its count of
 	// requests; policies.PerCall rules follow its count of requests.
 	requests := vendorCount{left: v.remaining, reset: v.reset, limit: v.limit}
-	if v.limit == 0 {
-		requests.limit = -1
-	}
 	said := vendorSaid{units: requests, calls: unknownCount}
 	switch {
 	case t.cost != nil && v.hasTokens:
-		said.units = vendorCount{left: v.tokens, reset: v.tokensReset, limit: -1}
+		said.units = vendorCount{left: v.tokens, reset: v.tokensReset}
 	case t.cost != nil && lim.callRules:
 		said.units = unknownCount // the vendor counts requests alone
 	}
@@ -469,7 +466,7 @@ func (t *Transport) feedback(ctx context.Context, lim *Limiter, p *Permit, statu
 		// one, the vendor's count is always passed on. The vendor counted
 		// as of this call: calls admitted after it, on their way, are not
 		// in its number.
-		said.units.limit, said.calls.limit = -1, -1
+		said.units.limit, said.calls.limit = 0, 0
 		_ = lim.feedback(ctx, said, p.r, opts)
 	}
 	return quiet, refused

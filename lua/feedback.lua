@@ -14,10 +14,10 @@
 -- 0: a pause must not hide a loss of the quota's data (see check_loss);
 -- then 1 when the vendor refused the call of ARGV[3] for being over its
 -- limit, so that the rules learn a cap (see learn_cap in lib.lua), else 0;
--- then the limit the vendor stated with its refusal, or -1; then the same
+-- then the limit the vendor stated with its refusal, or 0; then the same
 -- three of the vendor's counts of requests, for the rules that count calls
 -- (see units in lib.lua): the requests left (or -1), microseconds until
--- their reset (or 0), the limit stated (or -1). ARGV[5], ARGV[6] and the
+-- their reset (or 0), the limit stated (or 0). ARGV[5], ARGV[6] and the
 -- limit before speak of the other rules.
 --
 -- When the vendor has fewer units left than a rule believes (another consumer
