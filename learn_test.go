@@ -127,6 +127,14 @@ func TestRefused_DropsByHalfAtMost(t *testing.T) {
 		if got := limitInForce(t, lim); got[0] != 50 {
 			t.Fatalf("limit in force %v after a refusal with 3 calls before it, want 50", got)
 		}
+		// The refusal of another call in flight at that drop halves nothing
+		// again: it drops from the limit before the drop.
+		if err := ps[2].Refused(ctx, 0); err != nil {
+			t.Fatal(err)
+		}
+		if got := limitInForce(t, lim); got[0] != 50 {
+			t.Fatalf("limit in force %v after the refusal of a call in flight at the drop, want 50", got)
+		}
 		// A refusal of a call decided under the new cap halves it again.
 		clock.Add(2 * time.Second)
 		ps = admit(t, lim, clock, 2, time.Millisecond)
