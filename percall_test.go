@@ -137,11 +137,13 @@ func TestPerCall_FleetUnderRequestsAndTokens(t *testing.T) {
 	var first, last time.Time
 	var admitted atomic.Int64
 	var wg sync.WaitGroup
+	var lims []*Limiter
 	for range replicas {
 		lim, err := New(s.Client(t), "llm-fleet", policy)
 		if err != nil {
 			t.Fatal(err)
 		}
+		lims = append(lims, lim)
 		for range workers {
 			wg.Go(func() {
 				for ctx.Err() == nil {
@@ -175,8 +177,18 @@ func TestPerCall_FleetUnderRequestsAndTokens(t *testing.T) {
 	if rs.OverCap != 0 || ts.OverCap != 0 {
 		t.Errorf("over the cap: %d requests, %d tokens", rs.OverCap, ts.OverCap)
 	}
-	if util < 0.9 {
-		t.Errorf("%.0f%% of the tokens used, want at least 90%%", 100*util)
+	// As in runFleet: a busy machine widens the margin, and gives up that
+	// much of the cap on purpose; at the configured margin the floor is 90%.
+	u, err := lims[0].Usage(context.Background())
+	if err != nil {
+		t.Fatal(err)
+	}
+	want := 0.9
+	if m := u.Rules[1].Margin; m > policies.DefaultMargin {
+		want *= float64(window+policies.DefaultMargin) / float64(window+m)
+	}
+	if util < want {
+		t.Errorf("%.0f%% of the tokens used, want at least %.0f%% (margin %v)", 100*util, 100*want, u.Rules[1].Margin)
 	}
 }
 
