@@ -197,10 +197,17 @@ func (s *Server) Restart(tb testing.TB) {
 	if s.Mini != nil {
 		s.Mini.Close()
 		s.Mini.FlushAll()
-		if err := s.Mini.Restart(); err != nil {
-			tb.Fatalf("redistest: restart miniredis on %s: %v", s.Addr, err)
+		// Another test looking for a free port may hold this one for a
+		// moment (it binds a port to learn that it is free): try again a
+		// little later, as for a real server.
+		var err error
+		for attempt := 1; attempt <= 100; attempt++ {
+			if err = s.Mini.Restart(); err == nil {
+				return
+			}
+			time.Sleep(20 * time.Millisecond)
 		}
-		return
+		tb.Fatalf("redistest: restart miniredis on %s: %v", s.Addr, err)
 	}
 	s.mu.Lock()
 	defer s.mu.Unlock()
@@ -256,12 +263,14 @@ func startReal(tb testing.TB, bin string, args []string, needBus bool) *Server {
 	tb.Cleanup(func() { s.cleanup(tb) })
 
 	var err error
+	tried := map[int]bool{}
 	attempt := 1
 	for ; ; attempt++ {
-		port, perr := freePort(needBus)
+		port, perr := untriedPort(needBus, tried)
 		if perr != nil {
 			tb.Fatalf("redistest: %v", perr)
 		}
+		tried[port] = true
 		s.mu.Lock()
 		err = s.launchLocked(port)
 		s.mu.Unlock()
@@ -275,6 +284,18 @@ func startReal(tb testing.TB, bin string, args []string, needBus bool) *Server {
 	}
 	tb.Fatalf("redistest: gave up after %d attempt(s): %v", attempt, err)
 	return nil
+}
+
+// untriedPort returns a free port not in tried: the kernel may hand the same
+// free port out twice in a row, and a port a server just failed on is the
+// one most likely to fail again.
+func untriedPort(needBus bool, tried map[int]bool) (int, error) {
+	for i := 0; ; i++ {
+		port, err := freePort(needBus)
+		if err != nil || !tried[port] || i == 100 {
+			return port, err
+		}
+	}
 }
 
 // launchLocked starts redis-server on port and waits until that very process
