@@ -7,14 +7,14 @@ import (
 	"sync/atomic"
 	"time"
 
-	"github.com/throttlekit/throttle/lua"
+	"github.com/throttlekit/throttle/internal/lua"
 )
 
 // maxBatch bounds how many calls one script call decides.
 const maxBatch = 32
 
 // The acquire script's reply: a header, then a fixed number of values per
-// call (see lua/acquire.lua).
+// call (see internal/lua/acquire.lua).
 const (
 	replyHeader  = 8
 	replyPerCall = 4
@@ -181,7 +181,7 @@ func (l *Limiter) decide(sc scope, batch []*request) {
 		args = append(args, r.member, r.cost, r.slot().Microseconds(), r.epoch)
 	}
 	for _, req := range batch {
-		args = append(args, req.member, req.c.cost, req.maxWait.Microseconds())
+		args = append(args, req.member, req.c.cost, req.maxWait.Microseconds(), req.c.lead.Microseconds())
 	}
 	for _, req := range batch {
 		close(req.sent)

@@ -11,7 +11,7 @@ import (
 	"github.com/cenkalti/backoff/v4"
 	"github.com/redis/go-redis/v9"
 
-	"github.com/throttlekit/throttle/lua"
+	"github.com/throttlekit/throttle/internal/lua"
 )
 
 // OnRedisError says what a call does when Redis cannot decide it: Redis is

@@ -13,7 +13,8 @@ import (
 )
 
 // Any configuration either fails in New with an error, or gives a limiter
-// whose calls are decided without a panic and with a known error.
+// whose calls are decided without a panic, with a known error, and without
+// an error from the script.
 func FuzzConfiguration(f *testing.F) {
 	f.Add(100, int64(time.Second), int64(0), 10, 3, 2, int64(time.Minute), 1, "tenant", uint8(0))
 	f.Add(0, int64(0), int64(-1), -1, 0, 0, int64(-5), 0, "", uint8(3))
@@ -56,6 +57,12 @@ func FuzzConfiguration(f *testing.F) {
 		d, err := lim.Allow(ctx, opts...)
 		if err != nil && !errors.Is(err, ErrUnavailable) && cost > 0 && cost <= lim.maxCost {
 			t.Fatalf("Allow(Cost(%d)) on %#v: %v", cost, p, err)
+		}
+		// Redis is up: ErrUnavailable may come from the deadline (a call
+		// that takes the log's bound), never from an error the script hit.
+		var reply redis.Error
+		if errors.As(err, &reply) {
+			t.Fatalf("Allow(Cost(%d)) on %#v: the script failed: %v", cost, p, err)
 		}
 		if err == nil && d.Remaining < 0 {
 			t.Fatalf("negative remaining %+v", d)

@@ -1,7 +1,6 @@
 package throttle
 
 import (
-	"fmt"
 	"net/http"
 	"sync"
 	"time"
@@ -27,18 +26,19 @@ import (
 // costs Redis nothing, and the limiter decides the call against the key's
 // own limits whatever this process believed. The keys are the limiter's
 // Keys, hashed before they reach Redis. A pool overrides WithRequestKey.
-// NewTransport panics on an empty pool, an empty key or a nil set.
+// An empty pool, an empty key or a nil set is invalid: every request then
+// fails with an error saying which.
 func WithKeyPool(keys []string, set func(r *http.Request, key string)) TransportOption {
 	if len(keys) == 0 {
-		panic("throttle: WithKeyPool: the pool has no key")
+		return invalid("WithKeyPool", "the pool has no key")
 	}
 	if set == nil {
-		panic("throttle: WithKeyPool: set is nil")
+		return invalid("WithKeyPool", "set is nil")
 	}
 	p := &keyPool{set: set, keys: make([]poolKey, len(keys))}
 	for i, k := range keys {
 		if k == "" {
-			panic(fmt.Sprintf("throttle: WithKeyPool: key %d is empty", i))
+			return invalid("WithKeyPool", "key %d is empty", i)
 		}
 		p.keys[i] = poolKey{key: k, room: -1}
 	}

@@ -2,7 +2,6 @@ package throttle
 
 import (
 	"context"
-	"fmt"
 	"net/http"
 	"net/http/httptest"
 	"strconv"
@@ -160,17 +159,14 @@ func TestKeyPool_RefusesABadPool(t *testing.T) {
 		opt  func() TransportOption
 		want string
 	}{
-		{"no key", func() TransportOption { return WithKeyPool(nil, func(*http.Request, string) {}) }, "no key"},
-		{"an empty key", func() TransportOption { return WithKeyPool([]string{"a", ""}, func(*http.Request, string) {}) }, "key 1 is empty"},
-		{"no set", func() TransportOption { return WithKeyPool([]string{"a"}, nil) }, "set is nil"},
+		{"no key", func() TransportOption { return WithKeyPool(nil, func(*http.Request, string) {}) }, "WithKeyPool: the pool has no key"},
+		{"an empty key", func() TransportOption { return WithKeyPool([]string{"a", ""}, func(*http.Request, string) {}) }, "WithKeyPool: key 1 is empty"},
+		{"no set", func() TransportOption { return WithKeyPool([]string{"a"}, nil) }, "WithKeyPool: set is nil"},
 	} {
-		func() {
-			defer func() {
-				if r := recover(); r == nil || !strings.Contains(fmt.Sprint(r), tc.want) {
-					t.Errorf("%s: %v, want a panic naming %q", tc.name, r, tc.want)
-				}
-			}()
-			tc.opt()
-		}()
+		tr := NewTransport(nil, nil, tc.opt())
+		req := mustRequest(t, context.Background(), http.MethodGet, "http://127.0.0.1:1/", nil)
+		if _, err := tr.RoundTrip(req); err == nil || !strings.Contains(err.Error(), tc.want) {
+			t.Errorf("%s: %v, want an error naming %q", tc.name, err, tc.want)
+		}
 	}
 }

@@ -442,6 +442,30 @@ func TestLocal_BackOnRedisReservesTheOthersShare(t *testing.T) {
 	})
 }
 
+// The late-start guard holds for the Local fallback too: a call that wakes
+// later after its local slot than half the margin gives it back and is
+// decided again, as through Redis; FailOpen has no slot to be late for.
+func TestLocal_LateStartGuard(t *testing.T) {
+	lim := newLimiter(t, deadRedis(t), policies.SlidingLog{Limit: 10, Window: time.Second},
+		WithOnRedisError(Local), WithExpectedReplicas(2), quiet())
+	lim.local.takeOver(time.Now())
+	lim.local.full = time.Now().Add(-2 * time.Second) // a window after it took over
+	r := lim.local.decide(lim.scopeFor(call{}), call{cost: 1}, "m", 0)
+	if !r.admitted || r.margin != policies.DefaultMargin {
+		t.Fatalf("local decision %+v, want admitted with the default margin", r)
+	}
+	if late, tooLate := lim.late(r); tooLate {
+		t.Errorf("a call starting at once is %v late", late)
+	}
+	r.now, r.done = r.now-20*time.Millisecond, r.done-20*time.Millisecond
+	if late, tooLate := lim.late(r); !tooLate || late < 20*time.Millisecond {
+		t.Errorf("a call starting 20ms after its local slot: %v, %v; want too late for a 30ms margin", late, tooLate)
+	}
+	if _, tooLate := lim.late(result{admitted: true, local: true}); tooLate {
+		t.Error("a FailOpen admission was judged late")
+	}
+}
+
 // The Local fallback does not hand out concurrency slots that the fleet
 // may hold through Redis: none until a lease after it took over. Back on
 // Redis, the slots it handed out are taken there until their leases end.

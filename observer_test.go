@@ -3,6 +3,7 @@ package throttle
 import (
 	"context"
 	"errors"
+	"net/http"
 	"sync"
 	"testing"
 	"time"
@@ -89,6 +90,82 @@ func TestObserver_ShadowModeLetsEveryCallThrough(t *testing.T) {
 	}
 	if n, _ := rec.count(EventLimited, true); n != 7 {
 		t.Errorf("%d calls reported as limited in shadow, want 7", n)
+	}
+}
+
+// Every entry point goes through one dispatcher: in every mode, Do, Go,
+// Acquire and the Transport report their calls to the Observer alike, and
+// in shadow mode let every call through.
+func TestObserver_EveryEntryPointReportsAndHonoursShadowMode(t *testing.T) {
+	srv := newVendorServer(t, answer(http.StatusOK, "ok"))
+	entries := []struct {
+		name string
+		call func(*Limiter) error
+	}{
+		{"Do", func(l *Limiter) error {
+			_, err := Do(context.Background(), l, func(context.Context) (int, error) { return 0, nil })
+			return err
+		}},
+		{"Go", func(l *Limiter) error {
+			_, err := Go(context.Background(), l, func(context.Context) (int, error) { return 0, nil }).Wait()
+			return err
+		}},
+		{"Acquire", func(l *Limiter) error {
+			p, err := l.Acquire(context.Background())
+			if err == nil {
+				p.Release()
+			}
+			return err
+		}},
+		{"Transport", func(l *Limiter) error {
+			req := mustRequest(t, context.Background(), http.MethodGet, srv.URL, nil)
+			resp, err := NewTransport(nil, l).RoundTrip(req)
+			if err == nil {
+				resp.Body.Close()
+			}
+			return err
+		}},
+	}
+	s := redistest.Mini(t)
+	for _, mode := range []Mode{Block, FailFast, Queue} {
+		for _, e := range entries {
+			t.Run(mode.String()+"/"+e.name, func(t *testing.T) {
+				var rec recorder
+				lim := newLimiter(t, s.Client(t), policies.SlidingLog{Limit: 2, Window: time.Hour}, WithMode(mode), WithMaxWait(time.Millisecond), WithObserver(&rec))
+				admitted := 0
+				for range 3 {
+					if e.call(lim) == nil {
+						admitted++
+					}
+				}
+				if admitted != 2 {
+					t.Errorf("%d of 3 calls admitted under a limit of 2", admitted)
+				}
+				if n, _ := rec.count(EventAdmitted, false); n != 2 {
+					t.Errorf("observer saw %d admitted calls, want 2", n)
+				}
+				if n, _ := rec.count(EventLimited, false); n != 1 {
+					t.Errorf("observer saw %d limited calls, want 1", n)
+				}
+
+				var shadowRec recorder
+				shadow, err := New(s.Client(t), lim.Name()+"-shadow", policies.SlidingLog{Limit: 1, Window: time.Hour}, WithMode(mode), WithShadow(), WithObserver(&shadowRec))
+				if err != nil {
+					t.Fatal(err)
+				}
+				for i := range 3 {
+					if err := e.call(shadow); err != nil {
+						t.Fatalf("call %d in shadow mode: %v", i, err)
+					}
+				}
+				if n, _ := shadowRec.count(EventAdmitted, false); n != 1 {
+					t.Errorf("shadow: observer saw %d admitted calls, want 1", n)
+				}
+				if n, _ := shadowRec.count(EventLimited, true); n != 2 {
+					t.Errorf("shadow: observer saw %d calls limited in shadow, want 2", n)
+				}
+			})
+		}
 	}
 }
 

@@ -175,6 +175,42 @@ func TestConcurrency_HoldsSlotsUntilRelease(t *testing.T) {
 	})
 }
 
+// A release wakes the calls of this process that wait for a concurrency
+// slot at once, rather than at the end of their pause between tries (up to
+// 250ms): Release and Cancel both signal them.
+func TestConcurrency_ReleaseWakesThisProcesssWaiters(t *testing.T) {
+	redistest.Each(t, func(t *testing.T, s *redistest.Server) {
+		lim := newLimiter(t, s.Client(t), policies.Concurrency{Max: 2, Lease: time.Minute})
+		ctx := context.Background()
+		freed := func() <-chan struct{} {
+			lim.freedMu.Lock()
+			defer lim.freedMu.Unlock()
+			return lim.freed
+		}
+		for _, end := range []struct {
+			name string
+			fn   func(*Permit) error
+		}{
+			{"Release", func(p *Permit) error { p.Release(); return nil }},
+			{"Cancel", func(p *Permit) error { return p.Cancel(ctx) }},
+		} {
+			p, err := lim.Acquire(ctx)
+			if err != nil {
+				t.Fatal(err)
+			}
+			waiting := freed()
+			if err := end.fn(p); err != nil {
+				t.Fatal(err)
+			}
+			select {
+			case <-waiting:
+			default:
+				t.Errorf("%s did not wake the calls waiting for a slot", end.name)
+			}
+		}
+	})
+}
+
 func TestConcurrency_LeaseFreesACrashedHolder(t *testing.T) {
 	redistest.Each(t, func(t *testing.T, s *redistest.Server) {
 		clock := newClock()

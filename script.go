@@ -9,7 +9,7 @@ import (
 
 	"github.com/redis/go-redis/v9"
 
-	"github.com/throttlekit/throttle/lua"
+	"github.com/throttlekit/throttle/internal/lua"
 	"github.com/throttlekit/throttle/policies"
 )
 
@@ -51,7 +51,7 @@ func (l *Limiter) scopeFor(c call) scope {
 	return scope{id: hashed, keys: keys}
 }
 
-// args builds the arguments every script takes (see lua/lib.lua): the time,
+// args builds the arguments every script takes (see internal/lua/lib.lua): the time,
 // the call's id, its cost, three arguments of the script's own, and then
 // each rule.
 func (l *Limiter) args(id string, cost int, a, b, c int64) []any {
@@ -66,11 +66,34 @@ func argsFor(clock func() time.Time, id string, cost int, a, b, c int64, rules [
 	args := make([]any, 0, 6+5*len(rules))
 	args = append(args, now, id, cost, a, b, c)
 	for _, r := range rules {
-		for _, v := range r.Args() {
+		for _, v := range ruleArgs(r) {
 			args = append(args, v)
 		}
 	}
 	return args
+}
+
+// perCallFlag is added to the kind of a rule that counts each call once
+// (see internal/lua/lib.lua).
+const perCallFlag = 16
+
+// ruleArgs encodes rule r as the script reads it: the kind and four
+// parameters in microseconds or units (see internal/lua/lib.lua).
+func ruleArgs(r policies.Rule) [5]int64 {
+	us := func(d time.Duration) int64 { return d.Microseconds() }
+	kind := int64(r.Kind)
+	if r.PerCall {
+		kind += perCallFlag
+	}
+	switch r.Kind {
+	case policies.KindSlidingCounter:
+		return [5]int64{kind, int64(r.Limit), us(r.Window), us(r.Bucket), us(r.Margin)}
+	case policies.KindTokenBucket:
+		return [5]int64{kind, int64(r.Limit), us(r.Every), 0, 0}
+	case policies.KindConcurrency:
+		return [5]int64{kind, int64(r.Limit), us(r.Lease), 0, 0}
+	}
+	return [5]int64{kind, int64(r.Limit), us(r.Window), 0, us(r.Margin)}
 }
 
 func (l *Limiter) newMember() string {

@@ -17,7 +17,7 @@ import (
 
 	"github.com/redis/go-redis/v9"
 
-	"github.com/throttlekit/throttle/lua"
+	"github.com/throttlekit/throttle/internal/lua"
 	"github.com/throttlekit/throttle/policies"
 )
 
@@ -230,6 +230,10 @@ type call struct {
 	hasKey   bool
 	cost     int
 	priority int
+	// lead is how far ahead of now the call asks for its slot: a slot
+	// whose reply came back too late to start in is booked again this much
+	// later, so that the next reply arrives before it.
+	lead time.Duration
 }
 
 // Limiter enforces one quota, shared by every process that uses the same
@@ -310,33 +314,8 @@ func New(rdb redis.UniversalClient, name string, policy policies.Policy, opts ..
 	if err != nil {
 		return nil, fmt.Errorf("throttle: quota %q: %w", name, err)
 	}
-	s := settings{logger: slog.Default(), mode: Block, maxWait: DefaultMaxWait, prefix: DefaultPrefix, maxQueue: DefaultMaxQueue, redisTimeout: DefaultRedisTimeout}
-	for _, o := range opts {
-		if o != nil {
-			o(&s)
-		}
-	}
-	switch {
-	case s.mode != Block && s.mode != FailFast && s.mode != Queue:
-		return nil, fmt.Errorf("throttle: quota %q: WithMode: unknown mode %v", name, s.mode)
-	case s.maxWait < 0:
-		return nil, fmt.Errorf("throttle: quota %q: WithMaxWait must not be negative, got %v", name, s.maxWait)
-	case s.onRedisError != FailClosed && s.onRedisError != FailOpen && s.onRedisError != Local:
-		return nil, fmt.Errorf("throttle: quota %q: WithOnRedisError: unknown policy %v", name, s.onRedisError)
-	case s.replicas < 0:
-		return nil, fmt.Errorf("throttle: quota %q: WithExpectedReplicas must be > 0, got %d", name, s.replicas)
-	case s.onRedisError == Local && s.replicas == 0:
-		return nil, fmt.Errorf("throttle: quota %q: WithOnRedisError(Local) needs WithExpectedReplicas, to divide the quota among the replicas", name)
-	case s.logger == nil:
-		return nil, fmt.Errorf("throttle: quota %q: WithLogger: logger is nil", name)
-	case s.redisTimeout <= 0:
-		return nil, fmt.Errorf("throttle: quota %q: WithRedisTimeout must be > 0, got %v", name, s.redisTimeout)
-	case s.maxQueue <= 0:
-		return nil, fmt.Errorf("throttle: quota %q: WithMaxQueue must be > 0, got %d", name, s.maxQueue)
-	case s.overflow != RejectNew && s.overflow != ShedOldest && s.overflow != ShedLowest:
-		return nil, fmt.Errorf("throttle: quota %q: WithOverflow: unknown overflow %v", name, s.overflow)
-	}
-	if err := validName("WithPrefix", s.prefix); err != nil {
+	s, err := newSettings(name, opts)
+	if err != nil {
 		return nil, err
 	}
 	l := &Limiter{rdb: rdb, name: name, rules: rules, s: s, id: newID(), freed: make(chan struct{}), brk: newBreaker(), timing: timingFor(rdb, s.clock)}
@@ -346,7 +325,54 @@ func New(rdb redis.UniversalClient, name string, policy policies.Policy, opts ..
 		}
 	}
 	l.lanes = map[string]*lane{}
-	l.base = s.prefix + ":{" + name + "}:"
+	l.compile()
+	if s.mode == Queue {
+		l.q = newQueue(s.maxQueue, s.overflow, min(l.maxCost, maxDispatched))
+	}
+	return l, nil
+}
+
+// newSettings applies opts to the defaults and checks the result, naming
+// the first bad option.
+func newSettings(name string, opts []Option) (settings, error) {
+	s := settings{logger: slog.Default(), mode: Block, maxWait: DefaultMaxWait, prefix: DefaultPrefix, maxQueue: DefaultMaxQueue, redisTimeout: DefaultRedisTimeout}
+	for _, o := range opts {
+		if o != nil {
+			o(&s)
+		}
+	}
+	var err error
+	switch {
+	case s.mode != Block && s.mode != FailFast && s.mode != Queue:
+		err = fmt.Errorf("throttle: quota %q: WithMode: unknown mode %v", name, s.mode)
+	case s.maxWait < 0:
+		err = fmt.Errorf("throttle: quota %q: WithMaxWait must not be negative, got %v", name, s.maxWait)
+	case s.onRedisError != FailClosed && s.onRedisError != FailOpen && s.onRedisError != Local:
+		err = fmt.Errorf("throttle: quota %q: WithOnRedisError: unknown policy %v", name, s.onRedisError)
+	case s.replicas < 0:
+		err = fmt.Errorf("throttle: quota %q: WithExpectedReplicas must be > 0, got %d", name, s.replicas)
+	case s.onRedisError == Local && s.replicas == 0:
+		err = fmt.Errorf("throttle: quota %q: WithOnRedisError(Local) needs WithExpectedReplicas, to divide the quota among the replicas", name)
+	case s.logger == nil:
+		err = fmt.Errorf("throttle: quota %q: WithLogger: logger is nil", name)
+	case s.redisTimeout <= 0:
+		err = fmt.Errorf("throttle: quota %q: WithRedisTimeout must be > 0, got %v", name, s.redisTimeout)
+	case s.maxQueue <= 0:
+		err = fmt.Errorf("throttle: quota %q: WithMaxQueue must be > 0, got %d", name, s.maxQueue)
+	case s.overflow != RejectNew && s.overflow != ShedOldest && s.overflow != ShedLowest:
+		err = fmt.Errorf("throttle: quota %q: WithOverflow: unknown overflow %v", name, s.overflow)
+	default:
+		err = validName("WithPrefix", s.prefix)
+	}
+	return s, err
+}
+
+// compile derives from the limiter's rules what every call needs: the keys
+// of the shared rules, the policy's id, the smallest margin, the largest
+// cost, and which kinds of rule the quota has.
+func (l *Limiter) compile() {
+	rules := l.rules
+	l.base = l.s.prefix + ":{" + l.name + "}:"
 	l.shared = []string{l.base + "pause", l.base + "pause"}
 	// Cost counts under the rules that count units: it may not exceed the
 	// smallest of their limits. Under rules that count calls it is 1.
@@ -383,10 +409,6 @@ func New(rdb redis.UniversalClient, name string, policy policies.Policy, opts ..
 			l.maxCostIs = limitName(r)
 		}
 	}
-	if s.mode == Queue {
-		l.q = newQueue(s.maxQueue, s.overflow, min(l.maxCost, maxDispatched))
-	}
-	return l, nil
 }
 
 // validName rejects names that would break the hash tag or bloat every key.
@@ -472,13 +494,27 @@ func (l *Limiter) acquirePermit(ctx context.Context, opts []CallOption) (*Permit
 	if err != nil {
 		return nil, err
 	}
-	if err := ctx.Err(); err != nil {
-		return nil, err
+	return l.dispatch(ctx, c, nil)
+}
+
+// dispatch decides call c as the limiter's mode says, reports the outcome
+// to the Observer, and in shadow mode lets the call through whatever the
+// decision. Every entry point (Acquire, Do, Go, the Transport) goes through
+// it. w, when not nil, is the call's place in the queue, taken already: Go
+// queues a call before it returns.
+func (l *Limiter) dispatch(ctx context.Context, c call, w *waiter) (*Permit, error) {
+	if w == nil {
+		if err := ctx.Err(); err != nil {
+			return nil, err
+		}
 	}
 	if l.s.shadow {
 		return l.shadow(ctx, c)
 	}
-	var p *Permit
+	var (
+		p   *Permit
+		err error
+	)
 	switch l.s.mode {
 	case FailFast:
 		var r result
@@ -490,8 +526,10 @@ func (l *Limiter) acquirePermit(ctx context.Context, opts []CallOption) (*Permit
 			}
 		}
 	case Queue:
-		var w *waiter
-		if w, err = l.q.enqueue(c.priority, l.name); err == nil {
+		if w == nil {
+			w, err = l.q.enqueue(c.priority, l.name)
+		}
+		if err == nil {
 			p, err = l.fromQueue(ctx, c, w)
 		}
 	default:
@@ -619,8 +657,12 @@ func Go[T any](ctx context.Context, l *Limiter, fn func(context.Context) (T, err
 	f := &Future[T]{done: make(chan struct{})}
 	c, err := l.newCall(opts)
 	var w *waiter
-	if err == nil && l.s.mode == Queue {
-		w, err = l.q.enqueue(c.priority, l.name)
+	if err == nil && l.s.mode == Queue && !l.s.shadow {
+		// Queued now, so that the calls of one goroutine keep their order
+		// and a full queue answers at once.
+		if w, err = l.q.enqueue(c.priority, l.name); err != nil {
+			l.emitOutcome(c, nil, err, false)
+		}
 	}
 	if err != nil {
 		f.err = err
@@ -630,11 +672,7 @@ func Go[T any](ctx context.Context, l *Limiter, fn func(context.Context) (T, err
 	go func() {
 		defer close(f.done)
 		var p *Permit
-		if w != nil {
-			p, f.err = l.fromQueue(ctx, c, w)
-		} else {
-			p, f.err = l.acquirePermit(ctx, opts)
-		}
+		p, f.err = l.dispatch(ctx, c, w)
 		if f.err != nil {
 			return
 		}

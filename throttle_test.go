@@ -5,6 +5,7 @@ import (
 	"errors"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -428,10 +429,77 @@ func TestTTL_FollowsLatestBooking(t *testing.T) {
 	}
 }
 
+// Every key a quota writes expires: the rule keys of every kind, shared and
+// per key, a log's hint, a learned cap, the meta key and a key's pause. A
+// key without a TTL would outlive the quota forever.
+func TestTTL_EveryKeyExpires(t *testing.T) {
+	redistest.Each(t, func(t *testing.T, s *redistest.Server) {
+		rdb := s.Client(t)
+		ctx := context.Background()
+		lim := newLimiter(t, rdb, policies.All(
+			policies.SlidingLog{Limit: 2, Window: time.Second},
+			policies.SlidingCounter{Limit: 4, Window: time.Second},
+			policies.TokenBucket{Rate: 4, Per: time.Second, Burst: 4},
+			policies.Concurrency{Max: 5},
+			policies.PerKey{Policy: policies.SlidingLog{Limit: 4, Window: time.Second}},
+			policies.PerKey{Policy: policies.SlidingCounter{Limit: 4, Window: time.Second}},
+		), WithMode(FailFast), quiet())
+		var permits []*Permit
+		for range 2 {
+			p, err := lim.Acquire(ctx, Key("tenant"))
+			if err != nil {
+				t.Fatal(err)
+			}
+			permits = append(permits, p)
+		}
+		// A booking ahead (the log's hint), a learned cap and a key's pause.
+		if _, err := lim.acquire(ctx, call{cost: 1, key: "tenant", hasKey: true}, 5*time.Second, nil); err != nil {
+			t.Fatal(err)
+		}
+		if err := permits[0].Refused(ctx, time.Second); err != nil {
+			t.Fatal(err)
+		}
+		if err := lim.Pause(ctx, time.Second, Key("tenant")); err != nil {
+			t.Fatal(err)
+		}
+		keys, err := rdb.Keys(ctx, DefaultPrefix+":{"+lim.Name()+"}*").Result()
+		if err != nil {
+			t.Fatal(err)
+		}
+		kinds := map[string]bool{}
+		for _, k := range keys {
+			for _, kind := range []string{"log", "counter", "bucket", "concurrency", ":next", ":cap", ":pause"} {
+				if strings.Contains(k, kind) {
+					kinds[kind] = true
+				}
+			}
+			if ttl := rdb.PTTL(ctx, k).Val(); ttl <= 0 {
+				t.Errorf("key %s has no TTL (PTTL %v)", k, ttl)
+			}
+		}
+		for _, kind := range []string{"log", "counter", "bucket", "concurrency", ":next", ":cap", ":pause"} {
+			if !kinds[kind] {
+				t.Errorf("no %q key among %v: the test no longer covers it", kind, keys)
+			}
+		}
+		if len(keys) < 10 {
+			t.Errorf("%d keys %v, want the shared and per-key rule keys, a hint, caps and pauses", len(keys), keys)
+		}
+		for _, p := range permits {
+			p.Release()
+		}
+	})
+}
+
+// SCRIPT FLUSH (a new Redis, a failover) costs no call: each script call
+// that meets NOSCRIPT sends the script again, and every call runs.
 func TestScriptFlush_CostsNoCall(t *testing.T) {
 	redistest.Each(t, func(t *testing.T, s *redistest.Server) {
 		rdb := s.Client(t)
+		noscript := &noscriptCounter{}
+		rdb.AddHook(noscript)
 		lim := newLimiter(t, rdb, policies.SlidingLog{Limit: 100_000, Window: time.Second})
+		var ran atomic.Int64
 		ctx := context.Background()
 		stop := make(chan struct{})
 		var flusher sync.WaitGroup
@@ -452,7 +520,7 @@ func TestScriptFlush_CostsNoCall(t *testing.T) {
 		for range 8 {
 			wg.Go(func() {
 				for range 100 {
-					if _, err := Do(ctx, lim, func(context.Context) (int, error) { return 0, nil }); err != nil {
+					if _, err := Do(ctx, lim, func(context.Context) (int, error) { ran.Add(1); return 0, nil }); err != nil {
 						t.Errorf("Do during SCRIPT FLUSH: %v", err)
 						return
 					}
@@ -462,7 +530,30 @@ func TestScriptFlush_CostsNoCall(t *testing.T) {
 		wg.Wait()
 		close(stop)
 		flusher.Wait()
+		if n := ran.Load(); n != 800 {
+			t.Errorf("%d of 800 calls ran", n)
+		}
+		if noscript.n.Load() == 0 {
+			t.Error("no script call met NOSCRIPT: the flushes never struck, and the test tested nothing")
+		}
 	})
+}
+
+// noscriptCounter counts the script calls Redis answered NOSCRIPT.
+type noscriptCounter struct{ n atomic.Int64 }
+
+func (*noscriptCounter) DialHook(next redis.DialHook) redis.DialHook { return next }
+func (h *noscriptCounter) ProcessHook(next redis.ProcessHook) redis.ProcessHook {
+	return func(ctx context.Context, cmd redis.Cmder) error {
+		err := next(ctx, cmd)
+		if err != nil && strings.HasPrefix(err.Error(), "NOSCRIPT") {
+			h.n.Add(1)
+		}
+		return err
+	}
+}
+func (*noscriptCounter) ProcessPipelineHook(next redis.ProcessPipelineHook) redis.ProcessPipelineHook {
+	return next
 }
 
 // waitFor polls cond for up to 10 seconds; it is for state that another

@@ -92,6 +92,7 @@ type Transport struct {
 	maxRetries   int
 	maxRetryTime time.Duration
 	pause        time.Duration
+	err          error // the first invalid option: every request fails with it
 }
 
 // A TransportOption configures a Transport in NewTransport.
@@ -107,8 +108,10 @@ type route struct {
 // a route (WithRoute) go through that route's limiter instead. A nil lim lets
 // requests that match no route through without limit.
 //
-// Options are checked here: an invalid one panics with a message naming it,
-// as an invalid pattern does in http.ServeMux.
+// An invalid option (a pattern without a path, a negative count, a nil
+// function) makes every request fail with an error that names the option
+// and the value; nothing panics. Build the transport where the program
+// starts and send one request, or read the error of the first, to find out.
 func NewTransport(base http.RoundTripper, lim *Limiter, opts ...TransportOption) *Transport {
 	if base == nil {
 		base = http.DefaultTransport
@@ -126,6 +129,17 @@ func NewTransport(base http.RoundTripper, lim *Limiter, opts ...TransportOption)
 		}
 	}
 	return t
+}
+
+// invalid returns an option that makes every request fail with a message
+// naming option and what is wrong with its value.
+func invalid(option, format string, args ...any) TransportOption {
+	err := fmt.Errorf("throttle: %s: "+format, append([]any{option}, args...)...)
+	return func(t *Transport) {
+		if t.err == nil {
+			t.err = err
+		}
+	}
 }
 
 // WithRequestKey sets the Key of each request: the tenant, user or API token
@@ -187,11 +201,11 @@ func WithRequestPriority(priority func(*http.Request) int) TransportOption {
 //
 // Routes are tried in the order given and the first match wins, so give the
 // narrower ones first. A nil lim lets the requests that match through without
-// limit. A pattern without a slash panics.
+// limit. A pattern without a slash is invalid.
 func WithRoute(pattern string, lim *Limiter) TransportOption {
 	host, path, ok := strings.Cut(pattern, "/")
 	if !ok {
-		panic(fmt.Sprintf("throttle: WithRoute: pattern %q needs a path starting with /", pattern))
+		return invalid("WithRoute", "pattern %q needs a path starting with /", pattern)
 	}
 	host, path = strings.ToLower(host), "/"+path
 	return WithRouteFunc(func(r *http.Request) bool {
@@ -222,7 +236,7 @@ func WithRoute(pattern string, lim *Limiter) TransportOption {
 // as WithRoute does for a pattern. match must not modify the request.
 func WithRouteFunc(match func(*http.Request) bool, lim *Limiter) TransportOption {
 	if match == nil {
-		panic("throttle: WithRouteFunc: match is nil")
+		return invalid("WithRouteFunc", "match is nil")
 	}
 	return func(t *Transport) { t.routes = append(t.routes, route{match: match, lim: lim}) }
 }
@@ -231,7 +245,7 @@ func WithRouteFunc(match func(*http.Request) bool, lim *Limiter) TransportOption
 // 0 never retries. The default is DefaultMaxRetries.
 func WithMaxRetries(n int) TransportOption {
 	if n < 0 {
-		panic(fmt.Sprintf("throttle: WithMaxRetries must not be negative, got %d", n))
+		return invalid("WithMaxRetries", "must not be negative, got %d", n)
 	}
 	return func(t *Transport) { t.maxRetries = n }
 }
@@ -241,7 +255,7 @@ func WithMaxRetries(n int) TransportOption {
 // once. The default is DefaultMaxRetryTime.
 func WithMaxRetryTime(d time.Duration) TransportOption {
 	if d <= 0 {
-		panic(fmt.Sprintf("throttle: WithMaxRetryTime must be > 0, got %v", d))
+		return invalid("WithMaxRetryTime", "must be > 0, got %v", d)
 	}
 	return func(t *Transport) { t.maxRetryTime = d }
 }
@@ -251,7 +265,7 @@ func WithMaxRetryTime(d time.Duration) TransportOption {
 // default is DefaultPause.
 func WithDefaultPause(d time.Duration) TransportOption {
 	if d <= 0 {
-		panic(fmt.Sprintf("throttle: WithDefaultPause must be > 0, got %v", d))
+		return invalid("WithDefaultPause", "must be > 0, got %v", d)
 	}
 	return func(t *Transport) { t.pause = d }
 }
@@ -260,6 +274,10 @@ func WithDefaultPause(d time.Duration) TransportOption {
 // answer back to the limiter, and retries a refused request when it is safe.
 // See Transport for the contract it keeps.
 func (t *Transport) RoundTrip(req *http.Request) (*http.Response, error) {
+	if t.err != nil {
+		closeBody(req)
+		return nil, t.err
+	}
 	if t.base == nil {
 		// A Transport not made by NewTransport: its zero value sends
 		// with http.DefaultTransport, as NewTransport's nil base does.

@@ -898,26 +898,39 @@ func TestWithRoute_Matches(t *testing.T) {
 	}
 }
 
-func TestNewTransport_PanicsOnBadOptions(t *testing.T) {
+// A bad option panics nowhere: every request through the transport fails
+// with an error naming the option and the value, and its body is closed.
+func TestNewTransport_BadOptionsFailEveryRequest(t *testing.T) {
+	srv := newVendorServer(t, answer(http.StatusOK, "ok"))
 	tests := []struct {
 		name string
-		opt  func() TransportOption
+		opt  TransportOption
 		want string
 	}{
-		{"route without a path", func() TransportOption { return WithRoute("api.github.com", nil) }, "WithRoute"},
-		{"nil match", func() TransportOption { return WithRouteFunc(nil, nil) }, "WithRouteFunc"},
-		{"negative retries", func() TransportOption { return WithMaxRetries(-1) }, "WithMaxRetries"},
-		{"zero retry time", func() TransportOption { return WithMaxRetryTime(0) }, "WithMaxRetryTime"},
-		{"zero pause", func() TransportOption { return WithDefaultPause(0) }, "WithDefaultPause"},
+		{"route without a path", WithRoute("api.github.com", nil), `WithRoute: pattern "api.github.com" needs a path`},
+		{"nil match", WithRouteFunc(nil, nil), "WithRouteFunc: match is nil"},
+		{"negative retries", WithMaxRetries(-1), "WithMaxRetries: must not be negative, got -1"},
+		{"zero retry time", WithMaxRetryTime(0), "WithMaxRetryTime: must be > 0, got 0s"},
+		{"zero pause", WithDefaultPause(-time.Second), "WithDefaultPause: must be > 0, got -1s"},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
-			defer func() {
-				if r := recover(); r == nil || !strings.Contains(fmt.Sprint(r), tt.want) {
-					t.Errorf("panic %v, want one naming %s", r, tt.want)
+			tr := NewTransport(nil, nil, WithMaxRetries(2), tt.opt, WithMaxRetries(1))
+			for range 2 {
+				body := newBodyRecorder("x")
+				req := mustRequest(t, context.Background(), http.MethodPost, srv.URL, body)
+				resp, err := tr.RoundTrip(req)
+				if resp != nil {
+					resp.Body.Close()
+					t.Fatalf("a response from a transport with a bad option")
 				}
-			}()
-			NewTransport(nil, nil, tt.opt())
+				if err == nil || !strings.Contains(err.Error(), tt.want) || !strings.HasPrefix(err.Error(), "throttle: ") {
+					t.Errorf("err %v, want one saying %q", err, tt.want)
+				}
+				if body.closed.Load() != 1 {
+					t.Errorf("the request's body was closed %d times, want once", body.closed.Load())
+				}
+			}
 		})
 	}
 }

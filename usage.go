@@ -5,7 +5,7 @@ import (
 	"fmt"
 	"time"
 
-	"github.com/throttlekit/throttle/lua"
+	"github.com/throttlekit/throttle/internal/lua"
 	"github.com/throttlekit/throttle/policies"
 )
 

@@ -66,7 +66,12 @@ func (l *Limiter) wait(ctx context.Context, c call) (*Permit, error) {
 			giveBack = &r
 			continue
 		}
-		if r.wait > 0 {
+		// A reply that came back later after the slot than the margin
+		// allows (a busy Redis answers a burst of calls at once, a busy
+		// process reads them late) is too late before the call sleeps.
+		late, tooLate := l.late(r)
+		replyLate := tooLate
+		if !tooLate && r.wait > 0 {
 			// The script counted the wait from its own clock; the reply took
 			// some of it to arrive, so sleeping the whole wait from here never
 			// wakes early.
@@ -86,14 +91,22 @@ func (l *Limiter) wait(ctx context.Context, c call) (*Permit, error) {
 				giveBack = &r
 				continue
 			}
+			late, tooLate = l.late(r)
 		}
-		if late, tooLate := l.late(r); tooLate {
-			// The reply came, or this process woke, later after the slot than
-			// the margin allows: arriving now would crowd the windows after
-			// the slot. Book again, a bounded number of times.
+		if tooLate {
+			// Arriving now would crowd the windows after the slot: book
+			// again, a bounded number of times. A late reply books that
+			// much ahead, so that the next reply arrives before its slot and
+			// the call waits instead of starting late. The lateness is
+			// noted either way, and the fleet's margin widens if its calls
+			// keep starting late: what delays the replies of a busy process
+			// delays its way to the vendor too.
 			if rebooks++; rebooks > maxRebooks {
 				l.cancel(ctx, c, r)
 				return nil, l.limited(late, lateReason)
+			}
+			if replyLate {
+				c.lead += late
 			}
 			giveBack = &r
 			continue
@@ -134,13 +147,18 @@ func (l *Limiter) now(ctx context.Context, c call) (result, error) {
 // margin in force when it was booked, which is as late as a call may start:
 // the calls booked after it keep that margin from it, and the script never
 // narrows the margin while such calls are ahead. A call that is too late is
-// noted for the spread the margin follows.
+// noted for the spread the margin follows. A call the Local fallback decided
+// is as late as this process's clock says, against the configured margin.
 func (l *Limiter) late(r result) (time.Duration, bool) {
 	m := r.margin
-	if r.local || m < minGuardedMargin {
-		return 0, false
+	if m < minGuardedMargin {
+		return 0, false // no guard, or FailOpen
 	}
 	late, ok := l.timing.lateness(r.startsAt())
+	if r.local {
+		// Decided by the Local fallback, by this process's clock.
+		late, ok = time.Duration(time.Now().UnixNano())-r.startsAt(), true
+	}
 	if !ok || late <= m/2 {
 		return late, false
 	}

@@ -72,6 +72,19 @@ func runDecisions(b *testing.B, rdb *redis.Client, decide func() error) {
 	if err := rdb.ConfigResetStat(ctx).Err(); err != nil {
 		b.Fatal(err)
 	}
+	b.ResetTimer()
+	start := time.Now()
+	callAll(b, int64(b.N), func(int64) error { return decide() })
+	elapsed := time.Since(start)
+	b.StopTimer()
+	b.ReportMetric(float64(b.N)/elapsed.Seconds(), "decisions/s")
+	b.ReportMetric(decisionWorkers, "goroutines")
+	b.ReportMetric(commandStats(b, ctx, rdb)["evalsha"], "script-in-redis-µs")
+}
+
+// callAll makes n calls of call, numbered 1 to n, from decisionWorkers
+// goroutines, and fails the benchmark if any fails.
+func callAll(b *testing.B, n int64, call func(i int64) error) {
 	var (
 		next     atomic.Int64
 		failures atomic.Int64
@@ -79,12 +92,10 @@ func runDecisions(b *testing.B, rdb *redis.Client, decide func() error) {
 		firstErr error
 		wg       sync.WaitGroup
 	)
-	b.ResetTimer()
-	start := time.Now()
 	for range decisionWorkers {
 		wg.Go(func() {
-			for next.Add(1) <= int64(b.N) {
-				if err := decide(); err != nil {
+			for i := next.Add(1); i <= n; i = next.Add(1) {
+				if err := call(i); err != nil {
 					failures.Add(1)
 					errOnce.Do(func() { firstErr = err })
 				}
@@ -92,12 +103,7 @@ func runDecisions(b *testing.B, rdb *redis.Client, decide func() error) {
 		})
 	}
 	wg.Wait()
-	elapsed := time.Since(start)
-	b.StopTimer()
-	if n := failures.Load(); n > 0 {
-		b.Fatalf("%d of %d decisions failed; first: %v", n, b.N, firstErr)
+	if f := failures.Load(); f > 0 {
+		b.Fatalf("%d of %d calls failed; first: %v", f, n, firstErr)
 	}
-	b.ReportMetric(float64(b.N)/elapsed.Seconds(), "decisions/s")
-	b.ReportMetric(decisionWorkers, "goroutines")
-	b.ReportMetric(commandStats(b, ctx, rdb)["evalsha"], "script-in-redis-µs")
 }

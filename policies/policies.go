@@ -100,7 +100,10 @@ type SlidingLog struct {
 	// calls; the margin in force grows to twice the widest such spread of
 	// the fleet, up to MarginCeiling, so that a fleet on busy machines
 	// widens its windows instead of going over the cap. It narrows again
-	// within ten seconds of the spread going down. Usage shows both.
+	// once the spread goes down, within two timing periods (4s) and the
+	// windows of the calls booked with the wider margin, which keep half of
+	// it meanwhile; a fleet that always books ahead narrows too. Usage
+	// shows both.
 	//
 	// Half of the margin in force bounds how late a call may start: a call
 	// that would start more than that after its slot, beyond the usual delay
@@ -277,8 +280,10 @@ const (
 	KindConcurrency    Kind = 4
 )
 
-// A Rule is one limit in the flat form the Redis script checks. Most users
-// never see one; throttle.New flattens a Policy into its rules.
+// A Rule is one limit in the flat form the Redis script checks:
+// throttle.New flattens a Policy into its rules (see Rules), and
+// throttle.Usage reports how full each one is. How a rule is encoded for the
+// script is the throttle package's own business.
 type Rule struct {
 	Kind    Kind
 	PerKey  bool          // the rule applies to each key separately
@@ -292,29 +297,6 @@ type Rule struct {
 	// and the arrival at the vendor (log, counter, token bucket).
 	Margin time.Duration
 }
-
-// Args encodes the rule as the script reads it: the kind and four
-// parameters in microseconds or units (see lua/lib.lua).
-func (r Rule) Args() [5]int64 {
-	us := func(d time.Duration) int64 { return d.Microseconds() }
-	kind := int64(r.Kind)
-	if r.PerCall {
-		kind += perCallFlag
-	}
-	switch r.Kind {
-	case KindSlidingCounter:
-		return [5]int64{kind, int64(r.Limit), us(r.Window), us(r.Bucket), us(r.Margin)}
-	case KindTokenBucket:
-		return [5]int64{kind, int64(r.Limit), us(r.Every), 0, 0}
-	case KindConcurrency:
-		return [5]int64{kind, int64(r.Limit), us(r.Lease), 0, 0}
-	}
-	return [5]int64{kind, int64(r.Limit), us(r.Window), 0, us(r.Margin)}
-}
-
-// perCallFlag is added to the kind of a rule that counts each call once
-// (see lua/lib.lua).
-const perCallFlag = 16
 
 // ID names the rule by what its data means, for the Redis key that holds
 // it: its kind, and the parameters that shape the data (a window, a bucket

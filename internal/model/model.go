@@ -51,11 +51,20 @@ type Model struct {
 	logs  map[string][]entry
 	tat   map[string]int64  // Bucket rules: theoretical arrival time
 	last  map[string]string // Bucket rules: the call that set tat last
+	held  map[string][]hold // Concurrency rules: every slot ever held
+}
+
+// hold is a concurrency slot held from one time to another: from the
+// decision until the call releases it or its lease runs out.
+type hold struct {
+	from, to int64
+	id       string
+	cost     int
 }
 
 // New returns an empty model of a quota with the given rules.
 func New(rules ...Rule) *Model {
-	return &Model{rules: rules, logs: map[string][]entry{}, tat: map[string]int64{}, last: map[string]string{}}
+	return &Model{rules: rules, logs: map[string][]entry{}, tat: map[string]int64{}, last: map[string]string{}, held: map[string][]hold{}}
 }
 
 // Decision is what the model decides for one call.
@@ -172,6 +181,10 @@ func (m *Model) Acquire(now, pause int64, id, key string, cost int, maxWait int6
 		remaining = min(remaining, m.free(i, key, now))
 	}
 	remaining = max(remaining, 0)
+	if pause > now {
+		// Nothing is free while the vendor asked for quiet.
+		remaining = 0
+	}
 	// No one knows when a holder will finish, so a full concurrency rule
 	// refuses the call; its hint is when the first lease runs out, in the
 	// fullest of them.
@@ -243,6 +256,7 @@ func (m *Model) Acquire(now, pause int64, id, key string, cost int, maxWait int6
 			m.logs[name] = append(m.logs[name], entry{at: t, id: id, cost: cost})
 		case Concurrency:
 			m.logs[name] = append(m.logs[name], entry{at: t + r.Lease, id: id, cost: cost})
+			m.held[name] = append(m.held[name], hold{from: now, to: t + r.Lease, id: id, cost: cost})
 		default:
 			m.logs[name] = append(m.logs[name], entry{at: t, id: id, cost: cost})
 		}
@@ -260,21 +274,21 @@ func (m *Model) Cancel(id, key string, cost int, slot, now int64) {
 	m.Settle(id, key, cost, 0, slot, now)
 	for i, r := range m.rules {
 		if r.Kind == Concurrency {
-			m.release(i, key, id)
+			m.release(i, key, id, now)
 		}
 	}
 }
 
-// Release frees the concurrency units of call id.
-func (m *Model) Release(id, key string) {
+// Release frees the concurrency units of call id at time now.
+func (m *Model) Release(id, key string, now int64) {
 	for i, r := range m.rules {
 		if r.Kind == Concurrency {
-			m.release(i, key, id)
+			m.release(i, key, id, now)
 		}
 	}
 }
 
-func (m *Model) release(i int, key, id string) {
+func (m *Model) release(i int, key, id string, now int64) {
 	name := m.name(i, key)
 	kept := []entry{}
 	for _, e := range m.logs[name] {
@@ -283,6 +297,11 @@ func (m *Model) release(i int, key, id string) {
 		}
 	}
 	m.logs[name] = kept
+	for j, h := range m.held[name] {
+		if h.id == id {
+			m.held[name][j].to = min(h.to, now)
+		}
+	}
 }
 
 // Settle changes the cost of call id, booked for time slot, from one count
@@ -319,10 +338,25 @@ func (m *Model) Settle(id, key string, from, to int, slot, now int64) {
 
 // Violations checks each rule's promise on the model's history, by brute
 // force, and describes every breach: a Log or Counter window of length Window
-// holding more than Limit units, or a Bucket admitting more than Limit units
-// plus one per Every in some span.
+// holding more than Limit units, a Bucket admitting more than Limit units
+// plus one per Every in some span, or a Concurrency rule holding more than
+// Limit slots at some moment.
 func (m *Model) Violations() []string {
 	var out []string
+	for name, hs := range m.held {
+		limit := m.rules[int(name[0]-'0')].Limit
+		for _, at := range hs {
+			n := 0
+			for _, h := range hs {
+				if h.from <= at.from && at.from < h.to {
+					n += h.cost
+				}
+			}
+			if n > limit {
+				out = append(out, name+": "+strconv.Itoa(n)+" slots held at "+strconv.FormatInt(at.from, 10))
+			}
+		}
+	}
 	for name, log := range m.logs {
 		i, _ := strconv.Atoi(name[:1])
 		r := m.rules[i]

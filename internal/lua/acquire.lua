@@ -24,9 +24,11 @@
 --   for each booking to give back (a call that would start too late books
 --   again in the same script call), four arguments: its id, its cost, its
 --   slot in microseconds, and the epoch it was booked in;
---   for each call c, three arguments: its id, unique across the fleet; its
+--   for each call c, four arguments: its id, unique across the fleet; its
 --   cost, in units; the longest wait in microseconds it accepts (0 admits
---   only now).
+--   only now); and the least, in microseconds (a call whose last slot came
+--   back from Redis too late to start in asks for one that far ahead, so
+--   that the reply arrives before it).
 --
 -- Returns {now, pause, epoch, lost, margin, done, horizon, seq, then for each call: admitted,
 -- wait, remaining, reason}:
@@ -64,7 +66,7 @@ local function load(r)
   elseif r.kind == COUNTER then
     -- The oldest bucket a window ending now may touch, as earliest_counter
     -- counts them; older ones are dropped once no margin could count them.
-    local oldest = bucket_of(now, r.p3) - math.ceil(r.p2 / r.p3)
+    local oldest = oldest_bucket(r, now)
     local kept = bucket_of(now, r.p3) - math.ceil(r.keep / r.p3)
     local raw = redis.call('HGETALL', r.key)
     r.counts, r.bs, r.n = {}, {}, 0
@@ -101,7 +103,7 @@ end
 -- free is the units the rule has free now, bookings ahead counted.
 local function free(r)
   if r.kind == BUCKET then
-    return math.floor((r.p1 * r.p2 - math.max(0, r.tat - now)) / r.p2)
+    return bucket_free(r, r.tat, now)
   end
   return r.p1 - r.n
 end
@@ -112,6 +114,7 @@ end
 local function record(r, t, id, cost)
   r.tmax = math.max(r.tmax, t)
   r.recorded = true
+  r.fits = nil
   if r.kind == LOG or r.kind == CONCURRENCY then
     local score = t
     if r.kind == CONCURRENCY then
@@ -167,7 +170,7 @@ end
 -- entries at a time where the search needs them, so that a call reads
 -- about as many entries as its search steps over, not the whole log.
 local SCAN = 512
-local FIRST_READ = 16
+local FIRST_READ = 4
 local MAX_READ = 256
 
 -- scores returns the scores of the entries of ranks from .. from+n-1 (from
@@ -304,6 +307,12 @@ local function earliest(r, t, cost, budget)
     if r.n <= r.p1 - cost then
       return t
     end
+    -- The time a search of this script found for cost units fits them
+    -- until a call is recorded: the rounds over the rules of a policy ask
+    -- again there, and need not read the log again.
+    if r.fits and r.fits.c == cost and r.fits.at == t then
+      return t
+    end
     -- Calls only add entries, and a costlier call fits in fewer places: a
     -- call costing at least as much as an earlier one, asked from no
     -- earlier a time, fits no earlier than it did. So the calls of a batch,
@@ -328,6 +337,7 @@ local function earliest(r, t, cost, budget)
     -- log lower the hint.
     local at = earliest_log(r, from, cost, budget)
     r.memo[cost] = { t = t, at = at }
+    r.fits = { c = cost, at = at }
     if not h or cost < h.c or cost == h.c and at > h.at or h.t > t or h.w > r.p2 then
       r.hint = { t = t, at = at, c = cost, w = r.p2 }
       r.hint_changed = true
@@ -364,8 +374,11 @@ end
 if meta and note_timing(meta, now, report, delay) then
   dirty = true
 end
-local spread = spread_in_force(meta, now)
-local margin = margins(rs, spread)
+if meta and roll_hold(meta, now) then
+  dirty = true
+end
+local spread = fleet_spread(meta, now)
+local margin = margins(rs, spread, held_spread(meta, now))
 local changed, found = false, false
 local created = meta == nil
 local pause_before = meta and meta.pause or 0
@@ -411,13 +424,7 @@ for g = 0, ngive - 1 do
   local id, cost, t, ep = ARGV[arg], tonumber(ARGV[arg + 1]), tonumber(ARGV[arg + 2]), tonumber(ARGV[arg + 3])
   arg = arg + 4
   if ep == meta.epoch then
-    for _, r in ipairs(rs) do
-      if r.kind == CONCURRENCY then
-        zrem(r.key, id, 1, units(r, cost))
-      else
-        change(r, id, units(r, cost), 0, t, now)
-      end
-    end
+    give_back(rs, id, cost, t, now)
   end
 end
 
@@ -431,9 +438,10 @@ local first = arg
 local out = { str(now), str(pause), str(meta.epoch), lost, str(margin), 0, 0, str(meta.seq) }
 
 for c = 0, ncalls - 1 do
-  local id = ARGV[first + 3 * c]
-  local cost = tonumber(ARGV[first + 3 * c + 1])
-  local maxwait = tonumber(ARGV[first + 3 * c + 2])
+  local id = ARGV[first + 4 * c]
+  local cost = tonumber(ARGV[first + 4 * c + 1])
+  local maxwait = tonumber(ARGV[first + 4 * c + 2])
+  local lead = tonumber(ARGV[first + 4 * c + 3])
   local remaining, after = NEVER, NEVER
   local too_big = false
   for _, r in ipairs(rs) do
@@ -453,7 +461,7 @@ for c = 0, ncalls - 1 do
   -- later, and only to one of finitely many times, so this settles; should
   -- the rules push each other on for long, the logs settle for their tails,
   -- which no rule pushes further.
-  local t = math.max(now, pause)
+  local t = math.max(now + lead, pause)
   if pause > now then
     -- Nothing is free while the vendor asked for quiet.
     remaining, after = 0, 0

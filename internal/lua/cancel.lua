@@ -18,11 +18,5 @@ if not meta or meta.epoch ~= tonumber(ARGV[5]) then
 end
 local rs = rules()
 margins(rs, 0)
-for _, r in ipairs(rs) do
-  if r.kind == CONCURRENCY then
-    zrem(r.key, id, 1, units(r, cost))
-  else
-    change(r, id, units(r, cost), 0, t, now)
-  end
-end
+give_back(rs, id, cost, t, now)
 return 1

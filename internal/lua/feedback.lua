@@ -45,7 +45,7 @@ end
 
 local rs = rules()
 local meta = read_meta()
-margins(rs, spread_in_force(meta, now))
+margins(rs, fleet_spread(meta, now), held_spread(meta, now))
 local known = tonumber(ARGV[after_rules()])
 local learn = ARGV[after_rules() + 1] == '1' and tonumber(ARGV[3]) > 0
 local dirty, found = false, false
@@ -110,7 +110,7 @@ for _, r in ipairs(rs) do
     elseif r.kind == COUNTER then
       local used = 0
       local raw = redis.call('HGETALL', r.key)
-      local oldest = bucket_of(now - r.p2, r.p3)
+      local oldest = oldest_bucket(r, now)
       for k = 1, #raw, 2 do
         local b = tonumber(raw[k])
         if b >= oldest and b * r.p3 <= as_of then
@@ -120,7 +120,7 @@ for _, r in ipairs(rs) do
       free = r.p1 - used - charged_after(r, bucket_of(as_of, r.p3) * r.p3 + r.p3 - 1)
     elseif r.kind == BUCKET then
       local tat = tat_of(r.key)
-      free = math.floor((r.p1 * r.p2 - math.max(0, tat - now)) / r.p2)
+      free = bucket_free(r, tat, now)
     end
     if free and free > left then
       -- Charged units sit where they leave the window as the vendor's resets.

@@ -163,8 +163,11 @@ local META_REFRESH = 24 * 3600 * 1000000
 --              time (see check_seq).
 --   hs, hu     a spread held until time hu: calls were booked with the
 --              margins it gave, and may start as late as those allow, so
---              the margins may not narrow until they have all left their
---              windows (see spread_in_force).
+--              the margins keep room for them until they have all left
+--              their windows (see held_spread);
+--   ns, nu     the same for the calls booked since the fleet's spread fell
+--              below hs, with the narrower margins it gave: the hold that
+--              follows when hu passes.
 --   cu         until time cu, rules of the quota may have learned caps
 --              (see read_caps): before it, scripts read them; after it,
 --              they spare the reads.
@@ -174,22 +177,31 @@ local function read_meta()
   if not v then
     return nil
   end
-  -- The histogram is kept as text until a report needs it.
-  local f = {}
-  for x in string.gmatch(v, '([^:]*):?') do
-    f[#f + 1] = x
+  -- The histogram is kept as text until a report needs it; the fields as
+  -- read are kept too, so that write_meta formats only those that changed.
+  local f, i = {}, 1
+  while true do
+    local j = string.find(v, ':', i, true)
+    if not j then
+      f[#f + 1] = string.sub(v, i)
+      break
+    end
+    f[#f + 1] = string.sub(v, i, j - 1)
+    i = j + 1
   end
   local e = tonumber(f[1])
   if not e then
     return nil
   end
   return {
+    raw = f,
     epoch = e, pause = tonumber(f[2]) or 0, refreshed = tonumber(f[3]) or 0,
     jp = tonumber(f[4]) or -1, js = tonumber(f[5]) or 0, htext = f[6] or '',
     hs = tonumber(f[7]) or 0, hu = tonumber(f[8]) or 0,
     dx = tonumber(f[9]) or -1, dn = tonumber(f[10]) or -1, pdx = tonumber(f[11]) or -1, pdn = tonumber(f[12]) or -1,
     loss = tonumber(f[13]) or 0, policies = f[14] or '', seq = tonumber(f[15]) or 0,
     ru = tonumber(f[16]) or 0, rn = tonumber(f[17]) or 1, cu = tonumber(f[18]) or 0,
+    ns = tonumber(f[19]) or 0, nu = tonumber(f[20]) or 0,
   }
 end
 
@@ -197,6 +209,7 @@ local function new_meta(now)
   return {
     epoch = now, pause = 0, refreshed = now, jp = -1, js = 0, htext = '', hs = 0, hu = 0,
     dx = -1, dn = -1, pdx = -1, pdn = -1, loss = 0, policies = '', seq = 0, ru = 0, rn = 1, cu = 0,
+    ns = 0, nu = 0,
   }
 end
 
@@ -218,15 +231,17 @@ local function write_meta(m, rs)
       ttl = math.max(ttl, 2 * r.p2 / 1000)
     end
   end
-  local v = { m.epoch, m.pause, m.refreshed, m.jp, m.js, 0, m.hs, m.hu, m.dx, m.dn, m.pdx, m.pdn, m.loss }
+  local v = { m.epoch, m.pause, m.refreshed, m.jp, m.js, 0, m.hs, m.hu, m.dx, m.dn, m.pdx, m.pdn, m.loss,
+    0, m.seq, m.ru, m.rn, m.cu, m.ns, m.nu }
+  local raw = m.raw or {}
   for i = 1, #v do
-    v[i] = str(v[i])
+    -- A field that did not change is written as it was read.
+    if tonumber(raw[i]) ~= v[i] then
+      raw[i] = str(v[i])
+    end
+    v[i] = raw[i]
   end
   v[14] = m.policies
-  v[15] = str(m.seq)
-  v[16] = str(m.ru)
-  v[17] = str(m.rn)
-  v[18] = str(m.cu)
   v[6] = m.h and table.concat(m.h, ',') or m.htext
   redis.call('SET', KEYS[1], table.concat(v, ':'), 'PX', math.ceil(ttl))
 end
@@ -336,21 +351,52 @@ local function fleet_spread(m, now)
   return m.js
 end
 
--- spread_in_force returns the spread the margins follow now: the fleet's,
--- or a wider one still held for the calls booked with it.
-local function spread_in_force(m, now)
-  local spread = fleet_spread(m, now)
-  if m and m.hu > now then
-    spread = math.max(spread, m.hs)
+-- Holds. A call booked with a margin may start as late as half of it (the
+-- late-start guard), and the calls booked after it keep that margin from
+-- it. So when the fleet's spread falls, the calls already booked with the
+-- wider margins it gave keep their room: a new booking keeps from them half
+-- its own margin and half theirs (see margins), which covers how late they
+-- may start and how much the way to the vendor may differ now; and is
+-- itself held to the narrower margin it was given. The widest spread still
+-- held is hs, until hu; the calls booked since the spread fell below it
+-- are held at ns, until nu, and take over when hu passes. A saturated
+-- fleet, always booking a window ahead, so narrows its margins within two
+-- windows of its spread falling, instead of never.
+
+-- roll_hold ends the hold of hs once its calls have left their windows,
+-- and reports whether the meta changed.
+local function roll_hold(m, now)
+  if m.hu > now or m.nu <= 0 then
+    return false
   end
-  return spread
+  m.hs, m.hu, m.ns, m.nu = m.ns, m.nu, 0, 0
+  return true
 end
 
--- hold_spread keeps spread in force until the calls booked up to slot have
--- left the windows of rules rs, and the latest of them may have started:
--- a call may start as late as half the margin it was booked with, and the
--- calls after it keep that margin from it. It reports whether the meta
--- changed.
+-- held_spread returns the widest spread that calls booked earlier still
+-- hold, 0 when none.
+local function held_spread(m, now)
+  if not m then
+    return 0
+  elseif m.hu > now then
+    return m.hs
+  elseif m.nu > now then
+    return m.ns
+  end
+  return 0
+end
+
+-- spread_in_force returns the widest spread a call of the fleet may start
+-- with now: the fleet's, or a wider one still held for the calls booked
+-- with it.
+local function spread_in_force(m, now)
+  return math.max(fleet_spread(m, now), held_spread(m, now))
+end
+
+-- hold_spread holds spread, the fleet's as the calls of this script were
+-- booked with it, until the calls booked up to slot have left the windows
+-- of rules rs, and the latest of them may have started. It reports whether
+-- the meta changed.
 local function hold_spread(m, now, spread, slot, rs)
   if spread <= 0 then
     return false
@@ -361,13 +407,18 @@ local function hold_spread(m, now, spread, slot, rs)
       span = math.max(span, r.p2 + r.margin)
     end
   end
-  local hu = slot + span
+  -- The widest spread held so far, or the next level after it.
+  local s, u = 'hs', 'hu'
+  if spread < m.hs and m.hu > now then
+    s, u = 'ns', 'nu'
+  end
+  local until_ = slot + span
   -- Pushed back in steps of a tenth of the span, to spare a write per call.
-  if spread > m.hs or m.hu <= now or hu > m.hu + span / 10 then
-    if m.hu <= now or spread > m.hs then
-      m.hs = spread
+  if spread > m[s] or m[u] <= now or until_ > m[u] + span / 10 then
+    if m[u] <= now or spread > m[s] then
+      m[s] = spread
     end
-    m.hu = math.max(m.hu, hu + span / 10)
+    m[u] = math.max(m[u], until_ + span / 10)
     return true
   end
   return false
@@ -395,17 +446,23 @@ end
 -- margins sets, for each windowed rule, the margin in force (r.margin), the
 -- window it widens (r.p2), and the span its data must be kept (r.keep: the
 -- widest the window can grow, so that no entry it may count is dropped).
--- It returns the smallest guarded margin in force, or 0 when none is.
-local function margins(rs, spread)
+-- spread is the fleet's, held the widest that calls booked earlier hold
+-- (see held_spread): the margin in force keeps half of what each gives.
+-- It returns the smallest guarded margin the fleet's spread gives, which a
+-- call booked now is held to (see late in waiter.go), or 0 when no window
+-- is guarded.
+local function margins(rs, spread, held)
   local least = 0
   for _, r in ipairs(rs) do
     if r.kind == LOG or r.kind == COUNTER then
       local w, m = r.p2 - r.margin, r.margin
       local ceiling = margin_ceiling(r)
       if m >= GUARDED then
-        m = math.min(math.max(m, 2 * spread), ceiling)
-        if least == 0 or m < least then
-          least = m
+        local own = math.min(math.max(m, 2 * spread), ceiling)
+        local old = math.min(math.max(m, 2 * math.max(spread, held or 0)), ceiling)
+        m = math.ceil((own + old) / 2)
+        if least == 0 or own < least then
+          least = own
         end
       end
       r.margin, r.p2, r.keep = m, w + m, w + ceiling
@@ -545,6 +602,20 @@ local function bucket_of(t, width)
   return math.floor(t / width)
 end
 
+-- oldest_bucket returns the oldest bucket of counter r that a window ending
+-- at t touches: a window counts every bucket it touches in full, the partly
+-- expired one too (see earliest_counter in acquire.lua).
+local function oldest_bucket(r, t)
+  return bucket_of(t, r.p3) - math.ceil(r.p2 / r.p3)
+end
+
+-- bucket_free returns the units token bucket r has free at now, its
+-- theoretical arrival time being tat: its burst, less what is still to
+-- drain.
+local function bucket_free(r, tat, now)
+  return math.floor((r.p1 * r.p2 - math.max(0, tat - now)) / r.p2)
+end
+
 -- A log's hint, in the key r.key .. ':next', remembers where the last
 -- search of the log ended, so that a log booked far ahead is not read again
 -- from the start by every call: "t:at:c:w" says that, with window w, no
@@ -620,6 +691,18 @@ local function change(r, id, from, to, t, now)
       -- let a new call land on a later booking. Other refunds are dropped,
       -- which errs on the safe side.
       set_tat(r.key, tat - (from - to) * r.p2, to > 0 and id or '', now)
+    end
+  end
+end
+
+-- give_back takes the units of call id, of cost, booked at time t, out of
+-- every rule of rs: a booking given back frees its slot for the next call.
+local function give_back(rs, id, cost, t, now)
+  for _, r in ipairs(rs) do
+    if r.kind == CONCURRENCY then
+      zrem(r.key, id, 1, units(r, cost))
+    else
+      change(r, id, units(r, cost), 0, t, now)
     end
   end
 end

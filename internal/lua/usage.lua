@@ -19,7 +19,7 @@ local now = clock()
 local meta = read_meta()
 local spread = spread_in_force(meta, now)
 local rs = rules()
-margins(rs, spread)
+margins(rs, fleet_spread(meta, now), held_spread(meta, now))
 read_caps(rs, meta, now)
 local out = { str(now), str(pause_until(meta and meta.pause or 0)), str(spread) }
 
@@ -36,8 +36,8 @@ for _, r in ipairs(rs) do
       end
     end
   elseif r.kind == COUNTER then
-    local m = math.ceil(r.p2 / r.p3)
     local k = bucket_of(now, r.p3)
+    local m = k - oldest_bucket(r, now)
     local raw = redis.call('HGETALL', r.key)
     local oldest = nil
     for i = 1, #raw, 2 do

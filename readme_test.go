@@ -1,0 +1,300 @@
+//lint:file-ignore SA4006 the README's snippets show what each call returns, not how to handle every error
+
+package throttle_test
+
+import (
+	"context"
+	"errors"
+	"net/http"
+	"net/http/httptest"
+	"os"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/redis/go-redis/v9"
+
+	"github.com/throttlekit/throttle"
+	"github.com/throttlekit/throttle/internal/redistest"
+	"github.com/throttlekit/throttle/policies"
+)
+
+// The README's Go snippets are the regions of this file between a
+// "// README name" line and a "// README end" line: each compiles here, and
+// TestREADME_SnippetsRun runs it against a real Redis and miniredis.
+// TestREADME_SnippetsAreThese checks that the README shows exactly these
+// regions (the regions of one name joined in order), so a snippet that no
+// longer compiles, or a README that drifts from the code, fails the tests.
+
+// Stand-ins for what the snippets take from the user's program.
+type (
+	Message struct{ SID string }
+	Reply   struct {
+		Text  string
+		Usage struct{ TotalTokens int }
+	}
+	smsClient struct{}
+)
+
+func (smsClient) Send(ctx context.Context, to, body string) (*Message, error) {
+	return &Message{SID: to}, ctx.Err()
+}
+
+// readmeClient is the first line of the Use snippet: it dials the user's own
+// Redis, so it is compiled but not run.
+func readmeClient() *redis.Client {
+	// README use
+	rdb := redis.NewClient(&redis.Options{Addr: "localhost:6379", ContextTimeoutEnabled: true})
+	// README end
+	return rdb
+}
+
+func readmeUse(ctx context.Context, rdb *redis.Client) error {
+	sms, to, body := smsClient{}, "+15550100", "hello"
+	// README use
+	lim, err := throttle.New(rdb, "twilio-sms",
+		policies.SlidingLog{Limit: 100, Window: time.Second},
+		throttle.WithMode(throttle.Block), // the default; or FailFast, Queue
+	)
+
+	// Wait for a slot, run the call, release.
+	msg, err := throttle.Do(ctx, lim, func(ctx context.Context) (*Message, error) {
+		return sms.Send(ctx, to, body)
+	}, throttle.Key("tenant-42"), throttle.Cost(1))
+
+	// Lower level.
+	p, err := lim.Acquire(ctx)                     // obeys the mode; p.Release() when done
+	d, err := lim.Allow(ctx)                       // never waits: d.OK, d.RetryAfter, d.Remaining
+	limited := errors.Is(err, throttle.ErrLimited) // a *LimitedError carries RetryAfter
+	// README end
+	_, _, _ = msg, d, limited
+	if p != nil {
+		p.Release()
+	}
+	return err
+}
+
+func readmeHTTPClient(rdb *redis.Client) *http.Client {
+	// README http
+	core, _ := throttle.New(rdb, "github-core", policies.PerKey{Policy: policies.SlidingLog{Limit: 5000, Window: time.Hour}})
+	search, _ := throttle.New(rdb, "github-search", policies.PerKey{Policy: policies.SlidingLog{Limit: 30, Window: time.Minute}})
+	client := &http.Client{Transport: throttle.NewTransport(http.DefaultTransport, nil, // other hosts: not limited
+		throttle.WithRoute("api.github.com/search/", search),
+		throttle.WithRoute("api.github.com/", core),
+		throttle.WithRequestKey(func(r *http.Request) string { return r.Header.Get("Authorization") }),
+	)}
+	// README end
+	return client
+}
+
+func readmeKeyPool(core *throttle.Limiter, tokens []string) *throttle.Transport {
+	// README keypool
+	tr := throttle.NewTransport(nil, core, throttle.WithKeyPool(tokens, func(r *http.Request, token string) {
+		r.Header.Set("Authorization", "Bearer "+token)
+	}))
+	// README end
+	return tr
+}
+
+func readmeOpenAI(ctx context.Context, rdb *redis.Client, req *http.Request) error {
+	estimateTokens := func(*http.Request) int { return 1200 }
+	var usage struct{ TotalTokens int }
+	usage.TotalTokens = 900
+	// README openai
+	lim, _ := throttle.New(rdb, "openai", policies.All(
+		policies.PerCall{Policy: policies.SlidingLog{Limit: 500, Window: time.Minute}},
+		policies.SlidingCounter{Limit: 200_000, Window: time.Minute},
+	))
+	client := &http.Client{Transport: throttle.NewTransport(nil, lim,
+		throttle.WithRequestCost(estimateTokens))} // prompt tokens + max_tokens
+	resp, err := client.Do(req)
+	// Once the body is read:
+	err = throttle.PermitFrom(resp.Request.Context()).Settle(ctx, usage.TotalTokens)
+	// README end
+	resp.Body.Close()
+	return err
+}
+
+func readmeWorkers(ctx context.Context, rdb *redis.Client, policy policies.Policy) error {
+	tenant := "tenant-42"
+	sendSMS := func(ctx context.Context) (*Message, error) { return smsClient{}.Send(ctx, "+15550100", "hello") }
+	// README workers
+	lim, _ := throttle.New(rdb, "sms-provider", policy, throttle.WithMode(throttle.Queue))
+	f := throttle.Go(ctx, lim, sendSMS, throttle.Key(tenant), throttle.Priority(10)) // returns at once
+	// ... f.Wait() where the result is needed
+	err := lim.Close(ctx) // stop taking jobs, drain the queue: every job runs or gets an error
+	// README end
+	if _, werr := f.Wait(); werr != nil {
+		return werr
+	}
+	return err
+}
+
+func readmePolicies() (policies.Policy, policies.Policy) {
+	// README tenants
+	// The SMS provider allows 100/s in all, each tenant 10/s of it: both checked in one script.
+	sms := policies.All(
+		policies.SlidingLog{Limit: 100, Window: time.Second},
+		policies.PerKey{Policy: policies.SlidingLog{Limit: 10, Window: time.Second}},
+	)
+
+	// GitHub counts 5000/h per token: each key has its own quota, with no shared one.
+	github := policies.PerKey{Policy: policies.SlidingLog{Limit: 5000, Window: time.Hour}}
+	// README end
+	return sms, github
+}
+
+func readmeLLM(ctx context.Context, rdb *redis.Client) (*Reply, error) {
+	prompt, estimate := "hello", 1200
+	complete := func(ctx context.Context, prompt string) (*Reply, error) {
+		r := &Reply{Text: prompt}
+		r.Usage.TotalTokens = 900
+		return r, ctx.Err()
+	}
+	// README llm
+	lim, _ := throttle.New(rdb, "openai", policies.All(
+		policies.PerCall{Policy: policies.SlidingLog{Limit: 500, Window: time.Minute}}, // requests
+		policies.SlidingCounter{Limit: 200_000, Window: time.Minute},                   // tokens
+	))
+	reply, err := throttle.Do(ctx, lim, func(ctx context.Context) (*Reply, error) {
+		reply, err := complete(ctx, prompt)
+		if err == nil {
+			err = throttle.PermitFrom(ctx).Settle(ctx, reply.Usage.TotalTokens) // the tokens only
+		}
+		return reply, err
+	}, throttle.Cost(estimate))
+	// README end
+	return reply, err
+}
+
+// readmeRegions returns this file's README regions by name, each dedented
+// by the one tab of a function body, the regions of one name joined.
+func readmeRegions(t *testing.T) map[string]string {
+	t.Helper()
+	src, err := os.ReadFile("readme_test.go")
+	if err != nil {
+		t.Fatal(err)
+	}
+	regions := map[string]string{}
+	name := ""
+	for _, line := range strings.Split(string(src), "\n") {
+		trimmed := strings.TrimSpace(line)
+		switch {
+		case trimmed == "// README end":
+			name = ""
+		case strings.HasPrefix(trimmed, "// README ") && name == "":
+			name = strings.TrimPrefix(trimmed, "// README ")
+		case name != "":
+			regions[name] += strings.TrimPrefix(line, "\t") + "\n"
+		}
+	}
+	return regions
+}
+
+// readmeSnippets returns the README's Go code blocks, with the indentation
+// of a block inside a list item taken off.
+func readmeSnippets(t *testing.T) []string {
+	t.Helper()
+	src, err := os.ReadFile("README.md")
+	if err != nil {
+		t.Fatal(err)
+	}
+	var out []string
+	var block []string
+	indent, in := "", false
+	for _, line := range strings.Split(string(src), "\n") {
+		trimmed := strings.TrimLeft(line, " ")
+		switch {
+		case !in && trimmed == "```go":
+			in, indent, block = true, line[:len(line)-len(trimmed)], nil
+		case in && trimmed == "```":
+			in = false
+			out = append(out, strings.Join(block, "\n")+"\n")
+		case in:
+			block = append(block, strings.TrimPrefix(line, indent))
+		}
+	}
+	return out
+}
+
+func TestREADME_SnippetsAreThese(t *testing.T) {
+	regions := readmeRegions(t)
+	shown := map[string]bool{}
+	for _, snippet := range readmeSnippets(t) {
+		found := false
+		for name, code := range regions {
+			if code == snippet {
+				shown[name], found = true, true
+			}
+		}
+		if !found {
+			t.Errorf("the README shows a Go snippet that readme_test.go does not compile:\n%s", snippet)
+		}
+	}
+	for name := range regions {
+		if !shown[name] {
+			t.Errorf("readme_test.go's region %q is not in the README as it is here:\n%s", name, regions[name])
+		}
+	}
+	if len(regions) < 7 {
+		t.Errorf("%d README regions, want the 7 snippets", len(regions))
+	}
+}
+
+func TestREADME_SnippetsRun(t *testing.T) {
+	_ = readmeClient // dials the user's Redis: compiled only
+	redistest.Each(t, func(t *testing.T, s *redistest.Server) {
+		ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+		defer cancel()
+		rdb := s.Client(t)
+		if err := readmeUse(ctx, rdb); err != nil {
+			t.Errorf("Use: %v", err)
+		}
+		if c := readmeHTTPClient(rdb); c.Transport == nil {
+			t.Error("the HTTP client snippet made no transport")
+		}
+		core, err := throttle.New(rdb, "github-core", policies.PerKey{Policy: policies.SlidingLog{Limit: 5000, Window: time.Hour}})
+		if err != nil {
+			t.Fatal(err)
+		}
+		var (
+			mu   sync.Mutex
+			sent []string
+		)
+		vendor := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+			mu.Lock()
+			defer mu.Unlock()
+			sent = append(sent, r.Header.Get("Authorization"))
+		}))
+		defer vendor.Close()
+		req, _ := http.NewRequestWithContext(ctx, http.MethodGet, vendor.URL, nil)
+		resp, err := readmeKeyPool(core, []string{"t1", "t2"}).RoundTrip(req)
+		if err != nil {
+			t.Fatalf("key pool: %v", err)
+		}
+		resp.Body.Close()
+		mu.Lock()
+		if len(sent) != 1 || !strings.HasPrefix(sent[0], "Bearer t") {
+			t.Errorf("key pool: the vendor saw Authorization %q, want a token of the pool", sent)
+		}
+		mu.Unlock()
+		req, _ = http.NewRequestWithContext(ctx, http.MethodPost, vendor.URL, strings.NewReader(`{"model":"m"}`))
+		if err := readmeOpenAI(ctx, rdb, req); err != nil {
+			t.Errorf("OpenAI: %v", err)
+		}
+		tenants, github := readmePolicies()
+		for _, p := range []policies.Policy{tenants, github} {
+			if _, err := policies.Rules(p); err != nil {
+				t.Errorf("policy %T: %v", p, err)
+			}
+		}
+		if err := readmeWorkers(ctx, rdb, tenants); err != nil {
+			t.Errorf("workers: %v", err)
+		}
+		reply, err := readmeLLM(ctx, rdb)
+		if err != nil || reply.Usage.TotalTokens != 900 {
+			t.Errorf("LLM: %+v, %v", reply, err)
+		}
+	})
+}
