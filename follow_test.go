@@ -69,8 +69,12 @@ func TestFollow_LearnsALoweredCapAndFindsItRaised(t *testing.T) {
 		window   = 500 * time.Millisecond
 		limit    = 100 // per window
 		halveAt  = 3 * window
-		raiseAt  = 12 * window // the cap learned holds 8 windows
-		endAt    = 24 * window
+		// The cap learned holds 8 windows from the first refusal, which
+		// comes after the halving: the vendor raises its cap again before
+		// the fleet may probe above the halved one, or the probe would be
+		// refused, as it should.
+		raiseAt = halveAt + 8*window
+		endAt   = 24 * window
 	)
 	s := redistest.Real(t)
 	q := &quietVendor{v: fakevendor.NewInProcess(fakevendor.Config{Limit: limit, Window: window})}
