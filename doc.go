@@ -24,17 +24,17 @@
 // Do's function finds its Permit with PermitFrom, to Settle the call's
 // actual cost.
 //
-// For HTTP, NewTransport wraps an http.RoundTripper: every request goes
+// For HTTP, a Transport wraps an http.RoundTripper: every request goes
 // through the limiter, and what the vendor answers reaches every replica:
 // its remaining counts, in the headers of GitHub, OpenAI, Anthropic,
 // Discord, Shopify, Salesforce, Zendesk, Stripe and the IETF draft; its
 // pauses; and, from its refusals, the cap it really allows, which the
 // quota learns and then probes back up (see Permit.Refused).
 //
-//	client := &http.Client{Transport: throttle.NewTransport(http.DefaultTransport, lim)}
+//	client := &http.Client{Transport: &throttle.Transport{Limiter: lim}}
 //
 // When Redis fails, a call is refused with ErrUnavailable, made anyway, or
-// decided in-process, as WithOnRedisError says. An Observer sees every
+// decided in-process, as Options.OnRedisError says. An Observer sees every
 // decision, for metrics.
 //
 // Redis decides with its own clock, and every key of a quota shares the hash

@@ -26,7 +26,7 @@ const (
 	// working, and may go over the vendor's cap while Redis is away.
 	FailOpen
 	// Local decides the call in this process, under the quota's limits
-	// divided by the number of replicas (see WithExpectedReplicas): the fleet
+	// divided by the number of replicas (see Options.ExpectedReplicas): the fleet
 	// stays under the cap, at the price of the quota a shared Redis would
 	// have spread better.
 	Local
@@ -44,18 +44,6 @@ func (o OnRedisError) String() string {
 	}
 	return "OnRedisError(" + strconv.Itoa(int(o)) + ")"
 }
-
-// WithOnRedisError sets what a call does when Redis cannot decide it. The
-// default is FailClosed. Whatever the choice, a breaker stops sending calls
-// to a Redis that keeps failing (three failures in a row, over 50ms at
-// least), probes it with a growing, jittered backoff,
-// and returns to it by itself once it answers; each switch is logged.
-func WithOnRedisError(o OnRedisError) Option { return func(s *settings) { s.onRedisError = o } }
-
-// WithExpectedReplicas sets how many processes share the quota, for the
-// Local fallback: each then admits Limit/n per window, so that the fleet
-// stays under the cap even when every replica has lost Redis.
-func WithExpectedReplicas(n int) Option { return func(s *settings) { s.replicas = n } }
 
 // Breaker timing: consecutive failures that open it, over at least how
 // long (the calls that were on connections a Redis restart or CLIENT KILL
@@ -221,7 +209,7 @@ func (l *Limiter) fallback(sc scope, c call, maxWait time.Duration, cause error)
 // refusedByConfiguration reports whether Redis refused the script for a
 // reason only its configuration can change: a user without the rights the
 // scripts need, a password refused, a key of another type. Such a call fails
-// with the error whatever WithOnRedisError says: FailOpen must not turn a
+// with the error whatever Options.OnRedisError says: FailOpen must not turn a
 // missing right into no limit at all.
 func refusedByConfiguration(err error) bool {
 	var reply redis.Error

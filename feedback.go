@@ -10,13 +10,13 @@ import (
 	"github.com/throttlekit/throttle/policies"
 )
 
-// MaxPause bounds a pause asked by a vendor, so that a hostile or broken
+// maxPause bounds a pause asked by a vendor, so that a hostile or broken
 // Retry-After cannot stop a fleet for days.
-const MaxPause = time.Hour
+const maxPause = time.Hour
 
 // Pause stops every replica from admitting calls on this quota for d, as Redis
 // counts time: for a vendor that answered 429 with Retry-After. A pause only
-// lengthens one already in force, and d is capped at MaxPause. Calls already
+// lengthens one already in force, and d is capped at an hour. Calls already
 // sleeping towards a slot inside the pause book again when they wake.
 //
 // The pause applies to the shared policies of the quota. On a quota with
@@ -26,14 +26,14 @@ func (l *Limiter) Pause(ctx context.Context, d time.Duration, opts ...CallOption
 	if d <= 0 {
 		return nil
 	}
-	return l.feedback(ctx, vendorSaid{pause: min(d, MaxPause), units: unknownCount, calls: unknownCount}, result{}, opts)
+	return l.feedback(ctx, vendorSaid{pause: min(d, maxPause), units: unknownCount, calls: unknownCount}, result{}, opts)
 }
 
 // Refused tells the quota that the vendor refused the permit's call for
 // being over its rate limit (a 429): every replica pauses for retryAfter
-// (none when it is 0; at most MaxPause), and, unless the limiter was made
-// WithoutLearning, the quota learns the vendor's cap from the refusal: each
-// rule counting calls over time takes as its limit what the fleet admitted
+// (none when it is 0; at most an hour), and, unless the limiter's
+// Options say WithoutLearning, the quota learns the vendor's cap from the
+// refusal: each rule counting calls over time takes as its limit what the fleet admitted
 // in the window before the call, which the vendor accepted (one refusal
 // lowers a limit by half at most; see policies.SlidingLog.Limit). The cap
 // holds for eight windows without a refusal, then rises back towards the
@@ -47,7 +47,7 @@ func (p *Permit) Refused(ctx context.Context, retryAfter time.Duration) error {
 	if p == nil || p.l == nil {
 		return errors.New("throttle: Refused: the permit is nil")
 	}
-	said := vendorSaid{pause: min(max(retryAfter, 0), MaxPause), units: unknownCount, calls: unknownCount, learn: !p.l.s.noLearning}
+	said := vendorSaid{pause: min(max(retryAfter, 0), maxPause), units: unknownCount, calls: unknownCount, learn: !p.l.s.noLearning}
 	return p.l.feedback(ctx, said, p.r, p.opts())
 }
 

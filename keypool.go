@@ -1,48 +1,29 @@
 package throttle
 
 import (
+	"fmt"
 	"net/http"
 	"sync"
 	"time"
 )
 
-// WithKeyPool spreads requests over several API keys of one vendor (a
-// GitHub App with 8 installation tokens, several OpenAI projects): for each
-// request the transport picks the key with the most room, takes the request
-// through the limiter as a call of that key (policies.PerKey limits each
-// key), and sets it on the request it sends with set, on a clone: the
-// caller's request is never changed. A key the vendor refused, or paused,
-// is skipped until its reset; when every key is paused, the request waits
-// for the one whose pause ends first.
-//
-//	pool := throttle.WithKeyPool(tokens, func(r *http.Request, token string) {
-//		r.Header.Set("Authorization", "Bearer "+token)
-//	})
-//
-// The room of each key is what the latest answers told this process: the
-// shared count's remaining units after the key's latest call, and the
-// vendor's remaining count; a key not used yet counts as roomiest, so that
-// every key is tried. The request still runs in one script call: the pick
-// costs Redis nothing, and the limiter decides the call against the key's
-// own limits whatever this process believed. The keys are the limiter's
-// Keys, hashed before they reach Redis. A pool overrides WithRequestKey.
-// An empty pool, an empty key or a nil set is invalid: every request then
-// fails with an error saying which.
-func WithKeyPool(keys []string, set func(r *http.Request, key string)) TransportOption {
+// newKeyPool returns the pool of a Transport's Keys, set on requests by
+// set, or an error saying what is wrong with them.
+func newKeyPool(keys []string, set func(r *http.Request, key string)) (*keyPool, error) {
 	if len(keys) == 0 {
-		return invalid("WithKeyPool", "the pool has no key")
+		return nil, fmt.Errorf("SetKey is set but Keys is empty")
 	}
 	if set == nil {
-		return invalid("WithKeyPool", "set is nil")
+		return nil, fmt.Errorf("Keys needs SetKey, to set the key picked on the request")
 	}
 	p := &keyPool{set: set, keys: make([]poolKey, len(keys))}
 	for i, k := range keys {
 		if k == "" {
-			return invalid("WithKeyPool", "key %d is empty", i)
+			return nil, fmt.Errorf("key %d is empty", i)
 		}
 		p.keys[i] = poolKey{key: k, room: -1}
 	}
-	return func(t *Transport) { t.pool = p }
+	return p, nil
 }
 
 // keyPool is what a transport knows of the room of each key of its pool.

@@ -43,7 +43,7 @@ func newLocal(rules []policies.Rule, replicas int) (*local, error) {
 	for i, r := range rules {
 		r.Limit /= replicas
 		if r.Limit < 1 {
-			return nil, fmt.Errorf("WithExpectedReplicas(%d) leaves rule %d (limit %d) less than one unit per replica", replicas, i, rules[i].Limit)
+			return nil, fmt.Errorf("Options.ExpectedReplicas %d leaves rule %d (limit %d) less than one unit per replica", replicas, i, rules[i].Limit)
 		}
 		if r.Kind == policies.KindTokenBucket {
 			r.Every *= time.Duration(replicas)

@@ -25,9 +25,6 @@ type ObserverFunc func(Event)
 // Observe calls f(e).
 func (f ObserverFunc) Observe(e Event) { f(e) }
 
-// WithObserver sets the limiter's Observer.
-func WithObserver(o Observer) Option { return func(s *settings) { s.observer = o } }
-
 // EventKind says what an Event reports.
 type EventKind int
 
@@ -124,7 +121,7 @@ type Event struct {
 	// Local reports a call decided without Redis, by the fallback.
 	Local bool
 	// Shadow reports a call that went ahead although the limiter refused
-	// it, because the limiter is in shadow mode (WithShadow).
+	// it, because the limiter is in shadow mode (Options.Shadow).
 	Shadow bool
 	// Err is the failure of a Redis round trip, or why a call was refused.
 	Err error

@@ -91,7 +91,7 @@ func (q *queue) enqueue(priority int, quota string) (*waiter, error) {
 	if len(q.waiting) >= q.max {
 		victim := q.victim(w)
 		if victim == w {
-			return nil, quotaErr(quota, ErrQueueFull, fmt.Sprintf("queue full (%d waiting, WithMaxQueue %d)", len(q.waiting), q.max))
+			return nil, quotaErr(quota, ErrQueueFull, fmt.Sprintf("queue full (%d waiting, Options.MaxQueue %d)", len(q.waiting), q.max))
 		}
 		heap.Remove(&q.waiting, victim.index)
 		victim.err = quotaErr(quota, ErrQueueFull, fmt.Sprintf("queue full: turned away by a newer call (%v)", q.overflow))

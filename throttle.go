@@ -34,7 +34,7 @@ const (
 	FailFast
 	// Queue puts the call in a bounded local queue, served by Priority and
 	// then in arrival order; the calls at the head book their slots as in
-	// Block. A full queue answers ErrQueueFull at once (see WithOverflow).
+	// Block. A full queue answers ErrQueueFull at once (see Options.Overflow).
 	// Close drains the queue.
 	Queue
 )
@@ -52,24 +52,15 @@ func (m Mode) String() string {
 	return "Mode(" + strconv.Itoa(int(m)) + ")"
 }
 
-// Defaults of a Limiter.
+// Defaults of a Limiter (see Options).
 const (
-	// DefaultMaxWait bounds how long a call waits in Block mode when its
-	// context has no deadline and WithMaxWait was not given: a call with a
-	// deadline waits for any slot before it.
-	DefaultMaxWait = time.Minute
-	// DefaultPrefix starts every Redis key a Limiter writes.
-	DefaultPrefix = "throttle"
-	// MaxNameLen is the longest quota name New accepts, in bytes.
-	MaxNameLen = 128
-	// DefaultMaxQueue is how many calls wait in the local queue of a
-	// limiter in Queue mode, unless WithMaxQueue says otherwise.
-	DefaultMaxQueue = 10_000
+	defaultMaxWait      = time.Minute
+	defaultPrefix       = "throttle"
+	defaultMaxQueue     = 10_000
+	defaultRedisTimeout = time.Second
+	// maxNameLen is the longest quota name or Prefix New accepts, in bytes.
+	maxNameLen = 128
 )
-
-// DefaultRedisTimeout bounds each decision's wait for Redis, unless
-// WithRedisTimeout says otherwise.
-const DefaultRedisTimeout = time.Second
 
 // ErrUnavailable is matched, through errors.Is, by the error of a call that
 // could not be decided because Redis failed, answered too late, or could not
@@ -128,8 +119,74 @@ func (e *LimitedError) Error() string {
 // Is reports whether target is ErrLimited.
 func (e *LimitedError) Is(target error) bool { return target == ErrLimited }
 
-// An Option configures a Limiter in New.
-type Option func(*settings)
+// Options tune a Limiter in New. The zero value of every field picks its
+// default, so Options{} is a limiter in Block mode that fails closed.
+type Options struct {
+	// Mode is what a call does when the quota is full. The default is Block.
+	Mode Mode
+	// MaxWait bounds how long a call may wait for its slot in Block and
+	// Queue mode: a call whose slot lies further away fails at once with
+	// ErrLimited instead of sleeping; the context's deadline, when earlier,
+	// bounds the wait too. When 0, a call waits for any slot before its
+	// context's deadline, and a minute at most when its context has none.
+	MaxWait time.Duration
+	// MaxQueue bounds the local queue of a limiter in Queue mode. The
+	// default is 10,000 calls.
+	MaxQueue int
+	// Overflow says which call a full queue turns away. The default is
+	// RejectNew.
+	Overflow Overflow
+
+	// OnRedisError is what a call does when Redis cannot decide it. The
+	// default is FailClosed. Whatever the choice, a breaker stops sending
+	// calls to a Redis that keeps failing (three failures in a row, over
+	// 50ms at least), probes it with a growing, jittered backoff, and
+	// returns to it by itself once it answers; each switch is logged.
+	OnRedisError OnRedisError
+	// ExpectedReplicas is how many processes share the quota, for the Local
+	// fallback: each then admits Limit/n per window, so that the fleet
+	// stays under the cap even when every replica has lost Redis. Local
+	// needs it.
+	ExpectedReplicas int
+	// RedisTimeout bounds how long a decision waits for Redis, apart from
+	// the caller's context, so that a hung Redis cannot hang every outbound
+	// call: past it the call fails with ErrUnavailable. The default is one
+	// second.
+	//
+	// go-redis stops reading a reply at a context's deadline only when its
+	// Options.ContextTimeoutEnabled is set; otherwise its ReadTimeout (3s by
+	// default) bounds the call that is talking to Redis, while the calls
+	// queued behind it still give up at this timeout. Set
+	// ContextTimeoutEnabled on the client you pass to New.
+	RedisTimeout time.Duration
+	// Prefix starts every Redis key the limiter writes, so that several
+	// applications can share one Redis. The default is "throttle".
+	Prefix string
+
+	// Observer is told of every decision, Redis round trip and change of
+	// state (see Event). The default is none.
+	Observer Observer
+	// Logger is where the limiter reports what it changes by itself: Redis
+	// losing a quota's data, switching to and from a fallback. The default
+	// is slog.Default().
+	Logger *slog.Logger
+	// Shadow puts the limiter in shadow mode: it decides and reports every
+	// call as usual (to its Observer, see Event.Shadow), records the calls
+	// that fit, and lets every call through at once, refused or not. Roll a
+	// limiter out in front of a live vendor this way, and watch what it
+	// would have done.
+	Shadow bool
+	// WithoutLearning keeps the configured limits whatever the vendor says:
+	// its refusals pause the fleet, but never teach the quota a lower cap
+	// (see Permit.Refused). Its remaining counts are still heeded.
+	WithoutLearning bool
+	// Clock makes the limiter pass the time from Clock() to the script
+	// instead of letting the script read Redis TIME. Use it only for hosted
+	// services that refuse TIME in scripts, and only when every replica's
+	// clock is synchronised: a replica whose clock runs ahead admits calls
+	// early by that much. Tests use it to drive time.
+	Clock func() time.Time
+}
 
 type settings struct {
 	observer     Observer
@@ -147,65 +204,6 @@ type settings struct {
 	noLearning   bool
 	maxWaitSet   bool
 }
-
-// WithoutLearning keeps the configured limits whatever the vendor says: its
-// refusals pause the fleet, but never teach the quota a lower cap (see
-// Permit.Refused). Its remaining counts are still heeded.
-func WithoutLearning() Option { return func(s *settings) { s.noLearning = true } }
-
-// WithMode sets what a call does when the quota is full. The default is Block.
-func WithMode(m Mode) Option { return func(s *settings) { s.mode = m } }
-
-// WithMaxWait bounds how long a call may wait for its slot in Block mode. A
-// call whose slot lies further away fails at once with ErrLimited instead of
-// sleeping; the context's deadline, when earlier, bounds the wait too.
-// Without it, a call waits for any slot before its context's deadline, and
-// DefaultMaxWait bounds a call whose context has none.
-func WithMaxWait(d time.Duration) Option {
-	return func(s *settings) { s.maxWait, s.maxWaitSet = d, true }
-}
-
-// WithClock makes the limiter pass the time from now() to the script instead
-// of letting the script read Redis TIME. Use it only for hosted services that
-// refuse TIME in scripts, and only when every replica's clock is synchronised:
-// a replica whose clock runs ahead admits calls early by that much. Tests use
-// it to drive time.
-func WithClock(now func() time.Time) Option { return func(s *settings) { s.clock = now } }
-
-// WithRedisTimeout bounds how long a decision waits for Redis, apart from
-// the caller's context, so that a hung Redis cannot hang every outbound call:
-// past it the call fails with ErrUnavailable. The default is
-// DefaultRedisTimeout.
-//
-// go-redis stops reading a reply at a context's deadline only when its
-// Options.ContextTimeoutEnabled is set; otherwise its ReadTimeout (3s by
-// default) bounds the call that is talking to Redis, while the calls queued
-// behind it still give up at this timeout. Set ContextTimeoutEnabled on the
-// client you pass to New.
-func WithRedisTimeout(d time.Duration) Option { return func(s *settings) { s.redisTimeout = d } }
-
-// WithShadow puts the limiter in shadow mode: it decides and reports every
-// call as usual (to its Observer, see Event.Shadow), records the calls that
-// fit, and lets every call through at once, refused or not. Roll a limiter
-// out in front of a live vendor this way, and watch what it would have done.
-func WithShadow() Option { return func(s *settings) { s.shadow = true } }
-
-// WithLogger sets where the limiter reports what it changes by itself: Redis
-// losing a quota's data, switching to and from a fallback. The default is
-// slog.Default().
-func WithLogger(l *slog.Logger) Option { return func(s *settings) { s.logger = l } }
-
-// WithPrefix sets the start of every Redis key the limiter writes, so that
-// several applications can share one Redis. The default is DefaultPrefix.
-func WithPrefix(p string) Option { return func(s *settings) { s.prefix = p } }
-
-// WithMaxQueue bounds the local queue of a limiter in Queue mode. The
-// default is DefaultMaxQueue.
-func WithMaxQueue(n int) Option { return func(s *settings) { s.maxQueue = n } }
-
-// WithOverflow says which call a full queue turns away. The default is
-// RejectNew.
-func WithOverflow(o Overflow) Option { return func(s *settings) { s.overflow = o } }
 
 // A CallOption describes one call: who it is for and what it costs.
 type CallOption func(*call)
@@ -303,7 +301,7 @@ type Limiter struct {
 // ClusterClient or FailoverClient), enforcing policy. It validates every
 // argument and returns an error naming the first bad one. It does not contact
 // Redis.
-func New(rdb redis.UniversalClient, name string, policy policies.Policy, opts ...Option) (*Limiter, error) {
+func New(rdb redis.UniversalClient, name string, policy policies.Policy, opts ...Options) (*Limiter, error) {
 	if rdb == nil {
 		return nil, errors.New("throttle: New: redis client is nil")
 	}
@@ -334,35 +332,55 @@ func New(rdb redis.UniversalClient, name string, policy policies.Policy, opts ..
 
 // newSettings applies opts to the defaults and checks the result, naming
 // the first bad option.
-func newSettings(name string, opts []Option) (settings, error) {
-	s := settings{logger: slog.Default(), mode: Block, maxWait: DefaultMaxWait, prefix: DefaultPrefix, maxQueue: DefaultMaxQueue, redisTimeout: DefaultRedisTimeout}
-	for _, o := range opts {
-		if o != nil {
-			o(&s)
-		}
+func newSettings(name string, opts []Options) (settings, error) {
+	if len(opts) > 1 {
+		return settings{}, fmt.Errorf("throttle: quota %q: New takes one Options at most, got %d", name, len(opts))
+	}
+	var o Options
+	if len(opts) == 1 {
+		o = opts[0]
+	}
+	s := settings{
+		observer: o.Observer, shadow: o.Shadow, onRedisError: o.OnRedisError, replicas: o.ExpectedReplicas,
+		logger: o.Logger, redisTimeout: o.RedisTimeout, mode: o.Mode, maxWait: o.MaxWait, clock: o.Clock,
+		prefix: o.Prefix, maxQueue: o.MaxQueue, overflow: o.Overflow, noLearning: o.WithoutLearning,
+		maxWaitSet: o.MaxWait > 0,
+	}
+	if s.logger == nil {
+		s.logger = slog.Default()
+	}
+	if s.maxWait == 0 {
+		s.maxWait = defaultMaxWait
+	}
+	if s.prefix == "" {
+		s.prefix = defaultPrefix
+	}
+	if s.maxQueue == 0 {
+		s.maxQueue = defaultMaxQueue
+	}
+	if s.redisTimeout == 0 {
+		s.redisTimeout = defaultRedisTimeout
 	}
 	var err error
 	switch {
 	case s.mode != Block && s.mode != FailFast && s.mode != Queue:
-		err = fmt.Errorf("throttle: quota %q: WithMode: unknown mode %v", name, s.mode)
+		err = fmt.Errorf("throttle: quota %q: Options.Mode: unknown mode %v", name, s.mode)
 	case s.maxWait < 0:
-		err = fmt.Errorf("throttle: quota %q: WithMaxWait must not be negative, got %v", name, s.maxWait)
+		err = fmt.Errorf("throttle: quota %q: Options.MaxWait must not be negative, got %v", name, s.maxWait)
 	case s.onRedisError != FailClosed && s.onRedisError != FailOpen && s.onRedisError != Local:
-		err = fmt.Errorf("throttle: quota %q: WithOnRedisError: unknown policy %v", name, s.onRedisError)
+		err = fmt.Errorf("throttle: quota %q: Options.OnRedisError: unknown policy %v", name, s.onRedisError)
 	case s.replicas < 0:
-		err = fmt.Errorf("throttle: quota %q: WithExpectedReplicas must be > 0, got %d", name, s.replicas)
+		err = fmt.Errorf("throttle: quota %q: Options.ExpectedReplicas must be > 0, got %d", name, s.replicas)
 	case s.onRedisError == Local && s.replicas == 0:
-		err = fmt.Errorf("throttle: quota %q: WithOnRedisError(Local) needs WithExpectedReplicas, to divide the quota among the replicas", name)
-	case s.logger == nil:
-		err = fmt.Errorf("throttle: quota %q: WithLogger: logger is nil", name)
-	case s.redisTimeout <= 0:
-		err = fmt.Errorf("throttle: quota %q: WithRedisTimeout must be > 0, got %v", name, s.redisTimeout)
-	case s.maxQueue <= 0:
-		err = fmt.Errorf("throttle: quota %q: WithMaxQueue must be > 0, got %d", name, s.maxQueue)
+		err = fmt.Errorf("throttle: quota %q: Options.OnRedisError Local needs Options.ExpectedReplicas, to divide the quota among the replicas", name)
+	case s.redisTimeout < 0:
+		err = fmt.Errorf("throttle: quota %q: Options.RedisTimeout must be > 0, got %v", name, s.redisTimeout)
+	case s.maxQueue < 0:
+		err = fmt.Errorf("throttle: quota %q: Options.MaxQueue must be > 0, got %d", name, s.maxQueue)
 	case s.overflow != RejectNew && s.overflow != ShedOldest && s.overflow != ShedLowest:
-		err = fmt.Errorf("throttle: quota %q: WithOverflow: unknown overflow %v", name, s.overflow)
+		err = fmt.Errorf("throttle: quota %q: Options.Overflow: unknown overflow %v", name, s.overflow)
 	default:
-		err = validName("WithPrefix", s.prefix)
+		err = validName("Options.Prefix", s.prefix)
 	}
 	return s, err
 }
@@ -416,8 +434,8 @@ func validName(field, v string) error {
 	switch {
 	case v == "":
 		return fmt.Errorf("throttle: %s must not be empty", field)
-	case len(v) > MaxNameLen:
-		return fmt.Errorf("throttle: %s must be at most %d bytes, got %d", field, MaxNameLen, len(v))
+	case len(v) > maxNameLen:
+		return fmt.Errorf("throttle: %s must be at most %d bytes, got %d", field, maxNameLen, len(v))
 	case strings.ContainsAny(v, "{}"):
 		return fmt.Errorf("throttle: %s must not contain '{' or '}' (they would break the Redis Cluster hash tag), got %q", field, v)
 	}
@@ -434,9 +452,6 @@ func newID() string {
 
 // Name returns the quota's name.
 func (l *Limiter) Name() string { return l.name }
-
-// Mode returns the limiter's mode.
-func (l *Limiter) Mode() Mode { return l.s.mode }
 
 // Decision is the answer of Allow.
 type Decision struct {

@@ -8,6 +8,7 @@ import (
 	"math/rand/v2"
 	"net/http"
 	"strings"
+	"sync"
 	"time"
 
 	"github.com/cenkalti/backoff/v4"
@@ -15,17 +16,11 @@ import (
 	"github.com/throttlekit/throttle/policies"
 )
 
-// Defaults of a Transport.
+// Defaults of a Transport (see its fields).
 const (
-	// DefaultMaxRetries is how many times a Transport retries a request the
-	// vendor refused, unless WithMaxRetries says otherwise.
-	DefaultMaxRetries = 3
-	// DefaultMaxRetryTime bounds the time a Transport spends retrying one
-	// request, unless WithMaxRetryTime says otherwise.
-	DefaultMaxRetryTime = time.Minute
-	// DefaultPause is how long the fleet pauses after a 429 that does not
-	// say when to come back, unless WithDefaultPause says otherwise.
-	DefaultPause = time.Second
+	defaultMaxRetries   = 3
+	defaultMaxRetryTime = time.Minute
+	defaultPause        = time.Second
 )
 
 const (
@@ -55,11 +50,11 @@ const (
 // DefaultPause (with jitter) after a 429 that named none; so does any answer
 // that says nothing is left until a reset. An answer that says fewer calls
 // are left than the shared count believes lowers the count with
-// Limiter.SetRemaining. Durations are rounded up and capped at MaxPause.
+// Limiter.SetRemaining. Durations are rounded up and capped at an hour.
 //
 // A refused request is then retried, through the limiter again, as a new
-// call to the vendor: after growing, jittered delays, at most WithMaxRetries
-// times, within WithMaxRetryTime and the request's context. Only a request
+// call to the vendor: after growing, jittered delays, at most MaxRetries
+// times, within MaxRetryTime and the request's context. Only a request
 // that can be sent again is retried: its body is absent or GetBody produces
 // it again (a body is read again only through GetBody), and its method is
 // idempotent (GET, HEAD, OPTIONS, TRACE, PUT, DELETE), it carries an
@@ -78,9 +73,103 @@ const (
 // policies.Concurrency, or at once when the quota has none; the caller must
 // close the body, as always.
 //
-// A Transport is safe for concurrent use. Its zero value sends every
-// request with http.DefaultTransport, without a limiter or retries.
+// Set a Transport's fields before its first request: the first request
+// reads and checks them, and later changes are not seen. A Transport must
+// not be copied after its first request. It is safe for concurrent use. An
+// invalid field (a route without a path, a pool with an empty key, a
+// negative duration) makes every request fail with an error that names the
+// field and the value; nothing panics. Send one request where the program
+// starts, or read the error of the first, to find out.
 type Transport struct {
+	// Base sends the requests. nil means http.DefaultTransport.
+	Base http.RoundTripper
+	// Limiter takes every request that matches no route through. nil lets
+	// those requests through without limit.
+	Limiter *Limiter
+	// Routes send the requests that match them through a limiter of their
+	// own, for a vendor whose APIs have quotas of their own. They are tried
+	// in order and the first match wins, so give the narrower ones first.
+	Routes []Route
+
+	// Key gives the Key of each request: the tenant, user or API token it
+	// is for, under policies.PerKey limits. An empty string gives the
+	// request no key.
+	Key func(*http.Request) string
+	// Cost gives the Cost of each request, in units of the quota (a batch
+	// endpoint, an estimate of LLM tokens). It must be at least 1 and at
+	// most the quota's smallest limit, or the request fails with the
+	// limiter's error. When nil, every request costs 1.
+	Cost func(*http.Request) int
+	// ResponseCost reads the actual cost of each request from its
+	// response, for a vendor that says what a call cost (a header of
+	// tokens or points used): a value of 0 or more settles the call's cost
+	// with Permit.Settle before the response is returned, up to the quota's
+	// smallest limit; a negative value leaves the cost as it was admitted.
+	// It must not read the body. For a cost the body tells (an LLM's
+	// usage), read the body, then settle the permit that
+	// PermitFrom(resp.Request.Context()) returns.
+	ResponseCost func(*http.Response) int
+	// Priority gives the Priority of each request in the queue of a limiter
+	// in Queue mode: higher values go first.
+	Priority func(*http.Request) int
+
+	// Keys spreads requests over several API keys of one vendor (a GitHub
+	// App with 8 installation tokens, several OpenAI projects): for each
+	// request the transport picks the key with the most room, takes the
+	// request through the limiter as a call of that key (policies.PerKey
+	// limits each key), and sets it on the request it sends with SetKey,
+	// on a clone: the caller's request is never changed. A key the vendor
+	// refused, or paused, is skipped until its reset; when every key is
+	// paused, the request waits for the one whose pause ends first.
+	//
+	// The room of each key is what the latest answers told this process:
+	// the shared count's remaining units after the key's latest call, and
+	// the vendor's remaining count; a key not used yet counts as roomiest,
+	// so that every key is tried. The request still runs in one script
+	// call: the pick costs Redis nothing, and the limiter decides the call
+	// against the key's own limits whatever this process believed. The
+	// keys are the limiter's Keys, hashed before they reach Redis. Keys
+	// override Key. An empty key, or Keys without SetKey, is invalid.
+	Keys []string
+	// SetKey sets the key Keys picked on the request sent.
+	SetKey func(r *http.Request, key string)
+
+	// MaxRetries is how many times a request the vendor refused is
+	// retried. 0 means 3; a negative value never retries.
+	MaxRetries int
+	// MaxRetryTime bounds the time spent retrying one request, from the
+	// vendor's first refusal: a refusal whose pause ends later is returned
+	// at once. 0 means a minute.
+	MaxRetryTime time.Duration
+	// DefaultPause is how long the fleet pauses after a 429 that does not
+	// say when to come back; up to a quarter more is added at random. 0
+	// means a second.
+	DefaultPause time.Duration
+
+	once sync.Once
+	t    *transport
+}
+
+// A Route sends the requests that match it through Limiter instead of the
+// Transport's: GitHub's search API allows 30 calls a minute beside 5000 an
+// hour for the rest. A nil Limiter lets the requests that match through
+// without limit.
+//
+// Pattern is a host, which may be left out, then a path, as in
+// http.ServeMux ("api.github.com/search/", "/v1/chat/"): a path ending in a
+// slash matches every path under it, any other path matches only itself,
+// and no host matches any host. A host with a port matches that port only;
+// host names compare without regard to case. A pattern without a slash is
+// invalid. Match, when set instead of Pattern, reports whether a request
+// matches; it must not modify the request.
+type Route struct {
+	Pattern string
+	Match   func(*http.Request) bool
+	Limiter *Limiter
+}
+
+// transport is a Transport as its first request read it.
+type transport struct {
 	base         http.RoundTripper
 	lim          *Limiter
 	routes       []route
@@ -92,85 +181,75 @@ type Transport struct {
 	maxRetries   int
 	maxRetryTime time.Duration
 	pause        time.Duration
-	err          error // the first invalid option: every request fails with it
+	err          error // the first invalid field: every request fails with it
 }
-
-// A TransportOption configures a Transport in NewTransport.
-type TransportOption func(*Transport)
 
 type route struct {
 	match func(*http.Request) bool
 	lim   *Limiter
 }
 
-// NewTransport returns a Transport that takes requests through lim and sends
-// them with base; a nil base means http.DefaultTransport. Requests that match
-// a route (WithRoute) go through that route's limiter instead. A nil lim lets
-// requests that match no route through without limit.
-//
-// An invalid option (a pattern without a path, a negative count, a nil
-// function) makes every request fail with an error that names the option
-// and the value; nothing panics. Build the transport where the program
-// starts and send one request, or read the error of the first, to find out.
-func NewTransport(base http.RoundTripper, lim *Limiter, opts ...TransportOption) *Transport {
-	if base == nil {
-		base = http.DefaultTransport
+// compile reads and checks the fields of t.
+func (t *Transport) compile() *transport {
+	c := &transport{
+		base: t.Base, lim: t.Limiter, key: t.Key, cost: t.Cost, respCost: t.ResponseCost, priority: t.Priority,
+		maxRetries: t.MaxRetries, maxRetryTime: t.MaxRetryTime, pause: t.DefaultPause,
 	}
-	t := &Transport{
-		base:         base,
-		lim:          lim,
-		maxRetries:   DefaultMaxRetries,
-		maxRetryTime: DefaultMaxRetryTime,
-		pause:        DefaultPause,
+	if c.base == nil {
+		c.base = http.DefaultTransport
 	}
-	for _, o := range opts {
-		if o != nil {
-			o(t)
+	switch {
+	case c.maxRetries == 0:
+		c.maxRetries = defaultMaxRetries
+	case c.maxRetries < 0:
+		c.maxRetries = 0
+	}
+	if c.maxRetryTime == 0 {
+		c.maxRetryTime = defaultMaxRetryTime
+	}
+	if c.pause == 0 {
+		c.pause = defaultPause
+	}
+	invalid := func(field, format string, args ...any) {
+		if c.err == nil {
+			c.err = fmt.Errorf("throttle: Transport.%s: "+format, append([]any{field}, args...)...)
 		}
 	}
-	return t
-}
-
-// invalid returns an option that makes every request fail with a message
-// naming option and what is wrong with its value.
-func invalid(option, format string, args ...any) TransportOption {
-	err := fmt.Errorf("throttle: %s: "+format, append([]any{option}, args...)...)
-	return func(t *Transport) {
-		if t.err == nil {
-			t.err = err
+	if c.maxRetryTime < 0 {
+		invalid("MaxRetryTime", "must not be negative, got %v", c.maxRetryTime)
+	}
+	if c.pause < 0 {
+		invalid("DefaultPause", "must not be negative, got %v", c.pause)
+	}
+	for i, r := range t.Routes {
+		field := fmt.Sprintf("Routes[%d]", i)
+		switch {
+		case r.Match != nil && r.Pattern != "":
+			invalid(field, "set Pattern %q or Match, not both", r.Pattern)
+		case r.Match != nil:
+			c.routes = append(c.routes, route{match: r.Match, lim: r.Limiter})
+		default:
+			match, err := matchPattern(r.Pattern)
+			if err != nil {
+				invalid(field, "%v", err)
+				continue
+			}
+			c.routes = append(c.routes, route{match: match, lim: r.Limiter})
 		}
 	}
-}
-
-// WithRequestKey sets the Key of each request: the tenant, user or API token
-// it is for, under policies.PerKey limits. An empty string gives the request
-// no key.
-func WithRequestKey(key func(*http.Request) string) TransportOption {
-	return func(t *Transport) { t.key = key }
-}
-
-// WithRequestCost sets the Cost of each request, in units of the quota (a
-// batch endpoint, an estimate of LLM tokens). It must be at least 1 and at
-// most the quota's smallest limit, or the request fails with the limiter's
-// error. Without it every request costs 1.
-func WithRequestCost(cost func(*http.Request) int) TransportOption {
-	return func(t *Transport) { t.cost = cost }
-}
-
-// WithResponseCost reads the actual cost of each request from its response,
-// for a vendor that says what a call cost (a header of tokens or points
-// used): a value of 0 or more settles the call's cost with Permit.Settle
-// before the response is returned, up to the quota's smallest limit; a
-// negative value leaves the cost as it was admitted. cost must not read the
-// body. For a cost the body tells (an LLM's usage), read the body, then
-// settle the permit that PermitFrom(resp.Request.Context()) returns.
-func WithResponseCost(cost func(*http.Response) int) TransportOption {
-	return func(t *Transport) { t.respCost = cost }
+	if t.Keys != nil || t.SetKey != nil {
+		pool, err := newKeyPool(t.Keys, t.SetKey)
+		if err != nil {
+			invalid("Keys", "%v", err)
+		}
+		c.pool = pool
+	}
+	return c
 }
 
 // settle replaces the cost of a request admitted by p with the cost its
 // response states. A failure to reach Redis leaves the admitted cost.
-func (t *Transport) settle(ctx context.Context, lim *Limiter, p *Permit, resp *http.Response) {
+func (t *transport) settle(ctx context.Context, lim *Limiter, p *Permit, resp *http.Response) {
 	n := t.respCost(resp)
 	if n < 0 || n == p.Cost() {
 		return
@@ -182,33 +261,14 @@ func (t *Transport) settle(ctx context.Context, lim *Limiter, p *Permit, resp *h
 	}
 }
 
-// WithRequestPriority sets the Priority of each request in the queue of a
-// limiter in Queue mode: higher values go first.
-func WithRequestPriority(priority func(*http.Request) int) TransportOption {
-	return func(t *Transport) { t.priority = priority }
-}
-
-// WithRoute sends the requests that match pattern through lim instead of the
-// Transport's limiter, for a vendor whose APIs have quotas of their own
-// (GitHub's search API allows 30 calls a minute beside 5000 an hour for the
-// rest). A pattern is a host, which may be left out, then a path, as in
-// http.ServeMux ("api.github.com/search/", "/v1/chat/"): a path ending in a
-// slash matches every path under it, any other path matches only itself, and
-// no host matches any host. A host with a port matches that port only; host
-// names compare without regard to case.
-//
-//	throttle.WithRoute("api.github.com/search/", search)
-//
-// Routes are tried in the order given and the first match wins, so give the
-// narrower ones first. A nil lim lets the requests that match through without
-// limit. A pattern without a slash is invalid.
-func WithRoute(pattern string, lim *Limiter) TransportOption {
+// matchPattern returns what matches the requests of a Route's Pattern.
+func matchPattern(pattern string) (func(*http.Request) bool, error) {
 	host, path, ok := strings.Cut(pattern, "/")
 	if !ok {
-		return invalid("WithRoute", "pattern %q needs a path starting with /", pattern)
+		return nil, fmt.Errorf("pattern %q needs a path starting with /", pattern)
 	}
 	host, path = strings.ToLower(host), "/"+path
-	return WithRouteFunc(func(r *http.Request) bool {
+	return func(r *http.Request) bool {
 		if r.URL == nil {
 			return false
 		}
@@ -229,64 +289,33 @@ func WithRoute(pattern string, lim *Limiter) TransportOption {
 			return strings.HasPrefix(p, path)
 		}
 		return p == path
-	}, lim)
-}
-
-// WithRouteFunc sends the requests for which match reports true through lim,
-// as WithRoute does for a pattern. match must not modify the request.
-func WithRouteFunc(match func(*http.Request) bool, lim *Limiter) TransportOption {
-	if match == nil {
-		return invalid("WithRouteFunc", "match is nil")
-	}
-	return func(t *Transport) { t.routes = append(t.routes, route{match: match, lim: lim}) }
-}
-
-// WithMaxRetries sets how many times a request the vendor refused is retried;
-// 0 never retries. The default is DefaultMaxRetries.
-func WithMaxRetries(n int) TransportOption {
-	if n < 0 {
-		return invalid("WithMaxRetries", "must not be negative, got %d", n)
-	}
-	return func(t *Transport) { t.maxRetries = n }
-}
-
-// WithMaxRetryTime bounds the time spent retrying one request, from the
-// vendor's first refusal. A refusal whose pause ends later is returned at
-// once. The default is DefaultMaxRetryTime.
-func WithMaxRetryTime(d time.Duration) TransportOption {
-	if d <= 0 {
-		return invalid("WithMaxRetryTime", "must be > 0, got %v", d)
-	}
-	return func(t *Transport) { t.maxRetryTime = d }
-}
-
-// WithDefaultPause sets how long the fleet pauses after a 429 that does not
-// say when to come back; up to a quarter more is added at random. The
-// default is DefaultPause.
-func WithDefaultPause(d time.Duration) TransportOption {
-	if d <= 0 {
-		return invalid("WithDefaultPause", "must be > 0, got %v", d)
-	}
-	return func(t *Transport) { t.pause = d }
+	}, nil
 }
 
 // RoundTrip takes req through the limiter, sends it, feeds the vendor's
 // answer back to the limiter, and retries a refused request when it is safe.
 // See Transport for the contract it keeps.
 func (t *Transport) RoundTrip(req *http.Request) (*http.Response, error) {
+	t.once.Do(func() { t.t = t.compile() })
+	return t.t.roundTrip(req)
+}
+
+// CloseIdleConnections closes the idle connections of the base RoundTripper,
+// when it has that method, as http.Client.CloseIdleConnections expects.
+func (t *Transport) CloseIdleConnections() {
+	base := t.Base
+	if base == nil {
+		base = http.DefaultTransport
+	}
+	if c, ok := base.(interface{ CloseIdleConnections() }); ok {
+		c.CloseIdleConnections()
+	}
+}
+
+func (t *transport) roundTrip(req *http.Request) (*http.Response, error) {
 	if t.err != nil {
 		closeBody(req)
 		return nil, t.err
-	}
-	if t.base == nil {
-		// A Transport not made by NewTransport: its zero value sends
-		// with http.DefaultTransport, as NewTransport's nil base does.
-		t2 := *t
-		t2.base = http.DefaultTransport
-		if t2.maxRetryTime <= 0 {
-			t2.maxRetryTime, t2.pause = DefaultMaxRetryTime, DefaultPause
-		}
-		return t2.RoundTrip(req)
 	}
 	lim := t.limiterFor(req)
 	if lim == nil {
@@ -365,15 +394,7 @@ func (t *Transport) RoundTrip(req *http.Request) (*http.Response, error) {
 	}
 }
 
-// CloseIdleConnections closes the idle connections of the base RoundTripper,
-// when it has that method, as http.Client.CloseIdleConnections expects.
-func (t *Transport) CloseIdleConnections() {
-	if c, ok := t.base.(interface{ CloseIdleConnections() }); ok {
-		c.CloseIdleConnections()
-	}
-}
-
-func (t *Transport) limiterFor(req *http.Request) *Limiter {
+func (t *transport) limiterFor(req *http.Request) *Limiter {
 	for _, r := range t.routes {
 		if r.match(req) {
 			return r.lim
@@ -382,7 +403,7 @@ func (t *Transport) limiterFor(req *http.Request) *Limiter {
 	return t.lim
 }
 
-func (t *Transport) callOptions(req *http.Request) []CallOption {
+func (t *transport) callOptions(req *http.Request) []CallOption {
 	var opts []CallOption
 	if t.key != nil && t.pool == nil {
 		if k := t.key(req); k != "" {
@@ -403,7 +424,7 @@ func (t *Transport) callOptions(req *http.Request) []CallOption {
 // request. It runs even when the request's context has ended, since the
 // fleet needs to know; if Redis cannot be reached the feedback is lost and
 // the answer is returned all the same.
-func (t *Transport) feedback(ctx context.Context, lim *Limiter, p *Permit, status int, v vendorLimits, opts []CallOption) (quiet time.Duration, refused bool) {
+func (t *transport) feedback(ctx context.Context, lim *Limiter, p *Permit, status int, v vendorLimits, opts []CallOption) (quiet time.Duration, refused bool) {
 	ctx, stop := context.WithTimeout(context.WithoutCancel(ctx), cleanupTimeout)
 	defer stop()
 	if v.remaining == 0 {
@@ -414,7 +435,7 @@ func (t *Transport) feedback(ctx context.Context, lim *Limiter, p *Permit, statu
 	}
 	// The vendor's counts, as the quota's rules keep them: the rules that
 	// count units follow its count of tokens when the requests cost what
-	// WithRequestCost says and the vendor counts tokens, else its count of
+	// Transport.Cost says and the vendor counts tokens, else its count of
 	// requests; policies.PerCall rules follow its count of requests.
 	requests := vendorCount{left: v.remaining, reset: v.reset, limit: v.limit}
 	said := vendorSaid{units: requests, calls: unknownCount}
@@ -505,8 +526,8 @@ func countsCalls(lim *Limiter) bool {
 // its body produced again, and the delay before it asks the limiter for a
 // slot. It reports false when the request must not or cannot be retried in
 // time.
-func (t *Transport) nextAttempt(req *http.Request, lim *Limiter, retries backoff.BackOff, first time.Time, quiet time.Duration) (*http.Request, time.Duration, bool) {
-	if lim.Mode() == FailFast || !replayable(req) {
+func (t *transport) nextAttempt(req *http.Request, lim *Limiter, retries backoff.BackOff, first time.Time, quiet time.Duration) (*http.Request, time.Duration, bool) {
+	if lim.s.mode == FailFast || !replayable(req) {
 		return nil, 0, false
 	}
 	delay := retries.NextBackOff()
@@ -548,7 +569,7 @@ func replayable(req *http.Request) bool {
 	return req.GetBody != nil || req.Header.Get("Idempotency-Key") != "" || req.Header.Get("X-Idempotency-Key") != ""
 }
 
-func (t *Transport) newBackOff() backoff.BackOff {
+func (t *transport) newBackOff() backoff.BackOff {
 	b := backoff.NewExponentialBackOff(
 		backoff.WithInitialInterval(retryFirst),
 		backoff.WithMaxInterval(retryMax),

@@ -40,7 +40,7 @@ func (l *Limiter) wait(ctx context.Context, c call) (*Permit, error) {
 		maxWait := l.s.maxWait - time.Since(start)
 		reason := "the slot lies beyond MaxWait " + l.s.maxWait.String()
 		if deadline, ok := ctx.Deadline(); ok && (time.Until(deadline) < maxWait || !l.s.maxWaitSet) {
-			// Without WithMaxWait, the deadline alone bounds the wait.
+			// Without Options.MaxWait, the deadline alone bounds the wait.
 			maxWait = time.Until(deadline)
 			reason = "the slot lies beyond the context's deadline"
 		}
