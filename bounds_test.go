@@ -70,7 +70,7 @@ func TestScript_LongLogSettlesForItsTail(t *testing.T) {
 	redistest.Each(t, func(t *testing.T, s *redistest.Server) {
 		const limit, window = 100, 100 * time.Millisecond
 		clock := newClock()
-		lim := newLimiter(t, s.Client(t), policies.SlidingLog{Limit: limit, Window: window, Margin: time.Nanosecond}, WithClock(clock.Now))
+		lim := newLimiter(t, s.Client(t), policies.SlidingLog{Limit: limit, Window: window, Margin: time.Nanosecond}, Options{Clock: clock.Now})
 		ctx := context.Background()
 		// Fifty windows booked ahead, far more than one call reads.
 		var deep result
@@ -95,7 +95,7 @@ func TestScript_LongLogSettlesForItsTail(t *testing.T) {
 		}
 		checkRedisWindows(t, s.Client(t), lim, []model.Rule{toModel(lim.rules[0])})
 		// Within reach of one read, the hole is used.
-		lim2 := newLimiter(t, s.Client(t), policies.SlidingLog{Limit: limit, Window: window, Margin: time.Nanosecond}, WithClock(clock.Now), WithPrefix("near"))
+		lim2 := newLimiter(t, s.Client(t), policies.SlidingLog{Limit: limit, Window: window, Margin: time.Nanosecond}, Options{Clock: clock.Now, Prefix: "near"})
 		var near result
 		for i := range 5 {
 			r, err := lim2.acquire(ctx, call{cost: limit}, time.Minute, nil)

@@ -34,8 +34,8 @@ func ExampleNew() {
 		fmt.Println(err)
 		return
 	}
-	fmt.Println(lim.Name(), lim.Mode())
-	// Output: twilio-sms Block
+	fmt.Println(lim.Name())
+	// Output: twilio-sms
 }
 
 // Bad configuration fails at construction, naming the field and its value.
@@ -73,7 +73,7 @@ func ExampleKey() {
 	lim, err := throttle.New(rdb, "vendor", policies.All(
 		policies.SlidingLog{Limit: 100, Window: time.Second},
 		policies.PerKey{Policy: policies.SlidingLog{Limit: 10, Window: time.Second}},
-	), throttle.WithMode(throttle.FailFast))
+	), throttle.Options{Mode: throttle.FailFast})
 	if err != nil {
 		fmt.Println(err)
 		return
@@ -114,7 +114,7 @@ func ExampleLimitedError() {
 	rdb, done := exampleRedis()
 	defer done()
 	lim, err := throttle.New(rdb, "stripe", policies.SlidingLog{Limit: 1, Window: time.Hour},
-		throttle.WithMode(throttle.FailFast))
+		throttle.Options{Mode: throttle.FailFast})
 	if err != nil {
 		fmt.Println(err)
 		return

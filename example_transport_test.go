@@ -21,7 +21,7 @@ import (
 // once with an error that matches ErrLimited through http.Client's
 // *url.Error. Had the vendor answered 429, the Transport would have paused
 // the whole fleet until its Retry-After, and retried.
-func ExampleNewTransport() {
+func ExampleTransport() {
 	mr := miniredis.NewMiniRedis() // stands in for the Redis the fleet shares
 	if err := mr.Start(); err != nil {
 		fmt.Println(err)
@@ -36,12 +36,12 @@ func ExampleNewTransport() {
 	defer vendor.Close()
 
 	lim, err := throttle.New(rdb, "vendor-api", policies.SlidingLog{Limit: 2, Window: time.Minute},
-		throttle.WithMode(throttle.FailFast))
+		throttle.Options{Mode: throttle.FailFast})
 	if err != nil {
 		fmt.Println(err)
 		return
 	}
-	client := &http.Client{Transport: throttle.NewTransport(http.DefaultTransport, lim)}
+	client := &http.Client{Transport: &throttle.Transport{Limiter: lim}}
 
 	for range 3 {
 		resp, err := client.Get(vendor.URL)
@@ -67,7 +67,7 @@ func ExampleNewTransport() {
 // GitHub allows 30 search requests a minute beside 5000 requests an hour for
 // the rest of its API: a route sends the search requests through a quota of
 // their own.
-func ExampleWithRoute() {
+func ExampleRoute() {
 	mr := miniredis.NewMiniRedis()
 	if err := mr.Start(); err != nil {
 		fmt.Println(err)
@@ -81,20 +81,21 @@ func ExampleWithRoute() {
 	host := strings.TrimPrefix(github.URL, "http://") // api.github.com in real life
 
 	core, err := throttle.New(rdb, "github-core", policies.SlidingLog{Limit: 5000, Window: time.Hour},
-		throttle.WithMode(throttle.FailFast))
+		throttle.Options{Mode: throttle.FailFast})
 	if err != nil {
 		fmt.Println(err)
 		return
 	}
 	search, err := throttle.New(rdb, "github-search", policies.SlidingLog{Limit: 30, Window: time.Minute},
-		throttle.WithMode(throttle.FailFast))
+		throttle.Options{Mode: throttle.FailFast})
 	if err != nil {
 		fmt.Println(err)
 		return
 	}
-	client := &http.Client{Transport: throttle.NewTransport(nil, core,
-		throttle.WithRoute(host+"/search/", search),
-	)}
+	client := &http.Client{Transport: &throttle.Transport{
+		Limiter: core,
+		Routes:  []throttle.Route{{Pattern: host + "/search/", Limiter: search}},
+	}}
 
 	refused := map[string]int{}
 	for _, path := range []string{"/search/issues", "/repos/golang/go"} {

@@ -53,7 +53,7 @@ func TestOnRedisError_FailClosedRefusesTheCall(t *testing.T) {
 }
 
 func TestOnRedisError_FailOpenMakesTheCall(t *testing.T) {
-	lim := newLimiter(t, deadRedis(t), perSecond, WithOnRedisError(FailOpen))
+	lim := newLimiter(t, deadRedis(t), perSecond, Options{OnRedisError: FailOpen})
 	for range 20 {
 		if _, err := Do(context.Background(), lim, func(context.Context) (int, error) { return 0, nil }); err != nil {
 			t.Fatalf("Do with FailOpen on a dead Redis: %v", err)
@@ -66,7 +66,7 @@ func TestOnRedisError_LocalDividesTheQuota(t *testing.T) {
 	// opens, stay within one window.
 	window := 3 * time.Second
 	lim := newLimiter(t, deadRedis(t), policies.SlidingLog{Limit: 10, Window: window},
-		WithOnRedisError(Local), WithExpectedReplicas(3), WithMode(FailFast), WithLogger(slog.New(slog.DiscardHandler)))
+		Options{OnRedisError: Local, ExpectedReplicas: 3, Mode: FailFast, Logger: slog.New(slog.DiscardHandler)})
 	ctx := context.Background()
 	// Redis may have admitted a whole window before it failed: the fallback
 	// waits one out first.
@@ -91,11 +91,11 @@ func TestOnRedisError_LocalDividesTheQuota(t *testing.T) {
 }
 
 func TestOnRedisError_LocalNeedsReplicas(t *testing.T) {
-	_, err := New(deadRedis(t), "q", perSecond, WithOnRedisError(Local))
-	if err == nil || !strings.Contains(err.Error(), "WithExpectedReplicas") {
+	_, err := New(deadRedis(t), "q", perSecond, Options{OnRedisError: Local})
+	if err == nil || !strings.Contains(err.Error(), "Options.ExpectedReplicas") {
 		t.Errorf("Local without replicas: %v", err)
 	}
-	_, err = New(deadRedis(t), "q", perSecond, WithOnRedisError(Local), WithExpectedReplicas(6))
+	_, err = New(deadRedis(t), "q", perSecond, Options{OnRedisError: Local, ExpectedReplicas: 6})
 	if err == nil || !strings.Contains(err.Error(), "less than one unit") {
 		t.Errorf("Local with more replicas than the limit: %v", err)
 	}
@@ -108,8 +108,7 @@ func TestBreaker_StopsAskingADeadRedisAndComesBack(t *testing.T) {
 	var scripts atomic.Int64
 	rdb.AddHook(countScripts{&scripts})
 	lim := newLimiter(t, rdb, policies.SlidingLog{Limit: 100_000, Window: time.Second},
-		WithOnRedisError(FailOpen), WithRedisTimeout(200*time.Millisecond),
-		WithLogger(slog.New(slog.NewTextHandler(&logs, nil))))
+		Options{OnRedisError: FailOpen, RedisTimeout: 200 * time.Millisecond, Logger: slog.New(slog.NewTextHandler(&logs, nil))})
 	ctx := context.Background()
 	if _, err := lim.Allow(ctx); err != nil {
 		t.Fatal(err)
@@ -144,8 +143,7 @@ func TestDataLoss_CountsTheQuotaFullForOneWindow(t *testing.T) {
 	redistest.Each(t, func(t *testing.T, s *redistest.Server) {
 		rdb := s.Client(t)
 		clock := newClock()
-		lim := newLimiter(t, rdb, policies.SlidingLog{Limit: 10, Window: time.Minute}, WithClock(clock.Now),
-			WithLogger(slog.New(slog.DiscardHandler)))
+		lim := newLimiter(t, rdb, policies.SlidingLog{Limit: 10, Window: time.Minute}, Options{Clock: clock.Now, Logger: slog.New(slog.DiscardHandler)})
 		ctx := context.Background()
 		if d, _ := lim.Allow(ctx, Cost(4)); !d.OK {
 			t.Fatal("first call refused")
@@ -163,7 +161,7 @@ func TestDataLoss_CountsTheQuotaFullForOneWindow(t *testing.T) {
 			t.Errorf("RetryAfter %v, want one window, %v", d.RetryAfter, want)
 		}
 		// Another process that never knew the old data is held back too.
-		other := newLimiter(t, rdb, policies.SlidingLog{Limit: 10, Window: time.Minute}, WithClock(clock.Now))
+		other := newLimiter(t, rdb, policies.SlidingLog{Limit: 10, Window: time.Minute}, Options{Clock: clock.Now})
 		if d, _ := other.Allow(ctx); d.OK {
 			t.Errorf("another replica was admitted in the window after the loss")
 		}

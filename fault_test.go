@@ -318,12 +318,12 @@ func checkGoroutines(t *testing.T, before int) {
 // faultLimiters makes one limiter per replica of the quota, enforcing
 // faultPolicy, each on its own client, and returns a func that closes the
 // clients.
-func faultLimiters(t *testing.T, name string, newClient func(replica int) redis.UniversalClient, opts ...Option) ([]*Limiter, func()) {
+func faultLimiters(t *testing.T, name string, newClient func(replica int) redis.UniversalClient, opts ...Options) ([]*Limiter, func()) {
 	t.Helper()
 	return faultLimitersFor(t, name, faultPolicy, newClient, opts...)
 }
 
-func faultLimitersFor(t *testing.T, name string, policy policies.Policy, newClient func(replica int) redis.UniversalClient, opts ...Option) ([]*Limiter, func()) {
+func faultLimitersFor(t *testing.T, name string, policy policies.Policy, newClient func(replica int) redis.UniversalClient, opts ...Options) ([]*Limiter, func()) {
 	t.Helper()
 	var lims []*Limiter
 	var clients []redis.UniversalClient
@@ -357,9 +357,9 @@ func adminClient(t *testing.T, addr string) *redis.Client {
 }
 
 // faultLogger returns a logger whose output the test can read.
-func faultLogger() (*syncBuffer, Option) {
+func faultLogger() (*syncBuffer, *slog.Logger) {
 	var logs syncBuffer
-	return &logs, WithLogger(slog.New(slog.NewTextHandler(&logs, nil)))
+	return &logs, slog.New(slog.NewTextHandler(&logs, nil))
 }
 
 // A crashed Redis comes back empty. While it is down, FailClosed refuses
@@ -391,7 +391,7 @@ func killAndRestart(t *testing.T, onErr OnRedisError, strictCap bool) {
 	logs, logger := faultLogger()
 	lims, closeClients := faultLimiters(t, "fault-kill-"+onErr.String(), func(int) redis.UniversalClient {
 		return redis.NewClient(&redis.Options{Addr: s.Addr, ContextTimeoutEnabled: true})
-	}, logger, WithOnRedisError(onErr), WithExpectedReplicas(faultReplicas), WithRedisTimeout(200*time.Millisecond))
+	}, Options{Logger: logger, OnRedisError: onErr, ExpectedReplicas: faultReplicas, RedisTimeout: 200 * time.Millisecond})
 	f := startFaultFleet(t, lims, faultWindow)
 
 	time.Sleep(2 * faultWindow)
@@ -470,7 +470,7 @@ func TestFault_FreezeLongerThanRedisTimeout(t *testing.T) {
 	// Replica 0 lets go-redis stop at the context's deadline, replica 1 not.
 	lims, closeClients := faultLimiters(t, "fault-freeze", func(r int) redis.UniversalClient {
 		return redis.NewClient(&redis.Options{Addr: s.Addr, ContextTimeoutEnabled: r == 0, ReadTimeout: readTimeout})
-	}, logger, WithRedisTimeout(redisTimeout))
+	}, Options{Logger: logger, RedisTimeout: redisTimeout})
 	bound := []time.Duration{redisTimeout + slack, readTimeout + slack}
 	f := startFaultFleet(t, lims, faultWindow)
 
@@ -593,7 +593,7 @@ func TestFault_ClientKillDuringRun(t *testing.T) {
 		c := redis.NewClient(&redis.Options{Addr: s.Addr, ContextTimeoutEnabled: true})
 		c.AddHook(&seen)
 		return c
-	}, WithLogger(slog.New(slog.DiscardHandler)))
+	}, Options{Logger: slog.New(slog.DiscardHandler)})
 	admin := adminClient(t, s.Addr)
 	f := startFaultFleet(t, lims, faultWindow)
 
@@ -679,7 +679,7 @@ func clusterFailover(t *testing.T, opt *redis.ClusterOptions) {
 		o := *opt
 		o.Addrs = c.Addrs
 		return redis.NewClusterClient(&o)
-	}, logger)
+	}, Options{Logger: logger})
 	f := startFaultFleet(t, lims, faultWindow)
 
 	time.Sleep(2 * faultWindow)
@@ -753,7 +753,7 @@ func laggingFailover(t *testing.T, replicateFirst bool) {
 		func(int) redis.UniversalClient {
 			return redis.NewClusterClient(&redis.ClusterOptions{Addrs: c.Addrs, ContextTimeoutEnabled: true,
 				ClusterStateReloadInterval: 500 * time.Millisecond})
-		}, logger)
+		}, Options{Logger: logger})
 	if replicateFirst {
 		// One call, which never reaches the vendor, writes the meta key.
 		if d, err := lims[0].Allow(ctx); err != nil || !d.OK {
@@ -825,7 +825,7 @@ func TestFault_SlotMigration(t *testing.T) {
 		cc := redis.NewClusterClient(&redis.ClusterOptions{Addrs: c.Addrs, ContextTimeoutEnabled: true})
 		cc.OnNewNode(func(n *redis.Client) { n.AddHook(&seen) })
 		return cc
-	}, WithLogger(slog.New(slog.DiscardHandler)))
+	}, Options{Logger: slog.New(slog.DiscardHandler)})
 	f := startFaultFleet(t, lims, faultWindow)
 
 	time.Sleep(2 * faultWindow)

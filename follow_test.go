@@ -89,16 +89,16 @@ func TestFollow_LearnsALoweredCapAndFindsItRaised(t *testing.T) {
 	var lims []*Limiter
 	for range replicas {
 		lim, err := New(s.Client(t), "follow", policies.SlidingLog{Limit: limit, Window: window},
-			WithObserver(ObserverFunc(func(e Event) {
+			Options{Observer: ObserverFunc(func(e Event) {
 				if e.Kind == EventCapLearned {
 					learned.Add(1)
 				}
-			})))
+			})})
 		if err != nil {
 			t.Fatal(err)
 		}
 		lims = append(lims, lim)
-		c := &http.Client{Transport: NewTransport(&http.Transport{MaxIdleConnsPerHost: workers}, lim)}
+		c := &http.Client{Transport: &Transport{Base: &http.Transport{MaxIdleConnsPerHost: workers}, Limiter: lim}}
 		for range workers {
 			wg.Go(func() {
 				for ctx.Err() == nil {
@@ -247,7 +247,7 @@ func TestFollow_ClampConverges(t *testing.T) {
 				if err != nil {
 					t.Fatal(err)
 				}
-				clients = append(clients, &http.Client{Transport: NewTransport(&http.Transport{MaxIdleConnsPerHost: workers}, lim)})
+				clients = append(clients, &http.Client{Transport: &Transport{Base: &http.Transport{MaxIdleConnsPerHost: workers}, Limiter: lim}})
 			}
 			// The vendor's windows start with the fleet, on a whole second,
 			// as epoch-second resets are.

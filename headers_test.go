@@ -22,14 +22,14 @@ func TestHeader_RetryAfter(t *testing.T) {
 		{"0", 0, true},
 		{"1.2", 1200 * time.Millisecond, true},
 		{"0.0000001", time.Microsecond, true}, // rounded up, never down
-		{"999999999", MaxPause, true},
-		{"99999999999999999999999999999999", MaxPause, true},
+		{"999999999", maxPause, true},
+		{"99999999999999999999999999999999", maxPause, true},
 		// An HTTP date 2.7s after now waits 3s: whole seconds, rounded up.
 		{"Sat, 01 Mar 2025 12:00:03 GMT", 3 * time.Second, true},
 		{"Saturday, 01-Mar-25 12:00:03 GMT", 3 * time.Second, true}, // RFC 850
 		{"Sat Mar  1 12:00:03 2025", 3 * time.Second, true},         // ANSI C
 		{"Sat, 01 Mar 2025 11:00:00 GMT", 0, true},                  // in the past
-		{"Sun, 01 Mar 2026 12:00:00 GMT", MaxPause, true},
+		{"Sun, 01 Mar 2026 12:00:00 GMT", maxPause, true},
 		{"", 0, false},
 		{"-5", 0, false},
 		{"+5", 0, false},
@@ -62,9 +62,9 @@ func TestHeader_Reset(t *testing.T) {
 		{itoa(epoch + 60), 60 * time.Second, true}, // epoch seconds: 59.7s, rounded up
 		{itoa(epoch - 60), 0, true},                // epoch in the past
 		{itoa(epoch*1000 + 60_000), 60 * time.Second, true},
-		{itoa(epoch + 1e7), MaxPause, true},
+		{itoa(epoch + 1e7), maxPause, true},
 		{"1000000001", 0, true}, // just past the cut: an epoch, long gone
-		{"999999999", MaxPause, true},
+		{"999999999", maxPause, true},
 		{"6m0s", 6 * time.Minute, true}, // as some LLM APIs send it
 		{"250ms", 250 * time.Millisecond, true},
 		{"9999999h", 0, false}, // past what time.Duration holds
@@ -147,11 +147,11 @@ func h(kv ...string) map[string][]string {
 
 func itoa(n int64) string { return strconv.FormatInt(n, 10) }
 
-// checkBounded fails when a parsed duration is negative or past MaxPause.
+// checkBounded fails when a parsed duration is negative or past maxPause.
 func checkBounded(t *testing.T, what string, d time.Duration) {
 	t.Helper()
-	if d < 0 || d > MaxPause {
-		t.Fatalf("%s = %v, want within [0, %v]", what, d, MaxPause)
+	if d < 0 || d > maxPause {
+		t.Fatalf("%s = %v, want within [0, %v]", what, d, maxPause)
 	}
 }
 

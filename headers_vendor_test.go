@@ -152,7 +152,7 @@ func TestHeader_Vendors(t *testing.T) {
 }
 
 // The transport keeps the count of what the quota counts: requests, or the
-// tokens its requests cost by WithRequestCost; and it does not retry a call
+// tokens its requests cost by Transport.Cost; and it does not retry a call
 // the vendor said must not be.
 func TestTransport_HeedsTheVendorsOwnHeaders(t *testing.T) {
 	redistest.Each(t, func(t *testing.T, s *redistest.Server) {
@@ -178,9 +178,9 @@ func TestTransport_HeedsTheVendorsOwnHeaders(t *testing.T) {
 		}))
 		defer vendor.Close()
 		ctx := context.Background()
-		remainingAfter := func(prefix string, opts ...TransportOption) int {
-			lim := newLimiter(t, s.Client(t), policies.SlidingLog{Limit: 5000, Window: time.Minute}, WithPrefix(prefix))
-			c := &http.Client{Transport: NewTransport(nil, lim, opts...)}
+		remainingAfter := func(prefix string, cost func(*http.Request) int) int {
+			lim := newLimiter(t, s.Client(t), policies.SlidingLog{Limit: 5000, Window: time.Minute}, Options{Prefix: prefix})
+			c := &http.Client{Transport: &Transport{Limiter: lim, Cost: cost}}
 			resp, err := c.Get(vendor.URL + "/openai")
 			if err != nil {
 				t.Fatal(err)
@@ -192,18 +192,18 @@ func TestTransport_HeedsTheVendorsOwnHeaders(t *testing.T) {
 			}
 			return u.Remaining()
 		}
-		if got := remainingAfter("requests"); got != 3 {
+		if got := remainingAfter("requests", nil); got != 3 {
 			t.Errorf("a quota of requests has %d left, want the vendor's 3 requests", got)
 		}
-		if got := remainingAfter("tokens", WithRequestCost(func(*http.Request) int { return 100 })); got != 1000 {
+		if got := remainingAfter("tokens", func(*http.Request) int { return 100 }); got != 1000 {
 			t.Errorf("a quota of tokens has %d left, want the vendor's 1000 tokens", got)
 		}
 		// Requests and tokens in one quota: each rule follows its count.
 		both := newLimiter(t, s.Client(t), policies.All(
 			policies.PerCall{Policy: policies.SlidingLog{Limit: 500, Window: time.Minute}},
 			policies.SlidingCounter{Limit: 200_000, Window: time.Minute},
-		), WithPrefix("both"))
-		c := &http.Client{Transport: NewTransport(nil, both, WithRequestCost(func(*http.Request) int { return 100 }))}
+		), Options{Prefix: "both"})
+		c := &http.Client{Transport: &Transport{Limiter: both, Cost: func(*http.Request) int { return 100 }}}
 		resp, err := c.Get(vendor.URL + "/openai")
 		if err != nil {
 			t.Fatal(err)
@@ -219,8 +219,8 @@ func TestTransport_HeedsTheVendorsOwnHeaders(t *testing.T) {
 
 		// A 403 with Retry-After is GitHub's secondary limit: the token
 		// pauses for that long, and its limit stays.
-		lim := newLimiter(t, s.Client(t), policies.SlidingLog{Limit: 5000, Window: time.Minute}, WithPrefix("secondary"), WithMode(FailFast))
-		c = &http.Client{Transport: NewTransport(nil, lim)}
+		lim := newLimiter(t, s.Client(t), policies.SlidingLog{Limit: 5000, Window: time.Minute}, Options{Prefix: "secondary", Mode: FailFast})
+		c = &http.Client{Transport: &Transport{Limiter: lim}}
 		resp, err = c.Get(vendor.URL + "/github-secondary")
 		if err != nil {
 			t.Fatal(err)
@@ -234,8 +234,8 @@ func TestTransport_HeedsTheVendorsOwnHeaders(t *testing.T) {
 			t.Errorf("a secondary limit: status %d, paused %v, limit %d; want the 403, a pause of 30s, the limit kept", resp.StatusCode, u.Paused, u.Rules[0].Limit)
 		}
 
-		lim = newLimiter(t, s.Client(t), policies.SlidingLog{Limit: 5000, Window: time.Minute}, WithPrefix("stripe"))
-		c = &http.Client{Transport: NewTransport(nil, lim, WithDefaultPause(time.Millisecond))}
+		lim = newLimiter(t, s.Client(t), policies.SlidingLog{Limit: 5000, Window: time.Minute}, Options{Prefix: "stripe"})
+		c = &http.Client{Transport: &Transport{Limiter: lim, DefaultPause: time.Millisecond}}
 		calls.Store(0)
 		resp, err = c.Get(vendor.URL + "/stripe")
 		if err != nil {
@@ -249,7 +249,7 @@ func TestTransport_HeedsTheVendorsOwnHeaders(t *testing.T) {
 }
 
 // An LLM call admitted with an estimate is settled with what the vendor
-// says it used: from a header, through WithResponseCost, or from the body,
+// says it used: from a header, through Transport.ResponseCost, or from the body,
 // through the permit the response's request carries.
 func TestTransport_SettlesTheCostFromTheResponse(t *testing.T) {
 	redistest.Each(t, func(t *testing.T, s *redistest.Server) {
@@ -259,7 +259,7 @@ func TestTransport_SettlesTheCostFromTheResponse(t *testing.T) {
 		}))
 		defer vendor.Close()
 		ctx := context.Background()
-		estimate := WithRequestCost(func(*http.Request) int { return 500 })
+		estimate := func(*http.Request) int { return 500 }
 		used := func(lim *Limiter) int {
 			u, err := lim.Usage(ctx)
 			if err != nil {
@@ -268,14 +268,14 @@ func TestTransport_SettlesTheCostFromTheResponse(t *testing.T) {
 			return u.Rules[0].Used
 		}
 
-		lim := newLimiter(t, s.Client(t), policies.SlidingLog{Limit: 10000, Window: time.Minute}, WithPrefix("header"))
-		c := &http.Client{Transport: NewTransport(nil, lim, estimate, WithResponseCost(func(resp *http.Response) int {
+		lim := newLimiter(t, s.Client(t), policies.SlidingLog{Limit: 10000, Window: time.Minute}, Options{Prefix: "header"})
+		c := &http.Client{Transport: &Transport{Limiter: lim, Cost: estimate, ResponseCost: func(resp *http.Response) int {
 			n, err := strconv.Atoi(resp.Header.Get("X-Tokens-Used"))
 			if err != nil {
 				return -1
 			}
 			return n
-		}))}
+		}}}
 		resp, err := c.Get(vendor.URL)
 		if err != nil {
 			t.Fatal(err)
@@ -285,8 +285,8 @@ func TestTransport_SettlesTheCostFromTheResponse(t *testing.T) {
 			t.Errorf("settled from a header: the quota counts %d, want 120", got)
 		}
 
-		lim = newLimiter(t, s.Client(t), policies.SlidingLog{Limit: 10000, Window: time.Minute}, WithPrefix("body"))
-		c = &http.Client{Transport: NewTransport(nil, lim, estimate)}
+		lim = newLimiter(t, s.Client(t), policies.SlidingLog{Limit: 10000, Window: time.Minute}, Options{Prefix: "body"})
+		c = &http.Client{Transport: &Transport{Limiter: lim, Cost: estimate}}
 		resp, err = c.Get(vendor.URL)
 		if err != nil {
 			t.Fatal(err)

@@ -10,11 +10,11 @@ import (
 // newKeyPool returns the pool of a Transport's Keys, set on requests by
 // set, or an error saying what is wrong with them.
 func newKeyPool(keys []string, set func(r *http.Request, key string)) (*keyPool, error) {
-	if len(keys) == 0 {
-		return nil, fmt.Errorf("SetKey is set but Keys is empty")
-	}
 	if set == nil {
 		return nil, fmt.Errorf("Keys needs SetKey, to set the key picked on the request")
+	}
+	if len(keys) == 0 {
+		return nil, fmt.Errorf("SetKey is set but Keys is empty")
 	}
 	p := &keyPool{set: set, keys: make([]poolKey, len(keys))}
 	for i, k := range keys {

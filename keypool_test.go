@@ -117,9 +117,9 @@ func TestKeyPool_SpreadsCallsOverTheKeysWithRoom(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		c := &http.Client{Transport: NewTransport(nil, lim, WithKeyPool(tokens, func(r *http.Request, token string) {
+		c := &http.Client{Transport: &Transport{Limiter: lim, Keys: tokens, SetKey: func(r *http.Request, token string) {
 			r.Header.Set("Authorization", "Bearer "+token)
-		}))}
+		}}}
 		for range workers {
 			wg.Go(func() {
 				for ctx.Err() == nil {
@@ -154,16 +154,18 @@ func TestKeyPool_SpreadsCallsOverTheKeysWithRoom(t *testing.T) {
 }
 
 func TestKeyPool_RefusesABadPool(t *testing.T) {
+	set := func(*http.Request, string) {}
 	for _, tc := range []struct {
 		name string
-		opt  func() TransportOption
+		tr   *Transport
 		want string
 	}{
-		{"no key", func() TransportOption { return WithKeyPool(nil, func(*http.Request, string) {}) }, "WithKeyPool: the pool has no key"},
-		{"an empty key", func() TransportOption { return WithKeyPool([]string{"a", ""}, func(*http.Request, string) {}) }, "WithKeyPool: key 1 is empty"},
-		{"no set", func() TransportOption { return WithKeyPool([]string{"a"}, nil) }, "WithKeyPool: set is nil"},
+		{"no key", &Transport{SetKey: set}, "Transport.Keys: SetKey is set but Keys is empty"},
+		{"an empty list of keys", &Transport{Keys: []string{}, SetKey: set}, "Transport.Keys: SetKey is set but Keys is empty"},
+		{"an empty key", &Transport{Keys: []string{"a", ""}, SetKey: set}, "Transport.Keys: key 1 is empty"},
+		{"no SetKey", &Transport{Keys: []string{"a"}}, "Transport.Keys: Keys needs SetKey"},
 	} {
-		tr := NewTransport(nil, nil, tc.opt())
+		tr := tc.tr
 		req := mustRequest(t, context.Background(), http.MethodGet, "http://127.0.0.1:1/", nil)
 		if _, err := tr.RoundTrip(req); err == nil || !strings.Contains(err.Error(), tc.want) {
 			t.Errorf("%s: %v, want an error naming %q", tc.name, err, tc.want)

@@ -63,11 +63,11 @@ func TestRefused_LearnsWhatTheVendorAccepted(t *testing.T) {
 		clock := newClock()
 		var learned []Event
 		lim := newLimiter(t, s.Client(t), policies.SlidingLog{Limit: 100, Window: time.Second, Margin: time.Millisecond},
-			WithMode(FailFast), WithClock(clock.Now), WithObserver(ObserverFunc(func(e Event) {
+			Options{Mode: FailFast, Clock: clock.Now, Observer: ObserverFunc(func(e Event) {
 				if e.Kind == EventCapLearned {
 					learned = append(learned, e)
 				}
-			})))
+			})})
 		ctx := context.Background()
 		// A first refusal halves the limit: the calls before it may have
 		// been counted under a cap the vendor has just lowered.
@@ -116,7 +116,7 @@ func TestRefused_DropsByHalfAtMost(t *testing.T) {
 	redistest.Each(t, func(t *testing.T, s *redistest.Server) {
 		clock := newClock()
 		lim := newLimiter(t, s.Client(t), policies.SlidingLog{Limit: 100, Window: time.Second, Margin: time.Millisecond},
-			WithMode(FailFast), WithClock(clock.Now))
+			Options{Mode: FailFast, Clock: clock.Now})
 		ctx := context.Background()
 		// A refusal about something else, after 3 calls: the quota does not
 		// fall to 3, only by half.
@@ -151,7 +151,7 @@ func TestRefused_CapRisesBackAfterItsHold(t *testing.T) {
 	redistest.Each(t, func(t *testing.T, s *redistest.Server) {
 		clock := newClock()
 		lim := newLimiter(t, s.Client(t), policies.SlidingLog{Limit: 100, Window: time.Second, Margin: time.Millisecond},
-			WithMode(FailFast), WithClock(clock.Now))
+			Options{Mode: FailFast, Clock: clock.Now})
 		ctx := context.Background()
 		ps := admit(t, lim, clock, 51, time.Millisecond)
 		if err := ps[50].Refused(ctx, 0); err != nil {
@@ -200,7 +200,7 @@ func TestRefused_CapDoesNotRiseWithoutDemand(t *testing.T) {
 	redistest.Each(t, func(t *testing.T, s *redistest.Server) {
 		clock := newClock()
 		lim := newLimiter(t, s.Client(t), policies.SlidingLog{Limit: 100, Window: time.Second, Margin: time.Millisecond},
-			WithMode(FailFast), WithClock(clock.Now))
+			Options{Mode: FailFast, Clock: clock.Now})
 		ps := admit(t, lim, clock, 51, time.Millisecond)
 		if err := ps[50].Refused(context.Background(), 0); err != nil {
 			t.Fatal(err)
@@ -222,7 +222,7 @@ func TestRefused_EveryCountingPolicy(t *testing.T) {
 			policies.SlidingCounter{Limit: 100, Window: time.Second, Buckets: 10, Margin: time.Millisecond},
 			policies.TokenBucket{Rate: 100, Per: time.Second, Burst: 100},
 			policies.Concurrency{Max: 1000, Lease: time.Minute},
-		), WithMode(FailFast), WithClock(clock.Now))
+		), Options{Mode: FailFast, Clock: clock.Now})
 		ps := admit(t, lim, clock, 81, 10*time.Millisecond)
 		if err := ps[80].Refused(context.Background(), 0); err != nil {
 			t.Fatal(err)
@@ -245,7 +245,7 @@ func TestRefused_EveryCountingPolicy(t *testing.T) {
 		}
 		// The bucket's rate falls with its cap: 50 a second.
 		clock.Add(5 * time.Second)
-		lim2 := newLimiter(t, s.Client(t), policies.TokenBucket{Rate: 100, Per: time.Second, Burst: 100}, WithMode(FailFast), WithClock(clock.Now), WithPrefix("alone"))
+		lim2 := newLimiter(t, s.Client(t), policies.TokenBucket{Rate: 100, Per: time.Second, Burst: 100}, Options{Mode: FailFast, Clock: clock.Now, Prefix: "alone"})
 		ps = admit(t, lim2, clock, 1, time.Millisecond)
 		if err := ps[0].Refused(context.Background(), 0); err != nil {
 			t.Fatal(err)
@@ -261,7 +261,7 @@ func TestRefused_PerKeyCapsAreTheKeysOwn(t *testing.T) {
 	redistest.Each(t, func(t *testing.T, s *redistest.Server) {
 		clock := newClock()
 		lim := newLimiter(t, s.Client(t), policies.PerKey{Policy: policies.SlidingLog{Limit: 10, Window: time.Second, Margin: time.Millisecond}},
-			WithMode(FailFast), WithClock(clock.Now))
+			Options{Mode: FailFast, Clock: clock.Now})
 		a, b := Key("token-a"), Key("token-b")
 		ps := admit(t, lim, clock, 9, time.Millisecond, a)
 		if err := ps[8].Refused(context.Background(), 0); err != nil {
@@ -280,7 +280,7 @@ func TestRefused_CostAboveTheCapIsRefusedNotAnError(t *testing.T) {
 	redistest.Each(t, func(t *testing.T, s *redistest.Server) {
 		clock := newClock()
 		lim := newLimiter(t, s.Client(t), policies.SlidingLog{Limit: 100, Window: time.Second, Margin: time.Millisecond},
-			WithMode(FailFast), WithClock(clock.Now))
+			Options{Mode: FailFast, Clock: clock.Now})
 		ps := admit(t, lim, clock, 31, time.Millisecond)
 		if err := ps[30].Refused(context.Background(), 0); err != nil {
 			t.Fatal(err)
@@ -298,7 +298,7 @@ func TestWithoutLearning_RefusalsOnlyPause(t *testing.T) {
 	redistest.Each(t, func(t *testing.T, s *redistest.Server) {
 		clock := newClock()
 		lim := newLimiter(t, s.Client(t), policies.SlidingLog{Limit: 100, Window: time.Second, Margin: time.Millisecond},
-			WithMode(FailFast), WithClock(clock.Now), WithoutLearning())
+			Options{Mode: FailFast, Clock: clock.Now, WithoutLearning: true})
 		ps := admit(t, lim, clock, 51, time.Millisecond)
 		if err := ps[50].Refused(context.Background(), time.Second); err != nil {
 			t.Fatal(err)
@@ -338,8 +338,8 @@ func TestTransport_LearnsOnlyFromRefusalsAboutTheQuota(t *testing.T) {
 		} {
 			remaining.Store(tc.remaining)
 			retryAfter.Store(tc.retryAfter)
-			lim := newLimiter(t, s.Client(t), policies.SlidingLog{Limit: 100, Window: time.Second}, WithMode(FailFast), WithPrefix(tc.prefix))
-			c := &http.Client{Transport: NewTransport(nil, lim, WithMaxRetries(0))}
+			lim := newLimiter(t, s.Client(t), policies.SlidingLog{Limit: 100, Window: time.Second}, Options{Mode: FailFast, Prefix: tc.prefix})
+			c := &http.Client{Transport: &Transport{Limiter: lim, MaxRetries: -1}}
 			resp, err := c.Get(vendor.URL)
 			if err != nil {
 				t.Fatal(err)
@@ -357,7 +357,7 @@ func TestSetRemaining_AnswersOfCallsInFlightChargeTheGapOnce(t *testing.T) {
 		clock := newClock()
 		// Configured at twice the vendor's real cap of 40 a minute.
 		lim := newLimiter(t, s.Client(t), policies.SlidingLog{Limit: 80, Window: time.Minute, Margin: time.Millisecond},
-			WithMode(FailFast), WithClock(clock.Now))
+			Options{Mode: FailFast, Clock: clock.Now})
 		ctx := context.Background()
 		ps := admit(t, lim, clock, 10, 10*time.Millisecond)
 		// Each answer says what the vendor had left once it counted its
@@ -386,7 +386,7 @@ func TestDo_HandsFnItsPermit(t *testing.T) {
 	redistest.Each(t, func(t *testing.T, s *redistest.Server) {
 		clock := newClock()
 		lim := newLimiter(t, s.Client(t), policies.SlidingLog{Limit: 1000, Window: time.Second, Margin: time.Millisecond},
-			WithMode(FailFast), WithClock(clock.Now))
+			Options{Mode: FailFast, Clock: clock.Now})
 		ctx := context.Background()
 		if PermitFrom(ctx) != nil {
 			t.Fatal("a context Do did not make has a permit")
@@ -445,7 +445,7 @@ func TestNewcomer_ZeroValuesAndMessages(t *testing.T) {
 	// (A zero Transport sends with http.DefaultTransport: here, to nowhere.)
 
 	redistest.Each(t, func(t *testing.T, s *redistest.Server) {
-		shared := newLimiter(t, s.Client(t), policies.TokenBucket{Rate: 100, Per: time.Second}, WithMode(FailFast))
+		shared := newLimiter(t, s.Client(t), policies.TokenBucket{Rate: 100, Per: time.Second}, Options{Mode: FailFast})
 		if _, err := shared.Acquire(ctx, Key("tenant-1")); err == nil || !strings.Contains(err.Error(), "PerKey") {
 			t.Errorf("a Key on a quota with no per-key limit: %v, want an error naming PerKey", err)
 		}
@@ -453,7 +453,7 @@ func TestNewcomer_ZeroValuesAndMessages(t *testing.T) {
 			t.Errorf("Cost 2 over the default burst: %v, want an error naming TokenBucket.Burst", err)
 		}
 		// While paused, nothing is left.
-		p := newLimiter(t, s.Client(t), policies.SlidingLog{Limit: 10, Window: time.Second}, WithMode(FailFast), WithPrefix("paused"))
+		p := newLimiter(t, s.Client(t), policies.SlidingLog{Limit: 10, Window: time.Second}, Options{Mode: FailFast, Prefix: "paused"})
 		if err := p.Pause(ctx, time.Minute); err != nil {
 			t.Fatal(err)
 		}

@@ -15,7 +15,8 @@ import (
 	"github.com/throttlekit/throttle/policies"
 )
 
-func quiet() Option { return WithLogger(slog.New(slog.DiscardHandler)) }
+// quiet is a logger that drops what it is told.
+func quiet() *slog.Logger { return slog.New(slog.DiscardHandler) }
 
 // A new replica may meet the empty Redis first and write a fresh epoch. The
 // replica that knew the old one still finds out, and pauses the quota for a
@@ -26,7 +27,7 @@ func TestDataLoss_NoticedAfterANewReplicaWroteAFreshEpoch(t *testing.T) {
 		rdb := s.Client(t)
 		clock := newClock()
 		policy := policies.SlidingLog{Limit: 10, Window: time.Minute}
-		a := newLimiter(t, rdb, policy, WithClock(clock.Now), quiet())
+		a := newLimiter(t, rdb, policy, Options{Clock: clock.Now, Logger: quiet()})
 		ctx := context.Background()
 		if d, _ := a.Allow(ctx, Cost(10)); !d.OK {
 			t.Fatal("first call refused")
@@ -35,7 +36,7 @@ func TestDataLoss_NoticedAfterANewReplicaWroteAFreshEpoch(t *testing.T) {
 			t.Fatal(err)
 		}
 		clock.Add(time.Second)
-		b, err := New(rdb, a.Name(), policy, WithClock(clock.Now), quiet())
+		b, err := New(rdb, a.Name(), policy, Options{Clock: clock.Now, Logger: quiet()})
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -63,7 +64,7 @@ func TestDataLoss_NoticedByAPause(t *testing.T) {
 	redistest.Each(t, func(t *testing.T, s *redistest.Server) {
 		rdb := s.Client(t)
 		clock := newClock()
-		lim := newLimiter(t, rdb, policies.SlidingLog{Limit: 10, Window: time.Minute}, WithClock(clock.Now), quiet())
+		lim := newLimiter(t, rdb, policies.SlidingLog{Limit: 10, Window: time.Minute}, Options{Clock: clock.Now, Logger: quiet()})
 		ctx := context.Background()
 		if d, _ := lim.Allow(ctx, Cost(10)); !d.OK {
 			t.Fatal("first call refused")
@@ -87,7 +88,7 @@ func TestDataLoss_ConcurrencySlotsCountAsTakenForALease(t *testing.T) {
 	redistest.Each(t, func(t *testing.T, s *redistest.Server) {
 		rdb := s.Client(t)
 		clock := newClock()
-		lim := newLimiter(t, rdb, policies.Concurrency{Max: 2, Lease: 10 * time.Second}, WithMode(FailFast), WithClock(clock.Now), quiet())
+		lim := newLimiter(t, rdb, policies.Concurrency{Max: 2, Lease: 10 * time.Second}, Options{Mode: FailFast, Clock: clock.Now, Logger: quiet()})
 		ctx := context.Background()
 		for range 2 {
 			if _, err := lim.Acquire(ctx); err != nil {
@@ -119,7 +120,7 @@ func TestDataLoss_TokenBucketRefillsFromEmpty(t *testing.T) {
 		lim := newLimiter(t, rdb, policies.All(
 			policies.SlidingLog{Limit: 10, Window: time.Second},
 			policies.TokenBucket{Rate: 1000, Per: 24 * time.Hour, Burst: 1000},
-		), WithClock(clock.Now), quiet())
+		), Options{Clock: clock.Now, Logger: quiet()})
 		ctx := context.Background()
 		if d, _ := lim.Allow(ctx); !d.OK {
 			t.Fatal("first call refused")
@@ -210,7 +211,7 @@ func (slowScripts) ProcessPipelineHook(next redis.ProcessPipelineHook) redis.Pro
 func TestRedisTimeout_RunsFromTheCallsOwnScript(t *testing.T) {
 	s := redistest.New(t)
 	rdb := s.Client(t)
-	lim := newLimiter(t, rdb, policies.SlidingLog{Limit: 100, Window: time.Second}, quiet())
+	lim := newLimiter(t, rdb, policies.SlidingLog{Limit: 100, Window: time.Second}, Options{Logger: quiet()})
 	ctx := context.Background()
 	if _, err := lim.Allow(ctx); err != nil { // Redis learns the script
 		t.Fatal(err)
@@ -258,7 +259,7 @@ func TestDeploy_ChangedPolicyTakesOverCleanly(t *testing.T) {
 		name := "deploy-" + s.Addr
 		version := func(p policies.Policy) *Limiter {
 			t.Helper()
-			lim, err := New(rdb, name, p, WithClock(clock.Now), quiet())
+			lim, err := New(rdb, name, p, Options{Clock: clock.Now, Logger: quiet()})
 			if err != nil {
 				t.Fatal(err)
 			}
@@ -310,7 +311,7 @@ func TestClockStep_ForwardStepCountsAsALoss(t *testing.T) {
 	s := redistest.Mini(t)
 	t0 := time.Now()
 	s.Mini.SetTime(t0)
-	lim := newLimiter(t, s.Client(t), policies.SlidingLog{Limit: 10, Window: time.Minute}, quiet())
+	lim := newLimiter(t, s.Client(t), policies.SlidingLog{Limit: 10, Window: time.Minute}, Options{Logger: quiet()})
 	ctx := context.Background()
 	if d, _ := lim.Allow(ctx, Cost(10)); !d.OK {
 		t.Fatal("first call refused")
@@ -333,9 +334,9 @@ func TestClockStep_ForwardStepCountsAsALoss(t *testing.T) {
 func TestLocal_WaitsPastTheFleetsBookings(t *testing.T) {
 	s := redistest.Mini(t)
 	policy := policies.SlidingLog{Limit: 10, Window: 200 * time.Millisecond}
-	opts := []Option{WithOnRedisError(Local), WithExpectedReplicas(2), WithMode(FailFast), quiet()}
-	a := newLimiter(t, s.Client(t), policy, opts...)
-	b, err := New(s.Client(t), a.Name(), policy, opts...)
+	opts := Options{OnRedisError: Local, ExpectedReplicas: 2, Mode: FailFast, Logger: quiet()}
+	a := newLimiter(t, s.Client(t), policy, opts)
+	b, err := New(s.Client(t), a.Name(), policy, opts)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -381,7 +382,7 @@ func TestDataLoss_NoticedWhenRedisGoesBackInTime(t *testing.T) {
 	redistest.Each(t, func(t *testing.T, s *redistest.Server) {
 		rdb := s.Client(t)
 		clock := newClock()
-		lim := newLimiter(t, rdb, policies.SlidingLog{Limit: 10, Window: time.Minute}, WithClock(clock.Now), quiet())
+		lim := newLimiter(t, rdb, policies.SlidingLog{Limit: 10, Window: time.Minute}, Options{Clock: clock.Now, Logger: quiet()})
 		ctx := context.Background()
 		if d, _ := lim.Allow(ctx, Cost(2)); !d.OK {
 			t.Fatal("first call refused")
@@ -415,7 +416,7 @@ func TestLocal_BackOnRedisReservesTheOthersShare(t *testing.T) {
 	redistest.Each(t, func(t *testing.T, s *redistest.Server) {
 		clock := newClock()
 		lim := newLimiter(t, s.Client(t), policies.SlidingLog{Limit: 10, Window: time.Second},
-			WithOnRedisError(Local), WithExpectedReplicas(2), WithClock(clock.Now), quiet())
+			Options{OnRedisError: Local, ExpectedReplicas: 2, Clock: clock.Now, Logger: quiet()})
 		ctx := context.Background()
 		if err := lim.handBack(ctx); err != nil {
 			t.Fatal(err)
@@ -447,7 +448,7 @@ func TestLocal_BackOnRedisReservesTheOthersShare(t *testing.T) {
 // decided again, as through Redis; FailOpen has no slot to be late for.
 func TestLocal_LateStartGuard(t *testing.T) {
 	lim := newLimiter(t, deadRedis(t), policies.SlidingLog{Limit: 10, Window: time.Second},
-		WithOnRedisError(Local), WithExpectedReplicas(2), quiet())
+		Options{OnRedisError: Local, ExpectedReplicas: 2, Logger: quiet()})
 	lim.local.takeOver(time.Now())
 	lim.local.full = time.Now().Add(-2 * time.Second) // a window after it took over
 	r := lim.local.decide(lim.scopeFor(call{}), call{cost: 1}, "m", 0)
@@ -472,7 +473,7 @@ func TestLocal_LateStartGuard(t *testing.T) {
 func TestLocal_ConcurrencySlotsHeldThroughRedisStayTaken(t *testing.T) {
 	s := redistest.New(t)
 	lim := newLimiter(t, s.Client(t), policies.Concurrency{Max: 4, Lease: time.Second},
-		WithOnRedisError(Local), WithExpectedReplicas(2), WithMode(FailFast), quiet())
+		Options{OnRedisError: Local, ExpectedReplicas: 2, Mode: FailFast, Logger: quiet()})
 	ctx := context.Background()
 	for range 2 {
 		if _, err := lim.Acquire(ctx); err != nil {
@@ -511,8 +512,8 @@ func TestNews_SleepingCallsLearnWhatOtherReplicasLearned(t *testing.T) {
 		ctx := context.Background()
 		policy := policies.SlidingLog{Limit: 1, Window: 300 * time.Millisecond}
 		t.Run("Pause", func(t *testing.T) {
-			a := newLimiter(t, s.Client(t), policy, quiet())
-			b, err := New(s.Client(t), a.Name(), policy, quiet())
+			a := newLimiter(t, s.Client(t), policy, Options{Logger: quiet()})
+			b, err := New(s.Client(t), a.Name(), policy, Options{Logger: quiet()})
 			if err != nil {
 				t.Fatal(err)
 			}
@@ -539,8 +540,8 @@ func TestNews_SleepingCallsLearnWhatOtherReplicasLearned(t *testing.T) {
 		})
 		t.Run("Loss", func(t *testing.T) {
 			rdb := s.Client(t)
-			a := newLimiter(t, rdb, policy, quiet())
-			b, err := New(s.Client(t), a.Name(), policy, quiet())
+			a := newLimiter(t, rdb, policy, Options{Logger: quiet()})
+			b, err := New(s.Client(t), a.Name(), policy, Options{Logger: quiet()})
 			if err != nil {
 				t.Fatal(err)
 			}

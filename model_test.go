@@ -151,17 +151,17 @@ func checkSeed(t *testing.T, rdb redis.UniversalClient, mini *miniredis.Miniredi
 	ctx := context.Background()
 	tc, kinds := run.tc, run.name
 	now := int64(1_700_000_000_000_000) + int64(seed)*1_000_000_000
-	var opts []Option
+	var opts Options
 	useTIME := mini != nil && seed%2 == 0
 	if useTIME {
 		// miniredis answers TIME from its settable clock, so the script's
 		// own TIME path is checked too.
 		mini.SetTime(time.UnixMicro(now))
 	} else {
-		opts = append(opts, WithClock(func() time.Time { return time.UnixMicro(now) }))
+		opts.Clock = func() time.Time { return time.UnixMicro(now) }
 	}
 	name := fmt.Sprintf("model-%v-%d-%d", kinds, seed, time.Now().UnixNano())
-	lim, err := New(rdb, strings.NewReplacer(" ", "", "[", "", "]", "").Replace(name), tc.policy, opts...)
+	lim, err := New(rdb, strings.NewReplacer(" ", "", "[", "", "]", "").Replace(name), tc.policy, opts)
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -41,7 +41,7 @@ func TestObserver_SeesExactlyTheCallsMade(t *testing.T) {
 		var rec recorder
 		clock := newClock()
 		lim := newLimiter(t, s.Client(t), policies.SlidingLog{Limit: 10, Window: time.Second},
-			WithMode(FailFast), WithObserver(&rec), WithClock(clock.Now))
+			Options{Mode: FailFast, Observer: &rec, Clock: clock.Now})
 		ctx := context.Background()
 		admitted, limited := 0, 0
 		for i := range 12 {
@@ -75,7 +75,7 @@ func TestObserver_SeesExactlyTheCallsMade(t *testing.T) {
 func TestObserver_ShadowModeLetsEveryCallThrough(t *testing.T) {
 	s := redistest.Mini(t)
 	var rec recorder
-	lim := newLimiter(t, s.Client(t), policies.SlidingLog{Limit: 3, Window: time.Hour}, WithShadow(), WithObserver(&rec))
+	lim := newLimiter(t, s.Client(t), policies.SlidingLog{Limit: 3, Window: time.Hour}, Options{Shadow: true, Observer: &rec})
 	ran := 0
 	for range 10 {
 		if _, err := Do(context.Background(), lim, func(context.Context) (int, error) { ran++; return 0, nil }); err != nil {
@@ -119,7 +119,7 @@ func TestObserver_EveryEntryPointReportsAndHonoursShadowMode(t *testing.T) {
 		}},
 		{"Transport", func(l *Limiter) error {
 			req := mustRequest(t, context.Background(), http.MethodGet, srv.URL, nil)
-			resp, err := NewTransport(nil, l).RoundTrip(req)
+			resp, err := (&Transport{Limiter: l}).RoundTrip(req)
 			if err == nil {
 				resp.Body.Close()
 			}
@@ -131,7 +131,7 @@ func TestObserver_EveryEntryPointReportsAndHonoursShadowMode(t *testing.T) {
 		for _, e := range entries {
 			t.Run(mode.String()+"/"+e.name, func(t *testing.T) {
 				var rec recorder
-				lim := newLimiter(t, s.Client(t), policies.SlidingLog{Limit: 2, Window: time.Hour}, WithMode(mode), WithMaxWait(time.Millisecond), WithObserver(&rec))
+				lim := newLimiter(t, s.Client(t), policies.SlidingLog{Limit: 2, Window: time.Hour}, Options{Mode: mode, MaxWait: time.Millisecond, Observer: &rec})
 				admitted := 0
 				for range 3 {
 					if e.call(lim) == nil {
@@ -149,7 +149,7 @@ func TestObserver_EveryEntryPointReportsAndHonoursShadowMode(t *testing.T) {
 				}
 
 				var shadowRec recorder
-				shadow, err := New(s.Client(t), lim.Name()+"-shadow", policies.SlidingLog{Limit: 1, Window: time.Hour}, WithMode(mode), WithShadow(), WithObserver(&shadowRec))
+				shadow, err := New(s.Client(t), lim.Name()+"-shadow", policies.SlidingLog{Limit: 1, Window: time.Hour}, Options{Mode: mode, Shadow: true, Observer: &shadowRec})
 				if err != nil {
 					t.Fatal(err)
 				}
@@ -171,7 +171,7 @@ func TestObserver_EveryEntryPointReportsAndHonoursShadowMode(t *testing.T) {
 
 func TestObserver_SeesFailuresAndTheFallback(t *testing.T) {
 	var rec recorder
-	lim := newLimiter(t, deadRedis(t), perSecond, WithObserver(&rec), WithOnRedisError(FailClosed))
+	lim := newLimiter(t, deadRedis(t), perSecond, Options{Observer: &rec, OnRedisError: FailClosed})
 	for range 5 {
 		if _, err := lim.Acquire(context.Background()); !errors.Is(err, ErrUnavailable) {
 			t.Fatalf("Acquire on a dead Redis: %v", err)
@@ -192,10 +192,10 @@ func TestObserver_SeesFailuresAndTheFallback(t *testing.T) {
 func BenchmarkObserver(b *testing.B) {
 	for _, tc := range []struct {
 		name string
-		opts []Option
+		opts []Options
 	}{
 		{"none", nil},
-		{"noop", []Option{WithObserver(ObserverFunc(func(Event) {}))}},
+		{"noop", []Options{{Observer: ObserverFunc(func(Event) {})}}},
 	} {
 		b.Run(tc.name, func(b *testing.B) {
 			lim, err := New(deadRedis(b), "bench", perSecond, tc.opts...)

@@ -26,7 +26,7 @@ func llmPolicy(requests, tokens int, window time.Duration) policies.Policy {
 func TestPerCall_CountsCallsBesideUnits(t *testing.T) {
 	redistest.Each(t, func(t *testing.T, s *redistest.Server) {
 		clock := newClock()
-		lim := newLimiter(t, s.Client(t), llmPolicy(5, 1000, time.Second), WithMode(FailFast), WithClock(clock.Now))
+		lim := newLimiter(t, s.Client(t), llmPolicy(5, 1000, time.Second), Options{Mode: FailFast, Clock: clock.Now})
 		ctx := context.Background()
 		// 300 tokens a call: the tokens bind, at the fourth call.
 		var ps []*Permit
@@ -200,7 +200,7 @@ func TestPermit_CancelGivesTheCallBack(t *testing.T) {
 				policies.Concurrency{Max: 2, Lease: time.Minute},
 			)},
 			policies.SlidingLog{Limit: 1000, Window: time.Minute},
-		), WithMode(FailFast))
+		), Options{Mode: FailFast})
 		ctx := context.Background()
 		p, err := lim.Acquire(ctx, Cost(300))
 		if err != nil {
@@ -228,7 +228,7 @@ func TestPermit_CancelGivesTheCallBack(t *testing.T) {
 	})
 }
 
-// Without WithMaxWait, a call waits for any slot its deadline allows: the
+// Without Options.MaxWait, a call waits for any slot its deadline allows: the
 // 31st call of 30 a minute, under a deadline of two minutes, books its slot
 // a minute ahead instead of failing at once.
 func TestBlock_DeadlineAloneBoundsTheWaitByDefault(t *testing.T) {

@@ -21,7 +21,7 @@ func TestSettle_RefundsAndChargesInTheSameWindow(t *testing.T) {
 		t.Run(fmt.Sprintf("%T", p), func(t *testing.T) {
 			redistest.Each(t, func(t *testing.T, s *redistest.Server) {
 				clock := newClock()
-				lim := newLimiter(t, s.Client(t), p, WithClock(clock.Now))
+				lim := newLimiter(t, s.Client(t), p, Options{Clock: clock.Now})
 				ctx := context.Background()
 				permit, err := lim.Acquire(ctx, Cost(6))
 				if err != nil {
@@ -78,7 +78,7 @@ func rdbUnits(t *testing.T, lim *Limiter) int {
 func TestTokenBucket_RefundsOnlyItsLatestCall(t *testing.T) {
 	redistest.Each(t, func(t *testing.T, s *redistest.Server) {
 		clock := newClock()
-		lim := newLimiter(t, s.Client(t), policies.TokenBucket{Rate: 10, Per: time.Second, Burst: 4}, WithClock(clock.Now))
+		lim := newLimiter(t, s.Client(t), policies.TokenBucket{Rate: 10, Per: time.Second, Burst: 4}, Options{Clock: clock.Now})
 		ctx := context.Background()
 		first, err := lim.Acquire(ctx, Cost(2))
 		if err != nil {
@@ -111,7 +111,7 @@ func TestTokenBucket_RefundsOnlyItsLatestCall(t *testing.T) {
 func TestTokenBucket_PacesCalls(t *testing.T) {
 	redistest.Each(t, func(t *testing.T, s *redistest.Server) {
 		clock := newClock()
-		lim := newLimiter(t, s.Client(t), policies.TokenBucket{Rate: 10, Per: time.Second}, WithClock(clock.Now))
+		lim := newLimiter(t, s.Client(t), policies.TokenBucket{Rate: 10, Per: time.Second}, Options{Clock: clock.Now})
 		ctx := context.Background()
 		if d, _ := lim.Allow(ctx); !d.OK {
 			t.Fatal("first call refused")
@@ -214,7 +214,7 @@ func TestConcurrency_ReleaseWakesThisProcesssWaiters(t *testing.T) {
 func TestConcurrency_LeaseFreesACrashedHolder(t *testing.T) {
 	redistest.Each(t, func(t *testing.T, s *redistest.Server) {
 		clock := newClock()
-		lim := newLimiter(t, s.Client(t), policies.Concurrency{Max: 1, Lease: time.Second}, WithClock(clock.Now), WithMode(FailFast))
+		lim := newLimiter(t, s.Client(t), policies.Concurrency{Max: 1, Lease: time.Second}, Options{Clock: clock.Now, Mode: FailFast})
 		ctx := context.Background()
 		p, err := lim.Acquire(ctx)
 		if err != nil {
@@ -243,8 +243,8 @@ func TestPause_StopsEveryReplica(t *testing.T) {
 	redistest.Each(t, func(t *testing.T, s *redistest.Server) {
 		clock := newClock()
 		policy := policies.SlidingLog{Limit: 100, Window: time.Second}
-		a := newLimiter(t, s.Client(t), policy, WithClock(clock.Now))
-		b := newLimiter(t, s.Client(t), policy, WithClock(clock.Now))
+		a := newLimiter(t, s.Client(t), policy, Options{Clock: clock.Now})
+		b := newLimiter(t, s.Client(t), policy, Options{Clock: clock.Now})
 		ctx := context.Background()
 		if err := a.Pause(ctx, 2*time.Second); err != nil {
 			t.Fatal(err)
@@ -266,7 +266,7 @@ func TestPause_StopsEveryReplica(t *testing.T) {
 func TestPause_AppliesToOneKeyOfPerKeyQuotas(t *testing.T) {
 	s := redistest.Mini(t)
 	clock := newClock()
-	lim := newLimiter(t, s.Client(t), policies.PerKey{Policy: policies.SlidingLog{Limit: 10, Window: time.Hour}}, WithClock(clock.Now))
+	lim := newLimiter(t, s.Client(t), policies.PerKey{Policy: policies.SlidingLog{Limit: 10, Window: time.Hour}}, Options{Clock: clock.Now})
 	ctx := context.Background()
 	if err := lim.Pause(ctx, time.Minute); err == nil {
 		t.Errorf("Pause without a Key on a per-key quota succeeded")
@@ -315,7 +315,7 @@ func TestSetRemaining_ClampsTheSharedCountDown(t *testing.T) {
 			policies.TokenBucket{Rate: 10, Per: time.Minute, Burst: 10},
 		} {
 			clock := newClock()
-			lim := newLimiter(t, s.Client(t), p, WithClock(clock.Now), WithMode(FailFast))
+			lim := newLimiter(t, s.Client(t), p, Options{Clock: clock.Now, Mode: FailFast})
 			ctx := context.Background()
 			if _, err := lim.Acquire(ctx, Cost(2)); err != nil {
 				t.Fatal(err)

@@ -36,15 +36,19 @@ func hold(t *testing.T, lim *Limiter) (release func()) {
 	}
 }
 
-func newQueueLimiter(t *testing.T, s *redistest.Server, opts ...Option) *Limiter {
+func newQueueLimiter(t *testing.T, s *redistest.Server, opts ...Options) *Limiter {
 	t.Helper()
-	opts = append([]Option{WithMode(Queue)}, opts...)
-	return newLimiter(t, s.Client(t), policies.SlidingLog{Limit: 1, Window: 30 * time.Second}, opts...)
+	var o Options
+	if len(opts) > 0 {
+		o = opts[0]
+	}
+	o.Mode = Queue
+	return newLimiter(t, s.Client(t), policies.SlidingLog{Limit: 1, Window: 30 * time.Second}, o)
 }
 
 func TestQueue_ServesByPriorityThenArrival(t *testing.T) {
 	redistest.Each(t, func(t *testing.T, s *redistest.Server) {
-		lim := newLimiter(t, s.Client(t), policies.SlidingLog{Limit: 1, Window: 30 * time.Millisecond, Margin: time.Nanosecond}, WithMode(Queue))
+		lim := newLimiter(t, s.Client(t), policies.SlidingLog{Limit: 1, Window: 30 * time.Millisecond, Margin: time.Nanosecond}, Options{Mode: Queue})
 		ctx := context.Background()
 		if _, err := lim.Acquire(ctx); err != nil {
 			t.Fatal(err)
@@ -94,7 +98,7 @@ func TestQueue_FullQueueTurnsAwayPerOverflow(t *testing.T) {
 	for _, tt := range tests {
 		t.Run(tt.overflow.String()+"_turns_away_"+tt.wantAway, func(t *testing.T) {
 			s := redistest.Mini(t)
-			lim := newQueueLimiter(t, s, WithMaxQueue(2), WithOverflow(tt.overflow))
+			lim := newQueueLimiter(t, s, Options{MaxQueue: 2, Overflow: tt.overflow})
 			release := hold(t, lim)
 			defer release()
 			ctx, cancel := context.WithCancel(context.Background())
@@ -126,7 +130,7 @@ func TestQueue_QueuedCallsCostNoRedisCall(t *testing.T) {
 	rdb := s.Client(t)
 	var scripts atomic.Int64
 	rdb.AddHook(countScripts{&scripts})
-	lim := newLimiter(t, rdb, policies.SlidingLog{Limit: 10, Window: 30 * time.Second}, WithMode(Queue))
+	lim := newLimiter(t, rdb, policies.SlidingLog{Limit: 10, Window: 30 * time.Second}, Options{Mode: Queue})
 	ctx, cancel := context.WithCancel(context.Background())
 	var futures []*Future[int]
 	for range 1000 {
@@ -152,7 +156,7 @@ func TestQueue_QueuedCallsCostNoRedisCall(t *testing.T) {
 
 func TestQueue_CloseDrainsEveryCall(t *testing.T) {
 	redistest.Each(t, func(t *testing.T, s *redistest.Server) {
-		lim := newLimiter(t, s.Client(t), policies.SlidingLog{Limit: 5, Window: 50 * time.Millisecond, Margin: time.Nanosecond}, WithMode(Queue))
+		lim := newLimiter(t, s.Client(t), policies.SlidingLog{Limit: 5, Window: 50 * time.Millisecond, Margin: time.Nanosecond}, Options{Mode: Queue})
 		ctx := context.Background()
 		var ran atomic.Int64
 		var futures []*Future[int]

@@ -55,7 +55,7 @@ func readmeUse(ctx context.Context, rdb *redis.Client) error {
 	// README use
 	lim, err := throttle.New(rdb, "twilio-sms",
 		policies.SlidingLog{Limit: 100, Window: time.Second},
-		throttle.WithMode(throttle.Block), // the default; or FailFast, Queue
+		throttle.Options{Mode: throttle.Block}, // the default; or FailFast, Queue
 	)
 
 	// Wait for a slot, run the call, release.
@@ -79,20 +79,22 @@ func readmeHTTPClient(rdb *redis.Client) *http.Client {
 	// README http
 	core, _ := throttle.New(rdb, "github-core", policies.PerKey{Policy: policies.SlidingLog{Limit: 5000, Window: time.Hour}})
 	search, _ := throttle.New(rdb, "github-search", policies.PerKey{Policy: policies.SlidingLog{Limit: 30, Window: time.Minute}})
-	client := &http.Client{Transport: throttle.NewTransport(http.DefaultTransport, nil, // other hosts: not limited
-		throttle.WithRoute("api.github.com/search/", search),
-		throttle.WithRoute("api.github.com/", core),
-		throttle.WithRequestKey(func(r *http.Request) string { return r.Header.Get("Authorization") }),
-	)}
+	client := &http.Client{Transport: &throttle.Transport{ // no Limiter: other hosts are not limited
+		Routes: []throttle.Route{
+			{Pattern: "api.github.com/search/", Limiter: search},
+			{Pattern: "api.github.com/", Limiter: core},
+		},
+		Key: func(r *http.Request) string { return r.Header.Get("Authorization") },
+	}}
 	// README end
 	return client
 }
 
 func readmeKeyPool(core *throttle.Limiter, tokens []string) *throttle.Transport {
 	// README keypool
-	tr := throttle.NewTransport(nil, core, throttle.WithKeyPool(tokens, func(r *http.Request, token string) {
+	tr := &throttle.Transport{Limiter: core, Keys: tokens, SetKey: func(r *http.Request, token string) {
 		r.Header.Set("Authorization", "Bearer "+token)
-	}))
+	}}
 	// README end
 	return tr
 }
@@ -106,8 +108,8 @@ func readmeOpenAI(ctx context.Context, rdb *redis.Client, req *http.Request) err
 		policies.PerCall{Policy: policies.SlidingLog{Limit: 500, Window: time.Minute}},
 		policies.SlidingCounter{Limit: 200_000, Window: time.Minute},
 	))
-	client := &http.Client{Transport: throttle.NewTransport(nil, lim,
-		throttle.WithRequestCost(estimateTokens))} // prompt tokens + max_tokens
+	client := &http.Client{Transport: &throttle.Transport{Limiter: lim,
+		Cost: estimateTokens}} // prompt tokens + max_tokens
 	resp, err := client.Do(req)
 	// Once the body is read:
 	err = throttle.PermitFrom(resp.Request.Context()).Settle(ctx, usage.TotalTokens)
@@ -120,7 +122,7 @@ func readmeWorkers(ctx context.Context, rdb *redis.Client, policy policies.Polic
 	tenant := "tenant-42"
 	sendSMS := func(ctx context.Context) (*Message, error) { return smsClient{}.Send(ctx, "+15550100", "hello") }
 	// README workers
-	lim, _ := throttle.New(rdb, "sms-provider", policy, throttle.WithMode(throttle.Queue))
+	lim, _ := throttle.New(rdb, "sms-provider", policy, throttle.Options{Mode: throttle.Queue})
 	f := throttle.Go(ctx, lim, sendSMS, throttle.Key(tenant), throttle.Priority(10)) // returns at once
 	// ... f.Wait() where the result is needed
 	err := lim.Close(ctx) // stop taking jobs, drain the queue: every job runs or gets an error

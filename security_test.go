@@ -144,7 +144,7 @@ func securityPaths(t *testing.T, rdb redis.UniversalClient) {
 		t.Errorf("Usage.Paused = %v after Pause, want > 0", paused)
 	}
 
-	conc, err := New(rdb, "security-concurrency", policies.Concurrency{Max: 1, Lease: 10 * time.Second}, WithMode(FailFast))
+	conc, err := New(rdb, "security-concurrency", policies.Concurrency{Max: 1, Lease: 10 * time.Second}, Options{Mode: FailFast})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -181,7 +181,7 @@ func securityPaths(t *testing.T, rdb redis.UniversalClient) {
 	}
 	base := &http.Transport{}
 	defer base.CloseIdleConnections()
-	client := &http.Client{Transport: NewTransport(base, hl)}
+	client := &http.Client{Transport: &Transport{Base: base, Limiter: hl}}
 	req, err := http.NewRequestWithContext(ctx, http.MethodGet, vendor.URL, nil)
 	if err != nil {
 		t.Fatal(err)
@@ -414,7 +414,7 @@ func TestSecurity_MissingRightIsNotAnOutage(t *testing.T) {
 		t.Run(o.String(), func(t *testing.T) {
 			rdb := aclUser(t, s, admin, "throttle", rules)
 			lim, err := New(rdb, "security-"+o.String(), policies.SlidingLog{Limit: 10, Window: time.Second},
-				WithOnRedisError(o), WithExpectedReplicas(2), quiet())
+				Options{OnRedisError: o, ExpectedReplicas: 2, Logger: quiet()})
 			if err != nil {
 				t.Fatal(err)
 			}

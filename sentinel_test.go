@@ -34,7 +34,7 @@ func TestFault_SentinelFailover(t *testing.T) {
 	logs, logger := faultLogger()
 	lims, closeClients := faultLimiters(t, "fault-sentinel", func(int) redis.UniversalClient {
 		return redis.NewFailoverClient(s.FailoverOptions())
-	}, logger)
+	}, Options{Logger: logger})
 	f := startFaultFleet(t, lims, faultWindow)
 
 	time.Sleep(2 * faultWindow)

@@ -370,13 +370,13 @@ func newSettings(name string, opts []Options) (settings, error) {
 	case s.onRedisError != FailClosed && s.onRedisError != FailOpen && s.onRedisError != Local:
 		err = fmt.Errorf("throttle: quota %q: Options.OnRedisError: unknown policy %v", name, s.onRedisError)
 	case s.replicas < 0:
-		err = fmt.Errorf("throttle: quota %q: Options.ExpectedReplicas must be > 0, got %d", name, s.replicas)
+		err = fmt.Errorf("throttle: quota %q: Options.ExpectedReplicas must not be negative, got %d", name, s.replicas)
 	case s.onRedisError == Local && s.replicas == 0:
 		err = fmt.Errorf("throttle: quota %q: Options.OnRedisError Local needs Options.ExpectedReplicas, to divide the quota among the replicas", name)
 	case s.redisTimeout < 0:
-		err = fmt.Errorf("throttle: quota %q: Options.RedisTimeout must be > 0, got %v", name, s.redisTimeout)
+		err = fmt.Errorf("throttle: quota %q: Options.RedisTimeout must not be negative, got %v", name, s.redisTimeout)
 	case s.maxQueue < 0:
-		err = fmt.Errorf("throttle: quota %q: Options.MaxQueue must be > 0, got %d", name, s.maxQueue)
+		err = fmt.Errorf("throttle: quota %q: Options.MaxQueue must not be negative, got %d", name, s.maxQueue)
 	case s.overflow != RejectNew && s.overflow != ShedOldest && s.overflow != ShedLowest:
 		err = fmt.Errorf("throttle: quota %q: Options.Overflow: unknown overflow %v", name, s.overflow)
 	default:

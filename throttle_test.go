@@ -3,6 +3,7 @@ package throttle
 import (
 	"context"
 	"errors"
+	"log/slog"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -37,7 +38,7 @@ func (c *fixedClock) Add(d time.Duration) {
 	c.t = c.t.Add(d)
 }
 
-func newLimiter(t *testing.T, rdb redis.UniversalClient, p policies.Policy, opts ...Option) *Limiter {
+func newLimiter(t *testing.T, rdb redis.UniversalClient, p policies.Policy, opts ...Options) *Limiter {
 	t.Helper()
 	lim, err := New(rdb, strings.NewReplacer("/", "-", " ", "-").Replace(t.Name()), p, opts...)
 	if err != nil {
@@ -49,13 +50,13 @@ func newLimiter(t *testing.T, rdb redis.UniversalClient, p policies.Policy, opts
 func TestNew_RejectsBadConfiguration(t *testing.T) {
 	rdb := redis.NewClient(&redis.Options{Addr: "127.0.0.1:1"})
 	defer rdb.Close()
-	long := strings.Repeat("n", MaxNameLen+1)
+	long := strings.Repeat("n", maxNameLen+1)
 	tests := []struct {
 		name   string
 		rdb    redis.UniversalClient
 		quota  string
 		policy policies.Policy
-		opts   []Option
+		opts   []Options
 		want   []string // every piece must appear in the error
 	}{
 		{"nil client", nil, "q", perSecond, nil, []string{"redis client is nil"}},
@@ -72,9 +73,16 @@ func TestNew_RejectsBadConfiguration(t *testing.T) {
 		{"bad limit in All", rdb, "q", policies.All(perSecond, policies.SlidingLog{Limit: 1}), nil, []string{"All policy 1", "SlidingLog.Window", "0s"}},
 		{"nil PerKey", rdb, "q", policies.PerKey{}, nil, []string{"PerKey.Policy is nil"}},
 		{"nested PerKey", rdb, "q", policies.PerKey{Policy: policies.PerKey{Policy: perSecond}}, nil, []string{"another PerKey"}},
-		{"unknown mode", rdb, "q", perSecond, []Option{WithMode(Mode(7))}, []string{"WithMode", "Mode(7)"}},
-		{"negative max wait", rdb, "q", perSecond, []Option{WithMaxWait(-time.Second)}, []string{"WithMaxWait", "-1s"}},
-		{"empty prefix", rdb, "q", perSecond, []Option{WithPrefix("")}, []string{"WithPrefix must not be empty"}},
+		{"two Options", rdb, "q", perSecond, []Options{{}, {Mode: FailFast}}, []string{"New takes one Options at most", "got 2"}},
+		{"unknown mode", rdb, "q", perSecond, []Options{{Mode: Mode(7)}}, []string{"Options.Mode", "Mode(7)"}},
+		{"negative max wait", rdb, "q", perSecond, []Options{{MaxWait: -time.Second}}, []string{"Options.MaxWait must not be negative", "-1s"}},
+		{"negative max queue", rdb, "q", perSecond, []Options{{Mode: Queue, MaxQueue: -1}}, []string{"Options.MaxQueue", "got -1"}},
+		{"unknown overflow", rdb, "q", perSecond, []Options{{Mode: Queue, Overflow: Overflow(9)}}, []string{"Options.Overflow", "Overflow(9)"}},
+		{"unknown OnRedisError", rdb, "q", perSecond, []Options{{OnRedisError: OnRedisError(9)}}, []string{"Options.OnRedisError", "OnRedisError(9)"}},
+		{"negative replicas", rdb, "q", perSecond, []Options{{ExpectedReplicas: -2}}, []string{"Options.ExpectedReplicas must not be negative", "got -2"}},
+		{"negative redis timeout", rdb, "q", perSecond, []Options{{RedisTimeout: -time.Second}}, []string{"Options.RedisTimeout", "-1s"}},
+		{"prefix with brace", rdb, "q", perSecond, []Options{{Prefix: "a{b"}}, []string{"Options.Prefix", `"a{b"`}},
+		{"oversized prefix", rdb, "q", perSecond, []Options{{Prefix: long}}, []string{"Options.Prefix", "129"}},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
@@ -87,6 +95,62 @@ func TestNew_RejectsBadConfiguration(t *testing.T) {
 					t.Errorf("error %q does not contain %q", err, w)
 				}
 			}
+		})
+	}
+}
+
+// The zero value of every field of Options picks its default: an empty
+// Prefix, a zero RedisTimeout, MaxWait or MaxQueue and a nil Logger are not
+// errors, and one Options{} is the same as none.
+func TestNew_ZeroOptionsPickTheDefaults(t *testing.T) {
+	s := redistest.Mini(t)
+	rdb := s.Client(t)
+	for name, opts := range map[string][]Options{
+		"no Options":  nil,
+		"Options{}":   {{}},
+		"zero fields": {{Mode: Queue, MaxWait: 0, MaxQueue: 0, RedisTimeout: 0, Prefix: "", Logger: nil}},
+	} {
+		t.Run(name, func(t *testing.T) {
+			lim, err := New(rdb, "defaults", perSecond, opts...)
+			if err != nil {
+				t.Fatalf("New: %v, want the defaults", err)
+			}
+			t.Cleanup(func() { _ = lim.Close(context.Background()) })
+			got := lim.s
+			if got.maxWait != defaultMaxWait || got.maxWaitSet {
+				t.Errorf("max wait %v (set %v), want the default %v, not set", got.maxWait, got.maxWaitSet, defaultMaxWait)
+			}
+			if got.prefix != defaultPrefix || !strings.HasPrefix(lim.base, defaultPrefix+":{defaults}:") {
+				t.Errorf("prefix %q, keys start %q; want the default %q", got.prefix, lim.base, defaultPrefix)
+			}
+			if got.maxQueue != defaultMaxQueue {
+				t.Errorf("max queue %d, want the default %d", got.maxQueue, defaultMaxQueue)
+			}
+			if got.redisTimeout != defaultRedisTimeout {
+				t.Errorf("redis timeout %v, want the default %v", got.redisTimeout, defaultRedisTimeout)
+			}
+			if got.logger != slog.Default() {
+				t.Errorf("logger %v, want slog.Default()", got.logger)
+			}
+			if got.onRedisError != FailClosed || got.overflow != RejectNew || got.shadow || got.noLearning || got.clock != nil || got.observer != nil {
+				t.Errorf("settings %+v, want FailClosed, RejectNew, no shadow, learning, no clock, no observer", got)
+			}
+			if len(opts) == 1 && opts[0].Mode == Queue {
+				if got.mode != Queue || lim.q == nil || lim.q.max != defaultMaxQueue {
+					t.Errorf("a Queue limiter with MaxQueue 0: mode %v, queue %+v; want a queue of %d", got.mode, lim.q, defaultMaxQueue)
+				}
+			} else if got.mode != Block {
+				t.Errorf("mode %v, want Block", got.mode)
+			}
+			// The defaults work: a call is decided in Redis, under the
+			// default prefix.
+			if d, err := lim.Allow(context.Background()); err != nil || !d.OK {
+				t.Fatalf("Allow: %+v, %v", d, err)
+			}
+			if keys := rdb.Keys(context.Background(), defaultPrefix+":{defaults}:*").Val(); len(keys) == 0 {
+				t.Errorf("no key under the default prefix %q", defaultPrefix)
+			}
+			rdb.FlushAll(context.Background())
 		})
 	}
 }
@@ -125,7 +189,7 @@ func TestAllow_RecordsOnlyAdmittedCalls(t *testing.T) {
 	redistest.Each(t, func(t *testing.T, s *redistest.Server) {
 		rdb := s.Client(t)
 		clock := newClock()
-		lim := newLimiter(t, rdb, perSecond, WithClock(clock.Now))
+		lim := newLimiter(t, rdb, perSecond, Options{Clock: clock.Now})
 		ctx := context.Background()
 		for i := range 5 {
 			d, err := lim.Allow(ctx)
@@ -158,8 +222,8 @@ func TestAllow_MembersUniqueWithinOneMicrosecond(t *testing.T) {
 		clock := newClock()
 		policy := policies.SlidingLog{Limit: 1000, Window: time.Second}
 		// Two limiters stand for two processes calling in the same microsecond.
-		a := newLimiter(t, s.Client(t), policy, WithClock(clock.Now))
-		b := newLimiter(t, s.Client(t), policy, WithClock(clock.Now))
+		a := newLimiter(t, s.Client(t), policy, Options{Clock: clock.Now})
+		b := newLimiter(t, s.Client(t), policy, Options{Clock: clock.Now})
 		var wg sync.WaitGroup
 		for _, lim := range []*Limiter{a, b} {
 			for range 4 {
@@ -182,7 +246,7 @@ func TestAllow_MembersUniqueWithinOneMicrosecond(t *testing.T) {
 func TestFailFast_RefusesWithRetryAfter(t *testing.T) {
 	redistest.Each(t, func(t *testing.T, s *redistest.Server) {
 		clock := newClock()
-		lim := newLimiter(t, s.Client(t), perSecond, WithMode(FailFast), WithClock(clock.Now))
+		lim := newLimiter(t, s.Client(t), perSecond, Options{Mode: FailFast, Clock: clock.Now})
 		ctx := context.Background()
 		for range 5 {
 			p, err := lim.Acquire(ctx)
@@ -260,7 +324,7 @@ func TestBlock_FailsAtOnceWhenDeadlineTooShort(t *testing.T) {
 
 func TestBlock_MaxWaitBoundsTheWait(t *testing.T) {
 	s := redistest.Mini(t)
-	lim := newLimiter(t, s.Client(t), policies.SlidingLog{Limit: 1, Window: time.Minute}, WithMaxWait(time.Second))
+	lim := newLimiter(t, s.Client(t), policies.SlidingLog{Limit: 1, Window: time.Minute}, Options{MaxWait: time.Second})
 	if _, err := lim.Acquire(context.Background()); err != nil {
 		t.Fatal(err)
 	}
@@ -306,7 +370,7 @@ func TestBlock_CancelledWaiterGivesSlotBack(t *testing.T) {
 func TestDo_RunsFnOnlyWhenAdmitted(t *testing.T) {
 	s := redistest.Mini(t)
 	clock := newClock()
-	lim := newLimiter(t, s.Client(t), policies.SlidingLog{Limit: 1, Window: time.Second}, WithMode(FailFast), WithClock(clock.Now))
+	lim := newLimiter(t, s.Client(t), policies.SlidingLog{Limit: 1, Window: time.Second}, Options{Mode: FailFast, Clock: clock.Now})
 	ctx := context.Background()
 	ran := 0
 	fn := func(context.Context) (string, error) { ran++; return "sent", nil }
@@ -332,7 +396,7 @@ func TestPerKey_SubLimitUnderSharedLimit(t *testing.T) {
 		lim := newLimiter(t, s.Client(t), policies.All(
 			policies.SlidingLog{Limit: 10, Window: time.Second},
 			policies.PerKey{Policy: policies.SlidingLog{Limit: 3, Window: time.Second}},
-		), WithClock(clock.Now))
+		), Options{Clock: clock.Now})
 		admitted := map[string]int{}
 		total := 0
 		for _, tenant := range []string{"a", "b", "c", "d", "e"} {
@@ -362,7 +426,7 @@ func TestPerKey_SubLimitUnderSharedLimit(t *testing.T) {
 func TestPerKey_IndependentQuotas(t *testing.T) {
 	redistest.Each(t, func(t *testing.T, s *redistest.Server) {
 		clock := newClock()
-		lim := newLimiter(t, s.Client(t), policies.PerKey{Policy: policies.SlidingLog{Limit: 4, Window: time.Hour}}, WithClock(clock.Now))
+		lim := newLimiter(t, s.Client(t), policies.PerKey{Policy: policies.SlidingLog{Limit: 4, Window: time.Hour}}, Options{Clock: clock.Now})
 		for _, token := range []string{"token-1", "token-2", "token-3"} {
 			for i := range 6 {
 				d, err := lim.Allow(context.Background(), Key(token))
@@ -389,7 +453,7 @@ func TestPerKey_KeysAreHashed(t *testing.T) {
 		if strings.Contains(k, "sk_live") || len(k) > 100 {
 			t.Errorf("Redis key %q holds the raw key", k)
 		}
-		if !strings.HasPrefix(k, DefaultPrefix+":{"+lim.Name()+"}:") {
+		if !strings.HasPrefix(k, defaultPrefix+":{"+lim.Name()+"}:") {
 			t.Errorf("Redis key %q lacks the quota's hash tag", k)
 		}
 	}
@@ -398,7 +462,7 @@ func TestPerKey_KeysAreHashed(t *testing.T) {
 func TestCost_CountsUnits(t *testing.T) {
 	redistest.Each(t, func(t *testing.T, s *redistest.Server) {
 		clock := newClock()
-		lim := newLimiter(t, s.Client(t), policies.SlidingLog{Limit: 10, Window: time.Second}, WithClock(clock.Now))
+		lim := newLimiter(t, s.Client(t), policies.SlidingLog{Limit: 10, Window: time.Second}, Options{Clock: clock.Now})
 		ctx := context.Background()
 		for _, tc := range []struct {
 			cost      int
@@ -443,7 +507,7 @@ func TestTTL_EveryKeyExpires(t *testing.T) {
 			policies.Concurrency{Max: 5},
 			policies.PerKey{Policy: policies.SlidingLog{Limit: 4, Window: time.Second}},
 			policies.PerKey{Policy: policies.SlidingCounter{Limit: 4, Window: time.Second}},
-		), WithMode(FailFast), quiet())
+		), Options{Mode: FailFast, Logger: quiet()})
 		var permits []*Permit
 		for range 2 {
 			p, err := lim.Acquire(ctx, Key("tenant"))
@@ -462,7 +526,7 @@ func TestTTL_EveryKeyExpires(t *testing.T) {
 		if err := lim.Pause(ctx, time.Second, Key("tenant")); err != nil {
 			t.Fatal(err)
 		}
-		keys, err := rdb.Keys(ctx, DefaultPrefix+":{"+lim.Name()+"}*").Result()
+		keys, err := rdb.Keys(ctx, defaultPrefix+":{"+lim.Name()+"}*").Result()
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -572,7 +636,7 @@ func TestContext_CancelledBeforeTheCallOnEveryPath(t *testing.T) {
 	s := redistest.Mini(t)
 	rdb := s.Client(t)
 	block := newLimiter(t, rdb, perSecond)
-	failFast, err := New(rdb, "fail-fast", perSecond, WithMode(FailFast))
+	failFast, err := New(rdb, "fail-fast", perSecond, Options{Mode: FailFast})
 	if err != nil {
 		t.Fatal(err)
 	}

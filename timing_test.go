@@ -109,8 +109,8 @@ func TestMargin_FollowsTheFleetsSpread(t *testing.T) {
 			policies.SlidingLog{Limit: 1000, Window: 2 * time.Second, Margin: time.Nanosecond},
 			policies.SlidingCounter{Limit: 1000, Window: time.Second},
 		)
-		a := newLimiter(t, s.Client(t), policy, WithClock(clock.Now))
-		b, err := New(s.Client(t), a.Name(), policy, WithClock(clock.Now))
+		a := newLimiter(t, s.Client(t), policy, Options{Clock: clock.Now})
+		b, err := New(s.Client(t), a.Name(), policy, Options{Clock: clock.Now})
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -169,7 +169,7 @@ func TestMargin_FollowsTheFleetsSpread(t *testing.T) {
 func TestMargin_NarrowsWhileTheFleetBooksAhead(t *testing.T) {
 	redistest.Each(t, func(t *testing.T, s *redistest.Server) {
 		clock := newClock()
-		lim := newLimiter(t, s.Client(t), policies.SlidingLog{Limit: 100, Window: time.Second}, WithClock(clock.Now))
+		lim := newLimiter(t, s.Client(t), policies.SlidingLog{Limit: 100, Window: time.Second}, Options{Clock: clock.Now})
 		ctx := context.Background()
 		margin := func() time.Duration {
 			t.Helper()
@@ -279,7 +279,7 @@ func (*slowReplies) ProcessPipelineHook(next redis.ProcessPipelineHook) redis.Pr
 // guardLimiter is one call per 100ms with a 10ms margin, per key, on a
 // client whose replies the test can slow down, with the usual delay of the
 // replies already known.
-func guardLimiter(t *testing.T, s *redistest.Server, opts ...Option) (*Limiter, *slowReplies) {
+func guardLimiter(t *testing.T, s *redistest.Server, opts ...Options) (*Limiter, *slowReplies) {
 	t.Helper()
 	rdb := s.Client(t)
 	slow := &slowReplies{d: 60 * ms}
@@ -301,13 +301,13 @@ func guardLimiter(t *testing.T, s *redistest.Server, opts ...Option) (*Limiter, 
 func TestGuard_LateReplyBooksAgainOnEveryPath(t *testing.T) {
 	paths := []struct {
 		name string
-		opts []Option
+		opts []Options
 		call func(*Limiter) error
 	}{
 		{"Block", nil, func(l *Limiter) error { _, err := l.Acquire(context.Background(), Key("a")); return err }},
-		{"FailFast", []Option{WithMode(FailFast)}, func(l *Limiter) error { _, err := l.Acquire(context.Background(), Key("a")); return err }},
-		{"Queue", []Option{WithMode(Queue)}, func(l *Limiter) error { _, err := l.Acquire(context.Background(), Key("a")); return err }},
-		{"Shadow", []Option{WithShadow()}, func(l *Limiter) error { _, err := l.Acquire(context.Background(), Key("a")); return err }},
+		{"FailFast", []Options{{Mode: FailFast}}, func(l *Limiter) error { _, err := l.Acquire(context.Background(), Key("a")); return err }},
+		{"Queue", []Options{{Mode: Queue}}, func(l *Limiter) error { _, err := l.Acquire(context.Background(), Key("a")); return err }},
+		{"Shadow", []Options{{Shadow: true}}, func(l *Limiter) error { _, err := l.Acquire(context.Background(), Key("a")); return err }},
 		{"Allow", nil, func(l *Limiter) error {
 			d, err := l.Allow(context.Background(), Key("a"))
 			if err == nil && !d.OK {
@@ -410,7 +410,7 @@ func TestGuard_LateWakeBooksAgain(t *testing.T) {
 		counter := &slowReplies{}
 		rdb.AddHook(counter)
 		clock := newClock()
-		lim := newLimiter(t, rdb, policies.SlidingLog{Limit: 1, Window: time.Second, Margin: 10 * ms}, WithClock(clock.Now))
+		lim := newLimiter(t, rdb, policies.SlidingLog{Limit: 1, Window: time.Second, Margin: 10 * ms}, Options{Clock: clock.Now})
 		ctx := context.Background()
 		if _, err := lim.Allow(ctx); err != nil {
 			t.Fatal(err)
@@ -490,7 +490,7 @@ func (h *lateReports) has(lo, hi int) bool {
 // fails with ErrLimited saying why, holding nothing.
 func TestGuard_BooksAgainABoundedNumberOfTimes(t *testing.T) {
 	redistest.Each(t, func(t *testing.T, s *redistest.Server) {
-		lim, slow := guardLimiter(t, s, WithMode(FailFast))
+		lim, slow := guardLimiter(t, s, Options{Mode: FailFast})
 		slow.n.Store(100)
 		_, err := lim.Acquire(context.Background(), Key("a"))
 		var le *LimitedError

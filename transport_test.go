@@ -124,7 +124,7 @@ func refuseFirst(n int, header ...string) http.HandlerFunc {
 
 // replicaLimiter is one replica's limiter for quota: its own Redis client on
 // s, as a separate process would have.
-func replicaLimiter(t *testing.T, s *redistest.Server, quota string, p policies.Policy, opts ...Option) *Limiter {
+func replicaLimiter(t *testing.T, s *redistest.Server, quota string, p policies.Policy, opts ...Options) *Limiter {
 	t.Helper()
 	lim, err := New(s.Client(t), quota, p, opts...)
 	if err != nil {
@@ -135,7 +135,7 @@ func replicaLimiter(t *testing.T, s *redistest.Server, quota string, p policies.
 
 // replicaClient is an http.Client for one replica: its own connections, and
 // a header that tells the vendor which replica sent each request.
-func replicaClient(t *testing.T, name string, lim *Limiter, opts ...TransportOption) *http.Client {
+func replicaClient(t *testing.T, name string, lim *Limiter) *http.Client {
 	t.Helper()
 	base := &http.Transport{MaxIdleConnsPerHost: 64}
 	t.Cleanup(base.CloseIdleConnections)
@@ -144,7 +144,7 @@ func replicaClient(t *testing.T, name string, lim *Limiter, opts ...TransportOpt
 		r.Header.Set("X-Replica", name)
 		return base.RoundTrip(r)
 	})
-	return &http.Client{Transport: NewTransport(tagged, lim, opts...)}
+	return &http.Client{Transport: &Transport{Base: tagged, Limiter: lim}}
 }
 
 type roundTripFunc func(*http.Request) (*http.Response, error)
@@ -433,7 +433,7 @@ func TestTransport_RetryReplaysTheBody(t *testing.T) {
 	redistest.Each(t, func(t *testing.T, s *redistest.Server) {
 		srv := newVendorServer(t, refuseFirst(2, "Retry-After", "0"))
 		lim := replicaLimiter(t, s, "replay", policies.SlidingLog{Limit: 3, Window: time.Minute})
-		client := &http.Client{Transport: NewTransport(nil, lim)}
+		client := &http.Client{Transport: &Transport{Limiter: lim}}
 		const body = `{"to":"+15550100","text":"hello"}`
 		resp, err := client.Post(srv.URL, "application/json", strings.NewReader(body))
 		if err != nil {
@@ -493,7 +493,7 @@ func TestTransport_RetriesOnlyWhatCanBeSentAgain(t *testing.T) {
 		t.Run(tt.name, func(t *testing.T) {
 			srv := newVendorServer(t, refuseFirst(1, "Retry-After", "0", "X-Vendor", "v"))
 			lim := replicaLimiter(t, s, "only-"+strconv.Itoa(i), policies.SlidingLog{Limit: 10, Window: time.Minute})
-			resp, err := NewTransport(nil, lim).RoundTrip(tt.request(srv.URL))
+			resp, err := (&Transport{Limiter: lim}).RoundTrip(tt.request(srv.URL))
 			if err != nil {
 				t.Fatal(err)
 			}
@@ -520,7 +520,7 @@ func TestTransport_DoesNotModifyTheRequest(t *testing.T) {
 	s := redistest.Mini(t)
 	srv := newVendorServer(t, refuseFirst(2, "Retry-After", "0"))
 	lim := replicaLimiter(t, s, "untouched", policies.PerKey{Policy: policies.SlidingLog{Limit: 10, Window: time.Minute}})
-	tr := NewTransport(nil, lim, WithRequestKey(func(r *http.Request) string { return r.Header.Get("X-Tenant") }))
+	tr := &Transport{Limiter: lim, Key: func(r *http.Request) string { return r.Header.Get("X-Tenant") }}
 	req := mustRequest(t, context.Background(), http.MethodPost, srv.URL+"/v1/messages?x=1", strings.NewReader("hello"))
 	req.Header.Set("X-Tenant", "t-1")
 	req.Header.Set("Authorization", "Bearer secret")
@@ -558,7 +558,7 @@ func TestTransport_ClosesTheBodyOnEveryPath(t *testing.T) {
 		refusing := newVendorServer(t, answer(http.StatusTooManyRequests, "no", "Retry-After", "0"))
 		gone := httptest.NewServer(http.NotFoundHandler())
 		gone.Close()
-		full := replicaLimiter(t, s, "full", policies.SlidingLog{Limit: 1, Window: time.Minute}, WithMode(FailFast))
+		full := replicaLimiter(t, s, "full", policies.SlidingLog{Limit: 1, Window: time.Minute}, Options{Mode: FailFast})
 		if _, err := full.Allow(context.Background()); err != nil {
 			t.Fatal(err)
 		}
@@ -582,15 +582,15 @@ func TestTransport_ClosesTheBodyOnEveryPath(t *testing.T) {
 			ctx     context.Context
 			wantErr bool
 		}{
-			{"sent", NewTransport(nil, open("sent")), http.MethodPost, ok.URL, context.Background(), false},
-			{"refused by the limiter", NewTransport(nil, full), http.MethodPost, ok.URL, context.Background(), true},
-			{"limiter error: no key", NewTransport(nil, perKey), http.MethodPost, ok.URL, context.Background(), true},
-			{"Redis down", NewTransport(nil, broken), http.MethodPost, ok.URL, context.Background(), true},
-			{"context cancelled", NewTransport(nil, open("cancelled")), http.MethodPost, ok.URL, cancelled, true},
-			{"vendor unreachable", NewTransport(nil, open("unreachable")), http.MethodPost, gone.URL, context.Background(), true},
-			{"refused by the vendor, not retried", NewTransport(nil, open("refused")), http.MethodPost, refusing.URL, context.Background(), false},
-			{"refused by the vendor, retries spent", NewTransport(nil, open("spent"), WithMaxRetries(1)), http.MethodPut, refusing.URL, context.Background(), false},
-			{"no limit", NewTransport(nil, nil), http.MethodPost, ok.URL, context.Background(), false},
+			{"sent", &Transport{Limiter: open("sent")}, http.MethodPost, ok.URL, context.Background(), false},
+			{"refused by the limiter", &Transport{Limiter: full}, http.MethodPost, ok.URL, context.Background(), true},
+			{"limiter error: no key", &Transport{Limiter: perKey}, http.MethodPost, ok.URL, context.Background(), true},
+			{"Redis down", &Transport{Limiter: broken}, http.MethodPost, ok.URL, context.Background(), true},
+			{"context cancelled", &Transport{Limiter: open("cancelled")}, http.MethodPost, ok.URL, cancelled, true},
+			{"vendor unreachable", &Transport{Limiter: open("unreachable")}, http.MethodPost, gone.URL, context.Background(), true},
+			{"refused by the vendor, not retried", &Transport{Limiter: open("refused")}, http.MethodPost, refusing.URL, context.Background(), false},
+			{"refused by the vendor, retries spent", &Transport{Limiter: open("spent"), MaxRetries: 1}, http.MethodPut, refusing.URL, context.Background(), false},
+			{"no limit", &Transport{}, http.MethodPost, ok.URL, context.Background(), false},
 		}
 		for _, tt := range tests {
 			t.Run(tt.name, func(t *testing.T) {
@@ -623,8 +623,8 @@ func TestTransport_ClosesTheBodyOnEveryPath(t *testing.T) {
 func TestTransport_FailFastErrorIsErrLimited(t *testing.T) {
 	redistest.Each(t, func(t *testing.T, s *redistest.Server) {
 		srv := newVendorServer(t, answer(http.StatusOK, "ok"))
-		lim := replicaLimiter(t, s, "fail-fast", policies.SlidingLog{Limit: 1, Window: time.Minute}, WithMode(FailFast))
-		client := &http.Client{Transport: NewTransport(nil, lim)}
+		lim := replicaLimiter(t, s, "fail-fast", policies.SlidingLog{Limit: 1, Window: time.Minute}, Options{Mode: FailFast})
+		client := &http.Client{Transport: &Transport{Limiter: lim}}
 		resp, err := client.Get(srv.URL)
 		if err != nil {
 			t.Fatal(err)
@@ -663,7 +663,7 @@ func TestTransport_ContextCancelledWhileWaitingForASlot(t *testing.T) {
 	redistest.Each(t, func(t *testing.T, s *redistest.Server) {
 		srv := newVendorServer(t, answer(http.StatusOK, "ok"))
 		lim := replicaLimiter(t, s, "cancel", policies.SlidingLog{Limit: 1, Window: 10 * time.Second})
-		client := &http.Client{Transport: NewTransport(nil, lim)}
+		client := &http.Client{Transport: &Transport{Limiter: lim}}
 		resp, err := client.Get(srv.URL)
 		if err != nil {
 			t.Fatal(err)
@@ -723,7 +723,7 @@ func TestTransport_PausesTheFleet(t *testing.T) {
 			{"429 X-RateLimit-Reset delta", 429, []string{"X-RateLimit-Remaining", "0", "X-RateLimit-Reset", "4"}, 3900 * time.Millisecond, 4 * time.Second, 429},
 			{"429 IETF RateLimit", 429, []string{"RateLimit", `"default";r=0;t=6`, "RateLimit-Policy", `"default";q=100;w=60`}, 5900 * time.Millisecond, 6 * time.Second, 429},
 			{"429 without a hint: the default pause", 429, nil, 1900 * time.Millisecond, 2500 * time.Millisecond, 429},
-			{"429 Retry-After beyond MaxPause", 429, []string{"Retry-After", "999999999"}, MaxPause - time.Second, MaxPause, 429},
+			{"429 Retry-After beyond maxPause", 429, []string{"Retry-After", "999999999"}, maxPause - time.Second, maxPause, 429},
 			{"503 Retry-After", 503, []string{"Retry-After", "2"}, 1900 * time.Millisecond, 2 * time.Second, 503},
 			{"403 from GitHub, nothing left", 403, []string{"X-RateLimit-Remaining", "0", "X-RateLimit-Reset", epoch(9 * time.Second)}, 7900 * time.Millisecond, 9 * time.Second, 403},
 			{"200 saying nothing is left until the reset", 200, []string{"RateLimit", `"default";r=0;t=7`}, 6900 * time.Millisecond, 7 * time.Second, 200},
@@ -736,7 +736,7 @@ func TestTransport_PausesTheFleet(t *testing.T) {
 				srv := newVendorServer(t, answer(tt.status, "body", tt.header...))
 				lim := replicaLimiter(t, s, quota, policies.SlidingLog{Limit: 100, Window: time.Minute})
 				other := replicaLimiter(t, s, quota, policies.SlidingLog{Limit: 100, Window: time.Minute})
-				tr := NewTransport(nil, lim, WithMaxRetries(0), WithDefaultPause(2*time.Second))
+				tr := &Transport{Limiter: lim, MaxRetries: -1, DefaultPause: 2 * time.Second}
 				start := time.Now()
 				resp, err := tr.RoundTrip(mustRequest(t, context.Background(), http.MethodGet, srv.URL, nil))
 				if err != nil {
@@ -768,13 +768,13 @@ func TestTransport_PausesTheFleet(t *testing.T) {
 }
 
 // A Retry-After far in the future does not hang the request: the pause is
-// capped at MaxPause, and a retry that could only run after the budget is
+// capped at maxPause, and a retry that could only run after the budget is
 // not waited for.
 func TestTransport_HugeRetryAfterReturnsAtOnce(t *testing.T) {
 	s := redistest.Mini(t)
 	srv := newVendorServer(t, answer(http.StatusTooManyRequests, "come back in 31 years", "Retry-After", "999999999"))
 	lim := replicaLimiter(t, s, "huge", policies.SlidingLog{Limit: 10, Window: time.Second})
-	client := &http.Client{Transport: NewTransport(nil, lim)}
+	client := &http.Client{Transport: &Transport{Limiter: lim}}
 	start := time.Now()
 	resp, err := client.Get(srv.URL)
 	if err != nil {
@@ -807,7 +807,7 @@ func TestTransport_LowersTheSharedCount(t *testing.T) {
 				srv := newVendorServer(t, answer(http.StatusOK, "ok", "X-RateLimit-Remaining", tt.remaining))
 				lim := replicaLimiter(t, s, quota, policies.SlidingLog{Limit: 10, Window: time.Minute})
 				other := replicaLimiter(t, s, quota, policies.SlidingLog{Limit: 10, Window: time.Minute})
-				resp, err := NewTransport(nil, lim).RoundTrip(mustRequest(t, context.Background(), http.MethodGet, srv.URL, nil))
+				resp, err := (&Transport{Limiter: lim}).RoundTrip(mustRequest(t, context.Background(), http.MethodGet, srv.URL, nil))
 				if err != nil {
 					t.Fatal(err)
 				}
@@ -837,12 +837,15 @@ func TestTransport_Routes(t *testing.T) {
 	s := redistest.Mini(t)
 	srv := newVendorServer(t, answer(http.StatusOK, "ok"))
 	host := strings.TrimPrefix(srv.URL, "http://")
-	core := replicaLimiter(t, s, "core", policies.SlidingLog{Limit: 5000, Window: time.Hour}, WithMode(FailFast))
-	search := replicaLimiter(t, s, "search", policies.SlidingLog{Limit: 2, Window: time.Minute}, WithMode(FailFast))
-	client := &http.Client{Transport: NewTransport(nil, core,
-		WithRoute(host+"/search/", search),
-		WithRoute("/health", nil),
-	)}
+	core := replicaLimiter(t, s, "core", policies.SlidingLog{Limit: 5000, Window: time.Hour}, Options{Mode: FailFast})
+	search := replicaLimiter(t, s, "search", policies.SlidingLog{Limit: 2, Window: time.Minute}, Options{Mode: FailFast})
+	client := &http.Client{Transport: &Transport{
+		Limiter: core,
+		Routes: []Route{
+			{Pattern: host + "/search/", Limiter: search},
+			{Pattern: "/health", Limiter: nil},
+		},
+	}}
 	get := func(path string) error {
 		resp, err := client.Get(srv.URL + path)
 		if err == nil {
@@ -870,7 +873,7 @@ func TestTransport_Routes(t *testing.T) {
 	}
 }
 
-func TestWithRoute_Matches(t *testing.T) {
+func TestRoute_PatternMatches(t *testing.T) {
 	tests := []struct {
 		pattern, url string
 		want         bool
@@ -890,41 +893,72 @@ func TestWithRoute_Matches(t *testing.T) {
 		{"/", "https://any.example/anything", true},
 	}
 	for _, tt := range tests {
-		tr := NewTransport(nil, nil, WithRoute(tt.pattern, &Limiter{}))
+		tr := (&Transport{Routes: []Route{{Pattern: tt.pattern, Limiter: &Limiter{}}}}).compile()
+		if tr.err != nil {
+			t.Fatalf("Route{Pattern: %q}: %v", tt.pattern, tr.err)
+		}
 		req := mustRequest(t, context.Background(), http.MethodGet, tt.url, nil)
 		if got := tr.limiterFor(req) != nil; got != tt.want {
-			t.Errorf("WithRoute(%q) matches %s: %v, want %v", tt.pattern, tt.url, got, tt.want)
+			t.Errorf("Route{Pattern: %q} matches %s: %v, want %v", tt.pattern, tt.url, got, tt.want)
 		}
 	}
 }
 
-// A bad option panics nowhere: every request through the transport fails
-// with an error naming the option and the value, and its body is closed.
-func TestNewTransport_BadOptionsFailEveryRequest(t *testing.T) {
+// A bad field panics nowhere: every request through the transport fails
+// with an error naming the field and the value, and its body is closed. The
+// other fields of each transport are valid, and valid alone.
+func TestTransport_BadFieldsFailEveryRequest(t *testing.T) {
 	srv := newVendorServer(t, answer(http.StatusOK, "ok"))
+	set := func(*http.Request, string) {}
+	match := func(*http.Request) bool { return false }
+	valid := func() *Transport {
+		return &Transport{MaxRetries: 1, Routes: []Route{{Pattern: "/elsewhere/"}, {Match: match}}}
+	}
 	tests := []struct {
 		name string
-		opt  TransportOption
+		bad  func(*Transport)
 		want string
 	}{
-		{"route without a path", WithRoute("api.github.com", nil), `WithRoute: pattern "api.github.com" needs a path`},
-		{"nil match", WithRouteFunc(nil, nil), "WithRouteFunc: match is nil"},
-		{"negative retries", WithMaxRetries(-1), "WithMaxRetries: must not be negative, got -1"},
-		{"zero retry time", WithMaxRetryTime(0), "WithMaxRetryTime: must be > 0, got 0s"},
-		{"zero pause", WithDefaultPause(-time.Second), "WithDefaultPause: must be > 0, got -1s"},
+		{"route without a path", func(tr *Transport) { tr.Routes = append(tr.Routes, Route{Pattern: "api.github.com"}) },
+			`throttle: Transport.Routes[2]: pattern "api.github.com" needs a path starting with /`},
+		{"route with neither Pattern nor Match", func(tr *Transport) { tr.Routes = append([]Route{{}}, tr.Routes...) },
+			`throttle: Transport.Routes[0]: pattern "" needs a path starting with /`},
+		{"route with Pattern and Match", func(tr *Transport) { tr.Routes[1].Pattern = "/search/" },
+			`throttle: Transport.Routes[1]: set Pattern "/search/" or Match, not both`},
+		{"negative retry time", func(tr *Transport) { tr.MaxRetryTime = -time.Second },
+			"throttle: Transport.MaxRetryTime: must not be negative, got -1s"},
+		{"negative pause", func(tr *Transport) { tr.DefaultPause = -time.Second },
+			"throttle: Transport.DefaultPause: must not be negative, got -1s"},
+		{"an empty key", func(tr *Transport) { tr.Keys, tr.SetKey = []string{"a", ""}, set },
+			"throttle: Transport.Keys: key 1 is empty"},
+		{"Keys without SetKey", func(tr *Transport) { tr.Keys = []string{"a"} },
+			"throttle: Transport.Keys: Keys needs SetKey"},
+		{"SetKey without Keys", func(tr *Transport) { tr.SetKey = set },
+			"throttle: Transport.Keys: SetKey is set but Keys is empty"},
 	}
+	send := func(t *testing.T, tr *Transport) (*http.Response, *bodyRecorder, error) {
+		body := newBodyRecorder("x")
+		req := mustRequest(t, context.Background(), http.MethodPost, srv.URL, body)
+		resp, err := tr.RoundTrip(req)
+		return resp, body, err
+	}
+	// Without the bad field, the same transport sends the request.
+	resp, _, err := send(t, valid())
+	if err != nil {
+		t.Fatalf("a transport of valid fields: %v", err)
+	}
+	readAll(t, resp)
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
-			tr := NewTransport(nil, nil, WithMaxRetries(2), tt.opt, WithMaxRetries(1))
+			tr := valid()
+			tt.bad(tr)
 			for range 2 {
-				body := newBodyRecorder("x")
-				req := mustRequest(t, context.Background(), http.MethodPost, srv.URL, body)
-				resp, err := tr.RoundTrip(req)
+				resp, body, err := send(t, tr)
 				if resp != nil {
 					resp.Body.Close()
-					t.Fatalf("a response from a transport with a bad option")
+					t.Fatalf("a response from a transport with a bad field")
 				}
-				if err == nil || !strings.Contains(err.Error(), tt.want) || !strings.HasPrefix(err.Error(), "throttle: ") {
+				if err == nil || !strings.HasPrefix(err.Error(), tt.want) {
 					t.Errorf("err %v, want one saying %q", err, tt.want)
 				}
 				if body.closed.Load() != 1 {
@@ -935,13 +969,34 @@ func TestNewTransport_BadOptionsFailEveryRequest(t *testing.T) {
 	}
 }
 
+// The zero value of a Transport's fields picks their defaults, and a
+// negative MaxRetries never retries.
+func TestTransport_ZeroFieldsPickTheDefaults(t *testing.T) {
+	tr := (&Transport{}).compile()
+	if tr.err != nil {
+		t.Fatal(tr.err)
+	}
+	if tr.base != http.DefaultTransport || tr.maxRetries != defaultMaxRetries || tr.maxRetryTime != defaultMaxRetryTime || tr.pause != defaultPause || tr.pool != nil {
+		t.Errorf("a zero Transport: base %v, retries %d, retry time %v, pause %v, pool %v; want http.DefaultTransport, %d, %v, %v, none",
+			tr.base, tr.maxRetries, tr.maxRetryTime, tr.pause, tr.pool, defaultMaxRetries, defaultMaxRetryTime, defaultPause)
+	}
+	tr = (&Transport{MaxRetries: -1}).compile()
+	if tr.err != nil || tr.maxRetries != 0 {
+		t.Errorf("MaxRetries -1: %d retries, error %v; want none, no error", tr.maxRetries, tr.err)
+	}
+	tr = (&Transport{MaxRetries: 5, MaxRetryTime: time.Second, DefaultPause: time.Millisecond}).compile()
+	if tr.err != nil || tr.maxRetries != 5 || tr.maxRetryTime != time.Second || tr.pause != time.Millisecond {
+		t.Errorf("set fields: %d retries, retry time %v, pause %v, error %v; want them kept", tr.maxRetries, tr.maxRetryTime, tr.pause, tr.err)
+	}
+}
+
 // Under a policies.Concurrency a request holds its slot until the caller
 // closes the response body.
 func TestTransport_ConcurrencySlotHeldUntilTheBodyIsClosed(t *testing.T) {
 	redistest.Each(t, func(t *testing.T, s *redistest.Server) {
 		srv := newVendorServer(t, answer(http.StatusOK, "a long answer"))
-		lim := replicaLimiter(t, s, "concurrency", policies.Concurrency{Max: 1}, WithMode(FailFast))
-		client := &http.Client{Transport: NewTransport(nil, lim)}
+		lim := replicaLimiter(t, s, "concurrency", policies.Concurrency{Max: 1}, Options{Mode: FailFast})
+		client := &http.Client{Transport: &Transport{Limiter: lim}}
 		first, err := client.Get(srv.URL)
 		if err != nil {
 			t.Fatal(err)
@@ -962,11 +1017,12 @@ func TestTransport_ConcurrencySlotHeldUntilTheBodyIsClosed(t *testing.T) {
 func TestTransport_KeyAndCostFromTheRequest(t *testing.T) {
 	s := redistest.Mini(t)
 	srv := newVendorServer(t, answer(http.StatusOK, "ok"))
-	lim := replicaLimiter(t, s, "tenants", policies.PerKey{Policy: policies.SlidingLog{Limit: 3, Window: time.Minute}}, WithMode(FailFast))
-	client := &http.Client{Transport: NewTransport(nil, lim,
-		WithRequestKey(func(r *http.Request) string { return r.Header.Get("X-Tenant") }),
-		WithRequestCost(func(r *http.Request) int { n, _ := strconv.Atoi(r.URL.Query().Get("batch")); return max(n, 1) }),
-	)}
+	lim := replicaLimiter(t, s, "tenants", policies.PerKey{Policy: policies.SlidingLog{Limit: 3, Window: time.Minute}}, Options{Mode: FailFast})
+	client := &http.Client{Transport: &Transport{
+		Limiter: lim,
+		Key:     func(r *http.Request) string { return r.Header.Get("X-Tenant") },
+		Cost:    func(r *http.Request) int { n, _ := strconv.Atoi(r.URL.Query().Get("batch")); return max(n, 1) },
+	}}
 	send := func(tenant string, batch int) error {
 		req := mustRequest(t, context.Background(), http.MethodGet, srv.URL+"/send?batch="+strconv.Itoa(batch), nil)
 		req.Header.Set("X-Tenant", tenant)
@@ -994,10 +1050,11 @@ func TestTransport_KeyAndCostFromTheRequest(t *testing.T) {
 func TestTransport_QueueServesHigherPriorityFirst(t *testing.T) {
 	s := redistest.Mini(t)
 	srv := newVendorServer(t, answer(http.StatusOK, "ok"))
-	lim := replicaLimiter(t, s, "queue", policies.SlidingLog{Limit: 1, Window: 200 * time.Millisecond, Margin: time.Nanosecond}, WithMode(Queue))
-	client := &http.Client{Transport: NewTransport(nil, lim,
-		WithRequestPriority(func(r *http.Request) int { n, _ := strconv.Atoi(r.URL.Query().Get("p")); return n }),
-	)}
+	lim := replicaLimiter(t, s, "queue", policies.SlidingLog{Limit: 1, Window: 200 * time.Millisecond, Margin: time.Nanosecond}, Options{Mode: Queue})
+	client := &http.Client{Transport: &Transport{
+		Limiter:  lim,
+		Priority: func(r *http.Request) int { n, _ := strconv.Atoi(r.URL.Query().Get("p")); return n },
+	}}
 	var wg sync.WaitGroup
 	send := func(name string, priority int) {
 		wg.Go(func() {
@@ -1040,7 +1097,7 @@ func TestTransport_LeaksNoGoroutinesOrConnections(t *testing.T) {
 			policies.Concurrency{Max: 4},
 		))
 		base := &http.Transport{}
-		client := &http.Client{Transport: NewTransport(base, lim)}
+		client := &http.Client{Transport: &Transport{Base: base, Limiter: lim}}
 		var wg sync.WaitGroup
 		for i := range 30 {
 			wg.Go(func() {

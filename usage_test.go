@@ -23,7 +23,7 @@ func TestUsage_ReadsEveryRuleWithoutChangingIt(t *testing.T) {
 			policies.SlidingCounter{Limit: 100, Window: time.Second, Buckets: 10, Margin: time.Nanosecond},
 			policies.TokenBucket{Rate: 10, Per: time.Second, Burst: 20},
 			policies.Concurrency{Max: 50, Lease: time.Minute},
-		), WithClock(clock.Now))
+		), Options{Clock: clock.Now})
 		ctx := context.Background()
 		if d, err := lim.Allow(ctx, Cost(6)); err != nil || !d.OK {
 			t.Fatalf("Allow: %+v, %v", d, err)

@@ -14,6 +14,10 @@ import (
 	"github.com/throttlekit/throttle/internal/redistest"
 )
 
+// keyPrefix starts every Redis key a limiter writes when its
+// Options.Prefix is left at its default.
+const keyPrefix = "throttle"
+
 // newServer starts a throwaway redis-server on a free 127.0.0.1 port (never
 // the machine's shared 6379), killed at cleanup. It skips the benchmark when
 // redis-server is not installed.

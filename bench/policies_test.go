@@ -61,7 +61,7 @@ func BenchmarkPolicyDecisions(b *testing.B) {
 	}
 	for _, c := range cases {
 		rdb := s.Client(b)
-		lim, err := throttle.New(rdb, "decisions-"+c.name, c.policy, throttle.WithMode(c.mode))
+		lim, err := throttle.New(rdb, "decisions-"+c.name, c.policy, throttle.Options{Mode: c.mode})
 		if err != nil {
 			b.Fatal(err)
 		}
@@ -396,7 +396,7 @@ type memoryCase struct {
 // Limits are large, so calls carry Cost up to the limit: one call fills a
 // SlidingLog, TokenBucket or Concurrency. A SlidingCounter gets Limit/10
 // units in each of its 10 buckets, one call per bucket on a clock that the
-// benchmark moves (throttle.WithClock), since a full window spread over its
+// benchmark moves (throttle.Options.Clock), since a full window spread over its
 // buckets is the most fields its hash holds.
 func BenchmarkMemoryPerKey(b *testing.B) {
 	s := newServer(b)
@@ -429,8 +429,11 @@ func fillAtOnce(p policies.Policy, n int, hold bool) memoryFill {
 		// per minute frees a unit every 600 µs. The fill of a 100,000-unit
 		// log is one long script: give it time.
 		now := time.Now()
-		lim, err := throttle.New(rdb, name, p, throttle.WithMode(throttle.FailFast),
-			throttle.WithClock(func() time.Time { return now }), throttle.WithRedisTimeout(10*time.Second))
+		lim, err := throttle.New(rdb, name, p, throttle.Options{
+			Mode:         throttle.FailFast,
+			Clock:        func() time.Time { return now },
+			RedisTimeout: 10 * time.Second,
+		})
 		if err != nil {
 			b.Fatal(err)
 		}
@@ -461,7 +464,7 @@ func fillCounter(n int) memoryFill {
 		var now atomic.Int64
 		now.Store(time.Now().UnixNano())
 		clock := func() time.Time { return time.Unix(0, now.Load()) }
-		lim, err := throttle.New(rdb, name, p, throttle.WithClock(clock))
+		lim, err := throttle.New(rdb, name, p, throttle.Options{Clock: clock})
 		if err != nil {
 			b.Fatal(err)
 		}
@@ -565,7 +568,7 @@ func measureMemory(b *testing.B, rdb *redis.Client, cases []memoryCase) {
 // quotaKeys returns every key of the quota name under the default prefix.
 func quotaKeys(b *testing.B, ctx context.Context, rdb *redis.Client, name string) []string {
 	var keys []string
-	it := rdb.Scan(ctx, 0, throttle.DefaultPrefix+":{"+name+"}:*", 1000).Iterator()
+	it := rdb.Scan(ctx, 0, keyPrefix+":{"+name+"}:*", 1000).Iterator()
 	for it.Next(ctx) {
 		keys = append(keys, it.Val())
 	}

@@ -46,7 +46,7 @@ const (
 // BenchmarkWorstCase measures Redis's time for one decision of each policy
 // at its bounds: the largest limits, full quotas, bookings up to MaxWait.
 // Each case builds its state through the public API with the limiters'
-// clock standing still (WithClock), keeps a DUMP of every key of the quota,
+// clock standing still (Options.Clock), keeps a DUMP of every key of the quota,
 // and restores it before each run. Redis's own time of each script call
 // comes from SLOWLOG (slowlog-log-slower-than 0, every command logged with
 // its duration), and the calls each script call decided from the limiter's
@@ -54,7 +54,7 @@ const (
 func BenchmarkWorstCase(b *testing.B) {
 	s := newServer(b)
 	// A decision may keep Redis busy for seconds: it is measured, not cut
-	// off (the limiters get a long WithRedisTimeout too).
+	// off (the limiters get a long Options.RedisTimeout too).
 	rdb := redis.NewClient(&redis.Options{Addr: s.Addr, ReadTimeout: 2 * time.Minute})
 	b.Cleanup(func() { _ = rdb.Close() })
 	ctx := context.Background()
@@ -113,14 +113,14 @@ func (w *worstBench) Observe(e throttle.Event) {
 
 func (w *worstBench) at(t time.Time) { w.now.Store(t.UnixMicro()) }
 
-func (w *worstBench) limiter(quota string, p policies.Policy, opts ...throttle.Option) *throttle.Limiter {
+// limiter returns a limiter of quota with opts, on the bench's clock, with
+// a long Redis timeout, and observed by w.
+func (w *worstBench) limiter(quota string, p policies.Policy, opts throttle.Options) *throttle.Limiter {
 	w.b.Helper()
-	opts = append([]throttle.Option{
-		throttle.WithClock(func() time.Time { return time.UnixMicro(w.now.Load()) }),
-		throttle.WithRedisTimeout(2 * time.Minute),
-		throttle.WithObserver(w),
-	}, opts...)
-	lim, err := throttle.New(w.rdb, quota, p, opts...)
+	opts.Clock = func() time.Time { return time.UnixMicro(w.now.Load()) }
+	opts.RedisTimeout = 2 * time.Minute
+	opts.Observer = w
+	lim, err := throttle.New(w.rdb, quota, p, opts)
 	if err != nil {
 		w.b.Fatal(err)
 	}
@@ -133,7 +133,7 @@ type worstCase struct {
 	name   string
 	quota  string
 	policy policies.Policy
-	opts   []throttle.Option
+	opts   throttle.Options
 	// build brings the quota to its state at t0. Each run's calls are made
 	// by a new limiter with opts, which knows no epoch of the quota yet.
 	build  func(quota string)
@@ -164,8 +164,8 @@ func (w *worstBench) runAll() []worstRow {
 	// slowest rate that allows it.
 	slowBucket := policies.TokenBucket{Rate: 1 << 30, Per: policies.MaxWindow, Burst: 1 << 30}
 	conc := policies.Concurrency{Max: policies.MaxLogLimit}
-	failFast := throttle.WithMode(throttle.FailFast)
-	maxWait := throttle.WithMaxWait(worstMaxWait)
+	failFast := throttle.Options{Mode: throttle.FailFast}
+	maxWait := throttle.Options{MaxWait: worstMaxWait}
 	bookedTo := w.t0.Add(worstMaxWait)
 
 	cases := []worstCase{
@@ -173,7 +173,7 @@ func (w *worstBench) runAll() []worstRow {
 			name:   "SlidingLog 100k/1s full; Allow",
 			quota:  "log-full",
 			policy: log,
-			opts:   []throttle.Option{failFast},
+			opts:   failFast,
 			build:  func(q string) { w.buildLog(q, log, worstFillCalls, 0, w.t0) },
 			decide: allow(1),
 		},
@@ -181,7 +181,7 @@ func (w *worstBench) runAll() []worstRow {
 			name:   fmt.Sprintf("SlidingLog 100k/1s full, booked ahead to MaxWait %v; Block", worstMaxWait),
 			quota:  "log-ahead",
 			policy: log,
-			opts:   []throttle.Option{maxWait},
+			opts:   maxWait,
 			build:  func(q string) { w.buildLog(q, log, worstFillCalls, 0, bookedTo) },
 			decide: acquire,
 		},
@@ -191,7 +191,7 @@ func (w *worstBench) runAll() []worstRow {
 			name:   "SlidingLog 40k/1s full, 1 window booked ahead, a booking of 4,000 given back now; Allow of 4,000",
 			quota:  "log-gap",
 			policy: log40k,
-			opts:   []throttle.Option{failFast},
+			opts:   failFast,
 			build: func(q string) {
 				w.buildLog(q, log40k, 10, 1, w.t0.Add(log40k.EffectiveWindow()+time.Microsecond))
 			},
@@ -201,7 +201,7 @@ func (w *worstBench) runAll() []worstRow {
 			name:   "SlidingCounter 1/1s, 1000 buckets, booked ahead to MaxWait 10s; Block",
 			quota:  "counter-10s",
 			policy: counter,
-			opts:   []throttle.Option{throttle.WithMaxWait(10 * time.Second)},
+			opts:   throttle.Options{MaxWait: 10 * time.Second},
 			build:  func(q string) { w.buildCounter(q, counter, 10*time.Second) },
 			decide: acquire,
 		},
@@ -209,14 +209,15 @@ func (w *worstBench) runAll() []worstRow {
 			name:   "SlidingCounter 1/1s, 1000 buckets, booked ahead to MaxWait 1m (the default); Block",
 			quota:  "counter-1m",
 			policy: counter,
-			build:  func(q string) { w.buildCounter(q, counter, throttle.DefaultMaxWait) },
+			// The default Options.MaxWait is a minute.
+			build:  func(q string) { w.buildCounter(q, counter, time.Minute) },
 			decide: acquire,
 		},
 		{
 			name:   "TokenBucket 1e6/s, Burst 2^30, emptied; Allow",
 			quota:  "bucket-fast",
 			policy: fastBucket,
-			opts:   []throttle.Option{failFast},
+			opts:   failFast,
 			build:  func(q string) { w.buildBucket(q, fastBucket) },
 			decide: allow(1),
 		},
@@ -224,7 +225,7 @@ func (w *worstBench) runAll() []worstRow {
 			name:   "TokenBucket 2^30 per 366 days, Burst 2^30, full; Allow of 2^30",
 			quota:  "bucket-slow",
 			policy: slowBucket,
-			opts:   []throttle.Option{failFast},
+			opts:   failFast,
 			build:  func(string) {},
 			decide: allow(slowBucket.Burst),
 		},
@@ -232,7 +233,7 @@ func (w *worstBench) runAll() []worstRow {
 			name:   "Concurrency 100k full; FailFast Acquire",
 			quota:  "conc-full",
 			policy: conc,
-			opts:   []throttle.Option{failFast},
+			opts:   failFast,
 			build:  func(q string) { w.buildConcurrency(q, conc) },
 			decide: acquire,
 		},
@@ -240,7 +241,7 @@ func (w *worstBench) runAll() []worstRow {
 			name:   fmt.Sprintf("All(counter 1/1s/1000, log 100k/1s, bucket 1e6/s), each full and booked ahead to MaxWait %v; Block", worstMaxWait),
 			quota:  "all",
 			policy: policies.All(counter, log, fastBucket),
-			opts:   []throttle.Option{maxWait},
+			opts:   maxWait,
 			build: func(q string) {
 				w.buildAll(q,
 					func(q string) { w.buildCounter(q, counter, worstMaxWait) },
@@ -253,7 +254,7 @@ func (w *worstBench) runAll() []worstRow {
 			name:   fmt.Sprintf("Batch: 1 + %d Allow on SlidingLog 100k/1s full", worstBatch),
 			quota:  "batch-full",
 			policy: log,
-			opts:   []throttle.Option{failFast},
+			opts:   failFast,
 			build:  func(q string) { w.buildLog(q, log, worstFillCalls, 0, w.t0) },
 			decide: batchOf(worstBatch, allow(1)),
 			batch:  true,
@@ -262,7 +263,7 @@ func (w *worstBench) runAll() []worstRow {
 			name:   fmt.Sprintf("Batch: 1 + %d Block on SlidingLog 100k/1s full, booked ahead to MaxWait %v", worstBatch, worstMaxWait),
 			quota:  "batch-ahead",
 			policy: log,
-			opts:   []throttle.Option{maxWait},
+			opts:   maxWait,
 			build:  func(q string) { w.buildLog(q, log, worstFillCalls, 0, bookedTo) },
 			decide: batchOf(worstBatch, acquire),
 			batch:  true,
@@ -369,7 +370,7 @@ func (w *worstBench) measure(ctx context.Context, c worstCase, q quotaState) wor
 			w.stop = cancel
 		}
 		w.mu.Unlock()
-		calls, admitted, err := c.decide(runCtx, w.limiter(c.quota, c.policy, c.opts...))
+		calls, admitted, err := c.decide(runCtx, w.limiter(c.quota, c.policy, c.opts))
 		cancel()
 		if errors.Is(err, throttle.ErrUnavailable) {
 			// The script failed: a finding for the table, not a fault of
@@ -433,15 +434,15 @@ type quotaState struct {
 // <prefix>:{<quota>}:pause, <prefix>:{<quota>}:<rule id> (see
 // policies.Rule.ID), a log's <rule id>:next, and the same with a suffix for
 // per-key rules.
-func quotaPattern(quota string) string { return throttle.DefaultPrefix + ":{" + quota + "}:*" }
+func quotaPattern(quota string) string { return keyPrefix + ":{" + quota + "}:*" }
 
 // ruleKey is the key of rule r of a quota without per-key rules.
 func ruleKey(quota string, r policies.Rule) string {
-	return fmt.Sprintf("%s:{%s}:%s", throttle.DefaultPrefix, quota, r.ID())
+	return fmt.Sprintf("%s:{%s}:%s", keyPrefix, quota, r.ID())
 }
 
 // metaKey is the key of a quota's epoch and pause.
-func metaKey(quota string) string { return throttle.DefaultPrefix + ":{" + quota + "}:pause" }
+func metaKey(quota string) string { return keyPrefix + ":{" + quota + "}:pause" }
 
 func (w *worstBench) keys(ctx context.Context, pattern string) []string {
 	keys, err := w.rdb.Keys(ctx, pattern).Result()
@@ -563,7 +564,7 @@ func (w *worstBench) buildLog(quota string, p policies.SlidingLog, calls, given 
 	ctx := context.Background()
 	e := p.EffectiveWindow()
 	fill := func(quota string, from time.Time, n int) {
-		lim := w.limiter(quota, p, throttle.WithMode(throttle.FailFast))
+		lim := w.limiter(quota, p, throttle.Options{Mode: throttle.FailFast})
 		for i := range n {
 			t := from.Add(e * time.Duration(i+1) / time.Duration(calls))
 			if t.After(until) {
@@ -617,7 +618,7 @@ func (w *worstBench) buildCounter(quota string, p policies.SlidingCounter, maxWa
 	r := rules[0]
 	m := (r.Window + r.Bucket - 1) / r.Bucket
 	step := (m + 1) * r.Bucket
-	lim := w.limiter(quota, p, throttle.WithMode(throttle.FailFast))
+	lim := w.limiter(quota, p, throttle.Options{Mode: throttle.FailFast})
 	for k := int(maxWait / step); k >= 0; k-- {
 		w.admit(lim, w.t0.Add(time.Duration(k)*step), p.Limit)
 	}
@@ -627,14 +628,14 @@ func (w *worstBench) buildCounter(quota string, p policies.SlidingCounter, maxWa
 // buildBucket empties quota's token bucket at t0.
 func (w *worstBench) buildBucket(quota string, p policies.TokenBucket) {
 	w.b.Helper()
-	w.admit(w.limiter(quota, p, throttle.WithMode(throttle.FailFast)), w.t0, p.Burst)
+	w.admit(w.limiter(quota, p, throttle.Options{Mode: throttle.FailFast}), w.t0, p.Burst)
 	w.persist(context.Background(), quota)
 }
 
 // buildConcurrency takes every slot of quota at t0, and never gives them back.
 func (w *worstBench) buildConcurrency(quota string, p policies.Concurrency) {
 	w.b.Helper()
-	lim := w.limiter(quota, p, throttle.WithMode(throttle.FailFast))
+	lim := w.limiter(quota, p, throttle.Options{Mode: throttle.FailFast})
 	w.at(w.t0)
 	if _, err := lim.Acquire(context.Background(), throttle.Cost(p.Max)); err != nil {
 		w.b.Fatal(err)

@@ -52,8 +52,11 @@ func githubFleet(t *testing.T, s *redistest.Server, name, baseURL string, limit 
 		if err != nil {
 			t.Fatal(err)
 		}
-		tr := throttle.NewTransport(http.DefaultTransport, lim,
-			throttle.WithRequestKey(func(r *http.Request) string { return r.Header.Get("Authorization") }))
+		tr := &throttle.Transport{
+			Base:    http.DefaultTransport,
+			Limiter: lim,
+			Key:     func(r *http.Request) string { return r.Header.Get("Authorization") },
+		}
 		c := github.NewClient(&http.Client{Transport: tr}).WithAuthToken("token-a")
 		c.BaseURL = base
 		clients[i] = c

@@ -53,7 +53,7 @@ func openaiFleet(t *testing.T, s *redistest.Server, name, baseURL string, limit 
 		if err != nil {
 			t.Fatal(err)
 		}
-		hc := &http.Client{Transport: throttle.NewTransport(http.DefaultTransport, lim)}
+		hc := &http.Client{Transport: &throttle.Transport{Base: http.DefaultTransport, Limiter: lim}}
 		clients[i] = openai.NewClient(option.WithAPIKey("sk-test"), option.WithBaseURL(baseURL+"/"), option.WithHTTPClient(hc))
 	}
 	ctx := context.Background()

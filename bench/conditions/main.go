@@ -50,7 +50,7 @@
 //	                         in brackets, those refused with ErrLimited because every
 //	                         slot came too late to start in
 //	unavailable (timed out)  calls that failed with ErrUnavailable before the end; in
-//	                         brackets, those that took throttle.DefaultRedisTimeout
+//	                         brackets, those that took the limiters' RedisTimeout (1s)
 //	                         or more: Redis answered too late (the rest were refused
 //	                         at once, mostly by the open breaker)
 //	spread / margin          Usage.Spread and the widest RuleUsage.Margin at the end

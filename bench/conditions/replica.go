@@ -34,6 +34,9 @@ const (
 	// scenario.
 	spinFlag = "-spin"
 
+	// redisTimeout is every limiter's Options.RedisTimeout, the default:
+	// how long a decision waits for Redis.
+	redisTimeout = time.Second
 	// callTimeout bounds one HTTP call to the vendor.
 	callTimeout = 10 * time.Second
 	// failurePause keeps a worker whose calls fail at once from spinning.
@@ -113,7 +116,7 @@ type report struct {
 	EndContext     int `json:"end_context"`
 	EndUnavailable int `json:"end_unavailable"`
 	// Calls that failed for another reason: ErrUnavailable (of which
-	// TimedOut after waiting at least throttle.DefaultRedisTimeout, that is
+	// TimedOut after waiting at least redisTimeout, that is
 	// when Redis answered too late), or anything else.
 	Unavailable      int    `json:"unavailable"`
 	TimedOut         int    `json:"timed_out"`
@@ -173,7 +176,7 @@ func runReplica(rc replicaConfig, stdin io.Reader, stdout io.Writer) (report, er
 		clients[i].AddHook(scriptHook{&scripts})
 		var err error
 		lims[i], err = throttle.New(clients[i], rc.Quota, policies.SlidingLog{Limit: rc.Limit, Window: rc.Window},
-			throttle.WithObserver(throttle.ObserverFunc(t.observe)))
+			throttle.Options{Observer: throttle.ObserverFunc(t.observe), RedisTimeout: redisTimeout})
 		if err != nil {
 			return report{}, err
 		}
@@ -355,7 +358,7 @@ func (t *tally) note(o outcome, err error, took time.Duration) {
 		t.rep.Unavailable++
 		// Told by the time it took, whatever the error says: the breaker's
 		// refusals come at once.
-		if took >= throttle.DefaultRedisTimeout {
+		if took >= redisTimeout {
 			t.rep.TimedOut++
 		}
 		if t.rep.FirstUnavailable == "" {

@@ -4,7 +4,7 @@
 -- that may still decide without Redis.
 --
 -- KEYS and ARGV as in lib.lua, with
--- ARGV[4]   the replicas the quota is divided among (WithExpectedReplicas), n;
+-- ARGV[4]   the replicas the quota is divided among (Options.ExpectedReplicas), n;
 -- ARGV[5]   how long, in microseconds, other replicas may still decide
 --           without Redis and their calls still count: until then Redis
 --           admits only 1/n of each limit, the share no replica on the

@@ -1,13 +1,13 @@
 // Package otel records what throttle limiters do as OpenTelemetry metrics.
 //
 // An Observer is a throttle.Observer whose instruments come from the Meter
-// given to New; pass it to every limiter with throttle.WithObserver. One
+// given to New; pass it to every limiter as throttle.Options.Observer. One
 // Observer serves any number of limiters, told apart by the throttle.quota
 // attribute, the limiter's name. No attribute ever holds a call's Key,
 // which may be a secret and whose values are unbounded.
 //
 //	obs, err := throttleotel.New(otel.Meter("github.com/throttlekit/throttle"))
-//	lim, err := throttle.New(rdb, "twilio-sms", policy, throttle.WithObserver(obs))
+//	lim, err := throttle.New(rdb, "twilio-sms", policy, throttle.Options{Observer: obs})
 //
 // Names, units and attributes follow the OpenTelemetry semantic conventions:
 // dotted names, durations in seconds ("s") as histograms, counts with
@@ -137,7 +137,7 @@ func New(meter metric.Meter) (*Observer, error) {
 	o.units = counter("throttle.units", "{unit}", "Units (the sum of the calls' Cost) admitted.")
 	o.wait = histogram("throttle.wait.duration", "How long admitted calls waited for their slot.", WaitBoundaries)
 	o.fallbackAdmitted = counter("throttle.fallback.admitted", "{call}",
-		"Calls admitted without Redis, by the fallback that WithOnRedisError chose.")
+		"Calls admitted without Redis, by the fallback that Options.OnRedisError chose.")
 	o.roundTrip = histogram("throttle.redis.round_trip.duration",
 		"Round trips of the scripts that decide calls, failed ones included.", RoundTripBoundaries)
 	o.redisErrors = counter("throttle.redis.errors", "{error}",

@@ -2,14 +2,14 @@
 // metrics.
 //
 // An Observer is a throttle.Observer and a prometheus.Collector: register it
-// once, and pass it to every limiter with throttle.WithObserver. One Observer
+// once, and pass it to every limiter as throttle.Options.Observer. One Observer
 // serves any number of limiters; their series are told apart by the quota
 // label, the limiter's name. No label ever holds a call's Key, which may be a
 // secret and whose values are unbounded.
 //
 //	obs := throttleprom.New()
 //	prometheus.MustRegister(obs)
-//	lim, err := throttle.New(rdb, "twilio-sms", policy, throttle.WithObserver(obs))
+//	lim, err := throttle.New(rdb, "twilio-sms", policy, throttle.Options{Observer: obs})
 //
 // The package is named prometheus, like client_golang's; import it under
 // another name, such as throttleprom. The metrics are listed in
@@ -162,7 +162,7 @@ func New(opts ...Option) *Observer {
 		wait: histogram("throttle_wait_seconds",
 			"How long admitted calls waited for their slot.", c.waitBuckets),
 		fallbackAdmitted: counter("throttle_fallback_admitted_total",
-			"Calls admitted without Redis, by the fallback that WithOnRedisError chose.", "quota"),
+			"Calls admitted without Redis, by the fallback that Options.OnRedisError chose.", "quota"),
 		roundTrip: histogram("throttle_redis_round_trip_seconds",
 			"Round trips of the scripts that decide calls, failed ones included.", c.roundTripBuckets),
 		redisErrors: counter("throttle_redis_errors_total",
