@@ -19,7 +19,7 @@ import (
 	"sync/atomic"
 	"time"
 
-	"github.com/throttlekit/throttle/internal/fakevendor"
+	"github.com/throttlekit/throttle/examples/fakeapi"
 )
 
 const (
@@ -101,8 +101,8 @@ type fleetEnv struct {
 // runFleet runs the fleet once against a fresh vendor and returns what the
 // vendor and the replicas saw.
 func runFleet(ctx context.Context, cfg config, v variant, env fleetEnv, stderr io.Writer) (Result, error) {
-	vendor := fakevendor.NewInProcess(fakevendor.Config{Limit: cfg.Limit, Window: cfg.Window, Work: vendorWork})
-	rec := &recorder{vendor: vendor.Handler()}
+	vendor := fakeapi.New(fakeapi.Config{Limit: cfg.Limit, Window: cfg.Window, Work: vendorWork})
+	rec := &recorder{vendor: vendor}
 	ln, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
 		return Result{}, fmt.Errorf("vendor: %w", err)
@@ -170,7 +170,7 @@ func runFleet(ctx context.Context, cfg config, v variant, env fleetEnv, stderr i
 // showProgress rewrites one line on stderr until the run's time is up or
 // ctx ends: elapsed time, the rate the vendor accepts against the cap, the
 // calls waiting for a slot, and the 429s so far.
-func showProgress(ctx context.Context, cfg config, v variant, start time.Time, vendor *fakevendor.Vendor, children []*child, stderr io.Writer) {
+func showProgress(ctx context.Context, cfg config, v variant, start time.Time, vendor *fakeapi.Vendor, children []*child, stderr io.Writer) {
 	end := time.NewTimer(cfg.Duration)
 	defer end.Stop()
 	tick := time.NewTicker(250 * time.Millisecond)

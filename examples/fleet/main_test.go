@@ -15,7 +15,7 @@ import (
 	"time"
 
 	"github.com/throttlekit/throttle"
-	"github.com/throttlekit/throttle/internal/fakevendor"
+	"github.com/throttlekit/throttle/examples/fakeapi"
 )
 
 // TestMain lets the test binary stand in for the program: the fleet starts
@@ -143,7 +143,7 @@ func TestSummarize_CountsWholeWindowsFromTheStart(t *testing.T) {
 	arrivals = append(arrivals, arrival{at: 600 * time.Millisecond, replica: 1, tenant: -1})
 	reports := []replicaReport{{Admitted: 20, WaitsMicros: []int64{1000, 2000}}, {Admitted: 22, WaitsMicros: []int64{3000}}}
 
-	res := summarize(cfg, shared, 3100*time.Millisecond, fakevendor.Stats{OverCap: 2, MaxInWindow: 11}, arrivals, reports)
+	res := summarize(cfg, shared, 3100*time.Millisecond, fakeapi.Stats{OverCap: 2, MaxInWindow: 11}, arrivals, reports)
 	if got := res.Fleet.Utilization; got != 1 {
 		t.Errorf("fleet utilization = %v, want 1: the 4th burst lies past the 3 whole windows", got)
 	}

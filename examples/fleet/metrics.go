@@ -13,15 +13,15 @@ import (
 	"sync"
 	"time"
 
-	"github.com/throttlekit/throttle/internal/fakevendor"
+	"github.com/throttlekit/throttle/examples/fakeapi"
 )
 
 // The fleet's /metrics endpoint is written by hand in the Prometheus text
-// format: this module must not depend on client_golang, which the
-// observe/prometheus module brings to users who want it. Where a metric
-// means what one of observe/prometheus means, it has the same name and
-// labels (quota, outcome), so that dashboards work on both; the fleet's own
-// metrics start with fleet_.
+// format, so that the examples need no more than the library does:
+// client_golang comes with the observe/prometheus module, to users who want
+// it. Where a metric means what one of observe/prometheus means, it has the
+// same name and labels (quota, outcome), so that dashboards work on both;
+// the fleet's own metrics start with fleet_.
 
 // waitBounds are the upper bounds of the wait buckets, in seconds, as
 // observe/prometheus.DefaultWaitBuckets.
@@ -50,7 +50,7 @@ type runMetrics struct {
 	gate     variant
 	quota    string
 	window   time.Duration
-	vendor   *fakevendor.Vendor
+	vendor   *fakeapi.Vendor
 	children []*child
 }
 
@@ -101,7 +101,7 @@ func (m *fleetMetrics) write(out io.Writer) error {
 	// Read every count once, so that the families of one scrape agree.
 	type runSample struct {
 		labels   []string
-		st       fakevendor.Stats
+		st       fakeapi.Stats
 		limit    int
 		window   time.Duration
 		inWindow int

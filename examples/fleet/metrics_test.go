@@ -9,6 +9,7 @@ import (
 	"io"
 	"math"
 	"net/http"
+	"net/http/httptest"
 	"os"
 	"regexp"
 	"slices"
@@ -21,12 +22,12 @@ import (
 	"github.com/alicebob/miniredis/v2"
 
 	"github.com/throttlekit/throttle"
-	"github.com/throttlekit/throttle/internal/fakevendor"
+	"github.com/throttlekit/throttle/examples/fakeapi"
 )
 
-// This module cannot import github.com/prometheus/common/expfmt (the core
-// keeps its four dependencies), so the exposition is checked here against
-// the text format, version 0.0.4, by hand, and more strictly than
+// The examples keep to the library's dependencies, without
+// github.com/prometheus/common/expfmt, so the exposition is checked here
+// against the text format, version 0.0.4, by hand, and more strictly than
 // Prometheus parses it: what the fleet writes must also follow the naming
 // conventions (counters end in _total), keep each family's samples
 // together after its # TYPE, repeat no series, and give each histogram
@@ -443,7 +444,7 @@ func TestWaitBucket(t *testing.T) {
 }
 
 func TestMetrics_WritesValidTextWithTheReportedCounts(t *testing.T) {
-	vendor := fakevendor.NewInProcess(fakevendor.Config{Limit: 3, Window: time.Minute})
+	vendor := fakeapi.New(fakeapi.Config{Limit: 3, Window: time.Minute})
 	for range 5 {
 		vendor.Arrive()
 	}
@@ -454,7 +455,7 @@ func TestMetrics_WritesValidTextWithTheReportedCounts(t *testing.T) {
 	children[0].waiting.Store(5)
 	m := &fleetMetrics{}
 	m.add(&runMetrics{gate: shared, quota: "q1", window: time.Minute, vendor: vendor, children: children})
-	m.add(&runMetrics{gate: naive, quota: "q2", window: time.Minute, vendor: fakevendor.NewInProcess(fakevendor.Config{Limit: 3, Window: time.Minute}), children: []*child{{id: 0}}})
+	m.add(&runMetrics{gate: naive, quota: "q2", window: time.Minute, vendor: fakeapi.New(fakeapi.Config{Limit: 3, Window: time.Minute}), children: []*child{{id: 0}}})
 
 	url, stop, err := serveMetrics("127.0.0.1:0", m)
 	if err != nil {
@@ -524,7 +525,7 @@ func TestServeMetrics_FailsOnABadAddress(t *testing.T) {
 
 func TestReplica_TotalsMatchItsReport(t *testing.T) {
 	mr := miniredis.RunT(t)
-	vendor := fakevendor.New(fakevendor.Config{Limit: 20, Window: time.Second})
+	vendor := httptest.NewServer(fakeapi.New(fakeapi.Config{Limit: 20, Window: time.Second}))
 	defer vendor.Close()
 	rc := replicaConfig{
 		Gate: shared, Vendor: vendor.URL, Redis: mr.Addr(), Quota: "totals", Limit: 20, Window: time.Second,

@@ -285,7 +285,7 @@ func newGate(ctx context.Context, rc replicaConfig) (g gate, scripts *scriptCoun
 			Policy: policies.SlidingLog{Limit: rc.TenantLimit, Window: rc.Window, Margin: rc.Margin},
 		})
 	}
-	lim, err := throttle.New(rdb, rc.Quota, policy, throttle.WithMode(rc.Mode))
+	lim, err := throttle.New(rdb, rc.Quota, policy, throttle.Options{Mode: rc.Mode})
 	if err != nil {
 		rdb.Close()
 		return nil, nil, nil, err

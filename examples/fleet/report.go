@@ -10,7 +10,7 @@ import (
 	"text/tabwriter"
 	"time"
 
-	"github.com/throttlekit/throttle/internal/fakevendor"
+	"github.com/throttlekit/throttle/examples/fakeapi"
 )
 
 // Result is one fleet run as the vendor and the replicas saw it.
@@ -81,7 +81,7 @@ func (r Row) ScriptsPerCall() float64 {
 // admits a window's worth in a burst at each window's start, so a count over
 // a span that ends just after such a burst, or just before it, would be off
 // by a whole burst; whole windows from the start hold a whole number of them.
-func summarize(cfg config, v variant, ran time.Duration, st fakevendor.Stats, arrivals []arrival, reports []replicaReport) Result {
+func summarize(cfg config, v variant, ran time.Duration, st fakeapi.Stats, arrivals []arrival, reports []replicaReport) Result {
 	res := Result{
 		Variant:     v,
 		Title:       v.title(cfg),

@@ -35,7 +35,7 @@ import (
 	"github.com/redis/go-redis/v9"
 
 	"github.com/throttlekit/throttle"
-	"github.com/throttlekit/throttle/internal/fakevendor"
+	"github.com/throttlekit/throttle/examples/fakeapi"
 	"github.com/throttlekit/throttle/policies"
 )
 
@@ -95,9 +95,9 @@ func run(ctx context.Context, cfg config, out io.Writer) (result, error) {
 		addr, where = mr.Addr(), "an embedded miniredis"
 	}
 
-	vendor := fakevendor.NewInProcess(fakevendor.Config{Limit: cfg.Limit, Window: cfg.Window, RetryAfter: true})
+	vendor := fakeapi.New(fakeapi.Config{Limit: cfg.Limit, Window: cfg.Window, RetryAfter: true})
 	var rec recorder
-	srv := httptest.NewServer(rec.wrap(vendor.Handler()))
+	srv := httptest.NewServer(rec.wrap(vendor))
 	defer srv.Close()
 
 	fmt.Fprintf(out, "vendor: %d requests per %v, answering 429 with Retry-After past it", cfg.Limit, cfg.Window)
@@ -171,7 +171,7 @@ func replicaClient(name string, lim *throttle.Limiter) *http.Client {
 		r.Header.Set("X-Replica", name)
 		return base.RoundTrip(r)
 	})
-	return &http.Client{Transport: throttle.NewTransport(tagged, lim)}
+	return &http.Client{Transport: &throttle.Transport{Base: tagged, Limiter: lim}}
 }
 
 type roundTripFunc func(*http.Request) (*http.Response, error)
@@ -214,7 +214,7 @@ func (rc *recorder) wrap(h http.Handler) http.Handler {
 		a.status = sw.status
 		secs, _ := strconv.Atoi(w.Header().Get("Retry-After"))
 		a.retryAfter = time.Duration(secs) * time.Second
-		a.limit, _ = strconv.Atoi(w.Header().Get(fakevendor.HeaderLimit))
+		a.limit, _ = strconv.Atoi(w.Header().Get(fakeapi.HeaderLimit))
 		rc.mu.Lock()
 		rc.arrivals = append(rc.arrivals, a)
 		rc.mu.Unlock()

@@ -41,8 +41,9 @@ func startDemo(ctx context.Context, cfg config) (addr string, stop func(), err e
 	}
 	rdb := redis.NewClient(&redis.Options{Addr: mr.Addr()})
 	quiet := slog.New(slog.DiscardHandler) // the display is the output
-	lim, err := throttle.New(rdb, cfg.Quota, cfg.Policy, throttle.WithPrefix(cfg.Prefix),
-		throttle.WithMaxWait(2*time.Second), throttle.WithLogger(quiet))
+	lim, err := throttle.New(rdb, cfg.Quota, cfg.Policy, throttle.Options{
+		Prefix: cfg.Prefix, MaxWait: 2 * time.Second, Logger: quiet,
+	})
 	if err != nil {
 		rdb.Close()
 		mr.Close()

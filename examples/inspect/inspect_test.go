@@ -163,7 +163,7 @@ func TestRun_ShowsTheCallsMade(t *testing.T) {
 	rdb := redis.NewClient(&redis.Options{Addr: mr.Addr()})
 	defer rdb.Close()
 	policy := policies.All(policies.SlidingLog{Limit: 10, Window: time.Minute}, policies.PerKey{Policy: policies.SlidingLog{Limit: 5, Window: time.Minute}})
-	lim, err := throttle.New(rdb, "vendor", policy, throttle.WithMode(throttle.FailFast))
+	lim, err := throttle.New(rdb, "vendor", policy, throttle.Options{Mode: throttle.FailFast})
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -26,7 +26,7 @@
 //	-quota NAME   the quota's name, as given to throttle.New
 //	-policy P     the quota's policy, in the syntax below
 //	-key K        the key whose per-key rules to read; required when the policy has a key: term
-//	-prefix P     the key prefix, as given to throttle.WithPrefix (throttle)
+//	-prefix P     the key prefix, as given in throttle.Options.Prefix (throttle)
 //	-every D      time between refreshes (1s)
 //	-n N          refreshes before exiting; 0 until interrupted (0)
 //	-demo         start an embedded Redis, run some traffic on a quota, and show it
@@ -64,6 +64,10 @@ import (
 // readTimeout bounds one refresh's read, so that a hung Redis shows as an
 // error instead of a frozen screen.
 const readTimeout = 2 * time.Second
+
+// defaultPrefix is the key prefix a limiter uses when its Options.Prefix is
+// empty.
+const defaultPrefix = "throttle"
 
 // config is what the flags ask for.
 type config struct {
@@ -105,7 +109,7 @@ func parseFlags(args []string, stderr io.Writer) (config, error) {
 	fs.StringVar(&cfg.Quota, "quota", "", "the quota's name, as given to throttle.New")
 	policy := fs.String("policy", "", "the quota's policy, exactly as the fleet configured it (see below)")
 	fs.StringVar(&cfg.Key, "key", "", "the key whose per-key rules to read")
-	fs.StringVar(&cfg.Prefix, "prefix", throttle.DefaultPrefix, "the key prefix, as given to throttle.WithPrefix")
+	fs.StringVar(&cfg.Prefix, "prefix", defaultPrefix, "the key prefix, as given in throttle.Options.Prefix")
 	fs.DurationVar(&cfg.Every, "every", time.Second, "time between refreshes")
 	fs.IntVar(&cfg.N, "n", 0, "refreshes before exiting; 0 until interrupted")
 	fs.BoolVar(&cfg.Demo, "demo", false, "start an embedded Redis, run some traffic on a quota, and show it")
@@ -182,7 +186,7 @@ func run(ctx context.Context, cfg config, stdout io.Writer, terminal bool) error
 		return err
 	}
 	defer rdb.Close()
-	lim, err := throttle.New(rdb, cfg.Quota, cfg.Policy, throttle.WithPrefix(cfg.Prefix))
+	lim, err := throttle.New(rdb, cfg.Quota, cfg.Policy, throttle.Options{Prefix: cfg.Prefix})
 	if err != nil {
 		return err
 	}

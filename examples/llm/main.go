@@ -20,8 +20,10 @@
 package main
 
 import (
+	"bytes"
 	"context"
 	"encoding/json"
+	"errors"
 	"flag"
 	"fmt"
 	"io"
@@ -29,7 +31,6 @@ import (
 	"net/http"
 	"net/http/httptest"
 	"os"
-	"strconv"
 	"strings"
 	"sync"
 	"time"
@@ -38,6 +39,7 @@ import (
 	"github.com/redis/go-redis/v9"
 
 	"github.com/throttlekit/throttle"
+	"github.com/throttlekit/throttle/examples/fakeapi"
 	"github.com/throttlekit/throttle/policies"
 )
 
@@ -78,15 +80,38 @@ type result struct {
 	TokenUse                 float64 // tokens accepted against the cap, from the first window on
 }
 
-// completion is the part of a chat completion the fleet reads.
+// completion is the part of a chat completion's answer the fleet reads.
 type completion struct {
 	Usage struct {
 		TotalTokens int `json:"total_tokens"`
 	} `json:"usage"`
 }
 
+// A call's prompt is of promptLeast to promptMost tokens, and its reply of
+// replyMost at most.
+const (
+	promptLeast, promptMost = 20, 60
+	replyMost               = 100
+)
+
+// estimateKey is the context key of a request's estimate of its tokens.
+type estimateKey struct{}
+
+// estimate is the Cost of a request: the tokens complete put in its
+// context, and 1 for a request without.
+func estimate(r *http.Request) int {
+	n, _ := r.Context().Value(estimateKey{}).(int)
+	return max(n, 1)
+}
+
 func run(ctx context.Context, cfg config, out io.Writer) (result, error) {
-	api := newFakeAPI(cfg.Requests, cfg.Tokens, cfg.Window)
+	if cfg.Replicas < 1 || cfg.Workers < 1 || cfg.Requests < 1 || cfg.Window <= 0 || cfg.Duration <= 0 {
+		return result{}, errors.New("every flag must be positive")
+	}
+	if cfg.Tokens < promptMost+replyMost {
+		return result{}, fmt.Errorf("-tokens must be at least %d, the most a call may use", promptMost+replyMost)
+	}
+	api := fakeapi.NewLLM(fakeapi.LLMConfig{Requests: cfg.Requests, Tokens: cfg.Tokens, Window: cfg.Window})
 	srv := httptest.NewServer(api)
 	defer srv.Close()
 
@@ -99,6 +124,8 @@ func run(ctx context.Context, cfg config, out io.Writer) (result, error) {
 		defer mr.Close()
 		addr = mr.Addr()
 	}
+	// One quota, two limits: PerCall counts each request as 1 whatever it
+	// costs; the tokens' limit counts each request's Cost.
 	policy := policies.All(
 		policies.PerCall{Policy: policies.SlidingLog{Limit: cfg.Requests, Window: cfg.Window}},
 		policies.SlidingLog{Limit: cfg.Tokens, Window: cfg.Window},
@@ -106,6 +133,7 @@ func run(ctx context.Context, cfg config, out io.Writer) (result, error) {
 	fmt.Fprintf(out, "API: %d requests and %d tokens per %v; fleet: %d replicas × %d workers\n",
 		cfg.Requests, cfg.Tokens, cfg.Window, cfg.Replicas, cfg.Workers)
 
+	start := time.Now()
 	runCtx, cancel := context.WithTimeout(ctx, cfg.Duration)
 	defer cancel()
 	var wg sync.WaitGroup
@@ -117,12 +145,9 @@ func run(ctx context.Context, cfg config, out io.Writer) (result, error) {
 		if err != nil {
 			return result{}, err
 		}
-		client := &http.Client{Transport: throttle.NewTransport(nil, lim,
-			// The estimate: the prompt's tokens and the most the reply may use.
-			throttle.WithRequestCost(func(r *http.Request) int {
-				n, _ := strconv.Atoi(r.Header.Get("X-Estimate"))
-				return max(n, 1)
-			}))}
+		// Each request is admitted with its estimate of the tokens it
+		// may use; complete settles it with what the API says it used.
+		client := &http.Client{Transport: &throttle.Transport{Limiter: lim, Cost: estimate}}
 		for w := range cfg.Workers {
 			rng := rand.New(rand.NewPCG(uint64(i), uint64(w)))
 			wg.Go(func() {
@@ -140,24 +165,31 @@ func run(ctx context.Context, cfg config, out io.Writer) (result, error) {
 	if err := <-errs; err != nil {
 		return result{}, err
 	}
-	res := api.report(out)
-	return res, nil
+	return report(out, api.Stats(), start, cfg), nil
 }
 
-// complete sends one chat completion: a prompt of 20 to 60 tokens, with a
-// reply of at most 100, admitted with the most it can use as its estimate,
-// and settled with the tokens the API says it used. An estimate below what
-// a call may use would let the fleet past the tokens' cap; what it
-// overestimates is held until the call is settled.
+// complete sends one chat completion: a prompt of promptLeast to promptMost
+// tokens (words, as the fake API counts them), with a reply of replyMost at
+// most, admitted with the most it can use as its estimate, and settled with the tokens the API
+// says it used. An estimate below what a call may use would let the fleet
+// past the tokens' cap; what it overestimates is held until the call is
+// settled.
 func complete(ctx context.Context, client *http.Client, url string, rng *rand.Rand) error {
-	prompt, most := 20+rng.IntN(41), 100
-	req, err := http.NewRequestWithContext(ctx, http.MethodPost, url+"/v1/chat/completions",
-		strings.NewReader(`{"model":"gpt-4o","max_tokens":`+strconv.Itoa(most)+`}`))
+	prompt, most := promptLeast+rng.IntN(promptMost-promptLeast+1), replyMost
+	body, err := json.Marshal(map[string]any{
+		"model":      "gpt-4o",
+		"max_tokens": most,
+		"messages":   []map[string]string{{"role": "user", "content": strings.Repeat("word ", prompt)}},
+	})
 	if err != nil {
 		return err
 	}
-	req.Header.Set("X-Estimate", strconv.Itoa(prompt+most))
-	req.Header.Set("X-Prompt-Tokens", strconv.Itoa(prompt))
+	req, err := http.NewRequestWithContext(context.WithValue(ctx, estimateKey{}, prompt+most),
+		http.MethodPost, url+"/v1/chat/completions", bytes.NewReader(body))
+	if err != nil {
+		return err
+	}
+	req.Header.Set("Content-Type", "application/json")
 	resp, err := client.Do(req)
 	if err != nil {
 		return nil // the run ended while the request waited for its slot
@@ -176,102 +208,41 @@ func complete(ctx context.Context, client *http.Client, url string, rng *rand.Ra
 	return throttle.PermitFrom(resp.Request.Context()).Settle(context.WithoutCancel(ctx), c.Usage.TotalTokens)
 }
 
-// fakeAPI is a strict LLM API: exact sliding windows of requests and of
-// tokens, a 429 past either cap.
-type fakeAPI struct {
-	requests, tokens int
-	window           time.Duration
-	start            time.Time
-	mu               sync.Mutex
-	arrivals         []arrival // accepted, for the windows
-	accepted         []arrival // accepted, all of them
-	perSecond        map[int][2]int
-	over             [2]int
-}
-
-type arrival struct {
-	at     time.Time
-	tokens int
-}
-
-func newFakeAPI(requests, tokens int, window time.Duration) *fakeAPI {
-	return &fakeAPI{requests: requests, tokens: tokens, window: window, start: time.Now(), perSecond: map[int][2]int{}}
-}
-
-func (a *fakeAPI) ServeHTTP(w http.ResponseWriter, r *http.Request) {
-	prompt, _ := strconv.Atoi(r.Header.Get("X-Prompt-Tokens"))
-	used := prompt + 20 + rand.IntN(81) // the reply's tokens
-	now := time.Now()
-	a.mu.Lock()
-	from := now.Add(-a.window)
-	for len(a.arrivals) > 0 && !a.arrivals[0].at.After(from) {
-		a.arrivals = a.arrivals[1:]
-	}
-	inTokens := 0
-	for _, x := range a.arrivals {
-		inTokens += x.tokens
-	}
-	okRequests, okTokens := len(a.arrivals) < a.requests, inTokens+used <= a.tokens
-	if okRequests && okTokens {
-		a.arrivals = append(a.arrivals, arrival{now, used})
-		a.accepted = append(a.accepted, arrival{now, used})
-		s := a.perSecond[int(now.Sub(a.start)/time.Second)]
-		a.perSecond[int(now.Sub(a.start)/time.Second)] = [2]int{s[0] + 1, s[1] + used}
-		inTokens += used
-	} else if !okRequests {
-		a.over[0]++
-	} else {
-		a.over[1]++
-	}
-	leftRequests, leftTokens := a.requests-len(a.arrivals), a.tokens-inTokens
-	a.mu.Unlock()
-
-	h := w.Header()
-	h.Set("x-ratelimit-limit-requests", strconv.Itoa(a.requests))
-	h.Set("x-ratelimit-remaining-requests", strconv.Itoa(max(leftRequests, 0)))
-	h.Set("x-ratelimit-limit-tokens", strconv.Itoa(a.tokens))
-	h.Set("x-ratelimit-remaining-tokens", strconv.Itoa(max(leftTokens, 0)))
-	if !okRequests || !okTokens {
-		h.Set("retry-after-ms", "100")
-		w.WriteHeader(http.StatusTooManyRequests)
-		return
-	}
-	h.Set("Content-Type", "application/json")
-	fmt.Fprintf(w, `{"object":"chat.completion","usage":{"prompt_tokens":%d,"completion_tokens":%d,"total_tokens":%d}}`, prompt, used-prompt, used)
-}
-
-// report prints what the API saw each second, and returns the totals.
-func (a *fakeAPI) report(out io.Writer) result {
-	a.mu.Lock()
-	defer a.mu.Unlock()
+// report prints what the API accepted each second since start, and returns
+// the totals.
+func report(out io.Writer, st fakeapi.LLMStats, start time.Time, cfg config) result {
 	var res result
-	fmt.Fprintf(out, "%8s %10s %10s\n", "second", "requests", "tokens")
-	last := 0
-	for s := range a.perSecond {
-		last = max(last, s)
+	var perSecond [][2]int // requests and tokens
+	for _, c := range st.Accepted {
+		s := int(c.At.Sub(start) / time.Second)
+		for len(perSecond) <= s {
+			perSecond = append(perSecond, [2]int{})
+		}
+		perSecond[s][0]++
+		perSecond[s][1] += c.Tokens
+		res.Calls++
+		res.Tokens += c.Tokens
 	}
-	for s := 0; s <= last; s++ {
-		n := a.perSecond[s]
+	fmt.Fprintf(out, "%8s %10s %10s\n", "second", "requests", "tokens")
+	for s, n := range perSecond {
 		fmt.Fprintf(out, "%8d %10d %10d\n", s, n[0], n[1])
-		res.Calls += n[0]
-		res.Tokens += n[1]
 	}
 	// The tokens' use from the end of the first window to a window before
 	// the last call, against the cap over that span: the first window runs
 	// its burst, the last the calls cut short by the end of the run.
-	if len(a.accepted) > 1 {
-		from, to := a.accepted[0].at.Add(a.window), a.accepted[len(a.accepted)-1].at.Add(-a.window)
+	if n := len(st.Accepted); n > 1 {
+		from, to := st.Accepted[0].At.Add(cfg.Window), st.Accepted[n-1].At.Add(-cfg.Window)
 		used := 0
-		for _, x := range a.accepted {
-			if x.at.After(from) && !x.at.After(to) {
-				used += x.tokens
+		for _, c := range st.Accepted {
+			if c.At.After(from) && !c.At.After(to) {
+				used += c.Tokens
 			}
 		}
 		if span := to.Sub(from); span > 0 {
-			res.TokenUse = float64(used) / (float64(a.tokens) * float64(span) / float64(a.window))
+			res.TokenUse = float64(used) / (float64(cfg.Tokens) * float64(span) / float64(cfg.Window))
 		}
 	}
-	res.OverRequests, res.OverTokens = a.over[0], a.over[1]
+	res.OverRequests, res.OverTokens = st.OverRequests, st.OverTokens
 	fmt.Fprintf(out, "%d requests, %d tokens; past the cap: %d requests, %d tokens; %.0f%% of the tokens' cap used\n",
 		res.Calls, res.Tokens, res.OverRequests, res.OverTokens, 100*res.TokenUse)
 	return res

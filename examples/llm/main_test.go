@@ -32,3 +32,14 @@ func TestRun_RequestsAndTokensInOnePolicy(t *testing.T) {
 		t.Errorf("output lacks the API's caps")
 	}
 }
+
+func TestRun_RejectsBadFlags(t *testing.T) {
+	// A call may use 160 tokens: a cap of tokens below it admits none.
+	cfg := config{Replicas: 1, Workers: 1, Requests: 10, Tokens: 100, Window: time.Second, Duration: time.Second}
+	if _, err := run(context.Background(), cfg, &bytes.Buffer{}); err == nil {
+		t.Error("run with a tokens' cap of 100 succeeded, want an error")
+	}
+	if _, err := run(context.Background(), config{}, &bytes.Buffer{}); err == nil {
+		t.Error("run with zero flags succeeded, want an error")
+	}
+}

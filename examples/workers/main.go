@@ -27,7 +27,7 @@ import (
 	"github.com/redis/go-redis/v9"
 
 	"github.com/throttlekit/throttle"
-	"github.com/throttlekit/throttle/internal/fakevendor"
+	"github.com/throttlekit/throttle/examples/fakeapi"
 	"github.com/throttlekit/throttle/policies"
 )
 
@@ -82,7 +82,7 @@ func run(ctx context.Context, cfg config, out io.Writer) (report, error) {
 	if err != nil {
 		return report{}, fmt.Errorf("-redis %q: %w", cfg.Redis, err)
 	}
-	provider := fakevendor.NewInProcess(fakevendor.Config{Limit: cfg.Limit, Window: cfg.Window})
+	provider := fakeapi.New(fakeapi.Config{Limit: cfg.Limit, Window: cfg.Window})
 	policy := policies.All(
 		policies.SlidingLog{Limit: cfg.Limit, Window: cfg.Window},
 		policies.PerKey{Policy: policies.SlidingLog{Limit: cfg.TenantLimit, Window: cfg.Window}},
@@ -91,7 +91,7 @@ func run(ctx context.Context, cfg config, out io.Writer) (report, error) {
 	for range cfg.Workers {
 		rdb := redis.NewClient(opt)
 		defer rdb.Close()
-		lim, err := throttle.New(rdb, "sms-provider", policy, throttle.WithMode(throttle.Queue), throttle.WithMaxQueue(cfg.Jobs))
+		lim, err := throttle.New(rdb, "sms-provider", policy, throttle.Options{Mode: throttle.Queue, MaxQueue: cfg.Jobs})
 		if err != nil {
 			return report{}, err
 		}
