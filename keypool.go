@@ -1,6 +1,7 @@
 package throttle
 
 import (
+	"errors"
 	"fmt"
 	"net/http"
 	"sync"
@@ -11,10 +12,10 @@ import (
 // set, or an error saying what is wrong with them.
 func newKeyPool(keys []string, set func(r *http.Request, key string)) (*keyPool, error) {
 	if set == nil {
-		return nil, fmt.Errorf("Keys needs SetKey, to set the key picked on the request")
+		return nil, errors.New("needs SetKey, to set the key picked on the request")
 	}
 	if len(keys) == 0 {
-		return nil, fmt.Errorf("SetKey is set but Keys is empty")
+		return nil, errors.New("empty, while SetKey is set")
 	}
 	p := &keyPool{set: set, keys: make([]poolKey, len(keys))}
 	for i, k := range keys {

@@ -160,10 +160,10 @@ func TestKeyPool_RefusesABadPool(t *testing.T) {
 		tr   *Transport
 		want string
 	}{
-		{"no key", &Transport{SetKey: set}, "Transport.Keys: SetKey is set but Keys is empty"},
-		{"an empty list of keys", &Transport{Keys: []string{}, SetKey: set}, "Transport.Keys: SetKey is set but Keys is empty"},
+		{"no key", &Transport{SetKey: set}, "Transport.Keys: empty, while SetKey is set"},
+		{"an empty list of keys", &Transport{Keys: []string{}, SetKey: set}, "Transport.Keys: empty, while SetKey is set"},
 		{"an empty key", &Transport{Keys: []string{"a", ""}, SetKey: set}, "Transport.Keys: key 1 is empty"},
-		{"no SetKey", &Transport{Keys: []string{"a"}}, "Transport.Keys: Keys needs SetKey"},
+		{"no SetKey", &Transport{Keys: []string{"a"}}, "Transport.Keys: needs SetKey"},
 	} {
 		tr := tc.tr
 		req := mustRequest(t, context.Background(), http.MethodGet, "http://127.0.0.1:1/", nil)

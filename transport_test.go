@@ -932,9 +932,9 @@ func TestTransport_BadFieldsFailEveryRequest(t *testing.T) {
 		{"an empty key", func(tr *Transport) { tr.Keys, tr.SetKey = []string{"a", ""}, set },
 			"throttle: Transport.Keys: key 1 is empty"},
 		{"Keys without SetKey", func(tr *Transport) { tr.Keys = []string{"a"} },
-			"throttle: Transport.Keys: Keys needs SetKey"},
+			"throttle: Transport.Keys: needs SetKey"},
 		{"SetKey without Keys", func(tr *Transport) { tr.SetKey = set },
-			"throttle: Transport.Keys: SetKey is set but Keys is empty"},
+			"throttle: Transport.Keys: empty, while SetKey is set"},
 	}
 	send := func(t *testing.T, tr *Transport) (*http.Response, *bodyRecorder, error) {
 		body := newBodyRecorder("x")
