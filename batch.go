@@ -258,14 +258,3 @@ type batches struct {
 	lanesMu sync.Mutex
 	lanes   map[string]*lane
 }
-
-// noteHorizon remembers the latest slot booked in Redis, in local time, for
-// the Local fallback to respect should Redis fail.
-func (l *Limiter) noteHorizon(slot time.Time) {
-	for {
-		old := l.horizon.Load()
-		if slot.UnixNano() <= old || l.horizon.CompareAndSwap(old, slot.UnixNano()) {
-			return
-		}
-	}
-}

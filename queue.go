@@ -3,48 +3,9 @@ package throttle
 import (
 	"container/heap"
 	"context"
-	"errors"
 	"fmt"
-	"strconv"
 	"sync"
 )
-
-// ErrQueueFull is matched, through errors.Is, by the error of a call that a
-// full queue turned away (Queue mode).
-var ErrQueueFull = errors.New("throttle: queue full")
-
-// ErrClosed is matched by the error of a call made after Close, or still
-// queued when Close gave up draining.
-var ErrClosed = errors.New("throttle: limiter closed")
-
-// Overflow says which call a full queue turns away, as Bottleneck's
-// strategies do.
-type Overflow int
-
-const (
-	// RejectNew turns the new call away with ErrQueueFull. The default.
-	RejectNew Overflow = iota
-	// ShedOldest lets the new call in and turns away the call that has
-	// waited longest, which gets ErrQueueFull: fresh work is worth more.
-	ShedOldest
-	// ShedLowest lets the new call in if its Priority is higher than that of
-	// some waiting call, and turns away the newest of the lowest-priority
-	// calls; otherwise the new call is turned away.
-	ShedLowest
-)
-
-// String returns the overflow's name.
-func (o Overflow) String() string {
-	switch o {
-	case RejectNew:
-		return "RejectNew"
-	case ShedOldest:
-		return "ShedOldest"
-	case ShedLowest:
-		return "ShedLowest"
-	}
-	return "Overflow(" + strconv.Itoa(int(o)) + ")"
-}
 
 // maxDispatched bounds how many calls of one process seek or hold a slot in
 // Redis at once in Queue mode: the rest wait in the local queue and cost
@@ -238,17 +199,3 @@ func (h *waitHeap) Pop() any {
 	*h = old[:len(old)-1]
 	return w
 }
-
-// quotaErr is an error of quota that matches sentinel through errors.Is,
-// and says msg once: "throttle: quota "sms": queue full (...)".
-func quotaErr(quota string, sentinel error, msg string) error {
-	return &sentinelError{msg: fmt.Sprintf("throttle: quota %q: %s", quota, msg), err: sentinel}
-}
-
-type sentinelError struct {
-	msg string
-	err error
-}
-
-func (e *sentinelError) Error() string { return e.msg }
-func (e *sentinelError) Unwrap() error { return e.err }

@@ -2,9 +2,6 @@ package throttle
 
 import (
 	"context"
-	"crypto/sha256"
-	"encoding/base64"
-	"strconv"
 	"time"
 
 	"github.com/redis/go-redis/v9"
@@ -20,36 +17,6 @@ const (
 	reasonBusy // a concurrency rule is full
 	reasonLate // every admission came too late to start in (decided here, not by the script)
 )
-
-// scope is the set of Redis keys one call touches: the pause keys and the
-// key of every rule, per-key rules resolved for the call's key.
-type scope struct {
-	id   string   // the hashed key, or "" for a call that touches shared rules only
-	keys []string // pause of the quota, pause of the key (or the quota's again), rules
-}
-
-// scopeFor resolves the keys of every rule for key k. The key is hashed so
-// that tokens and tenant names never reach Redis in the clear, and every
-// key of the quota carries the hash tag {name}, so one script can touch them
-// all on Redis Cluster.
-func (l *Limiter) scopeFor(c call) scope {
-	if !l.perKey {
-		return scope{keys: l.shared}
-	}
-	sum := sha256.Sum256([]byte(c.key))
-	hashed := base64.RawURLEncoding.EncodeToString(sum[:16])
-	keys := make([]string, len(l.shared))
-	copy(keys, l.shared)
-	if !l.hasShared {
-		keys[1] = l.base + "pause:" + hashed
-	}
-	for i, r := range l.rules {
-		if r.PerKey {
-			keys[2+i] += ":" + hashed
-		}
-	}
-	return scope{id: hashed, keys: keys}
-}
 
 // args builds the arguments every script takes (see internal/lua/lib.lua): the time,
 // the call's id, its cost, three arguments of the script's own, and then
@@ -94,10 +61,6 @@ func ruleArgs(r policies.Rule) [5]int64 {
 		return [5]int64{kind, int64(r.Limit), us(r.Lease), 0, 0}
 	}
 	return [5]int64{kind, int64(r.Limit), us(r.Window), 0, us(r.Margin)}
-}
-
-func (l *Limiter) newMember() string {
-	return l.id + ":" + strconv.FormatUint(l.seq.Add(1), 36)
 }
 
 type result struct {
@@ -152,86 +115,4 @@ func (l *Limiter) run(ctx context.Context, s *redis.Script, sc scope, args []any
 // unavailable wraps an error of Redis, or of the way to it.
 func (l *Limiter) unavailable(err error) error {
 	return &UnavailableError{Quota: l.name, Err: err}
-}
-
-// notePause remembers, in local time, until when a scope is paused, so that
-// a waiter of this process that wakes during a pause books again instead of
-// calling a vendor that asked for quiet.
-//
-// Pauses that ended are swept now and then, so that the memory of a quota
-// with many keys paused once does not only grow.
-func (l *Limiter) notePause(sc scope, now, until time.Duration) {
-	if until <= now {
-		return
-	}
-	p := pauseEnd{local: time.Now().Add(until - now), until: until}
-	if old, had := l.pauses.Load(sc.keys[1]); had && old.(pauseEnd).until >= until {
-		// Each reply restates a pause it knows; the first news of it
-		// stands, however long its trip took.
-		return
-	}
-	if _, had := l.pauses.Swap(sc.keys[1], p); !had && l.pausesAdded.Add(1)%pauseSweep == 0 {
-		t := time.Now()
-		l.pauses.Range(func(k, v any) bool {
-			if !v.(pauseEnd).local.After(t) {
-				l.pauses.CompareAndDelete(k, v)
-			}
-			return true
-		})
-	}
-}
-
-// pauseEnd is the end of a pause, in local time and in Redis time.
-type pauseEnd struct {
-	local time.Time
-	until time.Duration
-}
-
-// pauseSweep is how many pauses are noted between two sweeps of the ended
-// ones.
-const pauseSweep = 256
-
-// noteEpoch remembers the quota's epoch. A new one means Redis lost the
-// quota's data: calls sleeping towards slots booked before then book again,
-// since the new data knows nothing of them.
-func (l *Limiter) noteEpoch(epoch int64, lost bool) {
-	if old := l.epoch.Swap(epoch); old != epoch && old != 0 {
-		l.scripts.Store(0)
-		l.s.logger.Warn("throttle: Redis lost the quota's data; every limit counts as full for one window",
-			"quota", l.name, "old_epoch", old, "epoch", epoch, "detected_here", lost)
-		l.emit(Event{Kind: EventDataLost})
-	}
-}
-
-// noteScripts remembers the quota's count of scripts run in its epoch (a
-// new one when newEpoch), so that a Redis whose count goes back (a replica
-// that missed the latest writes) is found out by the script.
-func (l *Limiter) noteScripts(newEpoch bool, n int64) {
-	if newEpoch {
-		l.scripts.Store(n)
-		return
-	}
-	for {
-		old := l.scripts.Load()
-		if n <= old || l.scripts.CompareAndSwap(old, n) {
-			return
-		}
-	}
-}
-
-// pausedPast reports whether a pause this process knows of, not over yet,
-// ends after the Redis time slot: a call booked at slot before the pause
-// was known must not go ahead. A pause that ends at the slot or before it
-// is one the booking already kept.
-func (l *Limiter) pausedPast(sc scope, slot time.Duration) bool {
-	now := time.Now()
-	for _, k := range sc.keys[:2] {
-		if v, ok := l.pauses.Load(k); ok {
-			p := v.(pauseEnd)
-			if p.local.After(now) && p.until > slot {
-				return true
-			}
-		}
-	}
-	return false
 }

@@ -449,7 +449,7 @@ end
 -- spread is the fleet's, held the widest that calls booked earlier hold
 -- (see held_spread): the margin in force keeps half of what each gives.
 -- It returns the smallest guarded margin the fleet's spread gives, which a
--- call booked now is held to (see late in waiter.go), or 0 when no window
+-- call booked now is held to (see late in block.go), or 0 when no window
 -- is guarded.
 local function margins(rs, spread, held)
   local least = 0

@@ -3,138 +3,12 @@ package throttle
 import (
 	"context"
 	"errors"
-	"strconv"
 	"strings"
-	"sync"
 	"time"
 
-	"github.com/cenkalti/backoff/v4"
 	"github.com/redis/go-redis/v9"
-
 	"github.com/throttlekit/throttle/internal/lua"
 )
-
-// OnRedisError says what a call does when Redis cannot decide it: Redis is
-// down, slow past the Redis timeout, or answers an error.
-type OnRedisError int
-
-const (
-	// FailClosed does not make the call: it gets an error matching
-	// ErrUnavailable. The vendor is never called over the cap. The default.
-	FailClosed OnRedisError = iota
-	// FailOpen makes the call as if Redis had admitted it. The fleet keeps
-	// working, and may go over the vendor's cap while Redis is away.
-	FailOpen
-	// Local decides the call in this process, under the quota's limits
-	// divided by the number of replicas (see Options.ExpectedReplicas): the fleet
-	// stays under the cap, at the price of the quota a shared Redis would
-	// have spread better.
-	Local
-)
-
-// String returns the policy's name.
-func (o OnRedisError) String() string {
-	switch o {
-	case FailClosed:
-		return "FailClosed"
-	case FailOpen:
-		return "FailOpen"
-	case Local:
-		return "Local"
-	}
-	return "OnRedisError(" + strconv.Itoa(int(o)) + ")"
-}
-
-// Breaker timing: consecutive failures that open it, over at least how
-// long (the calls that were on connections a Redis restart or CLIENT KILL
-// closed fail at one instant, which is no sign of a Redis down), and the
-// backoff between probes.
-const (
-	breakerFailures = 3
-	breakerSpan     = 50 * time.Millisecond
-	probeFirst      = 100 * time.Millisecond
-	probeMax        = 10 * time.Second
-)
-
-// errBreakerOpen is the cause of a call decided without asking Redis.
-var errBreakerOpen = errors.New("redis failed repeatedly; waiting to probe it again")
-
-// breaker counts Redis failures and keeps calls away from a Redis that keeps
-// failing, letting one call through now and then to see whether it is back.
-type breaker struct {
-	mu       sync.Mutex
-	failures int
-	first    time.Time // the first failure of the current run
-	open     bool
-	probing  bool
-	next     time.Time
-	bo       *backoff.ExponentialBackOff
-}
-
-func newBreaker() *breaker {
-	bo := backoff.NewExponentialBackOff()
-	bo.InitialInterval = probeFirst
-	bo.MaxInterval = probeMax
-	bo.MaxElapsedTime = 0 // probe for as long as Redis is away
-	return &breaker{bo: bo}
-}
-
-// allow reports whether the call may ask Redis: always while the breaker is
-// closed, and one call at a time once a probe is due.
-func (b *breaker) allow() bool {
-	b.mu.Lock()
-	defer b.mu.Unlock()
-	if !b.open {
-		return true
-	}
-	if b.probing || time.Now().Before(b.next) {
-		return false
-	}
-	b.probing = true
-	return true
-}
-
-// success records an answer from Redis, and reports whether it closed the
-// breaker.
-func (b *breaker) success() bool {
-	b.mu.Lock()
-	defer b.mu.Unlock()
-	b.failures = 0
-	if !b.open {
-		return false
-	}
-	b.open, b.probing = false, false
-	b.bo.Reset()
-	return true
-}
-
-// failure records a failure, and reports whether it opened the breaker.
-func (b *breaker) failure() bool {
-	b.mu.Lock()
-	defer b.mu.Unlock()
-	if b.failures++; b.failures == 1 {
-		b.first = time.Now()
-	}
-	if b.open {
-		b.probing = false
-		b.next = time.Now().Add(b.bo.NextBackOff())
-		return false
-	}
-	if b.failures < breakerFailures || time.Since(b.first) < breakerSpan {
-		return false
-	}
-	b.open = true
-	b.bo.Reset()
-	b.next = time.Now().Add(b.bo.NextBackOff())
-	return true
-}
-
-// abort ends a probe that got no verdict (the caller's context ended).
-func (b *breaker) abort() {
-	b.mu.Lock()
-	defer b.mu.Unlock()
-	b.probing = false
-}
 
 // acquire decides one call: in Redis while Redis answers, and otherwise as
 // the limiter's OnRedisError says.
@@ -281,4 +155,74 @@ func (l *Limiter) handBack(ctx context.Context) error {
 	}
 	l.local.handedBack()
 	return nil
+}
+
+// dispatch decides call c as the limiter's mode says, reports the outcome
+// to the Observer, and in shadow mode lets the call through whatever the
+// decision. Every entry point (Acquire, Do, Go, the Transport) goes through
+// it. w, when not nil, is the call's place in the queue, taken already: Go
+// queues a call before it returns.
+func (l *Limiter) dispatch(ctx context.Context, c call, w *waiter) (*Permit, error) {
+	if w == nil {
+		if err := ctx.Err(); err != nil {
+			return nil, err
+		}
+	}
+	if l.s.shadow {
+		return l.shadow(ctx, c)
+	}
+	var (
+		p   *Permit
+		err error
+	)
+	switch l.s.mode {
+	case FailFast:
+		var r result
+		if r, err = l.now(ctx, c); err == nil {
+			if r.admitted {
+				p = l.permit(c, r, 0)
+			} else {
+				err = l.refused(r)
+			}
+		}
+	case Queue:
+		if w == nil {
+			w, err = l.q.enqueue(c.priority, l.name)
+		}
+		if err == nil {
+			p, err = l.fromQueue(ctx, c, w)
+		}
+	default:
+		p, err = l.wait(ctx, c)
+	}
+	l.emitOutcome(c, p, err, false)
+	return p, err
+}
+
+// shadow decides a call as FailFast would, records it when it fits, reports
+// the decision, and lets the call through either way.
+func (l *Limiter) shadow(ctx context.Context, c call) (*Permit, error) {
+	r, err := l.now(ctx, c)
+	if err == nil && r.admitted {
+		p := l.permit(c, r, 0)
+		l.emitOutcome(c, p, nil, false)
+		return p, nil
+	}
+	if err == nil {
+		err = l.refused(r)
+	} else if ctx.Err() != nil {
+		return nil, err
+	}
+	l.emitOutcome(c, nil, err, true)
+	// Nothing was recorded: the permit holds nothing to give back.
+	return l.permit(c, result{local: true}, 0), nil
+}
+
+// fromQueue waits for a queued call's turn, then books its slot as Block does.
+func (l *Limiter) fromQueue(ctx context.Context, c call, w *waiter) (*Permit, error) {
+	if err := l.q.await(ctx, w); err != nil {
+		return nil, err
+	}
+	defer l.q.done()
+	return l.wait(ctx, c)
 }

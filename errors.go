@@ -1,0 +1,120 @@
+package throttle
+
+import (
+	"errors"
+	"fmt"
+	"time"
+
+	"github.com/throttlekit/throttle/internal/lua"
+	"github.com/throttlekit/throttle/policies"
+)
+
+// ErrUnavailable is matched, through errors.Is, by the error of a call that
+// could not be decided because Redis failed, answered too late, or could not
+// be reached. The call was not made. The error is an *UnavailableError.
+var ErrUnavailable = errors.New("throttle: redis unavailable")
+
+// UnavailableError is returned when Redis could not decide a call.
+type UnavailableError struct {
+	// Quota is the limiter's name.
+	Quota string
+	// Err is what went wrong.
+	Err error
+}
+
+// Error describes the failure. When Redis refused a command a script calls
+// without naming it (Redis before 7.2), it names the command.
+func (e *UnavailableError) Error() string {
+	if c := lua.CommandAt(e.Err.Error()); c != "" {
+		return fmt.Sprintf("throttle: quota %q: redis unavailable: %v (the script calls %s there)", e.Quota, e.Err, c)
+	}
+	return fmt.Sprintf("throttle: quota %q: redis unavailable: %v", e.Quota, e.Err)
+}
+
+// Is reports whether target is ErrUnavailable.
+func (e *UnavailableError) Is(target error) bool { return target == ErrUnavailable }
+
+// Unwrap returns what went wrong.
+func (e *UnavailableError) Unwrap() error { return e.Err }
+
+// ErrLimited is matched, through errors.Is, by every error that refuses a
+// call because the quota is full. The error is a *LimitedError, which says
+// when to retry.
+var ErrLimited = errors.New("throttle: rate limited")
+
+// LimitedError is returned when a call does not fit the quota now (FailFast),
+// or could not get a slot within its context deadline or MaxWait (Block).
+type LimitedError struct {
+	// Quota is the limiter's name.
+	Quota string
+	// RetryAfter is how long until the call would fit, as Redis saw it.
+	RetryAfter time.Duration
+	// Reason says why the call was refused, when the quota being full now
+	// is not the whole story: the slot lay beyond MaxWait or the context's
+	// deadline, or every slot came too late to start in. Empty otherwise.
+	Reason string
+}
+
+// Error describes the refusal.
+func (e *LimitedError) Error() string {
+	if e.Reason != "" {
+		return fmt.Sprintf("throttle: quota %q: rate limited (%s), retry after %v", e.Quota, e.Reason, e.RetryAfter)
+	}
+	return fmt.Sprintf("throttle: quota %q: rate limited, retry after %v", e.Quota, e.RetryAfter)
+}
+
+// Is reports whether target is ErrLimited.
+func (e *LimitedError) Is(target error) bool { return target == ErrLimited }
+
+func (l *Limiter) limited(retryAfter time.Duration, reason string) error {
+	return &LimitedError{Quota: l.name, RetryAfter: retryAfter, Reason: reason}
+}
+
+// refused returns the error of a call that Redis did not admit now.
+func (l *Limiter) refused(r result) error {
+	switch {
+	case r.reason == reasonLate:
+		return l.limited(r.wait, lateReason)
+	case r.reason == reasonBusy:
+		return l.limited(r.wait, "every concurrency slot is taken")
+	case r.pause > r.now:
+		return l.limited(r.wait, "the vendor asked the fleet to pause")
+	}
+	return l.limited(r.wait, "the quota is full now, and the call does not wait")
+}
+
+// limitName names the field a rule's limit comes from, with its value.
+func limitName(r policies.Rule) string {
+	switch r.Kind {
+	case policies.KindTokenBucket:
+		return fmt.Sprintf("TokenBucket.Burst %d (by default Rate)", r.Limit)
+	case policies.KindConcurrency:
+		return fmt.Sprintf("Concurrency.Max %d", r.Limit)
+	case policies.KindSlidingCounter:
+		return fmt.Sprintf("SlidingCounter.Limit %d", r.Limit)
+	}
+	return fmt.Sprintf("SlidingLog.Limit %d", r.Limit)
+}
+
+// ErrQueueFull is matched, through errors.Is, by the error of a call that a
+// full queue turned away (Queue mode).
+var ErrQueueFull = errors.New("throttle: queue full")
+
+// ErrClosed is matched by the error of a call made after Close, or still
+// queued when Close gave up draining.
+var ErrClosed = errors.New("throttle: limiter closed")
+
+// quotaErr is an error of quota that matches sentinel through errors.Is,
+// and says msg once: "throttle: quota "sms": queue full (...)".
+func quotaErr(quota string, sentinel error, msg string) error {
+	return &sentinelError{msg: fmt.Sprintf("throttle: quota %q: %s", quota, msg), err: sentinel}
+}
+
+type sentinelError struct {
+	msg string
+	err error
+}
+
+func (e *sentinelError) Error() string { return e.msg }
+
+func (e *sentinelError) Unwrap() error { return e.err }

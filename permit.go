@@ -1,0 +1,159 @@
+package throttle
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"sync/atomic"
+	"time"
+
+	"github.com/throttlekit/throttle/internal/lua"
+)
+
+type permitKey struct{}
+
+func withPermit(ctx context.Context, p *Permit) context.Context {
+	return context.WithValue(ctx, permitKey{}, p)
+}
+
+// PermitFrom returns the permit of the call that Do or Go runs with ctx, or
+// nil for a context they did not make.
+//
+//	reply, err := throttle.Do(ctx, lim, func(ctx context.Context) (*Reply, error) {
+//		reply, err := llm.Complete(ctx, prompt)
+//		if err == nil {
+//			err = throttle.PermitFrom(ctx).Settle(ctx, reply.Usage.TotalTokens)
+//		}
+//		return reply, err
+//	}, throttle.Cost(estimate))
+func PermitFrom(ctx context.Context) *Permit {
+	p, _ := ctx.Value(permitKey{}).(*Permit)
+	return p
+}
+
+// Permit is the right to make one call. Release it when the call is done.
+type Permit struct {
+	l        *Limiter
+	call     call
+	r        result
+	held     int // concurrency units taken, whatever Settle does to the cost
+	waited   time.Duration
+	released atomic.Bool
+}
+
+func (l *Limiter) permit(c call, r result, waited time.Duration) *Permit {
+	return &Permit{l: l, call: c, r: r, held: c.cost, waited: waited}
+}
+
+// Waited returns how long Acquire waited for the call's slot.
+func (p *Permit) Waited() time.Duration { return p.waited }
+
+// Cost returns the units the call counts for: its Cost, or what Settle set.
+func (p *Permit) Cost() int { return p.call.cost }
+
+// Release ends the call. It frees the call's slots under a
+// policies.Concurrency; a sliding window or a token bucket counts the call
+// whatever happens, so for them Release only marks the permit used. Calling
+// it more than once is harmless.
+func (p *Permit) Release() {
+	if p == nil || p.l == nil || p.released.Swap(true) || !p.l.hasConc {
+		return
+	}
+	if p.r.local {
+		p.l.cancel(context.Background(), p.call, p.r)
+		p.l.signalFreed()
+		return
+	}
+	ctx, stop := context.WithTimeout(context.Background(), cleanupTimeout)
+	defer stop()
+	// If Redis cannot be reached, the slots free themselves when the lease ends.
+	_ = p.l.run(ctx, lua.Release, p.r.scope, p.l.args(p.r.member, p.held, 0, 0, 0)).Err()
+	p.l.signalFreed()
+}
+
+// Cancel gives the call back when it was not made after all (the request
+// never left, the job was dropped before it ran): its units, and its call
+// under policies.PerCall limits, no longer count, and its concurrency slots
+// are free. A call that reached the vendor must not be cancelled, since the
+// vendor counted it; use Settle for what it cost. Cancel releases the
+// permit; calling it again, or after Release, does nothing more.
+func (p *Permit) Cancel(ctx context.Context) error {
+	if p == nil || p.l == nil {
+		return errors.New("throttle: Cancel: the permit is nil")
+	}
+	if p.released.Swap(true) {
+		return nil
+	}
+	defer p.l.signalFreed()
+	if p.r.local {
+		if p.l.local != nil {
+			p.l.local.forget(p.r.scope, p.r.member)
+		}
+		return nil
+	}
+	if err := p.l.run(ctx, lua.Cancel, p.r.scope, p.l.args(p.r.member, p.call.cost, p.r.slot().Microseconds(), p.r.epoch, 0)).Err(); err != nil {
+		return p.l.unavailable(err)
+	}
+	if p.l.hasConc && p.held != p.call.cost {
+		// Settle changed the cost: the slots held are still the first.
+		_ = p.l.run(ctx, lua.Release, p.r.scope, p.l.args(p.r.member, p.held, 0, 0, 0)).Err()
+	}
+	return nil
+}
+
+// Extend renews the lease of the call's concurrency slots for a call that
+// runs longer than policies.Concurrency.Lease: the slots stay taken for
+// lease from now. It does nothing for a quota without a Concurrency policy.
+func (p *Permit) Extend(ctx context.Context, lease time.Duration) error {
+	if p == nil || p.l == nil {
+		return errors.New("throttle: Extend: the permit is nil")
+	}
+	if !p.l.hasConc {
+		return nil
+	}
+	if lease < time.Millisecond {
+		return fmt.Errorf("throttle: quota %q: Extend: lease must be at least 1ms, got %v", p.l.name, lease)
+	}
+	if p.released.Load() {
+		return fmt.Errorf("throttle: quota %q: Extend: permit already released", p.l.name)
+	}
+	if p.r.local {
+		return nil // a slot held without Redis lasts until Release
+	}
+	held, err := p.l.run(ctx, lua.Release, p.r.scope, p.l.args(p.r.member, p.held, lease.Microseconds(), 0, 0)).Int64()
+	if err != nil {
+		return p.l.unavailable(err)
+	}
+	if held == 0 {
+		return fmt.Errorf("throttle: quota %q: Extend: the lease had already run out", p.l.name)
+	}
+	return nil
+}
+
+// Settle replaces the cost the call was admitted with by the cost the vendor
+// actually counted, for costs known only afterwards (LLM tokens, GraphQL
+// points). The difference is refunded or charged in the same windows, at the
+// call's slot, so that the shared count matches the vendor's. A charge may
+// take a window past its limit, since the vendor counted those units
+// already: later calls then wait for them. Settle can be called again; each
+// call replaces the cost before it. The actual cost must be between 0 and
+// the quota's smallest limit. A Permit's methods are for the goroutine that
+// holds it; Release alone may be called from anywhere.
+func (p *Permit) Settle(ctx context.Context, actual int) error {
+	if p == nil || p.l == nil {
+		return errors.New("throttle: Settle: the permit is nil")
+	}
+	if actual < 0 || actual > p.l.maxCost {
+		return fmt.Errorf("throttle: quota %q: Settle: actual cost must be between 0 and %d, got %d", p.l.name, p.l.maxCost, actual)
+	}
+	if actual == p.call.cost || p.r.local {
+		// A call decided without Redis has nothing in Redis to settle.
+		return nil
+	}
+	args := p.l.args(p.r.member, p.call.cost, p.r.slot().Microseconds(), int64(actual), p.r.epoch)
+	if err := p.l.run(ctx, lua.Settle, p.r.scope, args).Err(); err != nil {
+		return p.l.unavailable(err)
+	}
+	p.call.cost = actual
+	return nil
+}

@@ -1,0 +1,96 @@
+package throttle
+
+import "time"
+
+// noteHorizon remembers the latest slot booked in Redis, in local time, for
+// the Local fallback to respect should Redis fail.
+func (l *Limiter) noteHorizon(slot time.Time) {
+	for {
+		old := l.horizon.Load()
+		if slot.UnixNano() <= old || l.horizon.CompareAndSwap(old, slot.UnixNano()) {
+			return
+		}
+	}
+}
+
+// notePause remembers, in local time, until when a scope is paused, so that
+// a waiter of this process that wakes during a pause books again instead of
+// calling a vendor that asked for quiet.
+//
+// Pauses that ended are swept now and then, so that the memory of a quota
+// with many keys paused once does not only grow.
+func (l *Limiter) notePause(sc scope, now, until time.Duration) {
+	if until <= now {
+		return
+	}
+	p := pauseEnd{local: time.Now().Add(until - now), until: until}
+	if old, had := l.pauses.Load(sc.keys[1]); had && old.(pauseEnd).until >= until {
+		// Each reply restates a pause it knows; the first news of it
+		// stands, however long its trip took.
+		return
+	}
+	if _, had := l.pauses.Swap(sc.keys[1], p); !had && l.pausesAdded.Add(1)%pauseSweep == 0 {
+		t := time.Now()
+		l.pauses.Range(func(k, v any) bool {
+			if !v.(pauseEnd).local.After(t) {
+				l.pauses.CompareAndDelete(k, v)
+			}
+			return true
+		})
+	}
+}
+
+// pauseEnd is the end of a pause, in local time and in Redis time.
+type pauseEnd struct {
+	local time.Time
+	until time.Duration
+}
+
+// pauseSweep is how many pauses are noted between two sweeps of the ended
+// ones.
+const pauseSweep = 256
+
+// noteEpoch remembers the quota's epoch. A new one means Redis lost the
+// quota's data: calls sleeping towards slots booked before then book again,
+// since the new data knows nothing of them.
+func (l *Limiter) noteEpoch(epoch int64, lost bool) {
+	if old := l.epoch.Swap(epoch); old != epoch && old != 0 {
+		l.scripts.Store(0)
+		l.s.logger.Warn("throttle: Redis lost the quota's data; every limit counts as full for one window",
+			"quota", l.name, "old_epoch", old, "epoch", epoch, "detected_here", lost)
+		l.emit(Event{Kind: EventDataLost})
+	}
+}
+
+// noteScripts remembers the quota's count of scripts run in its epoch (a
+// new one when newEpoch), so that a Redis whose count goes back (a replica
+// that missed the latest writes) is found out by the script.
+func (l *Limiter) noteScripts(newEpoch bool, n int64) {
+	if newEpoch {
+		l.scripts.Store(n)
+		return
+	}
+	for {
+		old := l.scripts.Load()
+		if n <= old || l.scripts.CompareAndSwap(old, n) {
+			return
+		}
+	}
+}
+
+// pausedPast reports whether a pause this process knows of, not over yet,
+// ends after the Redis time slot: a call booked at slot before the pause
+// was known must not go ahead. A pause that ends at the slot or before it
+// is one the booking already kept.
+func (l *Limiter) pausedPast(sc scope, slot time.Duration) bool {
+	now := time.Now()
+	for _, k := range sc.keys[:2] {
+		if v, ok := l.pauses.Load(k); ok {
+			p := v.(pauseEnd)
+			if p.local.After(now) && p.until > slot {
+				return true
+			}
+		}
+	}
+	return false
+}
