@@ -70,6 +70,7 @@ func scenarios() []scenario {
 		fleet("fleet-d50", 50*time.Millisecond, 5*time.Millisecond),
 		busy,
 		{name: "replicas-1000", procs: 1, limiters: 1000, workers: 1, pool: 2, limit: 1000},
+		{name: "replicas-10x100", procs: 10, limiters: 100, workers: 1, pool: 2, limit: 1000},
 		{name: "replicas-100x10", procs: 1, limiters: 100, workers: 10, pool: 2, limit: 1000},
 	}
 }
