@@ -49,8 +49,8 @@ func (p SlidingCounter) Validate() error {
 		return fmt.Errorf("policies: SlidingCounter.Limit must be > 0, got %d", p.Limit)
 	case p.Window < MinWindow || p.Window > MaxWindow:
 		return fmt.Errorf("policies: SlidingCounter.Window must be between %v and %v, got %v", MinWindow, MaxWindow, p.Window)
-	case p.Limit > 1<<40:
-		return fmt.Errorf("policies: SlidingCounter.Limit must be at most %d, got %d", 1<<40, p.Limit)
+	case int64(p.Limit) > 1<<40:
+		return fmt.Errorf("policies: SlidingCounter.Limit must be at most %d, got %d", int64(1)<<40, p.Limit)
 	case p.Buckets < 0 || p.Buckets > MaxBuckets:
 		return fmt.Errorf("policies: SlidingCounter.Buckets must be between 0 and %d, got %d", MaxBuckets, p.Buckets)
 	case p.Margin < 0 || p.Margin > p.Window:
