@@ -46,40 +46,60 @@ import (
 //
 // A Limiter is safe for concurrent use.
 type Limiter struct {
-	rdb         redis.UniversalClient
-	name        string
-	rules       []policies.Rule
-	base        string        // start of every key: prefix:{name}:
-	policyID    string        // names the set of rules, whatever their order
-	minMargin   time.Duration // the smallest margin configured, or the default
-	seenStep    atomic.Uint64 // the timing's forward steps already told to the script
-	shared      []string      // the Redis keys of a call with no key; per-key rules get the key appended
-	perKey      bool          // some rule is per key
-	hasShared   bool          // some rule is shared by all keys
-	hasConc     bool          // some rule is a Concurrency
-	unitRules   bool          // some rule counts the units calls cost
-	callRules   bool          // some rule counts calls (policies.PerCall)
-	maxCost     int
-	maxCostIs   string       // the limit maxCost comes from, as the user set it
-	timing      *timing      // how late calls start, shared with the process's other limiters on the same server
-	lates       lates        // how late this limiter's calls started since its last report
-	epoch       atomic.Int64 // the quota's epoch as last seen; 0 before the first decision
-	listening   sync.Once    // subscribed to the quota's news (news.go)
-	scripts     atomic.Int64 // the quota's count of scripts run, as last seen in that epoch
-	s           settings
-	id          string
-	seq         atomic.Uint64
-	pauses      sync.Map // scope pause key -> local time.Time the pause ends
-	pausesAdded atomic.Uint64
-	freed       chan struct{}
-	freedMu     sync.Mutex
-	q           *queue
-	closed      atomic.Bool
-	batches                  // calls waiting for a shared script call
-	brk         *breaker     // keeps calls away from a failing Redis
-	local       *local       // the Local fallback, or nil
-	localNow    atomic.Bool  // the Local fallback decides calls now
-	horizon     atomic.Int64 // local Unix nanoseconds of the latest slot booked in Redis
+	rdb  redis.UniversalClient
+	name string
+	s    settings
+	id   string        // this limiter's part of the ids of its calls
+	seq  atomic.Uint64 // numbers this limiter's calls
+
+	compiled // what the rules need of every call; set by New, read only after
+	view     // what this limiter last saw of the quota in Redis
+	failover // what decides calls while Redis cannot
+
+	timing   *timing       // how late calls start, shared with the process's other limiters on the same server
+	lates    lates         // how late this limiter's calls started since its last report; its own lock
+	seenStep atomic.Uint64 // the timing's forward steps already told to the script
+
+	batches             // calls waiting for a shared script call; lanesMu guards them
+	q       *queue      // the local queue in Queue mode, or nil; its own lock
+	closed  atomic.Bool // Close was called
+
+	freedMu sync.Mutex    // guards freed
+	freed   chan struct{} // closed, and replaced, when a slot frees in this process
+}
+
+// compiled is what New derives from the rules: the same for every call.
+type compiled struct {
+	rules     []policies.Rule
+	base      string        // start of every key: prefix:{name}:
+	policyID  string        // names the set of rules, whatever their order
+	minMargin time.Duration // the smallest margin configured, or the default
+	shared    []string      // the Redis keys of a call with no key; per-key rules get the key appended
+	perKey    bool          // some rule is per key
+	hasShared bool          // some rule is shared by all keys
+	hasConc   bool          // some rule is a Concurrency
+	unitRules bool          // some rule counts the units calls cost
+	callRules bool          // some rule counts calls (policies.PerCall)
+	maxCost   int
+	maxCostIs string // the limit maxCost comes from, as the user set it
+}
+
+// view is what this limiter last saw of the quota in Redis, as every reply
+// told it: atomics and a sync.Map, read and written without a lock.
+type view struct {
+	epoch       atomic.Int64  // the quota's epoch as last seen; 0 before the first decision
+	scripts     atomic.Int64  // the quota's count of scripts run, as last seen in that epoch
+	pauses      sync.Map      // scope pause key -> local time.Time the pause ends
+	pausesAdded atomic.Uint64 // pauses noted since the last sweep of the map
+	horizon     atomic.Int64  // local Unix nanoseconds of the latest slot booked in Redis
+	listening   sync.Once     // subscribed to the quota's news (news.go)
+}
+
+// failover is what keeps calls going while Redis cannot decide them.
+type failover struct {
+	brk      *breaker    // keeps calls away from a failing Redis; its own lock
+	local    *local      // the Local fallback, or nil; its own lock
+	localNow atomic.Bool // the Local fallback decides calls now
 }
 
 // New returns a Limiter for the quota called name on rdb (a Client,
@@ -101,7 +121,8 @@ func New(rdb redis.UniversalClient, name string, policy policies.Policy, opts ..
 	if err != nil {
 		return nil, err
 	}
-	l := &Limiter{rdb: rdb, name: name, rules: rules, s: s, id: newID(), freed: make(chan struct{}), brk: newBreaker(), timing: timingFor(rdb, s.clock)}
+	l := &Limiter{rdb: rdb, name: name, s: s, id: newID(), freed: make(chan struct{}), timing: timingFor(rdb, s.clock)}
+	l.rules, l.brk = rules, newBreaker()
 	if s.onRedisError == Local {
 		if l.local, err = newLocal(rules, s.replicas); err != nil {
 			return nil, fmt.Errorf("throttle: quota %q: %w", name, err)
