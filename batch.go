@@ -13,13 +13,6 @@ import (
 // maxBatch bounds how many calls one script call decides.
 const maxBatch = 32
 
-// The acquire script's reply: a header, then a fixed number of values per
-// call (see internal/lua/acquire.lua).
-const (
-	replyHeader  = 8
-	replyPerCall = 4
-)
-
 // Calls of one process that need a decision at the same moment share one
 // script call: while a decision is on its way to Redis, the calls that
 // arrive for the same keys wait in a lane, and the next script call decides
@@ -189,7 +182,7 @@ func (l *Limiter) decide(sc scope, batch []*request) {
 	sent := l.timing.now()
 	v, err := l.run(ctx, lua.Acquire, sc, args).Int64Slice()
 	recvd := l.timing.now()
-	if err == nil && len(v) != replyHeader+replyPerCall*len(batch) {
+	if err == nil && len(v) != acquireHeader+acquirePerCall*len(batch) {
 		err = fmt.Errorf("unexpected script reply %v", v)
 	}
 	if err != nil {
@@ -200,15 +193,13 @@ func (l *Limiter) decide(sc scope, batch []*request) {
 		}
 		return
 	}
-	now := time.Duration(v[0]) * time.Microsecond
-	pause := time.Duration(v[1]) * time.Microsecond
-	margin := time.Duration(v[4]) * time.Microsecond
-	done := time.Duration(v[5]) * time.Microsecond
+	rep := decodeAcquire(v, len(batch))
+	now, pause, margin, done := rep.now, rep.pause, rep.margin, rep.done
 	l.emit(Event{Kind: EventRedis, Duration: recvd - sent, Calls: len(batch), Margin: margin})
-	if horizon := time.Duration(v[6]) * time.Microsecond; horizon > done && l.local != nil {
+	if rep.horizon > done && l.local != nil {
 		// The latest slot the fleet booked, not only this process: should
 		// Redis fail, every replica's booked calls still wake and run.
-		l.noteHorizon(time.Now().Add(horizon - done))
+		l.noteHorizon(time.Now().Add(rep.horizon - done))
 	}
 	before, _ := l.timing.step()
 	l.timing.observe(now, done, sent, recvd)
@@ -217,22 +208,22 @@ func (l *Limiter) decide(sc scope, batch []*request) {
 	after, by := l.timing.step()
 	stale := after > before && by > l.minMargin
 	l.notePause(sc, now, pause)
-	newEpoch := l.epoch.Load() != v[2]
-	l.noteEpoch(v[2], v[3] == 1)
-	l.noteScripts(newEpoch, v[7])
+	newEpoch := l.epoch.Load() != rep.epoch
+	l.noteEpoch(rep.epoch, rep.lost)
+	l.noteScripts(newEpoch, rep.seq)
 	for i, req := range batch {
-		w := v[replyHeader+replyPerCall*i : replyHeader+replyPerCall*(i+1)]
+		c := rep.calls[i]
 		r := result{
-			admitted:  w[0] == 1,
-			wait:      time.Duration(w[1]) * time.Microsecond,
-			remaining: int(w[2]),
-			reason:    int(w[3]),
+			admitted:  c.admitted,
+			wait:      c.wait,
+			remaining: c.remaining,
+			reason:    c.reason,
 			now:       now,
 			pause:     pause,
 			scope:     sc,
 			member:    req.member,
 			cost:      req.c.cost,
-			epoch:     v[2],
+			epoch:     rep.epoch,
 			margin:    margin,
 			done:      done,
 			stale:     stale,

@@ -139,17 +139,18 @@ func (l *Limiter) feedback(ctx context.Context, said vendorSaid, r result, opts 
 	if err != nil {
 		return l.unavailable(err)
 	}
-	if len(v) != 5 {
-		return fmt.Errorf("throttle: quota %q: unexpected script reply %v", l.name, v)
+	rep, err := decodeFeedback(v)
+	if err != nil {
+		return fmt.Errorf("throttle: quota %q: %w", l.name, err)
 	}
-	l.notePause(sc, time.Duration(v[2])*time.Microsecond, time.Duration(v[0])*time.Microsecond)
+	l.notePause(sc, rep.now, rep.until)
 	if pause > 0 {
 		l.emit(Event{Kind: EventPaused, Duration: pause})
 	}
-	if v[3] == 1 {
+	if rep.lowered {
 		l.s.logger.Warn("throttle: the vendor refused a call over its limit; the quota's limit in force is lowered to what the vendor accepted",
-			"quota", l.name, "limit", v[4])
-		l.emit(Event{Kind: EventCapLearned, Limit: int(v[4])})
+			"quota", l.name, "limit", rep.limit)
+		l.emit(Event{Kind: EventCapLearned, Limit: rep.limit})
 	}
 	return nil
 }

@@ -2,6 +2,7 @@ package throttle
 
 import (
 	"context"
+	"fmt"
 	"time"
 
 	"github.com/redis/go-redis/v9"
@@ -10,13 +11,78 @@ import (
 	"github.com/throttlekit/throttle/policies"
 )
 
-// Why acquire refused a call.
+// reason says why acquire refused a call.
+type reason int
+
 const (
-	reasonNone = iota
-	reasonTooFar
-	reasonBusy // a concurrency rule is full
-	reasonLate // every admission came too late to start in (decided here, not by the script)
+	reasonNone   reason = iota
+	reasonTooFar        // the slot lies beyond the wait the call accepts
+	reasonBusy          // a concurrency rule is full
+	reasonLate          // every admission came too late to start in (decided here, not by the script)
 )
+
+// The acquire script's reply: a header, then a fixed number of values per
+// call (see internal/lua/acquire.lua).
+const (
+	acquireHeader  = 8
+	acquirePerCall = 4
+)
+
+// acquireReply is acquire.lua's reply, field by field, in the order its
+// header documents them.
+type acquireReply struct {
+	now     time.Duration // the time the script used, since the Unix epoch
+	pause   time.Duration // the time until which the scope is paused, or 0
+	epoch   int64         // the quota's epoch
+	lost    bool          // this script found that Redis lost the quota's data
+	margin  time.Duration // the smallest guarded margin in force, or 0
+	done    time.Duration // the time the script ended
+	horizon time.Duration // the latest slot the fleet booked, when asked, or 0
+	seq     int64         // the quota's count of scripts run
+	calls   []callReply
+}
+
+// callReply is acquire.lua's decision of one call.
+type callReply struct {
+	admitted  bool          // admitted now, or booked for later
+	wait      time.Duration // until its slot; if refused, until it would fit
+	remaining int           // units free now under the tightest rule, after it
+	reason    reason
+}
+
+// decodeAcquire reads acquire.lua's reply v about n calls; its length has
+// been checked.
+func decodeAcquire(v []int64, n int) acquireReply {
+	us := func(x int64) time.Duration { return time.Duration(x) * time.Microsecond }
+	rep := acquireReply{
+		now: us(v[0]), pause: us(v[1]), epoch: v[2], lost: v[3] == 1,
+		margin: us(v[4]), done: us(v[5]), horizon: us(v[6]), seq: v[7],
+		calls: make([]callReply, n),
+	}
+	for i := range n {
+		w := v[acquireHeader+acquirePerCall*i:]
+		rep.calls[i] = callReply{admitted: w[0] == 1, wait: us(w[1]), remaining: int(w[2]), reason: reason(w[3])}
+	}
+	return rep
+}
+
+// feedbackReply is feedback.lua's reply, field by field.
+type feedbackReply struct {
+	until   time.Duration // the pause in force until then, or 0
+	charged int           // units charged to match the vendor's count
+	now     time.Duration // the time the script used
+	lowered bool          // a rule's learned cap dropped
+	limit   int           // the lowest limit in force of a capped rule, or -1
+}
+
+// decodeFeedback reads feedback.lua's reply v, or says what is wrong with it.
+func decodeFeedback(v []int64) (feedbackReply, error) {
+	if len(v) != 5 {
+		return feedbackReply{}, fmt.Errorf("unexpected script reply %v", v)
+	}
+	us := func(x int64) time.Duration { return time.Duration(x) * time.Microsecond }
+	return feedbackReply{until: us(v[0]), charged: int(v[1]), now: us(v[2]), lowered: v[3] == 1, limit: int(v[4])}, nil
+}
 
 // args builds the arguments every script takes (see internal/lua/lib.lua): the time,
 // the call's id, its cost, three arguments of the script's own, and then
@@ -65,7 +131,7 @@ func ruleArgs(r policies.Rule) [5]int64 {
 
 type result struct {
 	admitted  bool
-	reason    int
+	reason    reason
 	wait      time.Duration
 	remaining int
 	now       time.Duration // Redis time since the Unix epoch

@@ -1,0 +1,47 @@
+package throttle
+
+import (
+	"reflect"
+	"testing"
+	"time"
+)
+
+// The replies are decoded by position, as the scripts' headers document
+// them: each field is checked against a value no other field has.
+func TestDecodeAcquire_NamesEveryField(t *testing.T) {
+	v := []int64{
+		1_000, 2_000, 3, 1, 5_000, 6_000, 7_000, 8, // the header
+		1, 9_000, 10, int64(reasonNone), // the first call: booked
+		0, 11_000, 0, int64(reasonBusy), // the second: refused
+	}
+	got := decodeAcquire(v, 2)
+	us := time.Microsecond
+	want := acquireReply{
+		now: 1_000 * us, pause: 2_000 * us, epoch: 3, lost: true, margin: 5_000 * us,
+		done: 6_000 * us, horizon: 7_000 * us, seq: 8,
+		calls: []callReply{
+			{admitted: true, wait: 9_000 * us, remaining: 10, reason: reasonNone},
+			{admitted: false, wait: 11_000 * us, remaining: 0, reason: reasonBusy},
+		},
+	}
+	if !reflect.DeepEqual(got, want) {
+		t.Errorf("decodeAcquire = %+v, want %+v", got, want)
+	}
+	if got := decodeAcquire([]int64{0, 0, 0, 0, 0, 0, 0, 0}, 0); len(got.calls) != 0 || got.lost {
+		t.Errorf("decodeAcquire of a header alone = %+v", got)
+	}
+}
+
+func TestDecodeFeedback_NamesEveryField(t *testing.T) {
+	got, err := decodeFeedback([]int64{1_000, 2, 3_000, 1, 40})
+	if err != nil {
+		t.Fatal(err)
+	}
+	want := feedbackReply{until: 1_000 * time.Microsecond, charged: 2, now: 3_000 * time.Microsecond, lowered: true, limit: 40}
+	if got != want {
+		t.Errorf("decodeFeedback = %+v, want %+v", got, want)
+	}
+	if _, err := decodeFeedback([]int64{1, 2, 3}); err == nil {
+		t.Error("decodeFeedback of 3 values: no error")
+	}
+}
