@@ -155,7 +155,7 @@ func (l *Limiter) decide(sc scope, batch []*request) {
 			late = append(late, req.late)
 		}
 	}
-	args := l.args("", int(l.scripts.Load()), int64(len(batch)), l.epoch.Load(), int64(len(late)))
+	args := l.acquireArgs(len(batch), len(late))
 	// A forward step of Redis's clock larger than the margin shortened the
 	// windows by that much: the script treats it as a loss, once.
 	stepped := 0

@@ -138,7 +138,7 @@ func (l *Limiter) handBack(ctx context.Context) error {
 		byScope[""] = nil
 	}
 	for id, cs := range byScope {
-		args := l.args(l.newMember(), 0, int64(l.s.replicas), span.Microseconds(), int64(len(cs)))
+		args := l.handBackArgs(l.s.replicas, span, len(cs))
 		for _, c := range cs {
 			// Placed no earlier than they happened, as Redis's clock goes:
 			// late units stay in the windows a little longer, never shorter;

@@ -67,7 +67,7 @@ func (p *Permit) Release() {
 	ctx, stop := context.WithTimeout(context.Background(), cleanupTimeout)
 	defer stop()
 	// If Redis cannot be reached, the slots free themselves when the lease ends.
-	_ = p.l.run(ctx, lua.Release, p.r.scope, p.l.args(p.r.member, p.held, 0, 0, 0)).Err()
+	_ = p.l.run(ctx, lua.Release, p.r.scope, p.l.releaseArgs(p.r.member, p.held, 0)).Err()
 	p.l.signalFreed()
 }
 
@@ -91,12 +91,12 @@ func (p *Permit) Cancel(ctx context.Context) error {
 		}
 		return nil
 	}
-	if err := p.l.run(ctx, lua.Cancel, p.r.scope, p.l.args(p.r.member, p.call.cost, p.r.slot().Microseconds(), p.r.epoch, 0)).Err(); err != nil {
+	if err := p.l.run(ctx, lua.Cancel, p.r.scope, p.l.cancelArgs(p.r.member, p.call.cost, p.r.slot(), p.r.epoch)).Err(); err != nil {
 		return p.l.unavailable(err)
 	}
 	if p.l.hasConc && p.held != p.call.cost {
 		// Settle changed the cost: the slots held are still the first.
-		_ = p.l.run(ctx, lua.Release, p.r.scope, p.l.args(p.r.member, p.held, 0, 0, 0)).Err()
+		_ = p.l.run(ctx, lua.Release, p.r.scope, p.l.releaseArgs(p.r.member, p.held, 0)).Err()
 	}
 	return nil
 }
@@ -120,7 +120,7 @@ func (p *Permit) Extend(ctx context.Context, lease time.Duration) error {
 	if p.r.local {
 		return nil // a slot held without Redis lasts until Release
 	}
-	held, err := p.l.run(ctx, lua.Release, p.r.scope, p.l.args(p.r.member, p.held, lease.Microseconds(), 0, 0)).Int64()
+	held, err := p.l.run(ctx, lua.Release, p.r.scope, p.l.releaseArgs(p.r.member, p.held, lease)).Int64()
 	if err != nil {
 		return p.l.unavailable(err)
 	}
@@ -150,7 +150,7 @@ func (p *Permit) Settle(ctx context.Context, actual int) error {
 		// A call decided without Redis has nothing in Redis to settle.
 		return nil
 	}
-	args := p.l.args(p.r.member, p.call.cost, p.r.slot().Microseconds(), int64(actual), p.r.epoch)
+	args := p.l.settleArgs(p.r.member, p.call.cost, p.r.slot(), actual, p.r.epoch)
 	if err := p.l.run(ctx, lua.Settle, p.r.scope, args).Err(); err != nil {
 		return p.l.unavailable(err)
 	}

@@ -86,9 +86,46 @@ func decodeFeedback(v []int64) (feedbackReply, error) {
 
 // args builds the arguments every script takes (see internal/lua/lib.lua): the time,
 // the call's id, its cost, three arguments of the script's own, and then
-// each rule.
+// each rule. The builders below name those three for each script.
 func (l *Limiter) args(id string, cost int, a, b, c int64) []any {
 	return argsFor(l.s.clock, id, cost, a, b, c, l.rules)
+}
+
+// acquireArgs starts the arguments of acquire.lua for n calls, with g
+// bookings to give back first; the calls' and bookings' own arguments
+// follow (see its header).
+func (l *Limiter) acquireArgs(n, g int) []any {
+	return l.args("", int(l.scripts.Load()), int64(n), l.epoch.Load(), int64(g))
+}
+
+// releaseArgs are release.lua's: the call member's held units, released
+// (lease 0) or their lease renewed for lease from now.
+func (l *Limiter) releaseArgs(member string, held int, lease time.Duration) []any {
+	return l.args(member, held, lease.Microseconds(), 0, 0)
+}
+
+// cancelArgs are cancel.lua's: the booking of member, of cost units at
+// slot, made in epoch, given back.
+func (l *Limiter) cancelArgs(member string, cost int, slot time.Duration, epoch int64) []any {
+	return l.args(member, cost, slot.Microseconds(), epoch, 0)
+}
+
+// settleArgs are settle.lua's: the call member, admitted for cost units at
+// slot in epoch, counts actual units instead.
+func (l *Limiter) settleArgs(member string, cost int, slot time.Duration, actual int, epoch int64) []any {
+	return l.args(member, cost, slot.Microseconds(), int64(actual), epoch)
+}
+
+// handBackArgs start handback.lua's: the quota divided among replicas,
+// others deciding without Redis for span yet, and the number of charges
+// that follow.
+func (l *Limiter) handBackArgs(replicas int, span time.Duration, charges int) []any {
+	return l.args(l.newMember(), 0, int64(replicas), span.Microseconds(), int64(charges))
+}
+
+// usageArgs are usage.lua's: the rules alone.
+func (l *Limiter) usageArgs() []any {
+	return l.args("", 0, 0, 0, 0)
 }
 
 func argsFor(clock func() time.Time, id string, cost int, a, b, c int64, rules []policies.Rule) []any {
@@ -165,7 +202,7 @@ func (l *Limiter) cancel(ctx context.Context, c call, r result) {
 		}
 		return
 	}
-	_ = l.run(context.WithoutCancel(ctx), lua.Cancel, r.scope, l.args(r.member, c.cost, r.slot().Microseconds(), r.epoch, 0)).Err()
+	_ = l.run(context.WithoutCancel(ctx), lua.Cancel, r.scope, l.cancelArgs(r.member, c.cost, r.slot(), r.epoch)).Err()
 }
 
 // run runs a script with the limiter's Redis timeout. go-redis sends

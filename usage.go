@@ -66,7 +66,7 @@ func (l *Limiter) Usage(ctx context.Context, opts ...CallOption) (Usage, error) 
 		return Usage{}, err
 	}
 	sc := l.scopeFor(c)
-	v, err := l.run(ctx, lua.Usage, sc, l.args("", 0, 0, 0, 0)).Int64Slice()
+	v, err := l.run(ctx, lua.Usage, sc, l.usageArgs()).Int64Slice()
 	if err != nil {
 		return Usage{}, l.unavailable(err)
 	}
