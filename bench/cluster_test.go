@@ -51,7 +51,10 @@ const clusterRef = 10_000
 // total script time over the wall time, per master for the cluster.
 // go-cpu-cores and redis-cpu-cores are the CPU time (user and system, from
 // /proc, Linux only) of this process and of the target's redis-servers over
-// the wall time: on a 2-core machine their sum cannot pass 2.
+// the wall time, and cpu-µs/decision their sum over b.N; machine-cpu-cores
+// is the busy time of the whole machine, other work included, over the wall
+// time (on a 2-core machine it cannot pass 2), and steal-cores the time the
+// hypervisor took from it.
 func BenchmarkCluster(b *testing.B) {
 	c := redistest.StartCluster(b)
 	s := newServer(b)
@@ -164,6 +167,7 @@ func runCluster(b *testing.B, lims []*throttle.Limiter, nodes []*redis.Client, p
 	self := os.Getpid()
 	goCPU, goOK := cpuTime(self)
 	redisCPU, redisOK := cpuTimes(pids)
+	busy, steal, machineOK := machineCPU()
 
 	b.ResetTimer()
 	start := time.Now()
@@ -173,6 +177,7 @@ func runCluster(b *testing.B, lims []*throttle.Limiter, nodes []*redis.Client, p
 
 	goCPUEnd, goEndOK := cpuTime(self)
 	redisCPUEnd, redisEndOK := cpuTimes(pids)
+	busyEnd, stealEnd, machineEndOK := machineCPU()
 	rate := float64(b.N) / elapsed.Seconds()
 	b.ReportMetric(rate, "decisions/s")
 
@@ -197,10 +202,40 @@ func runCluster(b *testing.B, lims []*throttle.Limiter, nodes []*redis.Client, p
 		b.ReportMetric(st.usec/us(elapsed), prefix+"script-busy")
 	}
 	if goOK && goEndOK && redisOK && redisEndOK {
-		b.ReportMetric((goCPUEnd-goCPU).Seconds()/elapsed.Seconds(), "go-cpu-cores")
-		b.ReportMetric((redisCPUEnd-redisCPU).Seconds()/elapsed.Seconds(), "redis-cpu-cores")
+		goUsed, redisUsed := goCPUEnd-goCPU, redisCPUEnd-redisCPU
+		b.ReportMetric(goUsed.Seconds()/elapsed.Seconds(), "go-cpu-cores")
+		b.ReportMetric(redisUsed.Seconds()/elapsed.Seconds(), "redis-cpu-cores")
+		b.ReportMetric(us(goUsed+redisUsed)/float64(b.N), "cpu-µs/decision")
+	}
+	if machineOK && machineEndOK {
+		b.ReportMetric((busyEnd-busy).Seconds()/elapsed.Seconds(), "machine-cpu-cores")
+		b.ReportMetric((stealEnd-steal).Seconds()/elapsed.Seconds(), "steal-cores")
 	}
 	return rate
+}
+
+// machineCPU returns the CPU time every CPU of the machine spent busy (user,
+// nice, system, irq, softirq: every process's, not only the benchmark's) and
+// the time the hypervisor took from them (steal), from the first line of
+// /proc/stat; false where there is no /proc.
+func machineCPU() (busy, steal time.Duration, ok bool) {
+	raw, err := os.ReadFile("/proc/stat")
+	if err != nil {
+		return 0, 0, false
+	}
+	line, _, _ := strings.Cut(string(raw), "\n")
+	f := strings.Fields(line)
+	if len(f) < 9 || f[0] != "cpu" {
+		return 0, 0, false
+	}
+	var ticks [8]int64 // user nice system idle iowait irq softirq steal
+	for i := range ticks {
+		if ticks[i], err = strconv.ParseInt(f[i+1], 10, 64); err != nil {
+			return 0, 0, false
+		}
+	}
+	busy = time.Duration(ticks[0]+ticks[1]+ticks[2]+ticks[5]+ticks[6]) * clockTick
+	return busy, time.Duration(ticks[7]) * clockTick, true
 }
 
 // clockTick is Linux's USER_HZ, the unit of the CPU times in /proc/<pid>/stat
