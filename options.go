@@ -50,7 +50,8 @@ const (
 )
 
 // Options tune a Limiter in New. The zero value of every field picks its
-// default, so Options{} is a limiter in Block mode that fails closed.
+// default, so Options{} is a limiter in Block mode that fails closed. New
+// takes several and merges them in order: a field set in a later one wins.
 type Options struct {
 	// Mode is what a call does when the quota is full. The default is Block.
 	Mode Mode
@@ -118,6 +119,49 @@ type Options struct {
 	Clock func() time.Time
 }
 
+// WithMode is Options{Mode: m}: what a call does when the quota is full.
+func WithMode(m Mode) Options { return Options{Mode: m} }
+
+// merge returns o with the fields set in p.
+func (o Options) merge(p Options) Options {
+	if p.Mode != Block {
+		o.Mode = p.Mode
+	}
+	if p.MaxWait != 0 {
+		o.MaxWait = p.MaxWait
+	}
+	if p.MaxQueue != 0 {
+		o.MaxQueue = p.MaxQueue
+	}
+	if p.Overflow != RejectNew {
+		o.Overflow = p.Overflow
+	}
+	if p.OnRedisError != FailClosed {
+		o.OnRedisError = p.OnRedisError
+	}
+	if p.ExpectedReplicas != 0 {
+		o.ExpectedReplicas = p.ExpectedReplicas
+	}
+	if p.RedisTimeout != 0 {
+		o.RedisTimeout = p.RedisTimeout
+	}
+	if p.Prefix != "" {
+		o.Prefix = p.Prefix
+	}
+	if p.Observer != nil {
+		o.Observer = p.Observer
+	}
+	if p.Logger != nil {
+		o.Logger = p.Logger
+	}
+	o.Shadow = o.Shadow || p.Shadow
+	o.WithoutLearning = o.WithoutLearning || p.WithoutLearning
+	if p.Clock != nil {
+		o.Clock = p.Clock
+	}
+	return o
+}
+
 type settings struct {
 	observer     Observer
 	shadow       bool
@@ -138,12 +182,9 @@ type settings struct {
 // newSettings applies opts to the defaults and checks the result, naming
 // the first bad option.
 func newSettings(name string, opts []Options) (settings, error) {
-	if len(opts) > 1 {
-		return settings{}, fmt.Errorf("throttle: quota %q: New takes one Options at most, got %d", name, len(opts))
-	}
 	var o Options
-	if len(opts) == 1 {
-		o = opts[0]
+	for _, p := range opts {
+		o = o.merge(p)
 	}
 	s := settings{
 		observer: o.Observer, shadow: o.Shadow, onRedisError: o.OnRedisError, replicas: o.ExpectedReplicas,

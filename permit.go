@@ -45,9 +45,6 @@ func (l *Limiter) permit(c call, r result, waited time.Duration) *Permit {
 	return &Permit{l: l, call: c, r: r, held: c.cost, waited: waited}
 }
 
-// Waited returns how long Acquire waited for the call's slot.
-func (p *Permit) Waited() time.Duration { return p.waited }
-
 // Cost returns the units the call counts for: its Cost, or what Settle set.
 func (p *Permit) Cost() int { return p.call.cost }
 

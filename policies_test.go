@@ -302,8 +302,8 @@ func TestPause_WakingWaiterBooksAgain(t *testing.T) {
 		t.Fatal(err)
 	}
 	p := <-done
-	if p != nil && p.Waited() < 390*time.Millisecond {
-		t.Errorf("the waiter went after %v, inside a 400ms pause", p.Waited())
+	if p != nil && p.waited < 390*time.Millisecond {
+		t.Errorf("the waiter went after %v, inside a 400ms pause", p.waited)
 	}
 }
 

@@ -83,8 +83,8 @@ func securityPaths(t *testing.T, rdb redis.UniversalClient) {
 	if err != nil {
 		t.Fatalf("Acquire in Block mode: %v", err)
 	}
-	if p.Waited() <= 0 {
-		t.Errorf("Acquire on a full window waited %v, want it to wait for its slot", p.Waited())
+	if p.waited <= 0 {
+		t.Errorf("Acquire on a full window waited %v, want it to wait for its slot", p.waited)
 	}
 	p.Release()
 

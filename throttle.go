@@ -250,14 +250,6 @@ func (l *Limiter) acquirePermit(ctx context.Context, opts []CallOption) (*Permit
 	return l.dispatch(ctx, c, nil)
 }
 
-// Queued returns how many calls wait in the local queue (Queue mode).
-func (l *Limiter) Queued() int {
-	if l == nil || l.q == nil {
-		return 0
-	}
-	return l.q.len()
-}
-
 // Close stops the limiter from taking calls: later calls get ErrClosed. In
 // Queue mode it then drains the queue: it waits until every queued call has
 // had its turn. If ctx ends first, the calls still queued get ErrClosed and

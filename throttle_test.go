@@ -73,7 +73,7 @@ func TestNew_RejectsBadConfiguration(t *testing.T) {
 		{"bad limit in All", rdb, "q", policies.All(perSecond, policies.SlidingLog{Limit: 1}), nil, []string{"All policy 1", "SlidingLog.Window", "0s"}},
 		{"nil PerKey", rdb, "q", policies.PerKey{}, nil, []string{"PerKey.Policy is nil"}},
 		{"nested PerKey", rdb, "q", policies.PerKey{Policy: policies.PerKey{Policy: perSecond}}, nil, []string{"another PerKey"}},
-		{"two Options", rdb, "q", perSecond, []Options{{}, {Mode: FailFast}}, []string{"New takes one Options at most", "got 2"}},
+		{"a bad field in a later Options", rdb, "q", perSecond, []Options{{Mode: FailFast}, {MaxWait: -time.Second}}, []string{"Options.MaxWait must not be negative", "-1s"}},
 		{"unknown mode", rdb, "q", perSecond, []Options{{Mode: Mode(7)}}, []string{"Options.Mode", "Mode(7)"}},
 		{"negative max wait", rdb, "q", perSecond, []Options{{MaxWait: -time.Second}}, []string{"Options.MaxWait must not be negative", "-1s"}},
 		{"negative max queue", rdb, "q", perSecond, []Options{{Mode: Queue, MaxQueue: -1}}, []string{"Options.MaxQueue", "got -1"}},
@@ -284,8 +284,8 @@ func TestBlock_WaitsForItsSlot(t *testing.T) {
 			}
 			// A sequential caller fills the window, waits for it to pass,
 			// and fills it again: calls 2 and 4 wait a whole window.
-			if i%2 == 0 && i > 0 && p.Waited() < window/2 {
-				t.Errorf("call %d waited %v, want about %v", i, p.Waited(), window)
+			if i%2 == 0 && i > 0 && p.waited < window/2 {
+				t.Errorf("call %d waited %v, want about %v", i, p.waited, window)
 			}
 			p.Release()
 		}
@@ -661,5 +661,24 @@ func TestContext_CancelledBeforeTheCallOnEveryPath(t *testing.T) {
 	}
 	if keys := rdb.Keys(context.Background(), "*").Val(); len(keys) != 0 {
 		t.Errorf("cancelled calls wrote %v", keys)
+	}
+}
+
+// New merges its Options in order: a field set in a later one wins, and
+// WithMode is one of them.
+func TestNew_MergesOptions(t *testing.T) {
+	rdb := redis.NewClient(&redis.Options{Addr: "127.0.0.1:1"})
+	defer rdb.Close()
+	lim, err := New(rdb, "q", policies.SlidingLog{Limit: 1, Window: time.Second},
+		WithMode(Queue), Options{MaxQueue: 5, Prefix: "a"}, Options{Prefix: "b", Shadow: true}, Options{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if lim.s.mode != Queue || lim.s.maxQueue != 5 || lim.s.prefix != "b" || !lim.s.shadow {
+		t.Errorf("merged settings: mode %v, max queue %d, prefix %q, shadow %v; want Queue, 5, \"b\", true",
+			lim.s.mode, lim.s.maxQueue, lim.s.prefix, lim.s.shadow)
+	}
+	if lim, err := New(rdb, "q", policies.SlidingLog{Limit: 1, Window: time.Second}, WithMode(FailFast)); err != nil || lim.s.mode != FailFast {
+		t.Errorf("WithMode(FailFast): %v, mode %v", err, lim.s.mode)
 	}
 }

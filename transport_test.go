@@ -1071,9 +1071,9 @@ func TestTransport_QueueServesHigherPriorityFirst(t *testing.T) {
 	send("booked", 0) // takes the next slot and sleeps towards it
 	eventually(t, "the second request to book its slot", func() bool { return entries(lim) == 2 })
 	send("low", 0)
-	eventually(t, "the low request to queue", func() bool { return lim.Queued() == 1 })
+	eventually(t, "the low request to queue", func() bool { return queued(lim) == 1 })
 	send("high", 5)
-	eventually(t, "the high request to queue", func() bool { return lim.Queued() == 2 })
+	eventually(t, "the high request to queue", func() bool { return queued(lim) == 2 })
 	wg.Wait()
 	var order []string
 	for _, a := range srv.log() {
