@@ -51,7 +51,7 @@ type request struct {
 	replica  int
 	arrival  time.Duration // since the run's start, when the goroutine asked
 	done     time.Duration // since the run's start, when the call returned
-	waited   time.Duration // the wait the limiter reported (Permit.Waited), or measured
+	waited   time.Duration // the wait measured around Acquire
 	calls    int64         // script calls the request sent, NOSCRIPT fallbacks included
 	noscript int64         // of which EVALSHA answered NOSCRIPT
 	err      error         // nil when admitted
