@@ -159,7 +159,7 @@ func ruleArgs(r policies.Rule) [5]int64 {
 	case policies.KindSlidingCounter:
 		return [5]int64{kind, int64(r.Limit), us(r.Window), us(r.Bucket), us(r.Margin)}
 	case policies.KindTokenBucket:
-		return [5]int64{kind, int64(r.Limit), us(r.Every), 0, 0}
+		return [5]int64{kind, int64(r.Limit), us(r.Every), 0, us(r.Margin)}
 	case policies.KindConcurrency:
 		return [5]int64{kind, int64(r.Limit), us(r.Lease), 0, 0}
 	}

@@ -510,3 +510,28 @@ func TestGuard_BooksAgainABoundedNumberOfTimes(t *testing.T) {
 		}
 	})
 }
+
+// A token bucket's calls are held to its margin too: a call whose reply came
+// back later than half of it gives its slot back and books again, or it
+// would bunch with the calls after it at the vendor.
+func TestGuard_TokenBucketLateReplyBooksAgain(t *testing.T) {
+	redistest.Each(t, func(t *testing.T, s *redistest.Server) {
+		rdb := s.Client(t)
+		slow := &slowReplies{d: 60 * ms}
+		rdb.AddHook(slow)
+		lim := newLimiter(t, rdb, policies.PerKey{Policy: policies.TokenBucket{Rate: 10, Per: time.Second}}, Options{Mode: FailFast})
+		for _, k := range []string{"w1", "w2", "w3"} {
+			if _, err := lim.Allow(context.Background(), Key(k)); err != nil {
+				t.Fatal(err)
+			}
+		}
+		slow.scripts.Store(0)
+		slow.n.Store(1)
+		if _, err := lim.Acquire(context.Background(), Key("a")); err != nil {
+			t.Fatalf("call: %v", err)
+		}
+		if n := slow.scripts.Load(); n != 2 {
+			t.Errorf("%d script calls, want 2: the late admission, then one that gives it back and books again", n)
+		}
+	})
+}

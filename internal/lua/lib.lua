@@ -448,9 +448,9 @@ end
 -- widest the window can grow, so that no entry it may count is dropped).
 -- spread is the fleet's, held the widest that calls booked earlier hold
 -- (see held_spread): the margin in force keeps half of what each gives.
--- It returns the smallest guarded margin the fleet's spread gives, which a
--- call booked now is held to (see late in block.go), or 0 when no window
--- is guarded.
+-- It returns the smallest guarded margin the fleet's spread gives, a token
+-- bucket's own margin included, which a call booked now is held to (see
+-- late in block.go), or 0 when no rule is guarded.
 local function margins(rs, spread, held)
   local least = 0
   for _, r in ipairs(rs) do
@@ -466,6 +466,13 @@ local function margins(rs, spread, held)
         end
       end
       r.margin, r.p2, r.keep = m, w + m, w + ceiling
+    elseif r.kind == BUCKET and r.margin >= GUARDED then
+      -- A token bucket's margin does not grow, but its calls are held to
+      -- it all the same: one that starts late bunches with the calls after
+      -- it at the vendor.
+      if least == 0 or r.margin < least then
+        least = r.margin
+      end
     end
   end
   return least

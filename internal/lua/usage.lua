@@ -66,6 +66,6 @@ for _, r in ipairs(rs) do
     end
   end
   out[#out + 1], out[#out + 2], out[#out + 3], out[#out + 4], out[#out + 5], out[#out + 6] =
-    used, booked, math.max(r.p1 - used - booked, 0), str(next), str(r.margin or 0), r.p1
+    used, booked, math.max(r.p1 - used - booked, 0), str(next), str(r.kind ~= BUCKET and r.margin or 0), r.p1
 end
 return out
