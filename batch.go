@@ -182,8 +182,9 @@ func (l *Limiter) decide(sc scope, batch []*request) {
 	sent := l.timing.now()
 	v, err := l.run(ctx, lua.Acquire, sc, args).Int64Slice()
 	recvd := l.timing.now()
-	if err == nil && len(v) != acquireHeader+acquirePerCall*len(batch) {
-		err = fmt.Errorf("unexpected script reply %v", v)
+	var rep acquireReply
+	if err == nil {
+		rep, err = decodeAcquire(v, len(batch))
 	}
 	if err != nil {
 		l.emit(Event{Kind: EventRedis, Duration: recvd - sent, Calls: len(batch), Err: err})
@@ -193,7 +194,6 @@ func (l *Limiter) decide(sc scope, batch []*request) {
 		}
 		return
 	}
-	rep := decodeAcquire(v, len(batch))
 	now, pause, margin, done := rep.now, rep.pause, rep.margin, rep.done
 	l.emit(Event{Kind: EventRedis, Duration: recvd - sent, Calls: len(batch), Margin: margin})
 	if rep.horizon > done && l.local != nil {

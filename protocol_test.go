@@ -14,7 +14,10 @@ func TestDecodeAcquire_NamesEveryField(t *testing.T) {
 		1, 9_000, 10, int64(reasonNone), // the first call: booked
 		0, 11_000, 0, int64(reasonBusy), // the second: refused
 	}
-	got := decodeAcquire(v, 2)
+	got, err := decodeAcquire(v, 2)
+	if err != nil {
+		t.Fatal(err)
+	}
 	us := time.Microsecond
 	want := acquireReply{
 		now: 1_000 * us, pause: 2_000 * us, epoch: 3, lost: true, margin: 5_000 * us,
@@ -27,8 +30,11 @@ func TestDecodeAcquire_NamesEveryField(t *testing.T) {
 	if !reflect.DeepEqual(got, want) {
 		t.Errorf("decodeAcquire = %+v, want %+v", got, want)
 	}
-	if got := decodeAcquire([]int64{0, 0, 0, 0, 0, 0, 0, 0}, 0); len(got.calls) != 0 || got.lost {
-		t.Errorf("decodeAcquire of a header alone = %+v", got)
+	if got, err := decodeAcquire([]int64{0, 0, 0, 0, 0, 0, 0, 0}, 0); err != nil || len(got.calls) != 0 || got.lost {
+		t.Errorf("decodeAcquire of a header alone = %+v, %v", got, err)
+	}
+	if _, err := decodeAcquire(v, 3); err == nil {
+		t.Error("decodeAcquire of 2 calls' reply as 3 calls: no error")
 	}
 }
 

@@ -50,9 +50,12 @@ type callReply struct {
 	reason    reason
 }
 
-// decodeAcquire reads acquire.lua's reply v about n calls; its length has
-// been checked.
-func decodeAcquire(v []int64, n int) acquireReply {
+// decodeAcquire reads acquire.lua's reply v about n calls, or says what is
+// wrong with it.
+func decodeAcquire(v []int64, n int) (acquireReply, error) {
+	if len(v) != acquireHeader+acquirePerCall*n {
+		return acquireReply{}, fmt.Errorf("unexpected script reply %v", v)
+	}
 	us := func(x int64) time.Duration { return time.Duration(x) * time.Microsecond }
 	rep := acquireReply{
 		now: us(v[0]), pause: us(v[1]), epoch: v[2], lost: v[3] == 1,
@@ -63,7 +66,7 @@ func decodeAcquire(v []int64, n int) acquireReply {
 		w := v[acquireHeader+acquirePerCall*i:]
 		rep.calls[i] = callReply{admitted: w[0] == 1, wait: us(w[1]), remaining: int(w[2]), reason: reason(w[3])}
 	}
-	return rep
+	return rep, nil
 }
 
 // feedbackReply is feedback.lua's reply, field by field.

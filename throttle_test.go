@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"log/slog"
+	"reflect"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -680,5 +681,37 @@ func TestNew_MergesOptions(t *testing.T) {
 	}
 	if lim, err := New(rdb, "q", policies.SlidingLog{Limit: 1, Window: time.Second}, WithMode(FailFast)); err != nil || lim.s.mode != FailFast {
 		t.Errorf("WithMode(FailFast): %v, mode %v", err, lim.s.mode)
+	}
+}
+
+// merge carries every field of Options that is set: a field added to
+// Options and forgotten in merge would be dropped without a word.
+func TestOptions_MergeCarriesEveryField(t *testing.T) {
+	var set Options
+	v := reflect.ValueOf(&set).Elem()
+	for i := range v.NumField() {
+		f := v.Field(i)
+		switch f.Kind() {
+		case reflect.Bool:
+			f.SetBool(true)
+		case reflect.Int, reflect.Int64:
+			f.SetInt(2)
+		case reflect.String:
+			f.SetString("p")
+		case reflect.Func:
+			f.Set(reflect.ValueOf(time.Now))
+		case reflect.Interface:
+			f.Set(reflect.ValueOf(ObserverFunc(func(Event) {})))
+		case reflect.Pointer:
+			f.Set(reflect.New(f.Type().Elem()))
+		default:
+			t.Fatalf("Options.%s: kind %v not covered by this test", v.Type().Field(i).Name, f.Kind())
+		}
+	}
+	got := reflect.ValueOf(Options{}.merge(set))
+	for i := range v.NumField() {
+		if got.Field(i).IsZero() {
+			t.Errorf("merge dropped Options.%s", v.Type().Field(i).Name)
+		}
 	}
 }

@@ -303,20 +303,21 @@ func matchPattern(pattern string) (func(*http.Request) bool, error) {
 // answer back to the limiter, and retries a refused request when it is safe.
 // See Transport for the contract it keeps.
 func (t *Transport) RoundTrip(req *http.Request) (*http.Response, error) {
-	t.once.Do(func() { t.t = t.compile() })
-	return t.t.roundTrip(req)
+	return t.read().roundTrip(req)
 }
 
 // CloseIdleConnections closes the idle connections of the base RoundTripper,
 // when it has that method, as http.Client.CloseIdleConnections expects.
 func (t *Transport) CloseIdleConnections() {
-	base := t.Base
-	if base == nil {
-		base = http.DefaultTransport
-	}
-	if c, ok := base.(interface{ CloseIdleConnections() }); ok {
+	if c, ok := t.read().base.(interface{ CloseIdleConnections() }); ok {
 		c.CloseIdleConnections()
 	}
+}
+
+// read returns the Transport's fields as its first use read them.
+func (t *Transport) read() *transport {
+	t.once.Do(func() { t.t = t.compile() })
+	return t.t
 }
 
 func (t *transport) roundTrip(req *http.Request) (*http.Response, error) {
