@@ -301,6 +301,29 @@ local function earliest_counter(r, t, cost)
   return k * width
 end
 
+-- paced returns the earliest time >= t at least r.pace away from every
+-- entry of log r (see PACE in lib.lua), reading the entries from t - r.pace
+-- on, PACE_READ at most. A log whose entries lie closer together than that
+-- read covers settles for r.pace after its last entry. The time is one the
+-- rules must settle from again.
+local PACE_READ = 16
+local function paced(r, t, cost)
+  flush(r)
+  local raw = redis.call('ZRANGEBYSCORE', r.key, '(' .. str(t - r.pace), '+inf', 'WITHSCORES', 'LIMIT', 0, PACE_READ)
+  for k = 2, #raw, 2 do
+    local e = tonumber(raw[k])
+    if e >= t + r.pace then
+      return t
+    end
+    t = math.max(t, e + r.pace)
+  end
+  if #raw < 2 * PACE_READ then
+    return t
+  end
+  local last = redis.call('ZRANGE', r.key, -1, -1, 'WITHSCORES')
+  return math.max(t, tonumber(last[2]) + r.pace)
+end
+
 local function earliest(r, t, cost, budget)
   if r.kind == LOG then
     -- Only a log too full to take the call outright needs its entries read.
@@ -482,6 +505,7 @@ for c = 0, ncalls - 1 do
       end
     end
   end
+  local pacing, unpaced = maxwait > 0, nil
   while moved and t < NEVER do
     moved = false
     rounds = rounds + 1
@@ -498,6 +522,24 @@ for c = 0, ncalls - 1 do
         end
       end
     end
+    if not moved and pacing and t < NEVER then
+      -- Paced once the rules agree, if the call may wait that long; the
+      -- rules then settle again from the paced time.
+      pacing = false
+      local p = t
+      for _, r in ipairs(rs) do
+        if r.pace and r.pace > 0 then
+          p = math.max(p, paced(r, t, units(r, cost)))
+        end
+      end
+      if p > t and p - now <= maxwait then
+        unpaced, t, moved = t, p, true
+      end
+    end
+  end
+  if unpaced and t - now > maxwait then
+    -- Pacing is a preference: it never refuses a call that fits.
+    t = unpaced
   end
 
   if t == NEVER then

@@ -436,6 +436,19 @@ end
 local GUARDED = 2000
 local MAX_MARGIN = 1000000
 
+-- Pacing. A saturated log admits each window's calls where the window
+-- before admitted its calls, all at once when those came at once. A fleet
+-- that cannot start so many calls at the same moment (a thousand small
+-- replicas on a few cores; a Redis that answers a burst of scripts one at a
+-- time) starts the last of them late, and its spread widens the margin.
+-- Past the margin's ceiling, widening is no longer enough: a call that may
+-- wait is then booked at least the log's average gap between calls / PACE
+-- away from every entry of the log. A window's calls spread over at most
+-- 1/PACE of it, and the windows after it keep that spread, since each call
+-- is booked a window after one before it. The first burst so paced waits up
+-- to 1/PACE of a window longer, once.
+local PACE = 4
+
 local function margin_ceiling(r)
   if r.kind ~= LOG or r.margin < GUARDED then
     return r.margin
@@ -460,6 +473,11 @@ local function margins(rs, spread, held)
       if m >= GUARDED then
         local own = math.min(math.max(m, 2 * spread), ceiling)
         local old = math.min(math.max(m, 2 * math.max(spread, held or 0)), ceiling)
+        if r.kind == LOG and ceiling > m and 2 * spread >= ceiling then
+          -- The fleet starts its calls later than the widest margin
+          -- covers: pace the log's calls (see PACE).
+          r.pace = math.floor(w / (PACE * r.p1))
+        end
         m = math.ceil((own + old) / 2)
         if least == 0 or own < least then
           least = own
