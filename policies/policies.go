@@ -103,7 +103,11 @@ type SlidingLog struct {
 	// once the spread goes down, within two timing periods (4s) and the
 	// windows of the calls booked with the wider margin, which keep half of
 	// it meanwhile; a fleet that always books ahead narrows too. Usage
-	// shows both.
+	// shows both. While the spread needs more than MarginCeiling, the log's
+	// calls that may wait (Block and Queue mode) are paced: each is booked at
+	// least Window / Limit / 4 away from every other, so that a fleet too
+	// busy to start a window's calls at one moment gets them spread over a
+	// quarter of the window.
 	//
 	// Half of the margin in force bounds how late a call may start: a call
 	// that would start more than that after its slot, beyond the usual delay
