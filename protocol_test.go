@@ -39,7 +39,7 @@ func TestDecodeAcquire_NamesEveryField(t *testing.T) {
 }
 
 func TestDecodeFeedback_NamesEveryField(t *testing.T) {
-	got, err := decodeFeedback([]int64{1_000, 2, 3_000, 1, 40})
+	got, err := decodeFeedback([]int64{3_000, 1_000, 2, 1, 40})
 	if err != nil {
 		t.Fatal(err)
 	}

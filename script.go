@@ -71,9 +71,9 @@ func decodeAcquire(v []int64, n int) (acquireReply, error) {
 
 // feedbackReply is feedback.lua's reply, field by field.
 type feedbackReply struct {
+	now     time.Duration // the time the script used
 	until   time.Duration // the pause in force until then, or 0
 	charged int           // units charged to match the vendor's count
-	now     time.Duration // the time the script used
 	lowered bool          // a rule's learned cap dropped
 	limit   int           // the lowest limit in force of a capped rule, or -1
 }
@@ -84,7 +84,7 @@ func decodeFeedback(v []int64) (feedbackReply, error) {
 		return feedbackReply{}, fmt.Errorf("unexpected script reply %v", v)
 	}
 	us := func(x int64) time.Duration { return time.Duration(x) * time.Microsecond }
-	return feedbackReply{until: us(v[0]), charged: int(v[1]), now: us(v[2]), lowered: v[3] == 1, limit: int(v[4])}, nil
+	return feedbackReply{now: us(v[0]), until: us(v[1]), charged: int(v[2]), lowered: v[3] == 1, limit: int(v[4])}, nil
 }
 
 // args builds the arguments every script takes (see internal/lua/lib.lua): the time,

@@ -59,15 +59,15 @@ local now = clock()
 local function load(r)
   if r.kind == LOG then
     -- Entries are kept as long as the widest margin could count them; the
-    -- window in force counts those after now - r.p2.
+    -- window in force counts those after now - r.window.
     redis.call('ZREMRANGEBYSCORE', r.key, '-inf', str(now - r.keep))
-    r.n = redis.call('ZCOUNT', r.key, '(' .. str(now - r.p2), '+inf')
+    r.n = redis.call('ZCOUNT', r.key, '(' .. str(now - r.window), '+inf')
     r.memo = {}
   elseif r.kind == COUNTER then
     -- The oldest bucket a window ending now may touch, as earliest_counter
     -- counts them; older ones are dropped once no margin could count them.
     local oldest = oldest_bucket(r, now)
-    local kept = bucket_of(now, r.p3) - math.ceil(r.keep / r.p3)
+    local kept = bucket_of(now, r.width) - math.ceil(r.keep / r.width)
     local raw = redis.call('HGETALL', r.key)
     r.counts, r.bs, r.n = {}, {}, 0
     for k = 1, #raw, 2 do
@@ -86,13 +86,13 @@ local function load(r)
   elseif r.kind == BUCKET then
     r.tat = tat_of(r.key)
     if r.loss > 0 then
-      r.tat = math.max(r.tat, r.loss + r.p1 * r.p2)
+      r.tat = math.max(r.tat, r.loss + r.limit * r.interval)
     end
   elseif r.kind == CONCURRENCY then
     redis.call('ZREMRANGEBYSCORE', r.key, '-inf', str(now))
     r.n = redis.call('ZCARD', r.key)
-    if now < r.loss + r.p2 then
-      r.n, r.lost_until = r.p1, r.loss + r.p2
+    if now < r.loss + r.lease then
+      r.n, r.lost_until = r.limit, r.loss + r.lease
     end
   else
     error('unknown rule kind ' .. tostring(r.kind))
@@ -105,7 +105,7 @@ local function free(r)
   if r.kind == BUCKET then
     return bucket_free(r, r.tat, now)
   end
-  return r.p1 - r.n
+  return r.limit - r.n
 end
 
 -- record writes the call into the state the next call of the batch decides
@@ -120,7 +120,7 @@ local function record(r, t, id, cost)
     if r.kind == CONCURRENCY then
       -- A concurrency slot is held from now, even for a booked call, until
       -- the call releases it or its lease runs out.
-      score = t + r.p2
+      score = t + r.lease
     end
     r.pending = r.pending or {}
     for u = 1, cost do
@@ -129,7 +129,7 @@ local function record(r, t, id, cost)
     end
     r.n = r.n + cost
   elseif r.kind == COUNTER then
-    local b = bucket_of(t, r.p3)
+    local b = bucket_of(t, r.width)
     if not r.counts[b] then
       -- A bucket newly in use takes its place among the others.
       local i = #r.bs + 1
@@ -143,7 +143,7 @@ local function record(r, t, id, cost)
     r.added[b] = (r.added[b] or 0) + cost
     r.n = r.n + cost
   else
-    r.tat = math.max(r.tat, t) + cost * r.p2
+    r.tat = math.max(r.tat, t) + cost * r.interval
     r.last_id = id
   end
 end
@@ -193,12 +193,12 @@ local function log_tail(r, t, room)
   local total = redis.call('ZCARD', r.key)
   local last = redis.call('ZRANGE', r.key, -1, -1, 'WITHSCORES')
   local nth = redis.call('ZRANGE', r.key, total - 1 - room, total - 1 - room, 'WITHSCORES')
-  return math.max(t, tonumber(last[2]), tonumber(nth[2]) + r.p2)
+  return math.max(t, tonumber(last[2]), tonumber(nth[2]) + r.window)
 end
 
 -- earliest_log returns the earliest time >= t at which cost more units fit
 -- in every window of the log that would hold them: a window of length
--- w = r.p2 may already hold room = limit - cost units.
+-- w = r.window may already hold room = limit - cost units.
 --
 -- Any room+1 consecutive entries s[j] .. s[j+room] that lie within w of each
 -- other forbid exactly the times in the open interval (s[j+room] - w,
@@ -211,7 +211,7 @@ end
 -- log, which is always allowed.
 local function earliest_log(r, t, cost, budget)
   flush(r)
-  local room, w = r.p1 - cost, r.p2
+  local room, w = r.limit - cost, r.window
   -- j, the rank of the first entry after t - w; a and b hold the scores of
   -- the entries from rank j and from rank j + room, read as needed.
   local j = redis.call('ZCOUNT', r.key, '-inf', str(t - w))
@@ -256,11 +256,11 @@ end
 -- r.bs in ascending order, finds the first bucket no full window forbids:
 -- the work follows the buckets in use, not the span they cover.
 local function earliest_counter(r, t, cost)
-  local width, room = r.p3, r.p1 - cost
+  local width, room = r.width, r.limit - cost
   if r.n <= room then
     return t
   end
-  local m = math.ceil(r.p2 / width)
+  local m = math.ceil(r.window / width)
   local k0 = bucket_of(t, width)
   local k = k0
   local bs, counts = r.bs, r.counts
@@ -327,7 +327,7 @@ end
 local function earliest(r, t, cost, budget)
   if r.kind == LOG then
     -- Only a log too full to take the call outright needs its entries read.
-    if r.n <= r.p1 - cost then
+    if r.n <= r.limit - cost then
       return t
     end
     -- The time a search of this script found for cost units fits them
@@ -351,7 +351,7 @@ local function earliest(r, t, cost, budget)
       r.hint = read_hint(r)
     end
     local h = r.hint
-    if h and h.c <= cost and h.t <= t and h.w <= r.p2 and h.at > from then
+    if h and h.c <= cost and h.t <= t and h.w <= r.window and h.at > from then
       from = h.at
     end
     -- A search that settled for the log's tail leaves the hint there too:
@@ -361,8 +361,8 @@ local function earliest(r, t, cost, budget)
     local at = earliest_log(r, from, cost, budget)
     r.memo[cost] = { t = t, at = at }
     r.fits = { c = cost, at = at }
-    if not h or cost < h.c or cost == h.c and at > h.at or h.t > t or h.w > r.p2 then
-      r.hint = { t = t, at = at, c = cost, w = r.p2 }
+    if not h or cost < h.c or cost == h.c and at > h.at or h.t > t or h.w > r.window then
+      r.hint = { t = t, at = at, c = cost, w = r.window }
       r.hint_changed = true
     end
     return at
@@ -371,8 +371,8 @@ local function earliest(r, t, cost, budget)
   elseif r.kind == BUCKET then
     -- GCRA: the call conforms once its units fit under the burst above the
     -- theoretical arrival time.
-    return math.max(t, r.tat - (r.p1 - cost) * r.p2)
-  elseif r.n + cost <= r.p1 then
+    return math.max(t, r.tat - (r.limit - cost) * r.interval)
+  elseif r.n + cost <= r.limit then
     return t
   end
   return NEVER
@@ -432,10 +432,10 @@ local reserved = meta.ru > now and meta.rn > 1
 if reserved then
   for _, r in ipairs(rs) do
     if r.kind == BUCKET then
-      r.p2 = r.p2 * meta.rn
+      r.interval = r.interval * meta.rn
     else
-      r.full = r.p1
-      r.p1 = math.max(math.floor(r.p1 / meta.rn), 1)
+      r.full = r.limit
+      r.limit = math.max(math.floor(r.limit / meta.rn), 1)
     end
   end
 end
@@ -471,7 +471,7 @@ for c = 0, ncalls - 1 do
     local u = units(r, cost)
     if r.conf < u then
       return redis.error_reply('cost ' .. u .. ' exceeds limit ' .. r.conf)
-    elseif r.p1 < u then
+    elseif r.limit < u then
       -- Only while the quota is reserved, or a learned cap is below cost.
       too_big = true
     end
@@ -547,7 +547,7 @@ for c = 0, ncalls - 1 do
     -- concurrency rule, the latest of those.
     local hint = 0
     for _, r in ipairs(rs) do
-      if r.kind == CONCURRENCY and r.n + units(r, cost) > r.p1 then
+      if r.kind == CONCURRENCY and r.n + units(r, cost) > r.limit then
         flush(r)
         local head = redis.call('ZRANGE', r.key, 0, 0, 'WITHSCORES')
         local free_at = r.lost_until or tonumber(head[2] or now)
@@ -596,9 +596,9 @@ for _, r in ipairs(rs) do
   elseif r.kind == LOG then
     expire(r.key, (r.tmax - now + r.keep) / 1000)
   elseif r.kind == COUNTER then
-    expire(r.key, (r.tmax - now + r.keep + r.p3) / 1000)
+    expire(r.key, (r.tmax - now + r.keep + r.width) / 1000)
   elseif r.kind == CONCURRENCY then
-    expire(r.key, (r.tmax - now + r.p2) / 1000)
+    expire(r.key, (r.tmax - now + r.lease) / 1000)
   end
 end
 if want_horizon == '1' then
@@ -610,7 +610,7 @@ if want_horizon == '1' then
         horizon = math.max(horizon, tonumber(last[2]))
       end
     elseif r.kind == COUNTER and #r.bs > 0 then
-      horizon = math.max(horizon, (r.bs[#r.bs] + 1) * r.p3)
+      horizon = math.max(horizon, (r.bs[#r.bs] + 1) * r.width)
     elseif r.kind == BUCKET then
       horizon = math.max(horizon, r.tat)
     end

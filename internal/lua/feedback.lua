@@ -29,7 +29,8 @@
 -- next answer's call, and the next answer must count it all the same, or
 -- the answers of calls in flight together would each charge the gap again.
 --
--- Returns {pause until (or 0), units charged, now, lowered, cap}: lowered is
+-- Returns {now, pause until (or 0), units charged, lowered, cap}, the time
+-- and the pause first as in every script's reply that has them: lowered is
 -- 1 when a rule's cap dropped; cap the lowest limit in force of a capped
 -- rule, or -1 when no rule is capped.
 
@@ -88,7 +89,7 @@ end
 -- and within its window, and drops the charges that left it.
 local function charged_after(r, t)
   local key = r.key .. ':ch'
-  redis.call('ZREMRANGEBYSCORE', key, '-inf', str(now - r.p2))
+  redis.call('ZREMRANGEBYSCORE', key, '-inf', str(now - r.window))
   local n = 0
   for _, m in ipairs(redis.call('ZRANGEBYSCORE', key, '(' .. str(t), '+inf')) do
     n = n + (tonumber(string.match(m, ':(%d+)$')) or 0)
@@ -106,18 +107,18 @@ for _, r in ipairs(rs) do
   if left >= 0 then
     local free
     if r.kind == LOG then
-      free = r.p1 - redis.call('ZCOUNT', r.key, '(' .. str(now - r.p2), str(as_of)) - charged_after(r, as_of)
+      free = r.limit - redis.call('ZCOUNT', r.key, '(' .. str(now - r.window), str(as_of)) - charged_after(r, as_of)
     elseif r.kind == COUNTER then
       local used = 0
       local raw = redis.call('HGETALL', r.key)
       local oldest = oldest_bucket(r, now)
       for k = 1, #raw, 2 do
         local b = tonumber(raw[k])
-        if b >= oldest and b * r.p3 <= as_of then
+        if b >= oldest and b * r.width <= as_of then
           used = used + tonumber(raw[k + 1])
         end
       end
-      free = r.p1 - used - charged_after(r, bucket_of(as_of, r.p3) * r.p3 + r.p3 - 1)
+      free = r.limit - used - charged_after(r, bucket_of(as_of, r.width) * r.width + r.width - 1)
     elseif r.kind == BUCKET then
       local tat = tat_of(r.key)
       free = bucket_free(r, tat, now)
@@ -126,13 +127,13 @@ for _, r in ipairs(rs) do
       -- Charged units sit where they leave the window as the vendor's resets.
       local at = now
       if reset > 0 and r.kind ~= BUCKET then
-        at = math.min(now, math.max(now + reset - r.p2, now - r.p2 + 1))
+        at = math.min(now, math.max(now + reset - r.window, now - r.window + 1))
       end
       change(r, id, 0, free - left, at, now)
       if r.kind ~= BUCKET then
         local key = r.key .. ':ch'
         redis.call('ZADD', key, str(at), id .. ':' .. str(free - left))
-        redis.call('PEXPIRE', key, math.ceil((at - now + r.p2) / 1000) + SLACK)
+        redis.call('PEXPIRE', key, math.ceil((at - now + r.window) / 1000) + SLACK)
       end
       charged = math.max(charged, free - left)
     end
@@ -145,4 +146,4 @@ for _, r in ipairs(rs) do
     cap = r.cap.lim
   end
 end
-return { str(until_), charged, str(now), lowered, cap }
+return { str(now), str(until_), charged, lowered, cap }

@@ -32,7 +32,7 @@ for _ = 1, ncharges do
   arg = arg + 4
   if r and r.kind == CONCURRENCY then
     if at <= 0 then
-      at = now + r.p2
+      at = now + r.lease
     end
     -- A slot still held: taken until its lease ends (at).
     zadd(r.key, str(at), id, 1, units)

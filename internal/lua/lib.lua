@@ -18,10 +18,10 @@
 -- ARGV[2+5i]     rule i's kind: 1 sliding log, 2 sliding counter, 3 token bucket
 --                (GCRA), 4 concurrency; plus PER_CALL for a rule that counts
 --                each call once, whatever its cost (see units);
--- ARGV[3+5i] .. ARGV[6+5i]  its four parameters, by kind:
+-- ARGV[3+5i] .. ARGV[6+5i]  its four parameters, by kind (read by name: see rules):
 --                log:         limit, window (µs), unused, margin (µs)
 --                counter:     limit, window (µs), bucket width (µs), margin (µs)
---                bucket:      burst, emission interval per unit (µs), unused, unused
+--                bucket:      burst, emission interval per unit (µs), unused, margin (µs)
 --                concurrency: max, lease (µs), unused, unused
 --                A window includes its configured margin; the margin in force
 --                may be wider (see margins).
@@ -51,23 +51,41 @@ end
 
 local PER_CALL = 16
 
+-- rules returns the rules of the call, each with its key, kind and
+-- parameters by name:
+--   limit     a log's or counter's limit, a bucket's burst, a concurrency
+--             rule's maximum;
+--   window    a log's or counter's window, its configured margin included;
+--   width     a counter's bucket width;
+--   interval  a bucket's emission interval per unit;
+--   lease     a concurrency rule's lease;
+--   margin    a log's or counter's configured margin, a bucket's own.
+-- All times are in microseconds.
 local function rules()
   local rs = {}
   for i = 1, #KEYS - 2 do
     local a = 2 + 5 * i
     local kind = tonumber(ARGV[a])
-    rs[i] = {
+    local r = {
       key = KEYS[2 + i],
       kind = kind % PER_CALL,
       per_call = kind >= PER_CALL,
-      p1 = tonumber(ARGV[a + 1]),
-      p2 = tonumber(ARGV[a + 2]),
-      p3 = tonumber(ARGV[a + 3]),
+      limit = tonumber(ARGV[a + 1]),
       margin = tonumber(ARGV[a + 4]),
     }
+    local p2 = tonumber(ARGV[a + 2])
+    if r.kind == LOG or r.kind == COUNTER then
+      r.window, r.width = p2, tonumber(ARGV[a + 3])
+    elseif r.kind == BUCKET then
+      r.interval = p2
+    else
+      r.lease = p2
+    end
     -- The configured limit, or burst, and interval: a learned cap (see
-    -- read_caps) and the Local fallback's reserve may lower p1 and p2.
-    rs[i].conf, rs[i].conf_p2 = rs[i].p1, rs[i].p2
+    -- read_caps) and the Local fallback's reserve may lower limit and
+    -- interval.
+    r.conf, r.conf_interval = r.limit, r.interval
+    rs[i] = r
   end
   return rs
 end
@@ -228,7 +246,7 @@ local function write_meta(m, rs)
   local ttl = META_TTL
   for _, r in ipairs(rs) do
     if r.kind == LOG or r.kind == COUNTER then
-      ttl = math.max(ttl, 2 * r.p2 / 1000)
+      ttl = math.max(ttl, 2 * r.window / 1000)
     end
   end
   local v = { m.epoch, m.pause, m.refreshed, m.jp, m.js, 0, m.hs, m.hu, m.dx, m.dn, m.pdx, m.pdn, m.loss,
@@ -404,7 +422,7 @@ local function hold_spread(m, now, spread, slot, rs)
   local span = 0
   for _, r in ipairs(rs) do
     if r.kind == LOG or r.kind == COUNTER then
-      span = math.max(span, r.p2 + r.margin)
+      span = math.max(span, r.window + r.margin)
     end
   end
   -- The widest spread held so far, or the next level after it.
@@ -453,11 +471,11 @@ local function margin_ceiling(r)
   if r.kind ~= LOG or r.margin < GUARDED then
     return r.margin
   end
-  return math.max(r.margin, math.min(math.floor((r.p2 - r.margin) / 10), MAX_MARGIN))
+  return math.max(r.margin, math.min(math.floor((r.window - r.margin) / 10), MAX_MARGIN))
 end
 
 -- margins sets, for each windowed rule, the margin in force (r.margin), the
--- window it widens (r.p2), and the span its data must be kept (r.keep: the
+-- window it widens (r.window), and the span its data must be kept (r.keep: the
 -- widest the window can grow, so that no entry it may count is dropped).
 -- spread is the fleet's, held the widest that calls booked earlier hold
 -- (see held_spread): the margin in force keeps half of what each gives.
@@ -468,7 +486,7 @@ local function margins(rs, spread, held)
   local least = 0
   for _, r in ipairs(rs) do
     if r.kind == LOG or r.kind == COUNTER then
-      local w, m = r.p2 - r.margin, r.margin
+      local w, m = r.window - r.margin, r.margin
       local ceiling = margin_ceiling(r)
       if m >= GUARDED then
         local own = math.min(math.max(m, 2 * spread), ceiling)
@@ -476,14 +494,14 @@ local function margins(rs, spread, held)
         if r.kind == LOG and ceiling > m and 2 * spread >= ceiling then
           -- The fleet starts its calls later than the widest margin
           -- covers: pace the log's calls (see PACE).
-          r.pace = math.floor(w / (PACE * r.p1))
+          r.pace = math.floor(w / (PACE * r.limit))
         end
         m = math.ceil((own + old) / 2)
         if least == 0 or own < least then
           least = own
         end
       end
-      r.margin, r.p2, r.keep = m, w + m, w + ceiling
+      r.margin, r.window, r.keep = m, w + m, w + ceiling
     elseif r.kind == BUCKET and r.margin >= GUARDED then
       -- A token bucket's margin does not grow, but its calls are held to
       -- it all the same: one that starts late bunches with the calls after
@@ -513,7 +531,7 @@ local function loss_pause(rs, at)
   local span = 0
   for _, r in ipairs(rs) do
     if r.kind == LOG or r.kind == COUNTER then
-      span = math.max(span, r.p2)
+      span = math.max(span, r.window)
     end
   end
   return at + span
@@ -631,14 +649,14 @@ end
 -- at t touches: a window counts every bucket it touches in full, the partly
 -- expired one too (see earliest_counter in acquire.lua).
 local function oldest_bucket(r, t)
-  return bucket_of(t, r.p3) - math.ceil(r.p2 / r.p3)
+  return bucket_of(t, r.width) - math.ceil(r.window / r.width)
 end
 
 -- bucket_free returns the units token bucket r has free at now, its
 -- theoretical arrival time being tat: its burst, less what is still to
 -- drain.
 local function bucket_free(r, tat, now)
-  return math.floor((r.p1 * r.p2 - math.max(0, tat - now)) / r.p2)
+  return math.floor((r.limit * r.interval - math.max(0, tat - now)) / r.interval)
 end
 
 -- A log's hint, in the key r.key .. ':next', remembers where the last
@@ -694,28 +712,28 @@ local function change(r, id, from, to, t, now)
       -- back), the times that could gain room lie between now and t + w,
       -- all within the window (t, t + w]: if that window is full anyway,
       -- none gains room, and the hint stays.
-      if t >= now or redis.call('ZCOUNT', r.key, '(' .. str(t), str(t + r.p2)) < r.p1 then
+      if t >= now or redis.call('ZCOUNT', r.key, '(' .. str(t), str(t + r.window)) < r.limit then
         lower_hint(r, t - r.keep, now)
       end
     end
   elseif r.kind == COUNTER then
-    local b = str(bucket_of(t, r.p3))
+    local b = str(bucket_of(t, r.width))
     if redis.call('HINCRBY', r.key, b, to - from) <= 0 then
       redis.call('HDEL', r.key, b)
     end
-    expire(r.key, (t - now + r.keep + r.p3) / 1000)
+    expire(r.key, (t - now + r.keep + r.width) / 1000)
   elseif r.kind == BUCKET then
     local tat, last = tat_of(r.key)
     if to > from then
       -- A charge is safe whatever came before; it ends the chain, so no
       -- earlier call may refund after it.
-      set_tat(r.key, math.max(tat, now) + (to - from) * r.p2, '', now)
+      set_tat(r.key, math.max(tat, now) + (to - from) * r.interval, '', now)
     elseif last == id then
       -- Only the latest call can give units back: the bucket keeps one time,
       -- not a history, and taking an earlier call's units out of it would
       -- let a new call land on a later booking. Other refunds are dropped,
       -- which errs on the safe side.
-      set_tat(r.key, tat - (from - to) * r.p2, to > 0 and id or '', now)
+      set_tat(r.key, tat - (from - to) * r.interval, to > 0 and id or '', now)
     end
   end
 end
@@ -767,18 +785,18 @@ local CAP_TTL_WINDOWS = 100
 -- configured: a window without its margin; a token bucket's burst span.
 local function span_of(r)
   if r.kind == BUCKET then
-    return r.conf * r.conf_p2
+    return r.conf * r.conf_interval
   end
-  return r.p2 - r.margin
+  return r.window - r.margin
 end
 
 -- set_limit makes lim the limit in force of rule r.
 local function set_limit(r, lim)
   lim = math.max(math.min(lim, r.conf), 1)
   if r.kind == BUCKET then
-    r.p2 = math.ceil(r.conf * r.conf_p2 / lim)
+    r.interval = math.ceil(r.conf * r.conf_interval / lim)
   end
-  r.p1 = lim
+  r.limit = lim
 end
 
 -- read_caps applies the learned caps of rules rs, when the meta says some
@@ -826,7 +844,7 @@ local function accepted_before(r, t)
   if r.kind == LOG then
     return redis.call('ZCOUNT', r.key, '(' .. str(t - w), '(' .. str(t))
   elseif r.kind == COUNTER then
-    local width, n = r.p3, 0
+    local width, n = r.width, 0
     local raw = redis.call('HGETALL', r.key)
     for k = 1, #raw, 2 do
       local lo = tonumber(raw[k]) * width
@@ -896,9 +914,9 @@ local function raise_caps(rs, m, now)
     if c and now >= c.next then
       local full
       if r.kind == BUCKET then
-        full = r.tat - now > (r.p1 - 1) * r.p2
+        full = r.tat - now > (r.limit - 1) * r.interval
       else
-        full = r.n >= r.p1
+        full = r.n >= r.limit
       end
       if full then
         c.lim, c.next, c.step = c.lim + c.step, now + span_of(r), 2 * c.step

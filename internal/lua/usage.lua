@@ -26,17 +26,17 @@ local out = { str(now), str(pause_until(meta and meta.pause or 0)), str(spread) 
 for _, r in ipairs(rs) do
   local used, booked, next = 0, 0, 0
   if r.kind == LOG then
-    used = redis.call('ZCOUNT', r.key, '(' .. str(now - r.p2), str(now))
+    used = redis.call('ZCOUNT', r.key, '(' .. str(now - r.window), str(now))
     booked = redis.call('ZCOUNT', r.key, '(' .. str(now), '+inf')
-    if used + booked >= r.p1 then
+    if used + booked >= r.limit then
       -- One unit fits once the oldest entry that counts has left its window.
-      local first = redis.call('ZRANGEBYSCORE', r.key, '(' .. str(now - r.p2), '+inf', 'WITHSCORES', 'LIMIT', used + booked - r.p1, 1)
+      local first = redis.call('ZRANGEBYSCORE', r.key, '(' .. str(now - r.window), '+inf', 'WITHSCORES', 'LIMIT', used + booked - r.limit, 1)
       if first[2] then
-        next = math.max(tonumber(first[2]) + r.p2 - now, 0)
+        next = math.max(tonumber(first[2]) + r.window - now, 0)
       end
     end
   elseif r.kind == COUNTER then
-    local k = bucket_of(now, r.p3)
+    local k = bucket_of(now, r.width)
     local m = k - oldest_bucket(r, now)
     local raw = redis.call('HGETALL', r.key)
     local oldest = nil
@@ -51,21 +51,21 @@ for _, r in ipairs(rs) do
         end
       end
     end
-    if used + booked >= r.p1 and oldest then
-      next = (oldest + m + 1) * r.p3 - now
+    if used + booked >= r.limit and oldest then
+      next = (oldest + m + 1) * r.width - now
     end
   elseif r.kind == BUCKET then
     local tat = tat_of(r.key)
-    used = math.ceil(math.max(0, tat - now) / r.p2)
-    next = math.max(0, tat - (r.p1 - 1) * r.p2 - now)
+    used = math.ceil(math.max(0, tat - now) / r.interval)
+    next = math.max(0, tat - (r.limit - 1) * r.interval - now)
   else
     used = redis.call('ZCOUNT', r.key, '(' .. str(now), '+inf')
-    if used >= r.p1 then
+    if used >= r.limit then
       local first = redis.call('ZRANGEBYSCORE', r.key, '(' .. str(now), '+inf', 'WITHSCORES', 'LIMIT', 0, 1)
       next = tonumber(first[2]) - now
     end
   end
   out[#out + 1], out[#out + 2], out[#out + 3], out[#out + 4], out[#out + 5], out[#out + 6] =
-    used, booked, math.max(r.p1 - used - booked, 0), str(next), str(r.kind ~= BUCKET and r.margin or 0), r.p1
+    used, booked, math.max(r.limit - used - booked, 0), str(next), str(r.kind ~= BUCKET and r.margin or 0), r.limit
 end
 return out
