@@ -307,7 +307,7 @@ end
 -- read covers settles for r.pace after its last entry. The time is one the
 -- rules must settle from again.
 local PACE_READ = 16
-local function paced(r, t, cost)
+local function paced(r, t)
   flush(r)
   local raw = redis.call('ZRANGEBYSCORE', r.key, '(' .. str(t - r.pace), '+inf', 'WITHSCORES', 'LIMIT', 0, PACE_READ)
   for k = 2, #raw, 2 do
@@ -529,7 +529,7 @@ for c = 0, ncalls - 1 do
       local p = t
       for _, r in ipairs(rs) do
         if r.pace and r.pace > 0 then
-          p = math.max(p, paced(r, t, units(r, cost)))
+          p = math.max(p, paced(r, t))
         end
       end
       if p > t and p - now <= maxwait then
