@@ -131,9 +131,9 @@ func ExampleLimitedError() {
 	_, err = lim.Acquire(ctx)
 	var le *throttle.LimitedError
 	if errors.Is(err, throttle.ErrLimited) && errors.As(err, &le) {
-		fmt.Println("limited; retry within the hour:", le.RetryAfter <= time.Hour+policies.DefaultMargin)
+		fmt.Println("limited; retry after about", le.RetryAfter.Round(time.Second))
 	}
-	// Output: limited; retry within the hour: true
+	// Output: limited; retry after about 1h0m0s
 }
 
 // An LLM call is admitted with an estimate of its tokens, and settled with

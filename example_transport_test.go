@@ -47,7 +47,7 @@ func ExampleTransport() {
 		resp, err := client.Get(vendor.URL)
 		var limited *throttle.LimitedError
 		if errors.Is(err, throttle.ErrLimited) && errors.As(err, &limited) {
-			fmt.Println("limited, retry within a minute:", limited.RetryAfter <= time.Minute+policies.DefaultMargin)
+			fmt.Println("limited, retry after about", limited.RetryAfter.Round(time.Second))
 			continue
 		}
 		if err != nil {
@@ -61,7 +61,7 @@ func ExampleTransport() {
 	// Output:
 	// 200 hello
 	// 200 hello
-	// limited, retry within a minute: true
+	// limited, retry after about 1m0s
 }
 
 // GitHub allows 30 search requests a minute beside 5000 requests an hour for

@@ -102,14 +102,25 @@ func modelRules(p policies.Policy, perKey bool) []model.Rule {
 	case policies.PerKey:
 		return modelRules(p.Policy, true)
 	case policies.SlidingLog:
-		return []model.Rule{{Kind: model.Kind(policies.KindSlidingLog), Limit: p.Limit, Window: us(widened(p.Window, p.Margin)), PerKey: perKey}}
+		// A margin of at least 2ms may grow to a tenth of the window, at
+		// most a second; while a warming quota's first calls are held, the
+		// margin in force is halfway to that, or to 200ms if less, rounded
+		// up.
+		m, w := us(widened(0, p.Margin)), us(p.Window)
+		ceiling := m
+		if m >= 2000 {
+			ceiling = max(m, min(w/10, 1_000_000))
+		}
+		warm := max(m, min(ceiling, 200_000))
+		return []model.Rule{{Kind: model.Kind(policies.KindSlidingLog), Limit: p.Limit, Window: w + m, PerKey: perKey,
+			Keep: w + ceiling, Warm: (m+warm+1)/2 - m}}
 	case policies.SlidingCounter:
 		w := widened(p.Window, p.Margin)
 		n := p.Buckets
 		if n == 0 {
 			n = policies.DefaultBuckets
 		}
-		return []model.Rule{{Kind: model.Kind(policies.KindSlidingCounter), Limit: p.Limit, Window: us(w), Width: ceilUS(w / time.Duration(n)), PerKey: perKey}}
+		return []model.Rule{{Kind: model.Kind(policies.KindSlidingCounter), Limit: p.Limit, Window: us(w), Width: ceilUS(w / time.Duration(n)), PerKey: perKey, Keep: us(w)}}
 	case policies.TokenBucket:
 		// Burst zero means 1; one unit every Per/Rate.
 		return []model.Rule{{Kind: model.Kind(policies.KindTokenBucket), Limit: max(p.Burst, 1), Every: ceilUS(p.Per / time.Duration(p.Rate)), PerKey: perKey}}
@@ -246,6 +257,7 @@ func checkSeed(t *testing.T, rdb redis.UniversalClient, mini *miniredis.Miniredi
 				})
 			}
 			lim.decide(lim.scopeFor(batch[0].c), batch)
+			m.Script(now)
 			for _, req := range batch {
 				r, c := req.res, req.c
 				if req.err != nil {
@@ -265,6 +277,7 @@ func checkSeed(t *testing.T, rdb redis.UniversalClient, mini *miniredis.Miniredi
 					admitted = append(admitted, held{c, r})
 				}
 			}
+			m.EndScript(now)
 		}
 	}
 	if v := m.Violations(); len(v) > 0 {

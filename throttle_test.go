@@ -204,7 +204,7 @@ func TestAllow_RecordsOnlyAdmittedCalls(t *testing.T) {
 			if err != nil || d.OK {
 				t.Fatalf("call over the limit: %+v, %v; want refused", d, err)
 			}
-			if want := time.Second + policies.DefaultMargin - 300*time.Millisecond; d.RetryAfter != want {
+			if want := time.Second + warmingMargin - 300*time.Millisecond; d.RetryAfter != want {
 				t.Fatalf("RetryAfter %v, want %v", d.RetryAfter, want)
 			}
 		}
@@ -262,7 +262,7 @@ func TestFailFast_RefusesWithRetryAfter(t *testing.T) {
 		if !errors.Is(err, ErrLimited) || !errors.As(err, &le) {
 			t.Fatalf("Acquire on a full quota: %v, want a *LimitedError", err)
 		}
-		if want := time.Second + policies.DefaultMargin - 100*time.Millisecond; le.RetryAfter != want || le.Quota != lim.Name() {
+		if want := time.Second + warmingMargin - 100*time.Millisecond; le.RetryAfter != want || le.Quota != lim.Name() {
 			t.Errorf("got %+v, want RetryAfter %v for quota %q", le, want, lim.Name())
 		}
 		clock.Add(le.RetryAfter)
@@ -362,7 +362,7 @@ func TestBlock_CancelledWaiterGivesSlotBack(t *testing.T) {
 			t.Fatalf("log holds %d members after the waiter gave up, want 1", n)
 		}
 		// The freed slot goes to the next caller: one window away, not two.
-		if d, _ := lim.Allow(bg); d.OK || d.RetryAfter > window+policies.DefaultMargin {
+		if d, _ := lim.Allow(bg); d.OK || d.RetryAfter > window+warmMargin(window) {
 			t.Errorf("after the cancel, Allow = %+v, want RetryAfter within one window", d)
 		}
 	})

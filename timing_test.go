@@ -135,6 +135,7 @@ func TestMargin_FollowsTheFleetsSpread(t *testing.T) {
 				t.Fatalf("Allow: %+v, %v", d, err)
 			}
 		}
+		warmUp(t, clock, 2*time.Second, a, b)
 		report(a, 100, 0)
 		check("on time", 0, policies.DefaultMargin, 0, policies.DefaultMargin)
 
@@ -179,6 +180,9 @@ func TestMargin_NarrowsWhileTheFleetBooksAhead(t *testing.T) {
 			}
 			return u.Rules[0].Margin
 		}
+		warmUp(t, clock, time.Second, lim)
+		// The warm-up's calls leave every window.
+		clock.Add(2 * time.Second)
 		// 20 of 100 calls about 40ms late: the margin widens to 90ms.
 		for i := range 100 {
 			if i < 20 {
@@ -459,15 +463,16 @@ func TestGuard_LateWakeBooksAgain(t *testing.T) {
 			t.Fatal(err)
 		}
 		counter.scripts.Store(0)
-		// The call sleeps 1.01s towards its slot. Well into that sleep,
-		// long after the reply was read, the clock goes 1.06s on: the call
-		// wakes 50ms after its slot, far past the 5ms the margin allows.
+		// The call sleeps 1.055s towards its slot (the quota warms up: its
+		// first call is held to a margin of 55ms). Well into that sleep,
+		// long after the reply was read, the clock goes 1.2s on: the call
+		// wakes 145ms after its slot, far past the 27.5ms the margin allows.
 		go func() {
 			for counter.scripts.Load() == 0 {
 				time.Sleep(ms)
 			}
 			time.Sleep(200 * ms)
-			clock.Add(1060 * ms)
+			clock.Add(1200 * ms)
 		}()
 		p, err := lim.Acquire(ctx)
 		if err != nil {

@@ -645,7 +645,7 @@ func TestTransport_FailFastErrorIsErrLimited(t *testing.T) {
 			t.Errorf("error %v does not match ErrLimited", err)
 		case !errors.As(err, &le):
 			t.Errorf("error %v holds no *LimitedError", err)
-		case le.RetryAfter < 59*time.Second || le.RetryAfter > time.Minute+policies.DefaultMargin:
+		case le.RetryAfter < 59*time.Second || le.RetryAfter > time.Minute+warmMargin(time.Minute):
 			t.Errorf("RetryAfter %v, want about a minute", le.RetryAfter)
 		}
 		if d := time.Since(start); d > time.Second {

@@ -109,6 +109,16 @@ type SlidingLog struct {
 	// busy to start a window's calls at one moment gets them spread over a
 	// quarter of the window.
 	//
+	// A quota warms up when the fleet starts calling it (new, or after a
+	// minute without a call, or longer than its longest window): its first
+	// calls open connections, and may reach the vendor later than the calls
+	// a window after them, which find those connections open. So for its
+	// longest window the calls admitted at once are held as if booked with a
+	// margin of 200ms (MarginCeiling if less): until they have left their
+	// windows, the margin in force keeps half of that from them, and half of
+	// its own. With the defaults and a one-second window, the window after a
+	// cold start begins 65ms after the first, not 30ms.
+	//
 	// Half of the margin in force bounds how late a call may start: a call
 	// that would start more than that after its slot, beyond the usual delay
 	// of Redis's replies (a slow reply, a starved process), gives its slot

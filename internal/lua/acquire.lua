@@ -394,6 +394,9 @@ if meta and now - meta.refreshed > META_REFRESH then
   meta.refreshed = now
   dirty = true
 end
+local span = warm_span(rs)
+local start = starting(meta, now, span)
+local warming = start or meta.wu > now
 if meta and note_timing(meta, now, report, delay) then
   dirty = true
 end
@@ -401,7 +404,7 @@ if meta and roll_hold(meta, now) then
   dirty = true
 end
 local spread = fleet_spread(meta, now)
-local margin = margins(rs, spread, held_spread(meta, now))
+local margin = margins(rs, spread, held_spread(meta, now), meta and meta.wh > now)
 local changed, found = false, false
 local created = meta == nil
 local pause_before = meta and meta.pause or 0
@@ -421,6 +424,10 @@ if stepped == '1' and meta.loss < now then
   dirty = true
 end
 local lost = found and 1 or 0
+if start then
+  meta.wu = now + span
+end
+meta.la = now
 
 -- Limits the vendor taught the fleet (see read_caps in lib.lua).
 read_caps(rs, meta, now)
@@ -458,6 +465,7 @@ end
 raise_caps(rs, meta, now)
 local pause = pause_until(meta.pause)
 local first = arg
+local at_once = false -- some call was admitted now
 local out = { str(now), str(pause), str(meta.epoch), lost, str(margin), 0, 0, str(meta.seq) }
 
 for c = 0, ncalls - 1 do
@@ -564,6 +572,8 @@ for c = 0, ncalls - 1 do
     remaining = after
     if t > now then
       remaining = 0
+    else
+      at_once = true
     end
     out[#out + 1], out[#out + 2], out[#out + 3], out[#out + 4] = 1, str(t - now), remaining, 0
   end
@@ -574,6 +584,9 @@ for _, r in ipairs(rs) do
   if r.recorded then
     latest = math.max(latest, r.tmax)
   end
+end
+if warming and at_once and now + warm_hold(rs) > meta.wh then
+  meta.wh = now + warm_hold(rs)
 end
 if latest > 0 and hold_spread(meta, now, spread, latest, rs) then
   dirty = true

@@ -46,7 +46,7 @@ end
 
 local rs = rules()
 local meta = read_meta()
-margins(rs, fleet_spread(meta, now), held_spread(meta, now))
+margins(rs, fleet_spread(meta, now), held_spread(meta, now), meta and meta.wh > now)
 local known = tonumber(ARGV[after_rules()])
 local learn = ARGV[after_rules() + 1] == '1' and tonumber(ARGV[3]) > 0
 local dirty, found = false, false

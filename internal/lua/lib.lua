@@ -189,6 +189,9 @@ local META_REFRESH = 24 * 3600 * 1000000
 --   cu         until time cu, rules of the quota may have learned caps
 --              (see read_caps): before it, scripts read them; after it,
 --              they spare the reads.
+--   wu, wh     until time wu, the quota warms up; until time wh, the calls
+--              it admitted at once while it did are held (see warming);
+--   la         when the last acquire script of the quota ran.
 -- read_meta returns them as a table, or nil when the key is missing.
 local function read_meta()
   local v = redis.call('GET', KEYS[1])
@@ -219,7 +222,8 @@ local function read_meta()
     dx = tonumber(f[9]) or -1, dn = tonumber(f[10]) or -1, pdx = tonumber(f[11]) or -1, pdn = tonumber(f[12]) or -1,
     loss = tonumber(f[13]) or 0, policies = f[14] or '', seq = tonumber(f[15]) or 0,
     ru = tonumber(f[16]) or 0, rn = tonumber(f[17]) or 1, cu = tonumber(f[18]) or 0,
-    ns = tonumber(f[19]) or 0, nu = tonumber(f[20]) or 0,
+    ns = tonumber(f[19]) or 0, nu = tonumber(f[20]) or 0, wu = tonumber(f[21]) or 0,
+    wh = tonumber(f[22]) or 0, la = tonumber(f[23]) or 0,
   }
 end
 
@@ -227,7 +231,7 @@ local function new_meta(now)
   return {
     epoch = now, pause = 0, refreshed = now, jp = -1, js = 0, htext = '', hs = 0, hu = 0,
     dx = -1, dn = -1, pdx = -1, pdn = -1, loss = 0, policies = '', seq = 0, ru = 0, rn = 1, cu = 0,
-    ns = 0, nu = 0,
+    ns = 0, nu = 0, wu = 0, wh = 0, la = 0,
   }
 end
 
@@ -250,7 +254,7 @@ local function write_meta(m, rs)
     end
   end
   local v = { m.epoch, m.pause, m.refreshed, m.jp, m.js, 0, m.hs, m.hu, m.dx, m.dn, m.pdx, m.pdn, m.loss,
-    0, m.seq, m.ru, m.rn, m.cu, m.ns, m.nu }
+    0, m.seq, m.ru, m.rn, m.cu, m.ns, m.nu, m.wu, m.wh, m.la }
   local raw = m.raw or {}
   for i = 1, #v do
     -- A field that did not change is written as it was read.
@@ -474,15 +478,68 @@ local function margin_ceiling(r)
   return math.max(r.margin, math.min(math.floor((r.window - r.margin) / 10), MAX_MARGIN))
 end
 
+-- Warming up. A fleet that starts calling a quota, new or idle for a
+-- minute or a window, knows nothing yet of its spread, and its first calls are the
+-- slowest to reach the vendor: each opens a connection (a TLS handshake
+-- takes tens of milliseconds), while the calls a window later find them
+-- open. So the quota warms up for its longest window: the calls it admits
+-- at once meanwhile may reach the vendor as late as the widest margin
+-- allows, up to WARM_MARGIN, and until they have left their windows (wh),
+-- every log's margin in force keeps half that from them and half its own
+-- margin, as for calls booked with a margin that wide (see margins). The margins a
+-- call is held to, and pacing, still follow the spread measured.
+
+-- The margin the calls admitted at once while a quota warms up may take,
+-- up to the ceiling: a new connection's DNS, TCP and TLS round trips to a
+-- vendor across a continent.
+local WARM_MARGIN = 200000
+
+-- warm_span returns how long a quota warms up: its longest window, as
+-- configured.
+-- Read before margins widens the windows.
+local function warm_span(rs)
+  local span = 0
+  for _, r in ipairs(rs) do
+    if r.kind == LOG or r.kind == COUNTER then
+      span = math.max(span, r.window)
+    end
+  end
+  return span
+end
+
+-- starting reports whether the fleet starts calling the quota now: it is
+-- new, or no acquire script ran for longer than span or WARM_IDLE, after
+-- which the vendor's window is empty and its servers have closed the
+-- connections the fleet kept open.
+local WARM_IDLE = 60000000
+local function starting(m, now, span)
+  return not m or now - m.la > math.max(span, WARM_IDLE)
+end
+
+-- warm_hold returns how long the calls admitted at once while the quota
+-- warms up are held: until the widest window they may be counted in has
+-- passed. Read after margins.
+local function warm_hold(rs)
+  local keep = 0
+  for _, r in ipairs(rs) do
+    if r.keep then
+      keep = math.max(keep, r.keep)
+    end
+  end
+  return keep
+end
+
 -- margins sets, for each windowed rule, the margin in force (r.margin), the
 -- window it widens (r.window), and the span its data must be kept (r.keep: the
 -- widest the window can grow, so that no entry it may count is dropped).
 -- spread is the fleet's, held the widest that calls booked earlier hold
--- (see held_spread): the margin in force keeps half of what each gives.
+-- (see held_spread): the margin in force keeps half of what each gives;
+-- warm is true while the calls a warming quota admitted at once are held,
+-- which gives the widest margin (see warm_span).
 -- It returns the smallest guarded margin the fleet's spread gives, a token
 -- bucket's own margin included, which a call booked now is held to (see
 -- late in block.go), or 0 when no rule is guarded.
-local function margins(rs, spread, held)
+local function margins(rs, spread, held, warm)
   local least = 0
   for _, r in ipairs(rs) do
     if r.kind == LOG or r.kind == COUNTER then
@@ -491,6 +548,9 @@ local function margins(rs, spread, held)
       if m >= GUARDED then
         local own = math.min(math.max(m, 2 * spread), ceiling)
         local old = math.min(math.max(m, 2 * math.max(spread, held or 0)), ceiling)
+        if warm then
+          old = math.max(old, math.min(ceiling, WARM_MARGIN))
+        end
         if r.kind == LOG and ceiling > m and 2 * spread >= ceiling then
           -- The fleet starts its calls later than the widest margin
           -- covers: pace the log's calls (see PACE).

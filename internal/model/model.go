@@ -37,6 +37,12 @@ type Rule struct {
 	Every  int64
 	Lease  int64
 	PerKey bool
+	// Log and Counter rules: how long their entries may count (the window
+	// without its margin, and the widest margin it may take), and for a
+	// Log rule how much wider its window is while the calls a warming quota
+	// admitted at once are held (see Script).
+	Keep int64
+	Warm int64
 }
 
 type entry struct {
@@ -52,6 +58,18 @@ type Model struct {
 	tat   map[string]int64  // Bucket rules: theoretical arrival time
 	last  map[string]string // Bucket rules: the call that set tat last
 	held  map[string][]hold // Concurrency rules: every slot ever held
+
+	// Warming up: a quota new, or idle for longer than its longest window
+	// or a minute, warms up for that window; the calls it admits at once meanwhile are
+	// held until the widest window they count in has passed, and the Log
+	// rules' windows are Warm wider until then.
+	called  bool  // some script ran
+	lastRun int64 // when the last one ran
+	warmTo  int64 // the quota warms up until then
+	holdTo  int64 // the calls admitted at once while it did are held until then
+	warming bool  // the current script runs while the quota warms up
+	holding bool  // the current script decides with the wider windows
+	atOnce  bool  // the current script admitted a call at once
 }
 
 // hold is a concurrency slot held from one time to another: from the
@@ -65,6 +83,51 @@ type hold struct {
 // New returns an empty model of a quota with the given rules.
 func New(rules ...Rule) *Model {
 	return &Model{rules: rules, logs: map[string][]entry{}, tat: map[string]int64{}, last: map[string]string{}, held: map[string][]hold{}}
+}
+
+// warmIdle is how long a quota may go without a script before it warms up
+// again, if its longest window is shorter.
+const warmIdle = 60_000_000
+
+// Script begins one acquire script at now: the calls Acquire decides until
+// EndScript share what it knew of the quota's warming up. Without it the
+// model never warms up.
+func (m *Model) Script(now int64) {
+	var span int64
+	for _, r := range m.rules {
+		if r.Kind == Log || r.Kind == Counter {
+			span = max(span, r.Window)
+		}
+	}
+	start := !m.called || now-m.lastRun > max(span, warmIdle)
+	m.warming = start || m.warmTo > now
+	m.holding = m.called && m.holdTo > now
+	m.atOnce = false
+	if start {
+		m.warmTo = now + span
+	}
+	m.called, m.lastRun = true, now
+}
+
+// EndScript ends the script Script began at now.
+func (m *Model) EndScript(now int64) {
+	if !m.warming || !m.atOnce {
+		return
+	}
+	var keep int64
+	for _, r := range m.rules {
+		keep = max(keep, r.Keep)
+	}
+	m.holdTo = max(m.holdTo, now+keep)
+	m.warming, m.holding, m.atOnce = false, false, false
+}
+
+// window is the window in force of rule r.
+func (m *Model) window(r Rule) int64 {
+	if r.Kind == Log && m.holding {
+		return r.Window + r.Warm
+	}
+	return r.Window
 }
 
 // Decision is what the model decides for one call.
@@ -113,14 +176,15 @@ func (m *Model) fits(i int, key string, t, now int64, cost int) bool {
 		// The count of a window (u-w, u] changes only where an entry enters
 		// it, so the windows ending at t and at each entry in (t, t+w) are
 		// the only ones to check.
+		w := m.window(r)
 		ends := []int64{t}
 		for _, e := range log {
-			if e.at > t && e.at < t+r.Window {
+			if e.at > t && e.at < t+w {
 				ends = append(ends, e.at)
 			}
 		}
 		for _, u := range ends {
-			if units(log, u-r.Window, u)+cost > r.Limit {
+			if units(log, u-w, u)+cost > r.Limit {
 				return false
 			}
 		}
@@ -153,7 +217,7 @@ func (m *Model) free(i int, key string, now int64) int {
 	log := m.logs[m.name(i, key)]
 	switch r.Kind {
 	case Log:
-		return r.Limit - units(log, now-r.Window, math.MaxInt64)
+		return r.Limit - units(log, now-m.window(r), math.MaxInt64)
 	case Counter:
 		oldest := floorDiv(now, r.Width) - counterSpan(r)
 		n := 0
@@ -211,7 +275,7 @@ func (m *Model) Acquire(now, pause int64, id, key string, cost int, maxWait int6
 		switch r.Kind {
 		case Log:
 			for _, e := range log {
-				cands = append(cands, e.at+r.Window)
+				cands = append(cands, e.at+m.window(r))
 			}
 		case Counter:
 			last := start
@@ -264,6 +328,9 @@ func (m *Model) Acquire(now, pause int64, id, key string, cost int, maxWait int6
 	remaining -= cost
 	if remaining < 0 || wait > 0 {
 		remaining = 0
+	}
+	if wait == 0 {
+		m.atOnce = true
 	}
 	return Decision{Admitted: true, Wait: wait, Remaining: remaining}
 }
