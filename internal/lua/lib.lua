@@ -190,7 +190,7 @@ local META_REFRESH = 24 * 3600 * 1000000
 --              (see read_caps): before it, scripts read them; after it,
 --              they spare the reads.
 --   wu, wh     until time wu, the quota warms up; until time wh, the calls
---              it admitted at once while it did are held (see warming);
+--              it admitted at once while it did are held (see Warming up);
 --   la         when the last acquire script of the quota ran.
 -- read_meta returns them as a table, or nil when the key is missing.
 local function read_meta()
@@ -535,7 +535,7 @@ end
 -- spread is the fleet's, held the widest that calls booked earlier hold
 -- (see held_spread): the margin in force keeps half of what each gives;
 -- warm is true while the calls a warming quota admitted at once are held,
--- which gives the widest margin (see warm_span).
+-- which gives a margin of WARM_MARGIN, up to the ceiling (see Warming up).
 -- It returns the smallest guarded margin the fleet's spread gives, a token
 -- bucket's own margin included, which a call booked now is held to (see
 -- late in block.go), or 0 when no rule is guarded.
