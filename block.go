@@ -170,17 +170,6 @@ func (l *Limiter) late(r result) (time.Duration, bool) {
 	return late, true
 }
 
-// startsLate reports how late after its slot the call of a permit that
-// waited for it (Block and Queue mode) would start now, and whether that
-// is more than its margin allows (see late), as wait judged it before
-// handing the permit over; a process starved since may run it later.
-func (p *Permit) startsLate() (time.Duration, bool) {
-	if p.r.local || !p.r.admitted || p.l.s.shadow || p.l.s.mode == FailFast {
-		return 0, false
-	}
-	return p.l.late(p.r)
-}
-
 // start notes how late after its slot an admitted call starts, right before
 // it runs, for the spread the fleet's margin follows.
 func (p *Permit) start() {

@@ -274,29 +274,15 @@ func (l *Limiter) Close(ctx context.Context) error {
 // fn's result, or the error that kept fn from running. fn finds its permit
 // in its context with PermitFrom: to settle the call's actual cost, or to
 // tell the quota that the vendor refused it.
-//
-// The late-start guard (see policies.SlidingLog.Margin) looks at the call
-// once more right before fn: a waiting call held up after its admission
-// (a starved process runs it late) gives its slot back and asks again, at
-// most three times, and then fails with ErrLimited.
 func Do[T any](ctx context.Context, l *Limiter, fn func(context.Context) (T, error), opts ...CallOption) (T, error) {
-	var zero T
-	for rebooks := 0; ; rebooks++ {
-		p, err := l.acquirePermit(ctx, opts)
-		if err != nil {
-			return zero, err
-		}
-		if late, tooLate := p.startsLate(); tooLate {
-			_ = p.Cancel(context.WithoutCancel(ctx))
-			if rebooks == maxRebooks {
-				return zero, l.limited(late, lateReason)
-			}
-			continue
-		}
-		defer p.Release()
-		p.start()
-		return fn(withPermit(ctx, p))
+	p, err := l.acquirePermit(ctx, opts)
+	if err != nil {
+		var zero T
+		return zero, err
 	}
+	defer p.Release()
+	p.start()
+	return fn(withPermit(ctx, p))
 }
 
 // Future is the outcome of a call submitted with Go.

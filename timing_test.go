@@ -448,55 +448,6 @@ func TestGuard_LateReplyOfABookedCallStartsOnItsSlot(t *testing.T) {
 	})
 }
 
-// Do looks at a waiting call once more right before fn: a call held up
-// after its admission (here by an Observer that takes 300ms, as a starved
-// process would) gives its slot back and asks again, instead of calling
-// into the windows after its slot.
-func TestGuard_DoLooksAgainRightBeforeFn(t *testing.T) {
-	redistest.Each(t, func(t *testing.T, s *redistest.Server) {
-		for _, mode := range []Mode{Block, Queue} {
-			t.Run(mode.String(), func(t *testing.T) {
-				rdb := s.Client(t)
-				counter := &slowReplies{}
-				rdb.AddHook(counter)
-				var stalls atomic.Int64
-				stall := ObserverFunc(func(e Event) {
-					if e.Kind == EventAdmitted && stalls.Add(-1) >= 0 {
-						time.Sleep(300 * ms)
-					}
-				})
-				lim := newLimiter(t, rdb, policies.PerKey{Policy: policies.SlidingLog{Limit: 1, Window: time.Second, Margin: 100 * ms}},
-					Options{Mode: mode, Observer: stall})
-				ctx := context.Background()
-				for _, k := range []string{"w1", "w2", "w3"} {
-					if _, err := lim.Allow(ctx, Key(k)); err != nil {
-						t.Fatal(err)
-					}
-				}
-				counter.scripts.Store(0)
-				stalls.Store(1)
-				ran := 0
-				if _, err := Do(ctx, lim, func(context.Context) (int, error) { ran++; return 0, nil }, Key("a")); err != nil {
-					t.Fatal(err)
-				}
-				if ran != 1 {
-					t.Errorf("fn ran %d times, want once", ran)
-				}
-				if n := counter.scripts.Load(); n != 3 {
-					t.Errorf("%d script calls, want 3: the admission, the give-back of the late one, and the admission it ran on", n)
-				}
-				u, err := lim.Usage(ctx, Key("a"))
-				if err != nil {
-					t.Fatal(err)
-				}
-				if r := u.Rules[0]; r.Used != 1 || r.Booked != 0 {
-					t.Errorf("the key holds %d used and %d booked units, want the one call that ran", r.Used, r.Booked)
-				}
-			})
-		}
-	})
-}
-
 // A Block call that sleeps towards its slot and wakes later after it than
 // half the margin (a starved process) gives the slot back and books again,
 // at once, rather than call into the windows after its slot.
