@@ -44,10 +44,7 @@ type fleetCase struct {
 	maxScripts float64
 	// apart runs the vendor in a process of its own, as a real vendor's
 	// clock is: on a machine this loaded, a server in the test's process
-	// would count arrivals late, by its own scheduling. Every case whose
-	// vendor needs no in-flight bound runs it apart anyway: under busy
-	// loops, a vendor in this process stamped the calls of a burst late
-	// enough to count 2-14 of them in the next window.
+	// would count arrivals late, by its own scheduling.
 	apart bool
 }
 
@@ -282,7 +279,7 @@ func runFleet(t *testing.T, fc fleetCase, newClient func(*testing.T) redis.Unive
 		cfg.Work = 20 * time.Millisecond
 	}
 	var v fleetVendor
-	if fc.apart || fc.maxInFlight == 0 {
+	if fc.apart {
 		v = startVendorApart(t, cfg)
 	} else {
 		v = startVendorHere(t, cfg)
