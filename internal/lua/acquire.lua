@@ -394,7 +394,7 @@ if meta and now - meta.refreshed > META_REFRESH then
   meta.refreshed = now
   dirty = true
 end
-local span = warm_span(rs)
+local span = longest_window(rs)
 local start = starting(meta, now, span)
 local warming = start or meta.wu > now
 if meta and note_timing(meta, now, report, delay) then
@@ -585,8 +585,8 @@ for _, r in ipairs(rs) do
     latest = math.max(latest, r.tmax)
   end
 end
-if warming and at_once and now + warm_hold(rs) > meta.wh then
-  meta.wh = now + warm_hold(rs)
+if warming and at_once then
+  meta.wh = math.max(meta.wh, now + warm_hold(rs))
 end
 if latest > 0 and hold_spread(meta, now, spread, latest, rs) then
   dirty = true

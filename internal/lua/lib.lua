@@ -479,25 +479,26 @@ local function margin_ceiling(r)
 end
 
 -- Warming up. A fleet that starts calling a quota, new or idle for a
--- minute or a window, knows nothing yet of its spread, and its first calls are the
--- slowest to reach the vendor: each opens a connection (a TLS handshake
--- takes tens of milliseconds), while the calls a window later find them
--- open. So the quota warms up for its longest window: the calls it admits
--- at once meanwhile may reach the vendor as late as the widest margin
--- allows, up to WARM_MARGIN, and until they have left their windows (wh),
--- every log's margin in force keeps half that from them and half its own
--- margin, as for calls booked with a margin that wide (see margins). The margins a
--- call is held to, and pacing, still follow the spread measured.
+-- minute or a window, knows nothing yet of its spread, and its first calls
+-- are the slowest to reach the vendor: each opens a connection (a TLS
+-- handshake takes tens of milliseconds), while the calls a window later
+-- find them open. So the quota warms up for its longest window: the calls
+-- it admits at once meanwhile may reach the vendor as late as the widest
+-- margin allows, up to WARM_MARGIN, and until they have left their windows
+-- (wh), every log's margin in force keeps half that from them and half its
+-- own margin, as for calls booked with a margin that wide (see margins).
+-- The margins a call is held to, and pacing, still follow the spread
+-- measured.
 
 -- The margin the calls admitted at once while a quota warms up may take,
 -- up to the ceiling: a new connection's DNS, TCP and TLS round trips to a
 -- vendor across a continent.
 local WARM_MARGIN = 200000
 
--- warm_span returns how long a quota warms up: its longest window, as
--- configured.
--- Read before margins widens the windows.
-local function warm_span(rs)
+-- longest_window returns the longest window of rules rs: as configured
+-- before margins widens them (how long a quota warms up), as in force
+-- after.
+local function longest_window(rs)
   local span = 0
   for _, r in ipairs(rs) do
     if r.kind == LOG or r.kind == COUNTER then
@@ -588,13 +589,7 @@ end
 -- loss_pause returns the time until which the windows of rules rs count as
 -- full after a loss at time at.
 local function loss_pause(rs, at)
-  local span = 0
-  for _, r in ipairs(rs) do
-    if r.kind == LOG or r.kind == COUNTER then
-      span = math.max(span, r.window)
-    end
-  end
-  return at + span
+  return at + longest_window(rs)
 end
 
 -- check_loss finds a loss the caller knew nothing of: m is the meta read
