@@ -17,7 +17,7 @@ func Key(k string) CallOption { return func(c *call) { c.key, c.hasKey = k, true
 
 // Cost makes the call count as n units (a batch of n messages, n tokens).
 // The default is 1; n must be between 1 and the smallest Limit of the quota.
-func Cost(n int) CallOption { return func(c *call) { c.cost = n } }
+func Cost(n int) CallOption { return func(c *call) { c.cost, c.hasCost = n, true } }
 
 // Priority orders calls in the queue of a limiter in Queue mode: higher
 // values run first, calls of equal priority in arrival order. The default is
@@ -28,6 +28,7 @@ type call struct {
 	key      string
 	hasKey   bool
 	cost     int
+	hasCost  bool // Cost was given: Permit.Heard reads the vendor's tokens as the call's units
 	priority int
 	// lead is how far ahead of now the call asks for its slot: a slot
 	// whose reply came back too late to start in is booked again this much

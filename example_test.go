@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"net/http"
 	"time"
 
 	"github.com/alicebob/miniredis/v2"
@@ -162,4 +163,41 @@ func ExamplePermitFrom() {
 	// Output:
 	// 1200 <nil>
 	// <nil> 100000 true
+}
+
+// A client that is not an http.Client (a vendor's SDK, a gRPC stub) goes
+// through the limiter with Acquire and makes what the vendor answered known
+// to the fleet with Heard, as Transport does with each response.
+func ExamplePermit_Heard() {
+	rdb, done := exampleRedis()
+	defer done()
+	ctx := context.Background()
+	lim, err := throttle.New(rdb, "sdk", policies.SlidingLog{Limit: 100, Window: time.Minute}, throttle.WithMode(throttle.FailFast))
+	if err != nil {
+		fmt.Println(err)
+		return
+	}
+	p, err := lim.Acquire(ctx)
+	if err != nil {
+		fmt.Println(err)
+		return
+	}
+	defer p.Release()
+	// The SDK reports a refusal that asks for 30 seconds of quiet (over
+	// gRPC, a RESOURCE_EXHAUSTED with a RetryInfo).
+	pause, refused, err := p.Heard(ctx, throttle.Answer{
+		Status:        http.StatusTooManyRequests,
+		RetryAfter:    30 * time.Second,
+		HasRetryAfter: true,
+	})
+	fmt.Println(pause, refused, err)
+	// Every replica now waits out the pause.
+	_, err = lim.Acquire(ctx)
+	var limited *throttle.LimitedError
+	if errors.As(err, &limited) {
+		fmt.Println("next call in", limited.RetryAfter.Round(time.Second))
+	}
+	// Output:
+	// 30s true <nil>
+	// next call in 30s
 }

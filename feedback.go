@@ -4,6 +4,8 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"math/rand/v2"
+	"net/http"
 	"time"
 
 	"github.com/throttlekit/throttle/internal/lua"
@@ -174,4 +176,206 @@ func (p *Permit) opts() []CallOption {
 		return nil
 	}
 	return []CallOption{Key(p.call.key)}
+}
+
+// Answer is what a vendor's answer to one call says about its rate limits.
+// Permit.Heard makes it known to the whole fleet. Transport fills one from
+// each response's status and headers; fill one yourself to feed the answers
+// a vendor gives through another client (a vendor SDK, a gRPC interceptor:
+// a RESOURCE_EXHAUSTED is a 429).
+type Answer struct {
+	// Status is the answer's HTTP status. A 429 is a refusal over the
+	// vendor's rate limit; so are a 503 with a RetryAfter (an overloaded
+	// vendor: the fleet pauses, but learns no cap from it) and a 403 with a
+	// RetryAfter or with nothing Remaining until a Reset (GitHub's ways of
+	// refusing). Other statuses are not refusals.
+	Status int
+	// RetryAfter is how long the vendor asked callers to wait, when
+	// HasRetryAfter (the Retry-After header).
+	RetryAfter    time.Duration
+	HasRetryAfter bool
+	// Requests is the vendor's count of requests (X-RateLimit-Remaining
+	// and its kin); nil when it gave none.
+	Requests *Count
+	// Tokens is its count of tokens (an LLM API's), nil when it gave none.
+	// When the call was given a Cost, the quota's units follow Tokens; when
+	// not, or when the vendor gives no Tokens, they follow Requests (on a
+	// quota with policies.PerCall rules, a Cost with no Tokens tells
+	// nothing of the units, and Requests counts the calls alone).
+	Tokens *Count
+	// Shared reports a refusal about a resource the quota shares with
+	// others (Discord's X-RateLimit-Scope: shared): the fleet pauses, but
+	// learns no cap from it.
+	Shared bool
+	// DefaultPause is how long a 429 that names no time (no RetryAfter,
+	// no count with nothing left until a reset) pauses the fleet, with up
+	// to a quarter more at random. 0 means a second.
+	DefaultPause time.Duration
+}
+
+// Count is one of a vendor's counts of its rate limit.
+type Count struct {
+	// Remaining is what the vendor says is left of the limit.
+	Remaining int
+	// Reset is how long until the vendor's window resets; 0 when unknown.
+	Reset time.Duration
+	// Limit is the limit's size; 0 when unknown.
+	Limit int
+}
+
+// check reports a negative field of a Count.
+func (c *Count) check(field string) error {
+	switch {
+	case c == nil:
+		return nil
+	case c.Remaining < 0:
+		return fmt.Errorf("%s.Remaining must not be negative, got %d", field, c.Remaining)
+	case c.Reset < 0:
+		return fmt.Errorf("%s.Reset must not be negative, got %v", field, c.Reset)
+	case c.Limit < 0:
+		return fmt.Errorf("%s.Limit must not be negative, got %d", field, c.Limit)
+	}
+	return nil
+}
+
+// count returns c as the feedback script takes it: unknown when nil.
+func (c *Count) count() vendorCount {
+	if c == nil {
+		return unknownCount
+	}
+	return vendorCount{left: c.Remaining, reset: min(c.Reset, maxPause), limit: c.Limit}
+}
+
+// Heard makes what the vendor answered to the permit's call known to every
+// replica, as Transport does with each response, and reports how long the
+// vendor asked the fleet to keep quiet and whether it refused the call:
+//
+//   - A refusal pauses the quota (Limiter.Pause) until the time the vendor
+//     named, or for DefaultPause when it named none; so does any answer that
+//     says nothing is left until a reset.
+//   - A refusal over the quota's cap teaches the quota the cap, as
+//     Permit.Refused does (not a 503, not a refusal about a shared
+//     resource, not one with Retry-After: 0, which says there is room now),
+//     unless the limiter's Options say WithoutLearning; so does an answer
+//     that says nothing is left of a Limit it states.
+//   - A count that says fewer are left than the quota believed right after
+//     it admitted the call lowers the quota's count, as
+//     Limiter.SetRemaining does; calls admitted after this one, on their
+//     way to the vendor, are not in its count.
+//
+// Heard asks Redis only when the answer tells the quota something: an
+// answer that says nothing of a limit, or a count that believes no fewer
+// left than the quota did, costs nothing. The pause is capped at an hour. An
+// error says the answer was not made known (Redis could not be reached, a
+// negative field); the pause and the refusal are reported all the same.
+func (p *Permit) Heard(ctx context.Context, a Answer) (pause time.Duration, refused bool, err error) {
+	if p == nil || p.l == nil {
+		return 0, false, errors.New("throttle: Heard: the permit is nil")
+	}
+	l := p.l
+	if err := errors.Join(a.Requests.check("Answer.Requests"), a.Tokens.check("Answer.Tokens")); err != nil {
+		return 0, false, fmt.Errorf("throttle: quota %q: Heard: %w", l.name, err)
+	}
+	if a.RetryAfter < 0 || a.DefaultPause < 0 {
+		return 0, false, fmt.Errorf("throttle: quota %q: Heard: Answer.RetryAfter and Answer.DefaultPause must not be negative, got %v and %v",
+			l.name, a.RetryAfter, a.DefaultPause)
+	}
+	requests, tokens := a.Requests.count(), a.Tokens.count()
+	if requests.left == 0 {
+		pause = requests.reset
+	}
+	if tokens.left == 0 {
+		pause = max(pause, tokens.reset)
+	}
+	// The vendor's counts, as the quota's rules keep them: the rules that
+	// count units follow its count of tokens when the call's Cost was given
+	// and the vendor counts tokens, else its count of requests;
+	// policies.PerCall rules follow its count of requests.
+	said := vendorSaid{units: requests, calls: unknownCount}
+	switch {
+	case p.call.hasCost && a.Tokens != nil:
+		said.units = tokens
+	case p.call.hasCost && l.callRules:
+		said.units = unknownCount // the vendor counts requests alone
+	}
+	if l.callRules {
+		said.calls = requests
+	}
+	// The count that says whether the vendor refused for being over its
+	// limit: the units', or the requests' when the units' is unknown.
+	remaining, limit := said.units.left, said.units.limit
+	if remaining < 0 {
+		remaining, limit = said.calls.left, said.calls.limit
+	}
+	switch {
+	case a.Status == http.StatusTooManyRequests:
+		refused = true
+		pause = max(pause, a.RetryAfter)
+		if pause == 0 && !a.HasRetryAfter {
+			d := a.DefaultPause
+			if d == 0 {
+				d = time.Second
+			}
+			pause = d + rand.N(d/4+1)
+		}
+	case a.Status == http.StatusServiceUnavailable && a.HasRetryAfter:
+		refused = true
+		pause = max(pause, a.RetryAfter)
+	case a.Status == http.StatusForbidden && (requests.left == 0 && pause > 0 || a.HasRetryAfter):
+		// GitHub's ways of refusing a call over its primary rate limit
+		// (nothing left until the reset), or over a secondary one.
+		refused = true
+		pause = max(pause, a.RetryAfter)
+	}
+	pause = min(pause, maxPause)
+	if refused {
+		l.emit(Event{Kind: EventVendorLimited})
+	}
+	// A refusal teaches the quota the vendor's cap (Permit.Refused): the
+	// limit the vendor states with it, or, when it says nothing of its
+	// count, what the fleet admitted before the call. A refusal that gives
+	// a count of units left without a limit is heeded through the count:
+	// nothing left until the reset is a pause, units left mean a secondary
+	// limit or a limit of one endpoint, not the quota's. An overloaded
+	// vendor (503) teaches nothing, nor does a refusal that Discord says is
+	// about a resource shared with others.
+	//
+	// An answer that says nothing is left of a limit it states teaches that
+	// limit too, refused or not: the fleet has just used it all. A refusal
+	// with Retry-After: 0 teaches nothing: a vendor over a window's cap
+	// says when there is room, and this one says there is room now.
+	retryNow := a.HasRetryAfter && a.RetryAfter == 0
+	learn := a.Status != http.StatusServiceUnavailable && !a.Shared &&
+		(refused && remaining < 0 && !retryNow || remaining == 0 && limit > 0)
+	switch {
+	case learn && !l.s.noLearning:
+		said.pause, said.learn = pause, true
+		said.units.left, said.calls.left = -1, -1
+		err = l.feedback(ctx, said, p.r, p.opts())
+	case pause > 0:
+		err = l.Pause(ctx, pause, p.opts()...)
+	case (said.units.left >= 0 || said.calls.left >= 0) && countsCalls(l) &&
+		(l.hasConc || l.callRules || said.units.left < p.r.remaining):
+		// The count only ever believes fewer are left after it admitted
+		// this call: when it believed no more than the vendor then, a call
+		// to Redis is saved. A Concurrency rule's free slots take part in
+		// that belief, and so do the counts of calls beside units: with
+		// one, the vendor's count is always passed on. The vendor counted
+		// as of this call: calls admitted after it, on their way, are not
+		// in its number.
+		said.units.limit, said.calls.limit = 0, 0
+		err = l.feedback(ctx, said, p.r, p.opts())
+	}
+	return pause, refused, err
+}
+
+// countsCalls reports whether the quota has a rule that counts calls over
+// time, the only kind a vendor's remaining count is about.
+func countsCalls(l *Limiter) bool {
+	for _, r := range l.rules {
+		if r.Kind != policies.KindConcurrency {
+			return true
+		}
+	}
+	return false
 }

@@ -8,12 +8,16 @@ import (
 	"time"
 )
 
+// maxHeard bounds every delay read from a vendor's headers, as Permit.Heard
+// bounds a pause: a hostile or broken header cannot stop a fleet for days.
+const maxHeard = time.Hour
+
 // maxRemaining bounds a remaining count read from a header, so that a
 // garbled value cannot overflow the arithmetic of the scripts.
 const maxRemaining = math.MaxInt32
 
 // vendorLimits is what a vendor's response says about its rate limit. Every
-// duration lies in [0, maxPause], rounded up: waiting a little too long costs
+// duration lies in [0, maxHeard], rounded up: waiting a little too long costs
 // a little of the quota, calling too early costs a 429.
 type vendorLimits struct {
 	// retryAfter is the Retry-After header (or OpenAI's retry-after-ms),
@@ -221,7 +225,7 @@ func parseReset(s string, now time.Time) (time.Duration, bool) {
 	case f > 1e12:
 		ms := math.Ceil(f)
 		if ms >= 1e15 { // past the year 33000: never
-			return maxPause, true
+			return maxHeard, true
 		}
 		return untilCeil(time.UnixMilli(int64(ms)), now), true
 	case f > 1e9:
@@ -262,7 +266,7 @@ func parseCount(s string) (int, bool) {
 
 // parseSeconds reads a duration in seconds ("30", "1.5"), or a Go-style
 // duration with units ("6m0s", "250ms") as some LLM APIs send, rounded up to
-// the microsecond and capped at maxPause.
+// the microsecond and capped at maxHeard.
 func parseSeconds(s string) (time.Duration, bool) {
 	s = strings.TrimSpace(s)
 	if f, ok := parseNumber(s); ok {
@@ -275,8 +279,8 @@ func parseSeconds(s string) (time.Duration, bool) {
 	if err != nil {
 		return 0, false
 	}
-	if d >= maxPause {
-		return maxPause, true
+	if d >= maxHeard {
+		return maxHeard, true
 	}
 	// Rounded up to the microsecond, as seconds are.
 	return (d + time.Microsecond - 1).Truncate(time.Microsecond), true
@@ -302,23 +306,23 @@ func parseNumber(s string) (float64, bool) {
 }
 
 // secondsCeil turns seconds into a duration rounded up to the microsecond,
-// capped at maxPause.
+// capped at maxHeard.
 func secondsCeil(f float64) time.Duration {
-	if f >= maxPause.Seconds() {
-		return maxPause
+	if f >= maxHeard.Seconds() {
+		return maxHeard
 	}
 	return time.Duration(math.Ceil(f*1e6)) * time.Microsecond
 }
 
 // untilCeil is the time from now until t, rounded up to whole seconds (the
-// resolution of HTTP dates and epochs in seconds), within [0, maxPause].
+// resolution of HTTP dates and epochs in seconds), within [0, maxHeard].
 func untilCeil(t, now time.Time) time.Duration {
 	d := t.Sub(now)
 	if d <= 0 {
 		return 0
 	}
-	if d >= maxPause {
-		return maxPause
+	if d >= maxHeard {
+		return maxHeard
 	}
 	return (d + time.Second - 1).Truncate(time.Second)
 }

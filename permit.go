@@ -12,12 +12,16 @@ import (
 
 type permitKey struct{}
 
-func withPermit(ctx context.Context, p *Permit) context.Context {
+// WithPermit returns a copy of ctx that carries p, for PermitFrom: Do and
+// Go give their fn such a context, and Transport sends each request with
+// one. Use it in a wrapper of your own that takes calls through Acquire.
+func WithPermit(ctx context.Context, p *Permit) context.Context {
 	return context.WithValue(ctx, permitKey{}, p)
 }
 
 // PermitFrom returns the permit of the call that Do or Go runs with ctx, or
-// nil for a context they did not make.
+// that a Transport sends a request with, or that WithPermit put in ctx; nil
+// for any other context.
 //
 //	reply, err := throttle.Do(ctx, lim, func(ctx context.Context) (*Reply, error) {
 //		reply, err := llm.Complete(ctx, prompt)
@@ -47,6 +51,16 @@ func (l *Limiter) permit(c call, r result, waited time.Duration) *Permit {
 
 // Cost returns the units the call counts for: its Cost, or what Settle set.
 func (p *Permit) Cost() int { return p.call.cost }
+
+// Remaining returns how many units the quota had free now under its
+// tightest limit right after it admitted the call, as Decision.Remaining
+// says, or -1 when unknown (a call admitted without Redis).
+func (p *Permit) Remaining() int {
+	if p.r.local || !p.r.admitted {
+		return -1
+	}
+	return p.r.remaining
+}
 
 // Release ends the call. It frees the call's slots under a
 // policies.Concurrency; a sliding window or a token bucket counts the call
@@ -133,16 +147,19 @@ func (p *Permit) Extend(ctx context.Context, lease time.Duration) error {
 // call's slot, so that the shared count matches the vendor's. A charge may
 // take a window past its limit, since the vendor counted those units
 // already: later calls then wait for them. Settle can be called again; each
-// call replaces the cost before it. The actual cost must be between 0 and
-// the quota's smallest limit. A Permit's methods are for the goroutine that
-// holds it; Release alone may be called from anywhere.
+// call replaces the cost before it. The actual cost must not be negative; a
+// cost above the quota's smallest limit counts as that limit, since a
+// window holds no more (the vendor's window was full all the same). A
+// Permit's methods are for the goroutine that holds it; Release alone may
+// be called from anywhere.
 func (p *Permit) Settle(ctx context.Context, actual int) error {
 	if p == nil || p.l == nil {
 		return errors.New("throttle: Settle: the permit is nil")
 	}
-	if actual < 0 || actual > p.l.maxCost {
-		return fmt.Errorf("throttle: quota %q: Settle: actual cost must be between 0 and %d, got %d", p.l.name, p.l.maxCost, actual)
+	if actual < 0 {
+		return fmt.Errorf("throttle: quota %q: Settle: actual cost must not be negative, got %d", p.l.name, actual)
 	}
+	actual = min(actual, p.l.maxCost)
 	if actual == p.call.cost || p.r.local {
 		// A call decided without Redis has nothing in Redis to settle.
 		return nil

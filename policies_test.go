@@ -42,8 +42,15 @@ func TestSettle_RefundsAndChargesInTheSameWindow(t *testing.T) {
 				if d, _ := lim.Allow(ctx, Cost(2)); d.OK {
 					t.Errorf("2 units admitted after a charge to 9 of 10")
 				}
-				if err := permit.Settle(ctx, 11); err == nil || !strings.Contains(err.Error(), "between 0 and 10, got 11") {
-					t.Errorf("Settle(11) on a limit of 10: %v", err)
+				if err := permit.Settle(ctx, -1); err == nil || !strings.Contains(err.Error(), "must not be negative, got -1") {
+					t.Errorf("Settle(-1): %v", err)
+				}
+				// The vendor counted 11: the window is full, and no more.
+				if err := permit.Settle(ctx, 11); err != nil {
+					t.Fatal(err)
+				}
+				if got := rdbUnits(t, lim); got != 10 || permit.Cost() != 10 {
+					t.Errorf("after a charge to 11 on a limit of 10, the quota holds %d units, the permit %d", got, permit.Cost())
 				}
 				// The charge leaves with the call's window.
 				clock.Add(2 * time.Second)

@@ -7,6 +7,7 @@ import (
 	"encoding/base64"
 	"errors"
 	"fmt"
+	"log/slog"
 	"slices"
 	"strconv"
 	"strings"
@@ -191,6 +192,18 @@ func newID() string {
 // Name returns the quota's name.
 func (l *Limiter) Name() string { return l.name }
 
+// Mode returns the limiter's Mode.
+func (l *Limiter) Mode() Mode { return l.s.mode }
+
+// Rules returns the rules the quota's policy compiles to, as
+// policies.Rules gives them and Usage reports them: their limits as
+// configured, not as the vendor taught them.
+func (l *Limiter) Rules() []policies.Rule { return slices.Clone(l.rules) }
+
+// Logger returns where the limiter logs what it cannot return: its
+// Options.Logger, or slog.Default().
+func (l *Limiter) Logger() *slog.Logger { return l.s.logger }
+
 // Decision is the answer of Allow.
 type Decision struct {
 	// OK reports whether the call was admitted, and counted, now.
@@ -282,7 +295,7 @@ func Do[T any](ctx context.Context, l *Limiter, fn func(context.Context) (T, err
 	}
 	defer p.Release()
 	p.start()
-	return fn(withPermit(ctx, p))
+	return fn(WithPermit(ctx, p))
 }
 
 // Future is the outcome of a call submitted with Go.
@@ -332,7 +345,7 @@ func Go[T any](ctx context.Context, l *Limiter, fn func(context.Context) (T, err
 		}
 		defer p.Release()
 		p.start()
-		f.v, f.err = fn(withPermit(ctx, p))
+		f.v, f.err = fn(WithPermit(ctx, p))
 	}()
 	return f
 }

@@ -5,7 +5,6 @@ import (
 	"context"
 	"fmt"
 	"io"
-	"math/rand/v2"
 	"net/http"
 	"strings"
 	"sync"
@@ -31,6 +30,9 @@ const (
 	// maxKeptBody bounds the body of a refusal kept in memory while the
 	// request is retried, to be returned if the retry cannot be made.
 	maxKeptBody = 64 << 10
+	// feedbackTimeout bounds the calls to Redis that make a vendor's
+	// answer known, which run even when the request's context has ended.
+	feedbackTimeout = time.Second
 )
 
 // Transport is an http.RoundTripper that takes every request through a
@@ -43,14 +45,17 @@ const (
 // the *LimitedError, with RetryAfter, inside the *url.Error of http.Client);
 // in Queue mode it takes its place in the limiter's queue.
 //
-// The vendor's answer is feedback for every replica. A refusal (a 429, a 503
-// with Retry-After, or a 403 that says nothing is left, as GitHub sends)
-// pauses the quota with Limiter.Pause until the time the vendor named in
-// Retry-After, X-RateLimit-Reset or the IETF RateLimit header, and for
-// DefaultPause (with jitter) after a 429 that named none; so does any answer
-// that says nothing is left until a reset. An answer that says fewer calls
-// are left than the shared count believes lowers the count with
-// Limiter.SetRemaining. Durations are rounded up and capped at an hour.
+// The vendor's answer is feedback for every replica: the Transport reads
+// its status and headers into an Answer for Permit.Heard. A refusal (a 429,
+// a 503 with Retry-After, or a 403 that says nothing is left, as GitHub
+// sends) pauses the quota until the time the vendor named in Retry-After,
+// X-RateLimit-Reset or the IETF RateLimit header, and for DefaultPause
+// (with jitter) after a 429 that named none; so does any answer that says
+// nothing is left until a reset. A refusal over the quota's cap teaches the
+// quota the cap. An answer that says fewer calls are left than the shared
+// count believes lowers the count. Durations are rounded up and capped at
+// an hour. The Transport uses nothing but the package's public API: a
+// wrapper of another client can do what it does.
 //
 // A refused request is then retried, through the limiter again, as a new
 // call to the vendor: after growing, jittered delays, at most MaxRetries
@@ -188,7 +193,10 @@ type transport struct {
 	maxRetries   int
 	maxRetryTime time.Duration
 	pause        time.Duration
-	err          error // the first invalid field: every request fails with it
+	// holds tells the limiters with a policies.Concurrency rule, whose
+	// slots a request holds until its response's body is closed.
+	holds map[*Limiter]bool
+	err   error // the first invalid field: every request fails with it
 }
 
 type route struct {
@@ -244,6 +252,10 @@ func (t *Transport) compile() *transport {
 			c.routes = append(c.routes, route{match: match, lim: r.Limiter})
 		}
 	}
+	c.holds = map[*Limiter]bool{c.lim: holdsSlots(c.lim)}
+	for _, r := range c.routes {
+		c.holds[r.lim] = holdsSlots(r.lim)
+	}
 	if t.Keys != nil || t.SetKey != nil {
 		pool, err := newKeyPool(t.Keys, t.SetKey)
 		if err != nil {
@@ -261,10 +273,10 @@ func (t *transport) settle(ctx context.Context, lim *Limiter, p *Permit, resp *h
 	if n < 0 || n == p.Cost() {
 		return
 	}
-	ctx, stop := context.WithTimeout(context.WithoutCancel(ctx), cleanupTimeout)
+	ctx, stop := context.WithTimeout(context.WithoutCancel(ctx), feedbackTimeout)
 	defer stop()
-	if err := p.Settle(ctx, min(n, lim.maxCost)); err != nil {
-		lim.s.logger.Warn("throttle: could not settle a request's cost from its response", "quota", lim.name, "err", err)
+	if err := p.Settle(ctx, n); err != nil {
+		lim.Logger().Warn("throttle: could not settle a request's cost from its response", "quota", lim.Name(), "err", err)
 	}
 }
 
@@ -346,7 +358,7 @@ func (t *transport) roundTrip(req *http.Request) (*http.Response, error) {
 			send = out.Clone(ctx)
 			t.pool.set(send, t.pool.keys[key].key)
 		}
-		p, err := lim.acquirePermit(ctx, callOpts)
+		p, err := lim.Acquire(ctx, callOpts...)
 		if err != nil {
 			closeBody(out)
 			if refusal != nil && ctx.Err() == nil {
@@ -358,26 +370,25 @@ func (t *transport) roundTrip(req *http.Request) (*http.Response, error) {
 		}
 		discard(refusal)
 		refusal = nil
-		p.start()
 		// The request sent carries its permit, which the caller finds with
 		// PermitFrom(resp.Request.Context()): to settle the call's cost
 		// from the body, once read.
-		resp, err := t.base.RoundTrip(send.WithContext(withPermit(send.Context(), p)))
+		resp, err := t.base.RoundTrip(send.WithContext(WithPermit(send.Context(), p)))
 		if err != nil {
 			p.Release()
 			return nil, err
 		}
 		v := parseVendorLimits(resp.Header, time.Now())
-		quiet, refused := t.feedback(ctx, lim, p, resp.StatusCode, v, callOpts)
+		quiet, refused := t.feedback(ctx, p, resp.StatusCode, v)
 		if key >= 0 {
-			t.pool.heard(key, p.r.remaining, v.remaining, quiet)
+			t.pool.heard(key, p.Remaining(), v.remaining, quiet)
 		}
 		if t.respCost != nil && !refused {
 			t.settle(ctx, lim, p, resp)
 		}
 		if !refused || v.noRetry {
 			// Stripe-Should-Retry: false says a retry would fail too.
-			return deliver(resp, p), nil
+			return t.deliver(resp, lim, p), nil
 		}
 		if retries == nil {
 			first = time.Now()
@@ -385,15 +396,15 @@ func (t *transport) roundTrip(req *http.Request) (*http.Response, error) {
 		}
 		next, delay, ok := t.nextAttempt(req, lim, retries, first, quiet)
 		if !ok {
-			return deliver(resp, p), nil
+			return t.deliver(resp, lim, p), nil
 		}
 		refusal, ok = keep(resp)
 		if !ok {
 			closeBody(next)
-			return deliver(refusal, p), nil
+			return t.deliver(refusal, lim, p), nil
 		}
 		p.Release()
-		if err := sleep(ctx, delay); err != nil {
+		if err := waitRetry(ctx, delay); err != nil {
 			closeBody(next)
 			discard(refusal)
 			return nil, err
@@ -427,107 +438,29 @@ func (t *transport) callOptions(req *http.Request) []CallOption {
 	return opts
 }
 
-// feedback tells the limiter what the vendor's answer says, and reports how
-// long the vendor asked the fleet to keep quiet and whether it refused the
-// request. It runs even when the request's context has ended, since the
-// fleet needs to know; if Redis cannot be reached the feedback is lost and
-// the answer is returned all the same.
-func (t *transport) feedback(ctx context.Context, lim *Limiter, p *Permit, status int, v vendorLimits, opts []CallOption) (quiet time.Duration, refused bool) {
-	ctx, stop := context.WithTimeout(context.WithoutCancel(ctx), cleanupTimeout)
+// feedback tells the limiter what the vendor's answer says (Permit.Heard),
+// and reports how long the vendor asked the fleet to keep quiet and whether
+// it refused the request. It runs even when the request's context has
+// ended, since the fleet needs to know; if Redis cannot be reached the
+// feedback is lost and the answer is returned all the same.
+func (t *transport) feedback(ctx context.Context, p *Permit, status int, v vendorLimits) (quiet time.Duration, refused bool) {
+	ctx, stop := context.WithTimeout(context.WithoutCancel(ctx), feedbackTimeout)
 	defer stop()
-	if v.remaining == 0 {
-		quiet = v.reset
+	a := Answer{
+		Status:        status,
+		RetryAfter:    v.retryAfter,
+		HasRetryAfter: v.hasRetryAfter,
+		Shared:        v.scope == "shared",
+		DefaultPause:  t.pause,
 	}
-	if v.hasTokens && v.tokens == 0 {
-		quiet = max(quiet, v.tokensReset)
+	if v.remaining >= 0 {
+		a.Requests = &Count{Remaining: v.remaining, Reset: v.reset, Limit: v.limit}
 	}
-	// The vendor's counts, as the quota's rules keep them: the rules that
-	// count units follow its count of tokens when the requests cost what
-	// Transport.Cost says and the vendor counts tokens, else its count of
-	// requests; policies.PerCall rules follow its count of requests.
-	requests := vendorCount{left: v.remaining, reset: v.reset, limit: v.limit}
-	said := vendorSaid{units: requests, calls: unknownCount}
-	switch {
-	case t.cost != nil && v.hasTokens:
-		said.units = vendorCount{left: v.tokens, reset: v.tokensReset}
-	case t.cost != nil && lim.callRules:
-		said.units = unknownCount // the vendor counts requests alone
+	if v.hasTokens {
+		a.Tokens = &Count{Remaining: v.tokens, Reset: v.tokensReset}
 	}
-	if lim.callRules {
-		said.calls = requests
-	}
-	// The count that says whether the vendor refused for being over its
-	// limit: the units', or the requests' when the units' is unknown.
-	remaining, limit := said.units.left, said.units.limit
-	if remaining < 0 {
-		remaining, limit = said.calls.left, said.calls.limit
-	}
-	switch {
-	case status == http.StatusTooManyRequests:
-		refused = true
-		quiet = max(quiet, v.retryAfter)
-		if quiet == 0 && !v.hasRetryAfter {
-			quiet = t.pause + rand.N(t.pause/4+1)
-		}
-	case status == http.StatusServiceUnavailable && v.hasRetryAfter:
-		refused = true
-		quiet = max(quiet, v.retryAfter)
-	case status == http.StatusForbidden && (v.remaining == 0 && quiet > 0 || v.hasRetryAfter):
-		// GitHub's ways of refusing a call over its primary rate limit
-		// (nothing left until the reset), or over a secondary one.
-		refused = true
-		quiet = max(quiet, v.retryAfter)
-	}
-	if refused {
-		lim.emit(Event{Kind: EventVendorLimited})
-	}
-	// A refusal teaches the quota the vendor's cap (Permit.Refused): the
-	// limit the vendor states with it, or, when it says nothing of its
-	// count, what the fleet admitted before the call. A refusal that gives
-	// a count of units left without a limit is heeded through the count:
-	// nothing left until the reset is a pause, units left mean a secondary
-	// limit or a limit of one endpoint, not the quota's. An overloaded
-	// vendor (503) teaches nothing, nor does a refusal that Discord says is
-	// about a resource shared with others.
-	//
-	// An answer that says nothing is left of a limit it states teaches that
-	// limit too, refused or not: the fleet has just used it all. A refusal
-	// with Retry-After: 0 teaches nothing: a vendor over a window's cap
-	// says when there is room, and this one says there is room now.
-	retryNow := v.hasRetryAfter && v.retryAfter == 0
-	learn := status != http.StatusServiceUnavailable && v.scope != "shared" &&
-		(refused && remaining < 0 && !retryNow || remaining == 0 && limit > 0)
-	switch {
-	case learn && !lim.s.noLearning:
-		said.pause, said.learn = quiet, true
-		said.units.left, said.calls.left = -1, -1
-		_ = lim.feedback(ctx, said, p.r, opts)
-	case quiet > 0:
-		_ = lim.Pause(ctx, quiet, opts...)
-	case (said.units.left >= 0 || said.calls.left >= 0) && countsCalls(lim) &&
-		(lim.hasConc || lim.callRules || said.units.left < p.r.remaining):
-		// The count only ever believes fewer are left after it admitted
-		// this call: when it believed no more than the vendor then, a call
-		// to Redis is saved. A Concurrency rule's free slots take part in
-		// that belief, and so do the counts of calls beside units: with
-		// one, the vendor's count is always passed on. The vendor counted
-		// as of this call: calls admitted after it, on their way, are not
-		// in its number.
-		said.units.limit, said.calls.limit = 0, 0
-		_ = lim.feedback(ctx, said, p.r, opts)
-	}
+	quiet, refused, _ = p.Heard(ctx, a)
 	return quiet, refused
-}
-
-// countsCalls reports whether the quota has a rule that counts calls over
-// time, the only kind a vendor's remaining count is about.
-func countsCalls(lim *Limiter) bool {
-	for _, r := range lim.rules {
-		if r.Kind != policies.KindConcurrency {
-			return true
-		}
-	}
-	return false
 }
 
 // nextAttempt prepares the retry of a refused request: a clone of req with
@@ -535,7 +468,7 @@ func countsCalls(lim *Limiter) bool {
 // slot. It reports false when the request must not or cannot be retried in
 // time.
 func (t *transport) nextAttempt(req *http.Request, lim *Limiter, retries backoff.BackOff, first time.Time, quiet time.Duration) (*http.Request, time.Duration, bool) {
-	if lim.s.mode == FailFast || !replayable(req) {
+	if lim.Mode() == FailFast || !replayable(req) {
 		return nil, 0, false
 	}
 	delay := retries.NextBackOff()
@@ -577,6 +510,18 @@ func replayable(req *http.Request) bool {
 	return req.GetBody != nil || req.Header.Get("Idempotency-Key") != "" || req.Header.Get("X-Idempotency-Key") != ""
 }
 
+// waitRetry waits d before a refused request is retried, or until ctx ends.
+func waitRetry(ctx context.Context, d time.Duration) error {
+	t := time.NewTimer(d)
+	defer t.Stop()
+	select {
+	case <-t.C:
+		return nil
+	case <-ctx.Done():
+		return ctx.Err()
+	}
+}
+
 func (t *transport) newBackOff() backoff.BackOff {
 	b := backoff.NewExponentialBackOff(
 		backoff.WithInitialInterval(retryFirst),
@@ -589,8 +534,8 @@ func (t *transport) newBackOff() backoff.BackOff {
 // deliver hands the response over. Under a policies.Concurrency the permit
 // is released when the body is closed, since the call holds the vendor's
 // slot until then; otherwise it is released now.
-func deliver(resp *http.Response, p *Permit) *http.Response {
-	if !p.l.hasConc || resp.Body == nil || resp.Body == http.NoBody {
+func (t *transport) deliver(resp *http.Response, lim *Limiter, p *Permit) *http.Response {
+	if !t.holds[lim] || resp.Body == nil || resp.Body == http.NoBody {
 		p.Release()
 		return resp
 	}
@@ -602,6 +547,20 @@ func deliver(resp *http.Response, p *Permit) *http.Response {
 		resp.Body = &body
 	}
 	return resp
+}
+
+// holdsSlots reports whether lim has a policies.Concurrency rule, whose
+// slots a call holds until it is released.
+func holdsSlots(lim *Limiter) bool {
+	if lim == nil {
+		return false
+	}
+	for _, r := range lim.Rules() {
+		if r.Kind == policies.KindConcurrency {
+			return true
+		}
+	}
+	return false
 }
 
 // releaseOnClose releases a permit when the response body is closed.

@@ -94,3 +94,23 @@ func (l *Limiter) pausedPast(sc scope, slot time.Duration) bool {
 	}
 	return false
 }
+
+// Paused reports how long, as far as this process knows, the quota stays
+// paused for a call with opts (their Key matters, on a quota of
+// policies.PerKey policies only): by Pause, by a vendor's refusal that this
+// replica or another made known. It asks nothing of Redis; 0 means no pause
+// is known. A call admitted during a pause is booked after it.
+func (l *Limiter) Paused(opts ...CallOption) time.Duration {
+	if l.made() != nil {
+		return 0
+	}
+	sc := l.scopeFor(callOf(opts))
+	now := time.Now()
+	var d time.Duration
+	for _, k := range sc.keys[:2] {
+		if v, ok := l.pauses.Load(k); ok {
+			d = max(d, v.(pauseEnd).local.Sub(now))
+		}
+	}
+	return d
+}

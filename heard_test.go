@@ -1,0 +1,248 @@
+package throttle
+
+import (
+	"context"
+	"log/slog"
+	"net/http"
+	"strings"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/throttlekit/throttle/internal/redistest"
+	"github.com/throttlekit/throttle/policies"
+)
+
+// Permit.Heard is what the Transport does with each of a vendor's answers;
+// these tests drive it as a wrapper of another client (a vendor SDK, gRPC)
+// would, through the public API alone.
+func TestHeard_MakesTheVendorsAnswerKnown(t *testing.T) {
+	redistest.Each(t, func(t *testing.T, s *redistest.Server) {
+		ctx := context.Background()
+		perMinute := policies.SlidingLog{Limit: 10, Window: time.Minute}
+		acquire := func(t *testing.T, lim *Limiter, opts ...CallOption) *Permit {
+			t.Helper()
+			p, err := lim.Acquire(ctx, opts...)
+			if err != nil {
+				t.Fatal(err)
+			}
+			return p
+		}
+		// learned returns the limit in force of lim's first rule.
+		learned := func(t *testing.T, lim *Limiter) int {
+			t.Helper()
+			u, err := lim.Usage(ctx)
+			if err != nil {
+				t.Fatal(err)
+			}
+			return u.Rules[0].Limit
+		}
+
+		t.Run("a 429 pauses every replica and teaches the cap", func(t *testing.T) {
+			var rec recorder
+			lim := replicaLimiter(t, s, "heard-429", perMinute, Options{Observer: &rec})
+			other := replicaLimiter(t, s, "heard-429", perMinute)
+			for range 3 {
+				acquire(t, lim)
+			}
+			p := acquire(t, lim)
+			pause, refused, err := p.Heard(ctx, Answer{Status: http.StatusTooManyRequests, RetryAfter: 2 * time.Second, HasRetryAfter: true})
+			if err != nil || !refused || pause != 2*time.Second {
+				t.Fatalf("Heard(429, Retry-After 2s) = %v, %v, %v; want 2s, true, nil", pause, refused, err)
+			}
+			if d := lim.Paused(); d <= time.Second || d > 2*time.Second {
+				t.Errorf("Paused() = %v after a 2s pause, want (1s, 2s]", d)
+			}
+			if d, err := other.Allow(ctx); err != nil || d.OK || d.RetryAfter < time.Second {
+				t.Errorf("another replica during the pause: %+v, %v; want refused for over a second", d, err)
+			}
+			if n, _ := rec.count(EventVendorLimited, false); n != 1 {
+				t.Errorf("%d EventVendorLimited, want 1", n)
+			}
+			if n, _ := rec.count(EventCapLearned, false); n != 1 {
+				t.Errorf("%d EventCapLearned, want 1", n)
+			}
+			if got := learned(t, other); got != 5 {
+				// Half the limit at most: 3 admitted before the call is fewer.
+				t.Errorf("limit in force %d after a refusal, want 5", got)
+			}
+		})
+
+		t.Run("a 429 that names no time pauses for DefaultPause", func(t *testing.T) {
+			for _, tt := range []struct {
+				set, low, high time.Duration
+			}{
+				{0, time.Second, 1250 * time.Millisecond},
+				{4 * time.Second, 4 * time.Second, 5 * time.Second},
+			} {
+				lim := replicaLimiter(t, s, "heard-default-"+tt.set.String(), perMinute, Options{WithoutLearning: true})
+				pause, refused, err := acquire(t, lim).Heard(ctx, Answer{Status: http.StatusTooManyRequests, DefaultPause: tt.set})
+				if err != nil || !refused || pause < tt.low || pause > tt.high {
+					t.Errorf("DefaultPause %v: Heard = %v, %v, %v; want [%v, %v], true, nil", tt.set, pause, refused, err, tt.low, tt.high)
+				}
+			}
+		})
+
+		t.Run("a 503 pauses and teaches nothing", func(t *testing.T) {
+			var rec recorder
+			lim := replicaLimiter(t, s, "heard-503", perMinute, Options{Observer: &rec})
+			acquire(t, lim)
+			pause, refused, err := acquire(t, lim).Heard(ctx, Answer{Status: http.StatusServiceUnavailable, RetryAfter: 3 * time.Second, HasRetryAfter: true})
+			if err != nil || !refused || pause != 3*time.Second {
+				t.Fatalf("Heard(503, Retry-After 3s) = %v, %v, %v", pause, refused, err)
+			}
+			if n, _ := rec.count(EventCapLearned, false); n != 0 || learned(t, lim) != 10 {
+				t.Errorf("an overloaded vendor taught a cap: %d events, limit in force %d", n, learned(t, lim))
+			}
+			if lim.Paused() <= 2*time.Second {
+				t.Errorf("Paused() = %v after a 3s pause", lim.Paused())
+			}
+		})
+
+		t.Run("a count lowers the quota's only when it says fewer are left", func(t *testing.T) {
+			var scripts atomic.Int64
+			rdb := s.Client(t)
+			rdb.AddHook(countScripts{&scripts})
+			lim, err := New(rdb, "heard-count", perMinute)
+			if err != nil {
+				t.Fatal(err)
+			}
+			other := replicaLimiter(t, s, "heard-count", perMinute)
+			p := acquire(t, lim)
+			if p.Remaining() != 9 {
+				t.Errorf("Remaining() = %d after the first call of 10, want 9", p.Remaining())
+			}
+			before := scripts.Load()
+			if _, refused, err := p.Heard(ctx, Answer{Status: http.StatusOK, Requests: &Count{Remaining: 50}}); err != nil || refused {
+				t.Fatalf("Heard(200, 50 left) = %v, %v", refused, err)
+			}
+			if _, _, err := p.Heard(ctx, Answer{Status: http.StatusOK}); err != nil {
+				t.Fatal(err)
+			}
+			if n := scripts.Load() - before; n != 0 {
+				t.Errorf("answers that tell the quota nothing new ran %d scripts", n)
+			}
+			if _, _, err := p.Heard(ctx, Answer{Status: http.StatusOK, Requests: &Count{Remaining: 2, Reset: time.Minute}}); err != nil {
+				t.Fatal(err)
+			}
+			if n := scripts.Load() - before; n != 1 {
+				t.Errorf("a count of fewer left ran %d scripts, want 1", n)
+			}
+			if free := allowed(t, other, 20); free != 2 {
+				t.Errorf("after the vendor said 2 are left, another replica made %d calls", free)
+			}
+		})
+
+		t.Run("a call with a Cost follows the vendor's tokens", func(t *testing.T) {
+			tokens := policies.SlidingLog{Limit: 1000, Window: time.Minute}
+			lim := replicaLimiter(t, s, "heard-tokens", tokens)
+			other := replicaLimiter(t, s, "heard-tokens", tokens)
+			p := acquire(t, lim, Cost(100))
+			a := Answer{Status: http.StatusOK, Requests: &Count{Remaining: 50}, Tokens: &Count{Remaining: 300}}
+			if _, _, err := p.Heard(ctx, a); err != nil {
+				t.Fatal(err)
+			}
+			if d, _ := other.Allow(ctx, Cost(300)); !d.OK {
+				t.Errorf("the 300 tokens the vendor said are left were refused: %+v", d)
+			}
+			if d, _ := other.Allow(ctx, Cost(1)); d.OK {
+				t.Errorf("a token more than the vendor said are left was admitted")
+			}
+			// Without a Cost the units are requests: their count stands.
+			plain := replicaLimiter(t, s, "heard-requests", tokens)
+			if _, _, err := acquire(t, plain).Heard(ctx, Answer{Status: http.StatusOK, Requests: &Count{Remaining: 5}, Tokens: &Count{Remaining: 300}}); err != nil {
+				t.Fatal(err)
+			}
+			if free := allowed(t, plain, 20); free != 5 {
+				t.Errorf("a call without a Cost: %d calls left after the vendor said 5 requests, want 5", free)
+			}
+		})
+
+		t.Run("a bad answer is an error that names the field", func(t *testing.T) {
+			lim := replicaLimiter(t, s, "heard-bad", perMinute)
+			p := acquire(t, lim)
+			for _, tt := range []struct {
+				a    Answer
+				want string
+			}{
+				{Answer{Requests: &Count{Remaining: -1}}, "Answer.Requests.Remaining must not be negative, got -1"},
+				{Answer{Tokens: &Count{Reset: -time.Second}}, "Answer.Tokens.Reset must not be negative, got -1s"},
+				{Answer{Requests: &Count{Limit: -2}}, "Answer.Requests.Limit must not be negative, got -2"},
+				{Answer{Status: 429, RetryAfter: -time.Second, HasRetryAfter: true}, "Answer.RetryAfter and Answer.DefaultPause must not be negative, got -1s and 0s"},
+			} {
+				pause, refused, err := p.Heard(ctx, tt.a)
+				if err == nil || !strings.Contains(err.Error(), tt.want) || pause != 0 || refused {
+					t.Errorf("Heard(%+v) = %v, %v, %v; want an error with %q", tt.a, pause, refused, err, tt.want)
+				}
+			}
+			if lim.Paused() != 0 {
+				t.Errorf("a bad answer paused the quota for %v", lim.Paused())
+			}
+			var nilPermit *Permit
+			if _, _, err := nilPermit.Heard(ctx, Answer{Status: 429}); err == nil {
+				t.Error("Heard on a nil permit: no error")
+			}
+		})
+	})
+}
+
+// allowed counts the calls lim admits now, up to n.
+func allowed(t *testing.T, lim *Limiter, n int) int {
+	t.Helper()
+	free := 0
+	for range n {
+		d, err := lim.Allow(context.Background())
+		if err != nil {
+			t.Fatal(err)
+		}
+		if !d.OK {
+			break
+		}
+		free++
+	}
+	return free
+}
+
+// The accessors a wrapper of one's own needs beside Acquire and Heard.
+func TestLimiter_TellsAWrapperWhatItNeeds(t *testing.T) {
+	s := redistest.Mini(t)
+	ctx := context.Background()
+	policy := policies.All(policies.SlidingLog{Limit: 10, Window: time.Second}, policies.Concurrency{Max: 2, Lease: time.Minute})
+	lim := replicaLimiter(t, s, "accessors", policy, Options{Mode: FailFast})
+	if lim.Mode() != FailFast {
+		t.Errorf("Mode() = %v", lim.Mode())
+	}
+	rules := lim.Rules()
+	if len(rules) != 2 || rules[1].Kind != policies.KindConcurrency {
+		t.Fatalf("Rules() = %+v", rules)
+	}
+	rules[0].Limit = 1
+	if lim.Rules()[0].Limit != 10 {
+		t.Error("changing the slice Rules returned changed the limiter's rules")
+	}
+	if lim.Logger() != slog.Default() {
+		t.Error("Logger() is not slog.Default() when Options.Logger is nil")
+	}
+	logger := slog.New(slog.DiscardHandler)
+	if replicaLimiter(t, s, "accessors-logger", policy, Options{Logger: logger}).Logger() != logger {
+		t.Error("Logger() is not Options.Logger")
+	}
+	p, err := lim.Acquire(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer p.Release()
+	if PermitFrom(WithPermit(ctx, p)) != p || PermitFrom(ctx) != nil {
+		t.Error("PermitFrom does not find what WithPermit put in a context, or finds a permit in one without")
+	}
+	keyed := replicaLimiter(t, s, "accessors-keyed", policies.PerKey{Policy: policies.SlidingLog{Limit: 10, Window: time.Second}})
+	if err := keyed.Pause(ctx, time.Minute, Key("a")); err != nil {
+		t.Fatal(err)
+	}
+	if d := keyed.Paused(Key("a")); d <= 50*time.Second || d > time.Minute {
+		t.Errorf("Paused(Key(a)) = %v after a pause of a minute", d)
+	}
+	if d := keyed.Paused(Key("b")); d != 0 {
+		t.Errorf("Paused(Key(b)) = %v: another key's pause", d)
+	}
+}
