@@ -227,6 +227,10 @@ func TestLimiter_TellsAWrapperWhatItNeeds(t *testing.T) {
 	if replicaLimiter(t, s, "accessors-logger", policy, Options{Logger: logger}).Logger() != logger {
 		t.Error("Logger() is not Options.Logger")
 	}
+	var none *Limiter
+	if none.Mode() != Block || none.Rules() != nil || none.Logger() != slog.Default() || none.Paused() != 0 {
+		t.Error("a nil Limiter's accessors do not give their zero answers")
+	}
 	p, err := lim.Acquire(ctx)
 	if err != nil {
 		t.Fatal(err)

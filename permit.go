@@ -56,7 +56,7 @@ func (p *Permit) Cost() int { return p.call.cost }
 // tightest limit right after it admitted the call, as Decision.Remaining
 // says, or -1 when unknown (a call admitted without Redis).
 func (p *Permit) Remaining() int {
-	if p.r.local || !p.r.admitted {
+	if p == nil || p.r.local || !p.r.admitted {
 		return -1
 	}
 	return p.r.remaining

@@ -192,17 +192,33 @@ func newID() string {
 // Name returns the quota's name.
 func (l *Limiter) Name() string { return l.name }
 
-// Mode returns the limiter's Mode.
-func (l *Limiter) Mode() Mode { return l.s.mode }
+// Mode returns the limiter's Mode (Block for a nil Limiter).
+func (l *Limiter) Mode() Mode {
+	if l.made() != nil {
+		return Block
+	}
+	return l.s.mode
+}
 
 // Rules returns the rules the quota's policy compiles to, as
 // policies.Rules gives them and Usage reports them: their limits as
-// configured, not as the vendor taught them.
-func (l *Limiter) Rules() []policies.Rule { return slices.Clone(l.rules) }
+// configured, not as the vendor taught them. It returns nil for a nil
+// Limiter.
+func (l *Limiter) Rules() []policies.Rule {
+	if l.made() != nil {
+		return nil
+	}
+	return slices.Clone(l.rules)
+}
 
 // Logger returns where the limiter logs what it cannot return: its
 // Options.Logger, or slog.Default().
-func (l *Limiter) Logger() *slog.Logger { return l.s.logger }
+func (l *Limiter) Logger() *slog.Logger {
+	if l.made() != nil || l.s.logger == nil {
+		return slog.Default()
+	}
+	return l.s.logger
+}
 
 // Decision is the answer of Allow.
 type Decision struct {
