@@ -19,6 +19,7 @@ import (
 // decision must still equal the brute-force model's, as long as no search
 // reads more than its budget.
 func TestScript_MatchesModelOnLargeQuotas(t *testing.T) {
+	t.Parallel()
 	ms := func(rng *rand.Rand, lo, hi int) time.Duration {
 		return time.Duration(lo+rng.IntN(hi-lo)) * time.Millisecond
 	}
@@ -67,6 +68,7 @@ func TestScript_MatchesModelOnLargeQuotas(t *testing.T) {
 // after its last entries, even when a booking given back deep inside it left
 // room earlier: a slot later than need be, never an overfilled window.
 func TestScript_LongLogSettlesForItsTail(t *testing.T) {
+	t.Parallel() // a given clock: nothing in it depends on the machine's load
 	redistest.Each(t, func(t *testing.T, s *redistest.Server) {
 		const limit, window = 100, 100 * time.Millisecond
 		clock := newClock()

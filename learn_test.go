@@ -59,6 +59,7 @@ func admittedIn(lim *Limiter, clock *fixedClock, d, step time.Duration, opts ...
 }
 
 func TestRefused_LearnsWhatTheVendorAccepted(t *testing.T) {
+	t.Parallel() // a given clock: nothing in it depends on the machine's load
 	redistest.Each(t, func(t *testing.T, s *redistest.Server) {
 		clock := newClock()
 		var learned []Event
@@ -148,6 +149,7 @@ func TestRefused_DropsByHalfAtMost(t *testing.T) {
 }
 
 func TestRefused_CapRisesBackAfterItsHold(t *testing.T) {
+	t.Parallel() // a given clock: nothing in it depends on the machine's load
 	redistest.Each(t, func(t *testing.T, s *redistest.Server) {
 		clock := newClock()
 		lim := newLimiter(t, s.Client(t), policies.SlidingLog{Limit: 100, Window: time.Second, Margin: time.Millisecond},
@@ -216,6 +218,7 @@ func TestRefused_CapDoesNotRiseWithoutDemand(t *testing.T) {
 }
 
 func TestRefused_EveryCountingPolicy(t *testing.T) {
+	t.Parallel() // a given clock: nothing in it depends on the machine's load
 	redistest.Each(t, func(t *testing.T, s *redistest.Server) {
 		clock := newClock()
 		lim := newLimiter(t, s.Client(t), policies.All(

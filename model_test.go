@@ -27,6 +27,7 @@ import (
 // kinds; miniredis 15, for what its Lua and its TIME do differently: it
 // runs the scripts in the test's process, five times slower under -race.
 func TestScript_MatchesModel(t *testing.T) {
+	t.Parallel() // a given clock: nothing in it depends on the machine's load
 	redistest.Each(t, func(t *testing.T, s *redistest.Server) {
 		seeds := 60
 		if !s.Real {
@@ -37,6 +38,7 @@ func TestScript_MatchesModel(t *testing.T) {
 }
 
 func TestScript_MatchesModelOnCluster(t *testing.T) {
+	t.Parallel()
 	c := redistest.StartCluster(t)
 	checkAgainstModel(t, c.Client(t), nil, 15)
 }

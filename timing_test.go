@@ -168,6 +168,7 @@ func TestMargin_FollowsTheFleetsSpread(t *testing.T) {
 // few windows all the same: a booking keeps half the wide margin from the
 // calls booked with it, and its own narrower margin from the rest.
 func TestMargin_NarrowsWhileTheFleetBooksAhead(t *testing.T) {
+	t.Parallel() // a given clock: nothing in it depends on the machine's load
 	redistest.Each(t, func(t *testing.T, s *redistest.Server) {
 		clock := newClock()
 		lim := newLimiter(t, s.Client(t), policies.SlidingLog{Limit: 100, Window: time.Second}, Options{Clock: clock.Now})
