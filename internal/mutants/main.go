@@ -52,6 +52,7 @@ func main() {
 	n := flag.Int("n", 80, "mutants to sample")
 	seed := flag.Uint64("seed", 1, "seed of the sample")
 	timeout := flag.Duration("timeout", 5*time.Minute, "longest test run of one mutant")
+	from := flag.Int("from", 1, "the first of the sampled mutants to run, to go on with a run cut short")
 	flag.Parse()
 	if flag.NArg() != 1 {
 		fmt.Fprintln(os.Stderr, "usage: mutants [-n 80] [-seed 1] gremlins-dry-run.txt")
@@ -73,6 +74,9 @@ func main() {
 	defer os.RemoveAll(tmp)
 	var killed, lived, notViable int
 	for i, m := range all {
+		if i+1 < *from {
+			continue
+		}
 		status, err := try(m, tmp, *timeout)
 		if err != nil {
 			fmt.Fprintln(os.Stderr, m, err)
