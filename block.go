@@ -72,18 +72,14 @@ func (l *Limiter) wait(ctx context.Context, c call) (*Permit, error) {
 		late, tooLate := l.late(r)
 		replyLate := tooLate
 		if !tooLate && r.wait > 0 {
-			// The script counted the wait from its own clock, and the reply
-			// took some of it to arrive: the call sleeps until its slot as
-			// this process's timing places it, never longer than the wait.
-			d := r.wait
-			if u, ok := l.timing.until(r.startsAt()); ok && !r.local {
-				d = min(max(u, 0), d)
-			}
-			if deadline, ok := ctx.Deadline(); ok && time.Now().Add(d).After(deadline) {
+			// The script counted the wait from its own clock; the reply took
+			// some of it to arrive, so sleeping the whole wait from here never
+			// wakes early.
+			if deadline, ok := ctx.Deadline(); ok && time.Now().Add(r.wait).After(deadline) {
 				l.cancel(ctx, c, r)
 				return nil, l.limited(r.wait, "the slot lies beyond the context's deadline")
 			}
-			if err := sleep(ctx, d); err != nil {
+			if err := sleep(ctx, r.wait); err != nil {
 				l.cancel(ctx, c, r)
 				return nil, err
 			}

@@ -198,28 +198,6 @@ func (k *timing) lateness(slot time.Duration) (time.Duration, bool) {
 	return at - slot - fast, true
 }
 
-// until returns how long from now a call whose slot is at Redis time slot
-// waits to start on it: until the local time at which its lateness (see
-// lateness) is zero, the fastest reply's delay after the slot. A reply that
-// Redis held back (it writes the replies of a burst of scripts once it has
-// run them all) or that this process read late so costs the call nothing:
-// it still wakes on its slot, where sleeping the whole wait from the reply
-// would wake it as late as the reply came. False before any reading, and
-// with a given clock, whose time the caller's sleep does not follow.
-func (k *timing) until(slot time.Duration) (time.Duration, bool) {
-	if k.clock != nil {
-		return 0, false
-	}
-	at := k.now()
-	k.mu.Lock()
-	defer k.mu.Unlock()
-	fast, ok := k.fastest()
-	if !ok {
-		return 0, false
-	}
-	return slot + fast - at, true
-}
-
 // redisAt returns an estimate of Redis's clock at the local time at that is
 // never behind it: a request sent at local time asked reached Redis no
 // earlier than asked, so Redis's clock runs at most (Redis now - asked)

@@ -406,49 +406,6 @@ func TestGuard_LateReplyWaitsForASlotAhead(t *testing.T) {
 	})
 }
 
-// A booked call whose reply came back late, but before its slot (Redis
-// writes the replies of a burst of scripts once it has run them all), still
-// starts on its slot: it sleeps until the slot as this process's timing
-// places it, not the whole wait from the late reply, which would wake it as
-// late as the reply came and have it book again.
-func TestGuard_LateReplyOfABookedCallStartsOnItsSlot(t *testing.T) {
-	redistest.Each(t, func(t *testing.T, s *redistest.Server) {
-		for _, mode := range []Mode{Block, Queue} {
-			t.Run(mode.String(), func(t *testing.T) {
-				rdb := s.Client(t)
-				slow := &slowReplies{d: 300 * ms}
-				rdb.AddHook(slow)
-				lim := newLimiter(t, rdb, policies.PerKey{Policy: policies.SlidingLog{Limit: 1, Window: time.Second, Margin: 100 * ms}}, Options{Mode: mode})
-				ctx := context.Background()
-				for _, k := range []string{"w1", "w2", "w3", "a"} {
-					if _, err := lim.Allow(ctx, Key(k)); err != nil {
-						t.Fatal(err)
-					}
-				}
-				slow.scripts.Store(0)
-				slow.n.Store(1)
-				asked := time.Now()
-				p, err := lim.Acquire(ctx, Key("a"))
-				if err != nil {
-					t.Fatal(err)
-				}
-				took := time.Since(asked)
-				if n := slow.scripts.Load(); n != 1 {
-					t.Errorf("%d script calls, want 1: the reply came late, but before the slot", n)
-				}
-				// The slot lies about 1.1s after the first call: the call
-				// waits for it, and no longer than the margin allows.
-				if w := p.r.wait; w < 900*ms || w > 1100*ms {
-					t.Errorf("booked %v ahead, want about 1.1s", w)
-				}
-				if late := took - p.r.wait; late > 50*ms {
-					t.Errorf("started %v after its slot, want on it: the 300ms the reply took were part of the wait", late)
-				}
-			})
-		}
-	})
-}
-
 // A Block call that sleeps towards its slot and wakes later after it than
 // half the margin (a starved process) gives the slot back and books again,
 // at once, rather than call into the windows after its slot.
