@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"log/slog"
+	"strconv"
 	"strings"
 	"sync/atomic"
 	"testing"
@@ -576,4 +577,23 @@ func TestNews_SleepingCallsLearnWhatOtherReplicasLearned(t *testing.T) {
 			}
 		})
 	})
+}
+
+// The Local fallback admits its share of the limit at once, exactly: the
+// call that fills the share fits now, the one after it waits a window.
+func TestLocal_AdmitsItsShareExactly(t *testing.T) {
+	lim := newLimiter(t, deadRedis(t), policies.SlidingLog{Limit: 10, Window: time.Second},
+		Options{OnRedisError: Local, ExpectedReplicas: 2, Logger: quiet()})
+	lim.local.takeOver(time.Now())
+	lim.local.full = time.Now().Add(-2 * time.Second) // a window after it took over
+	sc := lim.scopeFor(call{})
+	for i := range 5 {
+		if r := lim.local.decide(sc, call{cost: 1}, "m"+strconv.Itoa(i), 0); !r.admitted || r.wait != 0 {
+			t.Fatalf("call %d of a share of 5: %+v, want admitted now", i+1, r)
+		}
+	}
+	r := lim.local.decide(sc, call{cost: 1}, "m5", 0)
+	if r.admitted || r.wait < 900*time.Millisecond || r.wait > time.Second+policies.DefaultMargin {
+		t.Errorf("the 6th call of a share of 5: %+v, want refused for about a window", r)
+	}
 }
