@@ -517,6 +517,72 @@ func TestGuard_BooksAgainABoundedNumberOfTimes(t *testing.T) {
 	})
 }
 
+// growingReplies delays the replies of script calls by each of its delays
+// in turn, then not at all.
+type growingReplies struct {
+	mu      sync.Mutex
+	delays  []time.Duration
+	scripts int
+}
+
+func (*growingReplies) DialHook(next redis.DialHook) redis.DialHook { return next }
+func (h *growingReplies) ProcessHook(next redis.ProcessHook) redis.ProcessHook {
+	return func(ctx context.Context, cmd redis.Cmder) error {
+		err := next(ctx, cmd)
+		if err != nil && strings.HasPrefix(err.Error(), "NOSCRIPT") {
+			return err // go-redis sends the script again with EVAL: one script call
+		}
+		if name := cmd.Name(); name == "evalsha" || name == "eval" {
+			h.mu.Lock()
+			h.scripts++
+			var d time.Duration
+			if len(h.delays) > 0 {
+				d, h.delays = h.delays[0], h.delays[1:]
+			}
+			h.mu.Unlock()
+			time.Sleep(d)
+		}
+		return err
+	}
+}
+func (*growingReplies) ProcessPipelineHook(next redis.ProcessPipelineHook) redis.ProcessPipelineHook {
+	return next
+}
+
+// In Block mode a late reply books that much further ahead; replies that
+// come back later each time than the last booking allows exhaust the
+// re-bookings, and the call fails after exactly maxRebooks of them,
+// giving its last slot back.
+func TestGuard_BlockBooksAgainABoundedNumberOfTimes(t *testing.T) {
+	redistest.Each(t, func(t *testing.T, s *redistest.Server) {
+		rdb := s.Client(t)
+		h := &growingReplies{}
+		rdb.AddHook(h)
+		lim := newLimiter(t, rdb, policies.PerKey{Policy: policies.SlidingLog{Limit: 1, Window: 100 * ms, Margin: 10 * ms}})
+		for _, k := range []string{"w1", "w2", "w3"} { // the usual delay of the replies
+			if _, err := lim.Allow(context.Background(), Key(k)); err != nil {
+				t.Fatal(err)
+			}
+		}
+		h.mu.Lock()
+		h.scripts = 0
+		// Each booking lies as far ahead as the replies before it were
+		// late; each reply comes back three times later than the last.
+		h.delays = []time.Duration{60 * ms, 180 * ms, 540 * ms, 1620 * ms}
+		h.mu.Unlock()
+		_, err := lim.Acquire(context.Background(), Key("a"))
+		var le *LimitedError
+		if !errors.As(err, &le) || le.Reason != lateReason {
+			t.Fatalf("err %v, want a LimitedError saying every slot came too late", err)
+		}
+		h.mu.Lock()
+		defer h.mu.Unlock()
+		if h.scripts != 2+maxRebooks {
+			t.Errorf("%d script calls, want %d: the first, %d more, and one giving the last slot back", h.scripts, 2+maxRebooks, maxRebooks)
+		}
+	})
+}
+
 // A token bucket's calls are held to its margin too: a call whose reply came
 // back later than half of it gives its slot back and books again, or it
 // would bunch with the calls after it at the vendor.
