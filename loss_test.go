@@ -593,7 +593,7 @@ func TestLocal_AdmitsItsShareExactly(t *testing.T) {
 		}
 	}
 	r := lim.local.decide(sc, call{cost: 1}, "m5", 0)
-	if r.admitted || r.wait < 900*time.Millisecond || r.wait > time.Second+policies.DefaultMargin {
+	if r.admitted || r.wait < 500*time.Millisecond || r.wait > time.Second+policies.DefaultMargin {
 		t.Errorf("the 6th call of a share of 5: %+v, want refused for about a window", r)
 	}
 }
