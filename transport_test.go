@@ -812,18 +812,7 @@ func TestTransport_LowersTheSharedCount(t *testing.T) {
 					t.Fatal(err)
 				}
 				readAll(t, resp)
-				free := 0
-				for range 20 {
-					d, err := other.Allow(context.Background())
-					if err != nil {
-						t.Fatal(err)
-					}
-					if !d.OK {
-						break
-					}
-					free++
-				}
-				if free != tt.wantFree {
+				if free := allowed(t, other, 20); free != tt.wantFree {
 					t.Errorf("the other replica could make %d calls, want %d", free, tt.wantFree)
 				}
 			})
