@@ -10,8 +10,8 @@ import (
 )
 
 // While the fleet's calls start later than the widest margin covers, a
-// log's calls that may wait are booked apart, a quarter of the log's average
-// gap between calls (here 1s / 20 / 4 = 12.5ms) after the one before, and
+// log's calls that may wait are booked apart, the log's average gap between
+// calls (here 1s / 20 = 50ms) after the one before, and
 // the window after keeps that spread. Calls that may not wait are admitted
 // as before, and so are all calls of a fleet whose margin widens enough.
 func TestPacing_SpreadsTheCallsOfALateFleet(t *testing.T) {
@@ -19,7 +19,7 @@ func TestPacing_SpreadsTheCallsOfALateFleet(t *testing.T) {
 		clock := newClock()
 		lim := newLimiter(t, s.Client(t), policies.PerKey{Policy: policies.SlidingLog{Limit: 20, Window: time.Second}}, Options{Clock: clock.Now})
 		ctx := context.Background()
-		const pace = 12500 * time.Microsecond
+		const pace = 50 * time.Millisecond
 		report := func(n int, late time.Duration) {
 			t.Helper()
 			for range n {

@@ -105,9 +105,9 @@ type SlidingLog struct {
 	// it meanwhile; a fleet that always books ahead narrows too. Usage
 	// shows both. While the spread needs more than MarginCeiling, the log's
 	// calls that may wait (Block and Queue mode) are paced: each is booked at
-	// least Window / Limit / 4 away from every other, so that a fleet too
-	// busy to start a window's calls at one moment gets them spread over a
-	// quarter of the window.
+	// least Window / Limit away from every other, so that a fleet too busy
+	// to start a window's calls at one moment gets them spread evenly over
+	// the window (a burst so paced waits up to a window longer, once).
 	//
 	// A quota warms up when the fleet starts calling it (new, or after a
 	// minute without a call, or longer than its longest window): its first

@@ -465,11 +465,14 @@ local MAX_MARGIN = 1000000
 -- time) starts the last of them late, and its spread widens the margin.
 -- Past the margin's ceiling, widening is no longer enough: a call that may
 -- wait is then booked at least the log's average gap between calls / PACE
--- away from every entry of the log. A window's calls spread over at most
--- 1/PACE of it, and the windows after it keep that spread, since each call
--- is booked a window after one before it. The first burst so paced waits up
--- to 1/PACE of a window longer, once.
-local PACE = 4
+-- away from every entry of the log. A window's calls spread over it, and
+-- the windows after it keep that spread, since each call is booked a window
+-- after one before it; a saturated fleet admits no fewer calls so (it can
+-- admit no more than a limit per window in force anyway). The first burst
+-- so paced waits up to 1/PACE of a window longer, once. A narrower gap
+-- (a quarter of it was tried) leaves the calls in bursts at that gap's
+-- rate, with the rest of each window empty, and starts them later.
+local PACE = 1
 
 local function margin_ceiling(r)
   if r.kind ~= LOG or r.margin < GUARDED then
