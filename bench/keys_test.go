@@ -31,9 +31,9 @@ const manyKeys = 10_000
 // per script call, it reports Redis's memory per key (used_memory after
 // that pass, less what it was before, over manyKeys) and the process's heap
 // in use after that pass and after the last call, each after a garbage
-// collection: a limiter keeps no state per key, so the heap stays flat
-// however many calls and keys go by. -benchtime 600s makes it a ten-minute
-// run.
+// collection, and the most it was when read every ten seconds during the
+// run: a limiter keeps no state per key, so the heap stays flat however many
+// calls and keys go by. -benchtime 600s makes it a ten-minute run.
 func BenchmarkManyKeys(b *testing.B) {
 	s := newServer(b)
 	ctx := context.Background()
@@ -86,14 +86,46 @@ func runManyKeys(b *testing.B, rdb *redis.Client, decide func(key string) error,
 	}
 	b.ResetTimer()
 	start := time.Now()
+	peak := sampleHeap(heapWarm)
 	callKeys(b, decide, keys, int64(b.N))
 	elapsed := time.Since(start)
+	heapMax := peak()
 	b.StopTimer()
 	b.ReportMetric(float64(b.N)/elapsed.Seconds(), "decisions/s")
 	b.ReportMetric(commandStats(b, ctx, rdb)["evalsha"], "script-in-redis-µs")
 	b.ReportMetric(perKey, "redis-bytes/key")
 	b.ReportMetric(float64(heapWarm)/1e6, "heap-warm-MB")
+	b.ReportMetric(float64(heapMax)/1e6, "heap-max-MB")
 	b.ReportMetric(float64(heapInUse())/1e6, "heap-end-MB")
+}
+
+// heapSampleEvery is how often sampleHeap reads the heap during a run.
+const heapSampleEvery = 10 * time.Second
+
+// sampleHeap reads the heap in use after a collection every
+// heapSampleEvery until the returned function is called, which returns the
+// most it read (at least floor): a heap that grows during a long run and is
+// freed at its end still shows.
+func sampleHeap(floor uint64) func() uint64 {
+	done, most := make(chan struct{}), make(chan uint64)
+	go func() {
+		m := floor
+		t := time.NewTicker(heapSampleEvery)
+		defer t.Stop()
+		for {
+			select {
+			case <-t.C:
+				m = max(m, heapInUse())
+			case <-done:
+				most <- m
+				return
+			}
+		}
+	}()
+	return func() uint64 {
+		close(done)
+		return <-most
+	}
 }
 
 // callKeys makes n calls of decide, the keys in turn, from
