@@ -3,6 +3,8 @@ package throttle
 import (
 	"context"
 	"math/rand/v2"
+	"strconv"
+	"strings"
 	"testing"
 	"time"
 
@@ -114,4 +116,58 @@ func TestScript_LongLogSettlesForItsTail(t *testing.T) {
 			t.Errorf("near hole: %+v, %v; want booked %v ahead", r, err, 2*window)
 		}
 	})
+}
+
+// A call that books ahead of its late reply asks from later than now; the
+// hint its search leaves still holds from the time the hint before it held
+// from, so the next call asked from now does not read the log booked ahead
+// again (counted in Redis's ZRANGE calls), and is booked where that search
+// would have put it.
+func TestScript_HintHoldsAfterACallThatBooksAhead(t *testing.T) {
+	s := redistest.Real(t) // INFO commandstats
+	const limit, window = 50, 100 * time.Millisecond
+	clock := newClock()
+	lim := newLimiter(t, s.Client(t), policies.SlidingLog{Limit: limit, Window: window, Margin: time.Nanosecond}, Options{Clock: clock.Now})
+	admin := adminClient(t, s.Addr)
+	ctx := context.Background()
+	// Twenty windows booked ahead: 1,000 entries, more than one call reads.
+	for i := range 20 {
+		if r, err := lim.acquire(ctx, call{cost: limit}, time.Minute, nil); err != nil || !r.admitted {
+			t.Fatalf("booking %d: %+v, %v", i, r, err)
+		}
+	}
+	book := func(lead time.Duration) (result, int) {
+		t.Helper()
+		if err := admin.ConfigResetStat(ctx).Err(); err != nil {
+			t.Fatal(err)
+		}
+		r, err := lim.acquire(ctx, call{cost: 1, lead: lead}, time.Minute, nil)
+		if err != nil || !r.admitted {
+			t.Fatalf("acquire, lead %v: %+v, %v", lead, r, err)
+		}
+		reads := 0
+		if stats, ok := commandsRun(t, admin)["zrange"]; ok {
+			calls, _, _ := strings.Cut(strings.TrimPrefix(stats, "calls="), ",")
+			reads, _ = strconv.Atoi(calls)
+		}
+		return r, reads
+	}
+	// A window's worth of calls of cost 1 after the last booked window.
+	for i := range limit {
+		if r, _ := book(0); r.wait != 20*window {
+			t.Fatalf("call %d of cost 1 booked %v ahead, want %v", i, r.wait, 20*window)
+		}
+	}
+	// The call asked 30ms ahead takes the next window, and moves the hint.
+	want := 21 * window
+	if r, _ := book(30 * ms); r.wait != want {
+		t.Fatalf("a call asked 30ms ahead booked %v ahead, want %v", r.wait, want)
+	}
+	r, reads := book(0)
+	if r.wait != want {
+		t.Errorf("the call after it booked %v ahead, want %v", r.wait, want)
+	}
+	if reads > 4 {
+		t.Errorf("the call after it read the log with %d ZRANGE calls, want 4 at most (from the hint)", reads)
+	}
 }

@@ -362,7 +362,15 @@ local function earliest(r, t, cost, budget)
     r.memo[cost] = { t = t, at = at }
     r.fits = { c = cost, at = at }
     if not h or cost < h.c or cost == h.c and at > h.at or h.t > t or h.w > r.window then
-      r.hint = { t = t, at = at, c = cost, w = r.window }
+      -- A search that began at the hint found no room from the hint's at
+      -- to its own either: the new hint holds from the old one's t, so that
+      -- a call asked from later (one that books ahead of its late reply)
+      -- does not make the calls asked from now read the log again.
+      local since = t
+      if h and from == h.at and h.c <= cost and h.t <= t and h.w <= r.window then
+        since = h.t
+      end
+      r.hint = { t = since, at = at, c = cost, w = r.window }
       r.hint_changed = true
     end
     return at
