@@ -302,7 +302,7 @@ local function earliest_counter(r, t, cost)
 end
 
 -- paced returns the earliest time >= t at least r.pace away from every
--- entry of log r (see PACE in lib.lua), reading the entries from t - r.pace
+-- entry of log r (see Pacing in lib.lua), reading the entries from t - r.pace
 -- on, PACE_READ at most. A log whose entries lie closer together than that
 -- read covers settles for r.pace after its last entry. The time is one the
 -- rules must settle from again.
@@ -351,8 +351,9 @@ local function earliest(r, t, cost, budget)
       r.hint = read_hint(r)
     end
     local h = r.hint
+    local hinted = false -- the search begins at the hint
     if h and h.c <= cost and h.t <= t and h.w <= r.window and h.at > from then
-      from = h.at
+      from, hinted = h.at, true
     end
     -- A search that settled for the log's tail leaves the hint there too:
     -- room deeper in the log than one search reads stays unused, as it
@@ -367,7 +368,7 @@ local function earliest(r, t, cost, budget)
       -- a call asked from later (one that books ahead of its late reply)
       -- does not make the calls asked from now read the log again.
       local since = t
-      if h and from == h.at and h.c <= cost and h.t <= t and h.w <= r.window then
+      if hinted then
         since = h.t
       end
       r.hint = { t = since, at = at, c = cost, w = r.window }

@@ -464,15 +464,15 @@ local MAX_MARGIN = 1000000
 -- replicas on a few cores; a Redis that answers a burst of scripts one at a
 -- time) starts the last of them late, and its spread widens the margin.
 -- Past the margin's ceiling, widening is no longer enough: a call that may
--- wait is then booked at least the log's average gap between calls / PACE
--- away from every entry of the log. A window's calls spread over it, and
--- the windows after it keep that spread, since each call is booked a window
--- after one before it; a saturated fleet admits no fewer calls so (it can
--- admit no more than a limit per window in force anyway). The first burst
--- so paced waits up to 1/PACE of a window longer, once. A narrower gap
--- (a quarter of it was tried) leaves the calls in bursts at that gap's
--- rate, with the rest of each window empty, and starts them later.
-local PACE = 1
+-- wait is then booked at least the log's average gap between calls
+-- (window / limit) away from every entry of the log. A window's calls
+-- spread over it, and the windows after it keep that spread, since each
+-- call is booked a window after one before it; a saturated fleet admits no
+-- fewer calls so (it can admit no more than a limit per window in force
+-- anyway). The first burst so paced waits up to a window longer, once. A
+-- narrower gap (a quarter of it was tried) leaves the calls in bursts at
+-- that gap's rate, with the rest of each window empty, and starts them
+-- later.
 
 local function margin_ceiling(r)
   if r.kind ~= LOG or r.margin < GUARDED then
@@ -557,8 +557,8 @@ local function margins(rs, spread, held, warm)
         end
         if r.kind == LOG and ceiling > m and 2 * spread >= ceiling then
           -- The fleet starts its calls later than the widest margin
-          -- covers: pace the log's calls (see PACE).
-          r.pace = math.floor(w / (PACE * r.limit))
+          -- covers: pace the log's calls (see Pacing).
+          r.pace = math.floor(w / r.limit)
         end
         m = math.ceil((own + old) / 2)
         if least == 0 or own < least then
