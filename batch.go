@@ -142,9 +142,12 @@ func (l *Limiter) drain(sc scope, ln *lane, batch []*request) {
 	}
 }
 
-// decide runs the acquire script once for a batch of calls of one scope.
+// decide runs the acquire script once for a batch of calls of one scope,
+// with the spare admissions to give back and to take (spare.go); with no
+// calls, to give spares back alone.
 func (l *Limiter) decide(sc scope, batch []*request) {
-	if len(batch) == 0 {
+	give, spares, spareCost := l.spareTerms(sc, batch)
+	if len(batch) == 0 && len(give) == 0 {
 		return
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), l.s.redisTimeout)
@@ -155,7 +158,10 @@ func (l *Limiter) decide(sc scope, batch []*request) {
 			late = append(late, req.late)
 		}
 	}
-	args := l.acquireArgs(len(batch), len(late))
+	for i := range give {
+		late = append(late, &give[i])
+	}
+	args := l.acquireArgs(len(batch)+spares, len(late))
 	// A forward step of Redis's clock larger than the margin shortened the
 	// windows by that much: the script treats it as a loss, once.
 	stepped := 0
@@ -176,6 +182,11 @@ func (l *Limiter) decide(sc scope, batch []*request) {
 	for _, req := range batch {
 		args = append(args, req.member, req.c.cost, req.maxWait.Microseconds(), req.c.lead.Microseconds())
 	}
+	members := make([]string, spares)
+	for i := range members {
+		members[i] = l.newMember()
+		args = append(args, members[i], spareCost, 0, 0)
+	}
 	for _, req := range batch {
 		close(req.sent)
 	}
@@ -184,7 +195,7 @@ func (l *Limiter) decide(sc scope, batch []*request) {
 	recvd := l.timing.now()
 	var rep acquireReply
 	if err == nil {
-		rep, err = decodeAcquire(v, len(batch))
+		rep, err = decodeAcquire(v, len(batch)+spares)
 	}
 	if err != nil {
 		l.emit(Event{Kind: EventRedis, Duration: recvd - sent, Calls: len(batch), Err: err})
@@ -233,6 +244,17 @@ func (l *Limiter) decide(sc scope, batch []*request) {
 			l.cancel(context.Background(), req.c, r)
 		}
 	}
+	if len(rep.calls) == 0 {
+		return
+	}
+	spare := result{admitted: true, now: now, pause: pause, scope: sc, cost: spareCost, epoch: rep.epoch, margin: margin, done: done, stale: stale}
+	var taken []string
+	for i, m := range members {
+		if c := rep.calls[len(batch)+i]; c.admitted && c.wait == 0 {
+			taken = append(taken, m)
+		}
+	}
+	l.fillSpares(sc, margin, rep.calls[len(rep.calls)-1].remaining, spare, taken)
 }
 
 // finish hands the decision to the waiting caller, and reports false if the

@@ -37,6 +37,11 @@ func (l *Limiter) acquire(ctx context.Context, c call, maxWait time.Duration, gi
 		}
 		l.localNow.Store(false)
 	}
+	if giveBack == nil {
+		if r, ok := l.takeSpare(sc, c); ok {
+			return r, nil
+		}
+	}
 	r, err := l.decideInRedis(ctx, sc, c, maxWait, giveBack)
 	if err == nil {
 		if l.brk.success() {

@@ -238,6 +238,12 @@ func TestAllow_MembersUniqueWithinOneMicrosecond(t *testing.T) {
 			}
 		}
 		wg.Wait()
+		// Closed, they give back the spare admissions they took (spare.go).
+		for _, lim := range []*Limiter{a, b} {
+			if err := lim.Close(context.Background()); err != nil {
+				t.Fatal(err)
+			}
+		}
 		if n := s.Client(t).ZCard(context.Background(), a.shared[2]).Val(); n != 400 {
 			t.Errorf("log holds %d members, want 400 (200 calls of cost 2)", n)
 		}

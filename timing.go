@@ -66,8 +66,9 @@ type timing struct {
 // lates counts how late a limiter's calls started since it last reported
 // them to the fleet, by bucket (see lateBuckets).
 type lates struct {
-	mu sync.Mutex
-	n  [lateBuckets]int
+	mu  sync.Mutex
+	n   [lateBuckets]int
+	max time.Duration // the latest of them
 }
 
 // minReadings is how many replies a process observes before it tells the
@@ -224,7 +225,15 @@ func (c *lates) note(late time.Duration) {
 	}
 	c.mu.Lock()
 	c.n[b]++
+	c.max = max(c.max, late)
 	c.mu.Unlock()
+}
+
+// latest returns the latest of the latenesses noted since the last report.
+func (c *lates) latest() time.Duration {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return c.max
 }
 
 // report returns the latenesses noted since the last report, as the script
@@ -245,6 +254,7 @@ func (c *lates) report() string {
 		b = strconv.AppendInt(b, int64(n), 10)
 		c.n[i] = 0
 	}
+	c.max = 0
 	return string(b)
 }
 

@@ -28,10 +28,13 @@ type RuleUsage struct {
 	Rule policies.Rule
 	// Used is the units admitted in the window ending now (calls in flight,
 	// for a Concurrency rule; the units still to drain, for a TokenBucket).
+	// It counts the spare admissions other replicas hold for their next
+	// calls (see Limiter.Acquire), not this process's own.
 	Used int
 	// Booked is the units booked for later by waiting calls.
 	Booked int
-	// Remaining is the units a call could take now.
+	// Remaining is the units a call could take now, this process's spare
+	// admissions included.
 	Remaining int
 	// NextFree is how long until one more unit fits; 0 when one fits now.
 	NextFree time.Duration
@@ -76,13 +79,20 @@ func (l *Limiter) Usage(ctx context.Context, opts ...CallOption) (Usage, error) 
 	}
 	us := func(x int64) time.Duration { return time.Duration(x) * time.Microsecond }
 	u := Usage{Paused: max(us(v[1]-v[0]), 0), Spread: us(v[2])}
+	// This process's spare admissions (spare.go) are free for its calls, not
+	// used by any.
+	spares, cost := l.heldSpares(sc)
 	for i, r := range l.rules {
 		w := v[header+perRule*i:]
+		held := spares * cost
+		if r.PerCall {
+			held = spares
+		}
 		u.Rules = append(u.Rules, RuleUsage{
 			Rule:      r,
-			Used:      int(w[0]),
+			Used:      max(int(w[0])-held, 0),
 			Booked:    int(w[1]),
-			Remaining: int(w[2]),
+			Remaining: int(w[2]) + held,
 			NextFree:  us(w[3]),
 			Margin:    us(w[4]),
 			Limit:     int(w[5]),
