@@ -168,21 +168,18 @@ func (l *Limiter) spareTerms(sc scope, batch []*request) (give []result, n, cost
 	if p == nil {
 		return nil, 0, 0
 	}
-	if len(p.members) > 0 && (len(batch) > 0 || !l.spareUsable(p)) {
-		// A call that asks Redis found no spare it could take (of its cost,
-		// still usable): the rest go back before Redis decides it, so that
-		// they never keep this process's own calls out.
+	cost = likeCost(batch)
+	if len(p.members) > 0 && (cost != p.r.cost && len(batch) > 0 || p.remaining < len(batch)*cost+len(p.members)*p.r.cost || !l.spareUsable(p)) {
+		// The batch holds a call that could not take a spare (of another
+		// cost, or booked again), or calls the room left may not fit while
+		// the spares hold their units: the spares go back before Redis
+		// decides the batch, so that they never keep this process's own
+		// calls out.
 		p.dropSpares()
 	}
 	give, p.stale = p.stale, nil
-	if len(batch) == 0 || p.asked < spareRun {
+	if cost == 0 || len(p.members) > 0 || p.asked < spareRun {
 		return give, 0, 0
-	}
-	cost = batch[0].c.cost
-	for _, req := range batch {
-		if req.late != nil || req.c.lead > 0 || req.c.cost != cost {
-			return give, 0, 0
-		}
 	}
 	life := p.margin / spareShare
 	if p.margin < minGuardedMargin || p.margin > l.guardMin || life <= 0 {
@@ -195,6 +192,22 @@ func (l *Limiter) spareTerms(sc scope, batch []*request) (give []result, n, cost
 		p.since, p.asked = now, 0
 	}
 	return give, max(n, 0), cost
+}
+
+// likeCost returns the cost every call of batch has, or 0 when they
+// differ, when one is booked again or asks for a slot ahead, or when there
+// are none: only a batch of like calls takes spares.
+func likeCost(batch []*request) int {
+	if len(batch) == 0 {
+		return 0
+	}
+	cost := batch[0].c.cost
+	for _, req := range batch {
+		if req.late != nil || req.c.lead > 0 || req.c.cost != cost {
+			return 0
+		}
+	}
+	return cost
 }
 
 // fillSpares keeps what a script call that decided calls of scope sc said:

@@ -81,11 +81,70 @@ func BenchmarkAcquireUncontended(b *testing.B) {
 	stats := commandStats(b, ctx, rdb)
 	b.ReportMetric(stats["evalsha"], "script-in-redis-µs")
 	b.ReportMetric(stats["ping"], "ping-in-redis-µs")
+	b.ReportMetric(commandCalls(b, ctx, rdb)["evalsha"]/float64(len(samples)), "scripts/call")
+}
+
+// BenchmarkAcquireSpaced is BenchmarkAcquireUncontended with the calls 20 ms
+// apart: too far apart for spare admissions (a pool lives a quarter of the
+// 30 ms margin), so every call runs its own script, as a process that calls
+// a quota now and then does. Run it with a fixed count (-benchtime 500x):
+// each iteration sleeps.
+func BenchmarkAcquireSpaced(b *testing.B) {
+	s := newServer(b)
+	rdb := s.Client(b)
+	ctx := context.Background()
+	lim, err := throttle.New(rdb, "spaced", logNeverBinds)
+	if err != nil {
+		b.Fatal(err)
+	}
+	acquire := func() {
+		p, err := lim.Acquire(ctx)
+		if err != nil {
+			b.Fatal(err)
+		}
+		p.Release()
+	}
+	for range 20 {
+		acquire()
+		ping(b, ctx, rdb)
+	}
+	if err := rdb.ConfigResetStat(ctx).Err(); err != nil {
+		b.Fatal(err)
+	}
+	var samples, ref []time.Duration
+	for b.Loop() {
+		time.Sleep(20 * time.Millisecond)
+		t := time.Now()
+		ping(b, ctx, rdb)
+		u := time.Now()
+		acquire()
+		samples = append(samples, time.Since(u))
+		ref = append(ref, u.Sub(t))
+	}
+	samples, ref = sortedCopy(samples), sortedCopy(ref)
+	p50, r50 := percentile(samples, 0.50), percentile(ref, 0.50)
+	b.ReportMetric(us(p50), "p50-µs")
+	b.ReportMetric(us(percentile(samples, 0.99)), "p99-µs")
+	b.ReportMetric(us(r50), "ping-p50-µs")
+	b.ReportMetric(ratio(p50, r50), "p50/ping-p50")
+	b.ReportMetric(commandStats(b, ctx, rdb)["evalsha"], "script-in-redis-µs")
+	b.ReportMetric(commandCalls(b, ctx, rdb)["evalsha"]/float64(len(samples)), "scripts/call")
 }
 
 // commandStats returns Redis's own mean execution time in microseconds of
 // each command since the last CONFIG RESETSTAT, by lower-case name.
 func commandStats(b *testing.B, ctx context.Context, rdb *redis.Client) map[string]float64 {
+	return commandField(b, ctx, rdb, "usec_per_call")
+}
+
+// commandCalls returns how many times Redis ran each command since the
+// last CONFIG RESETSTAT, by lower-case name.
+func commandCalls(b *testing.B, ctx context.Context, rdb *redis.Client) map[string]float64 {
+	return commandField(b, ctx, rdb, "calls")
+}
+
+// commandField returns one field of INFO commandstats for each command.
+func commandField(b *testing.B, ctx context.Context, rdb *redis.Client, field string) map[string]float64 {
 	info, err := rdb.Info(ctx, "commandstats").Result()
 	if err != nil {
 		b.Fatal(err)
@@ -97,8 +156,8 @@ func commandStats(b *testing.B, ctx context.Context, rdb *redis.Client) map[stri
 		if !ok || !isCmd {
 			continue
 		}
-		for field := range strings.SplitSeq(rest, ",") {
-			if v, ok := strings.CutPrefix(field, "usec_per_call="); ok {
+		for f := range strings.SplitSeq(rest, ",") {
+			if v, ok := strings.CutPrefix(f, field+"="); ok {
 				m[name], _ = strconv.ParseFloat(v, 64)
 			}
 		}
