@@ -1,0 +1,364 @@
+package main
+
+import (
+	"math"
+)
+
+// The acquire script for a quota of one SlidingLog rule, as
+// internal/lua/acquire.lua and lib.lua decide it, with what a saturated
+// fleet exercises: the fleet's spread and the margins it gives, the holds,
+// warming up, pacing, give-backs and the log's hint. Pauses, losses, learned
+// caps, the Local fallback and costs other than 1 are left out.
+const (
+	// timingPeriod is TIMING_PERIOD: the fleet's spread is the
+	// spreadQuantile of its latenesses over a period.
+	timingPeriod   = 2_000_000
+	lateBuckets    = 22
+	spreadQuantile = 0.99
+	spreadSamples  = 50
+	// guarded is GUARDED: a margin under it never grows.
+	guarded = 2000
+	// maxMargin is MAX_MARGIN, the ceiling's own ceiling.
+	maxMargin = 1_000_000
+	// warmMargin is WARM_MARGIN.
+	warmMargin = 200_000
+	// warmIdle is WARM_IDLE.
+	warmIdle = 60_000_000
+	// maxRounds is how many rounds over the rules a call makes before its
+	// search settles for the log's tail.
+	maxRounds = 16
+)
+
+// quota is what Redis holds of one quota: its log, the log's hint, and the
+// fields of the meta key the decisions read.
+type quota struct {
+	limit  int
+	window int64 // configured, without the margin
+	margin int64 // configured
+
+	log  slidingLog
+	hint hint
+
+	created bool
+	jp      int64 // the timing period the histogram is of
+	js      int64 // the fleet's spread in force
+	h       [lateBuckets]int
+	hs, hu  int64
+	ns, nu  int64
+	wu, wh  int64
+	la      int64
+}
+
+func newQuota(limit int, window, margin int64) *quota {
+	return &quota{limit: limit, window: window, margin: margin}
+}
+
+// ceiling is margin_ceiling: the widest the margin grows.
+func (q *quota) ceiling() int64 {
+	if q.margin < guarded {
+		return q.margin
+	}
+	return max(q.margin, min(q.window/10, maxMargin))
+}
+
+// scriptCall is one call a script decides.
+type scriptCall struct {
+	id      int64
+	maxWait int64 // the longest wait it accepts
+	lead    int64 // the least wait it asks for
+}
+
+// booking is a call's entry in the log: given back by a call that would
+// start too late, or by a cancel.
+type booking struct {
+	id, at int64
+}
+
+// decision is the script's answer for one call.
+type decision struct {
+	admitted bool
+	wait     int64 // until the slot; when refused, until it would fit
+}
+
+// scriptReply is what a script returns, and the work it did.
+type scriptReply struct {
+	now    int64
+	margin int64 // the margin the calls are held to (the least of margins)
+	paced  bool  // the log's calls that may wait are paced
+	calls  []decision
+	read   int // log entries read, the searches' budgets spent
+}
+
+// acquire runs the script at Redis time now for calls, after giving back
+// gives, and folding report (the calling limiter's latenesses since its
+// last report, by bucket) into the fleet's spread.
+func (q *quota) acquire(now int64, report *[lateBuckets]int, gives []booking, calls []scriptCall) scriptReply {
+	span := q.window + q.margin // longest_window: the window as configured, margin included
+	start := !q.created || now-q.la > max(span, warmIdle)
+	warming := start || q.wu > now
+	held, warm := int64(0), false
+	if q.created {
+		q.noteTiming(now, report)
+		q.rollHold(now)
+		held, warm = q.heldSpread(now), q.wh > now
+	}
+	spread := q.fleetSpread(now)
+	m := q.margins(spread, held, warm)
+	if !q.created {
+		q.created, q.jp = true, -1
+	}
+	if start {
+		q.wu = now + span
+	}
+	q.la = now
+
+	rep := scriptReply{now: now, margin: m.own, paced: m.pace > 0}
+	for _, g := range gives {
+		q.giveBack(g, now, m)
+	}
+	q.log.dropUpTo(now - m.keep)
+	n := len(q.log.e) - q.log.upTo(now-m.window)
+	atOnce := false
+	latest := int64(0)
+	s := search{q: q, m: m, n: n}
+	for _, c := range calls {
+		t := now + c.lead
+		budget := scanBudget
+		rounds := 0
+		moved, pacing := true, c.maxWait > 0
+		unpaced, hasUnpaced := int64(0), false
+		for moved {
+			moved = false
+			if rounds++; rounds > maxRounds {
+				budget = 0
+			}
+			if u := s.earliest(t, &budget); u > t {
+				t, moved = u, true
+			}
+			if !moved && pacing {
+				pacing = false
+				p := t
+				if m.pace > 0 {
+					var read int
+					p, read = q.log.paced(t, m.pace)
+					p = max(p, t)
+					rep.read += read
+				}
+				if p > t && p-now <= c.maxWait {
+					unpaced, hasUnpaced, t, moved = t, true, p, true
+				}
+			}
+		}
+		rep.read += scanBudget - budget
+		if hasUnpaced && t-now > c.maxWait {
+			// Pacing is a preference: it never refuses a call that fits.
+			t = unpaced
+		}
+		if t-now > c.maxWait {
+			rep.calls = append(rep.calls, decision{wait: t - now})
+			continue
+		}
+		q.log.add(t, c.id)
+		s.n++
+		s.fits = false
+		latest = max(latest, t)
+		if t <= now {
+			atOnce = true
+		}
+		rep.calls = append(rep.calls, decision{admitted: true, wait: t - now})
+	}
+	if warming && atOnce {
+		q.wh = max(q.wh, now+m.keep)
+	}
+	if latest > 0 {
+		q.holdSpread(now, spread, latest, m)
+	}
+	return rep
+}
+
+// margin is what margins gives one log.
+type margin struct {
+	own    int64 // the margin the fleet's spread gives, which calls are held to
+	inUse  int64 // the margin in force: halfway between own and the held one
+	window int64 // the window in force, window + inUse
+	keep   int64 // how long entries are kept
+	pace   int64 // the gap between paced bookings, or 0
+}
+
+// margins is margins in lib.lua for one log.
+func (q *quota) margins(spread, held int64, warm bool) margin {
+	w, m := q.window, q.margin
+	ceiling := q.ceiling()
+	out := margin{own: m, inUse: m}
+	if m >= guarded {
+		own := min(max(m, 2*spread), ceiling)
+		old := min(max(m, 2*max(spread, held)), ceiling)
+		if warm {
+			old = max(old, min(ceiling, warmMargin))
+		}
+		if ceiling > m && 2*spread >= ceiling {
+			out.pace = w / int64(q.limit)
+		}
+		out.own, out.inUse = own, (own+old+1)/2
+	}
+	out.window, out.keep = w+out.inUse, w+ceiling
+	return out
+}
+
+// noteTiming is note_timing: it folds a report into the period's
+// histogram, rolls the period, and raises the spread as soon as the period
+// shows more.
+func (q *quota) noteTiming(now int64, report *[lateBuckets]int) {
+	p := now / timingPeriod
+	if q.jp != p {
+		quant, n := quantile(&q.h)
+		if q.jp == p-1 && n >= spreadSamples {
+			q.js = quant
+		} else if q.jp < p-1 {
+			q.js = 0
+		}
+		q.jp, q.h = p, [lateBuckets]int{}
+	}
+	for k, n := range report {
+		q.h[k] += n
+	}
+	if quant, n := quantile(&q.h); n >= spreadSamples && quant > q.js {
+		q.js = quant
+	}
+}
+
+// fleetSpread is fleet_spread, the usual delays of the processes left out:
+// they differ by tens of microseconds on one machine.
+func (q *quota) fleetSpread(now int64) int64 {
+	if !q.created || q.jp < now/timingPeriod-1 {
+		return 0
+	}
+	return q.js
+}
+
+func (q *quota) rollHold(now int64) {
+	if q.hu > now || q.nu <= 0 {
+		return
+	}
+	q.hs, q.hu, q.ns, q.nu = q.ns, q.nu, 0, 0
+}
+
+func (q *quota) heldSpread(now int64) int64 {
+	switch {
+	case q.hu > now:
+		return q.hs
+	case q.nu > now:
+		return q.ns
+	}
+	return 0
+}
+
+// holdSpread is hold_spread.
+func (q *quota) holdSpread(now, spread, slot int64, m margin) {
+	if spread <= 0 {
+		return
+	}
+	span := m.window + m.inUse
+	s, u := &q.hs, &q.hu
+	if spread < q.hs && q.hu > now {
+		s, u = &q.ns, &q.nu
+	}
+	until := slot + span
+	if spread > *s || *u <= now || until > *u+span/10 {
+		if *u <= now || spread > *s {
+			*s = spread
+		}
+		*u = max(*u, until+span/10)
+	}
+}
+
+// giveBack is give_back and change for a log: the booking's entry goes, and
+// the hint is lowered below it where that may make room.
+func (q *quota) giveBack(g booking, now int64, m margin) {
+	if !q.log.remove(g.at, g.id) {
+		return
+	}
+	if g.at >= now || q.log.between(g.at, g.at+m.window) < q.limit {
+		if t := g.at - m.keep; q.hint.set && q.hint.at > t {
+			q.hint.at = t
+		}
+	}
+}
+
+// search is the state of the calls of one script: the log's count, what
+// the script's searches found (memo and fits in acquire.lua).
+type search struct {
+	q      *quota
+	m      margin
+	n      int // entries after now - window, bookings included
+	memoT  int64
+	memoAt int64
+	memo   bool
+	fitsAt int64
+	fits   bool
+}
+
+// earliest is earliest in acquire.lua for a log and a call of cost 1.
+func (s *search) earliest(t int64, budget *int) int64 {
+	q := s.q
+	if s.n <= q.limit-1 {
+		return t
+	}
+	if s.fits && s.fitsAt == t {
+		return t
+	}
+	from := t
+	if s.memo && s.memoT <= t && s.memoAt > from {
+		from = s.memoAt
+	}
+	h := q.hint
+	hinted := false
+	if h.set && h.t <= t && h.w <= s.m.window && h.at > from {
+		from, hinted = h.at, true
+	}
+	at := q.log.earliest(from, q.limit, s.m.window, budget)
+	s.memo, s.memoT, s.memoAt = true, t, at
+	s.fits, s.fitsAt = true, at
+	if !h.set || at > h.at || h.t > t || h.w > s.m.window {
+		since := t
+		if hinted {
+			since = h.t
+		}
+		q.hint = hint{t: since, at: at, w: s.m.window, set: true}
+	}
+	return at
+}
+
+// lateBucket is the bucket of a lateness in microseconds, as lates.note in
+// timing.go counts it.
+func lateBucket(late int64) int {
+	if late < 1000 {
+		return 0
+	}
+	return min(int(2*math.Log2(float64(late)/1000))+1, lateBuckets-1)
+}
+
+// bucketTop is bucket_top: the top of bucket k in microseconds.
+func bucketTop(k int) int64 {
+	if k == 0 {
+		return 0
+	}
+	return int64(math.Floor(1000 * math.Pow(2, float64(k)/2)))
+}
+
+// quantile is quantile in lib.lua: the spreadQuantile of h at the top of
+// its bucket, and how many latenesses h holds.
+func quantile(h *[lateBuckets]int) (int64, int) {
+	total := 0
+	for _, n := range h {
+		total += n
+	}
+	want, seen := spreadQuantile*float64(total), 0
+	for k, n := range h {
+		seen += n
+		if float64(seen) >= want && seen > 0 {
+			return bucketTop(k), total
+		}
+	}
+	return 0, total
+}
