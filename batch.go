@@ -15,17 +15,20 @@ const maxBatch = 32
 
 // Calls of one process that need a decision at the same moment share one
 // script call: while a decision is on its way to Redis, the calls that
-// arrive for the same keys wait in a lane, and the next script call decides
-// them all, in arrival order. An uncontended call goes at once; a busy
-// process pays one round trip per batch instead of one per call.
+// arrive meanwhile wait in the limiter's lane, and the next script call
+// decides them all, in arrival order, whatever their keys: one script
+// serves the calls of several keys of a quota. An uncontended call goes at
+// once; a busy process pays one round trip per batch instead of one per
+// call.
 
-// lane holds the calls waiting for the decision of one scope.
+// lane holds the calls waiting for the next decision.
 type lane struct {
 	pending []*request
 }
 
 // request is one call waiting for its decision.
 type request struct {
+	sc      scope // the keys it touches
 	c       call
 	maxWait time.Duration
 	member  string
@@ -51,14 +54,14 @@ const (
 // late: it is given back in the same script call that books the call again.
 func (l *Limiter) decideInRedis(ctx context.Context, sc scope, c call, maxWait time.Duration, late *result) (result, error) {
 	l.listen()
-	req := &request{c: c, maxWait: maxWait, member: l.newMember(), late: late, sent: make(chan struct{}), done: make(chan struct{})}
+	req := &request{sc: sc, c: c, maxWait: maxWait, member: l.newMember(), late: late, sent: make(chan struct{}), done: make(chan struct{})}
 	if ln := l.submit(sc, req); ln != nil {
 		// Nothing was on its way: decide this call here, with no hand-over
 		// to another goroutine, and leave the calls that queued meanwhile to
 		// a drainer.
 		l.decide(sc, []*request{req})
-		if batch := l.take(sc, ln); batch != nil {
-			go l.drain(sc, ln, batch)
+		if batch := l.take(ln); batch != nil {
+			go l.drain(ln, batch)
 		}
 		return req.res, req.err
 	}
@@ -98,25 +101,24 @@ func (l *Limiter) decideInRedis(ctx context.Context, sc scope, c call, maxWait t
 	return result{}, err
 }
 
-// submit puts req in the lane of its scope if a decision is on its way, and
-// returns nil. Otherwise it opens the lane and returns it: the caller then
-// decides req itself.
+// submit puts req in the lane if a decision is on its way, and returns nil.
+// Otherwise it opens the lane and returns it: the caller then decides req
+// itself.
 func (l *Limiter) submit(sc scope, req *request) *lane {
 	l.lanesMu.Lock()
 	defer l.lanesMu.Unlock()
-	if ln, busy := l.lanes[sc.id]; busy {
-		ln.pending = append(ln.pending, req)
+	if l.lane != nil {
+		l.lane.pending = append(l.lane.pending, req)
 		return nil
 	}
-	ln := &lane{}
-	l.lanes[sc.id] = ln
-	return ln
+	l.lane = &lane{}
+	return l.lane
 }
 
 // take takes the next batch of calls that queued in the lane while a
 // decision was on its way, or closes the lane and returns nil when there are
 // none.
-func (l *Limiter) take(sc scope, ln *lane) []*request {
+func (l *Limiter) take(ln *lane) []*request {
 	l.lanesMu.Lock()
 	defer l.lanesMu.Unlock()
 	var batch []*request
@@ -128,23 +130,23 @@ func (l *Limiter) take(sc scope, ln *lane) []*request {
 		}
 	}
 	if len(batch) == 0 {
-		delete(l.lanes, sc.id)
+		l.lane = nil
 	}
 	return batch
 }
 
 // drain decides batch, then every call that queued in the lane meanwhile,
 // until the lane is empty.
-func (l *Limiter) drain(sc scope, ln *lane, batch []*request) {
+func (l *Limiter) drain(ln *lane, batch []*request) {
 	for len(batch) > 0 {
-		l.decide(sc, batch)
-		batch = l.take(sc, ln)
+		l.decide(batch[0].sc, batch)
+		batch = l.take(ln)
 	}
 }
 
-// decide runs the acquire script once for a batch of calls of one scope,
-// with the spare admissions to give back and to take (spare.go); with no
-// calls, to give spares back alone.
+// decide runs the acquire script once for a batch of calls, of scope sc
+// and of any others, with the spare admissions of sc to give back and to
+// take (spare.go); with no calls, to give spares back alone.
 func (l *Limiter) decide(sc scope, batch []*request) {
 	give, spares, spareCost := l.spareTerms(sc, batch)
 	if len(batch) == 0 && len(give) == 0 {
@@ -152,14 +154,30 @@ func (l *Limiter) decide(sc scope, batch []*request) {
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), l.s.redisTimeout)
 	defer cancel()
+	// The scopes of the script call, sc first: its keys are the script's
+	// KEYS, and the others' keys follow the arguments.
+	scopes := []scope{sc}
+	index := map[string]int{sc.id: 1}
+	scopeOf := func(s scope) int {
+		if i, ok := index[s.id]; ok {
+			return i
+		}
+		scopes = append(scopes, s)
+		index[s.id] = len(scopes)
+		return len(scopes)
+	}
 	var late []*result
 	for _, req := range batch {
+		scopeOf(req.sc)
 		if req.late != nil {
 			late = append(late, req.late)
 		}
 	}
 	for i := range give {
 		late = append(late, &give[i])
+	}
+	for _, r := range late {
+		scopeOf(r.scope)
 	}
 	args := l.acquireArgs(len(batch)+spares, len(late))
 	// A forward step of Redis's clock larger than the margin shortened the
@@ -175,17 +193,22 @@ func (l *Limiter) decide(sc scope, batch []*request) {
 	if l.local != nil {
 		wantHorizon = 1
 	}
-	args = append(args, l.lates.report(), l.timing.delay().Microseconds(), l.policyID, wantHorizon, stepped)
+	args = append(args, l.lates.report(), l.timing.delay().Microseconds(), l.policyID, wantHorizon, stepped, len(scopes))
+	for _, s := range scopes[1:] {
+		for _, k := range s.keys[1:] {
+			args = append(args, k)
+		}
+	}
 	for _, r := range late {
-		args = append(args, r.member, r.cost, r.slot().Microseconds(), r.epoch)
+		args = append(args, r.member, r.cost, r.slot().Microseconds(), r.epoch, index[r.scope.id])
 	}
 	for _, req := range batch {
-		args = append(args, req.member, req.c.cost, req.maxWait.Microseconds(), req.c.lead.Microseconds())
+		args = append(args, req.member, req.c.cost, req.maxWait.Microseconds(), req.c.lead.Microseconds(), index[req.sc.id])
 	}
 	members := make([]string, spares)
 	for i := range members {
 		members[i] = l.newMember()
-		args = append(args, members[i], spareCost, 0, 0)
+		args = append(args, members[i], spareCost, 0, 0, 1)
 	}
 	for _, req := range batch {
 		close(req.sent)
@@ -205,7 +228,7 @@ func (l *Limiter) decide(sc scope, batch []*request) {
 		}
 		return
 	}
-	now, pause, margin, done := rep.now, rep.pause, rep.margin, rep.done
+	now, margin, done := rep.now, rep.margin, rep.done
 	l.emit(Event{Kind: EventRedis, Duration: recvd - sent, Calls: len(batch), Margin: margin})
 	if rep.horizon > done && l.local != nil {
 		// The latest slot the fleet booked, not only this process: should
@@ -218,20 +241,23 @@ func (l *Limiter) decide(sc scope, batch []*request) {
 	// ask again, the step now known.
 	after, by := l.timing.step()
 	stale := after > before && by > l.minMargin
-	l.notePause(sc, now, pause)
+	l.notePause(sc, now, rep.pause)
 	newEpoch := l.epoch.Load() != rep.epoch
 	l.noteEpoch(rep.epoch, rep.lost)
 	l.noteScripts(newEpoch, rep.seq)
 	for i, req := range batch {
 		c := rep.calls[i]
+		if req.sc.id != sc.id {
+			l.notePause(req.sc, now, c.pause)
+		}
 		r := result{
 			admitted:  c.admitted,
 			wait:      c.wait,
 			remaining: c.remaining,
 			reason:    c.reason,
 			now:       now,
-			pause:     pause,
-			scope:     sc,
+			pause:     c.pause,
+			scope:     req.sc,
 			member:    req.member,
 			cost:      req.c.cost,
 			epoch:     rep.epoch,
@@ -244,17 +270,25 @@ func (l *Limiter) decide(sc scope, batch []*request) {
 			l.cancel(context.Background(), req.c, r)
 		}
 	}
-	if len(rep.calls) == 0 {
+	// What the script said of sc: the units free after its last call, and
+	// the spares it admitted.
+	remaining, seen := 0, false
+	for i := len(rep.calls) - 1; i >= 0 && !seen; i-- {
+		if i >= len(batch) || batch[i].sc.id == sc.id {
+			remaining, seen = rep.calls[i].remaining, true
+		}
+	}
+	if !seen {
 		return
 	}
-	spare := result{admitted: true, now: now, pause: pause, scope: sc, cost: spareCost, epoch: rep.epoch, margin: margin, done: done, stale: stale}
+	spare := result{admitted: true, now: now, pause: rep.pause, scope: sc, cost: spareCost, epoch: rep.epoch, margin: margin, done: done, stale: stale}
 	var taken []string
 	for i, m := range members {
 		if c := rep.calls[len(batch)+i]; c.admitted && c.wait == 0 {
 			taken = append(taken, m)
 		}
 	}
-	l.fillSpares(sc, margin, rep.calls[len(rep.calls)-1].remaining, spare, taken)
+	l.fillSpares(sc, margin, remaining, spare, taken)
 }
 
 // finish hands the decision to the waiting caller, and reports false if the
@@ -266,8 +300,8 @@ func (req *request) finish(r result, err error) bool {
 	return ok
 }
 
-// batches is the per-scope state of the limiter's batches.
+// batches is the state of the limiter's batches.
 type batches struct {
 	lanesMu sync.Mutex
-	lanes   map[string]*lane
+	lane    *lane // the calls waiting for the next decision, or nil when none is on its way
 }

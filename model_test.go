@@ -253,20 +253,26 @@ func checkSeed(t *testing.T, rdb redis.UniversalClient, mini *miniredis.Miniredi
 			}
 			m.Settle(h.r.member, h.c.key, h.c.cost, to, h.r.slot().Microseconds(), now)
 		default:
-			// Sometimes several calls of one key share a script call, as
-			// concurrent calls of a process do: they are decided in order.
+			// Sometimes several calls share a script call, as concurrent
+			// calls of a process do, of one key or of several: they are
+			// decided in order.
 			key := "k" + strconv.Itoa(rng.IntN(3))
 			var batch []*request
 			for range 1 + rng.IntN(3)*rng.IntN(3) {
+				if rng.IntN(2) == 0 {
+					key = "k" + strconv.Itoa(rng.IntN(3))
+				}
+				c := call{key: key, hasKey: true, cost: 1 + rng.IntN(min(run.maxCost, lim.maxCost))}
 				batch = append(batch, &request{
-					c:       call{key: key, hasKey: true, cost: 1 + rng.IntN(min(run.maxCost, lim.maxCost))},
+					sc:      lim.scopeFor(c),
+					c:       c,
 					maxWait: []time.Duration{0, 7 * time.Millisecond, 40 * time.Millisecond, 200 * time.Millisecond}[rng.IntN(4)],
 					member:  lim.newMember(),
 					sent:    make(chan struct{}),
 					done:    make(chan struct{}),
 				})
 			}
-			lim.decide(lim.scopeFor(batch[0].c), batch)
+			lim.decide(batch[0].sc, batch)
 			m.Script(now)
 			for _, req := range batch {
 				r, c := req.res, req.c

@@ -11,8 +11,8 @@ import (
 func TestDecodeAcquire_NamesEveryField(t *testing.T) {
 	v := []int64{
 		1_000, 2_000, 3, 1, 5_000, 6_000, 7_000, 8, // the header
-		1, 9_000, 10, int64(reasonNone), // the first call: booked
-		0, 11_000, 0, int64(reasonBusy), // the second: refused
+		1, 9_000, 10, int64(reasonNone), 0, // the first call: booked
+		0, 11_000, 0, int64(reasonBusy), 12_000, // the second: refused, its key paused
 	}
 	got, err := decodeAcquire(v, 2)
 	if err != nil {
@@ -24,7 +24,7 @@ func TestDecodeAcquire_NamesEveryField(t *testing.T) {
 		done: 6_000 * us, horizon: 7_000 * us, seq: 8,
 		calls: []callReply{
 			{admitted: true, wait: 9_000 * us, remaining: 10, reason: reasonNone},
-			{admitted: false, wait: 11_000 * us, remaining: 0, reason: reasonBusy},
+			{admitted: false, wait: 11_000 * us, remaining: 0, reason: reasonBusy, pause: 12_000 * us},
 		},
 	}
 	if !reflect.DeepEqual(got, want) {

@@ -25,7 +25,7 @@ const (
 // call (see internal/lua/acquire.lua).
 const (
 	acquireHeader  = 8
-	acquirePerCall = 4
+	acquirePerCall = 5
 )
 
 // acquireReply is acquire.lua's reply, field by field, in the order its
@@ -48,6 +48,7 @@ type callReply struct {
 	wait      time.Duration // until its slot; if refused, until it would fit
 	remaining int           // units free now under the tightest rule, after it
 	reason    reason
+	pause     time.Duration // the time until which its scope is paused, or 0
 }
 
 // decodeAcquire reads acquire.lua's reply v about n calls, or says what is
@@ -64,7 +65,7 @@ func decodeAcquire(v []int64, n int) (acquireReply, error) {
 	}
 	for i := range n {
 		w := v[acquireHeader+acquirePerCall*i:]
-		rep.calls[i] = callReply{admitted: w[0] == 1, wait: us(w[1]), remaining: int(w[2]), reason: reason(w[3])}
+		rep.calls[i] = callReply{admitted: w[0] == 1, wait: us(w[1]), remaining: int(w[2]), reason: reason(w[3]), pause: us(w[4])}
 	}
 	return rep, nil
 }

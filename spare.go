@@ -168,7 +168,7 @@ func (l *Limiter) spareTerms(sc scope, batch []*request) (give []result, n, cost
 	if p == nil {
 		return nil, 0, 0
 	}
-	cost = likeCost(batch)
+	cost = likeCost(sc, batch)
 	if len(p.members) > 0 && (cost != p.r.cost && len(batch) > 0 || p.remaining < len(batch)*cost+len(p.members)*p.r.cost || !l.spareUsable(p)) {
 		// The batch holds a call that could not take a spare (of another
 		// cost, or booked again), or calls the room left may not fit while
@@ -195,15 +195,16 @@ func (l *Limiter) spareTerms(sc scope, batch []*request) (give []result, n, cost
 }
 
 // likeCost returns the cost every call of batch has, or 0 when they
-// differ, when one is booked again or asks for a slot ahead, or when there
-// are none: only a batch of like calls takes spares.
-func likeCost(batch []*request) int {
+// differ, when one is of another scope than sc, booked again or asking for
+// a slot ahead, or when there are none: only a batch of like calls takes
+// spares.
+func likeCost(sc scope, batch []*request) int {
 	if len(batch) == 0 {
 		return 0
 	}
 	cost := batch[0].c.cost
 	for _, req := range batch {
-		if req.late != nil || req.c.lead > 0 || req.c.cost != cost {
+		if req.sc.id != sc.id || req.late != nil || req.c.lead > 0 || req.c.cost != cost {
 			return 0
 		}
 	}

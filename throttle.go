@@ -142,7 +142,6 @@ func New(rdb redis.UniversalClient, name string, policy policies.Policy, opts ..
 			return nil, fmt.Errorf("throttle: quota %q: %w", name, err)
 		}
 	}
-	l.lanes = map[string]*lane{}
 	l.compile()
 	if s.mode == Queue {
 		l.q = newQueue(s.maxQueue, s.overflow, min(l.maxCost, maxDispatched))

@@ -21,19 +21,24 @@
 --   1 when the caller saw Redis's clock step forward by more than the
 --   margin since it last said so, else 0: windows measured by that clock
 --   ended early, and the quota counts as full for a window, as after a loss;
+--   the number of scopes (keys of the quota) the calls are for, s; the
+--   first is the one of KEYS; for each other one, its pause key, and then
+--   one key per rule, in the order of the rules (a shared rule's key is the
+--   one in KEYS);
 --   for each booking to give back (a call that would start too late books
---   again in the same script call), four arguments: its id, its cost, its
---   slot in microseconds, and the epoch it was booked in;
---   for each call c, four arguments: its id, unique across the fleet; its
+--   again in the same script call), five arguments: its id, its cost, its
+--   slot in microseconds, the epoch it was booked in, and its scope (1..s);
+--   for each call c, five arguments: its id, unique across the fleet; its
 --   cost, in units; the longest wait in microseconds it accepts (0 admits
---   only now); and the least, in microseconds (a call whose last slot came
+--   only now); the least, in microseconds (a call whose last slot came
 --   back from Redis too late to start in asks for one that far ahead, so
---   that the reply arrives before it).
+--   that the reply arrives before it); and its scope (1..s).
 --
 -- Returns {now, pause, epoch, lost, margin, done, horizon, seq, then for each call: admitted,
--- wait, remaining, reason}:
+-- wait, remaining, reason, pause}:
 --   now        the time the script used, in microseconds;
---   pause      the time until which the quota or the key is paused, or 0;
+--   pause      the time until which the quota or the first scope's key is
+--              paused, or 0; after each call, the same for the call's scope;
 --   epoch      the quota's epoch;
 --   lost       1 when this call found that Redis lost the quota's data;
 --   margin     the smallest margin in force of the guarded windows, in
@@ -394,6 +399,40 @@ local report, delay, policy = ARGV[arg], tonumber(ARGV[arg + 1]), ARGV[arg + 2]
 local want_horizon, stepped = ARGV[arg + 3], ARGV[arg + 4]
 arg = arg + 5
 
+-- Scopes. The calls of one script call may be for several keys of the
+-- quota: the first key's rules are in KEYS; each other key comes as its
+-- pause key and then one key per rule, a shared rule's key as in KEYS. A
+-- rule whose key is the first scope's is the same rule for both: one object,
+-- read, decided and written once. objs holds each rule object once.
+local nscopes = tonumber(ARGV[arg])
+arg = arg + 1
+local scopes = { { rs = rs, pause_key = KEYS[2] } }
+local objs = {}
+for i, r in ipairs(rs) do
+  objs[i] = r
+end
+for s = 2, nscopes do
+  local srs = {}
+  local pause_key = ARGV[arg]
+  arg = arg + 1
+  for i, r in ipairs(rs) do
+    local key = ARGV[arg]
+    arg = arg + 1
+    if key == r.key then
+      srs[i] = r
+    else
+      local c = {}
+      for k, v in pairs(r) do
+        c[k] = v
+      end
+      c.key = key
+      srs[i] = c
+      objs[#objs + 1] = c
+    end
+  end
+  scopes[s] = { rs = srs, pause_key = pause_key }
+end
+
 -- A missing or changed meta key may mean that Redis lost the quota's data
 -- (see check_loss in lib.lua).
 local known = tonumber(ARGV[5])
@@ -413,7 +452,7 @@ if meta and roll_hold(meta, now) then
   dirty = true
 end
 local spread = fleet_spread(meta, now)
-local margin = margins(rs, spread, held_spread(meta, now), meta and meta.wh > now)
+local margin = margins(objs, spread, held_spread(meta, now), meta and meta.wh > now)
 local changed, found = false, false
 local created = meta == nil
 local pause_before = meta and meta.pause or 0
@@ -439,14 +478,14 @@ end
 meta.la = now
 
 -- Limits the vendor taught the fleet (see read_caps in lib.lua).
-read_caps(rs, meta, now)
+read_caps(objs, meta, now)
 
 -- Replicas of the Local fallback may still be deciding without Redis, each
 -- within 1/n of each limit: until they are all back, Redis keeps to the
 -- share none of them takes.
 local reserved = meta.ru > now and meta.rn > 1
 if reserved then
-  for _, r in ipairs(rs) do
+  for _, r in ipairs(objs) do
     if r.kind == BUCKET then
       r.interval = r.interval * meta.rn
     else
@@ -461,27 +500,32 @@ end
 -- with the data it was written in.
 for g = 0, ngive - 1 do
   local id, cost, t, ep = ARGV[arg], tonumber(ARGV[arg + 1]), tonumber(ARGV[arg + 2]), tonumber(ARGV[arg + 3])
-  arg = arg + 4
+  local sc = scopes[tonumber(ARGV[arg + 4])]
+  arg = arg + 5
   if ep == meta.epoch then
-    give_back(rs, id, cost, t, now)
+    give_back(sc.rs, id, cost, t, now)
   end
 end
 
-for _, r in ipairs(rs) do
+for _, r in ipairs(objs) do
   r.loss = meta.loss
   load(r)
 end
-raise_caps(rs, meta, now)
-local pause = pause_until(meta.pause)
+raise_caps(objs, meta, now)
+for _, sc in ipairs(scopes) do
+  sc.pause = pause_until(meta.pause, sc.pause_key)
+end
 local first = arg
 local at_once = false -- some call was admitted now
-local out = { str(now), str(pause), str(meta.epoch), lost, str(margin), 0, 0, str(meta.seq) }
+local out = { str(now), str(scopes[1].pause), str(meta.epoch), lost, str(margin), 0, 0, str(meta.seq) }
 
 for c = 0, ncalls - 1 do
-  local id = ARGV[first + 4 * c]
-  local cost = tonumber(ARGV[first + 4 * c + 1])
-  local maxwait = tonumber(ARGV[first + 4 * c + 2])
-  local lead = tonumber(ARGV[first + 4 * c + 3])
+  local id = ARGV[first + 5 * c]
+  local cost = tonumber(ARGV[first + 5 * c + 1])
+  local maxwait = tonumber(ARGV[first + 5 * c + 2])
+  local lead = tonumber(ARGV[first + 5 * c + 3])
+  local sc = scopes[tonumber(ARGV[first + 5 * c + 4])]
+  local rs, pause = sc.rs, sc.pause
   local remaining, after = NEVER, NEVER
   local too_big = false
   for _, r in ipairs(rs) do
@@ -586,10 +630,11 @@ for c = 0, ncalls - 1 do
     end
     out[#out + 1], out[#out + 2], out[#out + 3], out[#out + 4] = 1, str(t - now), remaining, 0
   end
+  out[#out + 1] = str(pause)
 end
 
 local latest = 0
-for _, r in ipairs(rs) do
+for _, r in ipairs(objs) do
   if r.recorded then
     latest = math.max(latest, r.tmax)
   end
@@ -608,7 +653,7 @@ if found or meta.pause > pause_before and meta.pause > now then
 end
 
 -- Each key must outlive its latest entry by a window.
-for _, r in ipairs(rs) do
+for _, r in ipairs(objs) do
   flush(r)
   if r.hint_changed then
     write_hint(r, now)
@@ -625,7 +670,7 @@ for _, r in ipairs(rs) do
 end
 if want_horizon == '1' then
   local horizon = 0
-  for _, r in ipairs(rs) do
+  for _, r in ipairs(objs) do
     if r.kind == LOG then
       local last = redis.call('ZRANGE', r.key, -1, -1, 'WITHSCORES')
       if last[2] then

@@ -673,11 +673,13 @@ local function check_policy(m, now, id, rs, new)
 end
 
 -- pause_until returns the time before which the call's scope is paused,
--- given the quota's own pause.
-local function pause_until(quota_pause)
+-- given the quota's own pause; key is the scope's pause key, KEYS[2] when
+-- not given.
+local function pause_until(quota_pause, key)
   local p = quota_pause
-  if KEYS[2] ~= KEYS[1] then
-    p = math.max(p, tonumber(redis.call('GET', KEYS[2]) or '0'))
+  key = key or KEYS[2]
+  if key ~= KEYS[1] then
+    p = math.max(p, tonumber(redis.call('GET', key) or '0'))
   end
   return p
 end
