@@ -270,12 +270,18 @@ func (l *Limiter) decide(sc scope, batch []*request) {
 			l.cancel(context.Background(), req.c, r)
 		}
 	}
-	// What the script said of sc: the units free after its last call, and
-	// the spares it admitted.
-	remaining, seen := 0, false
-	for i := len(rep.calls) - 1; i >= 0 && !seen; i-- {
-		if i >= len(batch) || batch[i].sc.id == sc.id {
-			remaining, seen = rep.calls[i].remaining, true
+	// What the script said of sc: the units free after its last call,
+	// whether it booked or refused one, and the spares it admitted.
+	remaining, seen, contended := 0, false, false
+	for i := len(rep.calls) - 1; i >= 0; i-- {
+		if i < len(batch) && batch[i].sc.id != sc.id {
+			continue
+		}
+		if c := rep.calls[i]; !seen {
+			remaining, seen = c.remaining, true
+		}
+		if c := rep.calls[i]; !c.admitted || c.wait > 0 {
+			contended = true
 		}
 	}
 	if !seen {
@@ -288,7 +294,7 @@ func (l *Limiter) decide(sc scope, batch []*request) {
 			taken = append(taken, m)
 		}
 	}
-	l.fillSpares(sc, margin, remaining, spare, taken)
+	l.fillSpares(sc, margin, remaining, contended, spare, taken)
 }
 
 // finish hands the decision to the waiting caller, and reports false if the

@@ -29,10 +29,12 @@ import (
 //
 // A pool takes no more than a quarter of the units the quota had free, no
 // more than maxSpares, and no more than the calls of the scope that came in
-// the last pool's lifetime: a process that calls now and then never takes
-// any, and one that stops leaves at most one pool unused, which it gives
-// back once the pool can no longer be used. A quota with a Concurrency rule
-// never pools: its admissions hold a slot until released.
+// the last pool's lifetime; and none within spareIdle of a call of the
+// scope that had to wait or was refused: a contended quota has no room to
+// hold. A process that calls now and then never takes any, and one that
+// stops leaves at most one pool unused, which it gives back once the pool
+// can no longer be used. A quota with a Concurrency rule never pools: its
+// admissions hold a slot until released.
 
 const (
 	// maxSpares bounds the admissions one pool takes.
@@ -73,6 +75,7 @@ type pool struct {
 	margin    time.Duration // the margin in force as the last reply said
 	remaining int           // units free after the last reply's calls
 	used      time.Time     // the last call of the scope
+	contended time.Time     // the last reply that booked or refused a call of the scope
 }
 
 // takeSpare gives call c of scope sc a spare admission, if its pool holds a
@@ -182,7 +185,7 @@ func (l *Limiter) spareTerms(sc scope, batch []*request) (give []result, n, cost
 		return give, 0, 0
 	}
 	life := p.margin / spareShare
-	if p.margin < minGuardedMargin || p.margin > l.guardMin || life <= 0 {
+	if p.margin < minGuardedMargin || p.margin > l.guardMin || life <= 0 || now.Sub(p.contended) < spareIdle {
 		return give, 0, 0
 	}
 	elapsed := max(now.Sub(p.since), time.Microsecond)
@@ -212,10 +215,11 @@ func likeCost(sc scope, batch []*request) int {
 }
 
 // fillSpares keeps what a script call that decided calls of scope sc said:
-// the margin and the units free after them, and the spares it admitted, r
-// being the first of them. A reply decided by a clock that had just stepped
-// gives its spares back.
-func (l *Limiter) fillSpares(sc scope, margin time.Duration, remaining int, r result, members []string) {
+// the margin and the units free after them, whether it booked or refused
+// one (the quota is contended: no spares for spareIdle), and the spares it
+// admitted, r being the first of them. A reply decided by a clock that had
+// just stepped gives its spares back.
+func (l *Limiter) fillSpares(sc scope, margin time.Duration, remaining int, contended bool, r result, members []string) {
 	l.spares.mu.Lock()
 	defer l.spares.mu.Unlock()
 	p := l.spares.pools[sc.id]
@@ -227,6 +231,9 @@ func (l *Limiter) fillSpares(sc scope, margin time.Duration, remaining int, r re
 		l.spares.pools[sc.id] = p
 	}
 	p.margin, p.remaining = margin, remaining
+	if contended {
+		p.contended = time.Now()
+	}
 	if len(members) == 0 {
 		return
 	}

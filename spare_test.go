@@ -268,14 +268,16 @@ func TestSpare_NoneUnderAConcurrencyRule(t *testing.T) {
 
 // A pool takes no spares once the margin in force is wider than the one
 // configured (the fleet's calls start late enough to widen it: no room is
-// left to spend), nor more than a quarter of the units free.
+// left to spend), nor more than a quarter of the units free, nor for a
+// while after a call had to wait or was refused.
 func TestSpare_TermsFollowTheMarginAndTheRoomLeft(t *testing.T) {
 	lim := newLimiter(t, redis.NewClient(&redis.Options{Addr: "127.0.0.1:1"}), policies.SlidingLog{Limit: 1000, Window: time.Second})
 	sc := lim.scopeFor(call{cost: 1})
 	batch := []*request{{c: call{cost: 1}}}
+	var contended time.Time
 	terms := func(margin time.Duration, remaining int) int {
 		lim.spares.pools = map[string]*pool{sc.id: {
-			since: time.Now().Add(-time.Millisecond), asked: 100, margin: margin, remaining: remaining,
+			since: time.Now().Add(-time.Millisecond), asked: 100, margin: margin, remaining: remaining, contended: contended,
 		}}
 		_, n, _ := lim.spareTerms(sc, batch)
 		return n
@@ -291,6 +293,14 @@ func TestSpare_TermsFollowTheMarginAndTheRoomLeft(t *testing.T) {
 	}
 	if n := terms(policies.DefaultMargin, 3); n != 0 {
 		t.Errorf("%d spares with 3 units free, want 0", n)
+	}
+	contended = time.Now().Add(-spareIdle / 2)
+	if n := terms(policies.DefaultMargin, 1000); n != 0 {
+		t.Errorf("%d spares %v after a call was booked or refused, want 0", n, spareIdle/2)
+	}
+	contended = time.Now().Add(-2 * spareIdle)
+	if n := terms(policies.DefaultMargin, 1000); n != maxSpares {
+		t.Errorf("%d spares %v after a call was booked or refused, want %d", n, 2*spareIdle, maxSpares)
 	}
 }
 
