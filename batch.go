@@ -245,6 +245,9 @@ func (l *Limiter) decide(sc scope, batch []*request) {
 	newEpoch := l.epoch.Load() != rep.epoch
 	l.noteEpoch(rep.epoch, rep.lost)
 	l.noteScripts(newEpoch, rep.seq)
+	// The spares first: a caller that has its decision finds the pool it
+	// filled (and Close, after the last call, gives it back).
+	l.keepSpares(sc, batch, rep, members, spareCost, stale)
 	for i, req := range batch {
 		c := rep.calls[i]
 		if req.sc.id != sc.id {
@@ -270,31 +273,6 @@ func (l *Limiter) decide(sc scope, batch []*request) {
 			l.cancel(context.Background(), req.c, r)
 		}
 	}
-	// What the script said of sc: the units free after its last call,
-	// whether it booked or refused one, and the spares it admitted.
-	remaining, seen, contended := 0, false, false
-	for i := len(rep.calls) - 1; i >= 0; i-- {
-		if i < len(batch) && batch[i].sc.id != sc.id {
-			continue
-		}
-		if c := rep.calls[i]; !seen {
-			remaining, seen = c.remaining, true
-		}
-		if c := rep.calls[i]; !c.admitted || c.wait > 0 {
-			contended = true
-		}
-	}
-	if !seen {
-		return
-	}
-	spare := result{admitted: true, now: now, pause: rep.pause, scope: sc, cost: spareCost, epoch: rep.epoch, margin: margin, done: done, stale: stale}
-	var taken []string
-	for i, m := range members {
-		if c := rep.calls[len(batch)+i]; c.admitted && c.wait == 0 {
-			taken = append(taken, m)
-		}
-	}
-	l.fillSpares(sc, margin, remaining, contended, spare, taken)
 }
 
 // finish hands the decision to the waiting caller, and reports false if the

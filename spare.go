@@ -214,6 +214,37 @@ func likeCost(sc scope, batch []*request) int {
 	return cost
 }
 
+// keepSpares keeps what a script call that decided batch, with scope sc
+// first, said of sc: the units free after its last call of sc, whether it
+// booked or refused one, and the spares it admitted (members, of cost each,
+// after the batch's calls in rep).
+func (l *Limiter) keepSpares(sc scope, batch []*request, rep acquireReply, members []string, cost int, stale bool) {
+	remaining, seen, contended := 0, false, false
+	for i := len(rep.calls) - 1; i >= 0; i-- {
+		if i < len(batch) && batch[i].sc.id != sc.id {
+			continue
+		}
+		c := rep.calls[i]
+		if !seen {
+			remaining, seen = c.remaining, true
+		}
+		if !c.admitted || c.wait > 0 {
+			contended = true
+		}
+	}
+	if !seen {
+		return
+	}
+	var taken []string
+	for i, m := range members {
+		if c := rep.calls[len(batch)+i]; c.admitted && c.wait == 0 {
+			taken = append(taken, m)
+		}
+	}
+	r := result{admitted: true, now: rep.now, pause: rep.pause, scope: sc, cost: cost, epoch: rep.epoch, margin: rep.margin, done: rep.done, stale: stale}
+	l.fillSpares(sc, rep.margin, remaining, contended, r, taken)
+}
+
 // fillSpares keeps what a script call that decided calls of scope sc said:
 // the margin and the units free after them, whether it booked or refused
 // one (the quota is contended: no spares for spareIdle), and the spares it
