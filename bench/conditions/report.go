@@ -5,9 +5,9 @@ import (
 	"io"
 	"math"
 	"strconv"
-	"strings"
 	"time"
-	"unicode/utf8"
+
+	"github.com/throttlekit/throttle/bench/internal/mdtable"
 )
 
 // result is one scenario's row, and what the notes say of it.
@@ -121,7 +121,7 @@ func writeTable(w io.Writer, results []result) {
 	for _, r := range results {
 		rows = append(rows, r.cells())
 	}
-	writeMarkdown(w, rows)
+	mdtable.Write(w, rows)
 }
 
 // writeDetails prints where the time went, and how calls failed at the end.
@@ -130,35 +130,7 @@ func writeDetails(w io.Writer, results []result) {
 	for _, r := range results {
 		rows = append(rows, r.detailCells())
 	}
-	writeMarkdown(w, rows)
-}
-
-// writeMarkdown prints rows, the header first, as a Markdown table with
-// aligned columns.
-func writeMarkdown(w io.Writer, rows [][]string) {
-	widths := make([]int, len(rows[0]))
-	for _, row := range rows {
-		for i, cell := range row {
-			widths[i] = max(widths[i], utf8.RuneCountInString(cell))
-		}
-	}
-	line := func(cells []string) {
-		var b strings.Builder
-		b.WriteString("|")
-		for i, cell := range cells {
-			b.WriteString(" " + cell + strings.Repeat(" ", widths[i]-utf8.RuneCountInString(cell)) + " |")
-		}
-		fmt.Fprintln(w, b.String())
-	}
-	line(rows[0])
-	rule := make([]string, len(widths))
-	for i, n := range widths {
-		rule[i] = strings.Repeat("-", n)
-	}
-	line(rule)
-	for _, row := range rows[1:] {
-		line(row)
-	}
+	mdtable.Write(w, rows)
 }
 
 // How many distinct lines of the replicas' stderr the notes show for a

@@ -6,7 +6,8 @@ import (
 	"math"
 	"strconv"
 	"strings"
-	"unicode/utf8"
+
+	"github.com/throttlekit/throttle/bench/internal/mdtable"
 )
 
 // summary is the mean of a fleet's simulated runs, one per seed.
@@ -122,7 +123,7 @@ func writeAccuracy(w io.Writer, checks []check) {
 			ms(m.WayP99) + " / " + ms(s.WayP99),
 		})
 	}
-	writeMarkdown(w, rows)
+	mdtable.Write(w, rows)
 }
 
 func writeSeries(w io.Writer, series []summary) {
@@ -148,7 +149,7 @@ func writeSeries(w io.Writer, series []summary) {
 			fmt.Sprintf("%d of %d", s.Paced, len(s.Runs)),
 		})
 	}
-	writeMarkdown(w, rows)
+	mdtable.Write(w, rows)
 }
 
 // chartWidth is the width of the chart's bars, in characters.
@@ -219,35 +220,7 @@ func writeTimelines(w io.Writer, series []summary) {
 				strconv.FormatInt(sl.Margin/1000, 10), strconv.FormatBool(sl.Paced),
 			})
 		}
-		writeMarkdown(w, rows)
+		mdtable.Write(w, rows)
 		fmt.Fprintln(w)
-	}
-}
-
-// writeMarkdown prints rows, the header first, as a Markdown table with
-// aligned columns.
-func writeMarkdown(w io.Writer, rows [][]string) {
-	widths := make([]int, len(rows[0]))
-	for _, row := range rows {
-		for i, cell := range row {
-			widths[i] = max(widths[i], utf8.RuneCountInString(cell))
-		}
-	}
-	line := func(cells []string) {
-		var b strings.Builder
-		b.WriteString("|")
-		for i, cell := range cells {
-			b.WriteString(" " + cell + strings.Repeat(" ", widths[i]-utf8.RuneCountInString(cell)) + " |")
-		}
-		fmt.Fprintln(w, b.String())
-	}
-	line(rows[0])
-	rule := make([]string, len(widths))
-	for i, n := range widths {
-		rule[i] = strings.Repeat("-", n)
-	}
-	line(rule)
-	for _, row := range rows[1:] {
-		line(row)
 	}
 }
