@@ -29,7 +29,7 @@ type RuleUsage struct {
 	// Used is the units admitted in the window ending now (calls in flight,
 	// for a Concurrency rule; the units still to drain, for a TokenBucket).
 	// It counts the spare admissions other replicas hold for their next
-	// calls (see Limiter.Acquire), not this process's own.
+	// calls (see Limiter), not this process's own.
 	Used int
 	// Booked is the units booked for later by waiting calls.
 	Booked int
