@@ -21,12 +21,13 @@ func TestRun_RequestsAndTokensInOnePolicy(t *testing.T) {
 	}
 	// Calls admitted with the most they may use and settled after: what
 	// the estimates of the calls in flight overstate is held a while.
-	// About 70% with estimates of 1.5 times the tokens used (75–80% alone,
-	// 65–75% under -race); a CPU shared with other test binaries can stall
-	// the fleet for a second (calls that wake too late book again, a window
-	// on). The floor catches a fleet that leaves the cap idle for good.
-	if res.TokenUse < 0.25 {
-		t.Errorf("%.0f%% of the tokens' cap used, want at least 25%%", 100*res.TokenUse)
+	// About 70% with estimates of 1.5 times the tokens used on a quiet
+	// machine; under -race on 2 cores 30-60% (six runs), and 25% once with
+	// other test binaries on the CPU: a stalled process's calls wake too
+	// late and book again, a window on, and one such second is a fifth of
+	// this run. The floor catches a fleet that leaves the cap idle for good.
+	if res.TokenUse < 0.15 {
+		t.Errorf("%.0f%% of the tokens' cap used, want at least 15%%", 100*res.TokenUse)
 	}
 	if !strings.Contains(out.String(), "API: 40 requests and 3000 tokens per 1s") {
 		t.Errorf("output lacks the API's caps")
