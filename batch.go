@@ -55,7 +55,7 @@ const (
 func (l *Limiter) decideInRedis(ctx context.Context, sc scope, c call, maxWait time.Duration, late *result) (result, error) {
 	l.listen()
 	req := &request{sc: sc, c: c, maxWait: maxWait, member: l.newMember(), late: late, sent: make(chan struct{}), done: make(chan struct{})}
-	if ln := l.submit(sc, req); ln != nil {
+	if ln := l.submit(req); ln != nil {
 		// Nothing was on its way: decide this call here, with no hand-over
 		// to another goroutine, and leave the calls that queued meanwhile to
 		// a drainer.
@@ -104,7 +104,7 @@ func (l *Limiter) decideInRedis(ctx context.Context, sc scope, c call, maxWait t
 // submit puts req in the lane if a decision is on its way, and returns nil.
 // Otherwise it opens the lane and returns it: the caller then decides req
 // itself.
-func (l *Limiter) submit(sc scope, req *request) *lane {
+func (l *Limiter) submit(req *request) *lane {
 	l.lanesMu.Lock()
 	defer l.lanesMu.Unlock()
 	if l.lane != nil {

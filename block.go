@@ -87,7 +87,7 @@ func (l *Limiter) wait(ctx context.Context, c call) (*Permit, error) {
 			// slept, or Redis may have lost the booking with the rest of the
 			// quota's data. Calling then would crowd the windows after the
 			// slot, so the call gives its slot back and books again.
-			if !r.local && (l.pausedPast(r.scope, r.slot()) || l.epoch.Load() != r.epoch) {
+			if !r.local && l.overtaken(r) {
 				giveBack = &r
 				continue
 			}

@@ -78,10 +78,15 @@ type pool struct {
 	contended time.Time     // the last reply that booked or refused a call of the scope
 }
 
+// mayPool reports whether the limiter's quota may take spares at all: one
+// with a Concurrency rule never does, nor one with no guarded margin, whose
+// calls have no lateness to spend.
+func (l *Limiter) mayPool() bool { return !l.hasConc && l.guardMin > 0 }
+
 // takeSpare gives call c of scope sc a spare admission, if its pool holds a
 // usable one, and counts the call for the next pool's size either way.
 func (l *Limiter) takeSpare(sc scope, c call) (result, bool) {
-	if l.hasConc {
+	if !l.mayPool() {
 		return result{}, false
 	}
 	now := time.Now()
@@ -120,7 +125,7 @@ func (l *Limiter) takeSpare(sc scope, c call) (result, bool) {
 // spares.
 func (l *Limiter) spareUsable(p *pool) bool {
 	r := p.r
-	if l.epoch.Load() != r.epoch || l.pausedPast(r.scope, r.slot()) {
+	if l.overtaken(r) {
 		return false
 	}
 	if seq, _ := l.timing.step(); seq != p.step {
@@ -161,7 +166,7 @@ func (p *pool) dropSpares() {
 // spares to give back in it, and how many spares of what cost it should
 // take.
 func (l *Limiter) spareTerms(sc scope, batch []*request) (give []result, n, cost int) {
-	if l.hasConc {
+	if !l.mayPool() {
 		return nil, 0, 0
 	}
 	now := time.Now()

@@ -84,10 +84,7 @@ func (l *Limiter) Usage(ctx context.Context, opts ...CallOption) (Usage, error) 
 	spares, cost := l.heldSpares(sc)
 	for i, r := range l.rules {
 		w := v[header+perRule*i:]
-		held := spares * cost
-		if r.PerCall {
-			held = spares
-		}
+		held := spares * unitsOf(r, cost)
 		u.Rules = append(u.Rules, RuleUsage{
 			Rule:      r,
 			Used:      max(int(w[0])-held, 0),

@@ -78,6 +78,13 @@ func (l *Limiter) noteScripts(newEpoch bool, n int64) {
 	}
 }
 
+// overtaken reports whether what this process learned since r was decided
+// in Redis makes its slot unusable: a pause that ends after it, or a loss
+// of the quota's data (a new epoch), which took the booking with it.
+func (l *Limiter) overtaken(r result) bool {
+	return l.pausedPast(r.scope, r.slot()) || l.epoch.Load() != r.epoch
+}
+
 // pausedPast reports whether a pause this process knows of, not over yet,
 // ends after the Redis time slot: a call booked at slot before the pause
 // was known must not go ahead. A pause that ends at the slot or before it
