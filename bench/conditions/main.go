@@ -77,6 +77,10 @@
 //
 //	-only NAMES    run only these scenarios, comma-separated (all)
 //	-duration D    how long each scenario's workers run (10s)
+//	-timeline D    also print, for each scenario, every D of its run: the
+//	               calls that reached the vendor in it, the vendor's window
+//	               count at its end, and the quota's spread and widest margin
+//	               in force as a Usage read then saw them (0: none)
 //
 // All of them take about a minute and a half. The program needs
 // redis-server on PATH.
@@ -101,6 +105,7 @@ import (
 type options struct {
 	only     []string
 	duration time.Duration
+	timeline time.Duration
 
 	// exe is the program the replicas run; os.Executable() when empty.
 	exe string
@@ -137,6 +142,7 @@ func parseFlags(args []string, stderr io.Writer) (options, error) {
 	fs.SetOutput(stderr)
 	only := fs.String("only", "", "run only these scenarios, comma-separated: "+strings.Join(scenarioNames(), ", "))
 	fs.DurationVar(&opts.duration, "duration", 10*time.Second, "how long each scenario's workers run")
+	fs.DurationVar(&opts.timeline, "timeline", 0, "print each scenario's arrivals, window count, spread and margin every `D` (0: none)")
 	if err := fs.Parse(args); err != nil {
 		return opts, err
 	}
@@ -145,6 +151,9 @@ func parseFlags(args []string, stderr io.Writer) (options, error) {
 	}
 	if opts.duration <= 0 {
 		return opts, fmt.Errorf("-duration must be positive, got %v", opts.duration)
+	}
+	if opts.timeline < 0 {
+		return opts, fmt.Errorf("-timeline must not be negative, got %v", opts.timeline)
 	}
 	for name := range strings.SplitSeq(*only, ",") {
 		if name = strings.TrimSpace(name); name == "" {
@@ -182,7 +191,7 @@ func run(ctx context.Context, opts options, stdout, stderr io.Writer) ([]result,
 		}
 		fmt.Fprintf(stderr, "%-16s running for %v ...", sc.name, opts.duration)
 		t := time.Now()
-		res, err := runScenario(ctx, env{exe: exe, redis: srv.addr}, sc, opts.duration)
+		res, err := runScenario(ctx, env{exe: exe, redis: srv.addr, timeline: opts.timeline}, sc, opts.duration)
 		if err != nil {
 			fmt.Fprintln(stderr)
 			return results, fmt.Errorf("%s: %w", sc.name, err)
@@ -197,6 +206,9 @@ func run(ctx context.Context, opts options, stdout, stderr io.Writer) ([]result,
 	fmt.Fprintln(stdout)
 	writeDetails(stdout, results)
 	writeNotes(stdout, results)
+	if opts.timeline > 0 {
+		writeTimelines(stdout, results, opts.timeline)
+	}
 	fmt.Fprintf(stdout, "\ntook %.0fs\n", time.Since(began).Seconds())
 	return results, nil
 }

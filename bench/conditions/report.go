@@ -45,6 +45,8 @@ type result struct {
 	ScriptMicros       float64       // Redis's mean time per EVALSHA
 	RedisCPU           time.Duration // the CPU time Redis used
 	Load               string        // the load average at the end
+
+	Timeline []slice // with -timeline, the run slice by slice
 }
 
 // counted is a line and how many times it came.

@@ -85,8 +85,9 @@ func scenarioNames() []string {
 
 // env is what every scenario of one invocation shares.
 type env struct {
-	exe   string
-	redis string // host:port of the redis-server
+	exe      string
+	redis    string        // host:port of the redis-server
+	timeline time.Duration // sample the run this often; 0: never
 }
 
 // runScenario runs one scenario against a fresh vendor and an emptied Redis
@@ -159,11 +160,20 @@ func runScenario(ctx context.Context, e env, sc scenario, duration time.Duration
 		}
 	}
 
-	end := time.Now().Add(duration)
+	began := time.Now()
+	end := began.Add(duration)
 	for _, c := range replicas {
 		if _, err := fmt.Fprintf(c.stdin, "go %d\n", end.UnixNano()); err != nil {
 			return result{}, fmt.Errorf("%s: %w", c.name, err)
 		}
+	}
+	var samples []sample
+	sampled := make(chan struct{})
+	if e.timeline > 0 {
+		go func() {
+			defer close(sampled)
+			samples = sampleUsage(ctx, admin, quota, sc.limit, window, began, end, e.timeline)
+		}()
 	}
 	var reps []report
 	for _, c := range replicas {
@@ -197,6 +207,10 @@ func runScenario(ctx context.Context, e env, sc scenario, duration time.Duration
 	}
 	res.RedisCPU = cpuAfter - cpuBefore
 	res.Stderr = distinctLines(stderr.String())
+	if e.timeline > 0 {
+		<-sampled
+		res.Timeline = arrivals.timeline(began, end, e.timeline, window, samples)
+	}
 	return res, nil
 }
 
