@@ -171,3 +171,79 @@ func TestScript_HintHoldsAfterACallThatBooksAhead(t *testing.T) {
 		t.Errorf("the call after it read the log with %d ZRANGE calls, want 4 at most (from the hint)", reads)
 	}
 }
+
+// A paced call that finds room inside a log booked far ahead (a booking
+// given back) is paced past it, among the bookings, and settles for the
+// log's tail; the search from the paced time leaves the hint where it was,
+// so the call after it reads the log from there (counted in Redis's ZRANGE
+// calls) instead of from the room left, to its end.
+func TestScript_HintHoldsAfterAPacedCall(t *testing.T) {
+	s := redistest.Real(t) // INFO commandstats
+	const limit, window, pace = 50, time.Second, 20 * time.Millisecond
+	clock := newClock()
+	lim := newLimiter(t, s.Client(t), policies.SlidingLog{Limit: limit, Window: window}, Options{Clock: clock.Now})
+	admin := adminClient(t, s.Addr)
+	ctx := context.Background()
+	// The fleet's calls start later than the widest margin covers (told
+	// with the second call, once the quota exists): the margin in force is
+	// its ceiling, and a call that may wait is paced.
+	for i := range 2 {
+		if i == 1 {
+			for range 60 {
+				lim.lates.note(60 * ms)
+			}
+		}
+		if d, err := lim.Allow(ctx); err != nil || !d.OK {
+			t.Fatalf("Allow: %+v, %v", d, err)
+		}
+	}
+	const inForce = window + 100*ms
+	// Twenty windows booked ahead, a window's calls at one slot each by
+	// calls that may not wait as long as pacing would have them: 1,000
+	// entries, more than one call reads.
+	var deep result
+	for k := range 20 {
+		for i := range limit {
+			want := time.Duration(k) * inForce
+			if k == 0 && i < 2 {
+				continue // the calls Allow admitted
+			}
+			r, err := lim.acquire(ctx, call{cost: 1}, want+ms, nil)
+			if err != nil || !r.admitted || r.wait != want {
+				t.Fatalf("window %d, booking %d: %+v, %v; want booked %v ahead", k, i, r, err, want)
+			}
+			if k == 10 && i == 0 {
+				deep = r
+			}
+		}
+	}
+	lim.cancel(ctx, call{cost: 1}, deep)
+	book := func() (result, int) {
+		t.Helper()
+		if err := admin.ConfigResetStat(ctx).Err(); err != nil {
+			t.Fatal(err)
+		}
+		r, err := lim.acquire(ctx, call{cost: 1}, time.Minute, nil)
+		if err != nil || !r.admitted {
+			t.Fatalf("acquire: %+v, %v", r, err)
+		}
+		reads := 0
+		if stats, ok := commandsRun(t, admin)["zrange"]; ok {
+			calls, _, _ := strings.Cut(strings.TrimPrefix(stats, "calls="), ",")
+			reads, _ = strconv.Atoi(calls)
+		}
+		return r, reads
+	}
+	tail := 20 * inForce
+	if r, _ := book(); r.wait != tail {
+		t.Errorf("the call after a booking %v ahead was given back: booked %v ahead, want %v (the log's tail)", deep.wait, r.wait, tail)
+	}
+	r, reads := book()
+	if r.wait != tail+pace {
+		t.Errorf("the call after it booked %v ahead, want %v (paced after it)", r.wait, tail+pace)
+	}
+	if reads > 6 {
+		t.Errorf("the call after it read the log with %d ZRANGE calls, want 6 at most (from the hint)", reads)
+	}
+	checkRedisWindows(t, s.Client(t), lim, []model.Rule{toModel(lim.rules[0])})
+}

@@ -92,3 +92,58 @@ func TestPacing_SpreadsTheCallsOfALateFleet(t *testing.T) {
 		}
 	})
 }
+
+// While a quota warms up, many small replicas that start together each ask
+// for one call: their calls are paced, the log's average gap apart (here
+// 1s / 20 = 50ms), instead of admitted in a burst that Redis and their cores
+// would start late. A lone limiter's calls, a call that may not wait, and
+// the same burst once the quota has warmed up are admitted at once.
+func TestPacing_SpreadsTheLoneCallsOfManyReplicasWhileWarm(t *testing.T) {
+	redistest.Each(t, func(t *testing.T, s *redistest.Server) {
+		const pace = 50 * time.Millisecond
+		policy := policies.SlidingLog{Limit: 20, Window: time.Second}
+		clock := newClock()
+		ctx := context.Background()
+		replicas := func(prefix string, n int) []*Limiter {
+			var lims []*Limiter
+			for range n {
+				lims = append(lims, newLimiter(t, s.Client(t), policy, Options{Clock: clock.Now, Prefix: prefix}))
+			}
+			return lims
+		}
+		// book asks each limiter for one call in turn, all at the same
+		// moment, and returns their waits.
+		book := func(lims []*Limiter, maxWait time.Duration) []time.Duration {
+			t.Helper()
+			var ws []time.Duration
+			for i, l := range lims {
+				r, err := l.acquire(ctx, call{cost: 1}, maxWait, nil)
+				if err != nil || !r.admitted {
+					t.Fatalf("limiter %d: %+v, %v", i, r, err)
+				}
+				ws = append(ws, r.wait)
+			}
+			return ws
+		}
+
+		cold := replicas("cold", 5)
+		if ws := book(cold, 5*time.Second); ws[0] != 0 || ws[1] != pace || ws[2] != 2*pace || ws[4] != 4*pace {
+			t.Errorf("a burst of lone calls of 5 replicas on a cold quota: waits %v, want each %v after the one before", ws, pace)
+		}
+		if ws := book(replicas("cold", 1), 0); ws[0] != 0 {
+			t.Errorf("a call that may not wait was booked %v ahead, want admitted now", ws[0])
+		}
+
+		lone := replicas("lone", 1)
+		if ws := book([]*Limiter{lone[0], lone[0], lone[0], lone[0], lone[0]}, 5*time.Second); ws[4] != 0 {
+			t.Errorf("5 calls of one limiter on a cold quota: waits %v, want all admitted now", ws)
+		}
+
+		warm := replicas("warm", 5)
+		warmUp(t, clock, time.Second, warm...)
+		clock.Add(2 * time.Second)
+		if ws := book(warm, 5*time.Second); ws[4] != 0 {
+			t.Errorf("a burst of lone calls of 5 replicas on a warm quota: waits %v, want all admitted now", ws)
+		}
+	})
+}

@@ -117,7 +117,13 @@ type SlidingLog struct {
 	// margin of 200ms (MarginCeiling if less): until they have left their
 	// windows, the margin in force keeps half of that from them, and half of
 	// its own. With the defaults and a one-second window, the window after a
-	// cold start begins 65ms after the first, not 30ms.
+	// cold start begins 65ms after the first, not 30ms. Meanwhile, a call
+	// that may wait and comes alone in its script call is paced as above
+	// when the log's latest entry, less than Window / Limit before it, is
+	// another limiter's: many small replicas that start together get their
+	// first window's calls spread over it rather than all at once, which
+	// Redis and their cores could not start on time. A lone limiter's calls,
+	// and the calls one process batches into a script call, are not paced.
 	//
 	// Half of the margin in force bounds how late a call may start: a call
 	// that would start more than that after its slot, beyond the usual delay

@@ -312,6 +312,7 @@ end
 -- read covers settles for r.pace after its last entry. The time is one the
 -- rules must settle from again.
 local PACE_READ = 16
+local PACED_SCAN = 32
 local function paced(r, t)
   flush(r)
   local raw = redis.call('ZRANGEBYSCORE', r.key, '(' .. str(t - r.pace), '+inf', 'WITHSCORES', 'LIMIT', 0, PACE_READ)
@@ -367,13 +368,17 @@ local function earliest(r, t, cost, budget)
     local at = earliest_log(r, from, cost, budget)
     r.memo[cost] = { t = t, at = at }
     r.fits = { c = cost, at = at }
-    if not h or cost < h.c or cost == h.c and at > h.at or h.t > t or h.w > r.window then
-      -- A search that began at the hint found no room from the hint's at
-      -- to its own either: the new hint holds from the old one's t, so that
-      -- a call asked from later (one that books ahead of its late reply)
-      -- does not make the calls asked from now read the log again.
+    -- A search that began at the hint, or from within the times it holds
+    -- for, found no room from the hint's at to its own either: the new hint
+    -- holds from the old one's t, so that a call asked from later (one that
+    -- books ahead of its late reply) does not make the calls asked from now
+    -- read the log again. A search from beyond the hint's at (from a paced
+    -- time past room the hint stops at) leaves the hint as it was, unless
+    -- that room is already past.
+    local joins = h and h.c <= cost and h.w <= r.window and h.t <= t and h.at >= t
+    if not h or cost < h.c or h.t > t or h.w > r.window or cost == h.c and at > h.at and (joins or h.at < now) then
       local since = t
-      if hinted then
+      if joins then
         since = h.t
       end
       r.hint = { t = since, at = at, c = cost, w = r.window }
@@ -516,6 +521,29 @@ for _, sc in ipairs(scopes) do
   sc.pause = pause_until(meta.pause, sc.pause_key)
 end
 local first = arg
+
+-- A quota warming up knows nothing yet of how many calls its fleet can
+-- start at once. Many small replicas that start together each ask for one
+-- call at a time, and cannot start a burst of them when it is due: Redis
+-- answers a burst of scripts at the end of its turn, a few cores run the
+-- replies one after the other. So while the quota warms up, a script that
+-- decides one call paces it (see Pacing in lib.lua) when the log's latest
+-- entry, less than the pace before it, is another limiter's: the calls of
+-- a burst of small replicas spread over the window instead of starting
+-- late. A lone limiter's calls, and a process's batch, which it starts
+-- together, are admitted at once.
+if warming and ncalls == 1 then
+  local own = string.match(ARGV[first], '^(.*):')
+  for _, r in ipairs(scopes[tonumber(ARGV[first + 4])].rs) do
+    if r.kind == LOG and r.margin >= GUARDED and not r.pace then
+      local pace = math.floor((r.window - r.margin) / r.limit)
+      local last = redis.call('ZRANGE', r.key, -1, -1, 'WITHSCORES')
+      if last[2] and tonumber(last[2]) > now - pace and string.match(last[1], '^(.*):') ~= own then
+        r.pace = pace
+      end
+    end
+  end
+end
 local at_once = false -- some call was admitted now
 local out = { str(now), str(scopes[1].pause), str(meta.epoch), lost, str(margin), 0, 0, str(meta.seq) }
 
@@ -566,7 +594,7 @@ for c = 0, ncalls - 1 do
       end
     end
   end
-  local pacing, unpaced = maxwait > 0, nil
+  local paces, unpaced = maxwait > 0 and 2 or 0, nil
   while moved and t < NEVER do
     moved = false
     rounds = rounds + 1
@@ -583,10 +611,15 @@ for c = 0, ncalls - 1 do
         end
       end
     end
-    if not moved and pacing and t < NEVER then
+    if not moved and paces > 0 and t < NEVER then
       -- Paced once the rules agree, if the call may wait that long; the
-      -- rules then settle again from the paced time.
-      pacing = false
+      -- rules then settle again from the paced time, within a short read:
+      -- the time the rules agreed on was room left among the log's
+      -- bookings (a booking given back), and the paced time lies among
+      -- them too, where a log booked far ahead would be read to its end.
+      -- Past that read, the log settles for its tail, which is paced once
+      -- more.
+      paces = paces - 1
       local p = t
       for _, r in ipairs(rs) do
         if r.pace and r.pace > 0 then
@@ -594,7 +627,8 @@ for c = 0, ncalls - 1 do
         end
       end
       if p > t and p - now <= maxwait then
-        unpaced, t, moved = t, p, true
+        unpaced, t, moved = unpaced or t, p, true
+        budget.left = math.min(budget.left, PACED_SCAN)
       end
     end
   end

@@ -473,6 +473,11 @@ local MAX_MARGIN = 1000000
 -- narrower gap (a quarter of it was tried) leaves the calls in bursts at
 -- that gap's rate, with the rest of each window empty, and starts them
 -- later.
+--
+-- A quota warming up paces the lone calls of many replicas too (see
+-- acquire.lua). A paced time may lie among the log's bookings (room left by
+-- a booking given back, too close to its neighbours): the rules settle from
+-- it within a short read, or else for the log's tail, paced once more.
 
 local function margin_ceiling(r)
   if r.kind ~= LOG or r.margin < GUARDED then
