@@ -166,6 +166,49 @@ func TestMargin_FollowsTheFleetsSpread(t *testing.T) {
 	})
 }
 
+// The calls of a cold quota's first moments are its start's burst, not how
+// the fleet runs: the spread they show widens the margin while the quota
+// warms up, but is not carried into the next timing period, which starts
+// from nothing (a warm quota's carries, as TestMargin_FollowsTheFleetsSpread
+// shows), and rises again as soon as enough of its calls are late.
+func TestMargin_ForgetsTheSpreadOfAWarmUp(t *testing.T) {
+	redistest.Each(t, func(t *testing.T, s *redistest.Server) {
+		clock := newClock()
+		lim := newLimiter(t, s.Client(t), policies.SlidingLog{Limit: 1000, Window: time.Second}, Options{Clock: clock.Now})
+		ctx := context.Background()
+		report := func(n int, late time.Duration) {
+			t.Helper()
+			for range n {
+				lim.lates.note(late)
+			}
+			lim.dropAllSpares(ctx)
+			if d, err := lim.Allow(ctx); err != nil || !d.OK {
+				t.Fatalf("Allow: %+v, %v", d, err)
+			}
+		}
+		check := func(what string, spread, margin time.Duration) {
+			t.Helper()
+			u, err := lim.Usage(ctx)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if u.Spread != spread || u.Rules[0].Margin != margin {
+				t.Errorf("%s: spread %v, margin %v; want %v, %v", what, u.Spread, u.Rules[0].Margin, spread, margin)
+			}
+		}
+		report(1, 0) // the quota's first call
+		report(100, 300*ms)
+		check("warming up, calls late", 362038*time.Microsecond, 100*ms)
+		// The next period, once the calls admitted while warming up have
+		// left their windows.
+		clock.Add(2 * time.Second)
+		report(100, 0)
+		check("the period after the warm-up, calls on time", 0, policies.DefaultMargin)
+		report(100, 40*ms)
+		check("the period after the warm-up, calls late", 45254*time.Microsecond, 90508*time.Microsecond)
+	})
+}
+
 // A saturated fleet books every call a window ahead, with the margin in
 // force. When its calls start on time again, the margin narrows within a
 // few windows all the same: a booking keeps half the wide margin from the

@@ -124,6 +124,9 @@ type SlidingLog struct {
 	// first window's calls spread over it rather than all at once, which
 	// Redis and their cores could not start on time. A lone limiter's calls,
 	// and the calls one process batches into a script call, are not paced.
+	// The spread the calls of a warm-up show (the start's burst) widens the
+	// margin while it lasts, but is not carried into the next timing period,
+	// which measures the fleet afresh.
 	//
 	// Half of the margin in force bounds how late a call may start: a call
 	// that would start more than that after its slot, beyond the usual delay

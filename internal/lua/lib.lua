@@ -321,9 +321,17 @@ local function note_timing(m, now, report, delay)
   end
   if m.jp ~= p then
     -- A new period: the last one, if it saw enough calls, says the spread;
-    -- a fleet idle for a period or more starts from nothing.
+    -- a fleet idle for a period or more starts from nothing, and so does a
+    -- fleet whose quota warmed up during the last one: what its calls
+    -- measured then was the start's burst (connections opened, scripts
+    -- answered at once), which the warm-up's margins and holds cover, not
+    -- how the fleet runs. The spread rises again as soon as enough calls
+    -- of the new period show it.
     local q, n = quantile(histogram(m))
-    if m.jp == p - 1 and n >= SPREAD_SAMPLES then
+    if m.jp == p - 1 and m.wu > m.jp * TIMING_PERIOD then
+      m.js = 0
+      m.pdx, m.pdn = m.dx, m.dn
+    elseif m.jp == p - 1 and n >= SPREAD_SAMPLES then
       m.js = q
       m.pdx, m.pdn = m.dx, m.dn
     elseif m.jp < p - 1 then
