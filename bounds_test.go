@@ -247,3 +247,79 @@ func TestScript_HintHoldsAfterAPacedCall(t *testing.T) {
 	}
 	checkRedisWindows(t, s.Client(t), lim, []model.Rule{toModel(lim.rules[0])})
 }
+
+// A slot already past that is given back (a call that started too late)
+// makes room only from now on, within a window of it. When the log's
+// entries from now on forbid all of that anyway (a log booked ahead), the
+// hint stays, and the next call reads the log from it (counted in Redis's
+// ZRANGE calls) instead of from now to the end; when the slot given back
+// does leave room, the hint is lowered and the next call takes it.
+func TestScript_HintStaysWhenAPastSlotLeavesNoRoom(t *testing.T) {
+	s := redistest.Real(t) // INFO commandstats
+	const limit, window = 50, 100 * time.Millisecond
+	admin := adminClient(t, s.Addr)
+	ctx := context.Background()
+	book := func(lim *Limiter, cost int) (result, int) {
+		t.Helper()
+		if err := admin.ConfigResetStat(ctx).Err(); err != nil {
+			t.Fatal(err)
+		}
+		r, err := lim.acquire(ctx, call{cost: cost}, time.Minute, nil)
+		if err != nil || !r.admitted {
+			t.Fatalf("acquire: %+v, %v", r, err)
+		}
+		reads := 0
+		if stats, ok := commandsRun(t, admin)["zrange"]; ok {
+			calls, _, _ := strings.Cut(strings.TrimPrefix(stats, "calls="), ",")
+			reads, _ = strconv.Atoi(calls)
+		}
+		return r, reads
+	}
+	policy := policies.SlidingLog{Limit: limit, Window: window, Margin: time.Nanosecond}
+
+	// A call admitted now, 49 a millisecond later, and nineteen windows
+	// booked ahead: 1,000 entries, more than one call reads.
+	clock := newClock()
+	ahead := newLimiter(t, s.Client(t), policy, Options{Clock: clock.Now, Prefix: "ahead"})
+	first, _ := book(ahead, 1)
+	clock.Add(ms)
+	for i := range 20 {
+		cost := limit
+		if i == 0 {
+			cost = limit - 1
+		}
+		if r, _ := book(ahead, cost); i == 0 && r.wait != 0 {
+			t.Fatalf("the 49 calls after the first booked %v ahead, want admitted now", r.wait)
+		}
+	}
+	tail, _ := book(ahead, 1)
+	// The first call started too late: its slot, already past, is given
+	// back. The windows from now on are full of bookings: no room.
+	clock.Add(9 * ms)
+	ahead.cancel(ctx, call{cost: 1}, first)
+	r, reads := book(ahead, 1)
+	if r.slot() != tail.slot() {
+		t.Errorf("after a past slot was given back, booked at %v, want %v (beside the call before it)", r.slot(), tail.slot())
+	}
+	if reads > 4 {
+		t.Errorf("after a past slot was given back, the call read the log with %d ZRANGE calls, want 4 at most (from the hint)", reads)
+	}
+	checkRedisWindows(t, s.Client(t), ahead, []model.Rule{toModel(ahead.rules[0])})
+
+	// A full window, and the next booked more than a window after now: the
+	// slot given back is room now.
+	clock = newClock()
+	now := newLimiter(t, s.Client(t), policy, Options{Clock: clock.Now, Prefix: "now"})
+	first, _ = book(now, limit)
+	if r, err := now.acquire(ctx, call{cost: limit, lead: 150 * ms}, time.Minute, nil); err != nil || !r.admitted || r.wait != 150*ms {
+		t.Fatalf("a window booked 150ms ahead: %+v, %v", r, err)
+	}
+	if r, _ := book(now, 1); r.wait != 250*ms {
+		t.Fatalf("a call after them booked %v ahead, want %v", r.wait, 250*ms)
+	}
+	clock.Add(10 * ms)
+	now.cancel(ctx, call{cost: limit}, first)
+	if r, _ := book(now, 1); r.wait != 0 {
+		t.Errorf("after the full window's slot was given back, booked %v ahead, want admitted now", r.wait)
+	}
+}

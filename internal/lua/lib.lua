@@ -756,14 +756,28 @@ local function write_hint(r, now)
     'PX', math.ceil((math.max(h.at, now) - now + r.keep) / 1000) + SLACK)
 end
 
--- lower_hint makes the hint of log r say nothing after time t.
-local function lower_hint(r, t, now)
+-- lower_hint makes the hint of log r say nothing after time t, for units
+-- taken out at time slot. Units of a slot already past make room only at
+-- times from now on and within a window of it; when the log's entries from
+-- now on already forbid every such time to a call of one unit (the
+-- limit-th of them lies within the hint's window of now: those entries hold
+-- a full window between now and the first of them plus a window), the
+-- hint stays, as true as it was.
+local function lower_hint(r, t, slot, now)
   local h = read_hint(r)
-  if h and h.at > t then
-    h.at = t
-    r.hint = h
-    write_hint(r, now)
+  if not h or h.at <= t then
+    return
   end
+  if slot < now then
+    local rank = redis.call('ZCOUNT', r.key, '-inf', '(' .. str(now)) + r.limit - 1
+    local e = redis.call('ZRANGE', r.key, rank, rank, 'WITHSCORES')
+    if e[2] and tonumber(e[2]) < now + h.w then
+      return
+    end
+  end
+  h.at = t
+  r.hint = h
+  write_hint(r, now)
 end
 
 -- change applies a change of units (positive: charge, negative: refund) to the
@@ -781,13 +795,7 @@ local function change(r, id, from, to, t, now)
     else
       zrem(r.key, id, to + 1, from)
       -- Taking out units booked at t makes room only in windows holding t.
-      -- For a slot already past (a call that came too late gives its slot
-      -- back), the times that could gain room lie between now and t + w,
-      -- all within the window (t, t + w]: if that window is full anyway,
-      -- none gains room, and the hint stays.
-      if t >= now or redis.call('ZCOUNT', r.key, '(' .. str(t), str(t + r.window)) < r.limit then
-        lower_hint(r, t - r.keep, now)
-      end
+      lower_hint(r, t - r.keep, t, now)
     end
   elseif r.kind == COUNTER then
     local b = str(bucket_of(t, r.width))
