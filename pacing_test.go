@@ -94,14 +94,16 @@ func TestPacing_SpreadsTheCallsOfALateFleet(t *testing.T) {
 }
 
 // While a quota warms up, many small replicas that start together each ask
-// for one call: their calls are paced, the log's average gap apart (here
-// 1s / 20 = 50ms), instead of admitted in a burst that Redis and their cores
-// would start late. A lone limiter's calls, a call that may not wait, and
-// the same burst once the quota has warmed up are admitted at once.
+// for one call: once the log's latest 8 entries are the lone calls of as
+// many limiters, their calls are paced, the log's average gap apart (here
+// 1s / 40 = 25ms), instead of admitted in a burst that Redis and their cores
+// would start late. A few replicas, a lone limiter's calls, a call that may
+// not wait, and the same burst once the quota has warmed up are admitted
+// at once.
 func TestPacing_SpreadsTheLoneCallsOfManyReplicasWhileWarm(t *testing.T) {
 	redistest.Each(t, func(t *testing.T, s *redistest.Server) {
-		const pace = 50 * time.Millisecond
-		policy := policies.SlidingLog{Limit: 20, Window: time.Second}
+		const pace = 25 * time.Millisecond
+		policy := policies.SlidingLog{Limit: 40, Window: time.Second}
 		clock := newClock()
 		ctx := context.Background()
 		replicas := func(prefix string, n int) []*Limiter {
@@ -126,24 +128,25 @@ func TestPacing_SpreadsTheLoneCallsOfManyReplicasWhileWarm(t *testing.T) {
 			return ws
 		}
 
-		cold := replicas("cold", 5)
-		if ws := book(cold, 5*time.Second); ws[0] != 0 || ws[1] != pace || ws[2] != 2*pace || ws[4] != 4*pace {
-			t.Errorf("a burst of lone calls of 5 replicas on a cold quota: waits %v, want each %v after the one before", ws, pace)
+		cold := replicas("cold", 12)
+		ws := book(cold, 5*time.Second)
+		if ws[7] != 0 || ws[8] != pace || ws[9] != 2*pace || ws[11] != 4*pace {
+			t.Errorf("a burst of lone calls of 12 replicas on a cold quota: waits %v, want 8 admitted now, then each %v after the one before", ws, pace)
 		}
 		if ws := book(replicas("cold", 1), 0); ws[0] != 0 {
 			t.Errorf("a call that may not wait was booked %v ahead, want admitted now", ws[0])
 		}
 
-		lone := replicas("lone", 1)
-		if ws := book([]*Limiter{lone[0], lone[0], lone[0], lone[0], lone[0]}, 5*time.Second); ws[4] != 0 {
-			t.Errorf("5 calls of one limiter on a cold quota: waits %v, want all admitted now", ws)
+		few := replicas("few", 3)
+		if ws := book(append(append(append([]*Limiter{}, few...), few...), append(few, few...)...), 5*time.Second); ws[11] != 0 {
+			t.Errorf("12 lone calls of 3 replicas on a cold quota: waits %v, want all admitted now", ws)
 		}
 
-		warm := replicas("warm", 5)
+		warm := replicas("warm", 12)
 		warmUp(t, clock, time.Second, warm...)
 		clock.Add(2 * time.Second)
-		if ws := book(warm, 5*time.Second); ws[4] != 0 {
-			t.Errorf("a burst of lone calls of 5 replicas on a warm quota: waits %v, want all admitted now", ws)
+		if ws := book(warm, 5*time.Second); ws[11] != 0 {
+			t.Errorf("a burst of lone calls of 12 replicas on a warm quota: waits %v, want all admitted now", ws)
 		}
 	})
 }

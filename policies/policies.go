@@ -119,11 +119,12 @@ type SlidingLog struct {
 	// its own. With the defaults and a one-second window, the window after a
 	// cold start begins 65ms after the first, not 30ms. Meanwhile, a call
 	// that may wait and comes alone in its script call is paced as above
-	// when the log's latest entry, less than Window / Limit before it, is
-	// another limiter's: many small replicas that start together get their
-	// first window's calls spread over it rather than all at once, which
-	// Redis and their cores could not start on time. A lone limiter's calls,
-	// and the calls one process batches into a script call, are not paced.
+	// when the log's latest 8 entries are the lone calls of 8 other
+	// limiters, the latest less than Window / Limit before it: many small
+	// replicas that start together get their first window's calls spread
+	// over it rather than all at once, which Redis and their cores could not
+	// start on time. A few replicas, a lone limiter's calls, and the calls
+	// one process batches into a script call are not paced.
 	// The spread the calls of a warm-up show (the start's burst) widens the
 	// margin while it lasts, but is not carried into the next timing period,
 	// which measures the fleet afresh.

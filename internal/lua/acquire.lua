@@ -528,22 +528,34 @@ local first = arg
 -- answers a burst of scripts at the end of its turn, a few cores run the
 -- replies one after the other. So while the quota warms up, a script that
 -- decides one call paces it (see Pacing in lib.lua) when the log's latest
--- entry, less than the pace before it, is another limiter's: the calls of
--- a burst of small replicas spread over the window instead of starting
--- late. A lone limiter's calls, and a process's batch, which it starts
+-- WARM_PACERS entries are the lone calls of as many other limiters, the
+-- latest less than the pace before it: the calls of a burst of small
+-- replicas spread over the window instead of starting late. A few
+-- replicas, a lone limiter's calls, and a process's batch, which it starts
 -- together, are admitted at once.
+local WARM_PACERS = 8
 if warming and ncalls == 1 then
   local own = string.match(ARGV[first], '^(.*):')
   for _, r in ipairs(scopes[tonumber(ARGV[first + 4])].rs) do
     if r.kind == LOG and r.margin >= GUARDED and not r.pace then
       local pace = math.floor((r.window - r.margin) / r.limit)
-      local last = redis.call('ZRANGE', r.key, -1, -1, 'WITHSCORES')
-      if last[2] and tonumber(last[2]) > now - pace and string.match(last[1], '^(.*):') ~= own then
-        r.pace = pace
+      local last = redis.call('ZRANGE', r.key, -WARM_PACERS, -1, 'WITHSCORES')
+      if #last == 2 * WARM_PACERS and tonumber(last[#last]) > now - pace then
+        local others, n = {}, 0
+        for i = 1, #last, 2 do
+          local l = string.match(last[i], '^(.*):')
+          if l ~= own and not others[l] then
+            others[l], n = true, n + 1
+          end
+        end
+        if n == WARM_PACERS then
+          r.pace = pace
+        end
       end
     end
   end
 end
+
 local at_once = false -- some call was admitted now
 local out = { str(now), str(scopes[1].pause), str(meta.epoch), lost, str(margin), 0, 0, str(meta.seq) }
 
