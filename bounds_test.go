@@ -8,6 +8,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/redis/go-redis/v9"
+
 	"github.com/throttlekit/throttle/internal/model"
 	"github.com/throttlekit/throttle/internal/redistest"
 	"github.com/throttlekit/throttle/policies"
@@ -138,19 +140,7 @@ func TestScript_HintHoldsAfterACallThatBooksAhead(t *testing.T) {
 	}
 	book := func(lead time.Duration) (result, int) {
 		t.Helper()
-		if err := admin.ConfigResetStat(ctx).Err(); err != nil {
-			t.Fatal(err)
-		}
-		r, err := lim.acquire(ctx, call{cost: 1, lead: lead}, time.Minute, nil)
-		if err != nil || !r.admitted {
-			t.Fatalf("acquire, lead %v: %+v, %v", lead, r, err)
-		}
-		reads := 0
-		if stats, ok := commandsRun(t, admin)["zrange"]; ok {
-			calls, _, _ := strings.Cut(strings.TrimPrefix(stats, "calls="), ",")
-			reads, _ = strconv.Atoi(calls)
-		}
-		return r, reads
+		return acquireReads(t, admin, lim, call{cost: 1, lead: lead})
 	}
 	// A window's worth of calls of cost 1 after the last booked window.
 	for i := range limit {
@@ -187,16 +177,10 @@ func TestScript_HintHoldsAfterAPacedCall(t *testing.T) {
 	// The fleet's calls start later than the widest margin covers (told
 	// with the second call, once the quota exists): the margin in force is
 	// its ceiling, and a call that may wait is paced.
-	for i := range 2 {
-		if i == 1 {
-			for range 60 {
-				lim.lates.note(60 * ms)
-			}
-		}
-		if d, err := lim.Allow(ctx); err != nil || !d.OK {
-			t.Fatalf("Allow: %+v, %v", d, err)
-		}
+	if d, err := lim.Allow(ctx); err != nil || !d.OK {
+		t.Fatalf("Allow: %+v, %v", d, err)
 	}
+	reportLates(t, lim, 60, 60*ms)
 	const inForce = window + 100*ms
 	// Twenty windows booked ahead, a window's calls at one slot each by
 	// calls that may not wait as long as pacing would have them: 1,000
@@ -220,19 +204,7 @@ func TestScript_HintHoldsAfterAPacedCall(t *testing.T) {
 	lim.cancel(ctx, call{cost: 1}, deep)
 	book := func() (result, int) {
 		t.Helper()
-		if err := admin.ConfigResetStat(ctx).Err(); err != nil {
-			t.Fatal(err)
-		}
-		r, err := lim.acquire(ctx, call{cost: 1}, time.Minute, nil)
-		if err != nil || !r.admitted {
-			t.Fatalf("acquire: %+v, %v", r, err)
-		}
-		reads := 0
-		if stats, ok := commandsRun(t, admin)["zrange"]; ok {
-			calls, _, _ := strings.Cut(strings.TrimPrefix(stats, "calls="), ",")
-			reads, _ = strconv.Atoi(calls)
-		}
-		return r, reads
+		return acquireReads(t, admin, lim, call{cost: 1})
 	}
 	tail := 20 * inForce
 	if r, _ := book(); r.wait != tail {
@@ -261,19 +233,7 @@ func TestScript_HintStaysWhenAPastSlotLeavesNoRoom(t *testing.T) {
 	ctx := context.Background()
 	book := func(lim *Limiter, cost int) (result, int) {
 		t.Helper()
-		if err := admin.ConfigResetStat(ctx).Err(); err != nil {
-			t.Fatal(err)
-		}
-		r, err := lim.acquire(ctx, call{cost: cost}, time.Minute, nil)
-		if err != nil || !r.admitted {
-			t.Fatalf("acquire: %+v, %v", r, err)
-		}
-		reads := 0
-		if stats, ok := commandsRun(t, admin)["zrange"]; ok {
-			calls, _, _ := strings.Cut(strings.TrimPrefix(stats, "calls="), ",")
-			reads, _ = strconv.Atoi(calls)
-		}
-		return r, reads
+		return acquireReads(t, admin, lim, call{cost: cost})
 	}
 	policy := policies.SlidingLog{Limit: limit, Window: window, Margin: time.Nanosecond}
 
@@ -322,4 +282,26 @@ func TestScript_HintStaysWhenAPastSlotLeavesNoRoom(t *testing.T) {
 	if r, _ := book(now, 1); r.wait != 0 {
 		t.Errorf("after the full window's slot was given back, booked %v ahead, want admitted now", r.wait)
 	}
+}
+
+// acquireReads asks lim for call c, which may wait a minute and must be
+// admitted, and returns its result and how many ZRANGE calls Redis ran for
+// it (INFO commandstats, reset first through admin): how much of the log
+// its script read.
+func acquireReads(t *testing.T, admin *redis.Client, lim *Limiter, c call) (result, int) {
+	t.Helper()
+	ctx := context.Background()
+	if err := admin.ConfigResetStat(ctx).Err(); err != nil {
+		t.Fatal(err)
+	}
+	r, err := lim.acquire(ctx, c, time.Minute, nil)
+	if err != nil || !r.admitted {
+		t.Fatalf("acquire %+v: %+v, %v", c, r, err)
+	}
+	reads := 0
+	if stats, ok := commandsRun(t, admin)["zrange"]; ok {
+		calls, _, _ := strings.Cut(strings.TrimPrefix(stats, "calls="), ",")
+		reads, _ = strconv.Atoi(calls)
+	}
+	return r, reads
 }

@@ -97,6 +97,22 @@ func TestTiming_UsualDelay(t *testing.T) {
 	}
 }
 
+// reportLates notes n calls of l that started late, and tells the fleet
+// with an Allow that must be admitted. On a clock that stands still, a
+// spare admission would keep the report for the limiter's next script
+// call: none is left.
+func reportLates(t *testing.T, l *Limiter, n int, late time.Duration) {
+	t.Helper()
+	for range n {
+		l.lates.note(late)
+	}
+	ctx := context.Background()
+	l.dropAllSpares(ctx)
+	if d, err := l.Allow(ctx); err != nil || !d.OK {
+		t.Fatalf("Allow: %+v, %v", d, err)
+	}
+}
+
 // The margin in force follows the spread of the fleet's calls, from the
 // configured margin up to a tenth of the window, and narrows once the calls
 // start on time again. A counter's margin, and a margin set under 2ms, stay
@@ -128,15 +144,7 @@ func TestMargin_FollowsTheFleetsSpread(t *testing.T) {
 		}
 		report := func(l *Limiter, n int, late time.Duration) {
 			t.Helper()
-			for range n {
-				l.lates.note(late)
-			}
-			// On a clock that stands still, a spare admission would keep
-			// the report for the limiter's next script call: none is left.
-			l.dropAllSpares(ctx)
-			if d, err := l.Allow(ctx); err != nil || !d.OK {
-				t.Fatalf("Allow: %+v, %v", d, err)
-			}
+			reportLates(t, l, n, late)
 		}
 		warmUp(t, clock, 2*time.Second, a, b)
 		report(a, 100, 0)
@@ -178,13 +186,7 @@ func TestMargin_ForgetsTheSpreadOfAWarmUp(t *testing.T) {
 		ctx := context.Background()
 		report := func(n int, late time.Duration) {
 			t.Helper()
-			for range n {
-				lim.lates.note(late)
-			}
-			lim.dropAllSpares(ctx)
-			if d, err := lim.Allow(ctx); err != nil || !d.OK {
-				t.Fatalf("Allow: %+v, %v", d, err)
-			}
+			reportLates(t, lim, n, late)
 		}
 		check := func(what string, spread, margin time.Duration) {
 			t.Helper()
