@@ -72,14 +72,11 @@ func (l *Limiter) wait(ctx context.Context, c call) (*Permit, error) {
 		late, tooLate := l.late(r)
 		replyLate := tooLate
 		if !tooLate && r.wait > 0 {
-			// The script counted the wait from its own clock; the reply took
-			// some of it to arrive, so sleeping the whole wait from here never
-			// wakes early.
 			if deadline, ok := ctx.Deadline(); ok && time.Now().Add(r.wait).After(deadline) {
 				l.cancel(ctx, c, r)
 				return nil, l.limited(r.wait, "the slot lies beyond the context's deadline")
 			}
-			if err := sleep(ctx, r.wait); err != nil {
+			if err := l.sleepToSlot(ctx, r); err != nil {
 				l.cancel(ctx, c, r)
 				return nil, err
 			}
@@ -113,6 +110,45 @@ func (l *Limiter) wait(ctx context.Context, c call) (*Permit, error) {
 		}
 		return l.permit(c, r, time.Since(start)), nil
 	}
+}
+
+// wakeLead is how long before its slot a sleeping call looks at the
+// process's fastest reply again (see sleepToSlot).
+const wakeLead = 100 * time.Millisecond
+
+// sleepToSlot sleeps until the slot of the booked call r. The call wakes at
+// its slot by the clock of the fastest reply seen (see timing.wakeIn): not
+// before the slot by Redis's clock (but for the two clocks' drift since that
+// reply, under a millisecond), and not as late as r's reply was. Sleeping
+// the whole wait from the reply's arrival would start the call as much
+// after its slot as the reply was slow, every call of a busy Redis's long
+// turn late by its place in the turn. A long sleep looks again shortly
+// before the slot (half the way, wakeLead at most): a process's first
+// replies, a burst's held up in Redis's long turns, are slower than those
+// that come while its first calls sleep, and a call that woke by them would
+// start late against what the process then knows, and book again. Without
+// a reading, or decided by the Local fallback, it sleeps the whole wait,
+// which never wakes early either.
+func (l *Limiter) sleepToSlot(ctx context.Context, r result) error {
+	d := r.wait
+	if r.local {
+		return sleep(ctx, d)
+	}
+	in, ok := l.timing.wakeIn(r.startsAt())
+	if !ok {
+		return sleep(ctx, d)
+	}
+	d = min(d, in)
+	if lead := min(d/2, wakeLead); lead > 0 {
+		if err := sleep(ctx, d-lead); err != nil {
+			return err
+		}
+		d = lead
+		if in, ok := l.timing.wakeIn(r.startsAt()); ok {
+			d = min(d, in)
+		}
+	}
+	return sleep(ctx, d)
 }
 
 // now decides a call that runs now or not at all (FailFast, Allow, shadow

@@ -199,6 +199,24 @@ func (k *timing) lateness(slot time.Duration) (time.Duration, bool) {
 	return at - slot - fast, true
 }
 
+// wakeIn returns how long from now until a call whose slot starts at Redis
+// time at starts with no lateness: at that local time, a reply sent at the
+// slot by the fastest way seen would just have arrived, so Redis's clock has
+// passed the slot (by that way's delay, less the drift of the two clocks
+// since that reply: under a millisecond in the two periods a reading is
+// kept, and a step resets the readings; see observe): the lateness of a
+// call starting now, negated. A call that sleeps its wait from when a slow
+// reply arrived starts late by all the reply's delay beyond the fastest;
+// waking by this clock starts it on time however late its reply came.
+// False before any reading, or when the time is given.
+func (k *timing) wakeIn(at time.Duration) (time.Duration, bool) {
+	if k.clock != nil {
+		return 0, false
+	}
+	late, ok := k.lateness(at)
+	return -late, ok
+}
+
 // redisAt returns an estimate of Redis's clock at the local time at that is
 // never behind it: a request sent at local time asked reached Redis no
 // earlier than asked, so Redis's clock runs at most (Redis now - asked)

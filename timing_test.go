@@ -211,6 +211,58 @@ func TestMargin_ForgetsTheSpreadOfAWarmUp(t *testing.T) {
 	})
 }
 
+// The usual delays the processes report while a quota warms up were read
+// off the replies of the start's burst, held up in Redis's long turns: the
+// period after the warm-up does not carry them (a process 40ms "away" then
+// is 1ms away now), as it carries a warm period's until every process has
+// reported again.
+func TestMargin_ForgetsTheDelaysOfAWarmUp(t *testing.T) {
+	redistest.Each(t, func(t *testing.T, s *redistest.Server) {
+		clock := newClock() // at the start of a timing period
+		policy := policies.SlidingLog{Limit: 1000, Window: time.Second}
+		a := newLimiter(t, s.Client(t), policy, Options{Clock: clock.Now})
+		b, err := New(s.Client(t), a.Name(), policy, Options{Clock: clock.Now})
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { _ = b.Close(context.Background()) })
+		ctx := context.Background()
+		// delay sets the usual one-way delay a process reports.
+		delay := func(l *Limiter, d time.Duration) {
+			l.timing.mu.Lock()
+			l.timing.trip = [2]minimum{{v: 2 * d, set: true}}
+			l.timing.readings = minReadings
+			l.timing.mu.Unlock()
+		}
+		check := func(what string, want time.Duration) {
+			t.Helper()
+			u, err := a.Usage(ctx)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if u.Spread != want {
+				t.Errorf("%s: spread %v, want %v", what, u.Spread, want)
+			}
+		}
+		reportLates(t, b, 0, 0) // the quota's first call: it warms up
+		delay(a, 40*ms)
+		delay(b, 0)
+		reportLates(t, a, 0, 0)
+		reportLates(t, b, 0, 0)
+		check("warming up", 40*ms)
+		clock.Add(2 * time.Second)
+		delay(a, ms)
+		reportLates(t, b, 0, 0)
+		reportLates(t, a, 50, 0) // enough calls for the period to count
+		check("the period after the warm-up", ms)
+		// A warm period's delays hold into the next one: a has not
+		// reported in it yet.
+		clock.Add(2 * time.Second)
+		reportLates(t, b, 0, 0)
+		check("the period after a warm one", ms)
+	})
+}
+
 // A saturated fleet books every call a window ahead, with the margin in
 // force. When its calls start on time again, the margin narrows within a
 // few windows all the same: a booking keeps half the wide margin from the
@@ -329,15 +381,22 @@ func (*slowReplies) ProcessPipelineHook(next redis.ProcessPipelineHook) redis.Pr
 	return next
 }
 
+// slowLimiter is a limiter of policy p on a client of s whose script
+// replies the test can slow down by d (see slowReplies).
+func slowLimiter(t *testing.T, s *redistest.Server, d time.Duration, p policies.Policy, opts ...Options) (*Limiter, *slowReplies, *redis.Client) {
+	t.Helper()
+	rdb := s.Client(t)
+	slow := &slowReplies{d: d}
+	rdb.AddHook(slow)
+	return newLimiter(t, rdb, p, opts...), slow, rdb
+}
+
 // guardLimiter is one call per 100ms with a 10ms margin, per key, on a
 // client whose replies the test can slow down, with the usual delay of the
 // replies already known.
 func guardLimiter(t *testing.T, s *redistest.Server, opts ...Options) (*Limiter, *slowReplies) {
 	t.Helper()
-	rdb := s.Client(t)
-	slow := &slowReplies{d: 60 * ms}
-	rdb.AddHook(slow)
-	lim := newLimiter(t, rdb, policies.PerKey{Policy: policies.SlidingLog{Limit: 1, Window: 100 * ms, Margin: 10 * ms}}, opts...)
+	lim, slow, _ := slowLimiter(t, s, 60*ms, policies.PerKey{Policy: policies.SlidingLog{Limit: 1, Window: 100 * ms, Margin: 10 * ms}}, opts...)
 	for _, k := range []string{"w1", "w2", "w3"} {
 		if _, err := lim.Allow(context.Background(), Key(k)); err != nil {
 			t.Fatal(err)
@@ -416,12 +475,9 @@ func TestGuard_LateReplyWaitsForASlotAhead(t *testing.T) {
 	redistest.Each(t, func(t *testing.T, s *redistest.Server) {
 		// A margin of 100ms, so that a busy machine's wake-ups, which it
 		// allows 50ms, do not book again; the first reply comes 300ms late.
-		rdb := s.Client(t)
-		slow := &slowReplies{d: 300 * ms}
+		lim, slow, rdb := slowLimiter(t, s, 300*ms, policies.PerKey{Policy: policies.SlidingLog{Limit: 1, Window: time.Second, Margin: 100 * ms}})
 		reports := &lateReports{}
-		rdb.AddHook(slow)
 		rdb.AddHook(reports)
-		lim := newLimiter(t, rdb, policies.PerKey{Policy: policies.SlidingLog{Limit: 1, Window: time.Second, Margin: 100 * ms}})
 		for _, k := range []string{"w1", "w2", "w3"} {
 			if _, err := lim.Allow(context.Background(), Key(k)); err != nil {
 				t.Fatal(err)
@@ -450,6 +506,97 @@ func TestGuard_LateReplyWaitsForASlotAhead(t *testing.T) {
 		// second script call: bucket 17 holds 256ms to 362ms.
 		if !reports.has(16, 18) {
 			t.Errorf("latenesses reported %q, want the 300ms reply among them", reports.all())
+		}
+	})
+}
+
+// A reply that comes back late, but with its slot still ahead, does not
+// make the call late: the call sleeps until its slot by the clock of the
+// fastest reply seen, not for the whole wait from the slow reply's arrival
+// (which would start it the reply's delay after its slot, every call of a
+// busy Redis's long turn as late as its reply). It never starts before its
+// slot by Redis's clock either.
+func TestGuard_SlowReplyStillStartsOnItsSlot(t *testing.T) {
+	redistest.Each(t, func(t *testing.T, s *redistest.Server) {
+		// A margin of 200ms: the late-start guard allows 100ms, so the
+		// 60ms reply is not too late, and a busy machine's wake-ups do not
+		// book again.
+		lim, slow, rdb := slowLimiter(t, s, 60*ms, policies.PerKey{Policy: policies.SlidingLog{Limit: 1, Window: 300 * ms, Margin: 200 * ms}})
+		ctx := context.Background()
+		for _, k := range []string{"w1", "w2", "w3", "a"} {
+			if _, err := lim.Allow(ctx, Key(k)); err != nil {
+				t.Fatal(err)
+			}
+		}
+		slow.scripts.Store(0)
+		slow.n.Store(1)
+		p, err := lim.Acquire(ctx, Key("a"))
+		if err != nil {
+			t.Fatal(err)
+		}
+		late, ok := lim.timing.lateness(p.r.startsAt())
+		redisNow, terr := rdb.Time(ctx).Result()
+		if terr != nil {
+			t.Fatal(terr)
+		}
+		if n := slow.scripts.Load(); n != 1 {
+			t.Errorf("%d script calls, want 1: the slot lay ahead of the slow reply", n)
+		}
+		if p.r.wait < 200*ms {
+			t.Errorf("booked %v ahead, want a window ahead, past the 60ms reply", p.r.wait)
+		}
+		if !ok || late >= 30*ms {
+			t.Errorf("the call started %v after its slot (known %v), want well under the reply's 60ms: it wakes by the fastest reply's clock", late, ok)
+		}
+		if at := time.Duration(redisNow.UnixNano()); at < p.r.startsAt() {
+			t.Errorf("the call started at Redis time %v, %v before its slot", at, p.r.startsAt()-at)
+		}
+	})
+}
+
+// A process's first replies may all be slow (a burst held up in Redis's
+// long turns) and the faster ones come while its first calls sleep. A
+// sleeping call looks at the fastest reply again shortly before its slot,
+// and starts on time by it, instead of waking by the slow reply it knew
+// when it went to sleep, late against the faster one, and booking again.
+func TestGuard_SleepingCallFollowsAFasterReply(t *testing.T) {
+	redistest.Each(t, func(t *testing.T, s *redistest.Server) {
+		// A margin of 100ms: the guard allows 50ms, half the 100ms by
+		// which the fastest reply gets faster.
+		lim, slow, _ := slowLimiter(t, s, 100*ms, policies.PerKey{Policy: policies.SlidingLog{Limit: 1, Window: 600 * ms, Margin: 100 * ms}})
+		ctx := context.Background()
+		slow.n.Store(2) // the process's first two replies
+		if _, err := lim.Allow(ctx, Key("a")); err != nil {
+			t.Fatal(err)
+		}
+		type acquired struct {
+			p   *Permit
+			err error
+		}
+		done := make(chan acquired, 1)
+		go func() {
+			p, err := lim.Acquire(ctx, Key("a"))
+			done <- acquired{p, err}
+		}()
+		for slow.scripts.Load() < 2 {
+			time.Sleep(ms)
+		}
+		// While the call sleeps towards its slot, a reply comes back 100ms
+		// faster than every reply before it.
+		time.Sleep(50 * ms)
+		if _, err := lim.Allow(ctx, Key("b")); err != nil {
+			t.Fatal(err)
+		}
+		a := <-done
+		if a.err != nil {
+			t.Fatal(a.err)
+		}
+		late, ok := lim.timing.lateness(a.p.r.startsAt())
+		if n := slow.scripts.Load(); n != 3 {
+			t.Errorf("%d script calls, want 3: the sleeping call was not booked again", n)
+		}
+		if !ok || late >= 40*ms {
+			t.Errorf("the call started %v after its slot by the faster reply (known %v), want well under 50ms", late, ok)
 		}
 	})
 }

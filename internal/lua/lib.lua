@@ -325,12 +325,15 @@ local function note_timing(m, now, report, delay)
     -- fleet whose quota warmed up during the last one: what its calls
     -- measured then was the start's burst (connections opened, scripts
     -- answered at once), which the warm-up's margins and holds cover, not
-    -- how the fleet runs. The spread rises again as soon as enough calls
-    -- of the new period show it.
+    -- how the fleet runs. Its processes' usual delays too: each was read
+    -- off the fastest of the replies of that burst, all of them held up in
+    -- Redis's long turns. The spread rises again as soon as enough calls
+    -- of the new period show it, and the delays as soon as the processes
+    -- report them, with their next script calls.
     local q, n = quantile(histogram(m))
     if m.jp == p - 1 and m.wu > m.jp * TIMING_PERIOD then
       m.js = 0
-      m.pdx, m.pdn = m.dx, m.dn
+      m.pdx, m.pdn = -1, -1
     elseif m.jp == p - 1 and n >= SPREAD_SAMPLES then
       m.js = q
       m.pdx, m.pdn = m.dx, m.dn
