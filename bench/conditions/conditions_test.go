@@ -168,6 +168,9 @@ func TestParseFlags_RejectsAnUnknownScenario(t *testing.T) {
 	if _, err := parseFlags([]string{"-only", "fleet-d7"}, io.Discard); err == nil || !strings.Contains(err.Error(), "fleet-d25") {
 		t.Errorf("parseFlags(-only fleet-d7) = %v, want an error listing the scenarios", err)
 	}
+	if _, err := parseFlags([]string{"-margin", "1s"}, io.Discard); err == nil || !strings.Contains(err.Error(), "-margin") {
+		t.Errorf("parseFlags(-margin 1s) = %v, want an error naming -margin", err)
+	}
 	opts, err := parseFlags([]string{"-only", "busy, fleet-d0", "-duration", "2s"}, io.Discard)
 	if err != nil {
 		t.Fatal(err)
@@ -179,7 +182,7 @@ func TestParseFlags_RejectsAnUnknownScenario(t *testing.T) {
 
 func TestReplicaConfig_ArgsRoundTrip(t *testing.T) {
 	rc := replicaConfig{ID: 2, Redis: "127.0.0.1:1", Vendor: "http://127.0.0.1:2/call", Quota: "q",
-		Limit: 100, Window: time.Second, Limiters: 3, Workers: 20, Pool: 20}
+		Limit: 100, Window: time.Second, Limiters: 3, Workers: 20, Pool: 20, Margin: 5 * time.Millisecond}
 	args := rc.args()
 	got, err := parseReplicaArgs(args[1:])
 	if err != nil {

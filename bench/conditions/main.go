@@ -18,7 +18,7 @@
 // the run's end does not cancel: an admitted call completes), which answers
 // an accepted call after 10ms. The quota is a
 // policies.SlidingLog with the vendor's Limit and Window and the default
-// Margin. Redis is a throwaway redis-server the program starts on a free
+// Margin (-margin sets another). Redis is a throwaway redis-server the program starts on a free
 // 127.0.0.1 port (never 6379), with no persistence, emptied before each
 // scenario and killed at the end.
 //
@@ -106,6 +106,7 @@ type options struct {
 	only     []string
 	duration time.Duration
 	timeline time.Duration
+	margin   time.Duration // the SlidingLog's Margin; 0: the default
 
 	// exe is the program the replicas run; os.Executable() when empty.
 	exe string
@@ -143,6 +144,7 @@ func parseFlags(args []string, stderr io.Writer) (options, error) {
 	only := fs.String("only", "", "run only these scenarios, comma-separated: "+strings.Join(scenarioNames(), ", "))
 	fs.DurationVar(&opts.duration, "duration", 10*time.Second, "how long each scenario's workers run")
 	fs.DurationVar(&opts.timeline, "timeline", 0, "print each scenario's arrivals, window count, spread and margin every `D` (0: none)")
+	fs.DurationVar(&opts.margin, "margin", 0, "the quota's SlidingLog `Margin` (0: policies.DefaultMargin, 30ms)")
 	if err := fs.Parse(args); err != nil {
 		return opts, err
 	}
@@ -151,6 +153,9 @@ func parseFlags(args []string, stderr io.Writer) (options, error) {
 	}
 	if opts.duration <= 0 {
 		return opts, fmt.Errorf("-duration must be positive, got %v", opts.duration)
+	}
+	if opts.margin < 0 || opts.margin >= window {
+		return opts, fmt.Errorf("-margin must lie in [0, %v), got %v", window, opts.margin)
 	}
 	if opts.timeline < 0 {
 		return opts, fmt.Errorf("-timeline must not be negative, got %v", opts.timeline)
@@ -191,7 +196,7 @@ func run(ctx context.Context, opts options, stdout, stderr io.Writer) ([]result,
 		}
 		fmt.Fprintf(stderr, "%-16s running for %v ...", sc.name, opts.duration)
 		t := time.Now()
-		res, err := runScenario(ctx, env{exe: exe, redis: srv.addr, timeline: opts.timeline}, sc, opts.duration)
+		res, err := runScenario(ctx, env{exe: exe, redis: srv.addr, timeline: opts.timeline, margin: opts.margin}, sc, opts.duration)
 		if err != nil {
 			fmt.Fprintln(stderr)
 			return results, fmt.Errorf("%s: %w", sc.name, err)
@@ -200,8 +205,12 @@ func run(ctx context.Context, opts options, stdout, stderr io.Writer) ([]result,
 		results = append(results, res)
 	}
 
-	fmt.Fprintf(stdout, "%d CPUs, %s %s/%s, redis-server %s; %v per scenario; quota policies.SlidingLog at the vendor's cap, default Margin, Block mode\n\n",
-		runtime.NumCPU(), runtime.Version(), runtime.GOOS, runtime.GOARCH, srv.version, opts.duration)
+	margin := "default Margin"
+	if opts.margin > 0 {
+		margin = "Margin " + opts.margin.String()
+	}
+	fmt.Fprintf(stdout, "%d CPUs, %s %s/%s, redis-server %s; %v per scenario; quota policies.SlidingLog at the vendor's cap, %s, Block mode\n\n",
+		runtime.NumCPU(), runtime.Version(), runtime.GOOS, runtime.GOARCH, srv.version, opts.duration, margin)
 	writeTable(stdout, results)
 	fmt.Fprintln(stdout)
 	writeDetails(stdout, results)

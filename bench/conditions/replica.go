@@ -57,9 +57,10 @@ type replicaConfig struct {
 	Quota    string
 	Limit    int
 	Window   time.Duration
-	Limiters int // limiters in this process, each with its own client
-	Workers  int // worker goroutines per limiter
-	Pool     int // PoolSize of each client
+	Limiters int           // limiters in this process, each with its own client
+	Workers  int           // worker goroutines per limiter
+	Pool     int           // PoolSize of each client
+	Margin   time.Duration // the SlidingLog's Margin; 0: the default
 }
 
 // args returns the command line that parseReplicaArgs reads back.
@@ -75,6 +76,7 @@ func (rc replicaConfig) args() []string {
 		"-limiters", strconv.Itoa(rc.Limiters),
 		"-workers", strconv.Itoa(rc.Workers),
 		"-pool", strconv.Itoa(rc.Pool),
+		"-margin", rc.Margin.String(),
 	}
 }
 
@@ -90,6 +92,7 @@ func parseReplicaArgs(args []string) (replicaConfig, error) {
 	fs.IntVar(&rc.Limiters, "limiters", 0, "")
 	fs.IntVar(&rc.Workers, "workers", 0, "")
 	fs.IntVar(&rc.Pool, "pool", 0, "")
+	fs.DurationVar(&rc.Margin, "margin", 0, "")
 	if err := fs.Parse(args); err != nil {
 		return rc, err
 	}
@@ -175,7 +178,7 @@ func runReplica(rc replicaConfig, stdin io.Reader, stdout io.Writer) (report, er
 		clients[i] = redis.NewClient(&redis.Options{Addr: rc.Redis, ContextTimeoutEnabled: true, PoolSize: rc.Pool})
 		clients[i].AddHook(scriptHook{&scripts})
 		var err error
-		lims[i], err = throttle.New(clients[i], rc.Quota, policies.SlidingLog{Limit: rc.Limit, Window: rc.Window},
+		lims[i], err = throttle.New(clients[i], rc.Quota, policies.SlidingLog{Limit: rc.Limit, Window: rc.Window, Margin: rc.Margin},
 			throttle.Options{Observer: throttle.ObserverFunc(t.observe), RedisTimeout: redisTimeout})
 		if err != nil {
 			return report{}, err

@@ -88,6 +88,7 @@ type env struct {
 	exe      string
 	redis    string        // host:port of the redis-server
 	timeline time.Duration // sample the run this often; 0: never
+	margin   time.Duration // the SlidingLog's Margin; 0: the default
 }
 
 // runScenario runs one scenario against a fresh vendor and an emptied Redis
@@ -144,7 +145,7 @@ func runScenario(ctx context.Context, e env, sc scenario, duration time.Duration
 	for i := range sc.procs {
 		rc := replicaConfig{
 			ID: i, Redis: redisAddr, Vendor: "http://" + ln.Addr().String() + "/call", Quota: quota,
-			Limit: sc.limit, Window: window, Limiters: sc.limiters, Workers: sc.workers, Pool: sc.pool,
+			Limit: sc.limit, Window: window, Limiters: sc.limiters, Workers: sc.workers, Pool: sc.pool, Margin: e.margin,
 		}
 		c, err := startChild(e.exe, fmt.Sprintf("replica %d", i), rc.args())
 		if err != nil {
@@ -172,7 +173,7 @@ func runScenario(ctx context.Context, e env, sc scenario, duration time.Duration
 	if e.timeline > 0 {
 		go func() {
 			defer close(sampled)
-			samples = sampleUsage(ctx, admin, quota, sc.limit, window, began, end, e.timeline)
+			samples = sampleUsage(ctx, admin, quota, sc.limit, window, e.margin, began, end, e.timeline)
 		}()
 	}
 	var reps []report

@@ -23,8 +23,8 @@ type sample struct {
 // sampleUsage reads the quota's Usage every step from began to end, through
 // its own limiter on the admin client (a read-only script call each), and
 // returns what it saw.
-func sampleUsage(ctx context.Context, rdb *redis.Client, quota string, limit int, window time.Duration, began, end time.Time, step time.Duration) []sample {
-	lim, err := throttle.New(rdb, quota, policies.SlidingLog{Limit: limit, Window: window}, throttle.Options{})
+func sampleUsage(ctx context.Context, rdb *redis.Client, quota string, limit int, window, margin time.Duration, began, end time.Time, step time.Duration) []sample {
+	lim, err := throttle.New(rdb, quota, policies.SlidingLog{Limit: limit, Window: window, Margin: margin}, throttle.Options{})
 	if err != nil {
 		return nil
 	}

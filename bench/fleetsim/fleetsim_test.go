@@ -11,7 +11,7 @@ import (
 func randomLog(rng *rand.Rand, n int, span int64) *slidingLog {
 	l := &slidingLog{}
 	for i := range n {
-		l.add(rng.Int64N(span), int64(i))
+		l.add(rng.Int64N(span), int64(i), 0)
 	}
 	return l
 }

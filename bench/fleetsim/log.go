@@ -20,8 +20,9 @@ const (
 // entry is one unit in a log: the time it counts at, and the call it
 // belongs to.
 type entry struct {
-	at int64
-	id int64
+	at  int64
+	id  int64
+	lim int // the limiter that booked it; not part of its order
 }
 
 // slidingLog is a quota's sorted set: every admitted or booked unit,
@@ -45,9 +46,9 @@ func compareEntries(x, y entry) int {
 	return 0
 }
 
-// add records a unit at time at.
-func (l *slidingLog) add(at, id int64) {
-	x := entry{at, id}
+// add records a unit at time at for call id of limiter lim.
+func (l *slidingLog) add(at, id int64, lim int) {
+	x := entry{at: at, id: id, lim: lim}
 	i, _ := slices.BinarySearchFunc(l.e, x, compareEntries)
 	l.e = slices.Insert(l.e, i, x)
 }
@@ -55,7 +56,7 @@ func (l *slidingLog) add(at, id int64) {
 // remove takes the unit of call id at time at out, and reports whether it
 // was there.
 func (l *slidingLog) remove(at, id int64) bool {
-	i, ok := slices.BinarySearchFunc(l.e, entry{at, id}, compareEntries)
+	i, ok := slices.BinarySearchFunc(l.e, entry{at: at, id: id}, compareEntries)
 	if ok {
 		l.e = slices.Delete(l.e, i, i+1)
 	}
@@ -64,13 +65,8 @@ func (l *slidingLog) remove(at, id int64) bool {
 
 // upTo returns how many entries lie at or before t (ZCOUNT -inf t).
 func (l *slidingLog) upTo(t int64) int {
-	i, _ := slices.BinarySearchFunc(l.e, entry{t + 1, -1 << 62}, compareEntries)
+	i, _ := slices.BinarySearchFunc(l.e, entry{at: t + 1, id: -1 << 62}, compareEntries)
 	return i
-}
-
-// between returns how many entries lie in (from, to].
-func (l *slidingLog) between(from, to int64) int {
-	return l.upTo(to) - l.upTo(from)
 }
 
 // dropUpTo removes every entry at or before t (ZREMRANGEBYSCORE -inf t).
@@ -165,8 +161,8 @@ type hint struct {
 func (l *slidingLog) bruteEarliest(t int64, limit int, w int64) int64 {
 	for ; ; t++ {
 		trial := slidingLog{e: slices.Clone(l.e)}
-		trial.add(t, -1)
-		i := slices.Index(trial.e, entry{t, -1})
+		trial.add(t, -1, 0)
+		i := slices.Index(trial.e, entry{at: t, id: -1})
 		ok := true
 		for first := max(i-limit, 0); first <= i && first+limit < len(trial.e); first++ {
 			if trial.e[first+limit].at-trial.e[first].at < w {

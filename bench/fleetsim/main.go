@@ -19,8 +19,14 @@
 //     the search for the earliest slot with its budget of 512 entries and
 //     the log's hint, pacing at Window/Limit once twice the spread reaches
 //     the margin's ceiling, give-backs, the fleet's spread (the 99th
-//     percentile of the latenesses the limiters report, by 2s period), the
-//     margins it gives and their holds, and the warm-up of a new quota.
+//     percentile of the latenesses the limiters report, by 2s period, the
+//     warm-up's period forgotten), the margins it gives and their holds,
+//     and the warm-up of a new quota with its pacing of the lone calls of
+//     many limiters (the log's latest 8 entries, 8 other limiters). The
+//     search after a paced time reads at most 32 entries, pacing moves a
+//     call at most twice, and the hint follows acquire.lua's rules (a search
+//     from past the hint's room leaves it; a slot already past that is
+//     given back lowers it only if it leaves room).
 //     Pauses, losses, learned caps, the Local fallback and costs other than
 //     1 are left out: the scenarios meet none of them.
 //   - Redis is single-threaded, and its event loop works in turns: it runs
@@ -63,7 +69,9 @@
 //     too late is given back in its next script call and booked again (a
 //     late reply asks that much later, as lead), at most 3 times, then fails
 //     with a cancel script and the worker pauses 10ms. A booked call sleeps
-//     the whole wait from its reply's arrival, as block.go does, and is
+//     until its slot by its process's fastest reply, no longer than the
+//     whole wait from its reply's arrival, looking at that reply again half
+//     the way (100ms at most) before, as block.go's sleepToSlot does, and is
 //     checked again when it wakes. A call on time runs fn: the vendor answers
 //     10ms after the arrival, and the worker calls Do again. A call whose
 //     slot lies past the run's end is refused and its worker stops.

@@ -27,6 +27,13 @@ const (
 	// maxRounds is how many rounds over the rules a call makes before its
 	// search settles for the log's tail.
 	maxRounds = 16
+	// pacedScan is PACED_SCAN: what a search may still read once pacing
+	// moved its call.
+	pacedScan = 32
+	// warmPacers is WARM_PACERS: while the quota warms up, a lone call is
+	// paced when the log's latest warmPacers entries are the lone calls of
+	// as many other limiters.
+	warmPacers = 8
 )
 
 // quota is what Redis holds of one quota: its log, the log's hint, and the
@@ -64,6 +71,7 @@ func (q *quota) ceiling() int64 {
 // scriptCall is one call a script decides.
 type scriptCall struct {
 	id      int64
+	lim     int   // the limiter asking
 	maxWait int64 // the longest wait it accepts
 	lead    int64 // the least wait it asks for
 }
@@ -118,14 +126,33 @@ func (q *quota) acquire(now int64, report *[lateBuckets]int, gives []booking, ca
 	}
 	q.log.dropUpTo(now - m.keep)
 	n := len(q.log.e) - q.log.upTo(now-m.window)
+	if warming && len(calls) == 1 && m.inUse >= guarded && m.pace == 0 {
+		// Warm-up pacing: the lone calls of many replicas.
+		pace := q.window / int64(q.limit)
+		if e := q.log.e; len(e) >= warmPacers && e[len(e)-1].at > now-pace {
+			others := map[int]bool{}
+			for _, x := range e[len(e)-warmPacers:] {
+				if x.lim != calls[0].lim {
+					others[x.lim] = true
+				}
+			}
+			if len(others) == warmPacers {
+				m.pace = pace
+			}
+		}
+		rep.read += min(len(q.log.e), warmPacers)
+	}
 	atOnce := false
 	latest := int64(0)
-	s := search{q: q, m: m, n: n}
+	s := search{q: q, m: m, n: n, now: now}
 	for _, c := range calls {
 		t := now + c.lead
 		budget := scanBudget
 		rounds := 0
-		moved, pacing := true, c.maxWait > 0
+		moved, paces := true, 0
+		if c.maxWait > 0 {
+			paces = 2
+		}
 		unpaced, hasUnpaced := int64(0), false
 		for moved {
 			moved = false
@@ -135,8 +162,8 @@ func (q *quota) acquire(now int64, report *[lateBuckets]int, gives []booking, ca
 			if u := s.earliest(t, &budget); u > t {
 				t, moved = u, true
 			}
-			if !moved && pacing {
-				pacing = false
+			if !moved && paces > 0 {
+				paces--
 				p := t
 				if m.pace > 0 {
 					var read int
@@ -145,7 +172,11 @@ func (q *quota) acquire(now int64, report *[lateBuckets]int, gives []booking, ca
 					rep.read += read
 				}
 				if p > t && p-now <= c.maxWait {
-					unpaced, hasUnpaced, t, moved = t, true, p, true
+					if !hasUnpaced {
+						unpaced, hasUnpaced = t, true
+					}
+					t, moved = p, true
+					budget = min(budget, pacedScan)
 				}
 			}
 		}
@@ -158,7 +189,7 @@ func (q *quota) acquire(now int64, report *[lateBuckets]int, gives []booking, ca
 			rep.calls = append(rep.calls, decision{wait: t - now})
 			continue
 		}
-		q.log.add(t, c.id)
+		q.log.add(t, c.id, c.lim)
 		s.n++
 		s.fits = false
 		latest = max(latest, t)
@@ -212,7 +243,10 @@ func (q *quota) noteTiming(now int64, report *[lateBuckets]int) {
 	p := now / timingPeriod
 	if q.jp != p {
 		quant, n := quantile(&q.h)
-		if q.jp == p-1 && n >= spreadSamples {
+		if q.jp == p-1 && q.wu > q.jp*timingPeriod {
+			// The period held the warm-up: its spread was the start's.
+			q.js = 0
+		} else if q.jp == p-1 && n >= spreadSamples {
 			q.js = quant
 		} else if q.jp < p-1 {
 			q.js = 0
@@ -278,11 +312,19 @@ func (q *quota) giveBack(g booking, now int64, m margin) {
 	if !q.log.remove(g.at, g.id) {
 		return
 	}
-	if g.at >= now || q.log.between(g.at, g.at+m.window) < q.limit {
-		if t := g.at - m.keep; q.hint.set && q.hint.at > t {
-			q.hint.at = t
+	h := &q.hint
+	t := g.at - m.keep
+	if !h.set || h.at <= t {
+		return
+	}
+	if g.at < now {
+		// A slot already past makes room only from now on: the hint
+		// stays if the entries from now on leave none within its window.
+		if k := q.log.upTo(now-1) + q.limit - 1; k < len(q.log.e) && q.log.e[k].at < now+h.w {
+			return
 		}
 	}
+	h.at = t
 }
 
 // search is the state of the calls of one script: the log's count, what
@@ -290,6 +332,7 @@ func (q *quota) giveBack(g booking, now int64, m margin) {
 type search struct {
 	q      *quota
 	m      margin
+	now    int64
 	n      int // entries after now - window, bookings included
 	memoT  int64
 	memoAt int64
@@ -312,16 +355,19 @@ func (s *search) earliest(t int64, budget *int) int64 {
 		from = s.memoAt
 	}
 	h := q.hint
-	hinted := false
 	if h.set && h.t <= t && h.w <= s.m.window && h.at > from {
-		from, hinted = h.at, true
+		from = h.at
 	}
 	at := q.log.earliest(from, q.limit, s.m.window, budget)
 	s.memo, s.memoT, s.memoAt = true, t, at
 	s.fits, s.fitsAt = true, at
-	if !h.set || at > h.at || h.t > t || h.w > s.m.window {
+	// A search from within the times the hint holds for joins it; one from
+	// past the hint's room (a paced time) leaves it, unless that room is
+	// already past.
+	joins := h.set && h.w <= s.m.window && h.t <= t && h.at >= t
+	if !h.set || h.t > t || h.w > s.m.window || at > h.at && (joins || h.at < s.now) {
 		since := t
-		if hinted {
+		if joins {
 			since = h.t
 		}
 		q.hint = hint{t: since, at: at, w: s.m.window, set: true}

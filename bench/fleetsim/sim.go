@@ -123,6 +123,7 @@ type process struct {
 }
 
 type limiter struct {
+	id        int // its member prefix in the log (the limiter's id)
 	proc      *process
 	listening bool   // it has subscribed to the quota's news
 	inFlight  bool   // a script call of it is on its way
@@ -204,10 +205,12 @@ func Simulate(f Fleet, c Costs, seed uint64) Result {
 	s := &sim{f: f, c: c, rng: rand.New(rand.NewPCG(seed, 0x5eed)), q: newQuota(f.Limit, f.Window, f.Margin)}
 	s.offset = 1_700_000_000_000_000 + s.rng.Int64N(timingPeriod)
 	var workers []*worker
+	nlim := 0
 	for range f.Processes {
 		p := &process{}
 		for range f.Limiters {
-			l := &limiter{proc: p}
+			nlim++
+			l := &limiter{id: nlim, proc: p}
 			for range f.Workers {
 				workers = append(workers, &worker{lim: l})
 			}
@@ -357,7 +360,7 @@ func (s *sim) turn() {
 		}
 		var calls []scriptCall
 		for _, a := range r.asks {
-			calls = append(calls, scriptCall{id: a.id, maxWait: a.maxWait, lead: a.lead})
+			calls = append(calls, scriptCall{id: a.id, lim: a.w.lim.id, maxWait: a.maxWait, lead: a.lead})
 		}
 		r.rep = s.q.acquire(s.redisNow(t), &r.report, r.gives, calls)
 		work := s.c.ScriptFixed + s.c.ScriptPerCall*float64(len(calls)) + s.c.ScriptPerEntry*float64(r.rep.read)
@@ -433,13 +436,28 @@ func (s *sim) decided(a *ask, r *request, d decision) {
 			s.cancel(booking{adm.id, adm.slot})
 			return
 		}
-		// The whole wait, from the reply's arrival.
-		s.at(s.now+d.wait, func() {
+		// Until the slot by the fastest reply's clock (timing.wakeIn), no
+		// longer than the whole wait from the reply's arrival.
+		wake := s.now + d.wait
+		if p := w.lim.proc; p.haveFast {
+			wake = max(s.now, min(wake, adm.starts+p.fast))
+		}
+		wakeUp := func() {
 			s.cpu(s.c.ClientWake, func() {
 				late, tooLate := s.late(w, adm)
 				s.settle(w, adm, late, tooLate, false)
 			})
-		})
+		}
+		if lead := min((wake-s.now)/2, 100_000); w.lim.proc.haveFast && lead > 0 {
+			// Most of the way, then to the slot by the fastest reply seen
+			// by then (block.go's sleepToSlot).
+			s.at(wake-lead, func() {
+				p := w.lim.proc
+				s.at(max(s.now, min(wake, adm.starts+p.fast)), wakeUp)
+			})
+			return
+		}
+		s.at(wake, wakeUp)
 		return
 	}
 	s.settle(w, adm, late, tooLate, tooLate)
