@@ -330,6 +330,46 @@ func TestClockStep_ForwardStepCountsAsALoss(t *testing.T) {
 	}
 }
 
+// A step is told once to each quota the process's limiters on the server
+// were using when it came: a limiter that saw none of it (another quota's
+// call did) still tells its own quota, and a limiter made after it tells
+// nobody, or its first call would find its new quota held full for a
+// window by a step long past.
+func TestClockStep_ToldByTheLimitersThatLivedThroughIt(t *testing.T) {
+	s := redistest.Mini(t)
+	t0 := time.Now()
+	s.Mini.SetTime(t0)
+	policy := policies.SlidingLog{Limit: 10, Window: time.Minute}
+	ctx := context.Background()
+	mk := func(name string) *Limiter {
+		l, err := New(s.Client(t), t.Name()+"-"+name, policy, Options{Logger: quiet()})
+		if err != nil {
+			t.Fatal(err)
+		}
+		return l
+	}
+	a, b := mk("a"), mk("b")
+	for _, l := range []*Limiter{a, b} {
+		if d, err := l.Allow(ctx); err != nil || !d.OK {
+			t.Fatalf("%s before the step: %+v, %v", l.Name(), d, err)
+		}
+	}
+	s.Mini.SetTime(t0.Add(61 * time.Second))
+	// a's reply shows the step, and a tells its quota.
+	if d, err := a.Allow(ctx); err != nil || d.OK {
+		t.Errorf("a after the step: %+v, %v; want refused, its quota counting as full", d, err)
+	}
+	// b lived through the step too: its quota is told at its next call.
+	if d, err := b.Allow(ctx); err != nil || d.OK {
+		t.Errorf("b after the step: %+v, %v; want refused, its quota counting as full", d, err)
+	}
+	// c was made after it: its quota's calls all came after the step.
+	c := mk("c")
+	if d, err := c.Allow(ctx); err != nil || !d.OK {
+		t.Errorf("c, made after the step: %+v, %v; want admitted", d, err)
+	}
+}
+
 // The Local fallback waits out the fleet's bookings, not only its own: the
 // calls another replica booked in Redis still wake and run after Redis
 // fails. Each reply tells a replica on the Local fallback how far ahead the

@@ -137,6 +137,12 @@ func New(rdb redis.UniversalClient, name string, policy policies.Policy, opts ..
 	}
 	l := &Limiter{rdb: rdb, name: name, s: s, id: newID(), freed: make(chan struct{}), timing: timingFor(rdb, s.clock)}
 	l.rules, l.brk = rules, newBreaker()
+	// The steps of Redis's clock that the process's other limiters on the
+	// server saw before this one existed are theirs to tell their quotas;
+	// told again by a new limiter, one long past would hold its quota full
+	// for a window.
+	seq, _ := l.timing.step()
+	l.seenStep.Store(seq)
 	if s.onRedisError == Local {
 		if l.local, err = newLocal(rules, s.replicas); err != nil {
 			return nil, fmt.Errorf("throttle: quota %q: %w", name, err)
