@@ -202,13 +202,38 @@ func (l *Limiter) late(r result) (time.Duration, bool) {
 	return late, true
 }
 
-// start notes how late after its slot an admitted call starts, right before
-// it runs, for the spread the fleet's margin follows.
-func (p *Permit) start() {
-	if p.r.local || !p.r.admitted {
+// Start tells the limiter that the call leaves for the vendor now. How late
+// after its slot each call starts, beyond the usual delay of Redis's
+// replies, is what the fleet's margin follows (see
+// policies.SlidingLog.Margin): a call that arrives late at the vendor
+// crowds the windows after its slot. Do and Go call Start right before fn,
+// and the Transport when its base has written the request's headers (after
+// any wait for a connection, dial or TLS handshake). A caller of Acquire
+// whose call waits further before it leaves (for a connection of its own
+// pool, a worker) calls Start then; without it, the call counts as starting
+// when Acquire returned. Only the first call of Start counts; after Release
+// or Cancel it does nothing.
+func (p *Permit) Start() {
+	if p == nil || p.l == nil || p.released.Load() {
 		return
 	}
-	if late, ok := p.l.timing.lateness(p.r.startsAt()); ok {
+	p.noteStart(p.lateness())
+}
+
+// lateness returns how late after its slot the call would start now, and
+// false when that is not known or not the fleet's: a call decided without
+// Redis, or not admitted.
+func (p *Permit) lateness() (time.Duration, bool) {
+	if p.r.local || !p.r.admitted {
+		return 0, false
+	}
+	return p.l.timing.lateness(p.r.startsAt())
+}
+
+// noteStart notes late, as returned by lateness, as how late the call
+// started, unless its start was noted already.
+func (p *Permit) noteStart(late time.Duration, ok bool) {
+	if ok && p.started.CompareAndSwap(false, true) {
 		p.l.lates.note(late)
 	}
 }

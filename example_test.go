@@ -66,6 +66,34 @@ func ExampleDo() {
 	// Output: SM123 <nil>
 }
 
+// Acquire is the lower level of Do: the caller runs the call between
+// Acquire and Release. A call that waits further once admitted (here for a
+// connection of its own pool) calls Start when it leaves, so that the
+// fleet's margin sees how late it really started.
+func ExampleLimiter_Acquire() {
+	rdb, done := exampleRedis()
+	defer done()
+	lim, err := throttle.New(rdb, "sms", policies.SlidingLog{Limit: 100, Window: time.Second})
+	if err != nil {
+		fmt.Println(err)
+		return
+	}
+	conns := make(chan struct{}, 1) // a pool of one connection
+	conns <- struct{}{}
+
+	p, err := lim.Acquire(context.Background())
+	if err != nil {
+		fmt.Println(err)
+		return
+	}
+	defer p.Release()
+	<-conns // the connection is ours
+	p.Start()
+	fmt.Println("sent", p.Remaining())
+	conns <- struct{}{}
+	// Output: sent 99
+}
+
 // A vendor allows 100 calls per second in all, and each tenant 10 of them.
 // Both limits are checked and recorded in one script call.
 func ExampleKey() {

@@ -43,6 +43,11 @@ type Permit struct {
 	held     int // concurrency units taken, whatever Settle does to the cost
 	waited   time.Duration
 	released atomic.Bool
+	started  atomic.Bool // its start was noted (see Start)
+	// How late after its slot the call would have started when Acquire
+	// returned, noted at Release if Start was not called.
+	acquiredLate time.Duration
+	acquiredOK   bool
 }
 
 func (l *Limiter) permit(c call, r result, waited time.Duration) *Permit {
@@ -67,7 +72,12 @@ func (p *Permit) Remaining() int {
 // whatever happens, so for them Release only marks the permit used. Calling
 // it more than once is harmless.
 func (p *Permit) Release() {
-	if p == nil || p.l == nil || p.released.Swap(true) || !p.l.hasConc {
+	if p == nil || p.l == nil || p.released.Swap(true) {
+		return
+	}
+	// A call whose start no one told started when Acquire returned.
+	p.noteStart(p.acquiredLate, p.acquiredOK)
+	if !p.l.hasConc {
 		return
 	}
 	if p.r.local {

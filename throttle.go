@@ -285,13 +285,13 @@ func (l *Limiter) Allow(ctx context.Context, opts ...CallOption) (Decision, erro
 func (l *Limiter) Acquire(ctx context.Context, opts ...CallOption) (*Permit, error) {
 	p, err := l.acquirePermit(ctx, opts)
 	if err == nil {
-		p.start()
+		p.acquiredLate, p.acquiredOK = p.lateness()
 	}
 	return p, err
 }
 
-// acquirePermit is Acquire without noting when the call starts: Do, Go and the
-// Transport note it themselves, right before the call.
+// acquirePermit is Acquire without reading how late the call would start
+// now: Do and Go note it themselves, right before the call.
 func (l *Limiter) acquirePermit(ctx context.Context, opts []CallOption) (*Permit, error) {
 	c, err := l.newCall(opts)
 	if err != nil {
@@ -333,7 +333,7 @@ func Do[T any](ctx context.Context, l *Limiter, fn func(context.Context) (T, err
 		return zero, err
 	}
 	defer p.Release()
-	p.start()
+	p.Start()
 	return fn(WithPermit(ctx, p))
 }
 
@@ -383,7 +383,7 @@ func Go[T any](ctx context.Context, l *Limiter, fn func(context.Context) (T, err
 			return
 		}
 		defer p.Release()
-		p.start()
+		p.Start()
 		f.v, f.err = fn(WithPermit(ctx, p))
 	}()
 	return f

@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"io"
 	"net/http"
+	"net/http/httptrace"
 	"strings"
 	"sync"
 	"time"
@@ -86,7 +87,14 @@ const (
 // field and the value; nothing panics. Send one request where the program
 // starts, or read the error of the first, to find out.
 type Transport struct {
-	// Base sends the requests. nil means http.DefaultTransport.
+	// Base sends the requests. nil means http.DefaultTransport. How late a
+	// call starts after its slot, for the spread the fleet's margin follows,
+	// is measured when Base has written the request's headers (an
+	// *http.Transport reports it): a request that waits for a connection,
+	// dials or shakes hands with TLS arrives that much later at the vendor.
+	// Give an *http.Transport idle connections for as many requests as run
+	// at once (MaxIdleConnsPerHost, 2 by default), or the fleet's margin
+	// widens for the dials.
 	Base http.RoundTripper
 	// Limiter takes every request that matches no route through. nil lets
 	// those requests through without limit.
@@ -373,7 +381,7 @@ func (t *transport) roundTrip(req *http.Request) (*http.Response, error) {
 		// The request sent carries its permit, which the caller finds with
 		// PermitFrom(resp.Request.Context()): to settle the call's cost
 		// from the body, once read.
-		resp, err := t.base.RoundTrip(send.WithContext(WithPermit(send.Context(), p)))
+		resp, err := t.base.RoundTrip(send.WithContext(WithPermit(traceStart(send.Context(), p), p)))
 		if err != nil {
 			p.Release()
 			return nil, err
@@ -411,6 +419,18 @@ func (t *transport) roundTrip(req *http.Request) (*http.Response, error) {
 		}
 		out = next
 	}
+}
+
+// traceStart returns ctx with a trace that starts the call of p (Permit.Start)
+// when the base RoundTripper has written the request's headers: the call
+// leaves for the vendor then, after any wait for a connection of the pool,
+// a dial and a TLS handshake, which the fleet's spread must see, as they
+// delay the call's arrival at the vendor as much as a late start would. A
+// base that reports no write (not an *http.Transport, or one that failed
+// before writing) leaves the call started when Acquire returned. Hooks of a
+// trace already in ctx still run.
+func traceStart(ctx context.Context, p *Permit) context.Context {
+	return httptrace.WithClientTrace(ctx, &httptrace.ClientTrace{WroteHeaders: p.Start})
 }
 
 func (t *transport) limiterFor(req *http.Request) *Limiter {

@@ -1,0 +1,120 @@
+package throttle
+
+import (
+	"context"
+	"net"
+	"net/http"
+	"net/http/httptest"
+	"testing"
+	"time"
+
+	"github.com/throttlekit/throttle/internal/redistest"
+	"github.com/throttlekit/throttle/policies"
+)
+
+// answerAfter is a base RoundTripper that is no *http.Transport: it reports
+// no write, and answers after a delay.
+type answerAfter time.Duration
+
+func (d answerAfter) RoundTrip(req *http.Request) (*http.Response, error) {
+	time.Sleep(time.Duration(d))
+	return &http.Response{StatusCode: http.StatusOK, Body: http.NoBody, Header: http.Header{}, Request: req}, nil
+}
+
+// The Transport measures how late a call starts when the request leaves for
+// the vendor: a dial of 80 ms delays its arrival as much as a late start,
+// and the fleet's spread must see it. A base RoundTripper that reports no
+// write is measured as the request goes to it: its 80 ms answer is not
+// lateness.
+func TestTransport_MeasuresTheStartWhenTheRequestLeaves(t *testing.T) {
+	const slow = 80 * time.Millisecond
+	srv := httptest.NewServer(http.HandlerFunc(func(http.ResponseWriter, *http.Request) {}))
+	defer srv.Close()
+	redistest.Each(t, func(t *testing.T, s *redistest.Server) {
+		policy := policies.SlidingLog{Limit: 100, Window: time.Second}
+		get := func(t *testing.T, base http.RoundTripper) time.Duration {
+			t.Helper()
+			lim := newLimiter(t, s.Client(t), policy)
+			c := &http.Client{Transport: &Transport{Limiter: lim, Base: base}}
+			resp, err := c.Get(srv.URL)
+			if err != nil {
+				t.Fatal(err)
+			}
+			resp.Body.Close()
+			return lim.lates.latest()
+		}
+		t.Run("dial", func(t *testing.T) {
+			var d net.Dialer
+			base := &http.Transport{DialContext: func(ctx context.Context, network, addr string) (net.Conn, error) {
+				time.Sleep(slow)
+				return d.DialContext(ctx, network, addr)
+			}}
+			defer base.CloseIdleConnections()
+			if late := get(t, base); late < slow*3/4 {
+				t.Errorf("a call whose dial took %v noted %v late, want at least %v", slow, late, slow*3/4)
+			}
+		})
+		t.Run("no write reported", func(t *testing.T) {
+			if late := get(t, answerAfter(slow)); late >= slow/2 {
+				t.Errorf("a call answered %v after it went to the base noted %v late, want under %v", slow, late, slow/2)
+			}
+		})
+	})
+}
+
+// A caller of Acquire whose call waits before it leaves tells the limiter
+// with Start; without it, the call counts as starting when Acquire returned.
+// Only the first Start counts, and none after Release.
+func TestPermit_StartTellsWhenTheCallLeaves(t *testing.T) {
+	const slow = 80 * time.Millisecond
+	redistest.Each(t, func(t *testing.T, s *redistest.Server) {
+		policy := policies.SlidingLog{Limit: 100, Window: time.Second}
+		ctx := context.Background()
+		acquire := func(t *testing.T) (*Limiter, *Permit) {
+			t.Helper()
+			lim := newLimiter(t, s.Client(t), policy)
+			p, err := lim.Acquire(ctx)
+			if err != nil {
+				t.Fatal(err)
+			}
+			return lim, p
+		}
+		t.Run("started late", func(t *testing.T) {
+			lim, p := acquire(t)
+			time.Sleep(slow)
+			p.Start()
+			time.Sleep(slow)
+			p.Start()
+			p.Release()
+			if late := lim.lates.latest(); late < slow*3/4 || late >= 2*slow {
+				t.Errorf("a call started %v after Acquire noted %v late, want %v to %v", slow, late, slow*3/4, 2*slow)
+			}
+			if n := notedStarts(lim); n != 1 {
+				t.Errorf("%d starts noted for one call, want 1", n)
+			}
+		})
+		t.Run("never told", func(t *testing.T) {
+			lim, p := acquire(t)
+			time.Sleep(slow)
+			p.Release()
+			p.Start()
+			if late := lim.lates.latest(); late >= slow/2 {
+				t.Errorf("a call released %v after Acquire, Start never called before, noted %v late, want under %v", slow, late, slow/2)
+			}
+			if n := notedStarts(lim); n != 1 {
+				t.Errorf("%d starts noted for one call, want 1", n)
+			}
+		})
+	})
+}
+
+// notedStarts returns how many starts l noted since it last reported them.
+func notedStarts(l *Limiter) int {
+	l.lates.mu.Lock()
+	defer l.lates.mu.Unlock()
+	n := 0
+	for _, c := range l.lates.n {
+		n += c
+	}
+	return n
+}
