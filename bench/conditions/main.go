@@ -33,6 +33,13 @@
 //	                 with its own client (PoolSize 2) and one worker, Limit
 //	                 1000 per 1s, Redis direct
 //	replicas-100x10  the same with 100 limiters of 10 workers each
+//	dials            3 replicas × 20 workers, Limit 100 per 1s, Redis direct, the
+//	                 calls sent through a throttle.Transport (not Do) whose base
+//	                 http.Transport opens a connection for every call (no
+//	                 keep-alives), taking from 0 to 80ms at random (TLS
+//	                 handshakes with a distant vendor): each call arrives at
+//	                 the vendor up to 80ms after the limiter let it go, which
+//	                 the limiter does not measure
 //
 // The columns of the main table:
 //

@@ -8,6 +8,8 @@ import (
 	"flag"
 	"fmt"
 	"io"
+	"math/rand/v2"
+	"net"
 	"net/http"
 	"os"
 	"strconv"
@@ -61,6 +63,10 @@ type replicaConfig struct {
 	Workers  int           // worker goroutines per limiter
 	Pool     int           // PoolSize of each client
 	Margin   time.Duration // the SlidingLog's Margin; 0: the default
+	// Dial, when set, sends the workers' calls through a throttle.Transport
+	// (one per limiter), not Do, whose base http.Transport opens a connection
+	// for every call, taking from nothing to Dial at random.
+	Dial time.Duration
 }
 
 // args returns the command line that parseReplicaArgs reads back.
@@ -77,6 +83,7 @@ func (rc replicaConfig) args() []string {
 		"-workers", strconv.Itoa(rc.Workers),
 		"-pool", strconv.Itoa(rc.Pool),
 		"-margin", rc.Margin.String(),
+		"-dial", rc.Dial.String(),
 	}
 }
 
@@ -93,6 +100,7 @@ func parseReplicaArgs(args []string) (replicaConfig, error) {
 	fs.IntVar(&rc.Workers, "workers", 0, "")
 	fs.IntVar(&rc.Pool, "pool", 0, "")
 	fs.DurationVar(&rc.Margin, "margin", 0, "")
+	fs.DurationVar(&rc.Dial, "dial", 0, "")
 	if err := fs.Parse(args); err != nil {
 		return rc, err
 	}
@@ -214,6 +222,15 @@ func runReplica(rc replicaConfig, stdin io.Reader, stdout io.Writer) (report, er
 	defer httpc.CloseIdleConnections()
 	var wg sync.WaitGroup
 	for _, lim := range lims {
+		if rc.Dial > 0 {
+			base := slowDials(rc.Dial)
+			defer base.CloseIdleConnections()
+			c := &http.Client{Transport: &throttle.Transport{Limiter: lim, Base: stamper{base}}}
+			for range rc.Workers {
+				wg.Go(func() { workTransport(ctx, c, rc.Vendor, &t) })
+			}
+			continue
+		}
 		for range rc.Workers {
 			wg.Go(func() { work(ctx, lim, httpc, rc.Vendor, &t) })
 		}
@@ -289,6 +306,98 @@ func work(ctx context.Context, lim *throttle.Limiter, httpc *http.Client, url st
 			sleep(ctx, failurePause)
 		}
 	}
+}
+
+// workTransport is work through a throttle.Transport: c's transport is one,
+// over a stamper.
+func workTransport(ctx context.Context, c *http.Client, url string, t *tally) {
+	for ctx.Err() == nil {
+		asked := time.Now()
+		var st stamp
+		req, err := http.NewRequestWithContext(context.WithValue(ctx, stampKey{}, &st), http.MethodGet, url, nil)
+		if err != nil {
+			t.note(failed, err, 0)
+			return
+		}
+		resp, err := c.Do(req)
+		if err == nil {
+			_, err = io.Copy(io.Discard, resp.Body)
+			resp.Body.Close()
+		}
+		o := classify(ctx, err, time.Now())
+		if !st.at.IsZero() {
+			t.admitted(st.at.Sub(asked))
+			if err != nil {
+				o = failed // the vendor call itself failed
+			}
+		}
+		t.note(o, err, time.Since(asked))
+		switch o {
+		case endLimited, endContext, endUnavailable:
+			return
+		case unavailable, limitedEarly, failed:
+			sleep(ctx, failurePause)
+		}
+	}
+}
+
+// stamp is when the throttle.Transport handed a worker's request to its
+// base: when the limiter let it go.
+type stamp struct{ at time.Time }
+
+type stampKey struct{}
+
+// stamper is the base of a worker's throttle.Transport: it notes when the
+// limiter let a request go (the stamp in its context, and the vendor's
+// started header), and sends it to the vendor on a context the end of the
+// run does not cancel, as work's calls: an admitted call completes. The
+// trace the throttle.Transport put in the context still runs.
+type stamper struct{ base http.RoundTripper }
+
+func (s stamper) RoundTrip(req *http.Request) (*http.Response, error) {
+	now := time.Now()
+	if st, ok := req.Context().Value(stampKey{}).(*stamp); ok && st.at.IsZero() {
+		st.at = now
+	}
+	ctx, cancel := context.WithTimeout(context.WithoutCancel(req.Context()), callTimeout)
+	out := req.Clone(ctx)
+	out.Header.Set(headerStarted, strconv.FormatInt(now.UnixNano(), 10))
+	resp, err := s.base.RoundTrip(out)
+	if err != nil {
+		cancel()
+		return nil, err
+	}
+	resp.Body = cancelOnClose{resp.Body, cancel}
+	return resp, nil
+}
+
+// cancelOnClose ends a response's context when its body is closed.
+type cancelOnClose struct {
+	io.ReadCloser
+	cancel context.CancelFunc
+}
+
+func (c cancelOnClose) Close() error {
+	err := c.ReadCloser.Close()
+	c.cancel()
+	return err
+}
+
+// slowDials returns an http.Transport that opens a connection for every
+// request (no keep-alives), taking from nothing to d at random, as TLS
+// handshakes with a distant vendor would.
+func slowDials(d time.Duration) *http.Transport {
+	var dialer net.Dialer
+	return &http.Transport{DisableKeepAlives: true, DialContext: func(ctx context.Context, network, addr string) (net.Conn, error) {
+		timer := time.NewTimer(rand.N(d))
+		defer timer.Stop()
+		select {
+		case <-timer.C:
+		case <-ctx.Done():
+			return nil, ctx.Err()
+		}
+		return dialer.DialContext(ctx, network, addr)
+	}}
 }
 
 // outcome is how a call through the limiter ended.

@@ -53,7 +53,8 @@ type scenario struct {
 	proxy    bool
 	latency  time.Duration // one-way, through the proxy
 	jitter   time.Duration
-	spinners int // busy-looping processes beside the fleet
+	spinners int           // busy-looping processes beside the fleet
+	dial     time.Duration // calls through a throttle.Transport whose dials take this long (see replicaConfig.Dial)
 }
 
 func scenarios() []scenario {
@@ -72,6 +73,7 @@ func scenarios() []scenario {
 		{name: "replicas-1000", procs: 1, limiters: 1000, workers: 1, pool: 2, limit: 1000},
 		{name: "replicas-10x100", procs: 10, limiters: 100, workers: 1, pool: 2, limit: 1000},
 		{name: "replicas-100x10", procs: 1, limiters: 100, workers: 10, pool: 2, limit: 1000},
+		{name: "dials", procs: 3, limiters: 1, workers: 20, pool: 20, limit: 100, dial: 80 * time.Millisecond},
 	}
 }
 
@@ -146,6 +148,7 @@ func runScenario(ctx context.Context, e env, sc scenario, duration time.Duration
 		rc := replicaConfig{
 			ID: i, Redis: redisAddr, Vendor: "http://" + ln.Addr().String() + "/call", Quota: quota,
 			Limit: sc.limit, Window: window, Limiters: sc.limiters, Workers: sc.workers, Pool: sc.pool, Margin: e.margin,
+			Dial: sc.dial,
 		}
 		c, err := startChild(e.exe, fmt.Sprintf("replica %d", i), rc.args())
 		if err != nil {
