@@ -207,17 +207,26 @@ func (l *Limiter) late(r result) (time.Duration, bool) {
 // replies, is what the fleet's margin follows (see
 // policies.SlidingLog.Margin): a call that arrives late at the vendor
 // crowds the windows after its slot. Do and Go call Start right before fn,
-// and the Transport when its base has written the request's headers (after
-// any wait for a connection, dial or TLS handshake). A caller of Acquire
-// whose call waits further before it leaves (for a connection of its own
-// pool, a worker) calls Start then; without it, the call counts as starting
-// when Acquire returned. Only the first call of Start counts; after Release
-// or Cancel it does nothing.
+// and the Transport each time its base has written the request (after any
+// wait for a connection, dial or TLS handshake; again when it sends the
+// request anew on another connection). A caller of Acquire whose call
+// waits further before it leaves (for a connection of its own pool, a
+// worker) calls Start then; without it, the call counts as starting when
+// Acquire returned. The last Start before Release counts, and Release
+// notes it; after Release or Cancel, Start does nothing.
 func (p *Permit) Start() {
 	if p == nil || p.l == nil || p.released.Load() {
 		return
 	}
-	p.noteStart(p.lateness())
+	p.markStart()
+}
+
+// markStart keeps how late after its slot the call would start now, for
+// Release to note, when that is known.
+func (p *Permit) markStart() {
+	if late, ok := p.lateness(); ok {
+		p.late.Store(int64(late))
+	}
 }
 
 // lateness returns how late after its slot the call would start now, and
@@ -228,14 +237,6 @@ func (p *Permit) lateness() (time.Duration, bool) {
 		return 0, false
 	}
 	return p.l.timing.lateness(p.r.startsAt())
-}
-
-// noteStart notes late, as returned by lateness, as how late the call
-// started, unless its start was noted already.
-func (p *Permit) noteStart(late time.Duration, ok bool) {
-	if ok && p.started.CompareAndSwap(false, true) {
-		p.l.lates.note(late)
-	}
 }
 
 // sleepBusy waits before a call retries a full concurrency rule: d with

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"math"
 	"sync/atomic"
 	"time"
 
@@ -43,15 +44,19 @@ type Permit struct {
 	held     int // concurrency units taken, whatever Settle does to the cost
 	waited   time.Duration
 	released atomic.Bool
-	started  atomic.Bool // its start was noted (see Start)
-	// How late after its slot the call would have started when Acquire
-	// returned, noted at Release if Start was not called.
-	acquiredLate time.Duration
-	acquiredOK   bool
+	// How late after its slot the call started, as the last Start (or
+	// Acquire) before Release saw it, which Release notes; noLate when not
+	// known.
+	late atomic.Int64
 }
 
+// noLate is a Permit's late when how late its call started is not known.
+const noLate = math.MinInt64
+
 func (l *Limiter) permit(c call, r result, waited time.Duration) *Permit {
-	return &Permit{l: l, call: c, r: r, held: c.cost, waited: waited}
+	p := &Permit{l: l, call: c, r: r, held: c.cost, waited: waited}
+	p.late.Store(noLate)
+	return p
 }
 
 // Cost returns the units the call counts for: its Cost, or what Settle set.
@@ -69,14 +74,17 @@ func (p *Permit) Remaining() int {
 
 // Release ends the call. It frees the call's slots under a
 // policies.Concurrency; a sliding window or a token bucket counts the call
-// whatever happens, so for them Release only marks the permit used. Calling
-// it more than once is harmless.
+// whatever happens, so for them Release marks the permit used. Release
+// also notes how late after its slot the call started (see Start), for the
+// spread the fleet's margin follows. Calling it more than once is
+// harmless.
 func (p *Permit) Release() {
 	if p == nil || p.l == nil || p.released.Swap(true) {
 		return
 	}
-	// A call whose start no one told started when Acquire returned.
-	p.noteStart(p.acquiredLate, p.acquiredOK)
+	if late := p.late.Load(); late != noLate {
+		p.l.lates.note(time.Duration(late))
+	}
 	if !p.l.hasConc {
 		return
 	}
@@ -160,8 +168,8 @@ func (p *Permit) Extend(ctx context.Context, lease time.Duration) error {
 // call replaces the cost before it. The actual cost must not be negative; a
 // cost above the quota's smallest limit counts as that limit, since a
 // window holds no more (the vendor's window was full all the same). A
-// Permit's methods are for the goroutine that holds it; Release alone may
-// be called from anywhere.
+// Permit's methods are for the goroutine that holds it; Release and Start
+// may be called from anywhere.
 func (p *Permit) Settle(ctx context.Context, actual int) error {
 	if p == nil || p.l == nil {
 		return errors.New("throttle: Settle: the permit is nil")

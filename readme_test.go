@@ -65,7 +65,6 @@ func readmeUse(ctx context.Context, rdb *redis.Client) error {
 
 	// Lower level.
 	p, err := lim.Acquire(ctx)                     // obeys the mode; p.Release() when done
-	p.Start()                                      // optional: the call leaves only now (after a dial, a queue of its own)
 	d, err := lim.Allow(ctx)                       // never waits: d.OK, d.RetryAfter, d.Remaining
 	limited := errors.Is(err, throttle.ErrLimited) // a *LimitedError carries RetryAfter
 	// README end

@@ -285,7 +285,7 @@ func (l *Limiter) Allow(ctx context.Context, opts ...CallOption) (Decision, erro
 func (l *Limiter) Acquire(ctx context.Context, opts ...CallOption) (*Permit, error) {
 	p, err := l.acquirePermit(ctx, opts)
 	if err == nil {
-		p.acquiredLate, p.acquiredOK = p.lateness()
+		p.markStart()
 	}
 	return p, err
 }

@@ -89,9 +89,9 @@ const (
 type Transport struct {
 	// Base sends the requests. nil means http.DefaultTransport. How late a
 	// call starts after its slot, for the spread the fleet's margin follows,
-	// is measured when Base has written the request's headers (an
-	// *http.Transport reports it): a request that waits for a connection,
-	// dials or shakes hands with TLS arrives that much later at the vendor.
+	// is measured when Base has written the request (an *http.Transport
+	// reports it): a request that waits for a connection, dials or shakes
+	// hands with TLS arrives that much later at the vendor.
 	// Give an *http.Transport idle connections for as many requests as run
 	// at once (MaxIdleConnsPerHost, 2 by default), or the fleet's margin
 	// widens for the dials.
@@ -422,15 +422,22 @@ func (t *transport) roundTrip(req *http.Request) (*http.Response, error) {
 }
 
 // traceStart returns ctx with a trace that starts the call of p (Permit.Start)
-// when the base RoundTripper has written the request's headers: the call
-// leaves for the vendor then, after any wait for a connection of the pool,
-// a dial and a TLS handshake, which the fleet's spread must see, as they
-// delay the call's arrival at the vendor as much as a late start would. A
-// base that reports no write (not an *http.Transport, or one that failed
-// before writing) leaves the call started when Acquire returned. Hooks of a
-// trace already in ctx still run.
+// when the base RoundTripper has written the request: the call leaves for
+// the vendor then, after any wait for a connection of the pool, a dial and
+// a TLS handshake, which the fleet's spread must see, as they delay the
+// call's arrival at the vendor as much as a late start would. The last
+// write counts (Release notes it): an *http.Transport sends the request
+// again on another connection when the vendor had closed an idle one,
+// perhaps after a dial; a write that failed counts for nothing. A base that
+// reports no write (not an *http.Transport, or one that failed before
+// writing) leaves the call started when Acquire returned.
+// Hooks of a trace already in ctx still run.
 func traceStart(ctx context.Context, p *Permit) context.Context {
-	return httptrace.WithClientTrace(ctx, &httptrace.ClientTrace{WroteHeaders: p.Start})
+	return httptrace.WithClientTrace(ctx, &httptrace.ClientTrace{WroteRequest: func(w httptrace.WroteRequestInfo) {
+		if w.Err == nil {
+			p.Start()
+		}
+	}})
 }
 
 func (t *transport) limiterFor(req *http.Request) *Limiter {

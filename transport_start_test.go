@@ -64,45 +64,50 @@ func TestTransport_MeasuresTheStartWhenTheRequestLeaves(t *testing.T) {
 
 // A caller of Acquire whose call waits before it leaves tells the limiter
 // with Start; without it, the call counts as starting when Acquire returned.
-// Only the first Start counts, and none after Release.
+// The last Start before Release counts, Release notes it once, and a Start
+// after Release does nothing.
 func TestPermit_StartTellsWhenTheCallLeaves(t *testing.T) {
 	const slow = 80 * time.Millisecond
 	redistest.Each(t, func(t *testing.T, s *redistest.Server) {
 		policy := policies.SlidingLog{Limit: 100, Window: time.Second}
 		ctx := context.Background()
-		acquire := func(t *testing.T) (*Limiter, *Permit) {
+		// run acquires a permit, then sleeps and starts the call once for
+		// each of starts (false: sleeps only), releases it, and returns the
+		// latest lateness noted and how many were.
+		run := func(t *testing.T, starts ...bool) (time.Duration, int) {
 			t.Helper()
 			lim := newLimiter(t, s.Client(t), policy)
 			p, err := lim.Acquire(ctx)
 			if err != nil {
 				t.Fatal(err)
 			}
-			return lim, p
-		}
-		t.Run("started late", func(t *testing.T) {
-			lim, p := acquire(t)
-			time.Sleep(slow)
-			p.Start()
-			time.Sleep(slow)
+			for _, start := range starts {
+				time.Sleep(slow)
+				if start {
+					p.Start()
+				}
+			}
+			if n := notedStarts(lim); n != 0 {
+				t.Errorf("%d starts noted before Release, want 0", n)
+			}
+			p.Release()
 			p.Start()
 			p.Release()
-			if late := lim.lates.latest(); late < slow*3/4 || late >= 2*slow {
-				t.Errorf("a call started %v after Acquire noted %v late, want %v to %v", slow, late, slow*3/4, 2*slow)
+			return lim.lates.latest(), notedStarts(lim)
+		}
+		t.Run("started late", func(t *testing.T) {
+			if late, n := run(t, true, false); late < slow*3/4 || late >= 2*slow || n != 1 {
+				t.Errorf("a call started %v after Acquire noted %d starts, the latest %v late; want 1, %v to %v", slow, n, late, slow*3/4, 2*slow)
 			}
-			if n := notedStarts(lim); n != 1 {
-				t.Errorf("%d starts noted for one call, want 1", n)
+		})
+		t.Run("started again", func(t *testing.T) {
+			if late, n := run(t, true, true); late < 2*slow*7/8 || n != 1 {
+				t.Errorf("a call started %v and again %v after Acquire noted %d starts, the latest %v late; want 1, at least %v", slow, 2*slow, n, late, 2*slow*7/8)
 			}
 		})
 		t.Run("never told", func(t *testing.T) {
-			lim, p := acquire(t)
-			time.Sleep(slow)
-			p.Release()
-			p.Start()
-			if late := lim.lates.latest(); late >= slow/2 {
-				t.Errorf("a call released %v after Acquire, Start never called before, noted %v late, want under %v", slow, late, slow/2)
-			}
-			if n := notedStarts(lim); n != 1 {
-				t.Errorf("%d starts noted for one call, want 1", n)
+			if late, n := run(t, false); late >= slow/2 || n != 1 {
+				t.Errorf("a call released %v after Acquire, Start never called before, noted %d starts, the latest %v late; want 1, under %v", slow, n, late, slow/2)
 			}
 		})
 	})
