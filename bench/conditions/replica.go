@@ -227,12 +227,12 @@ func runReplica(rc replicaConfig, stdin io.Reader, stdout io.Writer) (report, er
 			defer base.CloseIdleConnections()
 			c := &http.Client{Transport: &throttle.Transport{Limiter: lim, Base: stamper{base}}}
 			for range rc.Workers {
-				wg.Go(func() { workTransport(ctx, c, rc.Vendor, &t) })
+				wg.Go(func() { work(ctx, &t, viaTransport(ctx, c, rc.Vendor)) })
 			}
 			continue
 		}
 		for range rc.Workers {
-			wg.Go(func() { work(ctx, lim, httpc, rc.Vendor, &t) })
+			wg.Go(func() { work(ctx, &t, viaDo(ctx, lim, httpc, rc.Vendor)) })
 		}
 	}
 	wg.Wait()
@@ -277,20 +277,14 @@ func openPools(clients []*redis.Client, n int) error {
 	return nil
 }
 
-// work calls the vendor through lim until ctx ends or the limiter refuses a
-// call for want of time before the end.
-func work(ctx context.Context, lim *throttle.Limiter, httpc *http.Client, url string, t *tally) {
+// work calls the vendor, one call after another through call, until ctx
+// ends or the limiter refuses a call for want of time before the end. call
+// makes one call through the limiter and reports how long after asked the
+// limiter let it go, whether it did, and the call's error.
+func work(ctx context.Context, t *tally, call func(asked time.Time) (waited time.Duration, ran bool, err error)) {
 	for ctx.Err() == nil {
 		asked := time.Now()
-		var waited time.Duration
-		ran := false
-		_, err := throttle.Do(ctx, lim, func(ctx context.Context) (int, error) {
-			waited, ran = time.Since(asked), true
-			// An admitted call completes, even as the run ends.
-			cctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), callTimeout)
-			defer cancel()
-			return get(cctx, httpc, url, time.Now())
-		})
+		waited, ran, err := call(asked)
 		o := classify(ctx, err, time.Now())
 		if ran {
 			t.admitted(waited)
@@ -308,36 +302,36 @@ func work(ctx context.Context, lim *throttle.Limiter, httpc *http.Client, url st
 	}
 }
 
-// workTransport is work through a throttle.Transport: c's transport is one,
-// over a stamper.
-func workTransport(ctx context.Context, c *http.Client, url string, t *tally) {
-	for ctx.Err() == nil {
-		asked := time.Now()
+// viaDo returns work's call through throttle.Do on lim, whose fn makes one
+// GET to url with httpc.
+func viaDo(ctx context.Context, lim *throttle.Limiter, httpc *http.Client, url string) func(time.Time) (time.Duration, bool, error) {
+	return func(asked time.Time) (waited time.Duration, ran bool, err error) {
+		_, err = throttle.Do(ctx, lim, func(ctx context.Context) (int, error) {
+			waited, ran = time.Since(asked), true
+			// An admitted call completes, even as the run ends.
+			cctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), callTimeout)
+			defer cancel()
+			return get(cctx, httpc, url, time.Now())
+		})
+		return waited, ran, err
+	}
+}
+
+// viaTransport returns work's call as one GET to url with c, whose
+// transport is a throttle.Transport over a stamper.
+func viaTransport(ctx context.Context, c *http.Client, url string) func(time.Time) (time.Duration, bool, error) {
+	return func(asked time.Time) (time.Duration, bool, error) {
 		var st stamp
 		req, err := http.NewRequestWithContext(context.WithValue(ctx, stampKey{}, &st), http.MethodGet, url, nil)
 		if err != nil {
-			t.note(failed, err, 0)
-			return
+			return 0, false, err
 		}
 		resp, err := c.Do(req)
 		if err == nil {
 			_, err = io.Copy(io.Discard, resp.Body)
 			resp.Body.Close()
 		}
-		o := classify(ctx, err, time.Now())
-		if !st.at.IsZero() {
-			t.admitted(st.at.Sub(asked))
-			if err != nil {
-				o = failed // the vendor call itself failed
-			}
-		}
-		t.note(o, err, time.Since(asked))
-		switch o {
-		case endLimited, endContext, endUnavailable:
-			return
-		case unavailable, limitedEarly, failed:
-			sleep(ctx, failurePause)
-		}
+		return st.at.Sub(asked), !st.at.IsZero(), err
 	}
 }
 
