@@ -32,12 +32,15 @@ type request struct {
 	c       call
 	maxWait time.Duration
 	member  string
-	late    *result       // a booking of this call to give back first: it would start too late
-	sent    chan struct{} // closed when the script call deciding it is sent
+	late    *result // a booking of this call to give back first: it would start too late
 	done    chan struct{}
-	res     result
-	err     error
-	state   atomic.Int32 // requestWaiting, requestDecided or requestAbandoned
+	// deadline is when the call stops waiting for Redis, in Unix
+	// nanoseconds: the Redis timeout after it asked, moved out each time
+	// Redis answers a script call ahead of it (see answered).
+	deadline atomic.Int64
+	res      result
+	err      error
+	state    atomic.Int32 // requestWaiting, requestDecided or requestAbandoned
 }
 
 const (
@@ -47,49 +50,49 @@ const (
 )
 
 // decideInRedis decides one call in Redis: it admits it, books it within
-// maxWait, or refuses it. It waits no longer than ctx and the limiter's
-// Redis timeout.
+// maxWait, or refuses it. It waits no longer than ctx allows, and no longer
+// than the limiter's Redis timeout for an answer (see request.deadline).
 //
 // A call that got a slot too late to start in it passes that booking as
 // late: it is given back in the same script call that books the call again.
-func (l *Limiter) decideInRedis(ctx context.Context, sc scope, c call, maxWait time.Duration, late *result) (result, error) {
+//
+// A probe of the breaker goes alone, at once: it must not wait behind a
+// script call that may be hanging on a dead node until its timeout (the
+// one it probes for may have been promoted since).
+func (l *Limiter) decideInRedis(ctx context.Context, sc scope, c call, maxWait time.Duration, late *result, probe bool) (result, error) {
 	l.listen()
-	req := &request{sc: sc, c: c, maxWait: maxWait, member: l.newMember(), late: late, sent: make(chan struct{}), done: make(chan struct{})}
+	req := &request{sc: sc, c: c, maxWait: maxWait, member: l.newMember(), late: late, done: make(chan struct{})}
+	req.deadline.Store(time.Now().Add(l.s.redisTimeout).UnixNano())
+	if probe {
+		l.decide(sc, []*request{req})
+		return req.res, req.err
+	}
 	if ln := l.submit(req); ln != nil {
 		// Nothing was on its way: decide this call here, with no hand-over
 		// to another goroutine, and leave the calls that queued meanwhile to
-		// a drainer.
+		// a drainer. The script call's own timeout bounds the wait.
 		l.decide(sc, []*request{req})
 		if batch := l.take(ln); batch != nil {
 			go l.drain(ln, batch)
 		}
 		return req.res, req.err
 	}
-	// The Redis timeout runs from when the call's own script call is sent:
-	// waiting behind another one, itself bounded by the timeout, is no sign
-	// of a failing Redis.
-	var (
-		err     error
-		sent    = req.sent
-		timer   *time.Timer
-		timeout <-chan time.Time
-	)
-	defer func() {
-		if timer != nil {
-			timer.Stop()
-		}
-	}()
+	var err error
+	timer := time.NewTimer(time.Until(time.Unix(0, req.deadline.Load())))
+	defer timer.Stop()
 	for err == nil {
 		select {
 		case <-req.done:
 			return req.res, req.err
 		case <-ctx.Done():
 			err = ctx.Err()
-		case <-sent:
-			sent = nil
-			timer = time.NewTimer(l.s.redisTimeout)
-			timeout = timer.C
-		case <-timeout:
+		case <-timer.C:
+			// An answer to the script call ahead of this one moves the
+			// deadline out; none came since the call asked.
+			if left := time.Until(time.Unix(0, req.deadline.Load())); left > 0 {
+				timer.Reset(left)
+				continue
+			}
 			err = l.unavailable(fmt.Errorf("no answer within %v: %w", l.s.redisTimeout, context.DeadlineExceeded))
 		}
 	}
@@ -99,6 +102,23 @@ func (l *Limiter) decideInRedis(ctx context.Context, sc scope, c call, maxWait t
 		return req.res, req.err
 	}
 	return result{}, err
+}
+
+// answered moves out the Redis deadline of every call still waiting in the
+// lane: Redis just answered the script call ahead of them, so their wait
+// so far is no sign of a failing Redis, and their own script call gets the
+// whole timeout. Waiting behind a script call that fails is: a call never
+// waits for Redis longer than the timeout in all.
+func (l *Limiter) answered() {
+	deadline := time.Now().Add(l.s.redisTimeout).UnixNano()
+	l.lanesMu.Lock()
+	defer l.lanesMu.Unlock()
+	if l.lane == nil {
+		return
+	}
+	for _, req := range l.lane.pending {
+		req.deadline.Store(deadline)
+	}
 }
 
 // submit puts req in the lane if a decision is on its way, and returns nil.
@@ -189,11 +209,7 @@ func (l *Limiter) decide(sc scope, batch []*request) {
 			stepped = 1
 		}
 	}
-	wantHorizon := 0
-	if l.local != nil {
-		wantHorizon = 1
-	}
-	args = append(args, l.lates.report(), l.timing.delay().Microseconds(), l.policyID, wantHorizon, stepped, len(scopes))
+	args = append(args, l.lates.report(), l.timing.delay().Microseconds(), l.policyID, stepped, len(scopes))
 	for _, s := range scopes[1:] {
 		for _, k := range s.keys[1:] {
 			args = append(args, k)
@@ -210,9 +226,9 @@ func (l *Limiter) decide(sc scope, batch []*request) {
 		members[i] = l.newMember()
 		args = append(args, members[i], spareCost, 0, 0, 1)
 	}
-	for _, req := range batch {
-		close(req.sent)
-	}
+	// A gap in the news from now on, however soon, may hide what would
+	// make these decisions unusable.
+	gaps := l.gaps.Load()
 	sent := l.timing.now()
 	v, err := l.run(ctx, lua.Acquire, sc, args).Int64Slice()
 	recvd := l.timing.now()
@@ -228,13 +244,9 @@ func (l *Limiter) decide(sc scope, batch []*request) {
 		}
 		return
 	}
+	l.answered()
 	now, margin, done := rep.now, rep.margin, rep.done
 	l.emit(Event{Kind: EventRedis, Duration: recvd - sent, Calls: len(batch), Margin: margin})
-	if rep.horizon > done && l.local != nil {
-		// The latest slot the fleet booked, not only this process: should
-		// Redis fail, every replica's booked calls still wake and run.
-		l.noteHorizon(time.Now().Add(rep.horizon - done))
-	}
 	before, _ := l.timing.step()
 	l.timing.observe(now, done, sent, recvd)
 	// Decided by a clock that just stepped forward: the calls go back and
@@ -247,7 +259,7 @@ func (l *Limiter) decide(sc scope, batch []*request) {
 	l.noteScripts(newEpoch, rep.seq)
 	// The spares first: a caller that has its decision finds the pool it
 	// filled (and Close, after the last call, gives it back).
-	l.keepSpares(sc, batch, rep, members, spareCost, stale)
+	l.keepSpares(sc, batch, rep, members, spareCost, stale, gaps)
 	for i, req := range batch {
 		c := rep.calls[i]
 		if req.sc.id != sc.id {
@@ -267,6 +279,7 @@ func (l *Limiter) decide(sc scope, batch []*request) {
 			margin:    margin,
 			done:      done,
 			stale:     stale,
+			gaps:      gaps,
 		}
 		if !req.finish(r, nil) && r.admitted {
 			// The caller gave up while its call was being booked.

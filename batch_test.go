@@ -23,7 +23,7 @@ func decideBatch(l *Limiter, calls []batchCall) []result {
 	batch := make([]*request, len(calls))
 	for i, bc := range calls {
 		c := call{key: bc.key, hasKey: true, cost: bc.cost}
-		batch[i] = &request{sc: l.scopeFor(c), c: c, maxWait: bc.maxWait, member: l.newMember(), sent: make(chan struct{}), done: make(chan struct{})}
+		batch[i] = &request{sc: l.scopeFor(c), c: c, maxWait: bc.maxWait, member: l.newMember(), done: make(chan struct{})}
 	}
 	l.decide(batch[0].sc, batch)
 	out := make([]result, len(batch))

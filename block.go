@@ -134,6 +134,8 @@ func (l *Limiter) sleepToSlot(ctx context.Context, r result) error {
 	if r.local {
 		return sleep(ctx, d)
 	}
+	l.asleep.Add(1)
+	defer l.asleep.Add(-1)
 	in, ok := l.timing.wakeIn(r.startsAt())
 	if !ok {
 		return sleep(ctx, d)

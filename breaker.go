@@ -11,27 +11,49 @@ import (
 // Breaker timing: consecutive failures that open it, over at least how
 // long (the calls that were on connections a Redis restart or CLIENT KILL
 // closed fail at one instant, which is no sign of a Redis down), and the
-// backoff between probes.
+// backoff between probes. The backoff stays short: a probe costs one
+// failed dial, while a long one keeps the fleet refusing calls long after
+// Redis (or a Cluster's new master) answers. probeMax is the longest
+// interval before jitter (±50%).
 const (
 	breakerFailures = 3
 	breakerSpan     = 50 * time.Millisecond
 	probeFirst      = 100 * time.Millisecond
-	probeMax        = 10 * time.Second
+	probeMax        = 250 * time.Millisecond
 )
+
+// probeLongest is the longest a breaker waits between two probes, jitter
+// included.
+const probeLongest = probeMax * 3 / 2
 
 // errBreakerOpen is the cause of a call decided without asking Redis.
 var errBreakerOpen = errors.New("redis failed repeatedly; waiting to probe it again")
 
 // breaker counts Redis failures and keeps calls away from a Redis that keeps
 // failing, letting one call through now and then to see whether it is back.
+//
+// Probes go out on a schedule of their own, whatever became of the ones
+// before: a failure never moves the next probe out. The calls that were on
+// their way to Redis when the breaker opened fail too, each at its
+// timeout; were each of them to draw the next backoff, they would drive it
+// to its maximum and keep the process away from a Redis that is back. And a
+// probe may take as long as the Redis timeout to fail (a ClusterClient
+// dials a dead master, and redials it, before it reloads its slot map), so
+// the next one does not wait for it: the first probe sent after the
+// failover finds the new master.
 type breaker struct {
 	mu       sync.Mutex
 	failures int
 	first    time.Time // the first failure of the current run
 	open     bool
-	probing  bool
-	next     time.Time
+	next     time.Time // when the next probe may go
 	bo       *backoff.ExponentialBackOff
+}
+
+// pass is what allow grants a call: to ask Redis at all, and whether the
+// call is one of the breaker's probes.
+type pass struct {
+	ok, probe bool
 }
 
 func newBreaker() *breaker {
@@ -43,18 +65,19 @@ func newBreaker() *breaker {
 }
 
 // allow reports whether the call may ask Redis: always while the breaker is
-// closed, and one call at a time once a probe is due.
-func (b *breaker) allow() bool {
+// closed, and once it is open, one call each time a probe is due.
+func (b *breaker) allow() pass {
 	b.mu.Lock()
 	defer b.mu.Unlock()
 	if !b.open {
-		return true
+		return pass{ok: true}
 	}
-	if b.probing || time.Now().Before(b.next) {
-		return false
+	now := time.Now()
+	if now.Before(b.next) {
+		return pass{}
 	}
-	b.probing = true
-	return true
+	b.next = now.Add(b.bo.NextBackOff())
+	return pass{ok: true, probe: true}
 }
 
 // success records an answer from Redis, and reports whether it closed the
@@ -66,22 +89,22 @@ func (b *breaker) success() bool {
 	if !b.open {
 		return false
 	}
-	b.open, b.probing = false, false
+	b.open = false
 	b.bo.Reset()
 	return true
 }
 
 // failure records a failure, and reports whether it opened the breaker.
+// While the breaker is open, failures change nothing: the probes keep
+// their schedule.
 func (b *breaker) failure() bool {
 	b.mu.Lock()
 	defer b.mu.Unlock()
+	if b.open {
+		return false
+	}
 	if b.failures++; b.failures == 1 {
 		b.first = time.Now()
-	}
-	if b.open {
-		b.probing = false
-		b.next = time.Now().Add(b.bo.NextBackOff())
-		return false
 	}
 	if b.failures < breakerFailures || time.Since(b.first) < breakerSpan {
 		return false
@@ -92,9 +115,14 @@ func (b *breaker) failure() bool {
 	return true
 }
 
-// abort ends a probe that got no verdict (the caller's context ended).
-func (b *breaker) abort() {
+// abort ends a call that p let through without a verdict on Redis (the
+// caller's context ended, Redis refused the call for a reason of its
+// configuration, the call needed no script): the next call probes at once.
+func (b *breaker) abort(p pass) {
+	if !p.probe {
+		return
+	}
 	b.mu.Lock()
 	defer b.mu.Unlock()
-	b.probing = false
+	b.next = time.Now()
 }

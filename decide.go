@@ -20,7 +20,8 @@ func (l *Limiter) acquire(ctx context.Context, c call, maxWait time.Duration, gi
 		return result{}, err
 	}
 	sc := l.scopeFor(c)
-	if !l.brk.allow() {
+	pass := l.brk.allow()
+	if !pass.ok {
 		return l.fallback(sc, c, maxWait, l.unavailable(errBreakerOpen))
 	}
 	if giveBack != nil && giveBack.local {
@@ -39,10 +40,11 @@ func (l *Limiter) acquire(ctx context.Context, c call, maxWait time.Duration, gi
 	}
 	if giveBack == nil {
 		if r, ok := l.takeSpare(sc, c); ok {
+			l.brk.abort(pass)
 			return r, nil
 		}
 	}
-	r, err := l.decideInRedis(ctx, sc, c, maxWait, giveBack)
+	r, err := l.decideInRedis(ctx, sc, c, maxWait, giveBack, pass.probe)
 	if err == nil {
 		if l.brk.success() {
 			l.s.logger.Info("throttle: Redis answers again; deciding in Redis", "quota", l.name)
@@ -50,13 +52,11 @@ func (l *Limiter) acquire(ctx context.Context, c call, maxWait time.Duration, gi
 		}
 		return r, nil
 	}
-	if !errors.Is(err, ErrUnavailable) {
-		l.brk.abort()
-		return r, err
-	}
-	if refusedByConfiguration(err) {
-		// Not an outage: no fallback would be right, and no probe will fix it.
-		l.brk.abort()
+	if !errors.Is(err, ErrUnavailable) || refusedByConfiguration(err) {
+		// The caller gave up, or Redis refused the call for a reason only
+		// its configuration can change: no outage, so no fallback would
+		// be right, and no probe will fix it.
+		l.brk.abort(pass)
 		return r, err
 	}
 	l.reloadSlots(err)
@@ -75,7 +75,11 @@ func (l *Limiter) fallback(sc scope, c call, maxWait time.Duration, cause error)
 		return result{admitted: true, local: true, scope: sc}, nil
 	case Local:
 		if !l.localNow.Swap(true) {
-			l.local.takeOver(time.Unix(0, l.horizon.Load()))
+			// This process's calls booked in Redis and still asleep ask
+			// again when they wake: the fallback counts them against this
+			// process's share, whatever Redis admitted them at.
+			l.gaps.Add(1)
+			l.local.takeOver(l.noticeWithin())
 		}
 		member := l.newMember()
 		r := l.local.decide(sc, c, member, maxWait)
@@ -85,24 +89,55 @@ func (l *Limiter) fallback(sc scope, c call, maxWait time.Duration, cause error)
 	return result{}, cause
 }
 
-// refusedByConfiguration reports whether Redis refused the script for a
-// reason only its configuration can change: a user without the rights the
-// scripts need, a password refused, a key of another type. Such a call fails
-// with the error whatever Options.OnRedisError says: FailOpen must not turn a
-// missing right into no limit at all.
+// refusedByConfiguration reports whether Redis answered the script with a
+// refusal that only its configuration can change: a user without a right
+// the scripts need (a command, a key, a channel), a password refused, a key
+// of another type, scripting turned off, an undeclared key refused. Such a
+// call fails with the error whatever Options.OnRedisError says: FailOpen
+// must not turn a missing right into no limit at all.
+//
+// Engines and versions word their refusals differently (Redis 7.0 "can't
+// run this command", 7.2 and Valkey "ACL failure in script: ... no
+// permissions", managed services their own), so refusals are not told by
+// their words: a Redis that answers with an error reply is up, and every
+// error reply is a refusal but those that say the server is passing
+// through a state it leaves by itself (loading, a failover, a full memory,
+// a script running too long; see passing). A failure to reach Redis at all
+// is no error reply.
 func refusedByConfiguration(err error) bool {
 	var reply redis.Error
-	if !errors.As(err, &reply) {
-		return false
-	}
-	msg := reply.Error()
-	for _, p := range []string{"NOPERM", "NOAUTH", "WRONGPASS", "WRONGTYPE"} {
-		if strings.HasPrefix(msg, p) {
+	return errors.As(err, &reply) && !passing(reply.Error())
+}
+
+// passingStates are the error codes of a Redis, or of a proxy in front of
+// it, that is up but cannot serve for a while: go-redis retries the same
+// ones.
+var passingStates = []string{
+	"LOADING", "BUSY", "READONLY", "MASTERDOWN", "CLUSTERDOWN", "TRYAGAIN", "NOREPLICAS",
+	"OOM", "MISCONF", "MOVED", "ASK", "NOSCRIPT",
+}
+
+// passingWords are the words of passing states that come without a code of
+// their own: too many clients, and a proxy (Envoy, twemproxy) that lost
+// its upstream.
+var passingWords = []string{"max number of clients reached", "no upstream host", "upstream failure", "connection refused", "timed out"}
+
+// passing reports whether the error reply msg says the server is passing
+// through a state it leaves by itself. Inside a script the code may follow
+// the script's own words ("ERR Error running script ...: -READONLY ...").
+func passing(msg string) bool {
+	for _, code := range passingStates {
+		if strings.HasPrefix(msg, code+" ") || msg == code || strings.Contains(msg, "-"+code+" ") || strings.Contains(msg, ": "+code+" ") {
 			return true
 		}
 	}
-	// Redis 7.0's words for a command a user may not run inside a script.
-	return strings.Contains(msg, "can't run this command")
+	lower := strings.ToLower(msg)
+	for _, w := range passingWords {
+		if strings.Contains(lower, w) {
+			return true
+		}
+	}
+	return false
 }
 
 // reloadSlots asks a ClusterClient to reload its slot map when a decision
@@ -138,7 +173,7 @@ func (l *Limiter) handBack(ctx context.Context) error {
 	for _, r := range l.rules {
 		span = max(span, r.Window, time.Duration(r.Limit)*r.Every, r.Lease)
 	}
-	span += probeMax
+	span += probeLongest
 	if _, ok := byScope[""]; !ok {
 		byScope[""] = nil
 	}

@@ -3,6 +3,8 @@ package throttle
 import (
 	"errors"
 	"fmt"
+	"regexp"
+	"strings"
 	"time"
 
 	"github.com/throttlekit/throttle/internal/lua"
@@ -20,15 +22,68 @@ type UnavailableError struct {
 	Quota string
 	// Err is what went wrong.
 	Err error
+
+	prefix string // the quota's key prefix, for the rights a refusal names
 }
 
-// Error describes the failure. When Redis refused a command a script calls
-// without naming it (Redis before 7.2), it names the command.
+// Error describes the failure. When Redis refused the user a right the
+// scripts need, it names the right to grant, in ACL SETUSER's words, and
+// the command the script calls where it was refused (Redis before 7.2
+// does not name it).
 func (e *UnavailableError) Error() string {
-	if c := lua.CommandAt(e.Err.Error()); c != "" {
-		return fmt.Sprintf("throttle: quota %q: redis unavailable: %v (the script calls %s there)", e.Quota, e.Err, c)
+	msg := fmt.Sprintf("throttle: quota %q: redis unavailable: %v", e.Quota, e.Err)
+	called := lua.CommandAt(e.Err.Error())
+	right := missingRight(e.Err.Error(), e.prefix)
+	switch {
+	case called != "" && !strings.Contains(right, called):
+		msg += " (the script calls " + called + " there"
+		if right != "" {
+			msg += "; " + right
+		}
+		msg += ")"
+	case right != "":
+		msg += " (" + right + ")"
 	}
-	return fmt.Sprintf("throttle: quota %q: redis unavailable: %v", e.Quota, e.Err)
+	return msg
+}
+
+// The words engines refuse a right with: Redis 7.0 ("this user has no
+// permissions to run the 'evalsha' command", "... to access one of the
+// keys used as arguments", "The user executing the script can't run this
+// command", "... can't access at least one of the keys ...", "... can't
+// publish to the channel ..."), Redis 7.2 and later and Valkey ("ACL
+// failure in script: User ... has no permissions to run the 'zadd'
+// command", "No permissions to access a key", "... a channel"). They only
+// name the right in the error: whether a reply is a refusal at all does
+// not hang on them (see refusedByConfiguration).
+var (
+	refusedCommand = regexp.MustCompile(`(?i)no permissions to run the '([a-z|]+)' command`)
+	refusedInLua   = regexp.MustCompile(`(?i)can't run this command`)
+	refusedKey     = regexp.MustCompile(`(?i)(no permissions to access (a|one of the) key|can't access at least one of the keys)`)
+	refusedChannel = regexp.MustCompile(`(?i)(no permissions to access (a|one of the) channel|can't publish to the channel)`)
+)
+
+// missingRight names the right an ACL refusal msg says the user lacks, as
+// ACL SETUSER grants it, or returns "" when msg is no such refusal.
+func missingRight(msg, prefix string) string {
+	if prefix == "" {
+		prefix = "throttle"
+	}
+	switch {
+	case refusedCommand.MatchString(msg):
+		c := strings.ToLower(refusedCommand.FindStringSubmatch(msg)[1])
+		return "the user may not run " + strings.ToUpper(c) + ": grant it +" + c
+	case refusedInLua.MatchString(msg):
+		if c := lua.CommandAt(msg); c != "" {
+			return "the user may not run " + c + ": grant it +" + strings.ToLower(c)
+		}
+		return "the user may not run a command the script calls: see ACL LOG"
+	case refusedKey.MatchString(msg):
+		return "the user may not access the quota's keys: grant it ~" + prefix + ":*"
+	case refusedChannel.MatchString(msg):
+		return "the user may not publish to the quota's channel: grant it &" + prefix + ":*"
+	}
+	return ""
 }
 
 // Is reports whether target is ErrUnavailable.

@@ -413,13 +413,15 @@ func killAndRestart(t *testing.T, onErr OnRedisError, strictCap bool) {
 	if !strings.Contains(logs.String(), "Redis lost the quota's data") {
 		t.Errorf("no limiter noticed that Redis lost the quota's data:\n%s", logs.String())
 	}
-	for _, want := range []string{"Redis keeps failing", "Redis answers again"} {
-		if !strings.Contains(logs.String(), want) {
-			t.Errorf("no log line %q:\n%s", want, logs.String())
-		}
-	}
 	switch onErr {
 	case FailClosed:
+		// Under Local, a worker's first failure books it a slot of the
+		// fallback's, a window away: the breaker may never see three.
+		for _, want := range []string{"Redis keeps failing", "Redis answers again"} {
+			if !strings.Contains(logs.String(), want) {
+				t.Errorf("no log line %q:\n%s", want, logs.String())
+			}
+		}
 		if sum.byPhase[phaseFault][1] == 0 {
 			t.Error("no call failed with ErrUnavailable while Redis was down")
 		}
@@ -442,7 +444,7 @@ func killAndRestart(t *testing.T, onErr OnRedisError, strictCap bool) {
 		}
 		// Past the slots booked in Redis before the kill, each replica
 		// decides alone, at Limit/replicas.
-		from := killed.Add(faultPolicy.EffectiveWindow() + 50*time.Millisecond)
+		from := killed.Add(faultPolicy.EffectiveWindow() + lims[0].noticeWithin() + 50*time.Millisecond)
 		for r := range faultReplicas {
 			n := sum.maxInWindow(r, from, restarted, faultWindow)
 			if n == 0 || n > faultLimit/faultReplicas {

@@ -182,14 +182,18 @@ func (lg *localLog) insert(e localEntry) {
 }
 
 // takeOver is called when the fallback starts deciding. Redis may have
-// admitted a full window just before it failed, and booked calls up to
-// horizon: the fallback admits nothing until a window after both, and no
+// admitted a full window just before it failed, and the other replicas'
+// calls booked in Redis go on waking at their slots until their processes
+// notice the failure (within notice: see Limiter.noticeWithin), after which they
+// ask their own fallbacks, as this process's sleeping calls do. So the
+// fallback admits nothing until a window after the last of those, and no
 // concurrency slot until a lease after it, since the slots held through
-// Redis are still taken.
-func (lo *local) takeOver(horizon time.Time) {
+// Redis are still taken. From then on each replica admits its share alone,
+// and the fleet stays under the cap whatever any replica booked before.
+func (lo *local) takeOver(notice time.Duration) {
 	lo.mu.Lock()
 	defer lo.mu.Unlock()
-	lo.full = maxTime(time.Now(), horizon)
+	lo.full = time.Now().Add(notice)
 	lo.logs = map[string]*localLog{}
 }
 

@@ -370,53 +370,6 @@ func TestClockStep_ToldByTheLimitersThatLivedThroughIt(t *testing.T) {
 	}
 }
 
-// The Local fallback waits out the fleet's bookings, not only its own: the
-// calls another replica booked in Redis still wake and run after Redis
-// fails. Each reply tells a replica on the Local fallback how far ahead the
-// fleet booked.
-func TestLocal_WaitsPastTheFleetsBookings(t *testing.T) {
-	s := redistest.Mini(t)
-	policy := policies.SlidingLog{Limit: 10, Window: 200 * time.Millisecond}
-	opts := Options{OnRedisError: Local, ExpectedReplicas: 2, Mode: FailFast, Logger: quiet()}
-	a := newLimiter(t, s.Client(t), policy, opts)
-	b, err := New(s.Client(t), a.Name(), policy, opts)
-	if err != nil {
-		t.Fatal(err)
-	}
-	ctx := context.Background()
-	// B books ten windows ahead, as its waiting calls would.
-	var last result
-	for range 10 {
-		r, err := b.acquire(ctx, call{cost: 10}, 5*time.Second, nil)
-		if err != nil || !r.admitted {
-			t.Fatalf("B's booking: %+v, %v", r, err)
-		}
-		last = r
-	}
-	if last.wait < time.Second {
-		t.Fatalf("B's last booking is %v ahead, want about 2s", last.wait)
-	}
-	lastSlot := time.Now().Add(last.wait)
-	// A asks once, and learns how far the fleet booked.
-	if d, err := a.Allow(ctx); err != nil || d.OK {
-		t.Fatalf("A on a full quota: %+v, %v", d, err)
-	}
-	s.Mini.Close()
-	var le *LimitedError
-	for range 5 { // until the breaker opens and the fallback decides
-		_, err = a.Acquire(ctx)
-		if errors.As(err, &le) {
-			break
-		}
-	}
-	if le == nil {
-		t.Fatalf("A without Redis: %v, want the Local fallback to refuse", err)
-	}
-	if until := time.Until(lastSlot.Add(policy.EffectiveWindow())); le.RetryAfter < until-50*time.Millisecond {
-		t.Errorf("the fallback's first call would go in %v, before B's last booking (in %v) left its window", le.RetryAfter, time.Until(lastSlot))
-	}
-}
-
 // A Redis that goes back in time (a failover to a replica that missed the
 // latest writes, a restart from an old snapshot) keeps the quota's meta key
 // and its epoch, but not its count of scripts run: the fleet's count is
@@ -476,10 +429,10 @@ func TestLocal_BackOnRedisReservesTheOthersShare(t *testing.T) {
 		if err != nil || d.OK {
 			t.Fatalf("a call larger than the share: %+v, %v; want refused until the reserve ends", d, err)
 		}
-		if want := time.Second + policies.DefaultMargin + probeMax; d.RetryAfter != want {
+		if want := time.Second + policies.DefaultMargin + probeLongest; d.RetryAfter != want {
 			t.Errorf("RetryAfter %v, want the reserve's end, %v", d.RetryAfter, want)
 		}
-		clock.Add(time.Second + policies.DefaultMargin + probeMax)
+		clock.Add(time.Second + policies.DefaultMargin + probeLongest)
 		if d, err := lim.Allow(ctx, Cost(10)); err != nil || !d.OK {
 			t.Errorf("after the reserve, a full window: %+v, %v", d, err)
 		}
@@ -492,7 +445,7 @@ func TestLocal_BackOnRedisReservesTheOthersShare(t *testing.T) {
 func TestLocal_LateStartGuard(t *testing.T) {
 	lim := newLimiter(t, deadRedis(t), policies.SlidingLog{Limit: 10, Window: time.Second},
 		Options{OnRedisError: Local, ExpectedReplicas: 2, Logger: quiet()})
-	lim.local.takeOver(time.Now())
+	lim.local.takeOver(lim.noticeWithin())
 	lim.local.full = time.Now().Add(-2 * time.Second) // a window after it took over
 	r := lim.local.decide(lim.scopeFor(call{}), call{cost: 1}, "m", 0)
 	if !r.admitted || r.margin != policies.DefaultMargin {
@@ -523,13 +476,13 @@ func TestLocal_ConcurrencySlotsHeldThroughRedisStayTaken(t *testing.T) {
 			t.Fatal(err)
 		}
 	}
-	lim.local.takeOver(time.Now())
+	lim.local.takeOver(lim.noticeWithin())
 	lim.localNow.Store(true)
 	r := lim.local.decide(lim.scopeFor(call{}), call{cost: 1}, "m", 0)
 	if r.admitted || r.wait < 900*time.Millisecond {
 		t.Fatalf("the fallback right after it took over: %+v, want no slot for about a lease", r)
 	}
-	lim.local.full = time.Now().Add(-time.Second) // a lease later
+	lim.local.full = time.Now().Add(-time.Second) // a lease later (and the time to notice)
 	if r := lim.local.decide(lim.scopeFor(call{}), call{cost: 2}, "m", 0); !r.admitted {
 		t.Fatalf("a lease later: %+v, want the replica's 2 slots", r)
 	}
@@ -624,7 +577,7 @@ func TestNews_SleepingCallsLearnWhatOtherReplicasLearned(t *testing.T) {
 func TestLocal_AdmitsItsShareExactly(t *testing.T) {
 	lim := newLimiter(t, deadRedis(t), policies.SlidingLog{Limit: 10, Window: time.Second},
 		Options{OnRedisError: Local, ExpectedReplicas: 2, Logger: quiet()})
-	lim.local.takeOver(time.Now())
+	lim.local.takeOver(lim.noticeWithin())
 	lim.local.full = time.Now().Add(-2 * time.Second) // a window after it took over
 	sc := lim.scopeFor(call{})
 	for i := range 5 {

@@ -268,7 +268,6 @@ func checkSeed(t *testing.T, rdb redis.UniversalClient, mini *miniredis.Miniredi
 					c:       c,
 					maxWait: []time.Duration{0, 7 * time.Millisecond, 40 * time.Millisecond, 200 * time.Millisecond}[rng.IntN(4)],
 					member:  lim.newMember(),
-					sent:    make(chan struct{}),
 					done:    make(chan struct{}),
 				})
 			}

@@ -2,6 +2,8 @@ package throttle
 
 import (
 	"context"
+	"errors"
+	"net"
 	"strconv"
 	"strings"
 	"sync"
@@ -22,6 +24,28 @@ import (
 //
 //	q <epoch> <pause until> <now>    the quota's epoch and pause, after a loss or a pause
 //	k <pause key> <until> <now>      the pause of one key of a quota
+
+// A process that cannot hear the news cannot trust its bookings: while the
+// subscription is cut, a pause or a loss may be published unheard, and a
+// Redis that failed decides nothing while the replicas that noticed it
+// decide without it (the Local fallback). So the subscription watches its
+// own connection: an error counts as a gap, and so does a ping unanswered
+// while no news comes and calls of the process sleep towards their slots
+// (a process with none has no booking to protect, and sends no ping). Each
+// limiter counts the gaps it was told of (Limiter.gaps), and a call that
+// wakes towards a slot booked before a gap asks Redis again (see
+// overtaken). A process notices a gap within noticeWithin of the failure
+// that caused it.
+//
+// newsPing is how long an idle subscription waits before it pings Redis.
+// The answer may take as long as a script call may (Options.RedisTimeout):
+// a slow Redis is no gap.
+const newsPing = 100 * time.Millisecond
+
+// noticeWithin bounds how long after Redis stops answering a process of
+// the fleet notices it: an idle read, an unanswered ping, and the time to
+// run the loop, as the limiters of this quota are configured.
+func (l *Limiter) noticeWithin() time.Duration { return 2*newsPing + l.s.redisTimeout }
 
 // hub is the subscription of one client, shared by its limiters. It holds
 // them weakly: a limiter dropped without Close is forgotten, not kept.
@@ -44,7 +68,7 @@ func (l *Limiter) listen() {
 		h.subs[channel] = append(live(h.subs[channel], nil), weak.Make(l))
 		if h.ps == nil {
 			h.ps = l.rdb.Subscribe(context.Background(), channel)
-			go h.serve(h.ps.Channel())
+			go h.serve(h.ps)
 		} else if len(h.subs[channel]) == 1 {
 			// go-redis sends SUBSCRIBE again by itself after a reconnect.
 			go func(ps *redis.PubSub) { _ = ps.Subscribe(context.Background(), channel) }(h.ps)
@@ -79,18 +103,136 @@ func (l *Limiter) unlisten() {
 	hubs.CompareAndDelete(l.rdb, h)
 }
 
-func (h *hub) serve(ch <-chan *redis.Message) {
-	for msg := range ch {
-		h.mu.Lock()
-		subs := live(h.subs[msg.Channel], nil)
-		h.subs[msg.Channel] = subs
-		h.mu.Unlock()
+// serve reads the subscription until it is closed: it hands each message
+// to the limiters of its channel, and tells them of each gap. A read that
+// finds nothing for newsPing sends a ping; a second one finds the ping
+// unanswered, which is a gap, as is an error. The cut lasts until a ping
+// sent on a new connection is answered.
+func (h *hub) serve(ps *redis.PubSub) {
+	var cut, pinged bool // the connection is cut; a ping is unanswered
+	for {
+		wait := newsPing
+		if pinged {
+			wait = h.pongWithin()
+		}
+		ctx, cancel := context.WithTimeout(context.Background(), wait)
+		msg, err := ps.ReceiveTimeout(ctx, wait)
+		cancel()
+		if h.closed(ps) {
+			return
+		}
+		if err == nil {
+			pinged = false
+			if cut {
+				cut = false
+				h.gap() // what was published while it was cut went unheard
+			}
+			if m, ok := msg.(*redis.Message); ok {
+				h.deliver(m)
+			}
+			continue
+		}
+		if isTimeout(err) && !pinged && !cut {
+			if !h.asleep() {
+				continue
+			}
+			// Idle while calls sleep on their bookings: check that the
+			// connection still reaches Redis.
+			if pinged = ping(ps); !pinged {
+				cut = true
+				h.gap()
+			}
+			continue
+		}
+		if !cut {
+			cut = true
+			h.gap()
+		}
+		// go-redis dials again, and subscribes again, when the ping is
+		// sent: not in a busy loop.
+		time.Sleep(newsPing)
+		pinged = ping(ps)
+	}
+}
+
+// ping sends a ping on the subscription, whose answer its next read
+// receives, and reports whether it was sent.
+func ping(ps *redis.PubSub) bool {
+	ctx, cancel := context.WithTimeout(context.Background(), newsPing)
+	defer cancel()
+	return ps.Ping(ctx) == nil
+}
+
+// closed reports whether ps is no longer the hub's subscription.
+func (h *hub) closed(ps *redis.PubSub) bool {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	return h.ps != ps
+}
+
+// deliver hands a message to the limiters of its channel.
+func (h *hub) deliver(msg *redis.Message) {
+	h.mu.Lock()
+	subs := live(h.subs[msg.Channel], nil)
+	h.subs[msg.Channel] = subs
+	h.mu.Unlock()
+	for _, p := range subs {
+		if l := p.Value(); l != nil {
+			l.news(msg.Payload)
+		}
+	}
+}
+
+// pongWithin is how long a ping may take to be answered: the longest Redis
+// timeout of the hub's limiters.
+func (h *hub) pongWithin() time.Duration {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	d := newsPing
+	for _, subs := range h.subs {
 		for _, p := range subs {
 			if l := p.Value(); l != nil {
-				l.news(msg.Payload)
+				d = max(d, l.s.redisTimeout)
 			}
 		}
 	}
+	return d
+}
+
+// asleep reports whether a call of the hub's limiters sleeps towards a
+// slot booked in Redis.
+func (h *hub) asleep() bool {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	for _, subs := range h.subs {
+		for _, p := range subs {
+			if l := p.Value(); l != nil && l.asleep.Load() > 0 {
+				return true
+			}
+		}
+	}
+	return false
+}
+
+// gap tells every limiter of the hub that news may have gone unheard.
+func (h *hub) gap() {
+	h.mu.Lock()
+	var all []weak.Pointer[Limiter]
+	for _, subs := range h.subs {
+		all = append(all, subs...)
+	}
+	h.mu.Unlock()
+	for _, p := range all {
+		if l := p.Value(); l != nil {
+			l.gaps.Add(1)
+		}
+	}
+}
+
+// isTimeout reports whether err is a read that found nothing in time.
+func isTimeout(err error) bool {
+	var ne net.Error
+	return errors.As(err, &ne) && ne.Timeout() || errors.Is(err, context.DeadlineExceeded)
 }
 
 // live returns the limiters of subs that are still in use, but drop.

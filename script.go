@@ -24,22 +24,21 @@ const (
 // The acquire script's reply: a header, then a fixed number of values per
 // call (see internal/lua/acquire.lua).
 const (
-	acquireHeader  = 8
+	acquireHeader  = 7
 	acquirePerCall = 5
 )
 
 // acquireReply is acquire.lua's reply, field by field, in the order its
 // header documents them.
 type acquireReply struct {
-	now     time.Duration // the time the script used, since the Unix epoch
-	pause   time.Duration // the time until which the scope is paused, or 0
-	epoch   int64         // the quota's epoch
-	lost    bool          // this script found that Redis lost the quota's data
-	margin  time.Duration // the smallest guarded margin in force, or 0
-	done    time.Duration // the time the script ended
-	horizon time.Duration // the latest slot the fleet booked, when asked, or 0
-	seq     int64         // the quota's count of scripts run
-	calls   []callReply
+	now    time.Duration // the time the script used, since the Unix epoch
+	pause  time.Duration // the time until which the scope is paused, or 0
+	epoch  int64         // the quota's epoch
+	lost   bool          // this script found that Redis lost the quota's data
+	margin time.Duration // the smallest guarded margin in force, or 0
+	done   time.Duration // the time the script ended
+	seq    int64         // the quota's count of scripts run
+	calls  []callReply
 }
 
 // callReply is acquire.lua's decision of one call.
@@ -60,7 +59,7 @@ func decodeAcquire(v []int64, n int) (acquireReply, error) {
 	us := func(x int64) time.Duration { return time.Duration(x) * time.Microsecond }
 	rep := acquireReply{
 		now: us(v[0]), pause: us(v[1]), epoch: v[2], lost: v[3] == 1,
-		margin: us(v[4]), done: us(v[5]), horizon: us(v[6]), seq: v[7],
+		margin: us(v[4]), done: us(v[5]), seq: v[6],
 		calls: make([]callReply, n),
 	}
 	for i := range n {
@@ -184,6 +183,7 @@ type result struct {
 	epoch     int64         // the quota's epoch when the call was decided
 	margin    time.Duration // the smallest guarded margin in force, 0 for none
 	stale     bool          // decided by a Redis clock that had just stepped forward
+	gaps      uint64        // the gaps in the quota's news this process knew of when it was decided (see news.go)
 	local     bool          // decided without Redis (FailOpen, Local)
 }
 
@@ -221,5 +221,5 @@ func (l *Limiter) run(ctx context.Context, s *redis.Script, sc scope, args []any
 
 // unavailable wraps an error of Redis, or of the way to it.
 func (l *Limiter) unavailable(err error) error {
-	return &UnavailableError{Quota: l.name, Err: err}
+	return &UnavailableError{Quota: l.name, Err: err, prefix: l.s.prefix}
 }

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"io"
+	"net"
 	"net/http"
 	"net/http/httptest"
 	"slices"
@@ -403,30 +404,124 @@ func TestSecurity_ACLUserMissingARight(t *testing.T) {
 	}
 }
 
-// A missing right is no outage: FailOpen and Local do not turn it into no
-// limit at all, or a limit of the process's own; the call fails with
-// Redis's refusal.
+// A missing right is no outage: no OnRedisError turns it into no limit at
+// all, or a limit of the process's own; the call fails with Redis's
+// refusal, naming the right to grant. A command the scripts call, the
+// quota's key pattern, and its channel, which a pause publishes on.
+//
+// Recognising a refusal by Redis 7.0's words alone let FailOpen through
+// with no limit on Redis 7.2, 7.4, 8.0 and Valkey 8, whose words differ.
 func TestSecurity_MissingRightIsNotAnOutage(t *testing.T) {
 	s := redistest.Real(t)
 	admin := adminClient(t, s.Addr)
-	rules := slices.DeleteFunc(slices.Clone(aclRules), func(r string) bool { return r == "+zadd" })
-	for _, o := range []OnRedisError{FailOpen, Local} {
-		t.Run(o.String(), func(t *testing.T) {
-			rdb := aclUser(t, s, admin, "throttle", rules)
-			lim, err := New(rdb, "security-"+o.String(), policies.SlidingLog{Limit: 10, Window: time.Second},
-				Options{OnRedisError: o, ExpectedReplicas: 2, Logger: quiet()})
-			if err != nil {
-				t.Fatal(err)
-			}
-			for i := range 5 { // past the breaker's three failures
-				d, err := lim.Allow(context.Background())
-				if err == nil || d.OK {
-					t.Fatalf("call %d: %+v, %v; want Redis's refusal, not a call let through", i+1, d, err)
+	without := func(drop, add string) []string {
+		rules := slices.DeleteFunc(slices.Clone(aclRules), func(r string) bool { return r == drop })
+		if add != "" {
+			rules = append(rules, add)
+		}
+		return rules
+	}
+	for _, right := range []struct {
+		name  string
+		rules []string
+		want  string // in the error
+		pause bool   // the refusal shows on a pause, which publishes
+	}{
+		{"Command", without("+zadd", ""), "+zadd", false},
+		{"Keys", without("~throttle:*", "~other:*"), "~throttle:*", false},
+		{"Channel", without("&throttle:*", "&other:*"), "&throttle:*", true},
+	} {
+		for _, o := range []OnRedisError{FailClosed, FailOpen, Local} {
+			t.Run(right.name+"/"+o.String(), func(t *testing.T) {
+				rdb := aclUser(t, s, admin, "throttle", right.rules)
+				lim, err := New(rdb, "security-"+right.name+"-"+o.String(), policies.SlidingLog{Limit: 10, Window: time.Second},
+					Options{OnRedisError: o, ExpectedReplicas: 2, Logger: quiet()})
+				if err != nil {
+					t.Fatal(err)
 				}
-				if !errors.Is(err, ErrUnavailable) || !strings.Contains(err.Error(), "ZADD") {
-					t.Fatalf("call %d: %v, want ErrUnavailable naming ZADD", i+1, err)
+				ctx := context.Background()
+				for i := range 5 { // past the breaker's three failures
+					if right.pause {
+						err = lim.Pause(ctx, time.Second)
+					} else {
+						var d Decision
+						if d, err = lim.Allow(ctx); err == nil && d.OK {
+							t.Fatalf("call %d admitted; want Redis's refusal, not a call let through", i+1)
+						}
+					}
+					if !errors.Is(err, ErrUnavailable) || !strings.Contains(err.Error(), right.want) {
+						t.Fatalf("call %d: %v, want ErrUnavailable naming %s", i+1, err, right.want)
+					}
 				}
-			}
-		})
+				t.Logf("%v", err)
+				if lim.brk.allow().probe {
+					t.Error("the breaker opened on a refusal")
+				}
+			})
+		}
 	}
 }
+
+// The refusals of every engine's words are refusals, with the right they
+// lack named; the replies of a server passing through a state it leaves by
+// itself, and failures to reach it, are outages.
+func TestSecurity_RefusalsInEachEnginesWords(t *testing.T) {
+	for _, c := range []struct {
+		engine, reply string
+		right         string // named in the error; "" for no ACL refusal
+	}{
+		{"Redis 7.0", "NOPERM this user has no permissions to run the 'evalsha' command or its subcommand", "+evalsha"},
+		{"Redis 7.0", "NOPERM this user has no permissions to access one of the keys used as arguments", "~throttle:*"},
+		{"Redis 7.0", "NOPERM this user has no permissions to access one of the channels used as arguments", "&throttle:*"},
+		{"Redis 7.0", "ERR The user executing the script can't run this command or subcommand script: 0123abcd, on @user_script:1.", "see ACL LOG"},
+		{"Redis 7.0", "ERR The user executing the script can't access at least one of the keys mentioned in the command script: 0123abcd, on @user_script:1.", "~throttle:*"},
+		{"Redis 7.0", "ERR The user executing the script can't publish to the channel mentioned in the command script: 0123abcd, on @user_script:1.", "&throttle:*"},
+		{"Redis 7.2, 7.4, 8.0, Valkey 8", "NOPERM User throttle has no permissions to run the 'evalsha' command", "+evalsha"},
+		{"Redis 7.2, 7.4, 8.0, Valkey 8", "NOPERM No permissions to access a key", "~throttle:*"},
+		{"Redis 7.2, 7.4, 8.0, Valkey 8", "NOPERM No permissions to access a channel", "&throttle:*"},
+		{"Redis 7.2, 7.4, 8.0, Valkey 8", "ERR ACL failure in script: User throttle has no permissions to run the 'zadd' command script: 0123abcd, on @user_script:1.", "+zadd"},
+		{"Redis 7.2, 7.4, 8.0, Valkey 8", "ERR ACL failure in script: No permissions to access a key script: 0123abcd, on @user_script:1.", "~throttle:*"},
+		{"Redis 7.2, 7.4, 8.0, Valkey 8", "ERR ACL failure in script: No permissions to access a channel script: 0123abcd, on @user_script:1.", "&throttle:*"},
+		{"Redis 6", "ERR Error running script (call to f_0123abcd): @user_script:1: @user_script: 1: The user executing the script can't run this command or subcommand", "see ACL LOG"},
+		{"any", "NOAUTH Authentication required.", ""},
+		{"any", "WRONGPASS invalid username-password pair or user is disabled.", ""},
+		{"any", "WRONGTYPE Operation against a key holding the wrong kind of value script: 0123abcd, on @user_script:1.", ""},
+		{"scripting turned off", "ERR unknown command 'evalsha', with args beginning with: ", ""},
+		{"Dragonfly", "ERR script tried accessing undeclared key", ""},
+	} {
+		err := &UnavailableError{Quota: "q", Err: replyError(c.reply), prefix: "throttle"}
+		if !refusedByConfiguration(err) {
+			t.Errorf("%s: %q taken for an outage", c.engine, c.reply)
+		}
+		if c.right != "" && !strings.Contains(err.Error(), c.right) {
+			t.Errorf("%s: %q gives %q, which does not name %s", c.engine, c.reply, err.Error(), c.right)
+		}
+	}
+	for _, outage := range []error{
+		replyError("LOADING Redis is loading the dataset in memory"),
+		replyError("READONLY You can't write against a read only replica. script: 0123abcd, on @user_script:1."),
+		replyError("ERR Error running script (call to f_0123abcd): @user_script:1: -READONLY You can't write against a read only replica."),
+		replyError("MASTERDOWN Link with MASTER is down and replica-serve-stale-data is set to 'no'."),
+		replyError("CLUSTERDOWN The cluster is down"),
+		replyError("TRYAGAIN Multiple keys request during rehashing of slot"),
+		replyError("BUSY Redis is busy running a script. You can only call SCRIPT KILL or SHUTDOWN NOSAVE."),
+		replyError("OOM command not allowed when used memory > 'maxmemory'. script: 0123abcd, on @user_script:1."),
+		replyError("MISCONF Redis is configured to save RDB snapshots, but it's currently unable to persist to disk."),
+		replyError("ERR max number of clients reached"),
+		replyError("NOREPLICAS Not enough good replicas to write."),
+		replyError("no upstream host"),
+		&net.OpError{Op: "dial", Err: errors.New("connect: connection refused")},
+		context.DeadlineExceeded,
+		redis.ErrClosed,
+	} {
+		if refusedByConfiguration(outage) {
+			t.Errorf("%q taken for a refusal, not an outage", outage)
+		}
+	}
+}
+
+// replyError is an error reply of Redis, as go-redis returns it.
+type replyError string
+
+func (e replyError) Error() string { return string(e) }
+func (replyError) RedisError()     {}

@@ -223,7 +223,7 @@ func likeCost(sc scope, batch []*request) int {
 // first, said of sc: the units free after its last call of sc, whether it
 // booked or refused one, and the spares it admitted (members, of cost each,
 // after the batch's calls in rep).
-func (l *Limiter) keepSpares(sc scope, batch []*request, rep acquireReply, members []string, cost int, stale bool) {
+func (l *Limiter) keepSpares(sc scope, batch []*request, rep acquireReply, members []string, cost int, stale bool, gaps uint64) {
 	remaining, seen, contended := 0, false, false
 	for i := len(rep.calls) - 1; i >= 0; i-- {
 		if i < len(batch) && batch[i].sc.id != sc.id {
@@ -246,7 +246,7 @@ func (l *Limiter) keepSpares(sc scope, batch []*request, rep acquireReply, membe
 			taken = append(taken, m)
 		}
 	}
-	r := result{admitted: true, now: rep.now, pause: rep.pause, scope: sc, cost: cost, epoch: rep.epoch, margin: rep.margin, done: rep.done, stale: stale}
+	r := result{admitted: true, now: rep.now, pause: rep.pause, scope: sc, cost: cost, epoch: rep.epoch, margin: rep.margin, done: rep.done, stale: stale, gaps: gaps}
 	l.fillSpares(sc, rep.margin, remaining, contended, r, taken)
 }
 

@@ -105,7 +105,8 @@ type view struct {
 	scripts     atomic.Int64  // the quota's count of scripts run, as last seen in that epoch
 	pauses      sync.Map      // scope pause key -> local time.Time the pause ends
 	pausesAdded atomic.Uint64 // pauses noted since the last sweep of the map
-	horizon     atomic.Int64  // local Unix nanoseconds of the latest slot booked in Redis
+	gaps        atomic.Uint64 // the gaps in the quota's news (news.go), and switches to the Local fallback
+	asleep      atomic.Int64  // calls sleeping towards slots booked in Redis
 	listening   sync.Once     // subscribed to the quota's news (news.go)
 }
 

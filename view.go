@@ -2,17 +2,6 @@ package throttle
 
 import "time"
 
-// noteHorizon remembers the latest slot booked in Redis, in local time, for
-// the Local fallback to respect should Redis fail.
-func (l *Limiter) noteHorizon(slot time.Time) {
-	for {
-		old := l.horizon.Load()
-		if slot.UnixNano() <= old || l.horizon.CompareAndSwap(old, slot.UnixNano()) {
-			return
-		}
-	}
-}
-
 // notePause remembers, in local time, until when a scope is paused, so that
 // a waiter of this process that wakes during a pause books again instead of
 // calling a vendor that asked for quiet.
@@ -79,10 +68,13 @@ func (l *Limiter) noteScripts(newEpoch bool, n int64) {
 }
 
 // overtaken reports whether what this process learned since r was decided
-// in Redis makes its slot unusable: a pause that ends after it, or a loss
-// of the quota's data (a new epoch), which took the booking with it.
+// in Redis makes its slot unusable: a pause that ends after it; a loss of
+// the quota's data (a new epoch), which took the booking with it; or a gap
+// in the quota's news, during which either may have gone unheard, or Redis
+// failed and the fleet began to decide without it (the Local fallback,
+// which counts this process's calls as it decides them).
 func (l *Limiter) overtaken(r result) bool {
-	return l.pausedPast(r.scope, r.slot()) || l.epoch.Load() != r.epoch
+	return l.pausedPast(r.scope, r.slot()) || l.epoch.Load() != r.epoch || l.gaps.Load() != r.gaps
 }
 
 // pausedPast reports whether a pause this process knows of, not over yet,

@@ -16,8 +16,6 @@
 --   bucket k (see note_timing in lib.lua), or "" for none;
 --   that usual delay, one way, in microseconds, or -1 when unknown;
 --   the id of the caller's policy (see check_policy in lib.lua);
---   1 when the caller decides without Redis should Redis fail (the Local
---   fallback), and so needs to know how far ahead the fleet booked, else 0;
 --   1 when the caller saw Redis's clock step forward by more than the
 --   margin since it last said so, else 0: windows measured by that clock
 --   ended early, and the quota counts as full for a window, as after a loss;
@@ -34,7 +32,7 @@
 --   back from Redis too late to start in asks for one that far ahead, so
 --   that the reply arrives before it); and its scope (1..s).
 --
--- Returns {now, pause, epoch, lost, margin, done, horizon, seq, then for each call: admitted,
+-- Returns {now, pause, epoch, lost, margin, done, seq, then for each call: admitted,
 -- wait, remaining, reason, pause}:
 --   now        the time the script used, in microseconds;
 --   pause      the time until which the quota or the first scope's key is
@@ -45,8 +43,6 @@
 --              microseconds, or 0 when no window is guarded (see margins);
 --   done       the time the script ended: a call admitted now starts no
 --              earlier, and the caller measures the reply's trip from it;
---   horizon    when asked for: the latest time the fleet booked a call at in
---              the windowed rules of this scope, or 0;
 --   seq        the quota's count of scripts run, this one included;
 --   admitted   1 when the call was admitted (wait 0) or booked (wait > 0), else 0;
 --   wait       microseconds from now until the call's slot; when refused, how long
@@ -401,8 +397,8 @@ local rs = rules()
 local ncalls, ngive = tonumber(ARGV[4]), tonumber(ARGV[6])
 local arg = after_rules()
 local report, delay, policy = ARGV[arg], tonumber(ARGV[arg + 1]), ARGV[arg + 2]
-local want_horizon, stepped = ARGV[arg + 3], ARGV[arg + 4]
-arg = arg + 5
+local stepped = ARGV[arg + 3]
+arg = arg + 4
 
 -- Scopes. The calls of one script call may be for several keys of the
 -- quota: the first key's rules are in KEYS; each other key comes as its
@@ -557,7 +553,7 @@ if warming and ncalls == 1 then
 end
 
 local at_once = false -- some call was admitted now
-local out = { str(now), str(scopes[1].pause), str(meta.epoch), lost, str(margin), 0, 0, str(meta.seq) }
+local out = { str(now), str(scopes[1].pause), str(meta.epoch), lost, str(margin), 0, str(meta.seq) }
 
 for c = 0, ncalls - 1 do
   local id = ARGV[first + 5 * c]
@@ -713,22 +709,6 @@ for _, r in ipairs(objs) do
   elseif r.kind == CONCURRENCY then
     expire(r.key, (r.tmax - now + r.lease) / 1000)
   end
-end
-if want_horizon == '1' then
-  local horizon = 0
-  for _, r in ipairs(objs) do
-    if r.kind == LOG then
-      local last = redis.call('ZRANGE', r.key, -1, -1, 'WITHSCORES')
-      if last[2] then
-        horizon = math.max(horizon, tonumber(last[2]))
-      end
-    elseif r.kind == COUNTER and #r.bs > 0 then
-      horizon = math.max(horizon, (r.bs[#r.bs] + 1) * r.width)
-    elseif r.kind == BUCKET then
-      horizon = math.max(horizon, r.tat)
-    end
-  end
-  out[7] = str(horizon)
 end
 out[6] = str(clock())
 return out
