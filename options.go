@@ -71,8 +71,11 @@ type Options struct {
 	// OnRedisError is what a call does when Redis cannot decide it. The
 	// default is FailClosed. Whatever the choice, a breaker stops sending
 	// calls to a Redis that keeps failing (three failures in a row, over
-	// 50ms at least), probes it with a growing, jittered backoff, and
-	// returns to it by itself once it answers; each switch is logged.
+	// 50ms at least), probes it every 100 to 250ms, jittered, and returns
+	// to it by itself once it answers; each switch is logged. A Redis that
+	// answers with an error reply (a user without a right the scripts
+	// need, a key of another type) is no outage: such a call fails with
+	// ErrUnavailable whatever OnRedisError says.
 	OnRedisError OnRedisError
 	// ExpectedReplicas is how many processes share the quota, for the Local
 	// fallback: each then admits Limit/n per window, so that the fleet
@@ -81,8 +84,10 @@ type Options struct {
 	ExpectedReplicas int
 	// RedisTimeout bounds how long a decision waits for Redis, apart from
 	// the caller's context, so that a hung Redis cannot hang every outbound
-	// call: past it the call fails with ErrUnavailable. The default is one
-	// second.
+	// call: past it the call fails with ErrUnavailable. It runs from when
+	// the call asks, its wait behind the script call of other calls of the
+	// process included, unless Redis answers that one (a slow Redis is not
+	// a failing one). The default is one second.
 	//
 	// go-redis stops reading a reply at a context's deadline only when its
 	// Options.ContextTimeoutEnabled is set; otherwise its ReadTimeout (3s by
