@@ -8,6 +8,7 @@ import (
 	"net/http"
 	"slices"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -243,8 +244,10 @@ func TestOutage_BackWithinASecondOfRedis(t *testing.T) {
 // Without the sleeping calls asking again (overtaken ignoring the gaps in
 // the news), the booked replica runs the whole limit in each window while
 // the others add their shares: 15 in a window of 10 with 2 replicas.
+//
+// On a real Redis only: miniredis's Lua, in the test's own process, is too
+// slow under the race detector for the replica to book far ahead.
 func TestOutage_LocalStaysUnderTheCapWhateverWasBooked(t *testing.T) {
-	t.Run("2Replicas/miniredis", func(t *testing.T) { localAfterBookings(t, redistest.Mini(t), 2) })
 	for _, n := range []int{2, 3, 5} {
 		t.Run(fmt.Sprintf("%dReplicas/redis", n), func(t *testing.T) { localAfterBookings(t, redistest.Real(t), n) })
 	}
@@ -253,11 +256,11 @@ func TestOutage_LocalStaysUnderTheCapWhateverWasBooked(t *testing.T) {
 func localAfterBookings(t *testing.T, s *redistest.Server, n int) {
 	policy := policies.SlidingLog{Limit: 10, Window: 100 * time.Millisecond}
 	lims := outageLimiters(t, s.Addr, "outage-local", n, policy,
-		Options{OnRedisError: Local, ExpectedReplicas: n, Logger: quiet(), RedisTimeout: 300 * time.Millisecond})
+		Options{OnRedisError: Local, ExpectedReplicas: n, Logger: quiet()})
 	vendor := fakevendor.NewInProcess(fakevendor.Config{Limit: policy.Limit, Window: policy.Window})
-	// The calls still waiting after 4 s end with the context's error: the
-	// cap is what the test checks.
-	ctx, cancel := context.WithTimeout(context.Background(), 4*time.Second)
+	// The calls still waiting 3 s after the failure end with the context's
+	// error: the cap is what the test checks.
+	ctx, cancel := context.WithCancel(context.Background())
 	defer cancel()
 	call := func(lim *Limiter) error {
 		p, err := lim.Acquire(ctx)
@@ -276,19 +279,26 @@ func localAfterBookings(t *testing.T, s *redistest.Server, n int) {
 	// The first replica books 199 calls, about two seconds of slots: past
 	// the time the others' fallbacks wait (a window, and the Redis timeout
 	// and two pings of noticeWithin).
+	// On a busy machine some of them are refused, their replies too late to
+	// start in.
 	var wg sync.WaitGroup
+	var refused atomic.Int64
 	for range 199 {
 		wg.Go(func() {
-			if err := call(lims[0]); err != nil && !errors.Is(err, ErrLimited) && ctx.Err() == nil {
+			err := call(lims[0])
+			if errors.Is(err, ErrLimited) {
+				refused.Add(1)
+			} else if err != nil && ctx.Err() == nil {
 				t.Errorf("a booked call: %v", err)
 			}
 		})
 	}
 	waitFor(t, func() bool {
 		u, err := lims[0].Usage(ctx)
-		return err == nil && u.Rules[0].Booked >= 180
+		return err == nil && u.Rules[0].Booked+int(refused.Load()) >= 180
 	}, "the first replica's bookings")
 	s.Kill()
+	time.AfterFunc(3*time.Second, cancel)
 	until := time.Now().Add(2 * time.Second)
 	for _, lim := range lims[1:] {
 		wg.Go(func() {
