@@ -64,19 +64,25 @@ func startOutageFleet(t *testing.T, lims []*Limiter, workers int) *outageFleet {
 						sleepCtx(ctx, r.wait)
 						c.slept = time.Since(decided)
 					}
-					c.end, c.err = time.Now(), err
-					f.mu.Lock()
-					f.calls = append(f.calls, c)
-					f.mu.Unlock()
-					if err != nil {
-						sleepCtx(ctx, 10*time.Millisecond)
-					}
+					f.record(ctx, c, err)
 				}
 			})
 		}
 	}
 	t.Cleanup(f.finish)
 	return f
+}
+
+// record keeps call c, which ended now with err; after a failure it waits
+// 10 ms, as a caller backing off would.
+func (f *outageFleet) record(ctx context.Context, c outageCall, err error) {
+	c.end, c.err = time.Now(), err
+	f.mu.Lock()
+	f.calls = append(f.calls, c)
+	f.mu.Unlock()
+	if err != nil {
+		sleepCtx(ctx, 10*time.Millisecond)
+	}
 }
 
 // finish stops the workers and returns the calls they made.
@@ -434,13 +440,7 @@ func startTransportFleet(t *testing.T, lims []*Limiter, url string, workers int)
 							err = fmt.Errorf("vendor answered %s", resp.Status)
 						}
 					}
-					c.end, c.err = time.Now(), err
-					f.mu.Lock()
-					f.calls = append(f.calls, c)
-					f.mu.Unlock()
-					if err != nil {
-						sleepCtx(ctx, 10*time.Millisecond)
-					}
+					f.record(ctx, c, err)
 				}
 			})
 		}

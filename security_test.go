@@ -225,6 +225,16 @@ var aclRules = []string{
 	"+zadd", "+zrem", "+zcard", "+zcount", "+zrange", "+zrangebyscore", "+zremrangebyscore",
 }
 
+// without returns the README's rights (aclRules) without drop, and with
+// add when not empty.
+func without(drop, add string) []string {
+	rules := slices.DeleteFunc(slices.Clone(aclRules), func(r string) bool { return r == drop })
+	if add != "" {
+		rules = append(rules, add)
+	}
+	return rules
+}
+
 // aclSetInfo is the right to run CLIENT SETINFO, which go-redis sends on
 // each new connection. It ignores a refusal, but Redis writes one to ACL
 // LOG for every connection. Redis before 7.2 has no such subcommand: it
@@ -345,13 +355,6 @@ func TestSecurity_ACLUserWithOnlyWhatTheReadmeLists(t *testing.T) {
 // A user missing one right gets ErrUnavailable, with Redis's words for the
 // refusal, and ACL LOG names what is missing.
 func TestSecurity_ACLUserMissingARight(t *testing.T) {
-	without := func(drop, add string) []string {
-		rules := slices.DeleteFunc(slices.Clone(aclRules), func(r string) bool { return r == drop })
-		if add != "" {
-			rules = append(rules, add)
-		}
-		return rules
-	}
 	for _, c := range []struct {
 		name  string
 		rules []string
@@ -414,13 +417,6 @@ func TestSecurity_ACLUserMissingARight(t *testing.T) {
 func TestSecurity_MissingRightIsNotAnOutage(t *testing.T) {
 	s := redistest.Real(t)
 	admin := adminClient(t, s.Addr)
-	without := func(drop, add string) []string {
-		rules := slices.DeleteFunc(slices.Clone(aclRules), func(r string) bool { return r == drop })
-		if add != "" {
-			rules = append(rules, add)
-		}
-		return rules
-	}
 	for _, right := range []struct {
 		name  string
 		rules []string
