@@ -62,6 +62,7 @@ func TestOnRedisError_FailOpenMakesTheCall(t *testing.T) {
 }
 
 func TestOnRedisError_LocalDividesTheQuota(t *testing.T) {
+	long(t)
 	// Long enough that the round trips to a dead Redis, before the breaker
 	// opens, stay within one window.
 	window := 3 * time.Second

@@ -368,6 +368,7 @@ func faultLogger() (*syncBuffer, *slog.Logger) {
 // quota's epoch tells the fleet that Redis forgot the last window, so the
 // first window after the restart counts as full.
 func TestFault_KillAndRestart(t *testing.T) {
+	long(t)
 	t.Run("FailClosed", func(t *testing.T) { killAndRestart(t, FailClosed, true) })
 	// Local keeps the fleet calling, at Limit/replicas a replica; the cap
 	// across the switches is TestFault_LocalFallbackStaysUnderTheCap's.
@@ -381,6 +382,7 @@ func TestFault_KillAndRestart(t *testing.T) {
 // while other replicas may still decide without Redis (their breakers probe
 // it with backoff), Redis admits only the share none of them takes.
 func TestFault_LocalFallbackStaysUnderTheCap(t *testing.T) {
+	long(t)
 	killAndRestart(t, Local, true)
 }
 
@@ -461,6 +463,7 @@ func killAndRestart(t *testing.T, onErr OnRedisError, strictCap bool) {
 // and within the client's ReadTimeout when it does not. After the thaw the
 // fleet recovers by itself.
 func TestFault_FreezeLongerThanRedisTimeout(t *testing.T) {
+	long(t)
 	const (
 		redisTimeout = 200 * time.Millisecond
 		readTimeout  = time.Second // go-redis's default is 3s; shorter keeps the test short
@@ -541,6 +544,7 @@ func TestFault_FreezeLongerThanRedisTimeout(t *testing.T) {
 // SCRIPT FLUSH while the fleet runs costs no call: go-redis answers
 // NOSCRIPT with EVAL, and the quota's data stays.
 func TestFault_ScriptFlushDuringRun(t *testing.T) {
+	long(t)
 	s := redistest.Real(t)
 	before := runtime.NumGoroutine()
 	var seen errorCounts
@@ -586,6 +590,7 @@ func TestFault_ScriptFlushDuringRun(t *testing.T) {
 // then, and a script that ran twice (its reply was lost with the
 // connection) only books a slot nobody uses.
 func TestFault_ClientKillDuringRun(t *testing.T) {
+	long(t)
 	// Kill for at least minFor, and on, up to maxFor, until commands in
 	// flight have lost their connection a few times: most kills find the
 	// fleet's connections idle, which go-redis notices before using them.
@@ -663,6 +668,7 @@ func TestFault_ClientKillDuringRun(t *testing.T) {
 // a dead master never sends, or every ClusterStateReloadInterval (60 s by
 // default); the clients here reload every 500 ms.
 func TestFault_ClusterFailover(t *testing.T) {
+	long(t)
 	clusterFailover(t, &redis.ClusterOptions{ContextTimeoutEnabled: true, ClusterStateReloadInterval: 500 * time.Millisecond})
 }
 
@@ -672,6 +678,7 @@ func TestFault_ClusterFailover(t *testing.T) {
 // reload when a decision fails for want of a node, so the fleet comes back
 // soon after the promotion rather than a minute later.
 func TestFault_ClusterFailoverWithDefaultClient(t *testing.T) {
+	long(t)
 	clusterFailover(t, &redis.ClusterOptions{ContextTimeoutEnabled: true})
 }
 
@@ -743,6 +750,7 @@ func clusterFailover(t *testing.T, opt *redis.ClusterOptions) {
 // fleet started. The window (5 s) is longer than the failover (about 3 s),
 // so what the replica missed still counts at the vendor afterwards.
 func TestFault_ClusterFailoverToLaggingReplica(t *testing.T) {
+	long(t)
 	// The replica never got the quota's meta key: the epoch tells the fleet
 	// that the quota's data was lost, and the window counts as full.
 	t.Run("WithoutTheQuota", func(t *testing.T) { laggingFailover(t, false) })
@@ -822,6 +830,7 @@ func laggingFailover(t *testing.T, replicateFirst bool) {
 // of milliseconds, and the calls fail closed until the keys are together
 // again.
 func TestFault_SlotMigration(t *testing.T) {
+	long(t)
 	c := redistest.StartCluster(t)
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer cancel()

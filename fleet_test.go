@@ -90,6 +90,7 @@ const miniWorkers = 8
 // admitted call reaches a strict vendor. The vendor sees no call over its
 // cap, and the fleet keeps the cap in use.
 func TestFleet_NeverOverCapAndUsesTheQuota(t *testing.T) {
+	long(t)
 	for _, fc := range fleetCases {
 		t.Run(fc.name, func(t *testing.T) {
 			redistest.Each(t, func(t *testing.T, s *redistest.Server) {
@@ -104,6 +105,7 @@ func TestFleet_NeverOverCapAndUsesTheQuota(t *testing.T) {
 }
 
 func TestFleet_NeverOverCapOnCluster(t *testing.T) {
+	long(t)
 	c := redistest.StartCluster(t)
 	runFleet(t, fleetCases[0], func(t *testing.T) redis.UniversalClient { return c.Client(t) })
 }
@@ -113,6 +115,7 @@ func TestFleet_NeverOverCapOnCluster(t *testing.T) {
 // uses it, at about one script call per admitted call, whatever the round
 // trip, with jitter on every packet.
 func TestFleet_RedisFarAway(t *testing.T) {
+	long(t)
 	s := redistest.Real(t)
 	for _, d := range []struct{ latency, jitter time.Duration }{
 		{time.Millisecond, 500 * time.Microsecond},
@@ -142,6 +145,7 @@ func TestFleet_RedisFarAway(t *testing.T) {
 // after their slots, and later than each other: the fleet measures the
 // spread, widens its margin, and keeps under the cap.
 func TestFleet_BusyMachine(t *testing.T) {
+	long(t)
 	s := redistest.Real(t)
 	busyLoops(t, 2*runtime.NumCPU())
 	// Two-second windows: the margin may grow to 200ms, room for the

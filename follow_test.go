@@ -63,6 +63,7 @@ func (q *quietVendor) count(from, to time.Duration) (ok, no int) {
 // one 429 per call in flight, then none, at the new cap; and when the
 // vendor raises its cap again, the fleet finds it within a few windows.
 func TestFollow_LearnsALoweredCapAndFindsItRaised(t *testing.T) {
+	long(t)
 	const (
 		replicas = 3
 		workers  = 20
@@ -226,6 +227,7 @@ const clampWindow = 3 * time.Second
 // the vendor's answers, whatever the shape of its headers: most of the cap
 // used, and a handful of 429s while it learns, none once it has.
 func TestFollow_ClampConverges(t *testing.T) {
+	long(t)
 	const (
 		replicas = 3
 		workers  = 10

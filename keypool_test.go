@@ -83,6 +83,7 @@ func (v *tokenVendor) counts() (served, refused map[string]int) {
 // within its own limit, and skips a token another service has spent until
 // its reset.
 func TestKeyPool_SpreadsCallsOverTheKeysWithRoom(t *testing.T) {
+	long(t)
 	const (
 		replicas = 3
 		workers  = 5

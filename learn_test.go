@@ -59,6 +59,7 @@ func admittedIn(lim *Limiter, clock *fixedClock, d, step time.Duration, opts ...
 }
 
 func TestRefused_LearnsWhatTheVendorAccepted(t *testing.T) {
+	long(t)
 	t.Parallel() // a given clock: nothing in it depends on the machine's load
 	redistest.Each(t, func(t *testing.T, s *redistest.Server) {
 		clock := newClock()
@@ -149,6 +150,7 @@ func TestRefused_DropsByHalfAtMost(t *testing.T) {
 }
 
 func TestRefused_CapRisesBackAfterItsHold(t *testing.T) {
+	long(t)
 	t.Parallel() // a given clock: nothing in it depends on the machine's load
 	redistest.Each(t, func(t *testing.T, s *redistest.Server) {
 		clock := newClock()
@@ -218,6 +220,7 @@ func TestRefused_CapDoesNotRiseWithoutDemand(t *testing.T) {
 }
 
 func TestRefused_EveryCountingPolicy(t *testing.T) {
+	long(t)
 	t.Parallel() // a given clock: nothing in it depends on the machine's load
 	redistest.Each(t, func(t *testing.T, s *redistest.Server) {
 		clock := newClock()

@@ -504,6 +504,7 @@ func TestLocal_ConcurrencySlotsHeldThroughRedisStayTaken(t *testing.T) {
 // the vendor asked for, a loss of the quota's data. It books again rather
 // than call into the pause, or with a booking the new data knows nothing of.
 func TestNews_SleepingCallsLearnWhatOtherReplicasLearned(t *testing.T) {
+	long(t)
 	redistest.Each(t, func(t *testing.T, s *redistest.Server) {
 		ctx := context.Background()
 		policy := policies.SlidingLog{Limit: 1, Window: 300 * time.Millisecond}

@@ -133,6 +133,7 @@ func outageLimiters(t *testing.T, addr, name string, n int, policy policies.Poli
 // running from its own script call instead), the calls queued behind the
 // first failing script wait up to twice the timeout.
 func TestOutage_NoCallWaitsForRedisLongerThanTheTimeout(t *testing.T) {
+	long(t)
 	s := redistest.Real(t)
 	const timeout = time.Second
 	lims := outageLimiters(t, s.Addr, "outage-held", 3, policies.SlidingLog{Limit: 100, Window: time.Second},
@@ -188,6 +189,7 @@ func TestOutage_NoCallWaitsForRedisLongerThanTheTimeout(t *testing.T) {
 // 10 s it once was, a 4 s outage would leave the breaker refusing calls
 // for seconds after Redis came back.
 func TestOutage_BackWithinASecondOfRedis(t *testing.T) {
+	long(t)
 	s := redistest.Real(t)
 	const window = time.Second
 	var mu sync.Mutex
@@ -254,6 +256,7 @@ func TestOutage_BackWithinASecondOfRedis(t *testing.T) {
 // On a real Redis only: miniredis's Lua, in the test's own process, is too
 // slow under the race detector for the replica to book far ahead.
 func TestOutage_LocalStaysUnderTheCapWhateverWasBooked(t *testing.T) {
+	long(t)
 	for _, n := range []int{2, 3, 5} {
 		t.Run(fmt.Sprintf("%dReplicas/redis", n), func(t *testing.T) { localAfterBookings(t, redistest.Real(t), n) })
 	}
@@ -339,6 +342,7 @@ func localAfterBookings(t *testing.T, s *redistest.Server, n int) {
 // hanging on the dead master, a process comes back up to a second late,
 // and finds the window taken by the processes that came back first.
 func TestOutage_ClusterFailoverEveryProcessBackSoon(t *testing.T) {
+	long(t)
 	c := redistest.StartClusterWithReplicas(t)
 	ctx, cancel := context.WithTimeout(context.Background(), 40*time.Second)
 	defer cancel()

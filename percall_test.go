@@ -116,6 +116,7 @@ func TestPerCall_RejectsNesting(t *testing.T) {
 // whose calls cost 20 to 100 tokens runs from one All: neither cap is
 // crossed, and the binding one is used.
 func TestPerCall_FleetUnderRequestsAndTokens(t *testing.T) {
+	long(t)
 	const (
 		replicas = 3
 		workers  = 10

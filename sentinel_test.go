@@ -22,6 +22,7 @@ import (
 // restart. The window (500 ms) is shorter than the failover (2 s or more),
 // so what the replica missed no longer counts at the vendor.
 func TestFault_SentinelFailover(t *testing.T) {
+	long(t)
 	// From the kill to the first call admitted by the promoted replica: the
 	// sentinels take SentinelDownAfter to see the master down and a second
 	// or two to promote the replica, and the limiters' breakers probe

@@ -268,6 +268,7 @@ func TestMargin_ForgetsTheDelaysOfAWarmUp(t *testing.T) {
 // few windows all the same: a booking keeps half the wide margin from the
 // calls booked with it, and its own narrower margin from the rest.
 func TestMargin_NarrowsWhileTheFleetBooksAhead(t *testing.T) {
+	long(t)
 	t.Parallel() // a given clock: nothing in it depends on the machine's load
 	redistest.Each(t, func(t *testing.T, s *redistest.Server) {
 		clock := newClock()
@@ -749,6 +750,7 @@ func (*growingReplies) ProcessPipelineHook(next redis.ProcessPipelineHook) redis
 // re-bookings, and the call fails after exactly maxRebooks of them,
 // giving its last slot back.
 func TestGuard_BlockBooksAgainABoundedNumberOfTimes(t *testing.T) {
+	long(t)
 	redistest.Each(t, func(t *testing.T, s *redistest.Server) {
 		rdb := s.Client(t)
 		h := &growingReplies{}

@@ -197,6 +197,7 @@ func mustRequest(t *testing.T, ctx context.Context, method, url string, body io.
 // connections, send as fast as they can through their Transports to a
 // strict vendor: not one request arrives over the vendor's cap.
 func TestTransport_FleetNeverOverCap(t *testing.T) {
+	long(t)
 	redistest.Each(t, func(t *testing.T, s *redistest.Server) {
 		const (
 			limit    = 20
@@ -254,6 +255,7 @@ func TestTransport_FleetNeverOverCap(t *testing.T) {
 // lowered from X-RateLimit-Remaining, cannot prevent them: the requests in
 // flight when it is lowered are not in the vendor's count yet.)
 func TestTransport_FleetPausesWhenTheVendorLowersItsCap(t *testing.T) {
+	long(t)
 	redistest.Each(t, func(t *testing.T, s *redistest.Server) {
 		const (
 			limit    = 20
