@@ -21,7 +21,8 @@ import (
 // counters cut into many buckets take those paths across their edges (reads
 // that end inside a run of equal times, runs longer than a read), and every
 // decision must still equal the brute-force model's, as long as no search
-// reads more than its budget.
+// reads more than its budget. Four histories of each: one by default,
+// all four with THROTTLE_LONG=1.
 func TestScript_MatchesModelOnLargeQuotas(t *testing.T) {
 	t.Parallel()
 	ms := func(rng *rand.Rand, lo, hi int) time.Duration {
@@ -50,7 +51,7 @@ func TestScript_MatchesModelOnLargeQuotas(t *testing.T) {
 	}
 	redistest.Each(t, func(t *testing.T, s *redistest.Server) {
 		for _, g := range gens {
-			for seed := range 4 {
+			for seed := range modelSeeds(4) {
 				rng := rand.New(rand.NewPCG(uint64(seed), uint64(len(g.name))))
 				policy := g.policy(rng)
 				rules, err := policies.Rules(policy)

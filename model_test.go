@@ -26,6 +26,8 @@ import (
 // redis-server, which users run, checks 60 histories of each mix of
 // kinds; miniredis 15, for what its Lua and its TIME do differently: it
 // runs the scripts in the test's process, five times slower under -race.
+// The default run checks a fifth of them (12 and 3, both of miniredis's
+// clocks); THROTTLE_LONG=1 checks them all.
 func TestScript_MatchesModel(t *testing.T) {
 	t.Parallel() // a given clock: nothing in it depends on the machine's load
 	redistest.Each(t, func(t *testing.T, s *redistest.Server) {
@@ -33,14 +35,23 @@ func TestScript_MatchesModel(t *testing.T) {
 		if !s.Real {
 			seeds = 15
 		}
-		checkAgainstModel(t, s.Client(t), s.Mini, seeds)
+		checkAgainstModel(t, s.Client(t), s.Mini, modelSeeds(seeds))
 	})
 }
 
 func TestScript_MatchesModelOnCluster(t *testing.T) {
 	t.Parallel()
 	c := redistest.StartCluster(t)
-	checkAgainstModel(t, c.Client(t), nil, 15)
+	checkAgainstModel(t, c.Client(t), nil, modelSeeds(15))
+}
+
+// modelSeeds is how many histories of each kind a model check runs: all
+// of them with THROTTLE_LONG=1, a fifth (at least one) by default.
+func modelSeeds(all int) int {
+	if longRun() {
+		return all
+	}
+	return max(all/5, 1)
 }
 
 type modelCase struct {
