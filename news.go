@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"net"
+	"slices"
 	"strconv"
 	"strings"
 	"sync"
@@ -49,10 +50,19 @@ func (l *Limiter) noticeWithin() time.Duration { return 2*newsPing + l.s.redisTi
 
 // hub is the subscription of one client, shared by its limiters. It holds
 // them weakly: a limiter dropped without Close is forgotten, not kept.
+//
+// One goroutine, serve, does all the hub's talking to Redis: it reads, it
+// pings, and it subscribes and unsubscribes the channels that listen and
+// unlisten ask for. A call that meets a new limiter never waits for a
+// connection of the subscription, nor for a lock held across one (go-redis
+// holds the PubSub's while it dials).
 type hub struct {
-	mu   sync.Mutex
-	ps   *redis.PubSub
-	subs map[string][]weak.Pointer[Limiter] // channel -> limiters
+	mu      sync.Mutex
+	ps      *redis.PubSub
+	subs    map[string][]weak.Pointer[Limiter] // channel -> limiters
+	join    []string                           // channels to subscribe to, for serve
+	leave   []string                           // channels to unsubscribe from, for serve
+	closing bool                               // the last limiter left: serve closes ps and returns
 }
 
 var hubs sync.Map // redis.UniversalClient -> *hub
@@ -60,20 +70,35 @@ var hubs sync.Map // redis.UniversalClient -> *hub
 // listen subscribes l to its quota's news, once, without waiting for Redis.
 func (l *Limiter) listen() {
 	l.listening.Do(func() {
-		v, _ := hubs.LoadOrStore(l.rdb, &hub{subs: map[string][]weak.Pointer[Limiter]{}})
-		h := v.(*hub)
-		h.mu.Lock()
-		defer h.mu.Unlock()
-		channel := l.shared[0]
-		h.subs[channel] = append(live(h.subs[channel], nil), weak.Make(l))
-		if h.ps == nil {
-			h.ps = l.rdb.Subscribe(context.Background(), channel)
-			go h.serve(h.ps)
-		} else if len(h.subs[channel]) == 1 {
-			// go-redis sends SUBSCRIBE again by itself after a reconnect.
-			go func(ps *redis.PubSub) { _ = ps.Subscribe(context.Background(), channel) }(h.ps)
+		for {
+			v, _ := hubs.LoadOrStore(l.rdb, &hub{subs: map[string][]weak.Pointer[Limiter]{}})
+			if v.(*hub).add(l) {
+				return
+			}
+			hubs.CompareAndDelete(l.rdb, v) // a hub closing: make another
 		}
 	})
+}
+
+// add adds l to the hub, and reports false when the hub is closing.
+func (h *hub) add(l *Limiter) bool {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	if h.closing {
+		return false
+	}
+	channel := l.shared[0]
+	h.subs[channel] = append(live(h.subs[channel], nil), weak.Make(l))
+	if len(h.subs[channel]) == 1 {
+		h.join = append(h.join, channel)
+		h.leave = slices.DeleteFunc(h.leave, func(c string) bool { return c == channel })
+	}
+	if h.ps == nil {
+		// No channel yet: go-redis makes the PubSub without a connection.
+		h.ps = l.rdb.Subscribe(context.Background())
+		go h.serve(h.ps)
+	}
+	return true
 }
 
 // unlisten ends l's subscription; the last limiter of a client closes it.
@@ -92,25 +117,36 @@ func (l *Limiter) unlisten() {
 		return
 	}
 	delete(h.subs, channel)
-	if len(h.subs) > 0 {
-		go func(ps *redis.PubSub) { _ = ps.Unsubscribe(context.Background(), channel) }(h.ps)
-		return
+	h.join = slices.DeleteFunc(h.join, func(c string) bool { return c == channel })
+	h.leave = append(h.leave, channel)
+	if len(h.subs) == 0 {
+		h.closing = true
+		hubs.CompareAndDelete(l.rdb, h)
 	}
-	if h.ps != nil {
-		_ = h.ps.Close()
-		h.ps = nil
-	}
-	hubs.CompareAndDelete(l.rdb, h)
 }
 
-// serve reads the subscription until it is closed: it hands each message
+// chores takes what listen and unlisten asked of serve.
+func (h *hub) chores() (join, leave []string, closing bool) {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	join, leave = h.join, h.leave
+	h.join, h.leave = nil, nil
+	return join, leave, h.closing
+}
+
+// serve reads the subscription until the hub closes: it hands each message
 // to the limiters of its channel, and tells them of each gap. A read that
 // finds nothing for newsPing sends a ping; a second one finds the ping
 // unanswered, which is a gap, as is an error. The cut lasts until a ping
-// sent on a new connection is answered.
+// sent on a new connection is answered. Between reads it subscribes and
+// unsubscribes what listen and unlisten asked for.
 func (h *hub) serve(ps *redis.PubSub) {
+	defer ps.Close()
 	var cut, pinged bool // the connection is cut; a ping is unanswered
 	for {
+		if !h.doChores(ps) {
+			return
+		}
 		wait := newsPing
 		if pinged {
 			wait = h.pongWithin()
@@ -118,8 +154,8 @@ func (h *hub) serve(ps *redis.PubSub) {
 		ctx, cancel := context.WithTimeout(context.Background(), wait)
 		msg, err := ps.ReceiveTimeout(ctx, wait)
 		cancel()
-		if h.closed(ps) {
-			return
+		if errors.Is(err, redis.ErrClosed) {
+			return // the client was closed
 		}
 		if err == nil {
 			pinged = false
@@ -155,19 +191,35 @@ func (h *hub) serve(ps *redis.PubSub) {
 	}
 }
 
+// doChores subscribes and unsubscribes what listen and unlisten asked for,
+// and reports false when the hub closes.
+func (h *hub) doChores(ps *redis.PubSub) bool {
+	join, leave, closing := h.chores()
+	if closing {
+		return false
+	}
+	if len(join) == 0 && len(leave) == 0 {
+		return true
+	}
+	// go-redis keeps the channels asked for, and subscribes to them again
+	// on its next connection, whatever this call says.
+	ctx, cancel := context.WithTimeout(context.Background(), h.pongWithin())
+	defer cancel()
+	if len(join) > 0 {
+		_ = ps.Subscribe(ctx, join...)
+	}
+	if len(leave) > 0 {
+		_ = ps.Unsubscribe(ctx, leave...)
+	}
+	return true
+}
+
 // ping sends a ping on the subscription, whose answer its next read
 // receives, and reports whether it was sent.
 func ping(ps *redis.PubSub) bool {
 	ctx, cancel := context.WithTimeout(context.Background(), newsPing)
 	defer cancel()
 	return ps.Ping(ctx) == nil
-}
-
-// closed reports whether ps is no longer the hub's subscription.
-func (h *hub) closed(ps *redis.PubSub) bool {
-	h.mu.Lock()
-	defer h.mu.Unlock()
-	return h.ps != ps
 }
 
 // deliver hands a message to the limiters of its channel.
