@@ -64,18 +64,19 @@ func (l *Limiter) decideInRedis(ctx context.Context, sc scope, c call, maxWait t
 	req := &request{sc: sc, c: c, maxWait: maxWait, member: l.newMember(), late: late, done: make(chan struct{})}
 	req.deadline.Store(time.Now().Add(l.s.redisTimeout).UnixNano())
 	if probe {
-		l.decide(sc, []*request{req})
-		return req.res, req.err
+		l.decide(ctx, sc, []*request{req})
+		return alone(ctx, req)
 	}
 	if ln := l.submit(req); ln != nil {
 		// Nothing was on its way: decide this call here, with no hand-over
 		// to another goroutine, and leave the calls that queued meanwhile to
-		// a drainer. The script call's own timeout bounds the wait.
-		l.decide(sc, []*request{req})
+		// a drainer. The script call's own timeout, and the caller's
+		// context, bound the wait.
+		l.decide(ctx, sc, []*request{req})
 		if batch := l.take(ln); batch != nil {
 			go l.drain(ln, batch)
 		}
-		return req.res, req.err
+		return alone(ctx, req)
 	}
 	var err error
 	timer := time.NewTimer(time.Until(time.Unix(0, req.deadline.Load())))
@@ -102,6 +103,17 @@ func (l *Limiter) decideInRedis(ctx context.Context, sc scope, c call, maxWait t
 		return req.res, req.err
 	}
 	return result{}, err
+}
+
+// alone returns the decision of a call decided in its caller's goroutine:
+// when the caller's context ended first, its error, not an outage of
+// Redis. A booking made all the same wastes its slot, and never overfills
+// a window.
+func alone(ctx context.Context, req *request) (result, error) {
+	if req.err != nil && ctx.Err() != nil {
+		return result{}, ctx.Err()
+	}
+	return req.res, req.err
 }
 
 // answered moves out the Redis deadline of every call still waiting in the
@@ -159,20 +171,22 @@ func (l *Limiter) take(ln *lane) []*request {
 // until the lane is empty.
 func (l *Limiter) drain(ln *lane, batch []*request) {
 	for len(batch) > 0 {
-		l.decide(batch[0].sc, batch)
+		l.decide(context.Background(), batch[0].sc, batch)
 		batch = l.take(ln)
 	}
 }
 
 // decide runs the acquire script once for a batch of calls, of scope sc
 // and of any others, with the spare admissions of sc to give back and to
-// take (spare.go); with no calls, to give spares back alone.
-func (l *Limiter) decide(sc scope, batch []*request) {
+// take (spare.go); with no calls, to give spares back alone. It waits for
+// Redis no longer than the Redis timeout, and than parent allows: the
+// context of the caller whose call it decides in that caller's goroutine.
+func (l *Limiter) decide(parent context.Context, sc scope, batch []*request) {
 	give, spares, spareCost := l.spareTerms(sc, batch)
 	if len(batch) == 0 && len(give) == 0 {
 		return
 	}
-	ctx, cancel := context.WithTimeout(context.Background(), l.s.redisTimeout)
+	ctx, cancel := context.WithTimeout(parent, l.s.redisTimeout)
 	defer cancel()
 	// The scopes of the script call, sc first: its keys are the script's
 	// KEYS, and the others' keys follow the arguments.
