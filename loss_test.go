@@ -330,6 +330,32 @@ func TestClockStep_ForwardStepCountsAsALoss(t *testing.T) {
 	}
 }
 
+// Redis's clock stepping back (NTP, a failover to a host whose clock is
+// behind) puts every call admitted before the step ahead of the clock, as
+// if booked, and past the step's length from every window the script fills
+// now, while the vendor still counts them: a step back larger than the
+// margin counts as a loss, and the quota as full for a window. Only
+// miniredis can step its clock.
+func TestClockStep_BackwardStepCountsAsALoss(t *testing.T) {
+	s := redistest.Mini(t)
+	t0 := time.Now()
+	s.Mini.SetTime(t0)
+	lim := newLimiter(t, s.Client(t), policies.SlidingLog{Limit: 10, Window: time.Minute}, Options{Logger: quiet()})
+	ctx := context.Background()
+	if d, _ := lim.Allow(ctx, Cost(10)); !d.OK {
+		t.Fatal("first call refused")
+	}
+	s.Mini.SetTime(t0.Add(-time.Hour))
+	d, err := lim.Allow(ctx)
+	if err != nil || d.OK {
+		t.Fatalf("after the clock stepped an hour back: %+v, %v; want refused, the quota counting as full", d, err)
+	}
+	// Full for a window, not for the hour of the step.
+	if d.RetryAfter > time.Minute+time.Second {
+		t.Errorf("after the clock stepped an hour back: retry after %v; want at most a window and its margin", d.RetryAfter)
+	}
+}
+
 // A step is told once to each quota the process's limiters on the server
 // were using when it came: a limiter that saw none of it (another quota's
 // call did) still tells its own quota, and a limiter made after it tells

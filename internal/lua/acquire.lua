@@ -462,6 +462,9 @@ dirty = dirty or changed
 if not found and check_seq(meta, now, known, tonumber(ARGV[3]), rs) then
   found = true
 end
+if not found and not created and check_clock(meta, now, rs) then
+  found = true
+end
 meta.seq = meta.seq + 1
 dirty = true
 if check_policy(meta, now, policy, rs, created) then

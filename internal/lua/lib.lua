@@ -651,6 +651,25 @@ local function check_seq(m, now, known, seen, rs)
   return true
 end
 
+-- check_clock finds a Redis whose clock went back (NTP stepped it, a
+-- failover to a host whose clock is behind): the calls admitted before the
+-- step now lie ahead of its clock, as if booked, and once the step passes a
+-- window they lie beyond every window of the calls it admits now, which the
+-- vendor still counts with them. When the clock is behind the time of the
+-- quota's last acquire script by more than CLOCK_BACK, the data counts as
+-- lost, under a new epoch, so that every process's sleeping calls, booked
+-- by the old clock, book again. A smaller step only lengthens windows. It
+-- returns whether it found a loss.
+local CLOCK_BACK = 5000
+local function check_clock(m, now, rs)
+  if m.la <= now + CLOCK_BACK then
+    return false
+  end
+  m.epoch, m.loss = now, now
+  m.pause = math.max(m.pause, loss_pause(rs, now))
+  return true
+end
+
 -- announce tells every process listening on the quota's channel (named as
 -- its meta key) what one script learned (see news.go): the quota's epoch
 -- and pause after a loss or a pause, or the pause of one key.
