@@ -31,12 +31,15 @@ func (l *Limiter) acquire(ctx context.Context, c call, maxWait time.Duration, gi
 	if l.localNow.Load() {
 		// Back from the fallback: Redis learns of the calls decided without
 		// it before it decides any more.
-		if err := l.handBack(ctx); err != nil {
+		if err := l.awaitHandBack(ctx); err != nil {
+			if ctx.Err() != nil {
+				l.brk.abort(pass)
+				return result{}, ctx.Err()
+			}
 			l.reloadSlots(err)
 			l.brk.failure()
 			return l.fallback(sc, c, maxWait, err)
 		}
-		l.localNow.Store(false)
 	}
 	if giveBack == nil {
 		if r, ok := l.takeSpare(sc, c); ok {
@@ -154,15 +157,65 @@ func (l *Limiter) reloadSlots(err error) {
 	cc.ReloadState(context.Background())
 }
 
+// handing is a hand-back on its way to Redis: its callers wait for it, or
+// leave it when their contexts end, and it goes on without them.
+type handing struct {
+	done chan struct{}
+	err  error
+}
+
+// errHandBackBusy is a hand-back that the fallback outran three times: it
+// admitted calls while each try was on its way. The call is decided by the
+// fallback, and the next one tries again.
+var errHandBackBusy = errors.New("throttle: the Local fallback admitted calls while its calls were handed back to Redis")
+
+// awaitHandBack hands the fallback's calls back to Redis, or joins the
+// hand-back already on its way, and waits for it no longer than ctx allows.
+// When it succeeds, Redis decides again. A call the fallback admitted while
+// a try was on its way is handed back by the next try, with the others
+// again, which counts them twice in Redis for a window rather than never.
+func (l *Limiter) awaitHandBack(ctx context.Context) error {
+	l.handMu.Lock()
+	h := l.handing
+	if h == nil {
+		h = &handing{done: make(chan struct{})}
+		l.handing = h
+		go func() {
+			h.err = errHandBackBusy
+			for try := 0; try < 3 && errors.Is(h.err, errHandBackBusy); try++ {
+				var complete bool
+				if complete, h.err = l.handBack(); h.err == nil && !complete {
+					h.err = errHandBackBusy
+				}
+			}
+			if h.err == nil {
+				l.localNow.Store(false)
+			}
+			l.handMu.Lock()
+			l.handing = nil
+			l.handMu.Unlock()
+			close(h.done)
+		}()
+	}
+	l.handMu.Unlock()
+	select {
+	case <-h.done:
+		return h.err
+	case <-ctx.Done():
+		return ctx.Err()
+	}
+}
+
 // handBack tells Redis, back from a failure, of the calls the Local
 // fallback admitted that still count in a window, at their own times, so
 // that the fleet deciding in Redis again does not admit them a second time;
 // and reserves the quota for the replicas that may still decide without
 // Redis: until their probes have found it and their calls have left the
-// windows, Redis admits only the share none of them takes.
-func (l *Limiter) handBack(ctx context.Context) error {
-	ctx = context.WithoutCancel(ctx)
-	charges := l.local.charges()
+// windows, Redis admits only the share none of them takes. It reports
+// whether the fallback admitted nothing while it ran.
+func (l *Limiter) handBack() (complete bool, err error) {
+	ctx := context.Background()
+	charges, gen := l.local.charges()
 	byScope := map[string][]charge{}
 	scopes := map[string]scope{"": l.scopeFor(call{})}
 	for _, c := range charges {
@@ -180,19 +233,20 @@ func (l *Limiter) handBack(ctx context.Context) error {
 	for id, cs := range byScope {
 		args := l.handBackArgs(l.s.replicas, span, len(cs))
 		for _, c := range cs {
-			// Placed no earlier than they happened, as Redis's clock goes:
-			// late units stay in the windows a little longer, never shorter;
-			// at Redis's now when this process no longer knows its clock.
-			var at time.Duration
+			// Placed no earlier than they happened, or were booked for, as
+			// Redis's clock goes: late units stay in the windows a little
+			// longer, never shorter. When this process no longer knows
+			// Redis's clock, as far from Redis's now as from this
+			// process's, and no earlier than now (see handback.lua).
+			at := -max(time.Until(c.at), 0)
 			if t, ok := l.timing.redisAt(c.at); ok {
 				at = t
 			}
 			args = append(args, c.rule+1, at.Microseconds(), c.units, l.newMember())
 		}
 		if err := l.run(ctx, lua.Handback, scopes[id], args).Err(); err != nil {
-			return l.unavailable(err)
+			return false, l.unavailable(err)
 		}
 	}
-	l.local.handedBack()
-	return nil
+	return l.local.handedBack(gen), nil
 }

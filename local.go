@@ -20,6 +20,7 @@ type local struct {
 	logs      map[string]*localLog
 	margin    time.Duration // the smallest guarded margin of the windows: a call may start half of it late
 	decisions int
+	admits    uint64    // the calls admitted so far, for handedBack
 	full      time.Time // every rule counts as full for a window from here
 }
 
@@ -154,6 +155,7 @@ func (lo *local) decide(sc scope, c call, member string, maxWait time.Duration) 
 	if wait > maxWait {
 		return result{reason: reasonTooFar, wait: wait, remaining: remaining, local: true}
 	}
+	lo.admits++
 	for i, r := range lo.rules {
 		lg := lo.log(i, sc)
 		cost := unitsOf(r, c.cost)
@@ -206,12 +208,12 @@ type charge struct {
 	units int
 }
 
-// charges returns what the fallback admitted that still counts.
-func (lo *local) charges() []charge {
+// charges returns what the fallback admitted that still counts, and the
+// count of its admissions so far, for handedBack.
+func (lo *local) charges() (out []charge, admits uint64) {
 	lo.mu.Lock()
 	defer lo.mu.Unlock()
 	now := time.Now()
-	var out []charge
 	for _, lg := range lo.logs {
 		r := lo.rules[lg.rule]
 		switch r.Kind {
@@ -223,7 +225,9 @@ func (lo *local) charges() []charge {
 			}
 		case policies.KindTokenBucket:
 			if ahead := lg.tat.Sub(now); ahead > 0 {
-				out = append(out, charge{lg.rule, lg.scope, now, int(ahead / r.Every)})
+				// Every unit whose interval has not run out, whole: a
+				// part of one still holds a token the vendor counts.
+				out = append(out, charge{lg.rule, lg.scope, now, int((ahead + r.Every - 1) / r.Every)})
 			}
 		case policies.KindConcurrency:
 			// Slots still held: Redis keeps them taken until their leases
@@ -235,14 +239,21 @@ func (lo *local) charges() []charge {
 			}
 		}
 	}
-	return out
+	return out, lo.admits
 }
 
-// handedBack ends the fallback's turn, once Redis knows of its calls.
-func (lo *local) handedBack() {
+// handedBack ends the fallback's turn once Redis knows of its calls, the
+// charges taken when it had made admits admissions, and reports whether it
+// ended: not when the fallback admitted more since, which Redis does not
+// know of yet.
+func (lo *local) handedBack(admits uint64) bool {
 	lo.mu.Lock()
 	defer lo.mu.Unlock()
+	if lo.admits != admits {
+		return false
+	}
 	lo.logs = map[string]*localLog{}
+	return true
 }
 
 // forget removes the units of call id: a cancelled booking, a released

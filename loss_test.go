@@ -440,7 +440,7 @@ func TestLocal_BackOnRedisReservesTheOthersShare(t *testing.T) {
 		lim := newLimiter(t, s.Client(t), policies.SlidingLog{Limit: 10, Window: time.Second},
 			Options{OnRedisError: Local, ExpectedReplicas: 2, Clock: clock.Now, Logger: quiet()})
 		ctx := context.Background()
-		if err := lim.handBack(ctx); err != nil {
+		if _, err := lim.handBack(); err != nil {
 			t.Fatal(err)
 		}
 		for i := range 5 {
@@ -513,7 +513,7 @@ func TestLocal_ConcurrencySlotsHeldThroughRedisStayTaken(t *testing.T) {
 		t.Fatalf("a lease later: %+v, want the replica's 2 slots", r)
 	}
 	// Back on Redis: 2 held before the failure, 2 by the fallback.
-	if err := lim.handBack(ctx); err != nil {
+	if _, err := lim.handBack(); err != nil {
 		t.Fatal(err)
 	}
 	u, err := lim.Usage(ctx)

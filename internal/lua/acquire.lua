@@ -490,11 +490,11 @@ read_caps(objs, meta, now)
 local reserved = meta.ru > now and meta.rn > 1
 if reserved then
   for _, r in ipairs(objs) do
+    r.limit = math.max(math.floor(r.limit / meta.rn), 1)
     if r.kind == BUCKET then
+      -- A share of the rate and of the burst: a longer interval alone
+      -- would lengthen the burst's span with it.
       r.interval = r.interval * meta.rn
-    else
-      r.full = r.limit
-      r.limit = math.max(math.floor(r.limit / meta.rn), 1)
     end
   end
 end

@@ -11,8 +11,11 @@
 --           fallback takes;
 -- ARGV[6]   the number of charges;
 -- after the rules, for each charge: the rule's index (from 1), the time of
--- the call in microseconds (0 for now; for a concurrency slot still held,
--- when its lease ends), its units, and its id.
+-- the call in microseconds (for a concurrency slot still held, when its
+-- lease ends; 0 or less when the process does not know Redis's clock: that
+-- many microseconds from now, negated), its units, and its id. A call the
+-- fallback booked ahead keeps its time, or the vendor would see it after
+-- Redis had let it leave its windows.
 --
 -- Returns 1.
 
@@ -30,17 +33,14 @@ for _ = 1, ncharges do
   local r = rs[tonumber(ARGV[arg])]
   local at, units, id = tonumber(ARGV[arg + 1]), tonumber(ARGV[arg + 2]), ARGV[arg + 3]
   arg = arg + 4
+  if at <= 0 then
+    at = now - at
+  end
   if r and r.kind == CONCURRENCY then
-    if at <= 0 then
-      at = now + r.lease
-    end
     -- A slot still held: taken until its lease ends (at).
     zadd(r.key, str(at), id, 1, units)
     expire(r.key, (at - now) / 1000)
   elseif r then
-    if at <= 0 or at > now then
-      at = now
-    end
     change(r, id, 0, units, at, now)
   end
 end
