@@ -93,11 +93,28 @@ func (p *Permit) Release() {
 		p.l.signalFreed()
 		return
 	}
+	p.releaseInRedis()
+}
+
+// releaseInRedis frees the permit's concurrency slots in Redis. If Redis
+// cannot be reached, the slots free themselves when the lease ends.
+func (p *Permit) releaseInRedis() {
 	ctx, stop := context.WithTimeout(context.Background(), cleanupTimeout)
 	defer stop()
-	// If Redis cannot be reached, the slots free themselves when the lease ends.
 	_ = p.l.run(ctx, lua.Release, p.r.scope, p.l.releaseArgs(p.r.member, p.held, 0)).Err()
 	p.l.signalFreed()
+}
+
+// releaseWithin releases the permit as Release does, but waits for Redis no
+// longer than ctx allows: Do returns by its caller's deadline even when
+// Redis stops answering while the call runs, and the release goes on
+// without it.
+func (p *Permit) releaseWithin(ctx context.Context) {
+	if p == nil || p.l == nil || !p.l.hasConc || p.r.local {
+		p.Release()
+		return
+	}
+	within(ctx, p.Release)
 }
 
 // Cancel gives the call back when it was not made after all (the request

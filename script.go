@@ -206,7 +206,33 @@ func (l *Limiter) cancel(ctx context.Context, c call, r result) {
 		}
 		return
 	}
-	_ = l.run(context.WithoutCancel(ctx), lua.Cancel, r.scope, l.cancelArgs(r.member, c.cost, r.slot(), r.epoch)).Err()
+	within(ctx, func() {
+		_ = l.run(context.WithoutCancel(ctx), lua.Cancel, r.scope, l.cancelArgs(r.member, c.cost, r.slot(), r.epoch)).Err()
+	})
+}
+
+// within runs f, which talks to Redis on a call's behalf after the call is
+// decided (a booking given back, a slot released), and waits for it no
+// longer than the call's ctx allows: the call returns by its deadline even
+// when Redis is slow or gone, and f goes on without it.
+func within(ctx context.Context, f func()) {
+	if ctx.Done() == nil {
+		f()
+		return
+	}
+	if ctx.Err() != nil {
+		go f()
+		return
+	}
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		f()
+	}()
+	select {
+	case <-done:
+	case <-ctx.Done():
+	}
 }
 
 // run runs a script with the limiter's Redis timeout. go-redis sends

@@ -115,6 +115,8 @@ type failover struct {
 	brk      *breaker    // keeps calls away from a failing Redis; its own lock
 	local    *local      // the Local fallback, or nil; its own lock
 	localNow atomic.Bool // the Local fallback decides calls now
+	handMu   sync.Mutex  // guards handing
+	handing  *handing    // the hand-back on its way to Redis, or nil
 }
 
 // New returns a Limiter for the quota called name on rdb (a Client,
@@ -333,7 +335,7 @@ func Do[T any](ctx context.Context, l *Limiter, fn func(context.Context) (T, err
 		var zero T
 		return zero, err
 	}
-	defer p.Release()
+	defer p.releaseWithin(ctx)
 	p.Start()
 	return fn(WithPermit(ctx, p))
 }
@@ -383,7 +385,7 @@ func Go[T any](ctx context.Context, l *Limiter, fn func(context.Context) (T, err
 		if f.err != nil {
 			return
 		}
-		defer p.Release()
+		defer p.releaseWithin(ctx)
 		p.Start()
 		f.v, f.err = fn(WithPermit(ctx, p))
 	}()
