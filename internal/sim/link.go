@@ -1,0 +1,124 @@
+package sim
+
+import (
+	"net"
+	"sync"
+	"time"
+)
+
+// link is one connection between a process and the server: two pumps copy
+// its bytes each way, each chunk arriving after the process's latency, in
+// the order sent, and no sooner than the process reaches the server (Cut)
+// and, towards the server, than the server answers (Freeze).
+type link struct {
+	r      *Redis
+	proc   int
+	client net.Conn // the process's end
+	inner  net.Conn // the other end of the process's pipe
+	srv    net.Conn // a connection the server serves
+	done   chan struct{}
+	once   sync.Once
+}
+
+func (r *Redis) newLinkLocked(proc int, srv net.Conn) *link {
+	client, inner := net.Pipe()
+	l := &link{r: r, proc: proc, client: client, inner: inner, srv: srv, done: make(chan struct{})}
+	r.links[l] = struct{}{}
+	go l.pump(inner, srv, true)
+	go l.pump(srv, inner, false)
+	return l
+}
+
+// chunk is bytes on their way, due at a time.
+type chunk struct {
+	b   []byte
+	due time.Time
+}
+
+// pump copies src to dst until either closes, delaying each chunk.
+func (l *link) pump(src, dst net.Conn, toServer bool) {
+	defer l.close()
+	ch := make(chan chunk, 256)
+	go func() {
+		defer close(ch)
+		buf := make([]byte, 64<<10)
+		for {
+			n, err := src.Read(buf)
+			if n > 0 {
+				c := chunk{b: append([]byte(nil), buf[:n]...), due: time.Now().Add(l.r.latency(l.proc))}
+				select {
+				case ch <- c:
+				case <-l.done:
+					return
+				}
+			}
+			if err != nil {
+				return
+			}
+		}
+	}()
+	var last time.Time
+	for c := range ch {
+		due := c.due
+		if due.Before(last) {
+			due = last // in order: a chunk never overtakes the one before
+		}
+		last = due
+		if !l.wait(due, toServer) {
+			return
+		}
+		if toServer {
+			l.r.tick()
+		}
+		if _, err := dst.Write(c.b); err != nil {
+			return
+		}
+	}
+}
+
+// wait waits until due, and then while the process is cut off or, towards
+// the server, the server is frozen; false when the link closed meanwhile.
+func (l *link) wait(due time.Time, toServer bool) bool {
+	if d := time.Until(due); d > 0 {
+		t := time.NewTimer(d)
+		select {
+		case <-t.C:
+		case <-l.done:
+			t.Stop()
+			return false
+		}
+	}
+	for {
+		reaches := l.r.reaches(l.proc)
+		answering := closed()
+		if toServer {
+			answering = l.r.answering()
+		}
+		select {
+		case <-l.done:
+			return false
+		case <-reaches:
+		}
+		select {
+		case <-l.done:
+			return false
+		case <-answering:
+		}
+		// Both held at once? Look again: either may have changed.
+		if l.r.reaches(l.proc) == reaches && (!toServer || l.r.answering() == answering) {
+			return true
+		}
+	}
+}
+
+// close ends the connection at both ends.
+func (l *link) close() {
+	l.once.Do(func() {
+		close(l.done)
+		_ = l.inner.Close()
+		_ = l.srv.Close()
+		l.r.mu.Lock()
+		delete(l.r.links, l)
+		l.r.mu.Unlock()
+	})
+}

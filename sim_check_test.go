@@ -1,0 +1,209 @@
+package throttle
+
+import (
+	"errors"
+	"fmt"
+	"slices"
+	"time"
+
+	"github.com/throttlekit/throttle/policies"
+)
+
+// The checkers of a simulated run (sim_test.go): what the promise says of
+// every schedule.
+
+// check returns what run o of schedule s broke, if anything.
+func check(s schedule, o outcome) []string {
+	slices.SortFunc(o.arrivals, func(a, b simArrival) int { return int(a.at - b.at) })
+	var out []string
+	if s.OnError == FailClosed || s.OnError == Local && !s.has("cut") {
+		// Local keeps the fleet under the cap when Redis fails for every
+		// replica; a partition that cuts some off while the others still
+		// decide in Redis at the whole limit lets the cut ones add their
+		// shares (the README's failure table says so).
+		out = append(out, safety(s, o)...)
+	}
+	out = append(out, deadlines(s, o)...)
+	if s.OnError == FailClosed {
+		out = append(out, heldForRedis(s, o)...)
+	}
+	if s.Mode != FailFast {
+		out = append(out, recovered(s, o)...)
+	}
+	return out
+}
+
+// safety checks that the vendor never saw more than the policy allows.
+func safety(s schedule, o outcome) []string {
+	p := s.Policy
+	all := func(simArrival) bool { return true }
+	units := func(a simArrival) int { return a.cost }
+	calls := func(simArrival) int { return 1 }
+	switch p.Kind {
+	case "concurrency":
+		if o.inFlight > p.Limit {
+			return []string{fmt.Sprintf("%d calls in flight at once, Max %d", o.inFlight, p.Limit)}
+		}
+		return nil
+	case "bucket":
+		return bucketSafety(s, o)
+	case "all":
+		return append(overWindow(o, p.Limit, p.Window, all, units, "the first rule"),
+			overWindow(o, 3*p.Limit, 5*p.Window, all, units, "the second rule")...)
+	case "perkey":
+		out := overWindow(o, p.Limit, p.Window, all, units, "the shared rule")
+		for k := range s.Keys {
+			key := "k" + fmt.Sprint(k)
+			out = append(out, overWindow(o, max(p.Limit/2, 1), p.Window, func(a simArrival) bool { return a.key == key }, units, "key "+key)...)
+		}
+		return out
+	case "percall":
+		return append(overWindow(o, p.Limit, p.Window, all, calls, "the calls' rule"),
+			overWindow(o, 4*p.Limit, p.Window, all, units, "the units' rule")...)
+	}
+	return overWindow(o, p.Limit, p.Window, all, units, "the rule")
+}
+
+// overWindow returns a violation when the arrivals that keep holds count
+// for more than limit in some window (t-w, t].
+func overWindow(o outcome, limit int, w time.Duration, keep func(simArrival) bool, count func(simArrival) int, what string) []string {
+	var in []simArrival
+	for _, a := range o.arrivals {
+		if keep(a) {
+			in = append(in, a)
+		}
+	}
+	sum, lo := 0, 0
+	for _, a := range in {
+		sum += count(a)
+		for in[lo].at <= a.at-w {
+			sum -= count(in[lo])
+			lo++
+		}
+		if sum > limit {
+			return []string{fmt.Sprintf("%s: %d in the window of %v ending at %v, limit %d (replicas %v)",
+				what, sum, w, a.at, limit, replicasOf(in[lo:slices.Index(in, a)+1]))}
+		}
+	}
+	return nil
+}
+
+func replicasOf(as []simArrival) map[int]int {
+	m := map[int]int{}
+	for _, a := range as {
+		m[a.replica] += a.cost
+	}
+	return m
+}
+
+// bucketSafety checks a token bucket of Burst b and Rate r per Per: any
+// span of arrivals holds at most b units and what the rate adds over the
+// span, give or take the default margin.
+func bucketSafety(s schedule, o outcome) []string {
+	p := s.Policy
+	every := p.Window / time.Duration(p.Limit)
+	tol := policies.DefaultMargin
+	for i := range o.arrivals {
+		sum := 0
+		for j := i; j < len(o.arrivals); j++ {
+			sum += o.arrivals[j].cost
+			span := o.arrivals[j].at - o.arrivals[i].at
+			if allowed := p.Limit + int((span+tol)/every); sum > allowed {
+				return []string{fmt.Sprintf("token bucket: %d units from %v to %v, at most %d", sum, o.arrivals[i].at, o.arrivals[j].at, allowed)}
+			}
+		}
+	}
+	return nil
+}
+
+// deadlines checks that every call returned by its context's deadline.
+func deadlines(s schedule, o outcome) []string {
+	if s.Deadline == 0 {
+		return nil
+	}
+	for _, c := range o.calls {
+		if took := c.end - c.began; took > s.Deadline+100*time.Millisecond {
+			return []string{fmt.Sprintf("replica %d: a call that began at %v returned after %v, past its deadline of %v (%v)", c.replica, c.began, took, s.Deadline, c.err)}
+		}
+	}
+	return nil
+}
+
+// unreachable returns when replica i could not reach Redis.
+func (s schedule) unreachable(i int) [][2]time.Duration {
+	var out [][2]time.Duration
+	for _, e := range s.Events {
+		switch {
+		case e.Kind == "kill", e.Kind == "freeze", e.Kind == "cut" && e.Replica == i:
+			out = append(out, [2]time.Duration{e.At, e.At + e.For})
+		}
+	}
+	return out
+}
+
+// heldForRedis checks that under FailClosed a call that began while its
+// replica could not reach Redis, which stayed so for the Redis timeout,
+// failed within it: no booking can have kept it waiting.
+func heldForRedis(s schedule, o outcome) []string {
+	const bound = defaultRedisTimeout + 100*time.Millisecond
+	for _, c := range o.calls {
+		if !errors.Is(c.err, ErrUnavailable) || c.end-c.began <= bound {
+			continue
+		}
+		for _, u := range s.unreachable(c.replica) {
+			if c.began >= u[0] && c.began+bound < u[1] {
+				return []string{fmt.Sprintf("replica %d: a call that began at %v while Redis was unreachable failed only after %v: %v", c.replica, c.began, c.end-c.began, c.err)}
+			}
+		}
+	}
+	return nil
+}
+
+// recovered checks that after each fault every replica still calling
+// admits a call again soon after Redis answers: within the pause a loss
+// imposes and a window for the replicas that came back first, a second and
+// the round trips.
+func recovered(s schedule, o outcome) []string {
+	far := slices.Max(s.Latency)
+	// A saturated fleet serves its calls in turn: a worker waits for the
+	// others' calls ahead of it.
+	queue := time.Duration((s.Replicas*s.Workers*s.MaxCost+s.Policy.Limit-1)/s.Policy.Limit) * s.Policy.Window
+	bound := 2*s.Policy.longest() + queue + 1500*time.Millisecond + 4*far + s.Vendor
+	left := map[int]time.Duration{}
+	for _, e := range s.Events {
+		if e.Kind == "leave" {
+			left[e.Replica] = e.At
+		}
+	}
+	for _, e := range s.Events {
+		end := e.end()
+		if end+bound > s.Length {
+			continue
+		}
+		for i := range s.Replicas {
+			if l, ok := left[i]; ok && l < end+bound || s.Join[i] > end {
+				continue
+			}
+			if !slices.ContainsFunc(o.arrivals, func(a simArrival) bool { return a.replica == i && a.at >= end && a.at <= end+bound }) {
+				return []string{fmt.Sprintf("replica %d admitted no call within %v after the %s that ended at %v", i, bound, e.Kind, end)}
+			}
+		}
+	}
+	return nil
+}
+
+// end returns when the event's fault is over.
+func (e event) end() time.Duration {
+	switch e.Kind {
+	case "kill", "freeze", "cut":
+		return e.At + e.For
+	case "stall":
+		return e.At + 3*e.For
+	}
+	return e.At
+}
+
+// has reports whether the schedule has an event of kind.
+func (s schedule) has(kind string) bool {
+	return slices.ContainsFunc(s.Events, func(e event) bool { return e.Kind == kind })
+}

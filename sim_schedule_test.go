@@ -1,0 +1,227 @@
+package throttle
+
+import (
+	"encoding/json"
+	"fmt"
+	"math/rand/v2"
+	"slices"
+	"time"
+
+	"github.com/throttlekit/throttle/policies"
+)
+
+// A schedule is one run of the simulation (sim_test.go): the fleet, its
+// quota and options, the network, and the faults, as events at times from
+// the run's start. A seed gives one schedule (drawSchedule); a failing one
+// is shrunk to the fewest events and replicas that still fail.
+type schedule struct {
+	Seed     uint64
+	Replicas int
+	Workers  int // per replica
+	Policy   simPolicy
+	Mode     Mode
+	OnError  OnRedisError
+	Latency  []time.Duration // each replica's one-way delay to Redis
+	Jitter   time.Duration   // added at random to each way of each chunk
+	Vendor   time.Duration   // the one-way delay to the vendor, jitter aside
+	Deadline time.Duration   // of each call's context; 0 for none
+	MaxCost  int
+	Keys     int             // tenants the calls are for (a perkey policy), 0 for no key
+	Join     []time.Duration // when each replica starts calling
+	Length   time.Duration   // the run's length
+	Events   []event
+}
+
+// simPolicy is the quota's policy, in words a schedule can print.
+type simPolicy struct {
+	Kind   string // log, counter, bucket, concurrency, all, perkey, percall
+	Limit  int
+	Window time.Duration
+}
+
+// event is a fault, or a change of the fleet, at a time of the run.
+type event struct {
+	At      time.Duration
+	Kind    string        // kill, flush, scriptflush, step, freeze, cut, failover, stall, leave
+	Replica int           // for cut, stall, leave
+	For     time.Duration // how long it lasts; for step, how far (negative: back); for failover, how far behind the copy is
+}
+
+func (s schedule) String() string {
+	b, _ := json.Marshal(s)
+	return string(b)
+}
+
+// policy returns the schedule's policy, and the windows its safety is
+// checked against (see simVendor).
+func (p simPolicy) policy() policies.Policy {
+	log := policies.SlidingLog{Limit: p.Limit, Window: p.Window}
+	switch p.Kind {
+	case "counter":
+		return policies.SlidingCounter{Limit: p.Limit, Window: p.Window}
+	case "bucket":
+		return policies.TokenBucket{Rate: p.Limit, Per: p.Window, Burst: p.Limit}
+	case "concurrency":
+		return policies.Concurrency{Max: p.Limit, Lease: 10 * p.Window}
+	case "all":
+		return policies.All(log, policies.SlidingLog{Limit: 3 * p.Limit, Window: 5 * p.Window})
+	case "perkey":
+		return policies.All(log, policies.PerKey{Policy: policies.SlidingLog{Limit: max(p.Limit/2, 1), Window: p.Window}})
+	case "percall":
+		return policies.All(policies.PerCall{Policy: log}, policies.SlidingLog{Limit: 4 * p.Limit, Window: p.Window})
+	}
+	return log
+}
+
+// longest returns the policy's longest window.
+func (p simPolicy) longest() time.Duration {
+	switch p.Kind {
+	case "all":
+		return 5 * p.Window
+	case "concurrency":
+		return 10 * p.Window
+	}
+	return p.Window
+}
+
+// drawSchedule returns the schedule of seed. Most are small, since a
+// run's cost is its script calls; a few are fleets of up to 200 replicas.
+func drawSchedule(seed uint64) schedule {
+	rng := rand.New(rand.NewPCG(seed, 0x7468726f74746c65))
+	pick := func(xs ...int) int { return xs[rng.IntN(len(xs))] }
+	s := schedule{Seed: seed}
+	s.Replicas = pick(1, 2, 2, 3, 3, 4, 5)
+	if rng.IntN(40) == 0 {
+		s.Replicas = pick(20, 50, 200)
+	}
+	s.Workers = pick(1, 2, 4, 8)
+	if s.Replicas > 10 {
+		s.Workers = 1
+	}
+	kinds := []string{"log", "log", "log", "counter", "bucket", "concurrency", "all", "perkey", "percall"}
+	s.Policy = simPolicy{Kind: kinds[rng.IntN(len(kinds))], Limit: pick(5, 10, 20, 50), Window: time.Duration(pick(100, 200, 500, 1000)) * time.Millisecond}
+	s.Mode = []Mode{Block, Block, Block, FailFast, Queue}[rng.IntN(5)]
+	s.OnError = []OnRedisError{FailClosed, FailClosed, Local, FailOpen}[rng.IntN(4)]
+	if s.OnError == Local {
+		s.Policy.Limit = max(s.Policy.Limit, 2*s.Replicas)
+	}
+	s.MaxCost = 1
+	if s.Policy.Kind != "concurrency" && rng.IntN(3) == 0 {
+		s.MaxCost = max(1, s.Policy.Limit/pick(4, 8))
+	}
+	if s.Policy.Kind == "perkey" {
+		s.Keys = pick(2, 3)
+	}
+	far := time.Duration(pick(0, 0, 1, 5, 25, 50)) * time.Millisecond
+	for range s.Replicas {
+		s.Latency = append(s.Latency, far+time.Duration(rng.IntN(3))*time.Millisecond)
+		s.Join = append(s.Join, time.Duration(rng.IntN(3))*s.Policy.Window/2)
+	}
+	s.Jitter = time.Duration(pick(0, 0, 1, 2)) * time.Millisecond
+	s.Vendor = time.Duration(pick(0, 1, 10)) * time.Millisecond
+	if rng.IntN(3) == 0 {
+		s.Deadline = time.Duration(pick(200, 500, 2000)) * time.Millisecond
+	}
+	s.Length = max(10*s.Policy.Window, 3*time.Second)
+	s.Events = drawEvents(rng, s)
+	return s
+}
+
+// drawEvents draws up to three faults, apart from each other. A replica
+// does not join within two windows after a loss: a replica that meets the
+// empty Redis first while the others make no call is a case the README
+// leaves open.
+func drawEvents(rng *rand.Rand, s schedule) []event {
+	var evs []event
+	at := s.Length / 5
+	for n := rng.IntN(4); n > 0 && at < s.Length*3/4; n-- {
+		e := event{At: at + time.Duration(rng.Int64N(int64(s.Length/5))), Replica: rng.IntN(s.Replicas)}
+		switch k := rng.IntN(10); k {
+		case 0, 1:
+			e.Kind, e.For = "kill", time.Duration(100+rng.IntN(3000))*time.Millisecond
+		case 2:
+			e.Kind = "flush"
+		case 3:
+			e.Kind = "scriptflush"
+		case 4:
+			// Steps beyond the margin count as losses; those within it, a
+			// few milliseconds, only shorten windows.
+			e.Kind, e.For = "step", []time.Duration{-time.Hour, -time.Second, 3 * time.Millisecond, time.Second, time.Hour}[rng.IntN(5)]
+		case 5:
+			e.Kind, e.For = "freeze", time.Duration(100+rng.IntN(2500))*time.Millisecond
+		case 6:
+			e.Kind, e.For = "cut", time.Duration(100+rng.IntN(2500))*time.Millisecond
+		case 7:
+			e.Kind, e.For = "failover", time.Duration(rng.IntN(300))*time.Millisecond
+		case 8:
+			e.Kind, e.For = "stall", time.Duration(50+rng.IntN(500))*time.Millisecond
+		case 9:
+			if s.Replicas > 1 {
+				e.Kind = "leave"
+			} else {
+				e.Kind = "scriptflush"
+			}
+		}
+		evs = append(evs, e)
+		at = e.At + e.For + s.Policy.longest()
+	}
+	return evs
+}
+
+// shrink returns smaller versions of s: each with one event fewer, one
+// replica fewer, fewer workers, or no deadline.
+func (s schedule) shrink() []schedule {
+	var out []schedule
+	for i := range s.Events {
+		c := s
+		c.Events = slices.Delete(slices.Clone(s.Events), i, i+1)
+		out = append(out, c)
+	}
+	if s.Replicas > 1 {
+		c := s
+		c.Replicas--
+		c.Latency, c.Join = s.Latency[:c.Replicas], s.Join[:c.Replicas]
+		c.Events = slices.DeleteFunc(slices.Clone(s.Events), func(e event) bool { return e.Replica >= c.Replicas && e.Kind != "kill" && e.Kind != "flush" })
+		if c.OnError != Local || c.Policy.Limit >= 2*c.Replicas {
+			out = append(out, c)
+		}
+	}
+	if s.Workers > 1 {
+		c := s
+		c.Workers /= 2
+		out = append(out, c)
+	}
+	if s.Deadline > 0 {
+		c := s
+		c.Deadline = 0
+		out = append(out, c)
+	}
+	return out
+}
+
+// minimal shrinks a failing schedule s while fails says a smaller one
+// still fails, and returns the smallest found and how many runs it took.
+func minimal(s schedule, fails func(schedule) bool) (schedule, int) {
+	runs := 0
+	for progress := true; progress && runs < 60; {
+		progress = false
+		for _, c := range s.shrink() {
+			runs++
+			if fails(c) {
+				s, progress = c, true
+				break
+			}
+		}
+	}
+	return s, runs
+}
+
+// describe returns one line per event, for a failure's report.
+func (s schedule) describe() string {
+	out := fmt.Sprintf("%d replicas × %d workers, %s limit %d per %v, %v, %v, Redis %v away ±%v, vendor %v away, deadline %v, cost ≤ %d, keys %d, %v long",
+		s.Replicas, s.Workers, s.Policy.Kind, s.Policy.Limit, s.Policy.Window, s.Mode, s.OnError, s.Latency, s.Jitter, s.Vendor, s.Deadline, s.MaxCost, s.Keys, s.Length)
+	for _, e := range s.Events {
+		out += fmt.Sprintf("\n  at %v: %s (replica %d, %v)", e.At, e.Kind, e.Replica, e.For)
+	}
+	return out
+}

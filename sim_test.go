@@ -1,0 +1,431 @@
+package throttle
+
+import (
+	"context"
+	"errors"
+	"flag"
+	"fmt"
+	"math/rand/v2"
+	"os"
+	"runtime"
+	"slices"
+	"strconv"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"testing/synctest"
+	"time"
+
+	"github.com/redis/go-redis/v9"
+	"github.com/redis/go-redis/v9/maintnotifications"
+
+	"github.com/throttlekit/throttle/internal/sim"
+)
+
+// The deterministic simulation: the real code (a go-redis client and a
+// Limiter per replica, Do on every call) runs in a testing/synctest bubble
+// against a simulated Redis and network (internal/sim) and a strict vendor,
+// on schedules drawn from seeds (sim_schedule_test.go). The bubble's clock
+// moves only when every goroutine waits, so a run of seconds takes the CPU
+// time of its script calls. Each schedule is checked for the promise:
+// safety (the vendor never sees more than the policy allows, under
+// FailClosed and Local), liveness (calls return by their deadlines, a call
+// that began while Redis was unreachable fails within RedisTimeout, every
+// replica admits calls again soon after Redis answers), and, on schedules
+// without faults, the use of the cap.
+//
+//	go test -run TestSim_Schedules -sim.n 2000 .          # a corpus of seeds 1..2000
+//	go test -run TestSim_Schedules -sim.seed 1234 -v .    # replay one, and shrink it if it fails
+//	go test -run TestSim_Schedules -sim.for 1h -timeout 2h .  # new seeds for an hour
+var (
+	simN    = flag.Int("sim.n", 150, "how many schedules TestSim_Schedules runs (seeds sim.from, sim.from+1, ...)")
+	simFrom = flag.Uint64("sim.from", 1, "the first seed of TestSim_Schedules")
+	simSeed = flag.Uint64("sim.seed", 0, "run only the schedule of this seed, and shrink it if it fails")
+	simFor  = flag.Duration("sim.for", 0, "run schedules from sim.from on for this long instead of sim.n of them")
+	simDump = flag.String("sim.stacks", "", "write every goroutine's stack to this file when a call runs past its deadline")
+)
+
+// simRuns numbers the runs of this process, so that no two share the
+// timing this package keeps per Redis address.
+var simRuns atomic.Int64
+
+// outcome is what a run saw: the vendor's arrivals and every call's end.
+type outcome struct {
+	arrivals []simArrival
+	calls    []simCall
+	inFlight int // the most calls in flight at once at the vendor
+}
+
+type simArrival struct {
+	at      time.Duration // since the run's start
+	cost    int
+	key     string
+	replica int
+	local   bool // decided without Redis
+}
+
+type simCall struct {
+	replica    int
+	began, end time.Duration
+	err        error
+}
+
+// regressions are seeds whose schedules found a bug, run whatever -sim.n
+// says (the schedules of seeds change with drawSchedule: a seed that no
+// longer draws its bug's schedule is replaced by one that does):
+//
+//	12   a call decided in its own goroutine waited a Redis timeout past its deadline
+//	46   Redis's clock stepped an hour back: a second full window admitted
+//	78   Local: calls the fallback admitted during a hand-back never reached Redis
+//	109  FailOpen: Do waited for a slot's release on a dead Redis past its deadline
+//	137  Local: the hand-back held its caller past the deadline
+//	159  a booking given back held its caller past the deadline
+//	333  token bucket: the share left to replicas still on Local kept the whole burst
+//	378  Local: calls the fallback booked ahead were handed back at Redis's now
+var regressions = []uint64{12, 46, 78, 109, 137, 159, 333, 378}
+
+// TestSim_Schedules runs the corpus of schedules and checks each.
+func TestSim_Schedules(t *testing.T) {
+	if *simSeed != 0 {
+		checkSchedule(t, drawSchedule(*simSeed), true)
+		return
+	}
+	if *simFor > 0 {
+		until := time.Now().Add(*simFor)
+		n := 0
+		for seed := *simFrom; time.Now().Before(until); seed++ {
+			checkSchedule(t, drawSchedule(seed), true)
+			n++
+		}
+		t.Logf("%d schedules in %v", n, *simFor)
+		return
+	}
+	seeds := slices.Collect(func(yield func(uint64) bool) {
+		for seed := *simFrom; seed < *simFrom+uint64(*simN); seed++ {
+			if !yield(seed) {
+				return
+			}
+		}
+	})
+	for _, seed := range regressions {
+		if !slices.Contains(seeds, seed) {
+			seeds = append(seeds, seed)
+		}
+	}
+	for _, seed := range seeds {
+		t.Run(strconv.FormatUint(seed, 10), func(t *testing.T) {
+			t.Parallel()
+			checkSchedule(t, drawSchedule(seed), true)
+		})
+	}
+}
+
+// checkSchedule runs s and reports what it broke; with shrink, it also
+// reports the smallest schedule that still breaks it, and how to replay it.
+func checkSchedule(t *testing.T, s schedule, shrink bool) {
+	t.Helper()
+	broken, summary := violations(t, s)
+	if len(broken) == 0 {
+		return
+	}
+	msg := fmt.Sprintf("seed %d: %s\n%s\n%s\nreplay: go test -run TestSim_Schedules -sim.seed %d -v .", s.Seed, broken[0], s.describe(), summary, s.Seed)
+	if shrink {
+		small, runs := minimal(s, func(c schedule) bool { b, _ := violations(t, c); return len(b) > 0 })
+		b, _ := violations(t, small)
+		msg += fmt.Sprintf("\nshrunk in %d runs to: %s\n%s", runs, b, small.describe())
+	}
+	t.Error(msg)
+}
+
+// violations runs s in a bubble of its own and returns what it broke, and
+// a summary of the run.
+func violations(t *testing.T, s schedule) ([]string, string) {
+	var o outcome
+	synctest.Test(t, func(*testing.T) { o = run(s) })
+	return check(s, o), o.summary()
+}
+
+// summary counts a run's calls by outcome.
+func (o outcome) summary() string {
+	errs := map[string]int{}
+	for _, c := range o.calls {
+		switch {
+		case c.err == nil:
+			errs["ok"]++
+		case errors.Is(c.err, ErrLimited):
+			errs["limited"]++
+		case errors.Is(c.err, ErrUnavailable):
+			errs["unavailable"]++
+		default:
+			errs[c.err.Error()]++
+		}
+	}
+	return fmt.Sprintf("%d calls %v, %d arrivals at the vendor", len(o.calls), errs, len(o.arrivals))
+}
+
+// run plays schedule s with the real code, inside the bubble.
+func run(s schedule) outcome {
+	id := simRuns.Add(1)
+	rng := rand.New(rand.NewPCG(s.Seed, 1))
+	var rngMu sync.Mutex
+	jitter := func() time.Duration {
+		if s.Jitter == 0 {
+			return 0
+		}
+		rngMu.Lock()
+		defer rngMu.Unlock()
+		return time.Duration(rng.Int64N(int64(s.Jitter) + 1))
+	}
+	stalls := make([]atomic.Int64, s.Replicas)
+	redisDB := sim.NewRedis(func(i int) time.Duration { return s.Latency[i] + jitter() + time.Duration(stalls[i].Load()) })
+	start := time.Now()
+	w := &world{s: s, start: start, jitter: jitter, stalls: stalls}
+	ctx, stop := context.WithCancel(context.Background())
+	var wg sync.WaitGroup
+	replicas := make([]*simReplica, s.Replicas)
+	for i := range s.Replicas {
+		rep := &simReplica{i: i, w: w}
+		rep.ctx, rep.stop = context.WithCancel(ctx)
+		rep.rdb = redis.NewClient(&redis.Options{
+			Addr:   simAddr(id, i),
+			Dialer: redisDB.Dialer(i), ContextTimeoutEnabled: true,
+			// Redis Enterprise's maintenance notifications: go-redis holds
+			// their lock across a connection's handshake, which would stop
+			// the bubble's clock (a goroutine waiting on a lock is not
+			// durably blocked), and miniredis has none to send.
+			MaintNotificationsConfig: &maintnotifications.Config{Mode: maintnotifications.ModeDisabled},
+		})
+		var err error
+		rep.lim, err = New(rep.rdb, "sim", s.Policy.policy(), Options{
+			Mode: s.Mode, OnRedisError: s.OnError, ExpectedReplicas: s.Replicas, Logger: quiet(),
+		})
+		if err != nil {
+			panic(fmt.Sprintf("seed %d: %v", s.Seed, err))
+		}
+		replicas[i] = rep
+		wg.Go(func() { rep.run(&wg) })
+	}
+	var events sync.WaitGroup
+	playEvents(ctx, &events, s, redisDB, replicas, w, start)
+	time.Sleep(s.Length - time.Since(start))
+	stop()
+	wg.Wait()
+	events.Wait()
+	for _, rep := range replicas {
+		rep.close()
+	}
+	redisDB.Close()
+	// The subscriptions' goroutines see that their limiters left at their
+	// next read, a Redis timeout away at most.
+	time.Sleep(2 * defaultRedisTimeout)
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	return w.o
+}
+
+// simAddr names replica i's server in run id: an address of its own, an
+// IP so that nothing looks it up, for the timing kept per address.
+func simAddr(id int64, i int) string {
+	n := id<<8 | int64(i)
+	return fmt.Sprintf("10.%d.%d.%d:6379", n>>16&255, n>>8&255, n&255)
+}
+
+// world is what the replicas of a run share: the vendor and the record.
+type world struct {
+	s      schedule
+	start  time.Time
+	jitter func() time.Duration
+	stalls []atomic.Int64 // how much slower each replica's link to Redis is now
+	mu     sync.Mutex
+	o      outcome
+	inside int
+}
+
+func (w *world) since() time.Duration { return time.Since(w.start) }
+
+// arrive records a call reaching the vendor, and returns when it is done.
+func (w *world) arrive(replica, cost int, key string, local bool, hold time.Duration) {
+	w.mu.Lock()
+	w.o.arrivals = append(w.o.arrivals, simArrival{at: w.since(), cost: cost, key: key, replica: replica, local: local})
+	w.inside++
+	w.o.inFlight = max(w.o.inFlight, w.inside)
+	w.mu.Unlock()
+	time.Sleep(hold)
+	w.mu.Lock()
+	w.inside--
+	w.mu.Unlock()
+}
+
+// simReplica is one process of the fleet.
+type simReplica struct {
+	i    int
+	w    *world
+	rdb  *redis.Client
+	lim  *Limiter
+	ctx  context.Context
+	stop context.CancelFunc
+	once sync.Once
+}
+
+// run starts the replica's workers at its join time.
+func (r *simReplica) run(wg *sync.WaitGroup) {
+	s := r.w.s
+	if !sleepUntil(r.ctx, s.Join[r.i]-r.w.since()) {
+		return
+	}
+	for k := range s.Workers {
+		wg.Go(func() { r.work(uint64(k)) })
+	}
+}
+
+// work calls through Do in a loop, as a worker that backs off on errors.
+func (r *simReplica) work(k uint64) {
+	s := r.w.s
+	rng := rand.New(rand.NewPCG(s.Seed, uint64(r.i)<<32|k))
+	for r.ctx.Err() == nil {
+		cost := 1 + rng.IntN(s.MaxCost)
+		key := ""
+		if s.Keys > 0 {
+			key = "k" + strconv.Itoa(rng.IntN(s.Keys))
+		}
+		ctx, cancel := r.ctx, context.CancelFunc(func() {})
+		if s.Deadline > 0 {
+			ctx, cancel = context.WithTimeout(r.ctx, s.Deadline)
+		}
+		c := simCall{replica: r.i, began: r.w.since()}
+		hold := time.Duration(rng.IntN(5)) * time.Millisecond
+		opts := []CallOption{Cost(cost)}
+		if key != "" {
+			opts = append(opts, Key(key))
+		}
+		unwatch := watchDeadline(s.Deadline)
+		_, err := Do(ctx, r.lim, func(ctx context.Context) (struct{}, error) {
+			time.Sleep(s.Vendor + r.w.jitter())
+			r.w.arrive(r.i, cost, key, PermitFrom(ctx).r.local, hold)
+			return struct{}{}, nil
+		}, opts...)
+		unwatch()
+		cancel()
+		c.end, c.err = r.w.since(), err
+		if err != nil && !errors.Is(err, ErrLimited) && !errors.Is(err, ErrUnavailable) && !errors.Is(err, ErrClosed) &&
+			!errors.Is(err, context.Canceled) && !errors.Is(err, context.DeadlineExceeded) && !errors.Is(err, ErrQueueFull) {
+			panic(fmt.Sprintf("seed %d: a call failed with %v", s.Seed, err))
+		}
+		r.w.mu.Lock()
+		r.w.o.calls = append(r.w.o.calls, c)
+		r.w.mu.Unlock()
+		var le *LimitedError
+		switch {
+		case err == nil:
+		case errors.As(err, &le):
+			sleepUntil(r.ctx, min(max(le.RetryAfter, time.Millisecond), 100*time.Millisecond))
+		default:
+			sleepUntil(r.ctx, 10*time.Millisecond)
+		}
+	}
+}
+
+// close stops the replica and closes its limiter and client.
+func (r *simReplica) close() {
+	r.once.Do(func() {
+		r.stop()
+		_ = r.lim.Close(context.Background())
+		_ = r.rdb.Close()
+	})
+}
+
+// sleepUntil sleeps d unless ctx ends first, and reports whether it slept.
+func sleepUntil(ctx context.Context, d time.Duration) bool {
+	if d <= 0 {
+		return ctx.Err() == nil
+	}
+	t := time.NewTimer(d)
+	defer t.Stop()
+	select {
+	case <-t.C:
+		return true
+	case <-ctx.Done():
+		return false
+	}
+}
+
+// playEvents starts a goroutine per event of s, each at its time, until
+// ctx ends.
+func playEvents(ctx context.Context, wg *sync.WaitGroup, s schedule, r *sim.Redis, replicas []*simReplica, w *world, start time.Time) {
+	for _, e := range s.Events {
+		if e.Kind == "failover" {
+			wg.Go(func() {
+				if sleepUntil(ctx, e.At-e.For-time.Since(start)) {
+					r.Snapshot()
+				}
+			})
+		}
+		wg.Go(func() {
+			if !sleepUntil(ctx, e.At-time.Since(start)) {
+				return
+			}
+			switch e.Kind {
+			case "kill":
+				r.Kill()
+				sleepUntil(ctx, e.For)
+				r.Restart()
+			case "flush":
+				r.Flush()
+			case "scriptflush":
+				r.FlushScripts()
+			case "step":
+				r.Step(e.For)
+			case "freeze":
+				r.Freeze()
+				sleepUntil(ctx, e.For)
+				r.Thaw()
+			case "cut":
+				r.Cut(e.Replica)
+				sleepUntil(ctx, e.For)
+				r.Mend(e.Replica)
+			case "failover":
+				_ = r.Failover()
+			case "stall":
+				// The replica's replies come e.For late, for three times
+				// that: a starved process, a congested link.
+				w.stalls[e.Replica].Store(int64(e.For))
+				sleepUntil(ctx, 3*e.For)
+				w.stalls[e.Replica].Store(0)
+			case "leave":
+				replicas[e.Replica].close()
+			}
+		})
+	}
+}
+
+// watchDeadline writes every goroutine's stack to the file -sim.stacks
+// names when the call it is started for has not returned 100 ms past its
+// deadline: where a late call waits. It returns the function that ends the
+// watch.
+func watchDeadline(deadline time.Duration) func() {
+	if *simDump == "" || deadline == 0 {
+		return func() {}
+	}
+	done := make(chan struct{})
+	go func() {
+		t := time.NewTimer(deadline + 100*time.Millisecond)
+		defer t.Stop()
+		select {
+		case <-done:
+		case <-t.C:
+			buf := make([]byte, 1<<22)
+			_ = os.WriteFile(*simDump, buf[:runtime.Stack(buf, true)], 0o644)
+		}
+	}()
+	return func() { close(done) }
+}
+
+// go-redis logs every dial that fails: thousands in the simulation, where
+// Redis is killed, and in the fault tests. Set before any test runs, since
+// go-redis reads its logger unguarded.
+func init() { redis.SetLogger(quietRedis{}) }
+
+// quietRedis is go-redis's logger in this package's tests: silent.
+type quietRedis struct{}
+
+func (quietRedis) Printf(context.Context, string, ...any) {}
