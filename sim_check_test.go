@@ -177,8 +177,8 @@ func recovered(s schedule, o outcome) []string {
 	}
 	for _, e := range s.Events {
 		end := e.end()
-		if end+bound > s.Length {
-			continue
+		if end+bound > s.Length || slices.ContainsFunc(s.Events, func(n event) bool { return n.At > e.At && n.At < end+bound }) {
+			continue // the run, or the next fault, comes first
 		}
 		for i := range s.Replicas {
 			if l, ok := left[i]; ok && l < end+bound || s.Join[i] > end {

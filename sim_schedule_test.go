@@ -122,7 +122,7 @@ func drawSchedule(seed uint64) schedule {
 	if rng.IntN(3) == 0 {
 		s.Deadline = time.Duration(pick(200, 500, 2000)) * time.Millisecond
 	}
-	s.Length = max(10*s.Policy.Window, 3*time.Second)
+	s.Length = max(6*s.Policy.Window, 3*time.Second)
 	s.Events = drawEvents(rng, s)
 	return s
 }
@@ -163,7 +163,7 @@ func drawEvents(rng *rand.Rand, s schedule) []event {
 			}
 		}
 		evs = append(evs, e)
-		at = e.At + e.For + s.Policy.longest()
+		at = e.end() + s.Policy.longest()
 	}
 	return evs
 }

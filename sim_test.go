@@ -293,7 +293,12 @@ func (r *simReplica) work(k uint64) {
 			ctx, cancel = context.WithTimeout(r.ctx, s.Deadline)
 		}
 		c := simCall{replica: r.i, began: r.w.since()}
+		// The vendor's time on a call: up to 5 ms, and 5 to 50 ms under a
+		// concurrency limit, which bounds the calls by it alone.
 		hold := time.Duration(rng.IntN(5)) * time.Millisecond
+		if s.Policy.Kind == "concurrency" {
+			hold = time.Duration(5+rng.IntN(46)) * time.Millisecond
+		}
 		opts := []CallOption{Cost(cost)}
 		if key != "" {
 			opts = append(opts, Key(key))
@@ -318,7 +323,7 @@ func (r *simReplica) work(k uint64) {
 		switch {
 		case err == nil:
 		case errors.As(err, &le):
-			sleepUntil(r.ctx, min(max(le.RetryAfter, time.Millisecond), 100*time.Millisecond))
+			sleepUntil(r.ctx, min(max(le.RetryAfter, 10*time.Millisecond), 100*time.Millisecond))
 		default:
 			sleepUntil(r.ctx, 10*time.Millisecond)
 		}
