@@ -64,20 +64,33 @@ func (l *Limiter) decideInRedis(ctx context.Context, sc scope, c call, maxWait t
 	req := &request{sc: sc, c: c, maxWait: maxWait, member: l.newMember(), late: late, done: make(chan struct{})}
 	req.deadline.Store(time.Now().Add(l.s.redisTimeout).UnixNano())
 	if probe {
-		l.decide(ctx, sc, []*request{req})
-		return alone(ctx, req)
-	}
-	if ln := l.submit(req); ln != nil {
-		// Nothing was on its way: decide this call here, with no hand-over
-		// to another goroutine, and leave the calls that queued meanwhile to
-		// a drainer. The script call's own timeout, and the caller's
-		// context, bound the wait.
-		l.decide(ctx, sc, []*request{req})
-		if batch := l.take(ln); batch != nil {
-			go l.drain(ln, batch)
+		go l.decide(sc, []*request{req})
+	} else if ln := l.submit(req); ln != nil {
+		// Nothing was on its way: decide this call, and then the calls
+		// that queued meanwhile. A caller that cannot give up decides in
+		// its own goroutine, with no hand-over; one that can, in another,
+		// which finishes the script call, and gives back what it booked,
+		// if the caller leaves: a script call cut short by a deadline
+		// closes its connection, and on a distant Redis every next call
+		// would pay a new connection again and miss its deadline too.
+		lead := func() {
+			l.decide(sc, []*request{req})
+			if batch := l.take(ln); batch != nil {
+				go l.drain(ln, batch)
+			}
 		}
-		return alone(ctx, req)
+		if ctx.Done() == nil {
+			lead()
+			return req.res, req.err
+		}
+		go lead()
 	}
+	return l.await(ctx, req)
+}
+
+// await waits for the decision of req, no longer than ctx allows, nor than
+// the Redis timeout after the script call ahead of it was last answered.
+func (l *Limiter) await(ctx context.Context, req *request) (result, error) {
 	var err error
 	timer := time.NewTimer(time.Until(time.Unix(0, req.deadline.Load())))
 	defer timer.Stop()
@@ -103,17 +116,6 @@ func (l *Limiter) decideInRedis(ctx context.Context, sc scope, c call, maxWait t
 		return req.res, req.err
 	}
 	return result{}, err
-}
-
-// alone returns the decision of a call decided in its caller's goroutine:
-// when the caller's context ended first, its error, not an outage of
-// Redis. A booking made all the same wastes its slot, and never overfills
-// a window.
-func alone(ctx context.Context, req *request) (result, error) {
-	if req.err != nil && ctx.Err() != nil {
-		return result{}, ctx.Err()
-	}
-	return req.res, req.err
 }
 
 // answered moves out the Redis deadline of every call still waiting in the
@@ -171,7 +173,7 @@ func (l *Limiter) take(ln *lane) []*request {
 // until the lane is empty.
 func (l *Limiter) drain(ln *lane, batch []*request) {
 	for len(batch) > 0 {
-		l.decide(context.Background(), batch[0].sc, batch)
+		l.decide(batch[0].sc, batch)
 		batch = l.take(ln)
 	}
 }
@@ -179,14 +181,13 @@ func (l *Limiter) drain(ln *lane, batch []*request) {
 // decide runs the acquire script once for a batch of calls, of scope sc
 // and of any others, with the spare admissions of sc to give back and to
 // take (spare.go); with no calls, to give spares back alone. It waits for
-// Redis no longer than the Redis timeout, and than parent allows: the
-// context of the caller whose call it decides in that caller's goroutine.
-func (l *Limiter) decide(parent context.Context, sc scope, batch []*request) {
+// Redis no longer than the Redis timeout.
+func (l *Limiter) decide(sc scope, batch []*request) {
 	give, spares, spareCost := l.spareTerms(sc, batch)
 	if len(batch) == 0 && len(give) == 0 {
 		return
 	}
-	ctx, cancel := context.WithTimeout(parent, l.s.redisTimeout)
+	ctx, cancel := context.WithTimeout(context.Background(), l.s.redisTimeout)
 	defer cancel()
 	// The scopes of the script call, sc first: its keys are the script's
 	// KEYS, and the others' keys follow the arguments.

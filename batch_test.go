@@ -25,7 +25,7 @@ func decideBatch(l *Limiter, calls []batchCall) []result {
 		c := call{key: bc.key, hasKey: true, cost: bc.cost}
 		batch[i] = &request{sc: l.scopeFor(c), c: c, maxWait: bc.maxWait, member: l.newMember(), done: make(chan struct{})}
 	}
-	l.decide(context.Background(), batch[0].sc, batch)
+	l.decide(batch[0].sc, batch)
 	out := make([]result, len(batch))
 	for i, req := range batch {
 		out[i] = req.res

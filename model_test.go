@@ -282,7 +282,7 @@ func checkSeed(t *testing.T, rdb redis.UniversalClient, mini *miniredis.Miniredi
 					done:    make(chan struct{}),
 				})
 			}
-			lim.decide(context.Background(), batch[0].sc, batch)
+			lim.decide(batch[0].sc, batch)
 			m.Script(now)
 			for _, req := range batch {
 				r, c := req.res, req.c

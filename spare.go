@@ -300,7 +300,7 @@ func (l *Limiter) returnSpares(sc scope, gen int) {
 		p.dropSpares()
 	}
 	l.spares.mu.Unlock()
-	l.decide(context.Background(), sc, nil)
+	l.decide(sc, nil)
 }
 
 // dropAllSpares gives back every unused spare of the limiter.
@@ -318,7 +318,7 @@ func (l *Limiter) dropAllSpares(ctx context.Context) {
 		if ctx.Err() != nil {
 			return
 		}
-		l.decide(context.Background(), sc, nil)
+		l.decide(sc, nil)
 	}
 }
 
