@@ -1,0 +1,55 @@
+package throttle
+
+import (
+	"encoding/json"
+	"strconv"
+	"testing"
+)
+
+// simRegressions are schedules that found a bug, each kept whole (not as
+// its seed, whose schedule changes with drawSchedule) and run by every
+// test run, with the bug it found. Add the schedule a failure prints
+// (schedule.String) when you fix what it found.
+var simRegressions = []struct {
+	why      string
+	schedule string
+}{
+	{"a call decided in its own goroutine waited a Redis timeout past its 500 ms deadline (Redis frozen)",
+		`{"Seed":12,"Replicas":1,"Workers":1,"Policy":{"Kind":"all","Limit":10,"Window":500000000},"Mode":2,"OnError":0,"Latency":[2000000],"Jitter":0,"Vendor":1000000,"Deadline":500000000,"MaxCost":2,"Keys":0,"Join":[0],"Length":5000000000,"Events":[{"At":1824730162,"Kind":"freeze","Replica":0,"For":1662000000}]}`},
+	{"Redis's clock stepped an hour back: the calls before the step lay ahead of the clock, and a second full window was admitted",
+		`{"Seed":46,"Replicas":5,"Workers":2,"Policy":{"Kind":"log","Limit":20,"Window":1000000000},"Mode":0,"OnError":0,"Latency":[2000000,0,0,1000000,1000000],"Jitter":0,"Vendor":0,"Deadline":0,"MaxCost":1,"Keys":0,"Join":[500000000,1000000000,0,0,1000000000],"Length":10000000000,"Events":[{"At":3259626259,"Kind":"step","Replica":2,"For":-3600000000000}]}`},
+	{"Local: calls the fallback admitted while its calls were handed back to Redis never reached Redis (21 in a window of 20)",
+		`{"Seed":78,"Replicas":3,"Workers":8,"Policy":{"Kind":"log","Limit":20,"Window":1000000000},"Mode":2,"OnError":2,"Latency":[1000000,1000000,1000000],"Jitter":0,"Vendor":1000000,"Deadline":0,"MaxCost":2,"Keys":0,"Join":[0,0,500000000],"Length":10000000000,"Events":[{"At":2447112032,"Kind":"kill","Replica":2,"For":1032000000},{"At":6460040208,"Kind":"kill","Replica":1,"For":1106000000}]}`},
+	{"FailOpen: Do waited for a concurrency slot's release on a dead Redis, a second past its deadline",
+		`{"Seed":109,"Replicas":4,"Workers":4,"Policy":{"Kind":"concurrency","Limit":5,"Window":100000000},"Mode":0,"OnError":1,"Latency":[1000000,1000000,3000000,2000000],"Jitter":2000000,"Vendor":1000000,"Deadline":200000000,"MaxCost":1,"Keys":0,"Join":[0,100000000,0,0],"Length":3000000000,"Events":[{"At":954980683,"Kind":"kill","Replica":2,"For":2078000000}]}`},
+	{"Local: the hand-back to a Redis back from a kill held its caller past its deadline",
+		`{"Seed":137,"Replicas":5,"Workers":1,"Policy":{"Kind":"log","Limit":10,"Window":200000000},"Mode":0,"OnError":2,"Latency":[27000000,27000000,27000000,25000000,27000000],"Jitter":1000000,"Vendor":0,"Deadline":500000000,"MaxCost":1,"Keys":0,"Join":[100000000,0,200000000,100000000,0],"Length":3000000000,"Events":[{"At":847601091,"Kind":"kill","Replica":1,"For":1086000000},{"At":2328448282,"Kind":"leave","Replica":1,"For":0}]}`},
+	{"Local: the hand-back held its caller a second past its 200 ms deadline",
+		`{"Seed":149,"Replicas":3,"Workers":4,"Policy":{"Kind":"log","Limit":10,"Window":500000000},"Mode":0,"OnError":2,"Latency":[1000000,1000000,2000000],"Jitter":1000000,"Vendor":0,"Deadline":200000000,"MaxCost":1,"Keys":0,"Join":[250000000,0,500000000],"Length":5000000000,"Events":[{"At":1533348392,"Kind":"kill","Replica":2,"For":1127000000},{"At":3719460411,"Kind":"cut","Replica":0,"For":1352000000}]}`},
+	{"a booking given back, on a Redis 50 ms away, held its caller past its 200 ms deadline",
+		`{"Seed":159,"Replicas":2,"Workers":4,"Policy":{"Kind":"log","Limit":20,"Window":1000000000},"Mode":2,"OnError":2,"Latency":[50000000,51000000],"Jitter":0,"Vendor":0,"Deadline":200000000,"MaxCost":5,"Keys":0,"Join":[0,0],"Length":10000000000,"Events":null}`},
+	{"FailOpen, a replica cut off: a booking given back held its caller a Redis timeout past its deadline",
+		`{"Seed":217,"Replicas":5,"Workers":8,"Policy":{"Kind":"log","Limit":10,"Window":1000000000},"Mode":0,"OnError":1,"Latency":[5000000,5000000,7000000,5000000,5000000],"Jitter":2000000,"Vendor":10000000,"Deadline":500000000,"MaxCost":1,"Keys":0,"Join":[0,0,0,500000000,0],"Length":10000000000,"Events":[{"At":3739566518,"Kind":"cut","Replica":2,"For":1638000000},{"At":7554486559,"Kind":"failover","Replica":1,"For":19000000}]}`},
+	{"FailClosed, after a kill and a stall: a booking given back held its caller past its deadline",
+		`{"Seed":251,"Replicas":1,"Workers":8,"Policy":{"Kind":"perkey","Limit":10,"Window":1000000000},"Mode":2,"OnError":0,"Latency":[25000000],"Jitter":0,"Vendor":10000000,"Deadline":500000000,"MaxCost":1,"Keys":2,"Join":[1000000000],"Length":10000000000,"Events":[{"At":3198571481,"Kind":"kill","Replica":0,"For":1449000000},{"At":5687917133,"Kind":"stall","Replica":0,"For":324000000}]}`},
+	{"token bucket on Local: the share left to replicas still deciding without Redis kept the whole burst (86 units where 85 fit)",
+		`{"Seed":333,"Replicas":3,"Workers":1,"Policy":{"Kind":"bucket","Limit":10,"Window":1000000000},"Mode":0,"OnError":2,"Latency":[2000000,2000000,2000000],"Jitter":2000000,"Vendor":10000000,"Deadline":0,"MaxCost":1,"Keys":0,"Join":[500000000,0,500000000],"Length":10000000000,"Events":[{"At":2950524451,"Kind":"leave","Replica":1,"For":0},{"At":5340254832,"Kind":"failover","Replica":0,"For":280000000},{"At":6724864573,"Kind":"flush","Replica":1,"For":0}]}`},
+	{"Local: calls the fallback booked ahead were handed back at Redis's now, and left Redis's windows before the vendor's (55 in a window of 50)",
+		`{"Seed":378,"Replicas":3,"Workers":8,"Policy":{"Kind":"perkey","Limit":50,"Window":500000000},"Mode":0,"OnError":2,"Latency":[2000000,3000000,2000000],"Jitter":0,"Vendor":0,"Deadline":0,"MaxCost":6,"Keys":3,"Join":[0,250000000,0],"Length":5000000000,"Events":[{"At":1360946246,"Kind":"kill","Replica":0,"For":562000000}]}`},
+}
+
+// TestSim_Regressions runs the schedules that found bugs.
+func TestSim_Regressions(t *testing.T) {
+	for i, r := range simRegressions {
+		var s schedule
+		if err := json.Unmarshal([]byte(r.schedule), &s); err != nil {
+			t.Fatalf("regression %d: %v", i, err)
+		}
+		t.Run(strconv.FormatUint(s.Seed, 10), func(t *testing.T) {
+			t.Parallel()
+			if broken, summary := violations(t, s); len(broken) > 0 {
+				t.Errorf("%s\nfound again: %s\n%s\n%s", r.why, broken[0], s.describe(), summary)
+			}
+		})
+	}
+}
