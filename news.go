@@ -174,7 +174,7 @@ func (h *hub) serve(ps *redis.PubSub) {
 			}
 			// Idle while calls sleep on their bookings: check that the
 			// connection still reaches Redis.
-			if pinged = ping(ps); !pinged {
+			if pinged = ping(ps, h.pongWithin()); !pinged {
 				cut = true
 				h.gap()
 			}
@@ -187,7 +187,7 @@ func (h *hub) serve(ps *redis.PubSub) {
 		// go-redis dials again, and subscribes again, when the ping is
 		// sent: not in a busy loop.
 		time.Sleep(newsPing)
-		pinged = ping(ps)
+		pinged = ping(ps, h.pongWithin())
 	}
 }
 
@@ -215,9 +215,11 @@ func (h *hub) doChores(ps *redis.PubSub) bool {
 }
 
 // ping sends a ping on the subscription, whose answer its next read
-// receives, and reports whether it was sent.
-func ping(ps *redis.PubSub) bool {
-	ctx, cancel := context.WithTimeout(context.Background(), newsPing)
+// receives, and reports whether it was sent within the time given: on a
+// new connection, after its handshake and its subscriptions, which take
+// round trips of their own (a Redis 25 ms away needs more than 100 ms).
+func ping(ps *redis.PubSub, within time.Duration) bool {
+	ctx, cancel := context.WithTimeout(context.Background(), within)
 	defer cancel()
 	return ps.Ping(ctx) == nil
 }
