@@ -1,6 +1,8 @@
 package sim
 
 import (
+	"errors"
+	"io"
 	"net"
 	"sync"
 	"time"
@@ -121,4 +123,35 @@ func (l *link) close() {
 		delete(l.r.links, l)
 		l.r.mu.Unlock()
 	})
+}
+
+// clientConn is the process's end of a link, failing as a TCP connection
+// whose server closed it does: its deadlines can still be set, and a write
+// fails with io.EOF, as a read does (over TCP the write would be buffered
+// and the read after it find the end; a client's pool finds a closed
+// connection before it writes on it, as go-redis peeks at each idle
+// connection it takes). A pipe fails both at once with an error of its own.
+type clientConn struct{ net.Conn }
+
+func (c clientConn) Write(b []byte) (int, error) {
+	n, err := c.Conn.Write(b)
+	return n, eof(err)
+}
+
+func (c clientConn) SetDeadline(t time.Time) error      { return open(c.Conn.SetDeadline(t)) }
+func (c clientConn) SetReadDeadline(t time.Time) error  { return open(c.Conn.SetReadDeadline(t)) }
+func (c clientConn) SetWriteDeadline(t time.Time) error { return open(c.Conn.SetWriteDeadline(t)) }
+
+func eof(err error) error {
+	if errors.Is(err, io.ErrClosedPipe) {
+		return io.EOF
+	}
+	return err
+}
+
+func open(err error) error {
+	if errors.Is(err, io.ErrClosedPipe) {
+		return nil
+	}
+	return err
 }

@@ -128,7 +128,7 @@ func (r *Redis) Dialer(i int) func(ctx context.Context, network, addr string) (n
 			}
 			l := r.newLinkLocked(i, srv)
 			r.mu.Unlock()
-			return l.client, nil
+			return clientConn{l.client}, nil
 		}
 	}
 }
