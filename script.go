@@ -212,16 +212,13 @@ func (l *Limiter) cancel(ctx context.Context, c call, r result) {
 }
 
 // within runs f, which talks to Redis on a call's behalf after the call is
-// decided (a booking given back, a slot released), and waits for it no
-// longer than the call's ctx allows: the call returns by its deadline even
-// when Redis is slow or gone, and f goes on without it.
+// decided (a booking given back, a slot released), and waits for it until
+// leaveWithin after ctx ends at most: the call returns by its deadline
+// even when Redis is slow or gone, and f goes on without it. On a Redis
+// that answers in time, f is done when the call returns.
 func within(ctx context.Context, f func()) {
 	if ctx.Done() == nil {
 		f()
-		return
-	}
-	if ctx.Err() != nil {
-		go f()
 		return
 	}
 	done := make(chan struct{})
@@ -231,9 +228,21 @@ func within(ctx context.Context, f func()) {
 	}()
 	select {
 	case <-done:
+		return
 	case <-ctx.Done():
 	}
+	t := time.NewTimer(leaveWithin)
+	defer t.Stop()
+	select {
+	case <-done:
+	case <-t.C:
+	}
 }
+
+// leaveWithin is how long a call whose context ended waits for Redis to
+// take back what it booked or held, before it returns and leaves that to
+// go on without it.
+const leaveWithin = 50 * time.Millisecond
 
 // run runs a script with the limiter's Redis timeout. go-redis sends
 // EVALSHA, and EVAL when Redis does not know the script yet: a fleet on a
