@@ -31,7 +31,14 @@ func (r *Redis) Snapshot() {
 			}
 			s.hashes[k] = h
 		case "zset":
-			s.zsets[k], _ = m.SortedSet(k)
+			// Member by member: SortedSet returns the server's own map,
+			// which its scripts go on writing.
+			members, _ := m.ZMembers(k)
+			z := map[string]float64{}
+			for _, member := range members {
+				z[member], _ = m.ZScore(k, member)
+			}
+			s.zsets[k] = z
 		default:
 			continue
 		}

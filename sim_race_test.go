@@ -1,0 +1,7 @@
+//go:build race
+
+package throttle
+
+// raceEnabled reports a build with the race detector, under which the
+// simulation runs about twenty times slower: the default corpus shrinks.
+const raceEnabled = true
