@@ -37,20 +37,21 @@ import (
 //	go test -run TestSim_Schedules -sim.seed 1234 -v .    # replay one, and shrink it if it fails
 //	go test -run TestSim_Schedules -sim.for 1h -timeout 2h .  # new seeds for an hour
 var (
-	simN    = flag.Int("sim.n", 150, "how many schedules TestSim_Schedules runs (seeds sim.from, sim.from+1, ...); 10 under -race")
+	simN    = flag.Int("sim.n", 150, "how many schedules TestSim_Schedules runs (seeds sim.from, sim.from+1, ...); 0 under -race")
 	simFrom = flag.Uint64("sim.from", 1, "the first seed of TestSim_Schedules")
 	simSeed = flag.Uint64("sim.seed", 0, "run only the schedule of this seed, and shrink it if it fails")
 	simFor  = flag.Duration("sim.for", 0, "run schedules from sim.from on for this long instead of sim.n of them")
 	simDump = flag.String("sim.stacks", "", "write every goroutine's stack to this file when a call runs past its deadline")
 )
 
-// Under the race detector the default corpus is 10 schedules, besides the
-// regressions: the README's test command runs with -race, and the
-// detector makes each schedule about twenty times slower. .ci/run runs
-// 2,000 without it.
+// Under the race detector the default corpus is empty, and the
+// regressions alone run (TestSim_Regressions, a dozen schedules of every
+// kind): the README's test command runs with -race, and the detector
+// makes each schedule about twenty times slower. .ci/run runs 2,000
+// without it.
 func init() {
 	if raceEnabled {
-		*simN = 10
+		*simN = 0
 	}
 }
 
