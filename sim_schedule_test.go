@@ -30,6 +30,7 @@ type schedule struct {
 	Join     []time.Duration // when each replica starts calling
 	Length   time.Duration   // the run's length
 	Events   []event
+	Hold     time.Duration `json:",omitempty"` // the vendor's time on each call; 0 for 0 to 4 ms at random (5 to 50 under a concurrency limit)
 }
 
 // simPolicy is the quota's policy, in words a schedule can print.

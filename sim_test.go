@@ -64,6 +64,7 @@ type outcome struct {
 	arrivals []simArrival
 	calls    []simCall
 	inFlight int // the most calls in flight at once at the vendor
+	scripts  int // EVALSHA and EVAL commands sent, NOSCRIPT fallbacks counted twice
 }
 
 type simArrival struct {
@@ -201,6 +202,7 @@ func run(s schedule) outcome {
 			// durably blocked), and miniredis has none to send.
 			MaintNotificationsConfig: &maintnotifications.Config{Mode: maintnotifications.ModeDisabled},
 		})
+		rep.rdb.AddHook(scriptCounter{w})
 		var err error
 		rep.lim, err = New(rep.rdb, "sim", s.Policy.policy(), Options{
 			Mode: s.Mode, OnRedisError: s.OnError, ExpectedReplicas: s.Replicas, Logger: quiet(),
@@ -304,6 +306,9 @@ func (r *simReplica) work(k uint64) {
 		hold := time.Duration(rng.IntN(5)) * time.Millisecond
 		if s.Policy.Kind == "concurrency" {
 			hold = time.Duration(5+rng.IntN(46)) * time.Millisecond
+		}
+		if s.Hold > 0 {
+			hold = s.Hold
 		}
 		opts := []CallOption{Cost(cost)}
 		if key != "" {
@@ -440,3 +445,37 @@ func init() { redis.SetLogger(quietRedis{}) }
 type quietRedis struct{}
 
 func (quietRedis) Printf(context.Context, string, ...any) {}
+
+// scriptCounter counts the script calls a replica's client sends into its
+// world's outcome.
+type scriptCounter struct{ w *world }
+
+func (scriptCounter) DialHook(next redis.DialHook) redis.DialHook { return next }
+
+func (h scriptCounter) ProcessHook(next redis.ProcessHook) redis.ProcessHook {
+	return func(ctx context.Context, cmd redis.Cmder) error {
+		h.count([]redis.Cmder{cmd})
+		return next(ctx, cmd)
+	}
+}
+
+func (h scriptCounter) ProcessPipelineHook(next redis.ProcessPipelineHook) redis.ProcessPipelineHook {
+	return func(ctx context.Context, cmds []redis.Cmder) error {
+		h.count(cmds)
+		return next(ctx, cmds)
+	}
+}
+
+func (h scriptCounter) count(cmds []redis.Cmder) {
+	n := 0
+	for _, c := range cmds {
+		if name := c.Name(); name == "evalsha" || name == "eval" {
+			n++
+		}
+	}
+	if n > 0 {
+		h.w.mu.Lock()
+		h.w.o.scripts += n
+		h.w.mu.Unlock()
+	}
+}
