@@ -74,4 +74,3 @@ func utilization(o outcome, limit int, window time.Duration) float64 {
 	}
 	return sum / n / float64(limit)
 }
-
