@@ -430,6 +430,113 @@ func TestDataLoss_NoticedWhenRedisGoesBackInTime(t *testing.T) {
 	})
 }
 
+// A token bucket's share, while other replicas may still decide without
+// Redis, is a share of its burst as well as of its rate: a longer interval
+// alone would let a burst of the whole size in, spread over a longer span.
+func TestLocal_BackOnRedisReservesABucketsShareOfItsBurst(t *testing.T) {
+	redistest.Each(t, func(t *testing.T, s *redistest.Server) {
+		clock := newClock()
+		lim := newLimiter(t, s.Client(t), policies.TokenBucket{Rate: 9, Per: time.Second, Burst: 9},
+			Options{OnRedisError: Local, ExpectedReplicas: 3, Clock: clock.Now, Logger: quiet()})
+		ctx := context.Background()
+		if _, err := lim.handBack(); err != nil {
+			t.Fatal(err)
+		}
+		admitted := 0
+		for range 9 {
+			if d, err := lim.Allow(ctx); err != nil {
+				t.Fatal(err)
+			} else if d.OK {
+				admitted++
+			}
+		}
+		if admitted != 3 {
+			t.Errorf("%d of a burst of 9 admitted at once while 3 replicas share it, want 3", admitted)
+		}
+	})
+}
+
+// A call the fallback admits while its calls are on their way to Redis is
+// not forgotten when they arrive: the hand-back does not end, and the next
+// one hands it back with the others.
+func TestLocal_ACallAdmittedDuringTheHandBackIsHandedBackToo(t *testing.T) {
+	lo, err := newLocal([]policies.Rule{{Kind: policies.KindSlidingLog, Limit: 10, Window: time.Second}}, 1)
+	if err != nil {
+		t.Fatal(err)
+	}
+	sc := scope{}
+	if r := lo.decide(sc, call{cost: 1}, "a", time.Second); !r.admitted {
+		t.Fatalf("first call: %+v", r)
+	}
+	charges, admits := lo.charges()
+	if len(charges) != 1 {
+		t.Fatalf("charges %v, want the first call", charges)
+	}
+	if r := lo.decide(sc, call{cost: 1}, "b", time.Second); !r.admitted {
+		t.Fatalf("a call during the hand-back: %+v", r)
+	}
+	if lo.handedBack(admits) {
+		t.Fatal("the hand-back ended with a call Redis does not know of")
+	}
+	if charges, _ := lo.charges(); len(charges) != 2 {
+		t.Errorf("the next hand-back's charges %v, want both calls", charges)
+	}
+}
+
+// A token bucket's charge counts every unit whose interval has not run
+// out, a part of one as a whole: the vendor still counts its token.
+func TestLocal_ABucketsChargeCountsAUnitStillRunning(t *testing.T) {
+	lo, err := newLocal([]policies.Rule{{Kind: policies.KindTokenBucket, Limit: 10, Every: 100 * time.Millisecond}}, 1)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if r := lo.decide(scope{}, call{cost: 1}, "a", time.Second); !r.admitted {
+		t.Fatalf("the call: %+v", r)
+	}
+	charges, _ := lo.charges()
+	if len(charges) != 1 || charges[0].units != 1 {
+		t.Errorf("charges %+v, want the call's unit", charges)
+	}
+}
+
+// A call the fallback booked ahead is handed back at its slot: placed at
+// Redis's now, it would leave Redis's windows before the vendor's.
+func TestLocal_HandsBackABookingAheadAtItsSlot(t *testing.T) {
+	redistest.Each(t, func(t *testing.T, s *redistest.Server) {
+		rdb := s.Client(t)
+		lim := newLimiter(t, rdb, policies.SlidingLog{Limit: 1, Window: time.Second},
+			Options{OnRedisError: Local, ExpectedReplicas: 1, Logger: quiet()})
+		ctx := context.Background()
+		lim.local.full = time.Now().Add(-time.Second)
+		sc := lim.scopeFor(call{})
+		if r := lim.local.decide(sc, call{cost: 1}, "now", 5*time.Second); !r.admitted {
+			t.Fatalf("the fallback's first call: %+v", r)
+		}
+		r := lim.local.decide(sc, call{cost: 1}, "ahead", 5*time.Second)
+		if !r.admitted || r.wait < 900*time.Millisecond {
+			t.Fatalf("the fallback's second call: %+v, want booked a window ahead", r)
+		}
+		if _, err := lim.handBack(); err != nil {
+			t.Fatal(err)
+		}
+		now, err := rdb.Time(ctx).Result()
+		if err != nil {
+			t.Fatal(err)
+		}
+		entries, err := rdb.ZRangeWithScores(ctx, sc.keys[2], 0, -1).Result()
+		if err != nil {
+			t.Fatal(err)
+		}
+		if len(entries) != 2 {
+			t.Fatalf("the log holds %v, want the fallback's 2 calls", entries)
+		}
+		ahead := time.Duration(entries[1].Score)*time.Microsecond - time.Duration(now.UnixMicro())*time.Microsecond
+		if ahead < 800*time.Millisecond {
+			t.Errorf("the booking ahead was handed back %v ahead of Redis's now, want about a window", ahead)
+		}
+	})
+}
+
 // Back on Redis from the Local fallback, a replica reserves the quota for
 // the others, which may still decide without Redis at 1/n of each limit:
 // until they can all have found Redis again and their calls have left the
