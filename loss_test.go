@@ -8,11 +8,14 @@ import (
 	"strings"
 	"sync/atomic"
 	"testing"
+	"testing/synctest"
 	"time"
 
 	"github.com/redis/go-redis/v9"
+	"github.com/redis/go-redis/v9/maintnotifications"
 
 	"github.com/throttlekit/throttle/internal/redistest"
+	"github.com/throttlekit/throttle/internal/sim"
 	"github.com/throttlekit/throttle/policies"
 )
 
@@ -723,4 +726,38 @@ func TestLocal_AdmitsItsShareExactly(t *testing.T) {
 	if r.admitted || r.wait < 500*time.Millisecond || r.wait > time.Second+policies.DefaultMargin {
 		t.Errorf("the 6th call of a share of 5: %+v, want refused for about a window", r)
 	}
+}
+
+// A call that meets a hand-back on its way to a Redis that does not answer
+// (frozen, or just back and slow) leaves it when its context ends: the
+// hand-back goes on without it.
+func TestLocal_ACallLeavesAHangingHandBackAtItsDeadline(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		r := sim.NewRedis(func(int) time.Duration { return time.Millisecond })
+		defer r.Close()
+		rdb := redis.NewClient(&redis.Options{Addr: simAddr(simRuns.Add(1), 0), Dialer: r.Dialer(0), ContextTimeoutEnabled: true,
+			MaintNotificationsConfig: &maintnotifications.Config{Mode: maintnotifications.ModeDisabled}})
+		defer rdb.Close()
+		lim, err := New(rdb, "handback", policies.SlidingLog{Limit: 10, Window: time.Second},
+			Options{OnRedisError: Local, ExpectedReplicas: 1, Logger: quiet()})
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer lim.Close(context.Background())
+		lim.localNow.Store(true) // back from the fallback, with a call to hand back
+		lim.local.full = time.Now().Add(-time.Second)
+		if res := lim.local.decide(lim.scopeFor(call{}), call{cost: 1}, "m", time.Second); !res.admitted {
+			t.Fatalf("the fallback's call: %+v", res)
+		}
+		r.Freeze()
+		ctx, cancel := context.WithTimeout(context.Background(), 200*time.Millisecond)
+		defer cancel()
+		start := time.Now()
+		_, err = lim.Allow(ctx)
+		if took := time.Since(start); took > 200*time.Millisecond || !errors.Is(err, context.DeadlineExceeded) {
+			t.Errorf("a call with 200 ms to go returned after %v with %v, want its context's error at its deadline", took, err)
+		}
+		r.Thaw()
+		time.Sleep(2 * time.Second) // the hand-back ends, and the subscription's goroutine sees Close
+	})
 }
