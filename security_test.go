@@ -109,9 +109,9 @@ func securityPaths(t *testing.T, rdb redis.UniversalClient) {
 	if err := <-waited; !errors.Is(err, context.Canceled) {
 		t.Fatalf("Acquire given up while waiting: %v, want context.Canceled", err)
 	}
-	if b := usage("a waiter gave up", lim, key).Rules[0].Booked; b != 0 {
-		t.Errorf("%d units still booked after the waiter gave up, want its booking given back", b)
-	}
+	// The booking goes back as the waiter leaves, or within a Redis round
+	// trip after it on a slow machine (see within).
+	waitFor(t, func() bool { return usage("a waiter gave up", lim, key).Rules[0].Booked == 0 }, "the booking of the waiter that gave up to be given back")
 
 	ran := false
 	if _, err := Do(ctx, lim, func(context.Context) (struct{}, error) { ran = true; return struct{}{}, nil }, key); err != nil || !ran {

@@ -364,9 +364,9 @@ func TestBlock_CancelledWaiterGivesSlotBack(t *testing.T) {
 		if err := <-done; !errors.Is(err, context.Canceled) {
 			t.Fatalf("cancelled waiter returned %v, want context.Canceled", err)
 		}
-		if n := rdb.ZCard(bg, lim.shared[2]).Val(); n != 1 {
-			t.Fatalf("log holds %d members after the waiter gave up, want 1", n)
-		}
+		// Given back as the waiter leaves, or within a Redis round trip
+		// after it on a slow machine (see within).
+		waitFor(t, func() bool { return rdb.ZCard(bg, lim.shared[2]).Val() == 1 }, "the log to hold 1 member after the waiter gave up")
 		// The freed slot goes to the next caller: one window away, not two.
 		if d, _ := lim.Allow(bg); d.OK || d.RetryAfter > window+warmMargin(window) {
 			t.Errorf("after the cancel, Allow = %+v, want RetryAfter within one window", d)
