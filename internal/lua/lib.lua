@@ -635,6 +635,14 @@ local function check_loss(m, now, known, rs)
   return m, false, false
 end
 
+-- lose counts the quota's data as lost now, under a new epoch: the
+-- windows of rules rs count as full from now on (see loss_pause), and every
+-- process's sleeping calls, booked in the old epoch, book again.
+local function lose(m, now, rs)
+  m.epoch, m.loss = now, now
+  m.pause = math.max(m.pause, loss_pause(rs, now))
+end
+
 -- check_seq finds a Redis that went back in time: a failover to a replica
 -- that missed the latest writes, a restart from an old snapshot. The meta
 -- key is there, with its epoch, but its count of scripts run is behind the
@@ -646,8 +654,7 @@ local function check_seq(m, now, known, seen, rs)
   if known <= 0 or known ~= m.epoch or seen <= m.seq then
     return false
   end
-  m.epoch, m.loss = now, now
-  m.pause = math.max(m.pause, loss_pause(rs, now))
+  lose(m, now, rs)
   return true
 end
 
@@ -665,8 +672,7 @@ local function check_clock(m, now, rs)
   if m.la <= now + CLOCK_BACK then
     return false
   end
-  m.epoch, m.loss = now, now
-  m.pause = math.max(m.pause, loss_pause(rs, now))
+  lose(m, now, rs)
   return true
 end
 
