@@ -355,14 +355,7 @@ func sleepUntil(ctx context.Context, d time.Duration) bool {
 	if d <= 0 {
 		return ctx.Err() == nil
 	}
-	t := time.NewTimer(d)
-	defer t.Stop()
-	select {
-	case <-t.C:
-		return true
-	case <-ctx.Done():
-		return false
-	}
+	return sleep(ctx, d) == nil
 }
 
 // playEvents starts a goroutine per event of s, each at its time, until

@@ -263,16 +263,8 @@ func (r *Redis) reaches(i int) chan struct{} {
 	return r.procLocked(i).open
 }
 
-// Close ends every connection and stops the server.
-func (r *Redis) Close() {
-	r.mu.Lock()
-	r.down = true
-	links := r.takeLinksLocked()
-	m := r.m
-	r.mu.Unlock()
-	closeLinks(links)
-	m.Close()
-}
+// Close ends every connection and stops the server, as Kill does.
+func (r *Redis) Close() { r.Kill() }
 
 func (r *Redis) takeLinksLocked() []*link {
 	var links []*link
