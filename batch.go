@@ -216,12 +216,15 @@ func (l *Limiter) decide(sc scope, batch []*request) {
 	}
 	args := l.acquireArgs(len(batch)+spares, len(late))
 	// A forward step of Redis's clock larger than the margin shortened the
-	// windows by that much: the script treats it as a loss, once.
-	stepped := 0
-	if seq, by := l.timing.step(); seq > l.seenStep.Load() {
+	// windows by that much: the script counts it as a loss, unless one
+	// found after the step already did. A loss before the step is dated by
+	// the old clock, at least by before the reply that showed the step; one
+	// after it, by the new clock; half the step tells them apart.
+	stepped := int64(0)
+	if seq, by, at := l.timing.step(); seq > l.seenStep.Load() {
 		l.seenStep.Store(seq)
 		if by > l.minMargin {
-			stepped = 1
+			stepped = (at - by/2).Microseconds()
 		}
 	}
 	args = append(args, l.lates.report(), l.timing.delay().Microseconds(), l.policyID, stepped, len(scopes))
@@ -262,11 +265,11 @@ func (l *Limiter) decide(sc scope, batch []*request) {
 	l.answered()
 	now, margin, done := rep.now, rep.margin, rep.done
 	l.emit(Event{Kind: EventRedis, Duration: recvd - sent, Calls: len(batch), Margin: margin})
-	before, _ := l.timing.step()
+	before, _, _ := l.timing.step()
 	l.timing.observe(now, done, sent, recvd)
 	// Decided by a clock that just stepped forward: the calls go back and
 	// ask again, the step now known.
-	after, by := l.timing.step()
+	after, by, _ := l.timing.step()
 	stale := after > before && by > l.minMargin
 	l.notePause(sc, now, rep.pause)
 	newEpoch := l.epoch.Load() != rep.epoch

@@ -128,7 +128,7 @@ func (l *Limiter) spareUsable(p *pool) bool {
 	if l.overtaken(r) {
 		return false
 	}
-	if seq, _ := l.timing.step(); seq != p.step {
+	if seq, _, _ := l.timing.step(); seq != p.step {
 		return false
 	}
 	late, ok := l.timing.lateness(r.startsAt())
@@ -275,7 +275,7 @@ func (l *Limiter) fillSpares(sc scope, margin time.Duration, remaining int, cont
 	}
 	p.dropSpares()
 	p.r, p.members = r, members
-	p.step, _ = l.timing.step()
+	p.step, _, _ = l.timing.step()
 	if r.stale {
 		p.dropSpares()
 		return

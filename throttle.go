@@ -144,7 +144,7 @@ func New(rdb redis.UniversalClient, name string, policy policies.Policy, opts ..
 	// server saw before this one existed are theirs to tell their quotas;
 	// told again by a new limiter, one long past would hold its quota full
 	// for a window.
-	seq, _ := l.timing.step()
+	seq, _, _ := l.timing.step()
 	l.seenStep.Store(seq)
 	if s.onRedisError == Local {
 		if l.local, err = newLocal(rules, s.replicas); err != nil {

@@ -61,6 +61,7 @@ type timing struct {
 	readings int           // replies observed since the last reset
 	steps    uint64        // forward steps of Redis's clock seen
 	stepBy   time.Duration // the size of the last one
+	stepAt   time.Duration // the Redis time, by the new clock, of the reply that showed it
 }
 
 // lates counts how late a limiter's calls started since it last reported
@@ -155,7 +156,7 @@ func (k *timing) observe(began, redisNow, asked, recvd time.Duration) {
 			// Redis's clock is ahead of where it can be: it stepped forward,
 			// and windows measured by it end early.
 			k.steps++
-			k.stepBy = -ahead - off
+			k.stepBy, k.stepAt = -ahead-off, redisNow
 		}
 		k.fast, k.ahead, k.trip = [2]minimum{}, [2]minimum{}, [2]minimum{}
 		k.readings = 1
@@ -277,11 +278,12 @@ func (c *lates) report() string {
 }
 
 // step returns how many forward steps of Redis's clock this process has
-// seen, and the size of the last one.
-func (k *timing) step() (uint64, time.Duration) {
+// seen, the size of the last one, and the Redis time (by the new clock)
+// of the reply that showed it.
+func (k *timing) step() (seq uint64, by, at time.Duration) {
 	k.mu.Lock()
 	defer k.mu.Unlock()
-	return k.steps, k.stepBy
+	return k.steps, k.stepBy, k.stepAt
 }
 
 // delay returns this process's usual one-way delay from Redis, half its

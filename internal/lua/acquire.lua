@@ -16,9 +16,11 @@
 --   bucket k (see note_timing in lib.lua), or "" for none;
 --   that usual delay, one way, in microseconds, or -1 when unknown;
 --   the id of the caller's policy (see check_policy in lib.lua);
---   1 when the caller saw Redis's clock step forward by more than the
---   margin since it last said so, else 0: windows measured by that clock
---   ended early, and the quota counts as full for a window, as after a loss;
+--   when the caller saw Redis's clock step forward by more than the margin
+--   since it last said so, the least time (by the new clock, microseconds)
+--   of a loss that counts that step, else 0: windows measured by that clock
+--   ended early and bookings ahead moved closer, so, unless a loss since
+--   the step counted it, the data counts as lost (see lose in lib.lua);
 --   the number of scopes (keys of the quota) the calls are for, s; the
 --   first is the one of KEYS; for each other one, its pause key, and then
 --   one key per rule, in the order of the rules (a shared rule's key is the
@@ -470,10 +472,9 @@ dirty = true
 if check_policy(meta, now, policy, rs, created) then
   dirty = true
 end
-if stepped == '1' and meta.loss < now then
-  meta.loss = now
-  meta.pause = math.max(meta.pause, loss_pause(rs, now))
-  dirty = true
+if not found and meta.loss < tonumber(stepped) then
+  lose(meta, now, rs)
+  found = true
 end
 local lost = found and 1 or 0
 if start then
