@@ -11,6 +11,7 @@ import (
 	"github.com/redis/go-redis/v9"
 	"github.com/redis/go-redis/v9/maintnotifications"
 
+	"github.com/throttlekit/throttle/internal/redistest"
 	"github.com/throttlekit/throttle/internal/sim"
 	"github.com/throttlekit/throttle/policies"
 )
@@ -90,6 +91,38 @@ func TestClockStep_ForwardStepBooksAgainTheCallsBookedAhead(t *testing.T) {
 					t.Fatalf("%d calls started within %v (from %v), a bucket of 10 a second allows %d: %v", n, span, starts[i], allowed, starts)
 				}
 			}
+		}
+	})
+}
+
+// Back from the Local fallback, Redis reserves the quota for the replicas
+// still deciding without it; a call larger than the reserved share waits
+// for the reserve's end, and then fits among every entry the log holds,
+// the calls handed back at their times ahead among them (seed 10833: it
+// was placed at the reserve's end unchecked, over a booking handed back).
+func TestLocal_ACallLargerThanTheReserveFitsAmongTheCallsHandedBack(t *testing.T) {
+	redistest.Each(t, func(t *testing.T, s *redistest.Server) {
+		lim := newLimiter(t, s.Client(t), policies.SlidingLog{Limit: 10, Window: time.Second},
+			Options{OnRedisError: Local, ExpectedReplicas: 2, Logger: quiet()})
+		lim.local.full = time.Now().Add(-time.Second)
+		sc := lim.scopeFor(call{})
+		if r := lim.local.decide(sc, call{cost: 5}, "now", 5*time.Second); !r.admitted || r.wait > 100*time.Millisecond {
+			t.Fatalf("the fallback's first call: %+v", r)
+		}
+		ahead := lim.local.decide(sc, call{cost: 5}, "ahead", 5*time.Second)
+		if !ahead.admitted || ahead.wait < 900*time.Millisecond {
+			t.Fatalf("the fallback's second call: %+v, want booked a window ahead", ahead)
+		}
+		if _, err := lim.handBack(); err != nil {
+			t.Fatal(err)
+		}
+		r, err := lim.acquire(context.Background(), call{cost: 6}, 10*time.Second, nil)
+		if err != nil || !r.admitted {
+			t.Fatalf("a call of 6 units: %+v, %v; want booked", r, err)
+		}
+		// 5 units lie a window ahead: 6 more fit a window after them.
+		if want := ahead.wait + time.Second - 50*time.Millisecond; r.wait < want {
+			t.Errorf("a call of 6 booked %v ahead, in a window with the 5 handed back at %v; want %v at least", r.wait, ahead.wait, want)
 		}
 	})
 }

@@ -491,11 +491,25 @@ read_caps(objs, meta, now)
 local reserved = meta.ru > now and meta.rn > 1
 if reserved then
   for _, r in ipairs(objs) do
+    r.whole = { limit = r.limit, interval = r.interval }
     r.limit = math.max(math.floor(r.limit / meta.rn), 1)
     if r.kind == BUCKET then
       -- A share of the rate and of the burst: a longer interval alone
       -- would lengthen the burst's span with it.
       r.interval = r.interval * meta.rn
+    end
+  end
+end
+
+-- unreserve swaps the reserved limits of rules rs with their whole ones
+-- (both ways). A log's search found at the whole limit is forgotten: it
+-- does not hold at the reserved one.
+local function unreserve(rs)
+  for _, r in ipairs(rs) do
+    if r.whole then
+      r.limit, r.whole.limit = r.whole.limit, r.limit
+      r.interval, r.whole.interval = r.whole.interval, r.interval
+      r.fits = nil
     end
   end
 end
@@ -590,19 +604,26 @@ for c = 0, ncalls - 1 do
     -- Nothing is free while the vendor asked for quiet.
     remaining, after = 0, 0
   end
-  local moved = not too_big
+  local moved = true
   local budget = { left = SCAN }
   local rounds = 0
+  local whole = false
   if too_big then
     -- Larger than the reserved share, or than a learned cap: it fits once
-    -- the reserve ends, and the caps rise.
+    -- the reserve ends, and the caps rise. From the reserve's end on, the
+    -- rules decide at their whole limits, among every entry they hold
+    -- (the calls handed back, booked ahead, among them).
     t = math.max(t, reserved and meta.ru or 0)
+    whole = reserved
+    if whole then
+      unreserve(rs)
+    end
     for _, r in ipairs(rs) do
-      if r.cap and r.cap.lim < units(r, cost) then
+      if r.limit < units(r, cost) then
         -- No slot can be booked under a cap that may not rise: refused,
         -- with a hint of when it may have.
-        t = math.max(t, r.cap.next + span_of(r))
-        maxwait = -1
+        t = math.max(t, r.cap and r.cap.next + span_of(r) or t)
+        maxwait, moved = -1, false
       end
     end
   end
@@ -677,6 +698,9 @@ for c = 0, ncalls - 1 do
     out[#out + 1], out[#out + 2], out[#out + 3], out[#out + 4] = 1, str(t - now), remaining, 0
   end
   out[#out + 1] = str(pause)
+  if whole then
+    unreserve(rs)
+  end
 end
 
 local latest = 0
