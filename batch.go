@@ -3,6 +3,7 @@ package throttle
 import (
 	"context"
 	"fmt"
+	"slices"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -184,6 +185,7 @@ func (l *Limiter) drain(ln *lane, batch []*request) {
 // Redis no longer than the Redis timeout.
 func (l *Limiter) decide(sc scope, batch []*request) {
 	give, spares, spareCost := l.spareTerms(sc, batch)
+	give = append(give, l.takeAbandoned(maxBatch)...)
 	if len(batch) == 0 && len(give) == 0 {
 		return
 	}
@@ -301,9 +303,53 @@ func (l *Limiter) decide(sc scope, batch []*request) {
 		}
 		if !req.finish(r, nil) && r.admitted {
 			// The caller gave up while its call was being booked.
-			l.cancel(context.Background(), req.c, r)
+			l.abandon(r)
 		}
 	}
+}
+
+// abandon gives back the booking r of a caller that gave up while Redis
+// decided it: in the next script call, with the calls of a batch, or in one
+// of its own started now. Giving each back in a script call of its own
+// before the next batch would hold the lane a round trip per booking, and
+// on a distant Redis the calls waiting in it would miss their deadlines in
+// turn, and be given back in turn.
+func (l *Limiter) abandon(r result) {
+	l.lanesMu.Lock()
+	l.abandoned = append(l.abandoned, r)
+	start := !l.giving
+	l.giving = true
+	l.lanesMu.Unlock()
+	if start {
+		go l.giveAbandoned()
+	}
+}
+
+// giveAbandoned gives back the abandoned bookings that no batch took, in
+// script calls of their own, until none are left.
+func (l *Limiter) giveAbandoned() {
+	for {
+		l.lanesMu.Lock()
+		if len(l.abandoned) == 0 {
+			l.giving = false
+			l.lanesMu.Unlock()
+			return
+		}
+		sc := l.abandoned[0].scope
+		l.lanesMu.Unlock()
+		l.decide(sc, nil)
+	}
+}
+
+// takeAbandoned returns up to n abandoned bookings to give back in a script
+// call, and forgets them.
+func (l *Limiter) takeAbandoned(n int) []result {
+	l.lanesMu.Lock()
+	defer l.lanesMu.Unlock()
+	n = min(n, len(l.abandoned))
+	give := slices.Clone(l.abandoned[:n])
+	l.abandoned = slices.Delete(l.abandoned, 0, n)
+	return give
 }
 
 // finish hands the decision to the waiting caller, and reports false if the
@@ -317,6 +363,8 @@ func (req *request) finish(r result, err error) bool {
 
 // batches is the state of the limiter's batches.
 type batches struct {
-	lanesMu sync.Mutex
-	lane    *lane // the calls waiting for the next decision, or nil when none is on its way
+	lanesMu   sync.Mutex
+	lane      *lane    // the calls waiting for the next decision, or nil when none is on its way
+	abandoned []result // bookings of callers that left while Redis decided them, to give back
+	giving    bool     // giveAbandoned is running
 }

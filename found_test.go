@@ -126,3 +126,58 @@ func TestLocal_ACallLargerThanTheReserveFitsAmongTheCallsHandedBack(t *testing.T
 		}
 	})
 }
+
+// A caller that leaves while Redis decides its call has its booking given
+// back in the next script call, or in one of its own beside it, never
+// ahead of the calls still waiting (seed 11210: on a Redis 51 ms away, each
+// given back alone held the next calls a round trip each, they missed
+// their deadlines in turn, and the replica admitted nothing for seconds).
+func TestBatch_CallersThatLeaveDoNotHoldTheCallsBehindThem(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		r := sim.NewRedis(func(int) time.Duration { return 50 * time.Millisecond })
+		defer r.Close()
+		rdb := simClient(t, r, 0)
+		lim := newLimiter(t, rdb, policies.SlidingLog{Limit: 100, Window: 10 * time.Second}, Options{Logger: quiet()})
+		defer closeInBubble(lim)
+		ctx := context.Background()
+		if _, err := lim.Allow(ctx); err != nil {
+			t.Fatal(err)
+		}
+		// One call on its way; five queue behind it, and leave before their
+		// own script call returns.
+		var wg sync.WaitGroup
+		wg.Go(func() {
+			ctx, cancel := context.WithTimeout(ctx, time.Second)
+			defer cancel()
+			if p, err := lim.Acquire(ctx); err == nil {
+				p.Release()
+			}
+		})
+		time.Sleep(5 * time.Millisecond)
+		for range 5 {
+			wg.Go(func() {
+				ctx, cancel := context.WithTimeout(ctx, 150*time.Millisecond)
+				defer cancel()
+				if p, err := lim.Acquire(ctx); err == nil {
+					t.Error("a call admitted after its caller left")
+					p.Release()
+				}
+			})
+		}
+		time.Sleep(155 * time.Millisecond)
+		begin := time.Now()
+		p, err := lim.Acquire(ctx)
+		if err != nil {
+			t.Fatal(err)
+		}
+		p.Release()
+		if took := time.Since(begin); took > 250*time.Millisecond {
+			t.Errorf("a call behind five that left took %v, want about a round trip of 100 ms", took)
+		}
+		wg.Wait()
+		time.Sleep(time.Second)
+		if n, err := rdb.ZCard(ctx, lim.scopeFor(call{}).keys[2]).Result(); err != nil || n != 3 {
+			t.Errorf("the log holds %d entries (%v), want the 3 calls that ran: the 5 left were given back", n, err)
+		}
+	})
+}
