@@ -3,6 +3,7 @@ package throttle
 import (
 	"context"
 	"errors"
+	"math/rand/v2"
 	"strings"
 	"time"
 
@@ -49,10 +50,7 @@ func (l *Limiter) acquire(ctx context.Context, c call, maxWait time.Duration, gi
 	}
 	r, err := l.decideInRedis(ctx, sc, c, maxWait, giveBack, pass.probe)
 	if err == nil {
-		if l.brk.success() {
-			l.s.logger.Info("throttle: Redis answers again; deciding in Redis", "quota", l.name)
-			l.emit(Event{Kind: EventRecovered})
-		}
+		l.redisAnswered()
 		return r, nil
 	}
 	if !errors.Is(err, ErrUnavailable) || refusedByConfiguration(err) {
@@ -71,6 +69,15 @@ func (l *Limiter) acquire(ctx context.Context, c call, maxWait time.Duration, gi
 	return l.fallback(sc, c, maxWait, err)
 }
 
+// redisAnswered records an answer from Redis, and says so when it closed
+// the breaker.
+func (l *Limiter) redisAnswered() {
+	if l.brk.success() {
+		l.s.logger.Info("throttle: Redis answers again; deciding in Redis", "quota", l.name)
+		l.emit(Event{Kind: EventRecovered})
+	}
+}
+
 // fallback decides a call that Redis could not.
 func (l *Limiter) fallback(sc scope, c call, maxWait time.Duration, cause error) (result, error) {
 	switch l.s.onRedisError {
@@ -83,6 +90,7 @@ func (l *Limiter) fallback(sc scope, c call, maxWait time.Duration, cause error)
 			// process's share, whatever Redis admitted them at.
 			l.gaps.Add(1)
 			l.local.takeOver(l.noticeWithin())
+			go l.watchForRedis()
 		}
 		member := l.newMember()
 		r := l.local.decide(sc, c, member, maxWait)
@@ -155,6 +163,35 @@ func (l *Limiter) reloadSlots(err error) {
 		return
 	}
 	cc.ReloadState(context.Background())
+}
+
+// watchForRedis hands the Local fallback's calls back to Redis as soon as
+// it answers a probe, whether or not a call asks: the fallback books calls
+// ahead (a window and the time the fleet takes to notice, at least), and
+// a process whose calls all sleep towards such slots would otherwise tell
+// Redis of them only when they run, while the rest of the fleet, back on
+// Redis, fills the windows they fall in. It probes on the breaker's
+// schedule, and ends once Redis decides again or the limiter is closed.
+func (l *Limiter) watchForRedis() {
+	for l.localNow.Load() && !l.closed.Load() {
+		time.Sleep(probeFirst + rand.N(probeMax-probeFirst))
+		pass := l.brk.allow()
+		if !pass.ok || !l.localNow.Load() {
+			continue
+		}
+		ctx, cancel := context.WithTimeout(context.Background(), l.s.redisTimeout)
+		err := l.awaitHandBack(ctx)
+		cancel()
+		switch {
+		case err == nil:
+			l.redisAnswered()
+			return
+		case errors.Is(err, errHandBackBusy):
+			l.brk.abort(pass)
+		default:
+			l.brk.failure()
+		}
+	}
 }
 
 // handing is a hand-back on its way to Redis: its callers wait for it, or

@@ -3,6 +3,7 @@ package throttle
 import (
 	"context"
 	"slices"
+	"strconv"
 	"sync"
 	"testing"
 	"testing/synctest"
@@ -179,5 +180,56 @@ func TestBatch_CallersThatLeaveDoNotHoldTheCallsBehindThem(t *testing.T) {
 		if n, err := rdb.ZCard(ctx, lim.scopeFor(call{}).keys[2]).Result(); err != nil || n != 3 {
 			t.Errorf("the log holds %d entries (%v), want the 3 calls that ran: the 5 left were given back", n, err)
 		}
+	})
+}
+
+// A process back from the Local fallback hands its calls back to Redis as
+// soon as Redis answers a probe, though no call asks: the fallback books
+// calls more than two seconds ahead by default, and a process whose calls
+// all sleep towards such slots would otherwise tell Redis of them only as
+// they run, while the rest of the fleet, deciding in Redis at the whole
+// limit, fills their windows (seed 14604).
+func TestLocal_HandsBackWhenRedisAnswersThoughNoCallAsks(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		r := sim.NewRedis(func(int) time.Duration { return time.Millisecond })
+		defer r.Close()
+		rdb := simClient(t, r, 0)
+		lim := newLimiter(t, rdb, policies.SlidingLog{Limit: 10, Window: time.Second},
+			Options{OnRedisError: Local, ExpectedReplicas: 2, Logger: quiet()})
+		defer closeInBubble(lim)
+		ctx := context.Background()
+		if _, err := lim.Allow(ctx); err != nil {
+			t.Fatal(err)
+		}
+		r.Freeze()
+		ran := make(chan struct{})
+		go func() {
+			defer close(ran)
+			if p, err := lim.Acquire(ctx); err != nil {
+				t.Error(err)
+			} else {
+				p.Release()
+			}
+		}()
+		time.Sleep(1500 * time.Millisecond) // the fallback booked the call ahead
+		r.Thaw()
+		time.Sleep(500 * time.Millisecond)
+		select {
+		case <-ran:
+			t.Fatal("the fallback's call ran before the test could look")
+		default:
+		}
+		now, err := rdb.Time(ctx).Result()
+		if err != nil {
+			t.Fatal(err)
+		}
+		ahead, err := rdb.ZCount(ctx, lim.scopeFor(call{}).keys[2], "("+strconv.FormatInt(now.UnixMicro(), 10), "+inf").Result()
+		if err != nil || ahead != 1 {
+			t.Errorf("Redis holds %d calls ahead (%v), want the fallback's call handed back while it sleeps", ahead, err)
+		}
+		if lim.localNow.Load() {
+			t.Error("the process still decides without Redis")
+		}
+		<-ran
 	})
 }
