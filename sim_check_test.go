@@ -16,15 +16,11 @@ import (
 func check(s schedule, o outcome) []string {
 	slices.SortFunc(o.arrivals, func(a, b simArrival) int { return int(a.at - b.at) })
 	var out []string
-	if (s.OnError == FailClosed || s.OnError == Local && !s.has("cut")) && !s.has("failover") {
-		// Local keeps the fleet under the cap when Redis fails for every
-		// replica; a partition that cuts some off while the others still
-		// decide in Redis at the whole limit lets the cut ones add their
-		// shares (the README's failure table says so). A failover to a
-		// copy that lagged is found only by a process that calls before
-		// the others' calls make up the count of scripts it lost (see
-		// knownOpen).
-		out = append(out, safety(s, o)...)
+	if (s.OnError == FailClosed || s.OnError == Local) && !s.has("failover") {
+		// A failover to a copy that lagged is found only by a process that
+		// calls before the others' calls make up the count of scripts it
+		// lost (see knownOpen).
+		out = append(out, safety(partitioned(s), o)...)
 	}
 	out = append(out, deadlines(s, o)...)
 	if s.OnError == FailClosed {
@@ -36,14 +32,38 @@ func check(s schedule, o outcome) []string {
 	return out
 }
 
+// partitioned returns s with the limits the fleet keeps to: Local keeps the
+// fleet under the cap when Redis fails for every replica; a partition that
+// cuts some off (a cut, or a stall that makes a replica's round trips
+// longer than RedisTimeout) while the others still decide in Redis at the
+// whole limit lets the cut ones add their shares, Limit/n each (the
+// README's failure table says so), rounded up here, since each rule of an
+// All or a PerKey is divided on its own.
+func partitioned(s schedule) schedule {
+	if s.OnError != Local {
+		return s
+	}
+	cut := map[int]bool{}
+	for _, e := range s.Events {
+		slow := e.Kind == "stall" && 2*(e.For+s.Latency[e.Replica]+s.Jitter) >= defaultRedisTimeout
+		if e.Kind == "cut" || slow {
+			cut[e.Replica] = true
+		}
+	}
+	if len(cut) < s.Replicas {
+		s.Policy.Limit += len(cut) * ((s.Policy.Limit + s.Replicas - 1) / s.Replicas)
+	}
+	return s
+}
+
 // knownOpen returns what run o of schedule s broke that the README's
 // failure table leaves open, and is reported, not failed: over the cap
 // after a failover to a copy that lagged, when the processes that saw the
 // lost scripts' count called only after the others had made it up (seed
 // 1369 of the 2,000: 77 units where 50 fit, now and then).
 func knownOpen(s schedule, o outcome) []string {
-	if s.has("failover") && (s.OnError == FailClosed || s.OnError == Local && !s.has("cut")) {
-		return safety(s, o)
+	if s.has("failover") && (s.OnError == FailClosed || s.OnError == Local) {
+		return safety(partitioned(s), o)
 	}
 	return nil
 }
@@ -137,8 +157,12 @@ func deadlines(s schedule, o outcome) []string {
 		return nil
 	}
 	for _, c := range o.calls {
-		if took := c.end - c.began; took > s.Deadline+100*time.Millisecond {
-			return []string{fmt.Sprintf("replica %d: a call that began at %v returned after %v, past its deadline of %v (%v)", c.replica, c.began, took, s.Deadline, c.err)}
+		// The vendor's part of a call does not watch the deadline: the call
+		// returns within the bound of the deadline or of the vendor's
+		// answer, whichever comes later.
+		due := max(c.began+s.Deadline, c.fnEnd)
+		if c.end > due+100*time.Millisecond {
+			return []string{fmt.Sprintf("replica %d: a call that began at %v returned after %v, past its deadline of %v (%v)", c.replica, c.began, c.end-c.began, s.Deadline, c.err)}
 		}
 	}
 	return nil

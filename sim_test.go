@@ -78,6 +78,7 @@ type simArrival struct {
 type simCall struct {
 	replica    int
 	began, end time.Duration
+	fnEnd      time.Duration // when the vendor answered, if the call got that far
 	err        error
 }
 
@@ -318,6 +319,7 @@ func (r *simReplica) work(k uint64) {
 		_, err := Do(ctx, r.lim, func(ctx context.Context) (struct{}, error) {
 			time.Sleep(s.Vendor + r.w.jitter())
 			r.w.arrive(r.i, cost, key, PermitFrom(ctx).r.local, hold)
+			c.fnEnd = r.w.since()
 			return struct{}{}, nil
 		}, opts...)
 		unwatch()
