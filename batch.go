@@ -2,6 +2,7 @@ package throttle
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"slices"
 	"sync"
@@ -63,6 +64,9 @@ const (
 func (l *Limiter) decideInRedis(ctx context.Context, sc scope, c call, maxWait time.Duration, late *result, probe bool) (result, error) {
 	l.listen()
 	req := &request{sc: sc, c: c, maxWait: maxWait, member: l.newMember(), late: late, done: make(chan struct{})}
+	if !probe && l.failedWhileQueued(c) {
+		return result{}, l.unavailable(errQueuedBehindFailures)
+	}
 	req.deadline.Store(time.Now().Add(l.s.redisTimeout).UnixNano())
 	if probe {
 		go l.decide(sc, []*request{req})
@@ -108,6 +112,7 @@ func (l *Limiter) await(ctx context.Context, req *request) (result, error) {
 				timer.Reset(left)
 				continue
 			}
+			l.lastFailure.Store(time.Now().UnixNano())
 			err = l.unavailable(fmt.Errorf("no answer within %v: %w", l.s.redisTimeout, context.DeadlineExceeded))
 		}
 	}
@@ -119,13 +124,31 @@ func (l *Limiter) await(ctx context.Context, req *request) (result, error) {
 	return result{}, err
 }
 
+// errQueuedBehindFailures is the cause of a call that waited in the local
+// queue (Queue mode) while Redis failed the calls ahead of it.
+var errQueuedBehindFailures = errors.New("Redis failed the calls ahead of this one in the queue, and answered none since")
+
+// failedWhileQueued reports whether Redis failed a script call since call c
+// entered the local queue (Queue mode), and answered none since: the calls
+// ahead of it in the queue waited for the same Redis, and it fails at once
+// rather than wait a Redis timeout of its own after theirs.
+func (l *Limiter) failedWhileQueued(c call) bool {
+	if c.queued.IsZero() {
+		return false
+	}
+	failed := l.lastFailure.Load()
+	return failed > c.queued.UnixNano() && failed > l.lastAnswer.Load()
+}
+
 // answered moves out the Redis deadline of every call still waiting in the
 // lane: Redis just answered the script call ahead of them, so their wait
 // so far is no sign of a failing Redis, and their own script call gets the
 // whole timeout. Waiting behind a script call that fails is: a call never
 // waits for Redis longer than the timeout in all.
 func (l *Limiter) answered() {
-	deadline := time.Now().Add(l.s.redisTimeout).UnixNano()
+	now := time.Now()
+	l.lastAnswer.Store(now.UnixNano())
+	deadline := now.Add(l.s.redisTimeout).UnixNano()
 	l.lanesMu.Lock()
 	defer l.lanesMu.Unlock()
 	if l.lane == nil {
@@ -257,6 +280,7 @@ func (l *Limiter) decide(sc scope, batch []*request) {
 		rep, err = decodeAcquire(v, len(batch)+spares)
 	}
 	if err != nil {
+		l.lastFailure.Store(time.Now().UnixNano())
 		l.emit(Event{Kind: EventRedis, Duration: recvd - sent, Calls: len(batch), Err: err})
 		err = l.unavailable(err)
 		for _, req := range batch {
@@ -367,4 +391,8 @@ type batches struct {
 	lane      *lane    // the calls waiting for the next decision, or nil when none is on its way
 	abandoned []result // bookings of callers that left while Redis decided them, to give back
 	giving    bool     // giveAbandoned is running
+	// lastAnswer and lastFailure are when Redis last answered a script
+	// call, and when one last failed, in Unix nanoseconds (see
+	// failedWhileQueued).
+	lastAnswer, lastFailure atomic.Int64
 }

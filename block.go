@@ -46,6 +46,7 @@ func (l *Limiter) wait(ctx context.Context, c call) (*Permit, error) {
 		}
 		r, err := l.acquire(ctx, c, max(maxWait, 0), giveBack)
 		giveBack = nil
+		c.queued = time.Time{} // its wait in the queue is over once it asked
 		if err != nil {
 			return nil, err
 		}

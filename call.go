@@ -34,6 +34,9 @@ type call struct {
 	// whose reply came back too late to start in is booked again this much
 	// later, so that the next reply arrives before it.
 	lead time.Duration
+	// queued is when the call entered the local queue (Queue mode), or
+	// zero once it asked Redis (see failedWhileQueued).
+	queued time.Time
 }
 
 // callOf applies a call's options to the defaults.

@@ -1,6 +1,9 @@
 package throttle
 
-import "context"
+import (
+	"context"
+	"time"
+)
 
 // dispatch decides call c as the limiter's mode says, reports the outcome
 // to the Observer, and in shadow mode lets the call through whatever the
@@ -65,6 +68,7 @@ func (l *Limiter) shadow(ctx context.Context, c call) (*Permit, error) {
 
 // fromQueue waits for a queued call's turn, then books its slot as Block does.
 func (l *Limiter) fromQueue(ctx context.Context, c call, w *waiter) (*Permit, error) {
+	c.queued = time.Now()
 	if err := l.q.await(ctx, w); err != nil {
 		return nil, err
 	}

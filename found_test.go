@@ -2,6 +2,7 @@ package throttle
 
 import (
 	"context"
+	"errors"
 	"slices"
 	"strconv"
 	"sync"
@@ -231,5 +232,39 @@ func TestLocal_HandsBackWhenRedisAnswersThoughNoCallAsks(t *testing.T) {
 			t.Error("the process still decides without Redis")
 		}
 		<-ran
+	})
+}
+
+// In Queue mode, a call that waited in the local queue while Redis failed
+// the calls ahead of it fails as soon as it has its turn, rather than wait
+// a Redis timeout of its own after theirs (seed 14313 showed calls waiting
+// in turn, each a timeout, behind a frozen Redis).
+func TestQueue_ACallQueuedBehindFailuresFailsAtItsTurn(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		r := sim.NewRedis(func(int) time.Duration { return time.Millisecond })
+		defer r.Close()
+		// A limit of 2: two calls seek a slot at once, the rest queue.
+		lim := newLimiter(t, simClient(t, r, 0), policies.SlidingLog{Limit: 2, Window: time.Second},
+			Options{Mode: Queue, Logger: quiet()})
+		defer closeInBubble(lim)
+		if _, err := lim.Allow(context.Background()); err != nil {
+			t.Fatal(err)
+		}
+		r.Freeze()
+		start := time.Now()
+		var wg sync.WaitGroup
+		for range 4 {
+			wg.Go(func() {
+				_, err := lim.Acquire(context.Background())
+				if !errors.Is(err, ErrUnavailable) {
+					t.Errorf("a call to a frozen Redis: %v, want ErrUnavailable", err)
+				}
+				if took := time.Since(start); took > defaultRedisTimeout+50*time.Millisecond {
+					t.Errorf("a call failed after %v, want within the Redis timeout, %v, and its turn in the queue", took, defaultRedisTimeout)
+				}
+			})
+		}
+		wg.Wait()
+		r.Thaw()
 	})
 }

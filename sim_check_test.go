@@ -184,7 +184,13 @@ func (s schedule) unreachable(i int) [][2]time.Duration {
 // replica could not reach Redis, which stayed so for the Redis timeout,
 // failed within it: no booking can have kept it waiting.
 func heldForRedis(s schedule, o outcome) []string {
-	const bound = defaultRedisTimeout + 100*time.Millisecond
+	bound := defaultRedisTimeout + 100*time.Millisecond
+	if s.Mode == Queue {
+		// A queued call first waits for a place among the calls dispatched
+		// (as many as the smallest limit), which their slots may hold for
+		// a while; once one of them found Redis failing, it fails at once.
+		bound += defaultRedisTimeout
+	}
 	for _, c := range o.calls {
 		if !errors.Is(c.err, ErrUnavailable) || c.end-c.began <= bound {
 			continue
