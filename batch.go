@@ -8,8 +8,6 @@ import (
 	"sync"
 	"sync/atomic"
 	"time"
-
-	"github.com/throttlekit/throttle/internal/lua"
 )
 
 // maxBatch bounds how many calls one script call decides.
@@ -126,7 +124,7 @@ func (l *Limiter) await(ctx context.Context, req *request) (result, error) {
 
 // errQueuedBehindFailures is the cause of a call that waited in the local
 // queue (Queue mode) while Redis failed the calls ahead of it.
-var errQueuedBehindFailures = errors.New("Redis failed the calls ahead of this one in the queue, and answered none since")
+var errQueuedBehindFailures = errors.New("the calls ahead of this one in the queue found Redis failing, and it answered none since")
 
 // failedWhileQueued reports whether Redis failed a script call since call c
 // entered the local queue (Queue mode), and answered none since: the calls
@@ -273,7 +271,7 @@ func (l *Limiter) decide(sc scope, batch []*request) {
 	// make these decisions unusable.
 	gaps := l.gaps.Load()
 	sent := l.timing.now()
-	v, err := l.run(ctx, lua.Acquire, sc, args).Int64Slice()
+	v, err := l.run(ctx, scripts.acquire, sc, args).Int64Slice()
 	recvd := l.timing.now()
 	var rep acquireReply
 	if err == nil {

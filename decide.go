@@ -8,7 +8,6 @@ import (
 	"time"
 
 	"github.com/redis/go-redis/v9"
-	"github.com/throttlekit/throttle/internal/lua"
 )
 
 // acquire decides one call: in Redis while Redis answers, and otherwise as
@@ -281,7 +280,7 @@ func (l *Limiter) handBack() (complete bool, err error) {
 			}
 			args = append(args, c.rule+1, at.Microseconds(), c.units, l.newMember())
 		}
-		if err := l.run(ctx, lua.Handback, scopes[id], args).Err(); err != nil {
+		if err := l.run(ctx, scripts.handback, scopes[id], args).Err(); err != nil {
 			return false, l.unavailable(err)
 		}
 	}

@@ -7,7 +7,6 @@ import (
 	"strings"
 	"time"
 
-	"github.com/throttlekit/throttle/internal/lua"
 	"github.com/throttlekit/throttle/policies"
 )
 
@@ -32,7 +31,7 @@ type UnavailableError struct {
 // does not name it).
 func (e *UnavailableError) Error() string {
 	msg := fmt.Sprintf("throttle: quota %q: redis unavailable: %v", e.Quota, e.Err)
-	called := lua.CommandAt(e.Err.Error())
+	called := commandAt(e.Err.Error())
 	right := missingRight(e.Err.Error(), e.prefix)
 	switch {
 	case called != "" && !strings.Contains(right, called):
@@ -74,7 +73,7 @@ func missingRight(msg, prefix string) string {
 		c := strings.ToLower(refusedCommand.FindStringSubmatch(msg)[1])
 		return "the user may not run " + strings.ToUpper(c) + ": grant it +" + c
 	case refusedInLua.MatchString(msg):
-		if c := lua.CommandAt(msg); c != "" {
+		if c := commandAt(msg); c != "" {
 			return "the user may not run " + c + ": grant it +" + strings.ToLower(c)
 		}
 		return "the user may not run a command the script calls: see ACL LOG"

@@ -8,7 +8,6 @@ import (
 	"net/http"
 	"time"
 
-	"github.com/throttlekit/throttle/internal/lua"
 	"github.com/throttlekit/throttle/policies"
 )
 
@@ -137,7 +136,7 @@ func (l *Limiter) feedback(ctx context.Context, said vendorSaid, r result, opts 
 	}
 	args = append(args, l.epoch.Load(), learnArg, max(said.units.limit, 0),
 		max(said.calls.left, -1), said.calls.reset.Microseconds(), max(said.calls.limit, 0))
-	v, err := lua.Feedback.Run(ctx, l.rdb, keys, args...).Int64Slice()
+	v, err := scripts.feedback.Run(ctx, l.rdb, keys, args...).Int64Slice()
 	if err != nil {
 		return l.unavailable(err)
 	}

@@ -7,8 +7,6 @@ import (
 	"math"
 	"sync/atomic"
 	"time"
-
-	"github.com/throttlekit/throttle/internal/lua"
 )
 
 type permitKey struct{}
@@ -101,7 +99,7 @@ func (p *Permit) Release() {
 func (p *Permit) releaseInRedis() {
 	ctx, stop := context.WithTimeout(context.Background(), cleanupTimeout)
 	defer stop()
-	_ = p.l.run(ctx, lua.Release, p.r.scope, p.l.releaseArgs(p.r.member, p.held, 0)).Err()
+	_ = p.l.run(ctx, scripts.release, p.r.scope, p.l.releaseArgs(p.r.member, p.held, 0)).Err()
 	p.l.signalFreed()
 }
 
@@ -137,12 +135,12 @@ func (p *Permit) Cancel(ctx context.Context) error {
 		}
 		return nil
 	}
-	if err := p.l.run(ctx, lua.Cancel, p.r.scope, p.l.cancelArgs(p.r.member, p.call.cost, p.r.slot(), p.r.epoch)).Err(); err != nil {
+	if err := p.l.run(ctx, scripts.cancel, p.r.scope, p.l.cancelArgs(p.r.member, p.call.cost, p.r.slot(), p.r.epoch)).Err(); err != nil {
 		return p.l.unavailable(err)
 	}
 	if p.l.hasConc && p.held != p.call.cost {
 		// Settle changed the cost: the slots held are still the first.
-		_ = p.l.run(ctx, lua.Release, p.r.scope, p.l.releaseArgs(p.r.member, p.held, 0)).Err()
+		_ = p.l.run(ctx, scripts.release, p.r.scope, p.l.releaseArgs(p.r.member, p.held, 0)).Err()
 	}
 	return nil
 }
@@ -166,7 +164,7 @@ func (p *Permit) Extend(ctx context.Context, lease time.Duration) error {
 	if p.r.local {
 		return nil // a slot held without Redis lasts until Release
 	}
-	held, err := p.l.run(ctx, lua.Release, p.r.scope, p.l.releaseArgs(p.r.member, p.held, lease)).Int64()
+	held, err := p.l.run(ctx, scripts.release, p.r.scope, p.l.releaseArgs(p.r.member, p.held, lease)).Int64()
 	if err != nil {
 		return p.l.unavailable(err)
 	}
@@ -200,7 +198,7 @@ func (p *Permit) Settle(ctx context.Context, actual int) error {
 		return nil
 	}
 	args := p.l.settleArgs(p.r.member, p.call.cost, p.r.slot(), actual, p.r.epoch)
-	if err := p.l.run(ctx, lua.Settle, p.r.scope, args).Err(); err != nil {
+	if err := p.l.run(ctx, scripts.settle, p.r.scope, args).Err(); err != nil {
 		return p.l.unavailable(err)
 	}
 	p.call.cost = actual

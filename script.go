@@ -7,7 +7,6 @@ import (
 
 	"github.com/redis/go-redis/v9"
 
-	"github.com/throttlekit/throttle/internal/lua"
 	"github.com/throttlekit/throttle/policies"
 )
 
@@ -22,7 +21,7 @@ const (
 )
 
 // The acquire script's reply: a header, then a fixed number of values per
-// call (see internal/lua/acquire.lua).
+// call (see lua/acquire.lua).
 const (
 	acquireHeader  = 7
 	acquirePerCall = 5
@@ -87,7 +86,7 @@ func decodeFeedback(v []int64) (feedbackReply, error) {
 	return feedbackReply{now: us(v[0]), until: us(v[1]), charged: int(v[2]), lowered: v[3] == 1, limit: int(v[4])}, nil
 }
 
-// args builds the arguments every script takes (see internal/lua/lib.lua): the time,
+// args builds the arguments every script takes (see lua/lib.lua): the time,
 // the call's id, its cost, three arguments of the script's own, and then
 // each rule. The builders below name those three for each script.
 func (l *Limiter) args(id string, cost int, a, b, c int64) []any {
@@ -147,11 +146,11 @@ func argsFor(clock func() time.Time, id string, cost int, a, b, c int64, rules [
 }
 
 // perCallFlag is added to the kind of a rule that counts each call once
-// (see internal/lua/lib.lua).
+// (see lua/lib.lua).
 const perCallFlag = 16
 
 // ruleArgs encodes rule r as the script reads it: the kind and four
-// parameters in microseconds or units (see internal/lua/lib.lua).
+// parameters in microseconds or units (see lua/lib.lua).
 func ruleArgs(r policies.Rule) [5]int64 {
 	us := func(d time.Duration) int64 { return d.Microseconds() }
 	kind := int64(r.Kind)
@@ -207,7 +206,7 @@ func (l *Limiter) cancel(ctx context.Context, c call, r result) {
 		return
 	}
 	within(ctx, func() {
-		_ = l.run(context.WithoutCancel(ctx), lua.Cancel, r.scope, l.cancelArgs(r.member, c.cost, r.slot(), r.epoch)).Err()
+		_ = l.run(context.WithoutCancel(ctx), scripts.cancel, r.scope, l.cancelArgs(r.member, c.cost, r.slot(), r.epoch)).Err()
 	})
 }
 

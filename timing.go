@@ -43,7 +43,7 @@ const minStep = 5 * time.Millisecond
 
 // lateBuckets is how many buckets of lateness a process reports: bucket 0
 // holds latenesses under 1ms, bucket k those under 2^(k/2) ms, the last one
-// all the rest (see note_timing in internal/lua/lib.lua).
+// all the rest (see note_timing in lua/lib.lua).
 const lateBuckets = 22
 
 // timing keeps what a limiter needs to tell how late its calls start: the

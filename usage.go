@@ -5,7 +5,6 @@ import (
 	"fmt"
 	"time"
 
-	"github.com/throttlekit/throttle/internal/lua"
 	"github.com/throttlekit/throttle/policies"
 )
 
@@ -69,7 +68,7 @@ func (l *Limiter) Usage(ctx context.Context, opts ...CallOption) (Usage, error) 
 		return Usage{}, err
 	}
 	sc := l.scopeFor(c)
-	v, err := l.run(ctx, lua.Usage, sc, l.usageArgs()).Int64Slice()
+	v, err := l.run(ctx, scripts.usage, sc, l.usageArgs()).Int64Slice()
 	if err != nil {
 		return Usage{}, l.unavailable(err)
 	}

@@ -278,7 +278,7 @@ func runPolicyFleet(b *testing.B, p policies.Policy, capacity int, ideal func([]
 	b.ReportMetric(ms(percentile(sortedCopy(waits), 0.50)), "wait-p50-ms")
 }
 
-// idealCounterWaits is idealWaits for a sliding counter, as internal/lua/acquire.lua
+// idealCounterWaits is idealWaits for a sliding counter, as lua/acquire.lua
 // counts one: buckets of width, phase into its bucket at arrival 0, and a
 // window of length window that touches buckets j-m .. j, each counted in
 // full, where m = ceil(window/width). Call i starts, not before call i-1,

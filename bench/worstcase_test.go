@@ -5,6 +5,8 @@ import (
 	"errors"
 	"fmt"
 	"math"
+	"os"
+	"path/filepath"
 	"slices"
 	"strings"
 	"sync"
@@ -15,7 +17,6 @@ import (
 	"github.com/redis/go-redis/v9"
 
 	"github.com/throttlekit/throttle"
-	"github.com/throttlekit/throttle/internal/lua"
 	"github.com/throttlekit/throttle/policies"
 )
 
@@ -354,7 +355,7 @@ func (w *worstBench) measure(ctx context.Context, c worstCase, q quotaState) wor
 		// garbage of the scripts before it; the scripts loaded again before
 		// the run, as a Redis that has met the fleet before has them.
 		errs := []error{w.rdb.ScriptFlush(ctx).Err()}
-		for _, s := range []*redis.Script{lua.Acquire, lua.Cancel, lua.Settle, lua.Release, lua.Feedback, lua.Usage} {
+		for _, s := range throttleScripts(w.b) {
 			errs = append(errs, s.Load(ctx, w.rdb).Err())
 		}
 		errs = append(errs, w.rdb.SlowLogReset(ctx).Err())
@@ -733,4 +734,33 @@ func thousands(n int64) string {
 		s = s[:i] + "," + s[i:]
 	}
 	return s
+}
+
+// throttleScripts returns the scripts of ../lua as the throttle package
+// sends them (see script in lua.go): each after lib.lua, without the lines
+// that hold only a comment, so that their SHA1s are the ones its EVALSHA
+// asks for.
+func throttleScripts(tb testing.TB) []*redis.Script {
+	tb.Helper()
+	read := func(name string) string {
+		b, err := os.ReadFile(filepath.Join("..", "lua", name))
+		if err != nil {
+			tb.Fatal(err)
+		}
+		return string(b)
+	}
+	lib := read("lib.lua")
+	var out []*redis.Script
+	for _, name := range []string{"acquire.lua", "cancel.lua", "settle.lua", "release.lua", "feedback.lua", "usage.lua", "handback.lua"} {
+		var b strings.Builder
+		for _, line := range strings.Split(lib+read(name), "\n") {
+			if t := strings.TrimSpace(line); t == "" || strings.HasPrefix(t, "--") {
+				continue
+			}
+			b.WriteString(line)
+			b.WriteByte('\n')
+		}
+		out = append(out, redis.NewScript(b.String()))
+	}
+	return out
 }

@@ -2,7 +2,7 @@ package main
 
 import "slices"
 
-// The search of a log, as internal/lua/acquire.lua does it. Times are
+// The search of a log, as lua/acquire.lua does it. Times are
 // microseconds of Redis's clock, as in the scripts.
 const (
 	// scanBudget is SCAN: how much of a log one call may read before it

@@ -14,7 +14,7 @@
 // one quota, policies.SlidingLog{Limit: 1000, Window: 1s} with the default
 // 30ms margin, until the run's end (10s). What it models, and how:
 //
-//   - Redis runs the acquire script of internal/lua as the simulation's
+//   - Redis runs the acquire script of lua/ as the simulation's
 //     quota does (script.go): the exact log with its entries and bookings,
 //     the search for the earliest slot with its budget of 512 entries and
 //     the log's hint, pacing at Window/Limit once twice the spread reaches
@@ -61,7 +61,7 @@
 //   - A limiter's first call subscribes it to the quota's news on a
 //     connection of its own before it asks (news.go's listen): ClientConnect
 //     of the client's CPU, and RedisConnect in one of Redis's turns.
-//   - A worker is block.go's wait: it asks (calls of one limiter that ask
+//   - A worker is waiter.go's wait: it asks (calls of one limiter that ask
 //     while a script call of it is on its way wait for the next one, up to
 //     32, as batch.go batches them), and on the reply checks how late the
 //     call would start after its slot beyond the fastest reply its process
@@ -71,7 +71,7 @@
 //     with a cancel script and the worker pauses 10ms. A booked call sleeps
 //     until its slot by its process's fastest reply, no longer than the
 //     whole wait from its reply's arrival, looking at that reply again half
-//     the way (100ms at most) before, as block.go's sleepToSlot does, and is
+//     the way (100ms at most) before, as waiter.go's sleepToSlot does, and is
 //     checked again when it wakes. A call on time runs fn: the vendor answers
 //     10ms after the arrival, and the worker calls Do again. A call whose
 //     slot lies past the run's end is refused and its worker stops.

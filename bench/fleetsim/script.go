@@ -5,7 +5,7 @@ import (
 )
 
 // The acquire script for a quota of one SlidingLog rule, as
-// internal/lua/acquire.lua and lib.lua decide it, with what a saturated
+// lua/acquire.lua and lib.lua decide it, with what a saturated
 // fleet exercises: the fleet's spread and the margins it gives, the holds,
 // warming up, pacing, give-backs and the log's hint. Pauses, losses, learned
 // caps, the Local fallback and costs other than 1 are left out.

@@ -44,9 +44,9 @@ type Costs struct {
 const (
 	// maxBatch is batch.go's: the most calls one script call decides.
 	maxBatch = 32
-	// maxRebooks is block.go's.
+	// maxRebooks is waiter.go's.
 	maxRebooks = 3
-	// minGuardedMargin is block.go's: under it, no late-start guard.
+	// minGuardedMargin is waiter.go's: under it, no late-start guard.
 	minGuardedMargin = 2000
 )
 
@@ -413,7 +413,7 @@ func (s *sim) reply(r *request) {
 	}
 }
 
-// admission is a call's slot, as block.go holds it.
+// admission is a call's slot, as waiter.go holds it.
 type admission struct {
 	id     int64
 	slot   int64 // Redis time
@@ -421,7 +421,7 @@ type admission struct {
 	margin int64
 }
 
-// decided is block.go's wait once a decision is in.
+// decided is waiter.go's wait once a decision is in.
 func (s *sim) decided(a *ask, r *request, d decision) {
 	w := a.w
 	if !d.admitted {
@@ -450,7 +450,7 @@ func (s *sim) decided(a *ask, r *request, d decision) {
 		}
 		if lead := min((wake-s.now)/2, 100_000); w.lim.proc.haveFast && lead > 0 {
 			// Most of the way, then to the slot by the fastest reply seen
-			// by then (block.go's sleepToSlot).
+			// by then (waiter.go's sleepToSlot).
 			s.at(wake-lead, func() {
 				p := w.lim.proc
 				s.at(max(s.now, min(wake, adm.starts+p.fast)), wakeUp)
@@ -483,7 +483,7 @@ func (s *sim) settle(w *worker, adm admission, late int64, tooLate, replyLate bo
 	s.ask(w)
 }
 
-// late is block.go's late: how late after its slot the call would start
+// late is waiter.go's late: how late after its slot the call would start
 // now, beyond the usual delay of Redis's replies, and whether that is more
 // than half the margin.
 func (s *sim) late(w *worker, adm admission) (int64, bool) {

@@ -558,7 +558,7 @@ end
 -- which gives a margin of WARM_MARGIN, up to the ceiling (see Warming up).
 -- It returns the smallest guarded margin the fleet's spread gives, a token
 -- bucket's own margin included, which a call booked now is held to (see
--- late in block.go), or 0 when no rule is guarded.
+-- late in waiter.go), or 0 when no rule is guarded.
 local function margins(rs, spread, held, warm)
   local least = 0
   for _, r in ipairs(rs) do

@@ -1,0 +1,93 @@
+package throttle
+
+// The Redis scripts that decide for every quota live in lua/, one file
+// each; each documents its keys, arguments and reply at the top, and
+// lib.lua, prepended to each, what they share.
+
+import (
+	"embed"
+	"regexp"
+	"strconv"
+	"strings"
+
+	"github.com/redis/go-redis/v9"
+)
+
+//go:embed lua/*.lua
+var luaFiles embed.FS
+
+// luaFile returns the text of lua/name.
+func luaFile(name string) string {
+	b, err := luaFiles.ReadFile("lua/" + name)
+	if err != nil {
+		panic(err) // embedded at build time: a missing file does not build
+	}
+	return string(b)
+}
+
+// The scripts. go-redis runs each with EVALSHA and falls back to EVAL when
+// Redis answers NOSCRIPT (a new Redis, SCRIPT FLUSH, a restart or a
+// failover). They reach Redis without their comments, which are most of
+// their text: a fleet of many replicas starting on a Redis that lost its
+// scripts sends each one once per replica.
+var scripts = struct {
+	acquire  *redis.Script // admits, books or refuses calls against every rule of a quota
+	cancel   *redis.Script // gives back the booking of a call that stopped waiting
+	settle   *redis.Script // replaces a call's estimated cost by its actual cost
+	release  *redis.Script // frees a call's concurrency slots or extends their lease
+	feedback *redis.Script // records a vendor's pause and remaining count for the fleet
+	usage    *redis.Script // reads how full each rule is, changing nothing
+	handback *redis.Script // tells Redis of the Local fallback's calls, and reserves the quota
+}{
+	acquire:  script("acquire.lua"),
+	cancel:   script("cancel.lua"),
+	settle:   script("settle.lua"),
+	release:  script("release.lua"),
+	feedback: script("feedback.lua"),
+	usage:    script("usage.lua"),
+	handback: script("handback.lua"),
+}
+
+// sent maps each script's SHA1 to its lines as Redis has them.
+var sent = map[string][]string{}
+
+// script prepends lib.lua to the script in lua/name and drops the lines
+// that hold only a comment.
+func script(name string) *redis.Script {
+	var b strings.Builder
+	for _, line := range strings.Split(luaFile("lib.lua")+luaFile(name), "\n") {
+		if t := strings.TrimSpace(line); t == "" || strings.HasPrefix(t, "--") {
+			continue
+		}
+		b.WriteString(line)
+		b.WriteByte('\n')
+	}
+	s := redis.NewScript(b.String())
+	sent[s.Hash()] = strings.Split(b.String(), "\n")
+	return s
+}
+
+var (
+	scriptLine = regexp.MustCompile(`script: ([0-9a-f]{40}), on @user_script:(\d+)`)
+	redisCall  = regexp.MustCompile(`redis\.call\('([A-Z]+)'`)
+)
+
+// commandAt returns the Redis command that the line of one of these scripts
+// named in a Redis error calls ("ZADD"), or "" when the error names no such
+// line. Redis before 7.2 says only where in a script it refused a command
+// that the user may not run.
+func commandAt(msg string) string {
+	m := scriptLine.FindStringSubmatch(msg)
+	if m == nil {
+		return ""
+	}
+	lines := sent[m[1]]
+	n, err := strconv.Atoi(m[2])
+	if err != nil || n < 1 || n > len(lines) {
+		return ""
+	}
+	if c := redisCall.FindStringSubmatch(lines[n-1]); c != nil {
+		return c[1]
+	}
+	return ""
+}
