@@ -1,6 +1,7 @@
 package throttle
 
 import (
+	"cmp"
 	"fmt"
 	"log/slog"
 	"strconv"
@@ -15,7 +16,7 @@ const (
 	// Block books the earliest slot in which the call fits and waits for it,
 	// within the context's deadline and the limiter's MaxWait. Waiters are
 	// served in arrival order across the fleet. It is the default.
-	Block Mode = iota
+	Block Mode = iota + 1
 	// FailFast runs the call only if it fits now, and otherwise returns an
 	// error matching ErrLimited at once.
 	FailFast
@@ -26,10 +27,10 @@ const (
 	Queue
 )
 
-// String returns the mode's name.
+// String returns the mode's name. The zero Mode, unset, is Block.
 func (m Mode) String() string {
 	switch m {
-	case Block:
+	case 0, Block:
 		return "Block"
 	case FailFast:
 		return "FailFast"
@@ -51,7 +52,9 @@ const (
 
 // Options tune a Limiter in New. The zero value of every field picks its
 // default, so Options{} is a limiter in Block mode that fails closed. New
-// takes several and merges them in order: a field set in a later one wins.
+// takes several and merges them in order: a field set in a later one wins
+// (Options{Mode: Block} sets Block back), but for Shadow and
+// WithoutLearning, which are on when any of them sets them.
 type Options struct {
 	// Mode is what a call does when the quota is full. The default is Block.
 	Mode Mode
@@ -129,7 +132,7 @@ func WithMode(m Mode) Options { return Options{Mode: m} }
 
 // merge returns o with the fields set in p.
 func (o Options) merge(p Options) Options {
-	if p.Mode != Block {
+	if p.Mode != 0 {
 		o.Mode = p.Mode
 	}
 	if p.MaxWait != 0 {
@@ -138,10 +141,10 @@ func (o Options) merge(p Options) Options {
 	if p.MaxQueue != 0 {
 		o.MaxQueue = p.MaxQueue
 	}
-	if p.Overflow != RejectNew {
+	if p.Overflow != 0 {
 		o.Overflow = p.Overflow
 	}
-	if p.OnRedisError != FailClosed {
+	if p.OnRedisError != 0 {
 		o.OnRedisError = p.OnRedisError
 	}
 	if p.ExpectedReplicas != 0 {
@@ -212,6 +215,9 @@ func newSettings(name string, opts []Options) (settings, error) {
 	if s.redisTimeout == 0 {
 		s.redisTimeout = defaultRedisTimeout
 	}
+	s.mode = cmp.Or(s.mode, Block)
+	s.onRedisError = cmp.Or(s.onRedisError, FailClosed)
+	s.overflow = cmp.Or(s.overflow, RejectNew)
 	var err error
 	switch {
 	case s.mode != Block && s.mode != FailFast && s.mode != Queue:
@@ -256,7 +262,7 @@ type OnRedisError int
 const (
 	// FailClosed does not make the call: it gets an error matching
 	// ErrUnavailable. The vendor is never called over the cap. The default.
-	FailClosed OnRedisError = iota
+	FailClosed OnRedisError = iota + 1
 	// FailOpen makes the call as if Redis had admitted it. The fleet keeps
 	// working, and may go over the vendor's cap while Redis is away.
 	FailOpen
@@ -270,7 +276,7 @@ const (
 // String returns the policy's name.
 func (o OnRedisError) String() string {
 	switch o {
-	case FailClosed:
+	case 0, FailClosed:
 		return "FailClosed"
 	case FailOpen:
 		return "FailOpen"
@@ -286,7 +292,7 @@ type Overflow int
 
 const (
 	// RejectNew turns the new call away with ErrQueueFull. The default.
-	RejectNew Overflow = iota
+	RejectNew Overflow = iota + 1
 	// ShedOldest lets the new call in and turns away the call that has
 	// waited longest, which gets ErrQueueFull: fresh work is worth more.
 	ShedOldest
@@ -299,7 +305,7 @@ const (
 // String returns the overflow's name.
 func (o Overflow) String() string {
 	switch o {
-	case RejectNew:
+	case 0, RejectNew:
 		return "RejectNew"
 	case ShedOldest:
 		return "ShedOldest"

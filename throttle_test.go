@@ -690,6 +690,31 @@ func TestNew_MergesOptions(t *testing.T) {
 	}
 }
 
+// A later Options sets a field back to its default value too: the zero
+// Mode, OnRedisError and Overflow mean "unset", not Block, FailClosed and
+// RejectNew, which a later Options can name.
+func TestNew_ALaterOptionsSetsTheDefaultBack(t *testing.T) {
+	rdb := redis.NewClient(&redis.Options{Addr: "127.0.0.1:1"})
+	defer rdb.Close()
+	lim, err := New(rdb, "q", policies.SlidingLog{Limit: 10, Window: time.Second},
+		Options{Mode: Queue, Overflow: ShedOldest, OnRedisError: Local, ExpectedReplicas: 2},
+		Options{Mode: Block, Overflow: RejectNew, OnRedisError: FailClosed})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if lim.s.mode != Block || lim.s.overflow != RejectNew || lim.s.onRedisError != FailClosed {
+		t.Errorf("merged settings: %v, %v, %v; want the later Options' Block, RejectNew, FailClosed",
+			lim.s.mode, lim.s.overflow, lim.s.onRedisError)
+	}
+	lim, err = New(rdb, "q", policies.SlidingLog{Limit: 10, Window: time.Second})
+	if err != nil || lim.Mode() != Block || lim.s.onRedisError != FailClosed || lim.s.overflow != RejectNew {
+		t.Errorf("no Options: %v, %v, %v, %v; want Block, FailClosed, RejectNew", err, lim.Mode(), lim.s.onRedisError, lim.s.overflow)
+	}
+	if got := (Options{}).Mode.String(); got != "Block" {
+		t.Errorf("the zero Mode prints %q, want Block, the mode it gives", got)
+	}
+}
+
 // merge carries every field of Options that is set: a field added to
 // Options and forgotten in merge would be dropped without a word.
 func TestOptions_MergeCarriesEveryField(t *testing.T) {
