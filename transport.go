@@ -7,6 +7,7 @@ import (
 	"io"
 	"net/http"
 	"net/http/httptrace"
+	"slices"
 	"strings"
 	"sync"
 	"time"
@@ -97,7 +98,9 @@ type Transport struct {
 	// widens for the dials.
 	Base http.RoundTripper
 	// Limiter takes every request that matches no route through. nil lets
-	// those requests through without limit.
+	// those requests through without limit; a Transport with neither a
+	// Limiter nor a Route with one limits nothing, and fails every request
+	// with an error that says so.
 	Limiter *Limiter
 	// Routes send the requests that match them through a limiter of their
 	// own, for a vendor whose APIs have quotas of their own. They are tried
@@ -259,6 +262,9 @@ func (t *Transport) compile() *transport {
 			}
 			c.routes = append(c.routes, route{match: match, lim: r.Limiter})
 		}
+	}
+	if c.lim == nil && !slices.ContainsFunc(c.routes, func(r route) bool { return r.lim != nil }) {
+		invalid("Limiter", "is nil and no Route has a Limiter, so no request would be limited: set Limiter, or Routes with their limiters")
 	}
 	c.holds = map[*Limiter]bool{c.lim: holdsSlots(c.lim)}
 	for _, r := range c.routes {

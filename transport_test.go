@@ -592,7 +592,7 @@ func TestTransport_ClosesTheBodyOnEveryPath(t *testing.T) {
 			{"vendor unreachable", &Transport{Limiter: open("unreachable")}, http.MethodPost, gone.URL, context.Background(), true},
 			{"refused by the vendor, not retried", &Transport{Limiter: open("refused")}, http.MethodPost, refusing.URL, context.Background(), false},
 			{"refused by the vendor, retries spent", &Transport{Limiter: open("spent"), MaxRetries: 1}, http.MethodPut, refusing.URL, context.Background(), false},
-			{"no limit", &Transport{}, http.MethodPost, ok.URL, context.Background(), false},
+			{"no limit", &Transport{Routes: []Route{{Pattern: "/elsewhere/", Limiter: open("elsewhere")}}}, http.MethodPost, ok.URL, context.Background(), false},
 		}
 		for _, tt := range tests {
 			t.Run(tt.name, func(t *testing.T) {
@@ -902,8 +902,9 @@ func TestTransport_BadFieldsFailEveryRequest(t *testing.T) {
 	srv := newVendorServer(t, answer(http.StatusOK, "ok"))
 	set := func(*http.Request, string) {}
 	match := func(*http.Request) bool { return false }
+	lim := replicaLimiter(t, redistest.Mini(t), "bad-fields", policies.SlidingLog{Limit: 100, Window: time.Minute})
 	valid := func() *Transport {
-		return &Transport{MaxRetries: 1, Routes: []Route{{Pattern: "/elsewhere/"}, {Match: match}}}
+		return &Transport{Limiter: lim, MaxRetries: 1, Routes: []Route{{Pattern: "/elsewhere/"}, {Match: match}}}
 	}
 	tests := []struct {
 		name string
@@ -926,6 +927,8 @@ func TestTransport_BadFieldsFailEveryRequest(t *testing.T) {
 			"throttle: Transport.Keys: needs SetKey"},
 		{"SetKey without Keys", func(tr *Transport) { tr.SetKey = set },
 			"throttle: Transport.Keys: empty, while SetKey is set"},
+		{"no limiter at all", func(tr *Transport) { tr.Limiter = nil },
+			"throttle: Transport.Limiter: is nil and no Route has a Limiter, so no request would be limited"},
 	}
 	send := func(t *testing.T, tr *Transport) (*http.Response, *bodyRecorder, error) {
 		body := newBodyRecorder("x")
@@ -963,7 +966,8 @@ func TestTransport_BadFieldsFailEveryRequest(t *testing.T) {
 // The zero value of a Transport's fields picks their defaults, and a
 // negative MaxRetries never retries.
 func TestTransport_ZeroFieldsPickTheDefaults(t *testing.T) {
-	tr := (&Transport{}).compile()
+	lim := newLimiter(t, deadRedis(t), policies.SlidingLog{Limit: 10, Window: time.Second})
+	tr := (&Transport{Limiter: lim}).compile()
 	if tr.err != nil {
 		t.Fatal(tr.err)
 	}
@@ -971,11 +975,11 @@ func TestTransport_ZeroFieldsPickTheDefaults(t *testing.T) {
 		t.Errorf("a zero Transport: base %v, retries %d, retry time %v, pause %v, pool %v; want http.DefaultTransport, %d, %v, %v, none",
 			tr.base, tr.maxRetries, tr.maxRetryTime, tr.pause, tr.pool, defaultMaxRetries, defaultMaxRetryTime, defaultPause)
 	}
-	tr = (&Transport{MaxRetries: -1}).compile()
+	tr = (&Transport{Limiter: lim, MaxRetries: -1}).compile()
 	if tr.err != nil || tr.maxRetries != 0 {
 		t.Errorf("MaxRetries -1: %d retries, error %v; want none, no error", tr.maxRetries, tr.err)
 	}
-	tr = (&Transport{MaxRetries: 5, MaxRetryTime: time.Second, DefaultPause: time.Millisecond}).compile()
+	tr = (&Transport{Limiter: lim, MaxRetries: 5, MaxRetryTime: time.Second, DefaultPause: time.Millisecond}).compile()
 	if tr.err != nil || tr.maxRetries != 5 || tr.maxRetryTime != time.Second || tr.pause != time.Millisecond {
 		t.Errorf("set fields: %d retries, retry time %v, pause %v, error %v; want them kept", tr.maxRetries, tr.maxRetryTime, tr.pause, tr.err)
 	}
