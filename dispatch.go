@@ -30,7 +30,7 @@ func (l *Limiter) dispatch(ctx context.Context, c call, w *waiter) (*Permit, err
 			if r.admitted {
 				p = l.permit(c, r, 0)
 			} else {
-				err = l.refused(r)
+				err = l.refused(r, "FailFast mode")
 			}
 		}
 	case Queue:
@@ -57,7 +57,7 @@ func (l *Limiter) shadow(ctx context.Context, c call) (*Permit, error) {
 		return p, nil
 	}
 	if err == nil {
-		err = l.refused(r)
+		err = l.refused(r, "shadow mode")
 	} else if ctx.Err() != nil {
 		return nil, err
 	}

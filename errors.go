@@ -124,8 +124,9 @@ func (l *Limiter) limited(retryAfter time.Duration, reason string) error {
 	return &LimitedError{Quota: l.name, RetryAfter: retryAfter, Reason: reason}
 }
 
-// refused returns the error of a call that Redis did not admit now.
-func (l *Limiter) refused(r result) error {
+// refused returns the error of a call that Redis did not admit now, which
+// by asks only for now: FailFast mode, Allow, or shadow mode.
+func (l *Limiter) refused(r result, by string) error {
 	switch {
 	case r.reason == reasonLate:
 		return l.limited(r.wait, lateReason)
@@ -134,7 +135,7 @@ func (l *Limiter) refused(r result) error {
 	case r.pause > r.now:
 		return l.limited(r.wait, "the vendor asked the fleet to pause")
 	}
-	return l.limited(r.wait, "the quota is full now, and the call does not wait")
+	return l.limited(r.wait, "the quota is full now, and "+by+" does not wait")
 }
 
 // limitName names the field a rule's limit comes from, with its value.

@@ -58,7 +58,7 @@ func startOutageFleet(t *testing.T, lims []*Limiter, workers int) *outageFleet {
 					r, err := lim.acquire(ctx, call{cost: 1}, time.Minute, nil)
 					decided := time.Now()
 					if err == nil && !r.admitted {
-						err = lim.refused(r)
+						err = lim.refused(r, "the test")
 					}
 					if err == nil {
 						sleepCtx(ctx, r.wait)

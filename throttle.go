@@ -274,7 +274,7 @@ func (l *Limiter) Allow(ctx context.Context, opts ...CallOption) (Decision, erro
 		l.emitOutcome(c, l.permit(c, r, 0), nil, false)
 	} else {
 		d.RetryAfter = r.wait
-		l.emitOutcome(c, nil, l.refused(r), false)
+		l.emitOutcome(c, nil, l.refused(r, "Allow"), false)
 	}
 	return d, nil
 }

@@ -271,6 +271,9 @@ func TestFailFast_RefusesWithRetryAfter(t *testing.T) {
 		if want := time.Second + warmingMargin - 100*time.Millisecond; le.RetryAfter != want || le.Quota != lim.Name() {
 			t.Errorf("got %+v, want RetryAfter %v for quota %q", le, want, lim.Name())
 		}
+		if !strings.Contains(err.Error(), "FailFast mode does not wait") {
+			t.Errorf("the refusal says %q, want it to name the FailFast mode that refused it", err)
+		}
 		clock.Add(le.RetryAfter)
 		if _, err := lim.Acquire(ctx); err != nil {
 			t.Errorf("Acquire after RetryAfter: %v", err)
