@@ -263,9 +263,6 @@ func (t *Transport) compile() *transport {
 			c.routes = append(c.routes, route{match: match, lim: r.Limiter})
 		}
 	}
-	if c.lim == nil && !slices.ContainsFunc(c.routes, func(r route) bool { return r.lim != nil }) {
-		invalid("Limiter", "is nil and no Route has a Limiter, so no request would be limited: set Limiter, or Routes with their limiters")
-	}
 	c.holds = map[*Limiter]bool{c.lim: holdsSlots(c.lim)}
 	for _, r := range c.routes {
 		c.holds[r.lim] = holdsSlots(r.lim)
@@ -276,6 +273,9 @@ func (t *Transport) compile() *transport {
 			invalid("Keys", "%v", err)
 		}
 		c.pool = pool
+	}
+	if c.lim == nil && !slices.ContainsFunc(c.routes, func(r route) bool { return r.lim != nil }) {
+		invalid("Limiter", "is nil and no Route has a Limiter, so no request would be limited: set Limiter, or Routes with their limiters")
 	}
 	return c
 }
