@@ -62,7 +62,7 @@ func (l *Limiter) acquire(ctx context.Context, c call, maxWait time.Duration, gi
 	l.reloadSlots(err)
 	if l.brk.failure() {
 		l.s.logger.Warn("throttle: Redis keeps failing; deciding without it until it answers a probe",
-			"quota", l.name, "on_redis_error", l.s.onRedisError.String(), "err", err)
+			"quota", l.name, "on_redis_error", string(l.s.onRedisError), "err", err)
 		l.emit(Event{Kind: EventFallback, Err: err})
 	}
 	return l.fallback(sc, c, maxWait, err)

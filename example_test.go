@@ -200,7 +200,7 @@ func ExamplePermit_Heard() {
 	rdb, done := exampleRedis()
 	defer done()
 	ctx := context.Background()
-	lim, err := throttle.New(rdb, "sdk", policies.SlidingLog{Limit: 100, Window: time.Minute}, throttle.WithMode(throttle.FailFast))
+	lim, err := throttle.New(rdb, "sdk", policies.SlidingLog{Limit: 100, Window: time.Minute}, throttle.Options{Mode: throttle.FailFast})
 	if err != nil {
 		fmt.Println(err)
 		return

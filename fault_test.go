@@ -392,7 +392,7 @@ func killAndRestart(t *testing.T, onErr OnRedisError, strictCap bool) {
 	s := redistest.Real(t)
 	before := runtime.NumGoroutine()
 	logs, logger := faultLogger()
-	lims, closeClients := faultLimiters(t, "fault-kill-"+onErr.String(), func(int) redis.UniversalClient {
+	lims, closeClients := faultLimiters(t, "fault-kill-"+string(onErr), func(int) redis.UniversalClient {
 		return redis.NewClient(&redis.Options{Addr: s.Addr, ContextTimeoutEnabled: true})
 	}, Options{Logger: logger, OnRedisError: onErr, ExpectedReplicas: faultReplicas, RedisTimeout: 200 * time.Millisecond})
 	f := startFaultFleet(t, lims, faultWindow)

@@ -314,14 +314,14 @@ func runFleet(t *testing.T, fc fleetCase, newClient func(*testing.T) redis.Unive
 	// tenth of the window, the log paces its calls (see the utilization
 	// bound below).
 	var widest atomic.Int64
-	observe := ObserverFunc(func(e Event) {
+	observe := func(e Event) {
 		for m := int64(e.Margin); e.Kind == EventRedis; {
 			old := widest.Load()
 			if m <= old || widest.CompareAndSwap(old, m) {
 				break
 			}
 		}
-	})
+	}
 	for range replicas {
 		rdb := newClient(t)
 		rdb.AddHook(countScripts{&scripts})

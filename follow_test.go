@@ -90,11 +90,11 @@ func TestFollow_LearnsALoweredCapAndFindsItRaised(t *testing.T) {
 	var lims []*Limiter
 	for range replicas {
 		lim, err := New(s.Client(t), "follow", policies.SlidingLog{Limit: limit, Window: window},
-			Options{Observer: ObserverFunc(func(e Event) {
+			Options{Observer: func(e Event) {
 				if e.Kind == EventCapLearned {
 					learned.Add(1)
 				}
-			})})
+			}})
 		if err != nil {
 			t.Fatal(err)
 		}

@@ -43,7 +43,7 @@ func FuzzConfiguration(f *testing.F) {
 				policies.PerKey{Policy: policies.TokenBucket{Rate: rate, Per: time.Duration(window), Burst: burst}},
 			)
 		}
-		lim, err := New(rdb, "fuzz", p, Options{Mode: Mode(kind % 4), MaxWait: time.Duration(maxWait)})
+		lim, err := New(rdb, "fuzz", p, Options{Mode: []Mode{"", Block, FailFast, Queue}[kind%4], MaxWait: time.Duration(maxWait)})
 		if err != nil {
 			return
 		}

@@ -40,7 +40,7 @@ func TestHeard_MakesTheVendorsAnswerKnown(t *testing.T) {
 
 		t.Run("a 429 pauses every replica and teaches the cap", func(t *testing.T) {
 			var rec recorder
-			lim := replicaLimiter(t, s, "heard-429", perMinute, Options{Observer: &rec})
+			lim := replicaLimiter(t, s, "heard-429", perMinute, Options{Observer: rec.Observe})
 			other := replicaLimiter(t, s, "heard-429", perMinute)
 			for range 3 {
 				acquire(t, lim)
@@ -85,7 +85,7 @@ func TestHeard_MakesTheVendorsAnswerKnown(t *testing.T) {
 
 		t.Run("a 503 pauses and teaches nothing", func(t *testing.T) {
 			var rec recorder
-			lim := replicaLimiter(t, s, "heard-503", perMinute, Options{Observer: &rec})
+			lim := replicaLimiter(t, s, "heard-503", perMinute, Options{Observer: rec.Observe})
 			acquire(t, lim)
 			pause, refused, err := acquire(t, lim).Heard(ctx, Answer{Status: http.StatusServiceUnavailable, RetryAfter: 3 * time.Second, HasRetryAfter: true})
 			if err != nil || !refused || pause != 3*time.Second {

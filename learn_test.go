@@ -65,11 +65,11 @@ func TestRefused_LearnsWhatTheVendorAccepted(t *testing.T) {
 		clock := newClock()
 		var learned []Event
 		lim := newLimiter(t, s.Client(t), policies.SlidingLog{Limit: 100, Window: time.Second, Margin: time.Millisecond},
-			Options{Mode: FailFast, Clock: clock.Now, Observer: ObserverFunc(func(e Event) {
+			Options{Mode: FailFast, Clock: clock.Now, Observer: func(e Event) {
 				if e.Kind == EventCapLearned {
 					learned = append(learned, e)
 				}
-			})})
+			}})
 		ctx := context.Background()
 		// A first refusal halves the limit: the calls before it may have
 		// been counted under a cap the vendor has just lowered.

@@ -2,97 +2,48 @@ package throttle
 
 import (
 	"errors"
-	"strconv"
 	"time"
 )
 
-// An Observer is told what a limiter, and the transports built on it, do:
-// the calls admitted and refused and how long they waited, each round trip
-// to Redis, the vendor's pushback, the switches to and from a fallback. It
-// feeds metrics; the Prometheus and OpenTelemetry adapters live in their own
-// modules (observe/prometheus, observe/otel).
-//
-// Observe is called on the path of every call: it must be quick, must not
-// block, and must be safe for concurrent use. A limiter without an Observer
-// does none of this work.
-type Observer interface {
-	Observe(Event)
-}
-
-// ObserverFunc adapts a function to an Observer.
-type ObserverFunc func(Event)
-
-// Observe calls f(e).
-func (f ObserverFunc) Observe(e Event) { f(e) }
-
-// EventKind says what an Event reports.
-type EventKind int
+// EventKind says what an Event reports; its value is the kind's name.
+type EventKind string
 
 // The kinds of Event.
 const (
 	// EventAdmitted: a call got its permit, after Wait. Cost is its units.
-	EventAdmitted EventKind = iota + 1
+	EventAdmitted EventKind = "admitted"
 	// EventLimited: a call was refused because the quota is full
 	// (ErrLimited); Wait is how long it would have had to wait.
-	EventLimited
+	EventLimited EventKind = "limited"
 	// EventQueueFull: a full queue turned a call away (ErrQueueFull).
-	EventQueueFull
+	EventQueueFull EventKind = "queue_full"
 	// EventUnavailable: a call was refused because Redis could not decide
 	// it (ErrUnavailable).
-	EventUnavailable
+	EventUnavailable EventKind = "unavailable"
 	// EventRedis: one script call to Redis. Duration is its round trip,
 	// Margin the smallest margin in force of the quota's windows, as the
 	// script answered (0 when it failed or no window has one),
 	// Calls the number of calls it decided, Err its failure if any.
-	EventRedis
+	EventRedis EventKind = "redis"
 	// EventFallback: Redis kept failing, and calls are now decided as
 	// OnRedisError says, without Redis.
-	EventFallback
+	EventFallback EventKind = "fallback"
 	// EventRecovered: Redis answered a probe; calls are decided in Redis
 	// again.
-	EventRecovered
+	EventRecovered EventKind = "recovered"
 	// EventDataLost: Redis lost the quota's data; every limit counts as
 	// full for one window.
-	EventDataLost
+	EventDataLost EventKind = "data_lost"
 	// EventVendorLimited: the vendor answered 429 or 503 (Transport).
-	EventVendorLimited
+	EventVendorLimited EventKind = "vendor_limited"
 	// EventPaused: the quota, or one key of it, was paused for Duration at
 	// the vendor's request.
-	EventPaused
+	EventPaused EventKind = "paused"
 	// EventCapLearned: the vendor refused a call over its limit, and the
 	// quota learned its cap: Limit is the lowest limit in force of its rules
 	// (see Permit.Refused).
-	EventCapLearned
+	EventCapLearned EventKind = "cap_learned"
 )
-
-// String returns the kind's name.
-func (k EventKind) String() string {
-	switch k {
-	case EventAdmitted:
-		return "admitted"
-	case EventLimited:
-		return "limited"
-	case EventQueueFull:
-		return "queue_full"
-	case EventUnavailable:
-		return "unavailable"
-	case EventRedis:
-		return "redis"
-	case EventFallback:
-		return "fallback"
-	case EventRecovered:
-		return "recovered"
-	case EventDataLost:
-		return "data_lost"
-	case EventVendorLimited:
-		return "vendor_limited"
-	case EventPaused:
-		return "paused"
-	case EventCapLearned:
-		return "cap_learned"
-	}
-	return "EventKind(" + strconv.Itoa(int(k)) + ")"
-}
 
 // Event is one thing a limiter did. Fields that do not apply to its Kind
 // are zero.
@@ -135,7 +86,7 @@ func (l *Limiter) emit(e Event) {
 	if l.q != nil {
 		e.Queued = l.q.len()
 	}
-	l.s.observer.Observe(e)
+	l.s.observer(e)
 }
 
 // emitOutcome reports how a call that asked for a permit fared.

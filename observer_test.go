@@ -47,7 +47,7 @@ func TestObserver_SeesExactlyTheCallsMade(t *testing.T) {
 		scripts := new(atomic.Int64)
 		rdb.AddHook(countRuns{scripts})
 		lim := newLimiter(t, rdb, policies.SlidingLog{Limit: 10, Window: time.Second},
-			Options{Mode: FailFast, Observer: &rec, Clock: clock.Now})
+			Options{Mode: FailFast, Observer: rec.Observe, Clock: clock.Now})
 		ctx := context.Background()
 		admitted, limited := 0, 0
 		for i := range 12 {
@@ -83,7 +83,7 @@ func TestObserver_SeesExactlyTheCallsMade(t *testing.T) {
 func TestObserver_ShadowModeLetsEveryCallThrough(t *testing.T) {
 	s := redistest.Mini(t)
 	var rec recorder
-	lim := newLimiter(t, s.Client(t), policies.SlidingLog{Limit: 3, Window: time.Hour}, Options{Shadow: true, Observer: &rec})
+	lim := newLimiter(t, s.Client(t), policies.SlidingLog{Limit: 3, Window: time.Hour}, Options{Shadow: true, Observer: rec.Observe})
 	ran := 0
 	for range 10 {
 		if _, err := Do(context.Background(), lim, func(context.Context) (int, error) { ran++; return 0, nil }); err != nil {
@@ -137,9 +137,9 @@ func TestObserver_EveryEntryPointReportsAndHonoursShadowMode(t *testing.T) {
 	s := redistest.Mini(t)
 	for _, mode := range []Mode{Block, FailFast, Queue} {
 		for _, e := range entries {
-			t.Run(mode.String()+"/"+e.name, func(t *testing.T) {
+			t.Run(string(mode)+"/"+e.name, func(t *testing.T) {
 				var rec recorder
-				lim := newLimiter(t, s.Client(t), policies.SlidingLog{Limit: 2, Window: time.Hour}, Options{Mode: mode, MaxWait: time.Millisecond, Observer: &rec})
+				lim := newLimiter(t, s.Client(t), policies.SlidingLog{Limit: 2, Window: time.Hour}, Options{Mode: mode, MaxWait: time.Millisecond, Observer: rec.Observe})
 				admitted := 0
 				for range 3 {
 					if e.call(lim) == nil {
@@ -157,7 +157,7 @@ func TestObserver_EveryEntryPointReportsAndHonoursShadowMode(t *testing.T) {
 				}
 
 				var shadowRec recorder
-				shadow, err := New(s.Client(t), lim.Name()+"-shadow", policies.SlidingLog{Limit: 1, Window: time.Hour}, Options{Mode: mode, Shadow: true, Observer: &shadowRec})
+				shadow, err := New(s.Client(t), lim.Name()+"-shadow", policies.SlidingLog{Limit: 1, Window: time.Hour}, Options{Mode: mode, Shadow: true, Observer: shadowRec.Observe})
 				if err != nil {
 					t.Fatal(err)
 				}
@@ -179,7 +179,7 @@ func TestObserver_EveryEntryPointReportsAndHonoursShadowMode(t *testing.T) {
 
 func TestObserver_SeesFailuresAndTheFallback(t *testing.T) {
 	var rec recorder
-	lim := newLimiter(t, deadRedis(t), perSecond, Options{Observer: &rec, OnRedisError: FailClosed})
+	lim := newLimiter(t, deadRedis(t), perSecond, Options{Observer: rec.Observe, OnRedisError: FailClosed})
 	for range 5 {
 		if _, err := lim.Acquire(context.Background()); !errors.Is(err, ErrUnavailable) {
 			t.Fatalf("Acquire on a dead Redis: %v", err)
@@ -203,7 +203,7 @@ func BenchmarkObserver(b *testing.B) {
 		opts []Options
 	}{
 		{"none", nil},
-		{"noop", []Options{{Observer: ObserverFunc(func(Event) {})}}},
+		{"noop", []Options{{Observer: func(Event) {}}}},
 	} {
 		b.Run(tc.name, func(b *testing.B) {
 			lim, err := New(deadRedis(b), "bench", perSecond, tc.opts...)

@@ -4,41 +4,28 @@ import (
 	"cmp"
 	"fmt"
 	"log/slog"
-	"strconv"
 	"strings"
 	"time"
 )
 
-// Mode says what a call does when the quota is full.
-type Mode int
+// Mode says what a call does when the quota is full. The empty Mode, unset,
+// is Block.
+type Mode string
 
 const (
 	// Block books the earliest slot in which the call fits and waits for it,
 	// within the context's deadline and the limiter's MaxWait. Waiters are
 	// served in arrival order across the fleet. It is the default.
-	Block Mode = iota + 1
+	Block Mode = "Block"
 	// FailFast runs the call only if it fits now, and otherwise returns an
 	// error matching ErrLimited at once.
-	FailFast
+	FailFast Mode = "FailFast"
 	// Queue puts the call in a bounded local queue, served by Priority and
 	// then in arrival order; the calls at the head book their slots as in
 	// Block. A full queue answers ErrQueueFull at once (see Options.Overflow).
 	// Close drains the queue.
-	Queue
+	Queue Mode = "Queue"
 )
-
-// String returns the mode's name. The zero Mode, unset, is Block.
-func (m Mode) String() string {
-	switch m {
-	case 0, Block:
-		return "Block"
-	case FailFast:
-		return "FailFast"
-	case Queue:
-		return "Queue"
-	}
-	return "Mode(" + strconv.Itoa(int(m)) + ")"
-}
 
 // Defaults of a Limiter (see Options).
 const (
@@ -102,9 +89,16 @@ type Options struct {
 	// applications can share one Redis. The default is "throttle".
 	Prefix string
 
-	// Observer is told of every decision, Redis round trip and change of
-	// state (see Event). The default is none.
-	Observer Observer
+	// Observer is told what the limiter, and the transports built on it,
+	// do (see Event): the calls admitted and refused and how long they
+	// waited, each round trip to Redis, the vendor's pushback, the switches
+	// to and from a fallback. It feeds metrics; the Prometheus and
+	// OpenTelemetry adapters live in their own modules (observe/prometheus,
+	// observe/otel), and their Observe methods are Observers. It is called
+	// on the path of every call: it must be quick, must not block, and must
+	// be safe for concurrent use. The default is none, and none of this
+	// work is done.
+	Observer func(Event)
 	// Logger is where the limiter reports what it changes by itself: Redis
 	// losing a quota's data, switching to and from a fallback. The default
 	// is slog.Default().
@@ -127,12 +121,9 @@ type Options struct {
 	Clock func() time.Time
 }
 
-// WithMode is Options{Mode: m}: what a call does when the quota is full.
-func WithMode(m Mode) Options { return Options{Mode: m} }
-
 // merge returns o with the fields set in p.
 func (o Options) merge(p Options) Options {
-	if p.Mode != 0 {
+	if p.Mode != "" {
 		o.Mode = p.Mode
 	}
 	if p.MaxWait != 0 {
@@ -141,10 +132,10 @@ func (o Options) merge(p Options) Options {
 	if p.MaxQueue != 0 {
 		o.MaxQueue = p.MaxQueue
 	}
-	if p.Overflow != 0 {
+	if p.Overflow != "" {
 		o.Overflow = p.Overflow
 	}
-	if p.OnRedisError != 0 {
+	if p.OnRedisError != "" {
 		o.OnRedisError = p.OnRedisError
 	}
 	if p.ExpectedReplicas != 0 {
@@ -171,7 +162,7 @@ func (o Options) merge(p Options) Options {
 }
 
 type settings struct {
-	observer     Observer
+	observer     func(Event)
 	shadow       bool
 	onRedisError OnRedisError
 	replicas     int
@@ -221,11 +212,11 @@ func newSettings(name string, opts []Options) (settings, error) {
 	var err error
 	switch {
 	case s.mode != Block && s.mode != FailFast && s.mode != Queue:
-		err = fmt.Errorf("throttle: quota %q: Options.Mode: unknown mode %v", name, s.mode)
+		err = fmt.Errorf("throttle: quota %q: Options.Mode: unknown mode %q (Block, FailFast or Queue)", name, s.mode)
 	case s.maxWait < 0:
 		err = fmt.Errorf("throttle: quota %q: Options.MaxWait must not be negative, got %v", name, s.maxWait)
 	case s.onRedisError != FailClosed && s.onRedisError != FailOpen && s.onRedisError != Local:
-		err = fmt.Errorf("throttle: quota %q: Options.OnRedisError: unknown policy %v", name, s.onRedisError)
+		err = fmt.Errorf("throttle: quota %q: Options.OnRedisError: unknown policy %q (FailClosed, FailOpen or Local)", name, s.onRedisError)
 	case s.replicas < 0:
 		err = fmt.Errorf("throttle: quota %q: Options.ExpectedReplicas must not be negative, got %d", name, s.replicas)
 	case s.onRedisError == Local && s.replicas == 0:
@@ -235,7 +226,7 @@ func newSettings(name string, opts []Options) (settings, error) {
 	case s.maxQueue < 0:
 		err = fmt.Errorf("throttle: quota %q: Options.MaxQueue must not be negative, got %d", name, s.maxQueue)
 	case s.overflow != RejectNew && s.overflow != ShedOldest && s.overflow != ShedLowest:
-		err = fmt.Errorf("throttle: quota %q: Options.Overflow: unknown overflow %v", name, s.overflow)
+		err = fmt.Errorf("throttle: quota %q: Options.Overflow: unknown overflow %q (RejectNew, ShedOldest or ShedLowest)", name, s.overflow)
 	default:
 		err = validName("Options.Prefix", s.prefix)
 	}
@@ -257,60 +248,34 @@ func validName(field, v string) error {
 
 // OnRedisError says what a call does when Redis cannot decide it: Redis is
 // down, slow past the Redis timeout, or answers an error.
-type OnRedisError int
+type OnRedisError string
 
 const (
 	// FailClosed does not make the call: it gets an error matching
 	// ErrUnavailable. The vendor is never called over the cap. The default.
-	FailClosed OnRedisError = iota + 1
+	FailClosed OnRedisError = "FailClosed"
 	// FailOpen makes the call as if Redis had admitted it. The fleet keeps
 	// working, and may go over the vendor's cap while Redis is away.
-	FailOpen
+	FailOpen OnRedisError = "FailOpen"
 	// Local decides the call in this process, under the quota's limits
 	// divided by the number of replicas (see Options.ExpectedReplicas): the fleet
 	// stays under the cap, at the price of the quota a shared Redis would
 	// have spread better.
-	Local
+	Local OnRedisError = "Local"
 )
-
-// String returns the policy's name.
-func (o OnRedisError) String() string {
-	switch o {
-	case 0, FailClosed:
-		return "FailClosed"
-	case FailOpen:
-		return "FailOpen"
-	case Local:
-		return "Local"
-	}
-	return "OnRedisError(" + strconv.Itoa(int(o)) + ")"
-}
 
 // Overflow says which call a full queue turns away, as Bottleneck's
 // strategies do.
-type Overflow int
+type Overflow string
 
 const (
 	// RejectNew turns the new call away with ErrQueueFull. The default.
-	RejectNew Overflow = iota + 1
+	RejectNew Overflow = "RejectNew"
 	// ShedOldest lets the new call in and turns away the call that has
 	// waited longest, which gets ErrQueueFull: fresh work is worth more.
-	ShedOldest
+	ShedOldest Overflow = "ShedOldest"
 	// ShedLowest lets the new call in if its Priority is higher than that of
 	// some waiting call, and turns away the newest of the lowest-priority
 	// calls; otherwise the new call is turned away.
-	ShedLowest
+	ShedLowest Overflow = "ShedLowest"
 )
-
-// String returns the overflow's name.
-func (o Overflow) String() string {
-	switch o {
-	case 0, RejectNew:
-		return "RejectNew"
-	case ShedOldest:
-		return "ShedOldest"
-	case ShedLowest:
-		return "ShedLowest"
-	}
-	return "Overflow(" + strconv.Itoa(int(o)) + ")"
-}

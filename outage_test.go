@@ -194,7 +194,7 @@ func TestOutage_BackWithinASecondOfRedis(t *testing.T) {
 	const window = time.Second
 	var mu sync.Mutex
 	var lost time.Time
-	observer := ObserverFunc(func(e Event) {
+	observer := func(e Event) {
 		if e.Kind == EventDataLost {
 			mu.Lock()
 			if lost.IsZero() {
@@ -202,7 +202,7 @@ func TestOutage_BackWithinASecondOfRedis(t *testing.T) {
 			}
 			mu.Unlock()
 		}
-	})
+	}
 	lims := outageLimiters(t, s.Addr, "outage-back", 3, policies.SlidingLog{Limit: 100, Window: window},
 		Options{Logger: quiet(), Observer: observer})
 	f := startOutageFleet(t, lims, 10)

@@ -96,7 +96,7 @@ func TestQueue_FullQueueTurnsAwayPerOverflow(t *testing.T) {
 		{ShedLowest, 0, "c"},
 	}
 	for _, tt := range tests {
-		t.Run(tt.overflow.String()+"_turns_away_"+tt.wantAway, func(t *testing.T) {
+		t.Run(string(tt.overflow)+"_turns_away_"+tt.wantAway, func(t *testing.T) {
 			s := redistest.Mini(t)
 			lim := newQueueLimiter(t, s, Options{MaxQueue: 2, Overflow: tt.overflow})
 			release := hold(t, lim)

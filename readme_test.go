@@ -55,7 +55,7 @@ func readmeUse(ctx context.Context, rdb *redis.Client) error {
 	// README use
 	lim, err := throttle.New(rdb, "twilio-sms",
 		policies.SlidingLog{Limit: 100, Window: time.Second},
-		throttle.WithMode(throttle.Block), // the default; or FailFast, Queue; more in throttle.Options
+		throttle.Options{Mode: throttle.Block}, // the default; or FailFast, Queue
 	)
 
 	// Wait for a slot, run the call, release.

@@ -428,9 +428,9 @@ func TestSecurity_MissingRightIsNotAnOutage(t *testing.T) {
 		{"Channel", without("&throttle:*", "&other:*"), "&throttle:*", true},
 	} {
 		for _, o := range []OnRedisError{FailClosed, FailOpen, Local} {
-			t.Run(right.name+"/"+o.String(), func(t *testing.T) {
+			t.Run(right.name+"/"+string(o), func(t *testing.T) {
 				rdb := aclUser(t, s, admin, "throttle", right.rules)
-				lim, err := New(rdb, "security-"+right.name+"-"+o.String(), policies.SlidingLog{Limit: 10, Window: time.Second},
+				lim, err := New(rdb, "security-"+right.name+"-"+string(o), policies.SlidingLog{Limit: 10, Window: time.Second},
 					Options{OnRedisError: o, ExpectedReplicas: 2, Logger: quiet()})
 				if err != nil {
 					t.Fatal(err)

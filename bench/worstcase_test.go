@@ -120,7 +120,7 @@ func (w *worstBench) limiter(quota string, p policies.Policy, opts throttle.Opti
 	w.b.Helper()
 	opts.Clock = func() time.Time { return time.UnixMicro(w.now.Load()) }
 	opts.RedisTimeout = 2 * time.Minute
-	opts.Observer = w
+	opts.Observer = w.Observe
 	lim, err := throttle.New(w.rdb, quota, p, opts)
 	if err != nil {
 		w.b.Fatal(err)

@@ -68,7 +68,7 @@
 // failed otherwise pauses 10ms and goes on.
 //
 // A second table shows where the time went: the script calls' round trips
-// (through a throttle.Observer), the time from fn's start to the arrival at
+// (through an Options.Observer), the time from fn's start to the arrival at
 // the vendor, the most calls started (rather than arrived) in one vendor
 // window, Redis's own mean time per EVALSHA and CPU time (INFO commandstats
 // and cpu), the calls that failed at the end by how, and the machine's load

@@ -187,7 +187,7 @@ func runReplica(rc replicaConfig, stdin io.Reader, stdout io.Writer) (report, er
 		clients[i].AddHook(scriptHook{&scripts})
 		var err error
 		lims[i], err = throttle.New(clients[i], rc.Quota, policies.SlidingLog{Limit: rc.Limit, Window: rc.Window, Margin: rc.Margin},
-			throttle.Options{Observer: throttle.ObserverFunc(t.observe), RedisTimeout: redisTimeout})
+			throttle.Options{Observer: t.observe, RedisTimeout: redisTimeout})
 		if err != nil {
 			return report{}, err
 		}

@@ -200,10 +200,10 @@ func parseMode(s string) (throttle.Mode, error) {
 	case "failfast":
 		return throttle.FailFast, nil
 	}
-	return 0, fmt.Errorf("-mode must be block or failfast, got %q", s)
+	return "", fmt.Errorf("-mode must be block or failfast, got %q", s)
 }
 
-func modeFlag(m throttle.Mode) string { return strings.ToLower(m.String()) }
+func modeFlag(m throttle.Mode) string { return strings.ToLower(string(m)) }
 
 // replicaRate is the calls per second replica i asks for: Demand times the
 // cap in all, Skew of it on replica 0. Zero means as many as admitted.

@@ -1,13 +1,13 @@
 // Package otel records what throttle limiters do as OpenTelemetry metrics.
 //
-// An Observer is a throttle.Observer whose instruments come from the Meter
-// given to New; pass it to every limiter as throttle.Options.Observer. One
+// An Observer records into instruments of the Meter given to New; its
+// Observe method is a throttle.Options.Observer for every limiter. One
 // Observer serves any number of limiters, told apart by the throttle.quota
 // attribute, the limiter's name. No attribute ever holds a call's Key,
 // which may be a secret and whose values are unbounded.
 //
 //	obs, err := throttleotel.New(otel.Meter("github.com/throttlekit/throttle"))
-//	lim, err := throttle.New(rdb, "twilio-sms", policy, throttle.Options{Observer: obs})
+//	lim, err := throttle.New(rdb, "twilio-sms", policy, throttle.Options{Observer: obs.Observe})
 //
 // Names, units and attributes follow the OpenTelemetry semantic conventions:
 // dotted names, durations in seconds ("s") as histograms, counts with
@@ -174,7 +174,7 @@ func New(meter metric.Meter) (*Observer, error) {
 	return o, nil
 }
 
-// Observe records one event. It implements throttle.Observer.
+// Observe records one event: pass it as throttle.Options.Observer.
 func (o *Observer) Observe(e throttle.Event) {
 	// Event carries no context: the measurements are linked to no trace.
 	ctx := context.Background()

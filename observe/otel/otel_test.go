@@ -287,7 +287,7 @@ func TestLimiter_CountsMatchTheCallsMade(t *testing.T) {
 	defer rdb.Close()
 	obs, reader := newObserver(t)
 	lim, err := throttle.New(rdb, "vendor", policies.SlidingLog{Limit: 5, Window: time.Minute},
-		throttle.Options{Mode: throttle.FailFast, Observer: obs})
+		throttle.Options{Mode: throttle.FailFast, Observer: obs.Observe})
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -32,7 +32,7 @@ func TestLimiter_FailFastCountsMatchTheCallsMade(t *testing.T) {
 	reg := prometheus.NewRegistry()
 	reg.MustRegister(obs)
 	lim, err := throttle.New(rdb, "vendor", policies.SlidingLog{Limit: 5, Window: time.Minute},
-		throttle.Options{Mode: throttle.FailFast, Observer: obs})
+		throttle.Options{Mode: throttle.FailFast, Observer: obs.Observe})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -91,7 +91,7 @@ func TestLimiter_BlockCountsEveryConcurrentCall(t *testing.T) {
 	obs := throttleprom.New()
 	reg := prometheus.NewRegistry()
 	reg.MustRegister(obs)
-	lim, err := throttle.New(rdb, "burst", policies.SlidingLog{Limit: 10, Window: 200 * time.Millisecond}, throttle.Options{Observer: obs})
+	lim, err := throttle.New(rdb, "burst", policies.SlidingLog{Limit: 10, Window: 200 * time.Millisecond}, throttle.Options{Observer: obs.Observe})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -141,7 +141,7 @@ func TestLimiter_RedisDownThenBack(t *testing.T) {
 	lim, err := throttle.New(rdb, "flaky", policies.SlidingLog{Limit: 100, Window: time.Second},
 		throttle.Options{
 			Mode:         throttle.FailFast,
-			Observer:     obs,
+			Observer:     obs.Observe,
 			RedisTimeout: 200 * time.Millisecond,
 			Logger:       slog.New(slog.NewTextHandler(io.Discard, nil)),
 		})

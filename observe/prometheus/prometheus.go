@@ -1,15 +1,15 @@
 // Package prometheus exports what throttle limiters do as Prometheus
 // metrics.
 //
-// An Observer is a throttle.Observer and a prometheus.Collector: register it
-// once, and pass it to every limiter as throttle.Options.Observer. One Observer
-// serves any number of limiters; their series are told apart by the quota
-// label, the limiter's name. No label ever holds a call's Key, which may be a
+// An Observer is a prometheus.Collector whose Observe method is a
+// throttle.Options.Observer: register it once, and pass its Observe to
+// every limiter. One Observer serves any number of limiters; their series
+// are told apart by the quota label, the limiter's name. No label ever holds a call's Key, which may be a
 // secret and whose values are unbounded.
 //
 //	obs := throttleprom.New()
 //	prometheus.MustRegister(obs)
-//	lim, err := throttle.New(rdb, "twilio-sms", policy, throttle.Options{Observer: obs})
+//	lim, err := throttle.New(rdb, "twilio-sms", policy, throttle.Options{Observer: obs.Observe})
 //
 // The package is named prometheus, like client_golang's; import it under
 // another name, such as throttleprom. The metrics are listed in
@@ -214,7 +214,7 @@ func (o *Observer) collectors() []prometheus.Collector {
 	}
 }
 
-// Observe records one event. It implements throttle.Observer.
+// Observe records one event: pass it as throttle.Options.Observer.
 func (o *Observer) Observe(e throttle.Event) {
 	m := o.quota(e.Quota)
 	switch e.Kind {

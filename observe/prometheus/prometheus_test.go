@@ -312,7 +312,7 @@ func TestObserver_IgnoresUnknownKinds(t *testing.T) {
 	obs := throttleprom.New()
 	reg := prometheus.NewRegistry()
 	reg.MustRegister(obs)
-	obs.Observe(throttle.Event{Kind: throttle.EventKind(999), Quota: "q", Cost: 1})
+	obs.Observe(throttle.Event{Kind: throttle.EventKind("from_a_later_version"), Quota: "q", Cost: 1})
 	_, fams := scrape(t, reg)
 	if got := counter(t, fams, "throttle_calls_total", "outcome=admitted", "quota=q", "shadow=false"); got != 0 {
 		t.Errorf("an unknown kind counted as admitted: %v", got)
