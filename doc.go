@@ -31,7 +31,7 @@
 // pauses; and, from its refusals, the cap it really allows, which the
 // quota learns and then probes back up (see Permit.Refused).
 //
-//	client := &http.Client{Transport: throttle.NewTransport(http.DefaultTransport, lim)}
+//	client := &http.Client{Transport: &throttle.Transport{Limiter: lim}}
 //
 // When Redis fails, a call is refused with ErrUnavailable, made anyway, or
 // decided in-process, as Options.OnRedisError says. An Observer sees every

@@ -85,11 +85,9 @@ func missingRight(msg, prefix string) string {
 	return ""
 }
 
-// Is reports whether target is ErrUnavailable.
-func (e *UnavailableError) Is(target error) bool { return target == ErrUnavailable }
-
-// Unwrap returns what went wrong.
-func (e *UnavailableError) Unwrap() error { return e.Err }
+// Unwrap returns ErrUnavailable, which the error matches, and what went
+// wrong.
+func (e *UnavailableError) Unwrap() []error { return []error{ErrUnavailable, e.Err} }
 
 // ErrLimited is matched, through errors.Is, by every error that refuses a
 // call because the quota is full. The error is a *LimitedError, which says

@@ -190,7 +190,7 @@ func TestTransport_HeedsTheVendorsOwnHeaders(t *testing.T) {
 			if err != nil {
 				t.Fatal(err)
 			}
-			return u.Remaining()
+			return u.Remaining
 		}
 		if got := remainingAfter("requests", nil); got != 3 {
 			t.Errorf("a quota of requests has %d left, want the vendor's 3 requests", got)

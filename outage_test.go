@@ -430,7 +430,7 @@ func startTransportFleet(t *testing.T, lims []*Limiter, url string, workers int)
 	ctx, stop := context.WithCancel(context.Background())
 	f := &transportFleet{outageFleet{stop: stop}}
 	for i, lim := range lims {
-		client := &http.Client{Transport: NewTransport(http.DefaultTransport, lim)}
+		client := &http.Client{Transport: &Transport{Limiter: lim}}
 		for range workers {
 			f.wg.Go(func() {
 				for ctx.Err() == nil {

@@ -88,7 +88,7 @@ func TestPath_ACallGoesDownThroughEachFileOnce(t *testing.T) {
 			return err
 		}},
 		{"Transport", Block, func(lim *Limiter) error {
-			resp, err := (&http.Client{Transport: NewTransport(nil, lim)}).Get(vendor.URL)
+			resp, err := (&http.Client{Transport: &Transport{Limiter: lim}}).Get(vendor.URL)
 			if err == nil {
 				resp.Body.Close()
 			}

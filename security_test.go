@@ -135,7 +135,7 @@ func securityPaths(t *testing.T, rdb redis.UniversalClient) {
 	if err := lim.SetRemaining(ctx, 0, securityWindow, key); err != nil {
 		t.Fatalf("SetRemaining: %v", err)
 	}
-	if n := usage("the vendor has none left", lim, key).Remaining(); n != 0 {
+	if n := usage("the vendor has none left", lim, key).Remaining; n != 0 {
 		t.Errorf("%d units remaining after the vendor said none are, want 0", n)
 	}
 	if err := lim.Pause(ctx, securityWindow, key); err != nil {

@@ -166,13 +166,6 @@ type Transport struct {
 	t    *transport
 }
 
-// NewTransport returns a Transport that takes requests through lim and
-// sends them with base (nil: http.DefaultTransport), with every other field
-// at its default: &Transport{Base: base, Limiter: lim}.
-func NewTransport(base http.RoundTripper, lim *Limiter) *Transport {
-	return &Transport{Base: base, Limiter: lim}
-}
-
 // A Route sends the requests that match it through Limiter instead of the
 // Transport's: GitHub's search API allows 30 calls a minute beside 5000 an
 // hour for the rest. A nil Limiter lets the requests that match through

@@ -18,6 +18,9 @@ type Usage struct {
 	// with their calls. The windows' margins follow it (see
 	// policies.SlidingLog.Margin).
 	Spread time.Duration
+	// Remaining is the units a call could take now under every rule: the
+	// least of the rules' Remaining.
+	Remaining int
 	// Rules holds the usage of each rule, in the order of policies.Rules.
 	Rules []RuleUsage
 }
@@ -45,18 +48,6 @@ type RuleUsage struct {
 	// from the vendor's refusals holds (see Permit.Refused). For a
 	// TokenBucket, the units of a burst's span, whose rate falls with it.
 	Limit int
-}
-
-// Remaining returns the units a call could take now under every rule.
-func (u Usage) Remaining() int {
-	if len(u.Rules) == 0 {
-		return 0
-	}
-	n := u.Rules[0].Remaining
-	for _, r := range u.Rules[1:] {
-		n = min(n, r.Remaining)
-	}
-	return n
 }
 
 // Usage reads how full the quota is, for the call's Key when it has per-key
@@ -93,6 +84,9 @@ func (l *Limiter) Usage(ctx context.Context, opts ...CallOption) (Usage, error) 
 			Margin:    us(w[4]),
 			Limit:     int(w[5]),
 		})
+		if i == 0 || u.Rules[i].Remaining < u.Remaining {
+			u.Remaining = u.Rules[i].Remaining
+		}
 	}
 	return u, nil
 }

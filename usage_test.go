@@ -60,8 +60,8 @@ func TestUsage_ReadsEveryRuleWithoutChangingIt(t *testing.T) {
 				t.Errorf("rule %d (%v): %+v, want %+v", i, u.Rules[i].Rule.Kind, got, w)
 			}
 		}
-		if u.Remaining() != 0 {
-			t.Errorf("Remaining() %d, want 0", u.Remaining())
+		if u.Remaining != 0 {
+			t.Errorf("Remaining %d, want 0", u.Remaining)
 		}
 	})
 }

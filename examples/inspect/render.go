@@ -44,7 +44,7 @@ func render(w io.Writer, f frame) {
 	if f.Usage.Paused > 0 {
 		paused = "for " + until(f.Usage.Paused) + ", at the vendor's request"
 	}
-	fmt.Fprintf(w, "paused: %s   remaining under every rule: %d\n\n", paused, f.Usage.Remaining())
+	fmt.Fprintf(w, "paused: %s   remaining under every rule: %d\n\n", paused, f.Usage.Remaining)
 
 	tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', 0)
 	fmt.Fprintln(tw, "#\tscope\tkind\tlimit\twindow\tused\tbooked\tremaining\tnext free\tfull")
