@@ -43,7 +43,7 @@ type simPolicy struct {
 // event is a fault, or a change of the fleet, at a time of the run.
 type event struct {
 	At      time.Duration
-	Kind    string        // kill, flush, scriptflush, step, freeze, cut, failover, stall, leave
+	Kind    string        // kill, flush, scriptflush, step, freeze, cut, failover, stall, leave, deploy
 	Replica int           // for cut, stall, leave
 	For     time.Duration // how long it lasts; for step, how far (negative: back); for failover, how far behind the copy is
 }
@@ -125,7 +125,36 @@ func drawSchedule(seed uint64) schedule {
 	}
 	s.Length = max(6*s.Policy.Window, 3*time.Second)
 	s.Events = drawEvents(rng, s)
+	s.Events = append(s.Events, drawDeploy(seed, s)...)
 	return s
+}
+
+// drawDeploy returns, for one schedule in four of a log or counter policy,
+// a deploy that changes the rule's kind (a log to a counter, or back) over
+// the same limit and windows, after the other events: a rule of another
+// kind starts on a key of its own, empty, while the vendor still counts the
+// calls the old one admitted. It draws from a stream of its own, so that
+// the other draws of a seed stay what they were.
+func drawDeploy(seed uint64, s schedule) []event {
+	rng := rand.New(rand.NewPCG(seed, 0x6465706c6f79))
+	if s.Policy.Kind != "log" && s.Policy.Kind != "counter" || rng.IntN(4) != 0 {
+		return nil
+	}
+	at := max(s.Length/5, slices.Max(s.Join)+20*slices.Max(s.Latency)+100*time.Millisecond)
+	if n := len(s.Events); n > 0 {
+		at = s.Events[n-1].end() + s.Policy.longest()
+	}
+	if at >= s.Length*3/4 {
+		return nil
+	}
+	return []event{{At: at + time.Duration(rng.Int64N(int64(s.Length/5))), Kind: "deploy"}}
+}
+
+// deployed returns the policy a deploy event changes s's to.
+func (s schedule) deployed() simPolicy {
+	p := s.Policy
+	p.Kind = map[string]string{"log": "counter", "counter": "log"}[p.Kind]
+	return p
 }
 
 // drawEvents draws up to three faults, apart from each other, after every

@@ -204,15 +204,9 @@ func run(s schedule) outcome {
 			MaintNotificationsConfig: &maintnotifications.Config{Mode: maintnotifications.ModeDisabled},
 		})
 		rep.rdb.AddHook(scriptCounter{w})
-		var err error
-		rep.lim, err = New(rep.rdb, "sim", s.Policy.policy(), Options{
-			Mode: s.Mode, OnRedisError: s.OnError, ExpectedReplicas: s.Replicas, Logger: quiet(),
-		})
-		if err != nil {
-			panic(fmt.Sprintf("seed %d: %v", s.Seed, err))
-		}
+		rep.lim.Store(rep.newLimiter(s.Policy))
 		replicas[i] = rep
-		wg.Go(func() { rep.run(&wg) })
+		wg.Go(rep.run)
 	}
 	var events sync.WaitGroup
 	playEvents(ctx, &events, s, redisDB, replicas, w, start)
@@ -270,36 +264,84 @@ type simReplica struct {
 	i    int
 	w    *world
 	rdb  *redis.Client
-	lim  *Limiter
+	lim  atomic.Pointer[Limiter] // replaced by a deploy
 	ctx  context.Context
 	stop context.CancelFunc
 	once sync.Once
+
+	mu      sync.Mutex
+	version context.CancelFunc // stops the workers of the version running
+	workers *sync.WaitGroup    // and waits for them
 }
 
-// run starts the replica's workers at its join time.
-func (r *simReplica) run(wg *sync.WaitGroup) {
+// newLimiter returns a limiter of the replica's quota under policy p.
+func (r *simReplica) newLimiter(p simPolicy) *Limiter {
+	s := r.w.s
+	lim, err := New(r.rdb, "sim", p.policy(), Options{
+		Mode: s.Mode, OnRedisError: s.OnError, ExpectedReplicas: s.Replicas, Logger: quiet(),
+	})
+	if err != nil {
+		panic(fmt.Sprintf("seed %d: %v", s.Seed, err))
+	}
+	return lim
+}
+
+// deploy restarts the replica under policy p, as a deploy that stops the
+// old version before it starts the new one does: the old version's calls
+// still waiting for their slots give up, those under way finish, and the
+// new version's workers start.
+func (r *simReplica) deploy(p simPolicy) {
+	r.mu.Lock()
+	stop, workers := r.version, r.workers
+	r.mu.Unlock()
+	if stop == nil || r.ctx.Err() != nil {
+		return // not started yet, or gone
+	}
+	stop()
+	workers.Wait()
+	_ = r.lim.Swap(r.newLimiter(p)).Close(context.Background())
+	r.start()
+}
+
+// start starts a version of the replica: its workers.
+func (r *simReplica) start() {
+	ctx, stop := context.WithCancel(r.ctx)
+	workers := &sync.WaitGroup{}
+	r.mu.Lock()
+	r.version, r.workers = stop, workers
+	r.mu.Unlock()
+	for k := range r.w.s.Workers {
+		workers.Go(func() { r.work(ctx, uint64(k)) })
+	}
+}
+
+// run starts the replica's workers at its join time, and waits for them.
+func (r *simReplica) run() {
 	s := r.w.s
 	if !sleepUntil(r.ctx, s.Join[r.i]-r.w.since()) {
 		return
 	}
-	for k := range s.Workers {
-		wg.Go(func() { r.work(uint64(k)) })
-	}
+	r.start()
+	<-r.ctx.Done()
+	r.mu.Lock()
+	workers := r.workers
+	r.mu.Unlock()
+	workers.Wait()
 }
 
 // work calls through Do in a loop, as a worker that backs off on errors.
-func (r *simReplica) work(k uint64) {
+func (r *simReplica) work(version context.Context, k uint64) {
 	s := r.w.s
 	rng := rand.New(rand.NewPCG(s.Seed, uint64(r.i)<<32|k))
-	for r.ctx.Err() == nil {
+	for version.Err() == nil {
 		cost := 1 + rng.IntN(s.MaxCost)
 		key := ""
 		if s.Keys > 0 {
 			key = "k" + strconv.Itoa(rng.IntN(s.Keys))
 		}
-		ctx, cancel := r.ctx, context.CancelFunc(func() {})
+		ctx, cancel := version, context.CancelFunc(func() {})
 		if s.Deadline > 0 {
-			ctx, cancel = context.WithTimeout(r.ctx, s.Deadline)
+			ctx, cancel = context.WithTimeout(version, s.Deadline)
 		}
 		c := simCall{replica: r.i, began: r.w.since()}
 		// The vendor's time on a call: up to 5 ms, and 5 to 50 ms under a
@@ -316,7 +358,7 @@ func (r *simReplica) work(k uint64) {
 			opts = append(opts, Key(key))
 		}
 		unwatch := watchDeadline(s.Deadline)
-		_, err := Do(ctx, r.lim, func(ctx context.Context) (struct{}, error) {
+		_, err := Do(ctx, r.lim.Load(), func(ctx context.Context) (struct{}, error) {
 			time.Sleep(s.Vendor + r.w.jitter())
 			r.w.arrive(r.i, cost, key, PermitFrom(ctx).r.local, hold)
 			c.fnEnd = r.w.since()
@@ -336,9 +378,9 @@ func (r *simReplica) work(k uint64) {
 		switch {
 		case err == nil:
 		case errors.As(err, &le):
-			sleepUntil(r.ctx, min(max(le.RetryAfter, 10*time.Millisecond), 100*time.Millisecond))
+			sleepUntil(version, min(max(le.RetryAfter, 10*time.Millisecond), 100*time.Millisecond))
 		default:
-			sleepUntil(r.ctx, 10*time.Millisecond)
+			sleepUntil(version, 10*time.Millisecond)
 		}
 	}
 }
@@ -347,7 +389,7 @@ func (r *simReplica) work(k uint64) {
 func (r *simReplica) close() {
 	r.once.Do(func() {
 		r.stop()
-		_ = r.lim.Close(context.Background())
+		_ = r.lim.Load().Close(context.Background())
 		_ = r.rdb.Close()
 	})
 }
@@ -404,6 +446,12 @@ func playEvents(ctx context.Context, wg *sync.WaitGroup, s schedule, r *sim.Redi
 				w.stalls[e.Replica].Store(0)
 			case "leave":
 				replicas[e.Replica].close()
+			case "deploy":
+				// Every replica at once, the new policy's rule of another
+				// kind over the same windows (see deployed).
+				for _, rep := range replicas {
+					rep.deploy(s.deployed())
+				}
 			}
 		})
 	}
