@@ -272,6 +272,8 @@ type simReplica struct {
 	mu      sync.Mutex
 	version context.CancelFunc // stops the workers of the version running
 	workers *sync.WaitGroup    // and waits for them
+	all     sync.WaitGroup     // the workers of every version
+	done    bool               // run waits for all: no version starts
 }
 
 // newLimiter returns a limiter of the replica's quota under policy p.
@@ -303,15 +305,24 @@ func (r *simReplica) deploy(p simPolicy) {
 	r.start()
 }
 
-// start starts a version of the replica: its workers.
+// start starts a version of the replica, its workers, unless the replica
+// is done.
 func (r *simReplica) start() {
 	ctx, stop := context.WithCancel(r.ctx)
 	workers := &sync.WaitGroup{}
 	r.mu.Lock()
+	defer r.mu.Unlock()
+	if r.done {
+		stop()
+		return
+	}
 	r.version, r.workers = stop, workers
-	r.mu.Unlock()
 	for k := range r.w.s.Workers {
-		workers.Go(func() { r.work(ctx, uint64(k)) })
+		workers.Add(1)
+		r.all.Go(func() {
+			defer workers.Done()
+			r.work(ctx, uint64(k))
+		})
 	}
 }
 
@@ -324,9 +335,9 @@ func (r *simReplica) run() {
 	r.start()
 	<-r.ctx.Done()
 	r.mu.Lock()
-	workers := r.workers
+	r.done = true
 	r.mu.Unlock()
-	workers.Wait()
+	r.all.Wait()
 }
 
 // work calls through Do in a loop, as a worker that backs off on errors.
