@@ -212,21 +212,33 @@ func (l *Limiter) decide(sc scope, batch []*request) {
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), l.s.redisTimeout)
 	defer cancel()
-	// The scopes of the script call, sc first: its keys are the script's
-	// KEYS, and the others' keys follow the arguments.
-	scopes := []scope{sc}
-	index := map[string]int{sc.id: 1}
-	scopeOf := func(s scope) int {
-		if i, ok := index[s.id]; ok {
-			return i
-		}
-		scopes = append(scopes, s)
-		index[s.id] = len(scopes)
-		return len(scopes)
+	args, members := l.batchArgs(sc, batch, lateOf(batch, give), spares, spareCost)
+	// A gap in the news from now on, however soon, may hide what would
+	// make these decisions unusable.
+	gaps := l.gaps.Load()
+	sent := l.timing.now()
+	v, err := l.run(ctx, scripts.acquire, sc, args).Int64Slice()
+	recvd := l.timing.now()
+	var rep acquireReply
+	if err == nil {
+		rep, err = decodeAcquire(v, len(batch)+spares)
 	}
+	if err != nil {
+		l.failBatch(batch, recvd-sent, err)
+		return
+	}
+	stale := l.noteAcquireReply(sc, rep, len(batch), sent, recvd)
+	// The spares first: a caller that has its decision finds the pool it
+	// filled (and Close, after the last call, gives it back).
+	l.keepSpares(sc, batch, rep, members, spareCost, stale, gaps)
+	l.finishBatch(sc, batch, rep, stale, gaps)
+}
+
+// lateOf returns the bookings a script call gives back: those of the calls
+// of batch that got a slot too late to start in, then give.
+func lateOf(batch []*request, give []result) []*result {
 	var late []*result
 	for _, req := range batch {
-		scopeOf(req.sc)
 		if req.late != nil {
 			late = append(late, req.late)
 		}
@@ -234,22 +246,38 @@ func (l *Limiter) decide(sc scope, batch []*request) {
 	for i := range give {
 		late = append(late, &give[i])
 	}
-	for _, r := range late {
-		scopeOf(r.scope)
-	}
-	args := l.acquireArgs(len(batch)+spares, len(late))
-	// A forward step of Redis's clock larger than the margin shortened the
-	// windows by that much: the script counts it as a loss, unless one
-	// found after the step already did. A loss before the step is dated by
-	// the old clock, at least by before the reply that showed the step; one
-	// after it, by the new clock; half the step tells them apart.
-	stepped := int64(0)
-	if seq, by, at := l.timing.step(); seq > l.seenStep.Load() {
-		l.seenStep.Store(seq)
-		if by > l.minMargin {
-			stepped = (at - by/2).Microseconds()
+	return late
+}
+
+// scriptScopes returns the scopes of a script call for sc, the calls of
+// batch and the bookings late to give back, and the place of each by its
+// id, from 1. sc comes first: its keys are the script's KEYS, and the
+// others' keys follow the arguments.
+func scriptScopes(sc scope, batch []*request, late []*result) ([]scope, map[string]int) {
+	scopes := []scope{sc}
+	index := map[string]int{sc.id: 1}
+	add := func(s scope) {
+		if _, ok := index[s.id]; !ok {
+			scopes = append(scopes, s)
+			index[s.id] = len(scopes)
 		}
 	}
+	for _, req := range batch {
+		add(req.sc)
+	}
+	for _, r := range late {
+		add(r.scope)
+	}
+	return scopes, index
+}
+
+// batchArgs returns the arguments of the acquire script that decides the
+// calls of batch, gives back the bookings late, and takes spares spare
+// admissions of cost spareCost for sc, and the members of those spares.
+func (l *Limiter) batchArgs(sc scope, batch []*request, late []*result, spares, spareCost int) ([]any, []string) {
+	scopes, index := scriptScopes(sc, batch, late)
+	args := l.acquireArgs(len(batch)+spares, len(late))
+	stepped := l.newStep()
 	args = append(args, l.lates.report(), l.timing.delay().Microseconds(), l.policyID, stepped, len(scopes))
 	for _, s := range scopes[1:] {
 		for _, k := range s.keys[1:] {
@@ -267,59 +295,82 @@ func (l *Limiter) decide(sc scope, batch []*request) {
 		members[i] = l.newMember()
 		args = append(args, members[i], spareCost, 0, 0, 1)
 	}
-	// A gap in the news from now on, however soon, may hide what would
-	// make these decisions unusable.
-	gaps := l.gaps.Load()
-	sent := l.timing.now()
-	v, err := l.run(ctx, scripts.acquire, sc, args).Int64Slice()
-	recvd := l.timing.now()
-	var rep acquireReply
-	if err == nil {
-		rep, err = decodeAcquire(v, len(batch)+spares)
+	return args, members
+}
+
+// newStep returns when Redis's clock stepped forward by more than the
+// margin, in microseconds, if no script call was told of that step yet;
+// otherwise 0.
+//
+// A forward step of Redis's clock larger than the margin shortened the
+// windows by that much: the script counts it as a loss, unless one found
+// after the step already did. A loss before the step is dated by the old
+// clock, at least by before the reply that showed the step; one after it,
+// by the new clock; half the step tells them apart.
+func (l *Limiter) newStep() int64 {
+	seq, by, at := l.timing.step()
+	if seq <= l.seenStep.Load() {
+		return 0
 	}
-	if err != nil {
-		l.lastFailure.Store(time.Now().UnixNano())
-		l.emit(Event{Kind: EventRedis, Duration: recvd - sent, Calls: len(batch), Err: err})
-		err = l.unavailable(err)
-		for _, req := range batch {
-			req.finish(result{}, err)
-		}
-		return
+	l.seenStep.Store(seq)
+	if by <= l.minMargin {
+		return 0
 	}
+	return (at - by/2).Microseconds()
+}
+
+// failBatch fails every call of batch with err, the failure of a script
+// call that took d.
+func (l *Limiter) failBatch(batch []*request, d time.Duration, err error) {
+	l.lastFailure.Store(time.Now().UnixNano())
+	l.emit(Event{Kind: EventRedis, Duration: d, Calls: len(batch), Err: err})
+	err = l.unavailable(err)
+	for _, req := range batch {
+		req.finish(result{}, err)
+	}
+}
+
+// noteAcquireReply notes that Redis answered a script call that decided n
+// calls of scope sc, and learns what its reply rep tells: Redis's clock,
+// the pause of sc, the quota's epoch and scripts. It reports whether the
+// decisions are stale.
+func (l *Limiter) noteAcquireReply(sc scope, rep acquireReply, n int, sent, recvd time.Duration) (stale bool) {
 	l.answered()
-	now, margin, done := rep.now, rep.margin, rep.done
-	l.emit(Event{Kind: EventRedis, Duration: recvd - sent, Calls: len(batch), Margin: margin})
+	l.emit(Event{Kind: EventRedis, Duration: recvd - sent, Calls: n, Margin: rep.margin})
 	before, _, _ := l.timing.step()
-	l.timing.observe(now, done, sent, recvd)
+	l.timing.observe(rep.now, rep.done, sent, recvd)
 	// Decided by a clock that just stepped forward: the calls go back and
 	// ask again, the step now known.
 	after, by, _ := l.timing.step()
-	stale := after > before && by > l.minMargin
-	l.notePause(sc, now, rep.pause)
+	stale = after > before && by > l.minMargin
+	l.notePause(sc, rep.now, rep.pause)
 	newEpoch := l.epoch.Load() != rep.epoch
 	l.noteEpoch(rep.epoch, rep.lost)
 	l.noteScripts(newEpoch, rep.seq)
-	// The spares first: a caller that has its decision finds the pool it
-	// filled (and Close, after the last call, gives it back).
-	l.keepSpares(sc, batch, rep, members, spareCost, stale, gaps)
+	return stale
+}
+
+// finishBatch hands each call of batch its decision in rep, and gives back
+// the booking of a caller that gave up meanwhile.
+func (l *Limiter) finishBatch(sc scope, batch []*request, rep acquireReply, stale bool, gaps uint64) {
 	for i, req := range batch {
 		c := rep.calls[i]
 		if req.sc.id != sc.id {
-			l.notePause(req.sc, now, c.pause)
+			l.notePause(req.sc, rep.now, c.pause)
 		}
 		r := result{
 			admitted:  c.admitted,
 			wait:      c.wait,
 			remaining: c.remaining,
 			reason:    c.reason,
-			now:       now,
+			now:       rep.now,
 			pause:     c.pause,
 			scope:     req.sc,
 			member:    req.member,
 			cost:      req.c.cost,
 			epoch:     rep.epoch,
-			margin:    margin,
-			done:      done,
+			margin:    rep.margin,
+			done:      rep.done,
 			stale:     stale,
 			gaps:      gaps,
 		}

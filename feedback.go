@@ -272,43 +272,68 @@ func (p *Permit) Heard(ctx context.Context, a Answer) (pause time.Duration, refu
 		return 0, false, errors.New("throttle: Heard: the permit is nil")
 	}
 	l := p.l
-	if err := errors.Join(a.Requests.check("Answer.Requests"), a.Tokens.check("Answer.Tokens")); err != nil {
+	if err := a.check(); err != nil {
 		return 0, false, fmt.Errorf("throttle: quota %q: Heard: %w", l.name, err)
 	}
-	if a.RetryAfter < 0 || a.DefaultPause < 0 {
-		return 0, false, fmt.Errorf("throttle: quota %q: Heard: Answer.RetryAfter and Answer.DefaultPause must not be negative, got %v and %v",
-			l.name, a.RetryAfter, a.DefaultPause)
-	}
 	requests, tokens := a.Requests.count(), a.Tokens.count()
+	said := p.counts(a, requests, tokens)
+	pause, refused = a.refusal(requests, untilReset(requests, tokens))
+	pause = min(pause, maxPause)
+	if refused {
+		l.emit(Event{Kind: EventVendorLimited})
+	}
+	return pause, refused, p.tell(ctx, said, pause, a.teaches(said, refused))
+}
+
+// check reports a negative field of the answer.
+func (a Answer) check() error {
+	if err := errors.Join(a.Requests.check("Answer.Requests"), a.Tokens.check("Answer.Tokens")); err != nil {
+		return err
+	}
+	if a.RetryAfter < 0 || a.DefaultPause < 0 {
+		return fmt.Errorf("Answer.RetryAfter and Answer.DefaultPause must not be negative, got %v and %v",
+			a.RetryAfter, a.DefaultPause)
+	}
+	return nil
+}
+
+// untilReset returns the pause that the vendor's counts ask: until the
+// reset of a count with nothing left.
+func untilReset(requests, tokens vendorCount) time.Duration {
+	var pause time.Duration
 	if requests.left == 0 {
 		pause = requests.reset
 	}
 	if tokens.left == 0 {
 		pause = max(pause, tokens.reset)
 	}
-	// The vendor's counts, as the quota's rules keep them: the rules that
-	// count units follow its count of tokens when the call's Cost was given
-	// and the vendor counts tokens, else its count of requests;
-	// policies.PerCall rules follow its count of requests.
+	return pause
+}
+
+// counts returns the vendor's counts, requests and tokens, as the quota's
+// rules keep them: the rules that count units follow its count of tokens
+// when the call's Cost was given and the vendor counts tokens, else its
+// count of requests; policies.PerCall rules follow its count of requests.
+func (p *Permit) counts(a Answer, requests, tokens vendorCount) vendorSaid {
 	said := vendorSaid{units: requests, calls: unknownCount}
 	switch {
 	case p.call.hasCost && a.Tokens != nil:
 		said.units = tokens
-	case p.call.hasCost && l.callRules:
+	case p.call.hasCost && p.l.callRules:
 		said.units = unknownCount // the vendor counts requests alone
 	}
-	if l.callRules {
+	if p.l.callRules {
 		said.calls = requests
 	}
-	// The count that says whether the vendor refused for being over its
-	// limit: the units', or the requests' when the units' is unknown.
-	remaining, limit := said.units.left, said.units.limit
-	if remaining < 0 {
-		remaining, limit = said.calls.left, said.calls.limit
-	}
+	return said
+}
+
+// refusal reports whether the answer refuses the call for being over the
+// vendor's rate limit, and the pause it asks: pause, what its counts ask,
+// or longer.
+func (a Answer) refusal(requests vendorCount, pause time.Duration) (time.Duration, bool) {
 	switch {
 	case a.Status == http.StatusTooManyRequests:
-		refused = true
 		pause = max(pause, a.RetryAfter)
 		if pause == 0 && !a.HasRetryAfter {
 			d := a.DefaultPause
@@ -317,42 +342,58 @@ func (p *Permit) Heard(ctx context.Context, a Answer) (pause time.Duration, refu
 			}
 			pause = d + rand.N(d/4+1)
 		}
+		return pause, true
 	case a.Status == http.StatusServiceUnavailable && a.HasRetryAfter:
-		refused = true
-		pause = max(pause, a.RetryAfter)
+		return max(pause, a.RetryAfter), true
 	case a.Status == http.StatusForbidden && (requests.left == 0 && pause > 0 || a.HasRetryAfter):
 		// GitHub's ways of refusing a call over its primary rate limit
 		// (nothing left until the reset), or over a secondary one.
-		refused = true
-		pause = max(pause, a.RetryAfter)
+		return max(pause, a.RetryAfter), true
 	}
-	pause = min(pause, maxPause)
-	if refused {
-		l.emit(Event{Kind: EventVendorLimited})
+	return pause, false
+}
+
+// teaches reports whether the answer, with the counts said, teaches the
+// quota the vendor's cap.
+//
+// A refusal teaches the quota the vendor's cap (Permit.Refused): the
+// limit the vendor states with it, or, when it says nothing of its
+// count, what the fleet admitted before the call. A refusal that gives
+// a count of units left without a limit is heeded through the count:
+// nothing left until the reset is a pause, units left mean a secondary
+// limit or a limit of one endpoint, not the quota's. An overloaded
+// vendor (503) teaches nothing, nor does a refusal that Discord says is
+// about a resource shared with others.
+//
+// An answer that says nothing is left of a limit it states teaches that
+// limit too, refused or not: the fleet has just used it all. A refusal
+// with Retry-After: 0 teaches nothing: a vendor over a window's cap
+// says when there is room, and this one says there is room now.
+func (a Answer) teaches(said vendorSaid, refused bool) bool {
+	// The count that says whether the vendor refused for being over its
+	// limit: the units', or the requests' when the units' is unknown.
+	remaining, limit := said.units.left, said.units.limit
+	if remaining < 0 {
+		remaining, limit = said.calls.left, said.calls.limit
 	}
-	// A refusal teaches the quota the vendor's cap (Permit.Refused): the
-	// limit the vendor states with it, or, when it says nothing of its
-	// count, what the fleet admitted before the call. A refusal that gives
-	// a count of units left without a limit is heeded through the count:
-	// nothing left until the reset is a pause, units left mean a secondary
-	// limit or a limit of one endpoint, not the quota's. An overloaded
-	// vendor (503) teaches nothing, nor does a refusal that Discord says is
-	// about a resource shared with others.
-	//
-	// An answer that says nothing is left of a limit it states teaches that
-	// limit too, refused or not: the fleet has just used it all. A refusal
-	// with Retry-After: 0 teaches nothing: a vendor over a window's cap
-	// says when there is room, and this one says there is room now.
 	retryNow := a.HasRetryAfter && a.RetryAfter == 0
-	learn := a.Status != http.StatusServiceUnavailable && !a.Shared &&
+	return a.Status != http.StatusServiceUnavailable && !a.Shared &&
 		(refused && remaining < 0 && !retryNow || remaining == 0 && limit > 0)
+}
+
+// tell makes known to the fleet what the vendor's answer said, and the
+// pause it asks: a cap to learn, when learn, or a pause, or a count that
+// lowers the quota's. It asks Redis nothing when the answer tells the
+// quota nothing.
+func (p *Permit) tell(ctx context.Context, said vendorSaid, pause time.Duration, learn bool) error {
+	l := p.l
 	switch {
 	case learn && !l.s.noLearning:
 		said.pause, said.learn = pause, true
 		said.units.left, said.calls.left = -1, -1
-		err = l.feedback(ctx, said, p.r, p.opts())
+		return l.feedback(ctx, said, p.r, p.opts())
 	case pause > 0:
-		err = l.Pause(ctx, pause, p.opts()...)
+		return l.Pause(ctx, pause, p.opts()...)
 	case (said.units.left >= 0 || said.calls.left >= 0) && countsCalls(l) &&
 		(l.hasConc || l.callRules || said.units.left < p.r.remaining):
 		// The count only ever believes fewer are left after it admitted
@@ -363,9 +404,9 @@ func (p *Permit) Heard(ctx context.Context, a Answer) (pause time.Duration, refu
 		// as of this call: calls admitted after it, on their way, are not
 		// in its number.
 		said.units.limit, said.calls.limit = 0, 0
-		err = l.feedback(ctx, said, p.r, p.opts())
+		return l.feedback(ctx, said, p.r, p.opts())
 	}
-	return pause, refused, err
+	return nil
 }
 
 // countsCalls reports whether the quota has a rule that counts calls over

@@ -91,6 +91,28 @@ func (lo *local) decide(sc scope, c call, member string, maxWait time.Duration) 
 	defer lo.mu.Unlock()
 	now := time.Now()
 	lo.sweep(now)
+	remaining := lo.remaining(sc, now)
+	if wait, busy := lo.busyFor(sc, c, now); busy {
+		return result{reason: reasonBusy, wait: wait, remaining: remaining, local: true}
+	}
+	t := lo.slot(sc, c, now)
+	wait := t.Sub(now)
+	if wait > maxWait {
+		return result{reason: reasonTooFar, wait: wait, remaining: remaining, local: true}
+	}
+	lo.book(sc, c, member, t)
+	if remaining -= c.cost; remaining < 0 || wait > 0 {
+		remaining = 0
+	}
+	// The slot in local time, for the late-start guard: a call of a busy
+	// process that wakes later after it than half the margin would crowd
+	// the windows after it, without Redis as with it.
+	at := time.Duration(now.UnixNano())
+	return result{admitted: true, wait: wait, remaining: remaining, local: true, now: at, done: at, margin: lo.margin}
+}
+
+// remaining returns the units free now under the tightest rule of scope sc.
+func (lo *local) remaining(sc scope, now time.Time) int {
 	remaining := -1
 	for i, r := range lo.rules {
 		lg := lo.log(i, sc)
@@ -107,6 +129,32 @@ func (lo *local) decide(sc scope, c call, member string, maxWait time.Duration) 
 			remaining = max(free, 0)
 		}
 	}
+	return remaining
+}
+
+// busyFor reports whether a concurrency rule has no slot free for the call,
+// and how long until one may free up.
+func (lo *local) busyFor(sc scope, c call, now time.Time) (time.Duration, bool) {
+	for i, r := range lo.rules {
+		if r.Kind != policies.KindConcurrency {
+			continue
+		}
+		// The slots held through Redis when it failed are still
+		// taken until their leases run out: no one here knows which.
+		if freeAt := lo.full.Add(r.Lease); now.Before(freeAt) {
+			return freeAt.Sub(now), true
+		}
+		if lo.log(i, sc).unitsAfter(now)+unitsOf(r, c.cost) > r.Limit {
+			return r.Lease, true
+		}
+	}
+	return 0, false
+}
+
+// slot returns the earliest time from now at which the call fits every
+// rule that counts over time, and no sooner than a window after the
+// fallback took over (see takeOver).
+func (lo *local) slot(sc scope, c call, now time.Time) time.Time {
 	t := now
 	for _, r := range lo.rules {
 		switch r.Kind {
@@ -119,42 +167,39 @@ func (lo *local) decide(sc scope, c call, member string, maxWait time.Duration) 
 	for moved := true; moved; {
 		moved = false
 		for i, r := range lo.rules {
-			lg := lo.log(i, sc)
-			cost := unitsOf(r, c.cost)
-			u := t
-			switch r.Kind {
-			case policies.KindConcurrency:
-				// The slots held through Redis when it failed are still
-				// taken until their leases run out: no one here knows which.
-				if freeAt := lo.full.Add(r.Lease); now.Before(freeAt) {
-					return result{reason: reasonBusy, wait: freeAt.Sub(now), remaining: remaining, local: true}
-				}
-				if lg.unitsAfter(now)+cost > r.Limit {
-					return result{reason: reasonBusy, wait: r.Lease, remaining: remaining, local: true}
-				}
-			case policies.KindTokenBucket:
-				u = maxTime(t, lg.tat.Add(-time.Duration(r.Limit-cost)*r.Every))
-			default:
-				// The earliest time after which at most Limit-cost units of
-				// the log lie within a window of it.
-				over := lg.unitsAfter(t.Add(-r.Window)) + cost - r.Limit
-				for j := 0; over > 0 && j < len(lg.entries); j++ {
-					e := lg.entries[j]
-					if e.at.After(t.Add(-r.Window)) {
-						u = e.at.Add(r.Window)
-						over -= e.cost
-					}
-				}
-			}
-			if u.After(t) {
+			if u := lo.log(i, sc).earliest(r, unitsOf(r, c.cost), t); u.After(t) {
 				t, moved = u, true
 			}
 		}
 	}
-	wait := t.Sub(now)
-	if wait > maxWait {
-		return result{reason: reasonTooFar, wait: wait, remaining: remaining, local: true}
+	return t
+}
+
+// earliest returns the earliest time from t at which rule r admits cost
+// more units of the log. A concurrency rule does not count over time: t.
+func (lg *localLog) earliest(r policies.Rule, cost int, t time.Time) time.Time {
+	switch r.Kind {
+	case policies.KindConcurrency:
+		return t
+	case policies.KindTokenBucket:
+		return maxTime(t, lg.tat.Add(-time.Duration(r.Limit-cost)*r.Every))
 	}
+	// The earliest time after which at most Limit-cost units of
+	// the log lie within a window of it.
+	u := t
+	over := lg.unitsAfter(t.Add(-r.Window)) + cost - r.Limit
+	for j := 0; over > 0 && j < len(lg.entries); j++ {
+		e := lg.entries[j]
+		if e.at.After(t.Add(-r.Window)) {
+			u = e.at.Add(r.Window)
+			over -= e.cost
+		}
+	}
+	return u
+}
+
+// book admits the call at t, its slot, under every rule.
+func (lo *local) book(sc scope, c call, member string, t time.Time) {
 	lo.admits++
 	for i, r := range lo.rules {
 		lg := lo.log(i, sc)
@@ -168,14 +213,6 @@ func (lo *local) decide(sc scope, c call, member string, maxWait time.Duration) 
 			lg.insert(localEntry{at: t, cost: cost, id: member})
 		}
 	}
-	if remaining -= c.cost; remaining < 0 || wait > 0 {
-		remaining = 0
-	}
-	// The slot in local time, for the late-start guard: a call of a busy
-	// process that wakes later after it than half the margin would crowd
-	// the windows after it, without Redis as with it.
-	at := time.Duration(now.UnixNano())
-	return result{admitted: true, wait: wait, remaining: remaining, local: true, now: at, done: at, margin: lo.margin}
 }
 
 func (lg *localLog) insert(e localEntry) {

@@ -229,33 +229,13 @@ func (t *Transport) compile() *transport {
 	if c.pause == 0 {
 		c.pause = defaultPause
 	}
-	invalid := func(field, format string, args ...any) {
-		if c.err == nil {
-			c.err = fmt.Errorf("throttle: Transport.%s: "+format, append([]any{field}, args...)...)
-		}
-	}
 	if c.maxRetryTime < 0 {
-		invalid("MaxRetryTime", "must not be negative, got %v", c.maxRetryTime)
+		c.invalid("MaxRetryTime", "must not be negative, got %v", c.maxRetryTime)
 	}
 	if c.pause < 0 {
-		invalid("DefaultPause", "must not be negative, got %v", c.pause)
+		c.invalid("DefaultPause", "must not be negative, got %v", c.pause)
 	}
-	for i, r := range t.Routes {
-		field := fmt.Sprintf("Routes[%d]", i)
-		switch {
-		case r.Match != nil && r.Pattern != "":
-			invalid(field, "set Pattern %q or Match, not both", r.Pattern)
-		case r.Match != nil:
-			c.routes = append(c.routes, route{match: r.Match, lim: r.Limiter})
-		default:
-			match, err := matchPattern(r.Pattern)
-			if err != nil {
-				invalid(field, "%v", err)
-				continue
-			}
-			c.routes = append(c.routes, route{match: match, lim: r.Limiter})
-		}
-	}
+	c.addRoutes(t.Routes)
 	c.holds = map[*Limiter]bool{c.lim: holdsSlots(c.lim)}
 	for _, r := range c.routes {
 		c.holds[r.lim] = holdsSlots(r.lim)
@@ -263,14 +243,43 @@ func (t *Transport) compile() *transport {
 	if t.Keys != nil || t.SetKey != nil {
 		pool, err := newKeyPool(t.Keys, t.SetKey)
 		if err != nil {
-			invalid("Keys", "%v", err)
+			c.invalid("Keys", "%v", err)
 		}
 		c.pool = pool
 	}
 	if c.lim == nil && !slices.ContainsFunc(c.routes, func(r route) bool { return r.lim != nil }) {
-		invalid("Limiter", "is nil and no Route has a Limiter, so no request would be limited: set Limiter, or Routes with their limiters")
+		c.invalid("Limiter", "is nil and no Route has a Limiter, so no request would be limited: set Limiter, or Routes with their limiters")
 	}
 	return c
+}
+
+// invalid records that field is invalid, unless a field read before it
+// was: every request fails with the first invalid field's error.
+func (t *transport) invalid(field, format string, args ...any) {
+	if t.err == nil {
+		t.err = fmt.Errorf("throttle: Transport.%s: "+format, append([]any{field}, args...)...)
+	}
+}
+
+// addRoutes reads the Transport's Routes, and records the first invalid
+// one.
+func (t *transport) addRoutes(routes []Route) {
+	for i, r := range routes {
+		field := fmt.Sprintf("Routes[%d]", i)
+		switch {
+		case r.Match != nil && r.Pattern != "":
+			t.invalid(field, "set Pattern %q or Match, not both", r.Pattern)
+		case r.Match != nil:
+			t.routes = append(t.routes, route{match: r.Match, lim: r.Limiter})
+		default:
+			match, err := matchPattern(r.Pattern)
+			if err != nil {
+				t.invalid(field, "%v", err)
+				continue
+			}
+			t.routes = append(t.routes, route{match: match, lim: r.Limiter})
+		}
+	}
 }
 
 // settle replaces the cost of a request admitted by p with the cost its
@@ -357,44 +366,19 @@ func (t *transport) roundTrip(req *http.Request) (*http.Response, error) {
 		first   time.Time
 	)
 	for {
-		send, callOpts, key := out, opts, -1
-		if t.pool != nil {
-			// Each attempt picks its key: a retry may find another with room.
-			key = t.pool.pick(lim)
-			callOpts = append(opts[:len(opts):len(opts)], Key(t.pool.keys[key].key))
-			send = out.Clone(ctx)
-			t.pool.set(send, t.pool.keys[key].key)
-		}
+		send, callOpts, key := t.pickKey(ctx, lim, out, opts)
 		p, err := lim.Acquire(ctx, callOpts...)
 		if err != nil {
 			closeBody(out)
-			if refusal != nil && ctx.Err() == nil {
-				// The retry cannot be made: the vendor's answer stands.
-				return refusal, nil
-			}
-			discard(refusal)
-			return nil, err
+			return notRetried(ctx, refusal, err)
 		}
 		discard(refusal)
 		refusal = nil
-		// The request sent carries its permit, which the caller finds with
-		// PermitFrom(resp.Request.Context()): to settle the call's cost
-		// from the body, once read.
-		resp, err := t.base.RoundTrip(send.WithContext(WithPermit(traceStart(send.Context(), p), p)))
+		resp, quiet, retry, err := t.send(ctx, lim, p, send, key)
 		if err != nil {
-			p.Release()
 			return nil, err
 		}
-		v := parseVendorLimits(resp.Header, time.Now())
-		quiet, refused := t.feedback(ctx, p, resp.StatusCode, v)
-		if key >= 0 {
-			t.pool.heard(key, p.Remaining(), v.remaining, quiet)
-		}
-		if t.respCost != nil && !refused {
-			t.settle(ctx, lim, p, resp)
-		}
-		if !refused || v.noRetry {
-			// Stripe-Should-Retry: false says a retry would fail too.
+		if !retry {
 			return t.deliver(resp, lim, p), nil
 		}
 		if retries == nil {
@@ -418,6 +402,59 @@ func (t *transport) roundTrip(req *http.Request) (*http.Response, error) {
 		}
 		out = next
 	}
+}
+
+// pickKey returns the request an attempt sends for out, the options of
+// its call, and the index of its key in the pool (-1 without Keys): with
+// Keys, a clone of out that carries the key it picked.
+func (t *transport) pickKey(ctx context.Context, lim *Limiter, out *http.Request, opts []CallOption) (*http.Request, []CallOption, int) {
+	if t.pool == nil {
+		return out, opts, -1
+	}
+	// Each attempt picks its key: a retry may find another with room.
+	key := t.pool.pick(lim)
+	callOpts := append(opts[:len(opts):len(opts)], Key(t.pool.keys[key].key))
+	send := out.Clone(ctx)
+	t.pool.set(send, t.pool.keys[key].key)
+	return send, callOpts, key
+}
+
+// notRetried returns what a request the limiter refused with err returns:
+// the vendor's last refusal, kept while the retry was tried, as it came,
+// or err when there is none or the request's context ended.
+func notRetried(ctx context.Context, refusal *http.Response, err error) (*http.Response, error) {
+	if refusal != nil && ctx.Err() == nil {
+		// The retry cannot be made: the vendor's answer stands.
+		return refusal, nil
+	}
+	discard(refusal)
+	return nil, err
+}
+
+// send sends req, the request of permit p, and makes the vendor's answer
+// known to the limiter and to the pool of keys, key being its index in it
+// (-1 for none). It reports how long the vendor asked the fleet to keep
+// quiet, and whether to retry the request: the vendor refused it, and did
+// not say that a retry would fail too. On an error, p is released.
+func (t *transport) send(ctx context.Context, lim *Limiter, p *Permit, req *http.Request, key int) (*http.Response, time.Duration, bool, error) {
+	// The request sent carries its permit, which the caller finds with
+	// PermitFrom(resp.Request.Context()): to settle the call's cost
+	// from the body, once read.
+	resp, err := t.base.RoundTrip(req.WithContext(WithPermit(traceStart(req.Context(), p), p)))
+	if err != nil {
+		p.Release()
+		return nil, 0, false, err
+	}
+	v := parseVendorLimits(resp.Header, time.Now())
+	quiet, refused := t.feedback(ctx, p, resp.StatusCode, v)
+	if key >= 0 {
+		t.pool.heard(key, p.Remaining(), v.remaining, quiet)
+	}
+	if t.respCost != nil && !refused {
+		t.settle(ctx, lim, p, resp)
+	}
+	// Stripe-Should-Retry: false says a retry would fail too.
+	return resp, quiet, refused && !v.noRetry, nil
 }
 
 // traceStart returns ctx with a trace that starts the call of p (Permit.Start)

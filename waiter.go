@@ -37,13 +37,7 @@ func (l *Limiter) wait(ctx context.Context, c call) (*Permit, error) {
 	var giveBack *result // a booking to give back in the next script call
 	rebooks := 0
 	for {
-		maxWait := l.s.maxWait - time.Since(start)
-		reason := "the slot lies beyond MaxWait " + l.s.maxWait.String()
-		if deadline, ok := ctx.Deadline(); ok && (time.Until(deadline) < maxWait || !l.s.maxWaitSet) {
-			// Without Options.MaxWait, the deadline alone bounds the wait.
-			maxWait = time.Until(deadline)
-			reason = "the slot lies beyond the context's deadline"
-		}
+		maxWait, reason := l.waitLeft(ctx, start)
 		r, err := l.acquire(ctx, c, max(maxWait, 0), giveBack)
 		giveBack = nil
 		c.queued = time.Time{} // its wait in the queue is over once it asked
@@ -51,17 +45,10 @@ func (l *Limiter) wait(ctx context.Context, c call) (*Permit, error) {
 			return nil, err
 		}
 		if !r.admitted {
-			if r.reason == reasonBusy && maxWait > busy {
-				if err := l.sleepBusy(ctx, busy, r.wait); err != nil {
-					return nil, err
-				}
-				busy = min(2*busy, busyMax)
-				continue
+			if busy, err = l.notAdmitted(ctx, r, maxWait, busy, reason); err != nil {
+				return nil, err
 			}
-			if r.reason == reasonBusy {
-				reason = "every concurrency slot is taken"
-			}
-			return nil, l.limited(r.wait, reason)
+			continue
 		}
 		if r.stale {
 			giveBack = &r
@@ -73,19 +60,11 @@ func (l *Limiter) wait(ctx context.Context, c call) (*Permit, error) {
 		late, tooLate := l.late(r)
 		replyLate := tooLate
 		if !tooLate && r.wait > 0 {
-			if deadline, ok := ctx.Deadline(); ok && time.Now().Add(r.wait).After(deadline) {
-				l.cancel(ctx, c, r)
-				return nil, l.limited(r.wait, "the slot lies beyond the context's deadline")
-			}
-			if err := l.sleepToSlot(ctx, r); err != nil {
-				l.cancel(ctx, c, r)
+			overtaken, err := l.awaitSlot(ctx, c, r)
+			if err != nil {
 				return nil, err
 			}
-			// A vendor may have asked the fleet to pause while this call
-			// slept, or Redis may have lost the booking with the rest of the
-			// quota's data. Calling then would crowd the windows after the
-			// slot, so the call gives its slot back and books again.
-			if !r.local && l.overtaken(r) {
+			if overtaken {
 				giveBack = &r
 				continue
 			}
@@ -111,6 +90,59 @@ func (l *Limiter) wait(ctx context.Context, c call) (*Permit, error) {
 		}
 		return l.permit(c, r, time.Since(start)), nil
 	}
+}
+
+// waitLeft returns how long a call of Block mode that started waiting at
+// start may still wait for its slot, and the reason to give when its slot
+// lies beyond: what is left of MaxWait, or until the context's deadline,
+// when sooner.
+func (l *Limiter) waitLeft(ctx context.Context, start time.Time) (time.Duration, string) {
+	maxWait := l.s.maxWait - time.Since(start)
+	reason := "the slot lies beyond MaxWait " + l.s.maxWait.String()
+	if deadline, ok := ctx.Deadline(); ok && (time.Until(deadline) < maxWait || !l.s.maxWaitSet) {
+		// Without Options.MaxWait, the deadline alone bounds the wait.
+		maxWait = time.Until(deadline)
+		reason = "the slot lies beyond the context's deadline"
+	}
+	return maxWait, reason
+}
+
+// notAdmitted handles the call r that got no slot. When a full concurrency
+// rule refused it and it may wait longer than busy, it sleeps about busy
+// (see sleepBusy) and returns the longer pause for the next time it finds
+// the rule full; otherwise it fails with the reason: why its slot lies
+// beyond its wait, or that every concurrency slot is taken.
+func (l *Limiter) notAdmitted(ctx context.Context, r result, maxWait, busy time.Duration, reason string) (time.Duration, error) {
+	if r.reason != reasonBusy {
+		return busy, l.limited(r.wait, reason)
+	}
+	if maxWait <= busy {
+		return busy, l.limited(r.wait, "every concurrency slot is taken")
+	}
+	if err := l.sleepBusy(ctx, busy, r.wait); err != nil {
+		return busy, err
+	}
+	return min(2*busy, busyMax), nil
+}
+
+// awaitSlot sleeps until the slot of the booked call r, and reports whether
+// its booking was overtaken meanwhile, and must be given back. It gives the
+// booking back and fails when the slot lies beyond the context's deadline,
+// or the context ends first.
+func (l *Limiter) awaitSlot(ctx context.Context, c call, r result) (overtaken bool, err error) {
+	if deadline, ok := ctx.Deadline(); ok && time.Now().Add(r.wait).After(deadline) {
+		l.cancel(ctx, c, r)
+		return false, l.limited(r.wait, "the slot lies beyond the context's deadline")
+	}
+	if err := l.sleepToSlot(ctx, r); err != nil {
+		l.cancel(ctx, c, r)
+		return false, err
+	}
+	// A vendor may have asked the fleet to pause while this call
+	// slept, or Redis may have lost the booking with the rest of the
+	// quota's data. Calling then would crowd the windows after the
+	// slot, so the call gives its slot back and books again.
+	return !r.local && l.overtaken(r), nil
 }
 
 // wakeLead is how long before its slot a sleeping call looks at the
