@@ -50,10 +50,16 @@
 --   wait       microseconds from now until the call's slot; when refused, how long
 --              until it would fit (its retry-after);
 --   remaining  units still free now under the tightest rule, after the call;
---   reason     0 admitted; 1 refused: the slot lies beyond the wait accepted;
---              2 refused: a concurrency rule is full (no slot can be booked, since
---              no one knows when a holder will finish; wait is then the time until
---              the first lease runs out).
+--   reason     ADMITTED (0) admitted; REFUSED_TOO_FAR (1) refused: the slot
+--              lies beyond the wait accepted; REFUSED_BUSY (2) refused: a
+--              concurrency rule is full (no slot can be booked, since no one
+--              knows when a holder will finish; wait is then the time until the
+--              first lease runs out).
+
+-- The reasons of a call's answer, as script.go reads them (see reason).
+local ADMITTED = 0
+local REFUSED_TOO_FAR = 1
+local REFUSED_BUSY = 2
 
 local now = clock()
 
@@ -112,8 +118,7 @@ local function free(r)
 end
 
 -- record writes the call into the state the next call of the batch decides
--- from; flush writes what the batch recorded to Redis, in as few commands as
--- it can.
+-- from.
 local function record(r, t, id, cost)
   r.tmax = math.max(r.tmax, t)
   r.recorded = true
@@ -151,6 +156,8 @@ local function record(r, t, id, cost)
   end
 end
 
+-- flush writes what the batch recorded in rule r to Redis, in as few
+-- commands as it can.
 local function flush(r)
   if r.pending then
     for i = 1, #r.pending, 1000 do
@@ -328,61 +335,87 @@ local function paced(r, t)
   return math.max(t, tonumber(last[2]) + r.pace)
 end
 
+-- search_from returns the time from which a search of log r for cost units,
+-- asked from t, begins, and the log's hint as it was before the search.
+--
+-- Calls only add entries, and a costlier call fits in fewer places: a
+-- call costing at least as much as an earlier one, asked from no
+-- earlier a time, fits no earlier than it did. So the calls of a batch,
+-- and the calls of later batches through the log's hint, do not each
+-- read a log booked far ahead again (see read_hint in lib.lua).
+local function search_from(r, t, cost)
+  local from = t
+  for c, m in pairs(r.memo) do
+    if c <= cost and m.t <= t and m.at > from then
+      from = m.at
+    end
+  end
+  if r.hint == nil then
+    r.hint = read_hint(r)
+  end
+  local h = r.hint
+  if h and h.c <= cost and h.t <= t and h.w <= r.window and h.at > from then
+    -- The search begins at the hint.
+    from = h.at
+  end
+  return from, h
+end
+
+-- keep_hint makes the hint of log r say what a search for cost units,
+-- asked from t, found: no room before at; h is the hint the search began
+-- with.
+--
+-- A search that began at the hint, or from within the times it holds
+-- for, found no room from the hint's at to its own either: the new hint
+-- holds from the old one's t, so that a call asked from later (one that
+-- books ahead of its late reply) does not make the calls asked from now
+-- read the log again. A search from beyond the hint's at (from a paced
+-- time past room the hint stops at) leaves the hint as it was, unless
+-- that room is already past.
+local function keep_hint(r, h, t, cost, at)
+  local joins = h and h.c <= cost and h.w <= r.window and h.t <= t and h.at >= t
+  if not h or cost < h.c or h.t > t or h.w > r.window or cost == h.c and at > h.at and (joins or h.at < now) then
+    local since = t
+    if joins then
+      since = h.t
+    end
+    r.hint = { t = since, at = at, c = cost, w = r.window }
+    r.hint_changed = true
+  end
+end
+
+-- earliest_in_log returns the earliest time >= t at which log r takes cost
+-- more units, searching its entries only where the searches before this
+-- one have not.
+local function earliest_in_log(r, t, cost, budget)
+  -- Only a log too full to take the call outright needs its entries read.
+  if r.n <= r.limit - cost then
+    return t
+  end
+  -- The time a search of this script found for cost units fits them
+  -- until a call is recorded: the rounds over the rules of a policy ask
+  -- again there, and need not read the log again.
+  if r.fits and r.fits.c == cost and r.fits.at == t then
+    return t
+  end
+  local from, h = search_from(r, t, cost)
+  -- A search that settled for the log's tail leaves the hint there too:
+  -- room deeper in the log than one search reads stays unused, as it
+  -- would for every later call anyway, until entries taken out of the
+  -- log lower the hint.
+  local at = earliest_log(r, from, cost, budget)
+  r.memo[cost] = { t = t, at = at }
+  r.fits = { c = cost, at = at }
+  keep_hint(r, h, t, cost, at)
+  return at
+end
+
+-- earliest returns the earliest time >= t at which rule r takes cost more
+-- units; NEVER for a full concurrency rule, since no one knows when a
+-- holder will finish.
 local function earliest(r, t, cost, budget)
   if r.kind == LOG then
-    -- Only a log too full to take the call outright needs its entries read.
-    if r.n <= r.limit - cost then
-      return t
-    end
-    -- The time a search of this script found for cost units fits them
-    -- until a call is recorded: the rounds over the rules of a policy ask
-    -- again there, and need not read the log again.
-    if r.fits and r.fits.c == cost and r.fits.at == t then
-      return t
-    end
-    -- Calls only add entries, and a costlier call fits in fewer places: a
-    -- call costing at least as much as an earlier one, asked from no
-    -- earlier a time, fits no earlier than it did. So the calls of a batch,
-    -- and the calls of later batches through the log's hint, do not each
-    -- read a log booked far ahead again (see read_hint in lib.lua).
-    local from = t
-    for c, m in pairs(r.memo) do
-      if c <= cost and m.t <= t and m.at > from then
-        from = m.at
-      end
-    end
-    if r.hint == nil then
-      r.hint = read_hint(r)
-    end
-    local h = r.hint
-    local hinted = false -- the search begins at the hint
-    if h and h.c <= cost and h.t <= t and h.w <= r.window and h.at > from then
-      from, hinted = h.at, true
-    end
-    -- A search that settled for the log's tail leaves the hint there too:
-    -- room deeper in the log than one search reads stays unused, as it
-    -- would for every later call anyway, until entries taken out of the
-    -- log lower the hint.
-    local at = earliest_log(r, from, cost, budget)
-    r.memo[cost] = { t = t, at = at }
-    r.fits = { c = cost, at = at }
-    -- A search that began at the hint, or from within the times it holds
-    -- for, found no room from the hint's at to its own either: the new hint
-    -- holds from the old one's t, so that a call asked from later (one that
-    -- books ahead of its late reply) does not make the calls asked from now
-    -- read the log again. A search from beyond the hint's at (from a paced
-    -- time past room the hint stops at) leaves the hint as it was, unless
-    -- that room is already past.
-    local joins = h and h.c <= cost and h.w <= r.window and h.t <= t and h.at >= t
-    if not h or cost < h.c or h.t > t or h.w > r.window or cost == h.c and at > h.at and (joins or h.at < now) then
-      local since = t
-      if joins then
-        since = h.t
-      end
-      r.hint = { t = since, at = at, c = cost, w = r.window }
-      r.hint_changed = true
-    end
-    return at
+    return earliest_in_log(r, t, cost, budget)
   elseif r.kind == COUNTER then
     return earliest_counter(r, t, cost)
   elseif r.kind == BUCKET then
@@ -393,112 +426,6 @@ local function earliest(r, t, cost, budget)
     return t
   end
   return NEVER
-end
-
-local rs = rules()
-local ncalls, ngive = tonumber(ARGV[4]), tonumber(ARGV[6])
-local arg = after_rules()
-local report, delay, policy = ARGV[arg], tonumber(ARGV[arg + 1]), ARGV[arg + 2]
-local stepped = ARGV[arg + 3]
-arg = arg + 4
-
--- Scopes. The calls of one script call may be for several keys of the
--- quota: the first key's rules are in KEYS; each other key comes as its
--- pause key and then one key per rule, a shared rule's key as in KEYS. A
--- rule whose key is the first scope's is the same rule for both: one object,
--- read, decided and written once. objs holds each rule object once.
-local nscopes = tonumber(ARGV[arg])
-arg = arg + 1
-local scopes = { { rs = rs, pause_key = KEYS[2] } }
-local objs = {}
-for i, r in ipairs(rs) do
-  objs[i] = r
-end
-for s = 2, nscopes do
-  local srs = {}
-  local pause_key = ARGV[arg]
-  arg = arg + 1
-  for i, r in ipairs(rs) do
-    local key = ARGV[arg]
-    arg = arg + 1
-    if key == r.key then
-      srs[i] = r
-    else
-      local c = {}
-      for k, v in pairs(r) do
-        c[k] = v
-      end
-      c.key = key
-      srs[i] = c
-      objs[#objs + 1] = c
-    end
-  end
-  scopes[s] = { rs = srs, pause_key = pause_key }
-end
-
--- A missing or changed meta key may mean that Redis lost the quota's data
--- (see check_loss in lib.lua).
-local known = tonumber(ARGV[5])
-local meta = read_meta()
-local dirty = meta == nil
-if meta and now - meta.refreshed > META_REFRESH then
-  meta.refreshed = now
-  dirty = true
-end
-local span = longest_window(rs)
-local start = starting(meta, now, span)
-local warming = start or meta.wu > now
-if meta and note_timing(meta, now, report, delay) then
-  dirty = true
-end
-if meta and roll_hold(meta, now) then
-  dirty = true
-end
-local spread = fleet_spread(meta, now)
-local margin = margins(objs, spread, held_spread(meta, now), meta and meta.wh > now)
-local changed, found = false, false
-local created = meta == nil
-local pause_before = meta and meta.pause or 0
-meta, changed, found = check_loss(meta, now, known, rs)
-dirty = dirty or changed
-if not found and check_seq(meta, now, known, tonumber(ARGV[3]), rs) then
-  found = true
-end
-if not found and not created and check_clock(meta, now, rs) then
-  found = true
-end
-meta.seq = meta.seq + 1
-dirty = true
-if check_policy(meta, now, policy, rs, created) then
-  dirty = true
-end
-if not found and meta.loss < tonumber(stepped) then
-  lose(meta, now, rs)
-  found = true
-end
-local lost = found and 1 or 0
-if start then
-  meta.wu = now + span
-end
-meta.la = now
-
--- Limits the vendor taught the fleet (see read_caps in lib.lua).
-read_caps(objs, meta, now)
-
--- Replicas of the Local fallback may still be deciding without Redis, each
--- within 1/n of each limit: until they are all back, Redis keeps to the
--- share none of them takes.
-local reserved = meta.ru > now and meta.rn > 1
-if reserved then
-  for _, r in ipairs(objs) do
-    r.whole = { limit = r.limit, interval = r.interval }
-    r.limit = math.max(math.floor(r.limit / meta.rn), 1)
-    if r.kind == BUCKET then
-      -- A share of the rate and of the burst: a longer interval alone
-      -- would lengthen the burst's span with it.
-      r.interval = r.interval * meta.rn
-    end
-  end
 end
 
 -- unreserve swaps the reserved limits of rules rs with their whole ones
@@ -514,27 +441,169 @@ local function unreserve(rs)
   end
 end
 
--- Bookings given back, before anything is decided: their slots go to the
--- calls of this batch as to any other. A booking of another epoch is gone
--- with the data it was written in.
-for g = 0, ngive - 1 do
-  local id, cost, t, ep = ARGV[arg], tonumber(ARGV[arg + 1]), tonumber(ARGV[arg + 2]), tonumber(ARGV[arg + 3])
-  local sc = scopes[tonumber(ARGV[arg + 4])]
-  arg = arg + 5
-  if ep == meta.epoch then
-    give_back(sc.rs, id, cost, t, now)
+-- The steps of the script. They share one table, batch: the arguments of
+-- the batch of calls, and what each step learns for the ones after it.
+
+-- read_scopes reads the scopes from ARGV[arg] on, into batch.scopes and
+-- batch.objs, and returns the first argument after them.
+--
+-- The calls of one script call may be for several keys of the quota: the
+-- first key's rules are in KEYS; each other key comes as its pause key and
+-- then one key per rule, a shared rule's key as in KEYS. A rule whose key
+-- is the first scope's is the same rule for both: one object, read,
+-- decided and written once. objs holds each rule object once.
+local function read_scopes(batch, arg)
+  local rs = batch.rs
+  local nscopes = tonumber(ARGV[arg])
+  arg = arg + 1
+  batch.scopes = { { rs = rs, pause_key = KEYS[2] } }
+  batch.objs = {}
+  for i, r in ipairs(rs) do
+    batch.objs[i] = r
+  end
+  for s = 2, nscopes do
+    local srs = {}
+    local pause_key = ARGV[arg]
+    arg = arg + 1
+    for i, r in ipairs(rs) do
+      local key = ARGV[arg]
+      arg = arg + 1
+      if key == r.key then
+        srs[i] = r
+      else
+        local c = {}
+        for k, v in pairs(r) do
+          c[k] = v
+        end
+        c.key = key
+        srs[i] = c
+        batch.objs[#batch.objs + 1] = c
+      end
+    end
+    batch.scopes[s] = { rs = srs, pause_key = pause_key }
+  end
+  return arg
+end
+
+-- read_args reads the rules and the arguments of the script's own (see
+-- the header), and returns the table the steps share: batch.gives and
+-- batch.first are where the bookings to give back and the calls begin in
+-- ARGV.
+local function read_args()
+  local arg = after_rules()
+  local batch = {
+    rs = rules(),
+    ncalls = tonumber(ARGV[4]), ngive = tonumber(ARGV[6]),
+    known = tonumber(ARGV[5]), seen = tonumber(ARGV[3]),
+    report = ARGV[arg], delay = tonumber(ARGV[arg + 1]), policy = ARGV[arg + 2],
+    stepped = tonumber(ARGV[arg + 3]),
+    at_once = false, -- some call was admitted now
+  }
+  batch.gives = read_scopes(batch, arg + 4)
+  batch.first = batch.gives + 5 * batch.ngive
+  return batch
+end
+
+-- read_fleet reads the quota's meta, nil when missing, and folds into it
+-- what the calling process reports of its calls' timing; from the fleet's
+-- spread it sets the margins in force of every rule (see margins in
+-- lib.lua), and whether the quota warms up.
+local function read_fleet(batch)
+  local meta = read_meta()
+  if meta and now - meta.refreshed > META_REFRESH then
+    meta.refreshed = now
+  end
+  batch.span = longest_window(batch.rs)
+  batch.start = starting(meta, now, batch.span)
+  batch.warming = batch.start or meta.wu > now
+  if meta then
+    note_timing(meta, now, batch.report, batch.delay)
+    roll_hold(meta, now)
+  end
+  batch.spread = fleet_spread(meta, now)
+  batch.margin = margins(batch.objs, batch.spread, held_spread(meta, now), meta and meta.wh > now)
+  return meta
+end
+
+-- check_meta finds whether Redis lost the quota's data (see Losses in
+-- lib.lua): a missing or changed meta key may mean that it did (see
+-- check_loss), and so do a count of scripts run behind the caller's, a
+-- clock gone back, and a clock the caller saw step forward. It counts this
+-- script among those run: batch.meta is then the meta to write back, and
+-- batch.found true when this script found a loss.
+local function check_meta(batch, meta)
+  local created = meta == nil
+  batch.pause_before = meta and meta.pause or 0
+  local _, found
+  meta, _, found = check_loss(meta, now, batch.known, batch.rs)
+  if not found and check_seq(meta, now, batch.known, batch.seen, batch.rs) then
+    found = true
+  end
+  if not found and not created and check_clock(meta, now, batch.rs) then
+    found = true
+  end
+  meta.seq = meta.seq + 1
+  check_policy(meta, now, batch.policy, batch.rs, created)
+  if not found and meta.loss < batch.stepped then
+    lose(meta, now, batch.rs)
+    found = true
+  end
+  if batch.start then
+    meta.wu = now + batch.span
+  end
+  meta.la = now
+  batch.meta, batch.found = meta, found
+end
+
+-- reserve lowers every limit to its reserved share while the quota is
+-- reserved. Replicas of the Local fallback may still be deciding without
+-- Redis, each within 1/n of each limit: until they are all back, Redis
+-- keeps to the share none of them takes.
+local function reserve(batch)
+  local meta = batch.meta
+  batch.reserved = meta.ru > now and meta.rn > 1
+  if not batch.reserved then
+    return
+  end
+  for _, r in ipairs(batch.objs) do
+    r.whole = { limit = r.limit, interval = r.interval }
+    r.limit = math.max(math.floor(r.limit / meta.rn), 1)
+    if r.kind == BUCKET then
+      -- A share of the rate and of the burst: a longer interval alone
+      -- would lengthen the burst's span with it.
+      r.interval = r.interval * meta.rn
+    end
   end
 end
 
-for _, r in ipairs(objs) do
-  r.loss = meta.loss
-  load(r)
+-- give_back_bookings takes the bookings given back out of their rules,
+-- before anything is decided: their slots go to the calls of this batch as
+-- to any other. A booking of another epoch is gone with the data it was
+-- written in.
+local function give_back_bookings(batch)
+  local arg = batch.gives
+  for g = 0, batch.ngive - 1 do
+    local id, cost, t, ep = ARGV[arg], tonumber(ARGV[arg + 1]), tonumber(ARGV[arg + 2]), tonumber(ARGV[arg + 3])
+    local sc = batch.scopes[tonumber(ARGV[arg + 4])]
+    arg = arg + 5
+    if ep == batch.meta.epoch then
+      give_back(sc.rs, id, cost, t, now)
+    end
+  end
 end
-raise_caps(objs, meta, now)
-for _, sc in ipairs(scopes) do
-  sc.pause = pause_until(meta.pause, sc.pause_key)
+
+-- load_rules reads the state every rule decides from, raises the learned
+-- caps the fleet fills, and reads each scope's pause.
+local function load_rules(batch)
+  for _, r in ipairs(batch.objs) do
+    r.loss = batch.meta.loss
+    load(r)
+  end
+  raise_caps(batch.objs, batch.meta, now)
+  for _, sc in ipairs(batch.scopes) do
+    sc.pause = pause_until(batch.meta.pause, sc.pause_key)
+  end
 end
-local first = arg
 
 -- A quota warming up knows nothing yet of how many calls its fleet can
 -- start at once. Many small replicas that start together each ask for one
@@ -548,94 +617,131 @@ local first = arg
 -- replicas, a lone limiter's calls, and a process's batch, which it starts
 -- together, are admitted at once.
 local WARM_PACERS = 8
-if warming and ncalls == 1 then
-  local own = string.match(ARGV[first], '^(.*):')
-  for _, r in ipairs(scopes[tonumber(ARGV[first + 4])].rs) do
+
+-- crowded reports whether the latest WARM_PACERS entries of log r are the
+-- calls of as many limiters other than own, the latest less than pace
+-- before now.
+local function crowded(r, own, pace)
+  local last = redis.call('ZRANGE', r.key, -WARM_PACERS, -1, 'WITHSCORES')
+  if #last == 2 * WARM_PACERS and tonumber(last[#last]) > now - pace then
+    local others, n = {}, 0
+    for i = 1, #last, 2 do
+      local l = string.match(last[i], '^(.*):')
+      if l ~= own and not others[l] then
+        others[l], n = true, n + 1
+      end
+    end
+    return n == WARM_PACERS
+  end
+  return false
+end
+
+-- pace_warm_start paces the guarded logs of the script's one call while
+-- the quota warms up, when the other replicas crowd them (see above).
+local function pace_warm_start(batch)
+  if not batch.warming or batch.ncalls ~= 1 then
+    return
+  end
+  local own = string.match(ARGV[batch.first], '^(.*):')
+  for _, r in ipairs(batch.scopes[tonumber(ARGV[batch.first + 4])].rs) do
     if r.kind == LOG and r.margin >= GUARDED and not r.pace then
       local pace = math.floor((r.window - r.margin) / r.limit)
-      local last = redis.call('ZRANGE', r.key, -WARM_PACERS, -1, 'WITHSCORES')
-      if #last == 2 * WARM_PACERS and tonumber(last[#last]) > now - pace then
-        local others, n = {}, 0
-        for i = 1, #last, 2 do
-          local l = string.match(last[i], '^(.*):')
-          if l ~= own and not others[l] then
-            others[l], n = true, n + 1
-          end
-        end
-        if n == WARM_PACERS then
-          r.pace = pace
-        end
+      if crowded(r, own, pace) then
+        r.pace = pace
       end
     end
   end
 end
 
-local at_once = false -- some call was admitted now
-local out = { str(now), str(scopes[1].pause), str(meta.epoch), lost, str(margin), 0, str(meta.seq) }
-
-for c = 0, ncalls - 1 do
-  local id = ARGV[first + 5 * c]
-  local cost = tonumber(ARGV[first + 5 * c + 1])
-  local maxwait = tonumber(ARGV[first + 5 * c + 2])
-  local lead = tonumber(ARGV[first + 5 * c + 3])
-  local sc = scopes[tonumber(ARGV[first + 5 * c + 4])]
-  local rs, pause = sc.rs, sc.pause
-  local remaining, after = NEVER, NEVER
-  local too_big = false
-  for _, r in ipairs(rs) do
-    local u = units(r, cost)
+-- read_call reads call c of the batch, with the units still free under the
+-- tightest rule of its scope, now (remaining) and once it is in (after).
+-- It returns, instead, an error reply for a call that costs more than a
+-- rule's configured limit.
+local function read_call(batch, c)
+  local a = batch.first + 5 * c
+  local sc = batch.scopes[tonumber(ARGV[a + 4])]
+  local call = {
+    id = ARGV[a], cost = tonumber(ARGV[a + 1]), maxwait = tonumber(ARGV[a + 2]), lead = tonumber(ARGV[a + 3]),
+    rs = sc.rs, pause = sc.pause, remaining = NEVER, after = NEVER, too_big = false,
+  }
+  for _, r in ipairs(call.rs) do
+    local u = units(r, call.cost)
     if r.conf < u then
-      return redis.error_reply('cost ' .. u .. ' exceeds limit ' .. r.conf)
+      return nil, redis.error_reply('cost ' .. u .. ' exceeds limit ' .. r.conf)
     elseif r.limit < u then
       -- Only while the quota is reserved, or a learned cap is below cost.
-      too_big = true
+      call.too_big = true
     end
     -- Units free under the tightest rule, and once the call is in.
-    remaining = math.min(remaining, math.max(free(r), 0))
-    after = math.min(after, math.max(free(r) - u, 0))
+    call.remaining = math.min(call.remaining, math.max(free(r), 0))
+    call.after = math.min(call.after, math.max(free(r) - u, 0))
   end
-
-  -- The earliest time every rule allows. Each rule can only push the time
-  -- later, and only to one of finitely many times, so this settles; should
-  -- the rules push each other on for long, the logs settle for their tails,
-  -- which no rule pushes further.
-  local t = math.max(now + lead, pause)
-  if pause > now then
+  if call.pause > now then
     -- Nothing is free while the vendor asked for quiet.
-    remaining, after = 0, 0
+    call.remaining, call.after = 0, 0
   end
+  return call
+end
+
+-- start_from returns the time from which the rules look for the call's
+-- slot, no earlier than its lead from now and its scope's pause, and
+-- whether they are to look at all.
+local function start_from(batch, call)
+  local t = math.max(now + call.lead, call.pause)
+  if not call.too_big then
+    return t, true
+  end
+  -- Larger than the reserved share, or than a learned cap: it fits once
+  -- the reserve ends, and the caps rise. From the reserve's end on, the
+  -- rules decide at their whole limits, among every entry they hold
+  -- (the calls handed back, booked ahead, among them).
   local moved = true
+  t = math.max(t, batch.reserved and batch.meta.ru or 0)
+  call.whole = batch.reserved
+  if call.whole then
+    unreserve(call.rs)
+  end
+  for _, r in ipairs(call.rs) do
+    if r.limit < units(r, call.cost) then
+      -- No slot can be booked under a cap that may not rise: refused,
+      -- with a hint of when it may have.
+      t = math.max(t, r.cap and r.cap.next + span_of(r) or t)
+      call.maxwait, moved = -1, false
+    end
+  end
+  return t, moved
+end
+
+-- paced_all returns the earliest time >= t that every paced log of rules
+-- rs allows (see paced).
+local function paced_all(rs, t)
+  local p = t
+  for _, r in ipairs(rs) do
+    if r.pace and r.pace > 0 then
+      p = math.max(p, paced(r, t))
+    end
+  end
+  return p
+end
+
+-- settle returns the earliest time from t on that every rule of the call
+-- allows, paced where the call may wait that long; NEVER when a rule
+-- cannot say. Each rule can only push the time later, and only to one of
+-- finitely many times, so this settles; should the rules push each other
+-- on for long, the logs settle for their tails, which no rule pushes
+-- further.
+local function settle(call, t, moved)
   local budget = { left = SCAN }
   local rounds = 0
-  local whole = false
-  if too_big then
-    -- Larger than the reserved share, or than a learned cap: it fits once
-    -- the reserve ends, and the caps rise. From the reserve's end on, the
-    -- rules decide at their whole limits, among every entry they hold
-    -- (the calls handed back, booked ahead, among them).
-    t = math.max(t, reserved and meta.ru or 0)
-    whole = reserved
-    if whole then
-      unreserve(rs)
-    end
-    for _, r in ipairs(rs) do
-      if r.limit < units(r, cost) then
-        -- No slot can be booked under a cap that may not rise: refused,
-        -- with a hint of when it may have.
-        t = math.max(t, r.cap and r.cap.next + span_of(r) or t)
-        maxwait, moved = -1, false
-      end
-    end
-  end
-  local paces, unpaced = maxwait > 0 and 2 or 0, nil
+  local paces, unpaced = call.maxwait > 0 and 2 or 0, nil
   while moved and t < NEVER do
     moved = false
     rounds = rounds + 1
     if rounds > 16 then
       budget.left = 0
     end
-    for _, r in ipairs(rs) do
-      local u = earliest(r, t, units(r, cost), budget)
+    for _, r in ipairs(call.rs) do
+      local u = earliest(r, t, units(r, call.cost), budget)
       if u > t then
         t = u
         moved = true
@@ -653,90 +759,144 @@ for c = 0, ncalls - 1 do
       -- Past that read, the log settles for its tail, which is paced once
       -- more.
       paces = paces - 1
-      local p = t
-      for _, r in ipairs(rs) do
-        if r.pace and r.pace > 0 then
-          p = math.max(p, paced(r, t))
-        end
-      end
-      if p > t and p - now <= maxwait then
+      local p = paced_all(call.rs, t)
+      if p > t and p - now <= call.maxwait then
         unpaced, t, moved = unpaced or t, p, true
         budget.left = math.min(budget.left, PACED_SCAN)
       end
     end
   end
-  if unpaced and t - now > maxwait then
+  if unpaced and t - now > call.maxwait then
     -- Pacing is a preference: it never refuses a call that fits.
     t = unpaced
   end
+  return t
+end
 
+-- busy_for returns how long until a slot may free for a call of cost that
+-- the concurrency rules of rs cannot take: the first lease to run out in
+-- each full rule, the latest of those.
+local function busy_for(rs, cost)
+  local hint = 0
+  for _, r in ipairs(rs) do
+    if r.kind == CONCURRENCY and r.n + units(r, cost) > r.limit then
+      flush(r)
+      local head = redis.call('ZRANGE', r.key, 0, 0, 'WITHSCORES')
+      local free_at = r.lost_until or tonumber(head[2] or now)
+      hint = math.max(hint, free_at - now)
+    end
+  end
+  return hint
+end
+
+-- answer appends a call's answer to the reply (see the header).
+local function answer(batch, call, admitted, wait, remaining, reason)
+  local out = batch.out
+  out[#out + 1] = admitted
+  out[#out + 1] = str(wait)
+  out[#out + 1] = remaining
+  out[#out + 1] = reason
+  out[#out + 1] = str(call.pause)
+end
+
+-- decide decides call c of the batch and appends its answer to the reply:
+-- refused, with when it would fit, or recorded in every rule of its scope
+-- at its slot. It returns, instead, an error reply for a call no rule can
+-- ever take.
+local function decide(batch, c)
+  local call, err = read_call(batch, c)
+  if err then
+    return err
+  end
+  local t, moved = start_from(batch, call)
+  t = settle(call, t, moved)
   if t == NEVER then
-    -- Hint at when a slot may free: the first lease to run out in each full
-    -- concurrency rule, the latest of those.
-    local hint = 0
-    for _, r in ipairs(rs) do
-      if r.kind == CONCURRENCY and r.n + units(r, cost) > r.limit then
-        flush(r)
-        local head = redis.call('ZRANGE', r.key, 0, 0, 'WITHSCORES')
-        local free_at = r.lost_until or tonumber(head[2] or now)
-        hint = math.max(hint, free_at - now)
-      end
-    end
-    out[#out + 1], out[#out + 2], out[#out + 3], out[#out + 4] = 0, str(hint), remaining, 2
-  elseif t - now > maxwait then
-    out[#out + 1], out[#out + 2], out[#out + 3], out[#out + 4] = 0, str(t - now), remaining, 1
+    answer(batch, call, 0, busy_for(call.rs, call.cost), call.remaining, REFUSED_BUSY)
+  elseif t - now > call.maxwait then
+    answer(batch, call, 0, t - now, call.remaining, REFUSED_TOO_FAR)
   else
-    for _, r in ipairs(rs) do
-      record(r, t, id, units(r, cost))
+    for _, r in ipairs(call.rs) do
+      record(r, t, call.id, units(r, call.cost))
     end
-    remaining = after
+    local remaining = call.after
     if t > now then
       remaining = 0
     else
-      at_once = true
+      batch.at_once = true
     end
-    out[#out + 1], out[#out + 2], out[#out + 3], out[#out + 4] = 1, str(t - now), remaining, 0
+    answer(batch, call, 1, t - now, remaining, ADMITTED)
   end
-  out[#out + 1] = str(pause)
-  if whole then
-    unreserve(rs)
+  if call.whole then
+    unreserve(call.rs)
   end
 end
 
-local latest = 0
-for _, r in ipairs(objs) do
-  if r.recorded then
-    latest = math.max(latest, r.tmax)
+-- write_back_meta writes the meta back, holding what the calls decided
+-- need held: the calls admitted at once while the quota warms up, and the
+-- spread they were booked with (see Holds in lib.lua). Every acquire
+-- script writes it, since its count of scripts run moves. A loss found, or
+-- a pause that grew, is told to the fleet.
+local function write_back_meta(batch)
+  local meta, latest = batch.meta, 0
+  for _, r in ipairs(batch.objs) do
+    if r.recorded then
+      latest = math.max(latest, r.tmax)
+    end
   end
-end
-if warming and at_once then
-  meta.wh = math.max(meta.wh, now + warm_hold(rs))
-end
-if latest > 0 and hold_spread(meta, now, spread, latest, rs) then
-  dirty = true
-end
-if dirty then
-  write_meta(meta, rs)
-end
-if found or meta.pause > pause_before and meta.pause > now then
-  announce_quota(meta, now)
+  if batch.warming and batch.at_once then
+    meta.wh = math.max(meta.wh, now + warm_hold(batch.rs))
+  end
+  if latest > 0 then
+    hold_spread(meta, now, batch.spread, latest, batch.rs)
+  end
+  write_meta(meta, batch.rs)
+  if batch.found or meta.pause > batch.pause_before and meta.pause > now then
+    announce_quota(meta, now)
+  end
 end
 
--- Each key must outlive its latest entry by a window.
-for _, r in ipairs(objs) do
-  flush(r)
-  if r.hint_changed then
-    write_hint(r, now)
-  end
-  if not r.recorded then
-    -- nothing to keep
-  elseif r.kind == LOG then
-    expire(r.key, (r.tmax - now + r.keep) / 1000)
-  elseif r.kind == COUNTER then
-    expire(r.key, (r.tmax - now + r.keep + r.width) / 1000)
-  elseif r.kind == CONCURRENCY then
-    expire(r.key, (r.tmax - now + r.lease) / 1000)
+-- write_back_rules writes what the calls recorded in every rule, and the
+-- logs' hints that moved. Each key must outlive its latest entry by a
+-- window.
+local function write_back_rules(objs)
+  for _, r in ipairs(objs) do
+    flush(r)
+    if r.hint_changed then
+      write_hint(r, now)
+    end
+    if not r.recorded then
+      -- nothing to keep
+    elseif r.kind == LOG then
+      expire(r.key, (r.tmax - now + r.keep) / 1000)
+    elseif r.kind == COUNTER then
+      expire(r.key, (r.tmax - now + r.keep + r.width) / 1000)
+    elseif r.kind == CONCURRENCY then
+      expire(r.key, (r.tmax - now + r.lease) / 1000)
+    end
   end
 end
-out[6] = str(clock())
-return out
+
+local batch = read_args()
+check_meta(batch, read_fleet(batch))
+-- Limits the vendor taught the fleet (see read_caps in lib.lua).
+read_caps(batch.objs, batch.meta, now)
+reserve(batch)
+give_back_bookings(batch)
+load_rules(batch)
+pace_warm_start(batch)
+-- The reply's header (see the top); done, its sixth value, is known only
+-- once the calls are decided and written.
+batch.out = {
+  str(now), str(batch.scopes[1].pause), str(batch.meta.epoch), batch.found and 1 or 0,
+  str(batch.margin), 0, str(batch.meta.seq),
+}
+for c = 0, batch.ncalls - 1 do
+  local err = decide(batch, c)
+  if err then
+    return err
+  end
+end
+write_back_meta(batch)
+write_back_rules(batch.objs)
+batch.out[6] = str(clock())
+return batch.out
