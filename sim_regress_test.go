@@ -48,6 +48,8 @@ var simRegressions = []struct {
 		`{"Seed":14604,"Replicas":2,"Workers":8,"Policy":{"Kind":"log","Limit":5,"Window":1000000000},"Mode":"Queue","OnError":"Local","Latency":[52000000,50000000],"Jitter":0,"Vendor":0,"Deadline":0,"MaxCost":1,"Keys":0,"Join":[1000000000,0],"Length":6000000000,"Events":[{"At":1797484174,"Kind":"freeze","Replica":0,"For":1929000000}]}`},
 	{"a deploy changed the rule's kind: the new rule's key started empty while the vendor still counted the old rule's calls (found with check_policy's pause taken out: 11 in a window of 10)",
 		`{"Seed":29,"Replicas":3,"Workers":2,"Policy":{"Kind":"log","Limit":10,"Window":500000000},"Mode":"Block","OnError":"Local","Latency":[1000000,3000000,3000000],"Jitter":0,"Vendor":10000000,"Deadline":0,"MaxCost":1,"Keys":0,"Join":[0,500000000,250000000],"Length":3000000000,"Events":[{"At":1124378737,"Kind":"deploy","Replica":0,"For":0}]}`},
+	{"Redis's clock stepped a second back, then an hour back: the pause of the first loss, set by the old clock, and the log's entries lay an hour ahead of the new one, and a replica was refused for the hour",
+		`{"Seed":41089,"Replicas":3,"Workers":4,"Policy":{"Kind":"log","Limit":6,"Window":100000000},"Mode":"Block","OnError":"Local","Latency":[2000000,0,2000000],"Jitter":0,"Vendor":0,"Deadline":0,"MaxCost":1,"Keys":0,"Join":[0,100000000,0],"Length":3000000000,"Events":[{"At":869014162,"Kind":"step","Replica":2,"For":-1000000000},{"At":1051944996,"Kind":"step","Replica":1,"For":-3600000000000}]}`},
 }
 
 // TestSim_Regressions runs the schedules that found bugs.

@@ -539,8 +539,9 @@ local function check_meta(batch, meta)
   if not found and check_seq(meta, now, batch.known, batch.seen, batch.rs) then
     found = true
   end
+  local step = meta.la - now
   if not found and not created and check_clock(meta, now, batch.rs) then
-    found = true
+    found, batch.back = true, step
   end
   meta.seq = meta.seq + 1
   check_policy(meta, now, batch.policy, batch.rs, created)
@@ -592,12 +593,58 @@ local function give_back_bookings(batch)
   end
 end
 
+-- drop_ahead forgets, in the script that finds Redis's clock gone back,
+-- what rule r holds ahead of the clock: the calls the old clock admitted
+-- and booked, which now lie as far ahead as the clock went back. The data
+-- counts as lost (the quota pauses for its windows, a bucket refills from
+-- empty, a concurrency rule counts as taken for a lease, and the calls
+-- booked in the old epoch book again), so those entries would only hold
+-- the rule full for as long as the step: an hour back, an hour refused.
+-- A key of the quota that this script does not touch (another key of a
+-- PerKey rule) keeps them, and its calls wait out the step.
+local function drop_ahead(r)
+  if r.kind == LOG or r.kind == CONCURRENCY then
+    redis.call('ZREMRANGEBYSCORE', r.key, '(' .. str(now), '+inf')
+    redis.call('DEL', r.key .. ':next')
+  elseif r.kind == COUNTER then
+    local current = bucket_of(now, r.width)
+    for _, b in ipairs(redis.call('HKEYS', r.key)) do
+      if tonumber(b) > current then
+        redis.call('HDEL', r.key, b)
+      end
+    end
+  elseif r.kind == BUCKET then
+    redis.call('DEL', r.key)
+  end
+end
+
+-- back_key_pause moves the pause of one key of the quota, set by a clock
+-- that has since gone back by step, to the new clock (see back_by in
+-- lib.lua); the quota's own pause is in its meta.
+local function back_key_pause(key, step)
+  if key == KEYS[1] then
+    return
+  end
+  local v = tonumber(redis.call('GET', key) or '0')
+  if v > now then
+    redis.call('SET', key, str(back_by(v, step, now)), 'KEEPTTL')
+  end
+end
+
 -- load_rules reads the state every rule decides from, raises the learned
 -- caps the fleet fills, and reads each scope's pause.
 local function load_rules(batch)
   for _, r in ipairs(batch.objs) do
     r.loss = batch.meta.loss
+    if batch.back then
+      drop_ahead(r)
+    end
     load(r)
+  end
+  if batch.back then
+    for _, sc in ipairs(batch.scopes) do
+      back_key_pause(sc.pause_key, batch.back)
+    end
   end
   raise_caps(batch.objs, batch.meta, now)
   for _, sc in ipairs(batch.scopes) do

@@ -658,6 +658,18 @@ local function check_seq(m, now, known, seen, rs)
   return true
 end
 
+-- back_by returns a time t set by a clock that has since gone back by
+-- step, by the new clock: as far from the new now as it was from the old
+-- one. The step is measured from the quota's last acquire script, so a
+-- quota idle before the step has its times moved back less than the step,
+-- and they end no sooner than they should. A time already past stays.
+local function back_by(t, step, now)
+  if t <= now then
+    return t
+  end
+  return math.max(t - step, now)
+end
+
 -- check_clock finds a Redis whose clock went back (NTP stepped it, a
 -- failover to a host whose clock is behind): the calls admitted before the
 -- step now lie ahead of its clock, as if booked, and once the step passes a
@@ -672,6 +684,7 @@ local function check_clock(m, now, rs)
   if m.la <= now + CLOCK_BACK then
     return false
   end
+  m.pause = back_by(m.pause, m.la - now, now)
   lose(m, now, rs)
   return true
 end
