@@ -194,11 +194,25 @@ func readmeRegions(t *testing.T) map[string]string {
 	return regions
 }
 
-// readmeSnippets returns the README's Go code blocks, with the indentation
-// of a block inside a list item taken off.
+// readmeDocs are the documents whose Go snippets readme_test.go compiles:
+// the README, and the page it sends vendors' configurations to.
+var readmeDocs = []string{"README.md", "docs/VENDORS.md"}
+
+// readmeSnippets returns the Go code blocks of readmeDocs, with the
+// indentation of a block inside a list item taken off.
 func readmeSnippets(t *testing.T) []string {
 	t.Helper()
-	src, err := os.ReadFile("README.md")
+	var out []string
+	for _, doc := range readmeDocs {
+		out = append(out, docSnippets(t, doc)...)
+	}
+	return out
+}
+
+// docSnippets returns the Go code blocks of the Markdown file name.
+func docSnippets(t *testing.T, name string) []string {
+	t.Helper()
+	src, err := os.ReadFile(name)
 	if err != nil {
 		t.Fatal(err)
 	}
