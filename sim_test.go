@@ -288,19 +288,23 @@ func (r *simReplica) newLimiter(p simPolicy) *Limiter {
 	return lim
 }
 
-// deploy restarts the replica under policy p, as a deploy that stops the
-// old version before it starts the new one does: the old version's calls
-// still waiting for their slots give up, those under way finish, and the
-// new version's workers start.
-func (r *simReplica) deploy(p simPolicy) {
+// halt stops the replica's version running, as a deploy does before it
+// starts the new one: its calls still waiting for their slots give up,
+// those under way finish. It reports whether the replica ran.
+func (r *simReplica) halt() bool {
 	r.mu.Lock()
 	stop, workers := r.version, r.workers
 	r.mu.Unlock()
 	if stop == nil || r.ctx.Err() != nil {
-		return // not started yet, or gone
+		return false // not started yet, or gone
 	}
 	stop()
 	workers.Wait()
+	return true
+}
+
+// restart starts the replica again under policy p, after halt.
+func (r *simReplica) restart(p simPolicy) {
 	_ = r.lim.Swap(r.newLimiter(p)).Close(context.Background())
 	r.start()
 }
@@ -458,10 +462,18 @@ func playEvents(ctx context.Context, wg *sync.WaitGroup, s schedule, r *sim.Redi
 			case "leave":
 				replicas[e.Replica].close()
 			case "deploy":
-				// Every replica at once, the new policy's rule of another
-				// kind over the same windows (see deployed).
+				// The old version stopped everywhere, then the new one
+				// started, its rule of another kind over the same windows
+				// (see deployed), as the README says a deploy that changes
+				// a rule's kind must go.
+				var halted []*simReplica
 				for _, rep := range replicas {
-					rep.deploy(s.deployed())
+					if rep.halt() {
+						halted = append(halted, rep)
+					}
+				}
+				for _, rep := range halted {
+					rep.restart(s.deployed())
 				}
 			}
 		})
