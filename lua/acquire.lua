@@ -54,7 +54,9 @@
 --              lies beyond the wait accepted; REFUSED_BUSY (2) refused: a
 --              concurrency rule is full (no slot can be booked, since no one
 --              knows when a holder will finish; wait is then the time until the
---              first lease runs out).
+--              first lease runs out), or the call is larger than the quota's
+--              share reserved after a Local outage (wait: until the reserve
+--              ends).
 
 -- The reasons of a call's answer, as script.go reads them (see reason).
 local ADMITTED = 0
@@ -428,19 +430,6 @@ local function earliest(r, t, cost, budget)
   return NEVER
 end
 
--- unreserve swaps the reserved limits of rules rs with their whole ones
--- (both ways). A log's search found at the whole limit is forgotten: it
--- does not hold at the reserved one.
-local function unreserve(rs)
-  for _, r in ipairs(rs) do
-    if r.whole then
-      r.limit, r.whole.limit = r.whole.limit, r.limit
-      r.interval, r.whole.interval = r.whole.interval, r.interval
-      r.fits = nil
-    end
-  end
-end
-
 -- The steps of the script. They share one table, batch: the arguments of
 -- the batch of calls, and what each step learns for the ones after it.
 
@@ -738,25 +727,21 @@ local function start_from(batch, call)
   if not call.too_big then
     return t, true
   end
-  -- Larger than the reserved share, or than a learned cap: it fits once
-  -- the reserve ends, and the caps rise. From the reserve's end on, the
-  -- rules decide at their whole limits, among every entry they hold
-  -- (the calls handed back, booked ahead, among them).
-  local moved = true
-  t = math.max(t, batch.reserved and batch.meta.ru or 0)
-  call.whole = batch.reserved
-  if call.whole then
-    unreserve(call.rs)
-  end
   for _, r in ipairs(call.rs) do
-    if r.limit < units(r, call.cost) then
-      -- No slot can be booked under a cap that may not rise: refused,
-      -- with a hint of when it may have.
-      t = math.max(t, r.cap and r.cap.next + span_of(r) or t)
-      call.maxwait, moved = -1, false
+    if (r.whole and r.whole.limit or r.limit) < units(r, call.cost) then
+      -- Larger than a learned cap: no slot can be booked under a cap that
+      -- may not rise: refused, with a hint of when it may have.
+      call.maxwait = -1
+      return math.max(t, r.cap and r.cap.next + span_of(r) or t), false
     end
   end
-  return t, moved
+  -- Larger than the reserved share only: no slot can be booked while
+  -- replicas still deciding without Redis may yet hand back calls they
+  -- booked ahead, at times any slot booked now could share a window with.
+  -- Refused as when a concurrency rule is full, with the reserve's end
+  -- for when to ask again: every replica has handed back by then.
+  call.reserved_until = batch.meta.ru
+  return NEVER, false
 end
 
 -- paced_all returns the earliest time >= t that every paced log of rules
@@ -857,7 +842,9 @@ local function decide(batch, c)
   end
   local t, moved = start_from(batch, call)
   t = settle(call, t, moved)
-  if t == NEVER then
+  if call.reserved_until then
+    answer(batch, call, 0, call.reserved_until - now, call.remaining, REFUSED_BUSY)
+  elseif t == NEVER then
     answer(batch, call, 0, busy_for(call.rs, call.cost), call.remaining, REFUSED_BUSY)
   elseif t - now > call.maxwait then
     answer(batch, call, 0, t - now, call.remaining, REFUSED_TOO_FAR)
@@ -872,9 +859,6 @@ local function decide(batch, c)
       batch.at_once = true
     end
     answer(batch, call, 1, t - now, remaining, ADMITTED)
-  end
-  if call.whole then
-    unreserve(call.rs)
   end
 end
 
