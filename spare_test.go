@@ -264,9 +264,11 @@ func TestSpare_NoneUnderAConcurrencyRule(t *testing.T) {
 		}
 		p.Release()
 	}
-	// Each call: its acquire and its release.
-	if n := scripts.Load() - before; n != 100 {
-		t.Errorf("%d script calls for 50 calls and their releases, want 100", n)
+	// Each call: its acquire and its release; a call that a busy machine
+	// wakes late books again, one acquire more. A spare would make one
+	// fewer.
+	if n := scripts.Load() - before; n < 100 {
+		t.Errorf("%d script calls for 50 calls and their releases, want 100 at least: spares were taken", n)
 	}
 }
 
