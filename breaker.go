@@ -80,6 +80,18 @@ func (b *breaker) allow() pass {
 	return pass{ok: true, probe: true}
 }
 
+// nextProbe returns how long until the breaker lets its next probe go;
+// probeFirst while it is closed, when every call may ask Redis, for a
+// caller that tries on its own schedule (see Limiter.watchForRedis).
+func (b *breaker) nextProbe() time.Duration {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	if !b.open {
+		return probeFirst
+	}
+	return max(time.Until(b.next), 0)
+}
+
 // success records an answer from Redis, and reports whether it closed the
 // breaker.
 func (b *breaker) success() bool {

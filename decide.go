@@ -3,7 +3,6 @@ package throttle
 import (
 	"context"
 	"errors"
-	"math/rand/v2"
 	"strings"
 	"time"
 
@@ -173,7 +172,7 @@ func (l *Limiter) reloadSlots(err error) {
 // schedule, and ends once Redis decides again or the limiter is closed.
 func (l *Limiter) watchForRedis() {
 	for l.localNow.Load() && !l.closed.Load() {
-		time.Sleep(probeFirst + rand.N(probeMax-probeFirst))
+		time.Sleep(l.brk.nextProbe())
 		pass := l.brk.allow()
 		if !pass.ok || !l.localNow.Load() {
 			continue
@@ -186,7 +185,8 @@ func (l *Limiter) watchForRedis() {
 			l.redisAnswered()
 			return
 		case errors.Is(err, errHandBackBusy):
-			l.brk.abort(pass)
+			// The fallback outran the hand-back, but Redis answered: the
+			// next probe tries again.
 		default:
 			l.brk.failure()
 		}
