@@ -12,7 +12,6 @@ import (
 	"time"
 
 	"github.com/redis/go-redis/v9"
-	"github.com/redis/go-redis/v9/maintnotifications"
 
 	"github.com/throttlekit/throttle/internal/redistest"
 	"github.com/throttlekit/throttle/internal/sim"
@@ -735,10 +734,7 @@ func TestLocal_ACallLeavesAHangingHandBackAtItsDeadline(t *testing.T) {
 	synctest.Test(t, func(t *testing.T) {
 		r := sim.NewRedis(func(int) time.Duration { return time.Millisecond })
 		defer r.Close()
-		rdb := redis.NewClient(&redis.Options{Addr: simAddr(simRuns.Add(1), 0), Dialer: r.Dialer(0), ContextTimeoutEnabled: true,
-			MaintNotificationsConfig: &maintnotifications.Config{Mode: maintnotifications.ModeDisabled}})
-		defer rdb.Close()
-		lim, err := New(rdb, "handback", policies.SlidingLog{Limit: 10, Window: time.Second},
+		lim, err := New(simClient(t, r, 0), "handback", policies.SlidingLog{Limit: 10, Window: time.Second},
 			Options{OnRedisError: Local, ExpectedReplicas: 1, Logger: quiet()})
 		if err != nil {
 			t.Fatal(err)
