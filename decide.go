@@ -93,6 +93,10 @@ func (l *Limiter) fallback(sc scope, c call, maxWait time.Duration, cause error)
 		member := l.newMember()
 		r := l.local.decide(sc, c, member, maxWait)
 		r.scope, r.member = sc, member
+		if r.reason == reasonShare {
+			// Only Redis may admit it: it asks again when a probe may go.
+			r.wait = l.brk.nextProbe()
+		}
 		return r, nil
 	}
 	return result{}, cause

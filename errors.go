@@ -118,6 +118,12 @@ func (e *LimitedError) Error() string {
 // Is reports whether target is ErrLimited.
 func (e *LimitedError) Is(target error) bool { return target == ErrLimited }
 
+// shareReason is why a call larger than a replica's share of a limit is
+// refused while replicas may decide without Redis (Options.OnRedisError
+// Local): each keeps to its share, and only Redis, once every replica has
+// told it of its calls, may admit more at once.
+const shareReason = "the call is larger than one replica's share of a limit (Limit / ExpectedReplicas), the most a replica admits while replicas may decide without Redis"
+
 func (l *Limiter) limited(retryAfter time.Duration, reason string) error {
 	return &LimitedError{Quota: l.name, RetryAfter: retryAfter, Reason: reason}
 }
@@ -130,6 +136,8 @@ func (l *Limiter) refused(r result, by string) error {
 		return l.limited(r.wait, lateReason)
 	case r.reason == reasonBusy:
 		return l.limited(r.wait, "every concurrency slot is taken")
+	case r.reason == reasonShare:
+		return l.limited(r.wait, shareReason)
 	case r.pause > r.now:
 		return l.limited(r.wait, "the vendor asked the fleet to pause")
 	}

@@ -5,6 +5,7 @@ import (
 	"errors"
 	"slices"
 	"strconv"
+	"strings"
 	"sync"
 	"testing"
 	"testing/synctest"
@@ -123,7 +124,7 @@ func TestLocal_ACallLargerThanTheReserveFitsAmongTheCallsHandedBack(t *testing.T
 		// booked for 6 units, which the reserve's share of 5 cannot take,
 		// until the reserve ends and every replica has handed back.
 		r, err := lim.acquire(context.Background(), call{cost: 6}, 10*time.Second, nil)
-		if err != nil || r.admitted || r.reason != reasonBusy {
+		if err != nil || r.admitted || r.reason != reasonShare {
 			t.Fatalf("a call of 6 units: %+v, %v; want refused until the reserve ends", r, err)
 		}
 		if reserve := time.Second + policies.DefaultMargin + probeLongest; r.wait < reserve-100*time.Millisecond || r.wait > reserve {
@@ -183,6 +184,61 @@ func TestBatch_CallersThatLeaveDoNotHoldTheCallsBehindThem(t *testing.T) {
 		time.Sleep(time.Second)
 		if n, err := rdb.ZCard(ctx, lim.scopeFor(call{}).keys[2]).Result(); err != nil || n != 3 {
 			t.Errorf("the log holds %d entries (%v), want the 3 calls that ran: the 5 left were given back", n, err)
+		}
+	})
+}
+
+// The Local fallback never admits a call larger than this replica's share
+// of a rule: each replica may take its share at once, and one unit more
+// takes the fleet over the cap (seed 10833: calls of 4 and 5 units,
+// admitted by fallbacks whose share of a key was 2, made 11 and 12 in a
+// key's window of 10). Such a call waits for Redis, or is refused at once
+// when it does not wait, with a reason that says so.
+func TestLocal_ACallLargerThanTheShareWaitsForRedis(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		r := sim.NewRedis(func(int) time.Duration { return time.Millisecond })
+		defer r.Close()
+		rdb := simClient(t, r, 0)
+		lim := newLimiter(t, rdb, policies.SlidingLog{Limit: 10, Window: time.Second},
+			Options{OnRedisError: Local, ExpectedReplicas: 5, Logger: quiet()})
+		defer closeInBubble(lim)
+		ctx := context.Background()
+		if _, err := lim.Allow(ctx); err != nil {
+			t.Fatal(err)
+		}
+		r.Freeze()
+		for range breakerFailures {
+			_, _ = lim.Allow(ctx, Cost(2)) // each waits RedisTimeout, and the fallback takes over
+		}
+		if !lim.localNow.Load() {
+			t.Fatal("the fallback did not take over")
+		}
+		if d, err := lim.Allow(ctx, Cost(3)); err != nil || d.OK {
+			t.Fatalf("Allow of 3 units on a share of 2: %+v, %v; want refused", d, err)
+		}
+		fast := newLimiter(t, rdb, policies.SlidingLog{Limit: 10, Window: time.Second},
+			Options{Mode: FailFast, OnRedisError: Local, ExpectedReplicas: 5, Logger: quiet()})
+		defer closeInBubble(fast)
+		for range breakerFailures {
+			_, _ = fast.Allow(ctx)
+		}
+		_, err := fast.Acquire(ctx, Cost(3))
+		var le *LimitedError
+		if !errors.As(err, &le) || !strings.Contains(le.Reason, "share") {
+			t.Fatalf("FailFast Acquire of 3 units on a share of 2: %v, want refused for the share", err)
+		}
+		thawed := time.Now().Add(3 * time.Second)
+		go func() {
+			time.Sleep(time.Until(thawed))
+			r.Thaw()
+		}()
+		p, err := lim.Acquire(ctx, Cost(3))
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer p.Release()
+		if p.r.local || time.Now().Before(thawed) {
+			t.Errorf("a call of 3 admitted at %v, decided locally %v; want by Redis, after it came back at %v", time.Now(), p.r.local, thawed)
 		}
 	})
 }

@@ -85,13 +85,21 @@ func (lg *localLog) unitsAfter(t time.Time) int {
 	return n
 }
 
-// decide admits, books or refuses a call, as the script would.
+// decide admits, books or refuses a call, as the script would. A call
+// larger than this replica's share of a rule is refused (reasonShare), its
+// wait left to the caller: every replica may take its share, and one more
+// unit here would take the fleet over the cap.
 func (lo *local) decide(sc scope, c call, member string, maxWait time.Duration) result {
 	lo.mu.Lock()
 	defer lo.mu.Unlock()
 	now := time.Now()
 	lo.sweep(now)
 	remaining := lo.remaining(sc, now)
+	for _, r := range lo.rules {
+		if unitsOf(r, c.cost) > r.Limit {
+			return result{reason: reasonShare, remaining: remaining, local: true}
+		}
+	}
 	if wait, busy := lo.busyFor(sc, c, now); busy {
 		return result{reason: reasonBusy, wait: wait, remaining: remaining, local: true}
 	}

@@ -32,6 +32,7 @@ func TestProtocol_GoAndLuaConstantsAgree(t *testing.T) {
 		{"ADMITTED", "reasonNone", int64(reasonNone)},
 		{"REFUSED_TOO_FAR", "reasonTooFar", int64(reasonTooFar)},
 		{"REFUSED_BUSY", "reasonBusy", int64(reasonBusy)},
+		{"REFUSED_SHARE", "reasonShare", int64(reasonShare)},
 		// The kinds of rule, and the flag of a rule that counts calls
 		// (ruleArgs).
 		{"LOG", "policies.KindSlidingLog", int64(policies.KindSlidingLog)},

@@ -17,6 +17,7 @@ const (
 	reasonNone   reason = iota
 	reasonTooFar        // the slot lies beyond the wait the call accepts
 	reasonBusy          // a concurrency rule is full
+	reasonShare         // larger than the share one replica may take while replicas may decide without Redis
 	reasonLate          // every admission came too late to start in (decided here, not by the script)
 )
 

@@ -110,10 +110,19 @@ func (l *Limiter) waitLeft(ctx context.Context, start time.Time) (time.Duration,
 // notAdmitted handles the call r that got no slot. When a full concurrency
 // rule refused it and it may wait longer than busy, it sleeps about busy
 // (see sleepBusy) and returns the longer pause for the next time it finds
-// the rule full; otherwise it fails with the reason: why its slot lies
-// beyond its wait, or that every concurrency slot is taken.
+// the rule full; when it is larger than the share a replica may take while
+// replicas may decide without Redis, it sleeps until it may ask again, if
+// it may wait that long; otherwise it fails with the reason: why its slot
+// lies beyond its wait, or what refused it.
 func (l *Limiter) notAdmitted(ctx context.Context, r result, maxWait, busy time.Duration, reason string) (time.Duration, error) {
-	if r.reason != reasonBusy {
+	switch r.reason {
+	case reasonShare:
+		if maxWait < r.wait {
+			return busy, l.limited(r.wait, shareReason)
+		}
+		return busy, sleep(ctx, r.wait)
+	case reasonBusy:
+	default:
 		return busy, l.limited(r.wait, reason)
 	}
 	if maxWait <= busy {

@@ -54,14 +54,15 @@
 --              lies beyond the wait accepted; REFUSED_BUSY (2) refused: a
 --              concurrency rule is full (no slot can be booked, since no one
 --              knows when a holder will finish; wait is then the time until the
---              first lease runs out), or the call is larger than the quota's
---              share reserved after a Local outage (wait: until the reserve
---              ends).
+--              first lease runs out); REFUSED_SHARE (3) refused: the call is
+--              larger than the quota's share reserved after a Local outage
+--              (wait: until the reserve ends).
 
 -- The reasons of a call's answer, as script.go reads them (see reason).
 local ADMITTED = 0
 local REFUSED_TOO_FAR = 1
 local REFUSED_BUSY = 2
+local REFUSED_SHARE = 3
 
 local now = clock()
 
@@ -738,8 +739,8 @@ local function start_from(batch, call)
   -- Larger than the reserved share only: no slot can be booked while
   -- replicas still deciding without Redis may yet hand back calls they
   -- booked ahead, at times any slot booked now could share a window with.
-  -- Refused as when a concurrency rule is full, with the reserve's end
-  -- for when to ask again: every replica has handed back by then.
+  -- Refused, with the reserve's end for when to ask again: every replica
+  -- has handed back by then.
   call.reserved_until = batch.meta.ru
   return NEVER, false
 end
@@ -843,7 +844,7 @@ local function decide(batch, c)
   local t, moved = start_from(batch, call)
   t = settle(call, t, moved)
   if call.reserved_until then
-    answer(batch, call, 0, call.reserved_until - now, call.remaining, REFUSED_BUSY)
+    answer(batch, call, 0, call.reserved_until - now, call.remaining, REFUSED_SHARE)
   elseif t == NEVER then
     answer(batch, call, 0, busy_for(call.rs, call.cost), call.remaining, REFUSED_BUSY)
   elseif t - now > call.maxwait then
