@@ -27,7 +27,7 @@ func (l *Limiter) acquire(ctx context.Context, c call, maxWait time.Duration, gi
 		l.cancel(ctx, c, *giveBack)
 		giveBack = nil
 	}
-	if l.localNow.Load() {
+	if l.onFallback() {
 		// Back from the fallback: Redis learns of the calls decided without
 		// it before it decides any more.
 		if err := l.awaitHandBack(ctx); err != nil {
@@ -67,6 +67,10 @@ func (l *Limiter) acquire(ctx context.Context, c call, maxWait time.Duration, gi
 	return l.fallback(sc, c, maxWait, err)
 }
 
+// onFallback reports whether the Local fallback decides calls now: Redis
+// has not learned of the calls of its turn yet.
+func (l *Limiter) onFallback() bool { return l.local != nil && l.local.on.Load() }
+
 // redisAnswered records an answer from Redis, and says so when it closed
 // the breaker.
 func (l *Limiter) redisAnswered() {
@@ -82,16 +86,15 @@ func (l *Limiter) fallback(sc scope, c call, maxWait time.Duration, cause error)
 	case FailOpen:
 		return result{admitted: true, local: true, scope: sc}, nil
 	case Local:
-		if !l.localNow.Swap(true) {
+		member := l.newMember()
+		r, began := l.local.decide(sc, c, member, maxWait)
+		if began {
 			// This process's calls booked in Redis and still asleep ask
 			// again when they wake: the fallback counts them against this
 			// process's share, whatever Redis admitted them at.
 			l.gaps.Add(1)
-			l.local.takeOver(l.noticeWithin())
 			go l.watchForRedis()
 		}
-		member := l.newMember()
-		r := l.local.decide(sc, c, member, maxWait)
 		r.scope, r.member = sc, member
 		if r.reason == reasonShare {
 			// Only Redis may admit it: it asks again when a probe may go.
@@ -175,10 +178,10 @@ func (l *Limiter) reloadSlots(err error) {
 // Redis, fills the windows they fall in. It probes on the breaker's
 // schedule, and ends once Redis decides again or the limiter is closed.
 func (l *Limiter) watchForRedis() {
-	for l.localNow.Load() && !l.closed.Load() {
+	for l.onFallback() && !l.closed.Load() {
 		time.Sleep(l.brk.nextProbe())
 		pass := l.brk.allow()
-		if !pass.ok || !l.localNow.Load() {
+		if !pass.ok || !l.onFallback() {
 			continue
 		}
 		ctx, cancel := context.WithTimeout(context.Background(), l.s.redisTimeout)
@@ -227,9 +230,6 @@ func (l *Limiter) awaitHandBack(ctx context.Context) error {
 				if complete, h.err = l.handBack(); h.err == nil && !complete {
 					h.err = errHandBackBusy
 				}
-			}
-			if h.err == nil {
-				l.localNow.Store(false)
 			}
 			l.handMu.Lock()
 			l.handing = nil

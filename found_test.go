@@ -4,7 +4,6 @@ import (
 	"context"
 	"errors"
 	"slices"
-	"strconv"
 	"strings"
 	"sync"
 	"testing"
@@ -108,12 +107,13 @@ func TestLocal_ACallLargerThanTheReserveFitsAmongTheCallsHandedBack(t *testing.T
 	redistest.Each(t, func(t *testing.T, s *redistest.Server) {
 		lim := newLimiter(t, s.Client(t), policies.SlidingLog{Limit: 10, Window: time.Second},
 			Options{OnRedisError: Local, ExpectedReplicas: 2, Logger: quiet()})
+		lim.local.begin()
 		lim.local.full = time.Now().Add(-time.Second)
 		sc := lim.scopeFor(call{})
-		if r := lim.local.decide(sc, call{cost: 5}, "now", 5*time.Second); !r.admitted || r.wait > 100*time.Millisecond {
+		if r := decided(lim.local, sc, call{cost: 5}, "now", 5*time.Second); !r.admitted || r.wait > 100*time.Millisecond {
 			t.Fatalf("the fallback's first call: %+v", r)
 		}
-		ahead := lim.local.decide(sc, call{cost: 5}, "ahead", 5*time.Second)
+		ahead := decided(lim.local, sc, call{cost: 5}, "ahead", 5*time.Second)
 		if !ahead.admitted || ahead.wait < 900*time.Millisecond {
 			t.Fatalf("the fallback's second call: %+v, want booked a window ahead", ahead)
 		}
@@ -210,7 +210,7 @@ func TestLocal_ACallLargerThanTheShareWaitsForRedis(t *testing.T) {
 		for range breakerFailures {
 			_, _ = lim.Allow(ctx, Cost(2)) // each waits RedisTimeout, and the fallback takes over
 		}
-		if !lim.localNow.Load() {
+		if !lim.onFallback() {
 			t.Fatal("the fallback did not take over")
 		}
 		if d, err := lim.Allow(ctx, Cost(3)); err != nil || d.OK {
@@ -244,11 +244,14 @@ func TestLocal_ACallLargerThanTheShareWaitsForRedis(t *testing.T) {
 }
 
 // A process back from the Local fallback hands its calls back to Redis as
-// soon as Redis answers a probe, though no call asks: the fallback books
-// calls more than two seconds ahead by default, and a process whose calls
-// all sleep towards such slots would otherwise tell Redis of them only as
-// they run, while the rest of the fleet, deciding in Redis at the whole
-// limit, fills their windows (seed 14604).
+// soon as Redis answers a probe, though no call asks, and its calls asleep
+// towards slots the fallback booked ahead wake and book again in Redis: the
+// fallback books calls more than two seconds ahead by default, and a
+// process whose calls all sleep towards such slots would otherwise tell
+// Redis of them only as they run, while the rest of the fleet, deciding in
+// Redis at the whole limit, fills their windows (seed 14604); told of
+// them at once, Redis may still have filled their windows meanwhile (seed
+// 10833).
 func TestLocal_HandsBackWhenRedisAnswersThoughNoCallAsks(t *testing.T) {
 	synctest.Test(t, func(t *testing.T) {
 		r := sim.NewRedis(func(int) time.Duration { return time.Millisecond })
@@ -262,35 +265,35 @@ func TestLocal_HandsBackWhenRedisAnswersThoughNoCallAsks(t *testing.T) {
 			t.Fatal(err)
 		}
 		r.Freeze()
-		ran := make(chan struct{})
+		type ran struct {
+			at    time.Time
+			local bool
+		}
+		done := make(chan ran, 1)
 		go func() {
-			defer close(ran)
-			if p, err := lim.Acquire(ctx); err != nil {
+			p, err := lim.Acquire(ctx)
+			if err != nil {
 				t.Error(err)
-			} else {
-				p.Release()
+				close(done)
+				return
 			}
+			done <- ran{time.Now(), p.r.local}
+			p.Release()
 		}()
 		time.Sleep(1500 * time.Millisecond) // the fallback booked the call ahead
+		if !lim.onFallback() {
+			t.Fatal("the fallback did not take over")
+		}
+		thawed := time.Now()
 		r.Thaw()
-		time.Sleep(500 * time.Millisecond)
-		select {
-		case <-ran:
-			t.Fatal("the fallback's call ran before the test could look")
-		default:
-		}
-		now, err := rdb.Time(ctx).Result()
-		if err != nil {
-			t.Fatal(err)
-		}
-		ahead, err := rdb.ZCount(ctx, lim.scopeFor(call{}).keys[2], "("+strconv.FormatInt(now.UnixMicro(), 10), "+inf").Result()
-		if err != nil || ahead != 1 {
-			t.Errorf("Redis holds %d calls ahead (%v), want the fallback's call handed back while it sleeps", ahead, err)
-		}
-		if lim.localNow.Load() {
+		got := <-done
+		if lim.onFallback() {
 			t.Error("the process still decides without Redis")
 		}
-		<-ran
+		if got.local || got.at.Sub(thawed) > probeLongest+100*time.Millisecond {
+			t.Errorf("the call ran %v after Redis came back, decided without Redis: %v; want decided by Redis within a probe",
+				got.at.Sub(thawed), got.local)
+		}
 	})
 }
 

@@ -1,10 +1,12 @@
 package throttle
 
 import (
+	"context"
 	"fmt"
 	"slices"
 	"strconv"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/throttlekit/throttle/policies"
@@ -14,20 +16,30 @@ import (
 // fallback). Each rule keeps its limit divided by the expected replicas, so
 // that a fleet in which every replica lost Redis stays under the cap. It
 // counts every booking ahead in every window, as a conservative log does.
+//
+// It decides in turns: a turn begins with the first call Redis could not
+// decide (begin) and ends when Redis has learned of the calls the turn
+// admitted (handedBack). A call the turn booked ahead and that has not
+// begun when it ends books again in Redis (see claim).
 type local struct {
 	mu        sync.Mutex
 	rules     []policies.Rule // limits already divided
+	notice    time.Duration   // how long the fleet takes to notice a failure (Limiter.noticeWithin)
 	logs      map[string]*localLog
 	margin    time.Duration // the smallest guarded margin of the windows: a call may start half of it late
 	decisions int
-	admits    uint64    // the calls admitted so far, for handedBack
-	full      time.Time // every rule counts as full for a window from here
+	admits    uint64        // the calls admitted or begun so far, for handedBack
+	full      time.Time     // every rule counts as full for a window from here
+	on        atomic.Bool   // a turn is on; written under mu
+	turn      uint64        // the turns begun so far
+	ended     chan struct{} // closed when the turn ends
 }
 
 type localEntry struct {
-	at   time.Time // admission, or for concurrency the lease's end
-	cost int
-	id   string
+	at    time.Time // admission, or for concurrency the lease's end
+	cost  int
+	id    string
+	begun bool // the call has begun (see claim)
 }
 
 type localLog struct {
@@ -39,7 +51,7 @@ type localLog struct {
 
 // newLocal divides every limit among the replicas, and refuses a division
 // that leaves a rule less than one unit.
-func newLocal(rules []policies.Rule, replicas int) (*local, error) {
+func newLocal(rules []policies.Rule, replicas int, notice time.Duration) (*local, error) {
 	lr := make([]policies.Rule, len(rules))
 	for i, r := range rules {
 		r.Limit /= replicas
@@ -51,7 +63,7 @@ func newLocal(rules []policies.Rule, replicas int) (*local, error) {
 		}
 		lr[i] = r
 	}
-	lo := &local{rules: lr, logs: map[string]*localLog{}}
+	lo := &local{rules: lr, notice: notice, logs: map[string]*localLog{}}
 	for _, r := range lr {
 		if (r.Kind == policies.KindSlidingLog || r.Kind == policies.KindSlidingCounter) && r.Margin >= minGuardedMargin &&
 			(lo.margin == 0 || r.Margin < lo.margin) {
@@ -61,17 +73,25 @@ func newLocal(rules []policies.Rule, replicas int) (*local, error) {
 	return lo, nil
 }
 
+// log returns the log of rule i for scope sc, made if need be.
 func (lo *local) log(i int, sc scope) *localLog {
-	name := strconv.Itoa(i)
-	if lo.rules[i].PerKey {
-		name += ":" + sc.id
-	}
+	name := lo.logName(i, sc)
 	lg := lo.logs[name]
 	if lg == nil {
 		lg = &localLog{rule: i, scope: sc}
 		lo.logs[name] = lg
 	}
 	return lg
+}
+
+// logName names the log of rule i for scope sc: one per key under a
+// per-key rule.
+func (lo *local) logName(i int, sc scope) string {
+	name := strconv.Itoa(i)
+	if lo.rules[i].PerKey {
+		name += ":" + sc.id
+	}
+	return name
 }
 
 // units returns the units of the log's entries after t.
@@ -85,13 +105,20 @@ func (lg *localLog) unitsAfter(t time.Time) int {
 	return n
 }
 
-// decide admits, books or refuses a call, as the script would. A call
-// larger than this replica's share of a rule is refused (reasonShare), its
-// wait left to the caller: every replica may take its share, and one more
-// unit here would take the fleet over the cap.
-func (lo *local) decide(sc scope, c call, member string, maxWait time.Duration) result {
+// decide admits, books or refuses a call, as the script would, in the turn
+// on or in one it begins, and reports whether it began one. A call larger
+// than this replica's share of a rule is refused (reasonShare), its wait
+// left to the caller: every replica may take its share, and one more unit
+// here would take the fleet over the cap.
+func (lo *local) decide(sc scope, c call, member string, maxWait time.Duration) (result, bool) {
 	lo.mu.Lock()
 	defer lo.mu.Unlock()
+	began := lo.beginLocked()
+	return lo.decideInTurn(sc, c, member, maxWait), began
+}
+
+// decideInTurn is decide within the turn on; lo.mu is held.
+func (lo *local) decideInTurn(sc scope, c call, member string, maxWait time.Duration) result {
 	now := time.Now()
 	lo.sweep(now)
 	remaining := lo.remaining(sc, now)
@@ -116,7 +143,7 @@ func (lo *local) decide(sc scope, c call, member string, maxWait time.Duration) 
 	// process that wakes later after it than half the margin would crowd
 	// the windows after it, without Redis as with it.
 	at := time.Duration(now.UnixNano())
-	return result{admitted: true, wait: wait, remaining: remaining, local: true, now: at, done: at, margin: lo.margin}
+	return result{admitted: true, wait: wait, remaining: remaining, local: true, now: at, done: at, margin: lo.margin, turn: lo.turn}
 }
 
 // remaining returns the units free now under the tightest rule of scope sc.
@@ -161,7 +188,7 @@ func (lo *local) busyFor(sc scope, c call, now time.Time) (time.Duration, bool) 
 
 // slot returns the earliest time from now at which the call fits every
 // rule that counts over time, and no sooner than a window after the
-// fallback took over (see takeOver).
+// fallback took over (see begin).
 func (lo *local) slot(sc scope, c call, now time.Time) time.Time {
 	t := now
 	for _, r := range lo.rules {
@@ -228,21 +255,87 @@ func (lg *localLog) insert(e localEntry) {
 	lg.entries = slices.Insert(lg.entries, i, e)
 }
 
-// takeOver is called when the fallback starts deciding. Redis may have
-// admitted a full window just before it failed, and the other replicas'
-// calls booked in Redis go on waking at their slots until their processes
-// notice the failure (within notice: see Limiter.noticeWithin), after which they
-// ask their own fallbacks, as this process's sleeping calls do. So the
-// fallback admits nothing until a window after the last of those, and no
-// concurrency slot until a lease after it, since the slots held through
-// Redis are still taken. From then on each replica admits its share alone,
-// and the fleet stays under the cap whatever any replica booked before.
-func (lo *local) takeOver(notice time.Duration) {
+// begin begins a turn, unless one is on, and reports whether it did.
+//
+// Redis may have admitted a full window just before it failed, and the
+// other replicas' calls booked in Redis go on waking at their slots until
+// their processes notice the failure (within notice: see
+// Limiter.noticeWithin), after which they ask their own fallbacks, as this
+// process's sleeping calls do. So a turn admits nothing until a window
+// after the last of those, and no concurrency slot until a lease after it,
+// since the slots held through Redis are still taken. From then on each
+// replica admits its share alone, and the fleet stays under the cap
+// whatever any replica booked before.
+func (lo *local) begin() bool {
 	lo.mu.Lock()
 	defer lo.mu.Unlock()
-	lo.full = time.Now().Add(notice)
-	lo.logs = map[string]*localLog{}
+	return lo.beginLocked()
 }
+
+func (lo *local) beginLocked() bool {
+	if lo.on.Load() {
+		return false
+	}
+	lo.turn++
+	lo.ended = make(chan struct{})
+	lo.full = time.Now().Add(lo.notice)
+	lo.logs = map[string]*localLog{}
+	lo.on.Store(true)
+	return true
+}
+
+// claim begins the call r, booked ahead by the turn, at its slot, and
+// reports whether it may run: not once its turn has ended, since Redis,
+// deciding again, may have admitted other replicas' calls into the windows
+// of its slot before this process told it of the slot (a replica that
+// never lost Redis decides at the whole limit from the moment Redis
+// answers, and a frozen Redis answers every replica at once). Such a call
+// books again in Redis. A call that begins makes the hand-back on its way,
+// which may not have counted it, try again.
+func (lo *local) claim(r result) bool {
+	lo.mu.Lock()
+	defer lo.mu.Unlock()
+	if !lo.on.Load() || lo.turn != r.turn {
+		return false
+	}
+	lo.admits++
+	for i := range lo.rules {
+		lg := lo.logs[lo.logName(i, r.scope)]
+		if lg == nil {
+			continue
+		}
+		for j := range lg.entries {
+			if lg.entries[j].id == r.member {
+				lg.entries[j].begun = true
+			}
+		}
+	}
+	return true
+}
+
+// asleep sleeps d, towards the slot of a call booked ahead by turn, unless
+// ctx ends first or the turn ends (and the call books again in Redis).
+func (lo *local) asleep(ctx context.Context, d time.Duration, turn uint64) error {
+	lo.mu.Lock()
+	ended := lo.ended
+	if !lo.on.Load() || lo.turn != turn {
+		ended = closed
+	}
+	lo.mu.Unlock()
+	t := time.NewTimer(d)
+	defer t.Stop()
+	select {
+	case <-t.C:
+		return nil
+	case <-ended:
+		return nil
+	case <-ctx.Done():
+		return ctx.Err()
+	}
+}
+
+// closed is a channel closed from the start.
+var closed = func() chan struct{} { c := make(chan struct{}); close(c); return c }()
 
 // charge is units a returning Redis must learn of: calls the fallback
 // admitted, or booked, that still count in a window.
@@ -264,7 +357,9 @@ func (lo *local) charges() (out []charge, admits uint64) {
 		switch r.Kind {
 		case policies.KindSlidingLog, policies.KindSlidingCounter:
 			for _, e := range lg.entries {
-				if e.at.After(now.Add(-r.Window)) {
+				// A call booked ahead that has not begun books again in
+				// Redis when the turn ends (claim).
+				if e.at.After(now.Add(-r.Window)) && (e.begun || !e.at.After(now)) {
 					out = append(out, charge{lg.rule, lg.scope, e.at, e.cost})
 				}
 			}
@@ -298,6 +393,10 @@ func (lo *local) handedBack(admits uint64) bool {
 		return false
 	}
 	lo.logs = map[string]*localLog{}
+	if lo.on.Load() {
+		lo.on.Store(false)
+		close(lo.ended)
+	}
 	return true
 }
 

@@ -185,6 +185,7 @@ type result struct {
 	stale     bool          // decided by a Redis clock that had just stepped forward
 	gaps      uint64        // the gaps in the quota's news this process knew of when it was decided (see news.go)
 	local     bool          // decided without Redis (FailOpen, Local)
+	turn      uint64        // the Local fallback's turn that decided it (see local)
 }
 
 // slot is the Redis time of the call's booked slot.

@@ -114,7 +114,6 @@ type view struct {
 type failover struct {
 	brk      *breaker    // keeps calls away from a failing Redis; its own lock
 	local    *local      // the Local fallback, or nil; its own lock
-	localNow atomic.Bool // the Local fallback decides calls now
 	handMu   sync.Mutex  // guards handing
 	handing  *handing    // the hand-back on its way to Redis, or nil
 }
@@ -147,7 +146,7 @@ func New(rdb redis.UniversalClient, name string, policy policies.Policy, opts ..
 	seq, _, _ := l.timing.step()
 	l.seenStep.Store(seq)
 	if s.onRedisError == Local {
-		if l.local, err = newLocal(rules, s.replicas); err != nil {
+		if l.local, err = newLocal(rules, s.replicas, l.noticeWithin()); err != nil {
 			return nil, fmt.Errorf("throttle: quota %q: %w", name, err)
 		}
 	}

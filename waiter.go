@@ -151,7 +151,10 @@ func (l *Limiter) awaitSlot(ctx context.Context, c call, r result) (overtaken bo
 	// slept, or Redis may have lost the booking with the rest of the
 	// quota's data. Calling then would crowd the windows after the
 	// slot, so the call gives its slot back and books again.
-	return !r.local && l.overtaken(r), nil
+	if r.local {
+		return l.local != nil && !l.local.claim(r), nil
+	}
+	return l.overtaken(r), nil
 }
 
 // wakeLead is how long before its slot a sleeping call looks at the
@@ -174,7 +177,10 @@ const wakeLead = 100 * time.Millisecond
 func (l *Limiter) sleepToSlot(ctx context.Context, r result) error {
 	d := r.wait
 	if r.local {
-		return sleep(ctx, d)
+		if l.local == nil {
+			return sleep(ctx, d)
+		}
+		return l.local.asleep(ctx, d, r.turn)
 	}
 	l.asleep.Add(1)
 	defer l.asleep.Add(-1)
