@@ -112,10 +112,10 @@ type view struct {
 
 // failover is what keeps calls going while Redis cannot decide them.
 type failover struct {
-	brk      *breaker    // keeps calls away from a failing Redis; its own lock
-	local    *local      // the Local fallback, or nil; its own lock
-	handMu   sync.Mutex  // guards handing
-	handing  *handing    // the hand-back on its way to Redis, or nil
+	brk     *breaker   // keeps calls away from a failing Redis; its own lock
+	local   *local     // the Local fallback, or nil; its own lock
+	handMu  sync.Mutex // guards handing
+	handing *handing   // the hand-back on its way to Redis, or nil
 }
 
 // New returns a Limiter for the quota called name on rdb (a Client,
