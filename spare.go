@@ -132,7 +132,7 @@ func (l *Limiter) spareUsable(p *pool) bool {
 		return false
 	}
 	late, ok := l.timing.lateness(r.startsAt())
-	if !ok || late > r.margin/spareShare {
+	if !ok || late+l.timing.unsure() > r.margin/spareShare {
 		return false
 	}
 	// A process whose calls started later than that since it last told the

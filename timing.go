@@ -59,6 +59,8 @@ type timing struct {
 	ahead    [2]minimum    // least Redis now - asked
 	trip     [2]minimum    // least round trip, the script's own time left out
 	readings int           // replies observed since the last reset
+	before   minimum       // least round trip before the last reset (see unsure)
+	resetAt  time.Duration // local time of the last reset
 	steps    uint64        // forward steps of Redis's clock seen
 	stepBy   time.Duration // the size of the last one
 	stepAt   time.Duration // the Redis time, by the new clock, of the reply that showed it
@@ -158,12 +160,54 @@ func (k *timing) observe(began, redisNow, asked, recvd time.Duration) {
 			k.steps++
 			k.stepBy, k.stepAt = -ahead-off, redisNow
 		}
+		k.keepTrip(recvd)
 		k.fast, k.ahead, k.trip = [2]minimum{}, [2]minimum{}, [2]minimum{}
 		k.readings = 1
 	}
 	k.fast[0].add(off)
 	k.ahead[0].add(redisNow - asked)
 	k.trip[0].add(rtt - (redisNow - began))
+}
+
+// keepTrip keeps the least round trip known before a reset at local time
+// at: the way to Redis does not change when its clock steps, and unsure
+// compares the readings after the reset with it. k.mu is held.
+func (k *timing) keepTrip(at time.Duration) {
+	before := k.before
+	if at-k.resetAt >= 2*timingPeriod {
+		before = minimum{}
+	}
+	if t, ok := least(k.trip); ok {
+		before.add(t)
+	}
+	k.before, k.resetAt = before, at
+}
+
+// unsure returns how much later than the fastest reply's delay a call may
+// start without lateness telling: after the clocks stepped, the readings
+// begin anew, and if the first of them all came slow (a stalled link, a
+// starved process), the fastest of them is that much slower than the way
+// to Redis, and a call that wakes by it starts that much late unseen (seed
+// 65003: a step back of Redis's clock, then replies half a second slow; once
+// they were fast again, a call woke half a second after its slot, and 11
+// calls reached the vendor in a window of 10). The way to Redis has not
+// changed with its clock: the round trip of the fastest readings since the
+// reset, beyond the least round trip before it, is what the readings may
+// hide, until a reply as fast as before shows it, or the readings before
+// the reset are two periods old.
+func (k *timing) unsure() time.Duration {
+	if k.clock != nil {
+		return 0
+	}
+	at := k.now()
+	k.mu.Lock()
+	defer k.mu.Unlock()
+	fast, okF := least(k.fast)
+	ahead, okA := least(k.ahead)
+	if !k.before.set || !okF || !okA || at-k.resetAt >= 2*timingPeriod {
+		return 0
+	}
+	return max(fast+ahead-k.before.v, 0)
 }
 
 // fastest returns the least recvd - Redis now of the last two periods.

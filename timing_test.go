@@ -806,3 +806,33 @@ func TestGuard_TokenBucketLateReplyBooksAgain(t *testing.T) {
 		}
 	})
 }
+
+// After a step of Redis's clock the readings begin anew. When the first of
+// them all come slow (a stalled link, a starved process), the fastest of
+// them is slower than the way to Redis by as much as their round trip
+// exceeds the fastest one before the step, and a call that wakes by it
+// starts that much late unseen; a reply as fast as before ends the doubt
+// (seed 65003).
+func TestTiming_UnsureAfterAStepWhileRepliesAreSlow(t *testing.T) {
+	k := newTiming(nil)
+	for i := range 5 {
+		asked := time.Duration(i) * 100 * ms
+		k.observe(asked+5*ms, asked+5*ms, asked, asked+10*ms)
+	}
+	if u := k.unsure(); u != 0 {
+		t.Fatalf("unsure %v with replies as fast as ever, want 0", u)
+	}
+	// Redis's clock steps an hour back; the replies take 500 ms each way.
+	asked := time.Second
+	redisNow := asked + 500*ms - time.Hour
+	k.observe(redisNow, redisNow, asked, asked+time.Second)
+	if u := k.unsure(); u != 990*ms {
+		t.Errorf("unsure %v after a step read by a reply 1 s round, want 990ms (its round trip beyond the 10 ms before)", u)
+	}
+	asked = 2 * time.Second
+	redisNow = asked + 5*ms - time.Hour
+	k.observe(redisNow, redisNow, asked, asked+10*ms)
+	if u := k.unsure(); u != 0 {
+		t.Errorf("unsure %v after a reply as fast as before the step, want 0", u)
+	}
+}

@@ -83,7 +83,7 @@ func (l *Limiter) wait(ctx context.Context, c call) (*Permit, error) {
 				return nil, l.limited(late, lateReason)
 			}
 			if replyLate {
-				c.lead += late
+				c.lead += max(late, 0) // none when only the timing is unsure
 			}
 			giveBack = &r
 			continue
@@ -241,11 +241,12 @@ func (l *Limiter) late(r result) (time.Duration, bool) {
 		return 0, false // no guard, or FailOpen
 	}
 	late, ok := l.timing.lateness(r.startsAt())
+	unsure := l.timing.unsure()
 	if r.local {
 		// Decided by the Local fallback, by this process's clock.
-		late, ok = time.Duration(time.Now().UnixNano())-r.startsAt(), true
+		late, ok, unsure = time.Duration(time.Now().UnixNano())-r.startsAt(), true, 0
 	}
-	if !ok || late <= m/2 {
+	if !ok || late+unsure <= m/2 {
 		return late, false
 	}
 	l.lates.note(late)
