@@ -397,7 +397,7 @@ func slowLimiter(t *testing.T, s *redistest.Server, d time.Duration, p policies.
 // replies already known.
 func guardLimiter(t *testing.T, s *redistest.Server, opts ...Options) (*Limiter, *slowReplies) {
 	t.Helper()
-	lim, slow, _ := slowLimiter(t, s, 60*ms, policies.PerKey{Policy: policies.SlidingLog{Limit: 1, Window: 100 * ms, Margin: 10 * ms}}, opts...)
+	lim, slow, _ := slowLimiter(t, s, 60*ms, policies.PerKey{Policy: policies.SlidingLog{Limit: 1, Window: 100 * ms, Margin: 30 * ms}}, opts...)
 	for _, k := range []string{"w1", "w2", "w3"} {
 		if _, err := lim.Allow(context.Background(), Key(k)); err != nil {
 			t.Fatal(err)
