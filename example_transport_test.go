@@ -36,12 +36,12 @@ func ExampleTransport() {
 	defer vendor.Close()
 
 	lim, err := throttle.New(rdb, "vendor-api", policies.SlidingLog{Limit: 2, Window: time.Minute},
-		throttle.Options{Mode: throttle.FailFast})
+		throttle.WithMode(throttle.FailFast))
 	if err != nil {
 		fmt.Println(err)
 		return
 	}
-	client := &http.Client{Transport: &throttle.Transport{Limiter: lim}}
+	client := &http.Client{Transport: throttle.NewTransport(http.DefaultTransport, lim)}
 
 	for range 3 {
 		resp, err := client.Get(vendor.URL)

@@ -13,10 +13,9 @@ const (
 	// EventAdmitted: a call got its permit, after Wait. Cost is its units.
 	EventAdmitted EventKind = "admitted"
 	// EventLimited: a call was refused because the quota is full
-	// (ErrLimited); Wait is how long it would have had to wait.
+	// (ErrLimited; Wait is how long it would have had to wait), or, in Queue
+	// mode, because the queue is (Err is ErrQueueFull).
 	EventLimited EventKind = "limited"
-	// EventQueueFull: a full queue turned a call away (ErrQueueFull).
-	EventQueueFull EventKind = "queue_full"
 	// EventUnavailable: a call was refused because Redis could not decide
 	// it (ErrUnavailable).
 	EventUnavailable EventKind = "unavailable"
@@ -104,7 +103,7 @@ func (l *Limiter) emitOutcome(c call, p *Permit, err error, shadow bool) {
 			e.Wait = le.RetryAfter
 		}
 	case errors.Is(err, ErrQueueFull):
-		e.Kind = EventQueueFull
+		e.Kind = EventLimited
 	case errors.Is(err, ErrUnavailable):
 		e.Kind = EventUnavailable
 	default:

@@ -121,6 +121,11 @@ type Options struct {
 	Clock func() time.Time
 }
 
+// WithMode returns Options that set Mode alone: New(rdb, name, policy,
+// WithMode(FailFast)) reads as Options{Mode: FailFast}, and merges with
+// other Options as they do (a field set in a later one wins).
+func WithMode(m Mode) Options { return Options{Mode: m} }
+
 // merge returns o with the fields set in p.
 func (o Options) merge(p Options) Options {
 	if p.Mode != "" {

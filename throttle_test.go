@@ -268,8 +268,8 @@ func TestFailFast_RefusesWithRetryAfter(t *testing.T) {
 		if !errors.Is(err, ErrLimited) || !errors.As(err, &le) {
 			t.Fatalf("Acquire on a full quota: %v, want a *LimitedError", err)
 		}
-		if want := time.Second + warmingMargin - 100*time.Millisecond; le.RetryAfter != want || le.Quota != lim.Name() {
-			t.Errorf("got %+v, want RetryAfter %v for quota %q", le, want, lim.Name())
+		if want := time.Second + warmingMargin - 100*time.Millisecond; le.RetryAfter != want || le.Quota != lim.name {
+			t.Errorf("got %+v, want RetryAfter %v for quota %q", le, want, lim.name)
 		}
 		if !strings.Contains(err.Error(), "FailFast mode does not wait") {
 			t.Errorf("the refusal says %q, want it to name the FailFast mode that refused it", err)
@@ -463,7 +463,7 @@ func TestPerKey_KeysAreHashed(t *testing.T) {
 		if strings.Contains(k, "sk_live") || len(k) > 100 {
 			t.Errorf("Redis key %q holds the raw key", k)
 		}
-		if !strings.HasPrefix(k, defaultPrefix+":{"+lim.Name()+"}:") {
+		if !strings.HasPrefix(k, defaultPrefix+":{"+lim.name+"}:") {
 			t.Errorf("Redis key %q lacks the quota's hash tag", k)
 		}
 	}
@@ -536,7 +536,7 @@ func TestTTL_EveryKeyExpires(t *testing.T) {
 		if err := lim.Pause(ctx, time.Second, Key("tenant")); err != nil {
 			t.Fatal(err)
 		}
-		keys, err := rdb.Keys(ctx, defaultPrefix+":{"+lim.Name()+"}*").Result()
+		keys, err := rdb.Keys(ctx, defaultPrefix+":{"+lim.name+"}*").Result()
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -704,6 +704,14 @@ func TestNew_ALaterOptionsSetsTheDefaultBack(t *testing.T) {
 	if lim.s.mode != Block || lim.s.overflow != RejectNew || lim.s.onRedisError != FailClosed {
 		t.Errorf("merged settings: %v, %v, %v; want the later Options' Block, RejectNew, FailClosed",
 			lim.s.mode, lim.s.overflow, lim.s.onRedisError)
+	}
+	lim, err = New(rdb, "q", policies.SlidingLog{Limit: 10, Window: time.Second}, WithMode(FailFast), Options{MaxWait: time.Second})
+	if err != nil || lim.s.mode != FailFast || lim.s.maxWait != time.Second {
+		t.Errorf("WithMode(FailFast) then MaxWait: %v, %v, %v; want both", err, lim.s.mode, lim.s.maxWait)
+	}
+	lim, err = New(rdb, "q", policies.SlidingLog{Limit: 10, Window: time.Second}, WithMode(Queue), WithMode(Block))
+	if err != nil || lim.s.mode != Block {
+		t.Errorf("WithMode(Queue) then WithMode(Block): %v, %v; want Block", err, lim.s.mode)
 	}
 	lim, err = New(rdb, "q", policies.SlidingLog{Limit: 10, Window: time.Second})
 	if err != nil || lim.Mode() != Block || lim.s.onRedisError != FailClosed || lim.s.overflow != RejectNew {

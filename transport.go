@@ -166,6 +166,14 @@ type Transport struct {
 	t    *transport
 }
 
+// NewTransport returns a Transport that takes every request through lim
+// and sends it with base (http.DefaultTransport when nil): the plain
+// Transport, for one vendor's client. Set its other fields, or build a
+// Transport yourself, for routes, keys and costs.
+func NewTransport(base http.RoundTripper, lim *Limiter) *Transport {
+	return &Transport{Base: base, Limiter: lim}
+}
+
 // A Route sends the requests that match it through Limiter instead of the
 // Transport's: GitHub's search API allows 30 calls a minute beside 5000 an
 // hour for the rest. A nil Limiter lets the requests that match through

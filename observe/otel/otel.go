@@ -188,9 +188,11 @@ func (o *Observer) Observe(e throttle.Event) {
 			o.fallbackAdmitted.Add(ctx, 1, a.quota.add...)
 		}
 	case throttle.EventLimited:
-		o.calls.Add(ctx, 1, a.calls[limited][b2i(e.Shadow)].add...)
-	case throttle.EventQueueFull:
-		o.calls.Add(ctx, 1, a.calls[queueFull][b2i(e.Shadow)].add...)
+		outcome := limited
+		if errors.Is(e.Err, throttle.ErrQueueFull) {
+			outcome = queueFull
+		}
+		o.calls.Add(ctx, 1, a.calls[outcome][b2i(e.Shadow)].add...)
 	case throttle.EventUnavailable:
 		o.calls.Add(ctx, 1, a.calls[unavailable][b2i(e.Shadow)].add...)
 	case throttle.EventRedis:

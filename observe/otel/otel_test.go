@@ -146,7 +146,7 @@ func TestObserver_RecordsEveryEventKind(t *testing.T) {
 	ev(throttle.EventAdmitted, throttle.Event{Cost: 3, Wait: 2 * time.Second, Local: true})
 	ev(throttle.EventLimited, throttle.Event{Cost: 1, Wait: time.Second})
 	ev(throttle.EventLimited, throttle.Event{Cost: 1, Shadow: true})
-	ev(throttle.EventQueueFull, throttle.Event{})
+	ev(throttle.EventLimited, throttle.Event{Err: throttle.ErrQueueFull})
 	ev(throttle.EventUnavailable, throttle.Event{})
 	ev(throttle.EventRedis, throttle.Event{Duration: time.Millisecond, Calls: 1})
 	ev(throttle.EventRedis, throttle.Event{Duration: 3 * time.Millisecond, Calls: 5})
@@ -162,7 +162,7 @@ func TestObserver_RecordsEveryEventKind(t *testing.T) {
 	ev(throttle.EventCapLearned, throttle.Event{Limit: 50})
 	ev(throttle.EventCapLearned, throttle.Event{Limit: 40})
 	obs.Observe(throttle.Event{Kind: throttle.EventAdmitted, Quota: "jobs", Mode: throttle.Queue, Cost: 1, Queued: 4})
-	obs.Observe(throttle.Event{Kind: throttle.EventQueueFull, Quota: "jobs", Mode: throttle.Queue, Queued: 2})
+	obs.Observe(throttle.Event{Kind: throttle.EventLimited, Err: throttle.ErrQueueFull, Quota: "jobs", Mode: throttle.Queue, Queued: 2})
 
 	ms := metrics(t, reader)
 	calls := func(outcome string, shadow bool) int64 {

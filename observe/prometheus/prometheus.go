@@ -17,6 +17,7 @@
 package prometheus
 
 import (
+	"errors"
 	"sync"
 
 	"github.com/prometheus/client_golang/prometheus"
@@ -226,9 +227,11 @@ func (o *Observer) Observe(e throttle.Event) {
 			m.fallbackAdmitted.Inc()
 		}
 	case throttle.EventLimited:
-		o.refused(m, limited, e.Shadow).Inc()
-	case throttle.EventQueueFull:
-		o.refused(m, queueFull, e.Shadow).Inc()
+		if errors.Is(e.Err, throttle.ErrQueueFull) {
+			o.refused(m, queueFull, e.Shadow).Inc()
+		} else {
+			o.refused(m, limited, e.Shadow).Inc()
+		}
 	case throttle.EventUnavailable:
 		o.refused(m, unavailable, e.Shadow).Inc()
 	case throttle.EventRedis:

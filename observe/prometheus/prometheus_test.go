@@ -137,7 +137,7 @@ func TestObserver_ExportsEveryEventKind(t *testing.T) {
 	ev(throttle.EventAdmitted, throttle.Event{Cost: 3, Wait: 2 * time.Second, Local: true})
 	ev(throttle.EventLimited, throttle.Event{Cost: 1, Wait: time.Second})
 	ev(throttle.EventLimited, throttle.Event{Cost: 1, Shadow: true})
-	ev(throttle.EventQueueFull, throttle.Event{})
+	ev(throttle.EventLimited, throttle.Event{Err: throttle.ErrQueueFull})
 	ev(throttle.EventUnavailable, throttle.Event{})
 	ev(throttle.EventRedis, throttle.Event{Duration: time.Millisecond, Calls: 1})
 	ev(throttle.EventRedis, throttle.Event{Duration: 3 * time.Millisecond, Calls: 5})
@@ -154,7 +154,7 @@ func TestObserver_ExportsEveryEventKind(t *testing.T) {
 	ev(throttle.EventCapLearned, throttle.Event{Limit: 40})
 	// A limiter in Queue mode: the gauge follows its latest event.
 	obs.Observe(throttle.Event{Kind: throttle.EventAdmitted, Quota: "jobs", Mode: throttle.Queue, Cost: 1, Queued: 4})
-	obs.Observe(throttle.Event{Kind: throttle.EventQueueFull, Quota: "jobs", Mode: throttle.Queue, Queued: 2})
+	obs.Observe(throttle.Event{Kind: throttle.EventLimited, Err: throttle.ErrQueueFull, Quota: "jobs", Mode: throttle.Queue, Queued: 2})
 
 	text, fams := scrape(t, reg)
 	t.Logf("\n%s", text)
