@@ -475,10 +475,30 @@ local function read_scopes(batch, arg)
   return arg
 end
 
+-- booking_args reads booking g (from 0) of those to give back: its id,
+-- cost, slot and epoch, and the scope it was booked in.
+local function booking_args(batch, g)
+  local a = batch.gives + 5 * g
+  return {
+    id = ARGV[a], cost = tonumber(ARGV[a + 1]), slot = tonumber(ARGV[a + 2]), epoch = tonumber(ARGV[a + 3]),
+    scope = batch.scopes[tonumber(ARGV[a + 4])],
+  }
+end
+
+-- call_args reads call c (from 0) of the batch: its id, cost, the wait it
+-- accepts, its lead, and its scope.
+local function call_args(batch, c)
+  local a = batch.first + 5 * c
+  return {
+    id = ARGV[a], cost = tonumber(ARGV[a + 1]), maxwait = tonumber(ARGV[a + 2]), lead = tonumber(ARGV[a + 3]),
+    scope = batch.scopes[tonumber(ARGV[a + 4])],
+  }
+end
+
 -- read_args reads the rules and the arguments of the script's own (see
 -- the header), and returns the table the steps share: batch.gives and
 -- batch.first are where the bookings to give back and the calls begin in
--- ARGV.
+-- ARGV (read by booking_args and call_args).
 local function read_args()
   local arg = after_rules()
   local batch = {
@@ -572,13 +592,10 @@ end
 -- to any other. A booking of another epoch is gone with the data it was
 -- written in.
 local function give_back_bookings(batch)
-  local arg = batch.gives
   for g = 0, batch.ngive - 1 do
-    local id, cost, t, ep = ARGV[arg], tonumber(ARGV[arg + 1]), tonumber(ARGV[arg + 2]), tonumber(ARGV[arg + 3])
-    local sc = batch.scopes[tonumber(ARGV[arg + 4])]
-    arg = arg + 5
-    if ep == batch.meta.epoch then
-      give_back(sc.rs, id, cost, t, now)
+    local b = booking_args(batch, g)
+    if b.epoch == batch.meta.epoch then
+      give_back(b.scope.rs, b.id, b.cost, b.slot, now)
     end
   end
 end
@@ -679,8 +696,9 @@ local function pace_warm_start(batch)
   if not batch.warming or batch.ncalls ~= 1 then
     return
   end
-  local own = string.match(ARGV[batch.first], '^(.*):')
-  for _, r in ipairs(batch.scopes[tonumber(ARGV[batch.first + 4])].rs) do
+  local c = call_args(batch, 0)
+  local own = string.match(c.id, '^(.*):')
+  for _, r in ipairs(c.scope.rs) do
     if r.kind == LOG and r.margin >= GUARDED and not r.pace then
       local pace = math.floor((r.window - r.margin) / r.limit)
       if crowded(r, own, pace) then
@@ -695,12 +713,9 @@ end
 -- It returns, instead, an error reply for a call that costs more than a
 -- rule's configured limit.
 local function read_call(batch, c)
-  local a = batch.first + 5 * c
-  local sc = batch.scopes[tonumber(ARGV[a + 4])]
-  local call = {
-    id = ARGV[a], cost = tonumber(ARGV[a + 1]), maxwait = tonumber(ARGV[a + 2]), lead = tonumber(ARGV[a + 3]),
-    rs = sc.rs, pause = sc.pause, remaining = NEVER, after = NEVER, too_big = false,
-  }
+  local call = call_args(batch, c)
+  call.rs, call.pause = call.scope.rs, call.scope.pause
+  call.remaining, call.after, call.too_big = NEVER, NEVER, false
   for _, r in ipairs(call.rs) do
     local u = units(r, call.cost)
     if r.conf < u then

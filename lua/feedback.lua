@@ -35,11 +35,15 @@
 -- rule, or -1 when no rule is capped.
 
 local now = clock()
-local id = ARGV[2]
-local pause = tonumber(ARGV[4])
-local left = tonumber(ARGV[5])
-local reset = tonumber(ARGV[6])
-local as_of = tonumber(ARGV[3])
+-- The arguments, read once (see the header).
+local a = after_rules()
+local arg = {
+  id = ARGV[2], as_of = tonumber(ARGV[3]), pause = tonumber(ARGV[4]), left = tonumber(ARGV[5]), reset = tonumber(ARGV[6]),
+  known = tonumber(ARGV[a]), refused = ARGV[a + 1] == '1', limit = tonumber(ARGV[a + 2]),
+  calls_left = tonumber(ARGV[a + 3]), calls_reset = tonumber(ARGV[a + 4]), calls_limit = tonumber(ARGV[a + 5]),
+}
+local id, pause, left, reset = arg.id, arg.pause, arg.left, arg.reset
+local as_of = arg.as_of
 if as_of <= 0 or as_of > now then
   as_of = now
 end
@@ -47,8 +51,8 @@ end
 local rs = rules()
 local meta = read_meta()
 margins(rs, fleet_spread(meta, now), held_spread(meta, now), meta and meta.wh > now)
-local known = tonumber(ARGV[after_rules()])
-local learn = ARGV[after_rules() + 1] == '1' and tonumber(ARGV[3]) > 0
+local known = arg.known
+local learn = arg.refused and arg.as_of > 0
 local dirty, found = false, false
 if meta or learn or pause > 0 and KEYS[2] == KEYS[1] then
   meta, dirty, found = check_loss(meta, now, known, rs)
@@ -58,7 +62,7 @@ local lowered = 0
 if learn then
   local cu = meta.cu
   for _, r in ipairs(rs) do
-    local vlimit = tonumber(ARGV[after_rules() + (r.per_call and 5 or 2)])
+    local vlimit = r.per_call and arg.calls_limit or arg.limit
     if r.kind ~= CONCURRENCY and learn_cap(r, as_of, meta, now, vlimit) then
       lowered = 1
     end
@@ -98,7 +102,7 @@ local function charged_after(r, t)
 end
 
 local charged = 0
-local calls_left, calls_reset = tonumber(ARGV[after_rules() + 3]), tonumber(ARGV[after_rules() + 4])
+local calls_left, calls_reset = arg.calls_left, arg.calls_reset
 for _, r in ipairs(rs) do
   local left, reset = left, reset
   if r.per_call then
