@@ -120,6 +120,30 @@ local function free(r)
   return r.limit - r.n
 end
 
+-- A log's entries after the first time a search needs, read once per
+-- script into memory (r.seg: the scores after lo, ascending, with the
+-- entries the script records since, which record adds) unless there are
+-- more than SEGMENT of them: each call of a batch then searches among them
+-- without asking Redis again, where reading them by rank costs a count and
+-- two reads each.
+local SEGMENT = 1024
+
+-- seg_insert inserts n entries at score into the ascending scores s.
+local function seg_insert(s, score, n)
+  local lo, hi = 1, #s + 1
+  while lo < hi do
+    local mid = math.floor((lo + hi) / 2)
+    if s[mid] > score then
+      hi = mid
+    else
+      lo = mid + 1
+    end
+  end
+  for _ = 1, n do
+    table.insert(s, lo, score)
+  end
+end
+
 -- record writes the call into the state the next call of the batch decides
 -- from.
 local function record(r, t, id, cost)
@@ -139,6 +163,9 @@ local function record(r, t, id, cost)
       r.pending[#r.pending + 1] = member(id, u)
     end
     r.n = r.n + cost
+    if r.seg and score > r.seg.lo then
+      seg_insert(r.seg.s, score, cost)
+    end
   elseif r.kind == COUNTER then
     local b = bucket_of(t, r.width)
     if not r.counts[b] then
@@ -209,6 +236,59 @@ local function log_tail(r, t, room)
   return math.max(t, tonumber(last[2]), tonumber(nth[2]) + r.window)
 end
 
+-- segment returns log r's segment holding every entry after lo, reading
+-- it if need be; nil for a log with more than SEGMENT entries after the
+-- first lo a search of this script needed (booked far ahead), which is
+-- read by rank (earliest_log).
+local function segment(r, lo)
+  local seg = r.seg
+  if seg == false or seg and seg.lo <= lo then
+    return seg or nil
+  end
+  flush(r)
+  local raw = redis.call('ZRANGEBYSCORE', r.key, '(' .. str(lo), '+inf', 'WITHSCORES', 'LIMIT', 0, SEGMENT + 1)
+  if #raw > 2 * SEGMENT then
+    r.seg = false
+    return nil
+  end
+  local s = {}
+  for k = 2, #raw, 2 do
+    s[#s + 1] = tonumber(raw[k])
+  end
+  r.seg = { lo = lo, s = s }
+  return r.seg
+end
+
+-- earliest_in_segment is earliest_log among the ascending scores s, which
+-- hold every entry after t - w: the same pass, in memory.
+local function earliest_in_segment(r, s, t, room, budget)
+  local w = r.window
+  local lo, hi = 1, #s + 1
+  while lo < hi do
+    local mid = math.floor((lo + hi) / 2)
+    if s[mid] > t - w then
+      hi = mid
+    else
+      lo = mid + 1
+    end
+  end
+  local j = lo
+  while true do
+    local a, b = s[j], s[j + room]
+    if b == nil or b - w >= t then
+      return t
+    end
+    if budget.left <= 0 then
+      return log_tail(r, t, room)
+    end
+    if b - a < w and t < a + w then
+      t = a + w
+    end
+    j = j + 1
+    budget.left = budget.left - 1
+  end
+end
+
 -- earliest_log returns the earliest time >= t at which cost more units fit
 -- in every window of the log that would hold them: a window of length
 -- w = r.window may already hold room = limit - cost units.
@@ -223,8 +303,12 @@ end
 -- the budget (a log booked far ahead) settles for the time after the whole
 -- log, which is always allowed.
 local function earliest_log(r, t, cost, budget)
-  flush(r)
   local room, w = r.limit - cost, r.window
+  local seg = segment(r, t - w)
+  if seg then
+    return earliest_in_segment(r, seg.s, t, room, budget)
+  end
+  flush(r)
   -- j, the rank of the first entry after t - w; a and b hold the scores of
   -- the entries from rank j and from rank j + room, read as needed.
   local j = redis.call('ZCOUNT', r.key, '-inf', str(t - w))
