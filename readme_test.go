@@ -55,7 +55,7 @@ func readmeUse(ctx context.Context, rdb *redis.Client) error {
 	// README use
 	lim, err := throttle.New(rdb, "twilio-sms",
 		policies.SlidingLog{Limit: 100, Window: time.Second},
-		throttle.Options{Mode: throttle.Block}, // the default; or FailFast, Queue
+		throttle.WithMode(throttle.Block), // the default; or FailFast, Queue (Options{Mode: ...} alike)
 	)
 
 	// Wait for a slot, run the call, release.

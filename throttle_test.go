@@ -526,9 +526,19 @@ func TestTTL_EveryKeyExpires(t *testing.T) {
 			}
 			permits = append(permits, p)
 		}
-		// A booking ahead (the log's hint), a learned cap and a key's pause.
+		// A booking ahead, a learned cap and a key's pause; and a log too
+		// long to be searched in memory, which keeps a hint.
 		if _, err := lim.acquire(ctx, call{cost: 1, key: "tenant", hasKey: true}, 5*time.Second, nil); err != nil {
 			t.Fatal(err)
+		}
+		longLim, err := New(rdb, lim.name+"-long", policies.SlidingLog{Limit: 1100, Window: time.Second}, Options{Logger: quiet()})
+		if err != nil {
+			t.Fatal(err)
+		}
+		for range 2 {
+			if _, err := longLim.acquire(ctx, call{cost: 1100}, 5*time.Second, nil); err != nil {
+				t.Fatal(err)
+			}
 		}
 		if err := permits[0].Refused(ctx, time.Second); err != nil {
 			t.Fatal(err)
@@ -536,7 +546,7 @@ func TestTTL_EveryKeyExpires(t *testing.T) {
 		if err := lim.Pause(ctx, time.Second, Key("tenant")); err != nil {
 			t.Fatal(err)
 		}
-		keys, err := rdb.Keys(ctx, defaultPrefix+":{"+lim.name+"}*").Result()
+		keys, err := rdb.Keys(ctx, defaultPrefix+":{"+lim.name+"*").Result()
 		if err != nil {
 			t.Fatal(err)
 		}

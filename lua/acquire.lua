@@ -43,8 +43,9 @@
 --   lost       1 when this call found that Redis lost the quota's data;
 --   margin     the smallest margin in force of the guarded windows, in
 --              microseconds, or 0 when no window is guarded (see margins);
---   done       the time the script ended: a call admitted now starts no
---              earlier, and the caller measures the reply's trip from it;
+--   done       the time the script ended (now, for a script that did little:
+--              see LONG_WORK): a call admitted now starts no earlier, and the
+--              caller measures the reply's trip from it;
 --   seq        the quota's count of scripts run, this one included;
 --   admitted   1 when the call was admitted (wait 0) or booked (wait > 0), else 0;
 --   wait       microseconds from now until the call's slot; when refused, how long
@@ -66,13 +67,29 @@ local REFUSED_SHARE = 3
 
 local now = clock()
 
+-- A script that reads or drops more than LONG_WORK entries of a log, reads
+-- a log by rank, or decides more than LONG_CALLS calls, reads the clock
+-- again when it ends (done, in its reply); one that did less ends within a
+-- fraction of a millisecond of now, which it answers for done instead,
+-- sparing a command: the least margin a call is guarded by allows it 2.5 ms.
+local LONG_WORK = 256
+local LONG_CALLS = 16
+
+-- A log drops the entries that have left every window one script in
+-- TRIM_EVERY: the searches count and read only the entries after a
+-- window's start, so older ones cost only the memory of a few scripts'
+-- calls, and the trim a command in most scripts.
+local TRIM_EVERY = 8
+
 -- load drops what has left every window and reads the state each rule
--- decides from.
-local function load(r)
+-- decides from; seq is the quota's count of scripts run.
+local function load(r, seq)
   if r.kind == LOG then
     -- Entries are kept as long as the widest margin could count them; the
     -- window in force counts those after now - r.window.
-    redis.call('ZREMRANGEBYSCORE', r.key, '-inf', str(now - r.keep))
+    if seq % TRIM_EVERY == 0 then
+      r.long = redis.call('ZREMRANGEBYSCORE', r.key, '-inf', str(now - r.keep)) > LONG_WORK
+    end
     r.n = redis.call('ZCOUNT', r.key, '(' .. str(now - r.window), '+inf')
     r.memo = {}
   elseif r.kind == COUNTER then
@@ -255,6 +272,7 @@ local function segment(r, lo)
   for k = 2, #raw, 2 do
     s[#s + 1] = tonumber(raw[k])
   end
+  r.long = r.long or #s > LONG_WORK
   r.seg = { lo = lo, s = s }
   return r.seg
 end
@@ -304,10 +322,7 @@ end
 -- log, which is always allowed.
 local function earliest_log(r, t, cost, budget)
   local room, w = r.limit - cost, r.window
-  local seg = segment(r, t - w)
-  if seg then
-    return earliest_in_segment(r, seg.s, t, room, budget)
-  end
+  r.long = true
   flush(r)
   -- j, the rank of the first entry after t - w; a and b hold the scores of
   -- the entries from rank j and from rank j + room, read as needed.
@@ -422,21 +437,28 @@ local function paced(r, t)
   return math.max(t, tonumber(last[2]) + r.pace)
 end
 
--- search_from returns the time from which a search of log r for cost units,
--- asked from t, begins, and the log's hint as it was before the search.
---
--- Calls only add entries, and a costlier call fits in fewer places: a
--- call costing at least as much as an earlier one, asked from no
--- earlier a time, fits no earlier than it did. So the calls of a batch,
--- and the calls of later batches through the log's hint, do not each
--- read a log booked far ahead again (see read_hint in lib.lua).
-local function search_from(r, t, cost)
+-- memo_from returns the time from which a search of log r for cost units,
+-- asked from t, begins, after the searches of this script: calls only add
+-- entries, and a costlier call fits in fewer places: a call costing at
+-- least as much as an earlier one, asked from no earlier a time, fits no
+-- earlier than it did.
+local function memo_from(r, t, cost)
   local from = t
   for c, m in pairs(r.memo) do
     if c <= cost and m.t <= t and m.at > from then
       from = m.at
     end
   end
+  return from
+end
+
+-- search_from returns the time from which a search by rank of log r for
+-- cost units, asked from t, begins, and the log's hint as it was before
+-- the search: so the calls of a batch, and the calls of later batches
+-- through the log's hint, do not each read a log booked far ahead again
+-- (see read_hint in lib.lua).
+local function search_from(r, t, cost)
+  local from = memo_from(r, t, cost)
   if r.hint == nil then
     r.hint = read_hint(r)
   end
@@ -484,6 +506,18 @@ local function earliest_in_log(r, t, cost, budget)
   -- again there, and need not read the log again.
   if r.fits and r.fits.c == cost and r.fits.at == t then
     return t
+  end
+  if r.n <= SEGMENT then
+    -- Short enough to be read whole from a window before the search's
+    -- start: searched in memory, with no hint to read or write.
+    local from = memo_from(r, t, cost)
+    local seg = segment(r, from - r.window)
+    if seg then
+      local at = earliest_in_segment(r, seg.s, from, r.limit - cost, budget)
+      r.memo[cost] = { t = t, at = at }
+      r.fits = { c = cost, at = at }
+      return at
+    end
   end
   local from, h = search_from(r, t, cost)
   -- A search that settled for the log's tail leaves the hint there too:
@@ -730,7 +764,7 @@ local function load_rules(batch)
     if batch.back then
       drop_ahead(r)
     end
-    load(r)
+    load(r, batch.meta.seq)
   end
   if batch.back then
     for _, sc in ipairs(batch.scopes) do
@@ -1029,5 +1063,9 @@ for c = 0, batch.ncalls - 1 do
 end
 write_back_meta(batch)
 write_back_rules(batch.objs)
-batch.out[6] = str(clock())
+local long = batch.ncalls > LONG_CALLS
+for _, r in ipairs(batch.objs) do
+  long = long or r.long
+end
+batch.out[6] = long and str(clock()) or str(now)
 return batch.out
