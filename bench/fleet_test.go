@@ -61,6 +61,7 @@ type fleetResult struct {
 	reqs     []request
 	calls    int64 // every script call of the run
 	noscript int64 // EVALSHA answered NOSCRIPT
+	commands int64 // every command Redis ran during the run (INFO commandstats)
 }
 
 // runFleet runs the saturated fleet once against s, each replica's
@@ -125,6 +126,10 @@ func runFleet(b *testing.B, s *redistest.Server, newReplica func(rdb *redis.Clie
 			})
 		}
 	}
+	stats := s.Client(b)
+	if err := stats.ConfigResetStat(context.Background()).Err(); err != nil {
+		b.Fatal(err)
+	}
 	start = time.Now()
 	ctx, cancel = context.WithDeadline(context.Background(), start.Add(fleetRun))
 	defer cancel()
@@ -136,6 +141,11 @@ func runFleet(b *testing.B, s *redistest.Server, newReplica func(rdb *redis.Clie
 	<-ctx.Done()
 
 	run := fleetResult{reqs: reqs}
+	for name, n := range commandCalls(b, context.Background(), stats) {
+		if name != "info" && name != "config|resetstat" {
+			run.commands += int64(n)
+		}
+	}
 	for _, c := range counters {
 		run.calls += c.calls.Load()
 		run.noscript += c.noscript.Load()
@@ -206,11 +216,13 @@ func report(b *testing.B, runs []fleetResult, m fleetModel) {
 		admittedCalls          int64
 		admittedNoscript       int64
 		allCalls, noscript     int64
+		commands               int64
 		failedWait             time.Duration
 	)
 	for _, run := range runs {
 		allCalls += run.calls
 		noscript += run.noscript
+		commands += run.commands
 		reqs := slices.Clone(run.reqs)
 		slices.SortStableFunc(reqs, func(x, y request) int { return int(x.arrival - y.arrival) })
 
@@ -266,6 +278,7 @@ func report(b *testing.B, runs []fleetResult, m fleetModel) {
 	// refusals at the end of the run included, is divided by its admitted
 	// calls. The per-call figures hold for redis_rate, one script per ask.
 	b.ReportMetric(float64(allCalls)/float64(admitted), "script-calls/admitted")
+	b.ReportMetric(float64(commands)/float64(admitted), "redis-commands/admitted")
 	if admittedCalls > 0 {
 		b.ReportMetric(float64(admittedCalls)/float64(admitted), "charged-script-calls/admitted")
 		b.ReportMetric(float64(admittedCalls-admittedNoscript)/float64(admitted), "charged-excl-noscript/admitted")
