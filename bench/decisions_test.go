@@ -41,7 +41,7 @@ func BenchmarkDecisions(b *testing.B) {
 	limit := redis_rate.PerSecond(neverBinds)
 
 	b.Run("throttle", func(b *testing.B) {
-		runDecisions(b, throttleRDB, func() error {
+		runDecisions(b, s.Pid(), throttleRDB, func() error {
 			d, err := lim.Allow(ctx)
 			if err == nil && !d.OK {
 				err = fmt.Errorf("refused: %+v", d)
@@ -51,7 +51,7 @@ func BenchmarkDecisions(b *testing.B) {
 	})
 
 	b.Run("redis_rate", func(b *testing.B) {
-		runDecisions(b, rateRDB, func() error {
+		runDecisions(b, s.Pid(), rateRDB, func() error {
 			r, err := rl.Allow(ctx, "decisions", limit)
 			if err == nil && r.Allowed != 1 {
 				err = fmt.Errorf("refused: %+v", r)
@@ -62,8 +62,9 @@ func BenchmarkDecisions(b *testing.B) {
 }
 
 // runDecisions splits b.N calls of decide among decisionWorkers goroutines
-// and reports the rate, and the time Redis itself spent in each script call.
-func runDecisions(b *testing.B, rdb *redis.Client, decide func() error) {
+// and reports the rate, the time Redis itself spent in each script call,
+// and the CPU time of the redis-server process pid per decision.
+func runDecisions(b *testing.B, pid int, rdb *redis.Client, decide func() error) {
 	ctx := context.Background()
 	// Load the script and open a connection before the clock starts.
 	if err := decide(); err != nil {
@@ -72,11 +73,17 @@ func runDecisions(b *testing.B, rdb *redis.Client, decide func() error) {
 	if err := rdb.ConfigResetStat(ctx).Err(); err != nil {
 		b.Fatal(err)
 	}
+	cpu, cpuOK := cpuTime(pid)
 	b.ResetTimer()
 	start := time.Now()
 	callAll(b, int64(b.N), func(int64) error { return decide() })
 	elapsed := time.Since(start)
 	b.StopTimer()
+	if cpuEnd, ok := cpuTime(pid); ok && cpuOK {
+		// The whole process: its network and system calls as well as the
+		// scripts, as a host counts Redis's CPU.
+		b.ReportMetric(float64((cpuEnd-cpu).Microseconds())/float64(b.N), "redis-cpu-µs/decision")
+	}
 	b.ReportMetric(float64(b.N)/elapsed.Seconds(), "decisions/s")
 	b.ReportMetric(decisionWorkers, "goroutines")
 	b.ReportMetric(commandStats(b, ctx, rdb)["evalsha"], "script-in-redis-µs")

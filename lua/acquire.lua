@@ -174,10 +174,16 @@ local function record(r, t, id, cost)
       -- the call releases it or its lease runs out.
       score = t + r.lease
     end
-    r.pending = r.pending or {}
+    if score ~= r.at then
+      -- The calls of a batch admitted now share one time, formatted once.
+      r.at, r.at_str = score, str(score)
+    end
+    local p = r.pending or {}
+    r.pending = p
+    local n = #p
     for u = 1, cost do
-      r.pending[#r.pending + 1] = str(score)
-      r.pending[#r.pending + 1] = member(id, u)
+      p[n + 1], p[n + 2] = r.at_str, member(id, u)
+      n = n + 2
     end
     r.n = r.n + cost
     if r.seg and score > r.seg.lo then
@@ -604,12 +610,13 @@ local function booking_args(batch, g)
 end
 
 -- call_args reads call c (from 0) of the batch: its id, cost, the wait it
--- accepts, its lead, and its scope.
+-- accepts, its lead, and its scope, with the fields read_call fills.
 local function call_args(batch, c)
   local a = batch.first + 5 * c
+  local sc = batch.scopes[tonumber(ARGV[a + 4])]
   return {
     id = ARGV[a], cost = tonumber(ARGV[a + 1]), maxwait = tonumber(ARGV[a + 2]), lead = tonumber(ARGV[a + 3]),
-    scope = batch.scopes[tonumber(ARGV[a + 4])],
+    scope = sc, rs = sc.rs, pause = sc.pause, remaining = NEVER, after = NEVER, too_big = false,
   }
 end
 
@@ -832,8 +839,6 @@ end
 -- rule's configured limit.
 local function read_call(batch, c)
   local call = call_args(batch, c)
-  call.rs, call.pause = call.scope.rs, call.scope.pause
-  call.remaining, call.after, call.too_big = NEVER, NEVER, false
   for _, r in ipairs(call.rs) do
     local u = units(r, call.cost)
     if r.conf < u then
@@ -843,8 +848,9 @@ local function read_call(batch, c)
       call.too_big = true
     end
     -- Units free under the tightest rule, and once the call is in.
-    call.remaining = math.min(call.remaining, math.max(free(r), 0))
-    call.after = math.min(call.after, math.max(free(r) - u, 0))
+    local f = free(r)
+    call.remaining = math.min(call.remaining, math.max(f, 0))
+    call.after = math.min(call.after, math.max(f - u, 0))
   end
   if call.pause > now then
     -- Nothing is free while the vendor asked for quiet.
@@ -896,8 +902,10 @@ end
 -- finitely many times, so this settles; should the rules push each other
 -- on for long, the logs settle for their tails, which no rule pushes
 -- further.
+local budget = { left = SCAN } -- each call's, set anew by settle
+
 local function settle(call, t, moved)
-  local budget = { left = SCAN }
+  budget.left = SCAN
   local rounds = 0
   local paces, unpaced = call.maxwait > 0 and 2 or 0, nil
   while moved and t < NEVER do
@@ -958,11 +966,12 @@ end
 -- answer appends a call's answer to the reply (see the header).
 local function answer(batch, call, admitted, wait, remaining, reason)
   local out = batch.out
-  out[#out + 1] = admitted
-  out[#out + 1] = str(wait)
-  out[#out + 1] = remaining
-  out[#out + 1] = reason
-  out[#out + 1] = str(call.pause)
+  local n = #out
+  out[n + 1] = admitted
+  out[n + 2] = wait == 0 and 0 or str(wait)
+  out[n + 3] = remaining
+  out[n + 4] = reason
+  out[n + 5] = call.pause == 0 and 0 or str(call.pause)
 end
 
 -- decide decides call c of the batch and appends its answer to the reply:
