@@ -62,6 +62,7 @@ type fleetResult struct {
 	calls    int64 // every script call of the run
 	noscript int64 // EVALSHA answered NOSCRIPT
 	commands int64 // every command Redis ran during the run (INFO commandstats)
+	usec     int64 // Redis's time in those commands, in microseconds
 }
 
 // runFleet runs the saturated fleet once against s, each replica's
@@ -141,9 +142,11 @@ func runFleet(b *testing.B, s *redistest.Server, newReplica func(rdb *redis.Clie
 	<-ctx.Done()
 
 	run := fleetResult{reqs: reqs}
+	usec := commandField(b, context.Background(), stats, "usec")
 	for name, n := range commandCalls(b, context.Background(), stats) {
 		if name != "info" && name != "config|resetstat" {
 			run.commands += int64(n)
+			run.usec += int64(usec[name])
 		}
 	}
 	for _, c := range counters {
@@ -216,13 +219,14 @@ func report(b *testing.B, runs []fleetResult, m fleetModel) {
 		admittedCalls          int64
 		admittedNoscript       int64
 		allCalls, noscript     int64
-		commands               int64
+		commands, usec         int64
 		failedWait             time.Duration
 	)
 	for _, run := range runs {
 		allCalls += run.calls
 		noscript += run.noscript
 		commands += run.commands
+		usec += run.usec
 		reqs := slices.Clone(run.reqs)
 		slices.SortStableFunc(reqs, func(x, y request) int { return int(x.arrival - y.arrival) })
 
@@ -279,6 +283,7 @@ func report(b *testing.B, runs []fleetResult, m fleetModel) {
 	// calls. The per-call figures hold for redis_rate, one script per ask.
 	b.ReportMetric(float64(allCalls)/float64(admitted), "script-calls/admitted")
 	b.ReportMetric(float64(commands)/float64(admitted), "redis-commands/admitted")
+	b.ReportMetric(float64(usec)/float64(admitted), "redis-µs/admitted")
 	if admittedCalls > 0 {
 		b.ReportMetric(float64(admittedCalls)/float64(admitted), "charged-script-calls/admitted")
 		b.ReportMetric(float64(admittedCalls-admittedNoscript)/float64(admitted), "charged-excl-noscript/admitted")
