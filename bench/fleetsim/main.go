@@ -36,7 +36,7 @@
 //     the last script has run (the "time in Redis" column).
 //   - A script takes ScriptFixed + ScriptPerCall per call it decides +
 //     ScriptPerEntry per log entry its searches read (the budget they
-//     spend). The split is that of the TIME probes in bench/README.md ("Where
+//     spend). The split is that of the TIME probes in docs/BENCH-NOTES.md ("Where
 //     those 140 µs go": 64 µs for what every script does, 9 µs to write a
 //     call's entry, 57 µs to search about 210 entries), scaled by 1.3
 //     (-redis-scale): of the factors tried (1.0 to 1.9), the one that brings
@@ -46,7 +46,7 @@
 //     replicas-1000: once the fleet runs steadily, the model's searches
 //     read about 10 entries (the log's hint holds), fewer than Redis spends
 //     time on. A scale of 1.8 matches Redis's time, and costs the simulated
-//     replicas-1000 4-5% of utilization: bench/README.md ("10,000
+//     replicas-1000 4-5% of utilization: docs/BENCH-NOTES.md ("10,000
 //     replicas by simulation") shows both.
 //   - The client side runs on the machine's 2 cores, less the one Redis
 //     holds while it runs scripts: a first-come-first-served queue of CPU
@@ -89,7 +89,7 @@
 //
 // Defaults holds them, each with where its value came from. The run they
 // were calibrated on (2026-11-24, 2 cores, Redis 7.0.15, the first of the
-// measured runs in bench/README.md): replicas-1000 0.875 of the cap, 1.251
+// measured runs in docs/BENCH-NOTES.md): replicas-1000 0.875 of the cap, 1.251
 // script calls per admitted call, wait 1055/2239 ms, script round trip
 // 0.4/171/176 ms (p50/p99/max), fn start to vendor 0.1/18.5/53.9 ms, 176 µs
 // per EVALSHA in Redis.
@@ -138,9 +138,9 @@ func Defaults() Costs { return costs(redisScale) }
 func costs(scale float64) Costs {
 	return Costs{
 		// Loopback on this machine: PING's round trip is 20-130 µs over the
-		// days of bench/README.md, half of it each way.
+		// days of docs/BENCH-NOTES.md, half of it each way.
 		NetOneWay: 30,
-		// The TIME probes of bench/README.md, scaled.
+		// The TIME probes of docs/BENCH-NOTES.md, scaled.
 		ScriptFixed:    64 * scale,
 		ScriptPerCall:  9 * scale,
 		ScriptPerEntry: 57.0 / 210 * scale,
