@@ -35,8 +35,11 @@ func (l *Limiter) acquire(ctx context.Context, c call, maxWait time.Duration, gi
 				l.brk.abort(pass)
 				return result{}, ctx.Err()
 			}
-			l.reloadSlots(err)
-			l.brk.failure()
+			if !errors.Is(err, errHandBackBusy) {
+				// Redis did not answer; outrun, it did.
+				l.reloadSlots(err)
+				l.brk.failure()
+			}
 			return l.fallback(sc, c, maxWait, err)
 		}
 	}

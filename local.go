@@ -28,7 +28,8 @@ type local struct {
 	logs      map[string]*localLog
 	margin    time.Duration // the smallest guarded margin of the windows: a call may start half of it late
 	decisions int
-	admits    uint64        // the calls admitted or begun so far, for handedBack
+	admits    uint64        // the calls admitted, or begun after the last charges, so far, for handedBack
+	charged   time.Time     // when charges last ran: entries up to then were handed back
 	full      time.Time     // every rule counts as full for a window from here
 	on        atomic.Bool   // a turn is on; written under mu
 	turn      uint64        // the turns begun so far
@@ -298,15 +299,17 @@ func (lo *local) claim(r result) bool {
 	if !lo.on.Load() || lo.turn != r.turn {
 		return false
 	}
-	lo.admits++
 	for i := range lo.rules {
 		lg := lo.logs[lo.logName(i, r.scope)]
 		if lg == nil {
 			continue
 		}
 		for j := range lg.entries {
-			if lg.entries[j].id == r.member {
-				lg.entries[j].begun = true
+			if e := &lg.entries[j]; e.id == r.member {
+				if !e.begun && e.at.After(lo.charged) {
+					lo.admits++ // not in the charges on their way: they try again
+				}
+				e.begun = true
 			}
 		}
 	}
@@ -352,6 +355,7 @@ func (lo *local) charges() (out []charge, admits uint64) {
 	lo.mu.Lock()
 	defer lo.mu.Unlock()
 	now := time.Now()
+	lo.charged = now
 	for _, lg := range lo.logs {
 		r := lo.rules[lg.rule]
 		switch r.Kind {
@@ -406,6 +410,20 @@ func (lo *local) forget(sc scope, id string) {
 	lo.mu.Lock()
 	defer lo.mu.Unlock()
 	for i := range lo.rules {
+		lg := lo.log(i, sc)
+		lg.entries = slices.DeleteFunc(lg.entries, func(e localEntry) bool { return e.id == id })
+	}
+}
+
+// release frees the concurrency slots of call id, which ran: its units
+// still count under every other rule.
+func (lo *local) release(sc scope, id string) {
+	lo.mu.Lock()
+	defer lo.mu.Unlock()
+	for i, r := range lo.rules {
+		if r.Kind != policies.KindConcurrency {
+			continue
+		}
 		lg := lo.log(i, sc)
 		lg.entries = slices.DeleteFunc(lg.entries, func(e localEntry) bool { return e.id == id })
 	}

@@ -774,3 +774,59 @@ func decided(lo *local, sc scope, c call, member string, maxWait time.Duration) 
 	r, _ := lo.decide(sc, c, member, maxWait)
 	return r
 }
+
+// Under the Local fallback, releasing a call frees its concurrency slots
+// only: the call ran, and its units still count in every window. (Release
+// once forgot them under every rule, and a policy with a concurrency rule
+// admitted a call per slot freed, without bound.)
+func TestLocal_ReleaseFreesTheSlotNotTheWindow(t *testing.T) {
+	lim := newLimiter(t, deadRedis(t), policies.All(
+		policies.SlidingLog{Limit: 4, Window: time.Second},
+		policies.Concurrency{Max: 4, Lease: time.Minute},
+	), Options{OnRedisError: Local, ExpectedReplicas: 1, Mode: FailFast, Logger: quiet()})
+	ctx := context.Background()
+	lim.local.begin()
+	lim.local.full = time.Now().Add(-2 * time.Minute) // a window and a lease after the turn began
+	for i := range 4 {
+		p, err := lim.Acquire(ctx)
+		if err != nil {
+			t.Fatalf("call %d of 4: %v", i+1, err)
+		}
+		p.Release()
+	}
+	if p, err := lim.Acquire(ctx); err == nil {
+		p.Release()
+		t.Fatal("a fifth call admitted in a window of 4: releasing the others forgot their units")
+	}
+}
+
+// A call that begins after the hand-back took its charges makes the
+// hand-back try again; one the charges already counted does not.
+func TestLocal_ACallBegunAfterTheChargesMakesTheHandBackTryAgain(t *testing.T) {
+	lo, err := newLocal([]policies.Rule{{Kind: policies.KindSlidingLog, Limit: 10, Window: time.Second}}, 1, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	lo.begin()
+	lo.full = time.Now().Add(-time.Second)
+	sc := scope{}
+	now := decided(lo, sc, call{cost: 1}, "now", time.Second)
+	now.member = "now"
+	_, admits := lo.charges()
+	if !lo.claim(now) {
+		t.Fatal("a call of the turn on could not begin")
+	}
+	if !lo.handedBack(admits) {
+		t.Error("a call the charges counted, begun after them, made the hand-back try again")
+	}
+	lo.begin()
+	lo.full = time.Now().Add(-time.Second)
+	_, admits = lo.charges()
+	ahead := decided(lo, sc, call{cost: 1}, "ahead", 5*time.Second)
+	ahead.member = "ahead"
+	lo.charged = time.Now().Add(-time.Hour) // the charges were taken before its slot
+	lo.admits = admits
+	if !lo.claim(ahead) || lo.handedBack(admits) {
+		t.Error("a call begun after the charges were taken did not make the hand-back try again")
+	}
+}

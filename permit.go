@@ -87,7 +87,11 @@ func (p *Permit) Release() {
 		return
 	}
 	if p.r.local {
-		p.l.cancel(context.Background(), p.call, p.r)
+		// The call ran: its units still count in every window; only its
+		// concurrency slots free.
+		if p.l.local != nil {
+			p.l.local.release(p.r.scope, p.r.member)
+		}
 		p.l.signalFreed()
 		return
 	}

@@ -191,10 +191,12 @@ func (k *timing) keepTrip(at time.Duration) {
 // 65003: a step back of Redis's clock, then replies half a second slow; once
 // they were fast again, a call woke half a second after its slot, and 11
 // calls reached the vendor in a window of 10). The way to Redis has not
-// changed with its clock: the round trip of the fastest readings since the
-// reset, beyond the least round trip before it, is what the readings may
-// hide, until a reply as fast as before shows it, or the readings before
-// the reset are two periods old.
+// changed with its clock: the least round trip since the reset (the
+// scripts' own time left out, as before it), beyond the least round trip
+// before it, is what the readings may hide, until a reply as fast as before
+// shows it, or the readings before the reset are two periods old (a
+// failover to a server farther away, whose clock differs, is doubted that
+// long: its calls book again, and fail as too late after 3 tries).
 func (k *timing) unsure() time.Duration {
 	if k.clock != nil {
 		return 0
@@ -202,12 +204,11 @@ func (k *timing) unsure() time.Duration {
 	at := k.now()
 	k.mu.Lock()
 	defer k.mu.Unlock()
-	fast, okF := least(k.fast)
-	ahead, okA := least(k.ahead)
-	if !k.before.set || !okF || !okA || at-k.resetAt >= 2*timingPeriod {
+	trip, ok := least(k.trip)
+	if !k.before.set || !ok || at-k.resetAt >= 2*timingPeriod {
 		return 0
 	}
-	return max(fast+ahead-k.before.v, 0)
+	return max(trip-k.before.v, 0)
 }
 
 // fastest returns the least recvd - Redis now of the last two periods.
