@@ -75,19 +75,21 @@ local now = clock()
 local LONG_WORK = 256
 local LONG_CALLS = 16
 
--- A log drops the entries that have left every window one script in
--- TRIM_EVERY: the searches count and read only the entries after a
--- window's start, so older ones cost only the memory of a few scripts'
--- calls, and the trim a command in most scripts.
+-- A log drops the entries that have left every window in about one script
+-- in TRIM_EVERY, by the microsecond the script runs at (not by the quota's
+-- count of scripts, which a key touched every other script would never
+-- meet): the searches count and read only the entries after a window's
+-- start, so older ones cost only the memory of a few scripts' calls, and
+-- the trim a command in most scripts.
 local TRIM_EVERY = 8
 
 -- load drops what has left every window and reads the state each rule
--- decides from; seq is the quota's count of scripts run.
-local function load(r, seq)
+-- decides from.
+local function load(r)
   if r.kind == LOG then
     -- Entries are kept as long as the widest margin could count them; the
     -- window in force counts those after now - r.window.
-    if seq % TRIM_EVERY == 0 then
+    if now % TRIM_EVERY == 0 then
       r.long = redis.call('ZREMRANGEBYSCORE', r.key, '-inf', str(now - r.keep)) > LONG_WORK
     end
     r.n = redis.call('ZCOUNT', r.key, '(' .. str(now - r.window), '+inf')
@@ -771,7 +773,7 @@ local function load_rules(batch)
     if batch.back then
       drop_ahead(r)
     end
-    load(r, batch.meta.seq)
+    load(r)
   end
   if batch.back then
     for _, sc in ipairs(batch.scopes) do
