@@ -67,8 +67,8 @@ local REFUSED_SHARE = 3
 
 local now = clock()
 
--- A script that reads or drops more than LONG_WORK entries of a log, reads
--- a log by rank, or decides more than LONG_CALLS calls, reads the clock
+-- A script that reads, writes or drops more than LONG_WORK entries of a
+-- log, reads a log by rank, or decides more than LONG_CALLS calls, reads the clock
 -- again when it ends (done, in its reply); one that did less ends within a
 -- fraction of a millisecond of now, which it answers for done instead,
 -- sparing a command: the least margin a call is guarded by allows it 2.5 ms.
@@ -635,6 +635,7 @@ local function read_args()
     report = ARGV[arg], delay = tonumber(ARGV[arg + 1]), policy = ARGV[arg + 2],
     stepped = tonumber(ARGV[arg + 3]),
     at_once = false, -- some call was admitted now
+    units = 0, -- the units the calls admitted and booked cost
   }
   batch.gives = read_scopes(batch, arg + 4)
   batch.first = batch.gives + 5 * batch.ngive
@@ -997,6 +998,7 @@ local function decide(batch, c)
     for _, r in ipairs(call.rs) do
       record(r, t, call.id, units(r, call.cost))
     end
+    batch.units = batch.units + call.cost
     local remaining = call.after
     if t > now then
       remaining = 0
@@ -1074,7 +1076,7 @@ for c = 0, batch.ncalls - 1 do
 end
 write_back_meta(batch)
 write_back_rules(batch.objs)
-local long = batch.ncalls > LONG_CALLS
+local long = batch.ncalls > LONG_CALLS or batch.units > LONG_WORK
 for _, r in ipairs(batch.objs) do
   long = long or r.long
 end
