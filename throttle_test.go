@@ -41,11 +41,23 @@ func (c *fixedClock) Add(d time.Duration) {
 
 func newLimiter(t *testing.T, rdb redis.UniversalClient, p policies.Policy, opts ...Options) *Limiter {
 	t.Helper()
+	forgetTimingAtEnd(t, rdb)
 	lim, err := New(rdb, strings.NewReplacer("/", "-", " ", "-").Replace(t.Name()), p, opts...)
 	if err != nil {
 		t.Fatal(err)
 	}
 	return lim
+}
+
+// forgetTimingAtEnd drops, when the test ends, what the process learned of
+// the timing of rdb's server: the next test's server may get the same
+// port, with a clock of its own (a test's given time), and the readings of
+// this one would look like a step of its clock to the limiters made there.
+func forgetTimingAtEnd(t *testing.T, rdb redis.UniversalClient) {
+	if c, ok := rdb.(*redis.Client); ok {
+		o := c.Options()
+		t.Cleanup(func() { timings.Delete(o.Network + "/" + o.Addr) })
+	}
 }
 
 func TestNew_RejectsBadConfiguration(t *testing.T) {

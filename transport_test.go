@@ -126,7 +126,9 @@ func refuseFirst(n int, header ...string) http.HandlerFunc {
 // s, as a separate process would have.
 func replicaLimiter(t *testing.T, s *redistest.Server, quota string, p policies.Policy, opts ...Options) *Limiter {
 	t.Helper()
-	lim, err := New(s.Client(t), quota, p, opts...)
+	rdb := s.Client(t)
+	forgetTimingAtEnd(t, rdb)
+	lim, err := New(rdb, quota, p, opts...)
 	if err != nil {
 		t.Fatal(err)
 	}
