@@ -188,6 +188,23 @@ func TestBatch_CallersThatLeaveDoNotHoldTheCallsBehindThem(t *testing.T) {
 	})
 }
 
+// localOnSim returns a simulated Redis a millisecond away, a client of it,
+// and a limiter of 10 a second on it with the Local fallback among
+// replicas, which has made one call; all closed when the test ends, inside
+// its bubble.
+func localOnSim(t *testing.T, replicas int) (*sim.Redis, *redis.Client, *Limiter) {
+	r := sim.NewRedis(func(int) time.Duration { return time.Millisecond })
+	t.Cleanup(r.Close)
+	rdb := simClient(t, r, 0)
+	lim := newLimiter(t, rdb, policies.SlidingLog{Limit: 10, Window: time.Second},
+		Options{OnRedisError: Local, ExpectedReplicas: replicas, Logger: quiet()})
+	t.Cleanup(func() { closeInBubble(lim) })
+	if _, err := lim.Allow(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	return r, rdb, lim
+}
+
 // The Local fallback never admits a call larger than this replica's share
 // of a rule: each replica may take its share at once, and one unit more
 // takes the fleet over the cap (seed 10833: calls of 4 and 5 units,
@@ -196,16 +213,8 @@ func TestBatch_CallersThatLeaveDoNotHoldTheCallsBehindThem(t *testing.T) {
 // when it does not wait, with a reason that says so.
 func TestLocal_ACallLargerThanTheShareWaitsForRedis(t *testing.T) {
 	synctest.Test(t, func(t *testing.T) {
-		r := sim.NewRedis(func(int) time.Duration { return time.Millisecond })
-		defer r.Close()
-		rdb := simClient(t, r, 0)
-		lim := newLimiter(t, rdb, policies.SlidingLog{Limit: 10, Window: time.Second},
-			Options{OnRedisError: Local, ExpectedReplicas: 5, Logger: quiet()})
-		defer closeInBubble(lim)
+		r, rdb, lim := localOnSim(t, 5)
 		ctx := context.Background()
-		if _, err := lim.Allow(ctx); err != nil {
-			t.Fatal(err)
-		}
 		r.Freeze()
 		for range breakerFailures {
 			_, _ = lim.Allow(ctx, Cost(2)) // each waits RedisTimeout, and the fallback takes over
@@ -254,16 +263,8 @@ func TestLocal_ACallLargerThanTheShareWaitsForRedis(t *testing.T) {
 // 10833).
 func TestLocal_HandsBackWhenRedisAnswersThoughNoCallAsks(t *testing.T) {
 	synctest.Test(t, func(t *testing.T) {
-		r := sim.NewRedis(func(int) time.Duration { return time.Millisecond })
-		defer r.Close()
-		rdb := simClient(t, r, 0)
-		lim := newLimiter(t, rdb, policies.SlidingLog{Limit: 10, Window: time.Second},
-			Options{OnRedisError: Local, ExpectedReplicas: 2, Logger: quiet()})
-		defer closeInBubble(lim)
+		r, _, lim := localOnSim(t, 2)
 		ctx := context.Background()
-		if _, err := lim.Allow(ctx); err != nil {
-			t.Fatal(err)
-		}
 		r.Freeze()
 		type ran struct {
 			at    time.Time

@@ -404,24 +404,21 @@ func (lo *local) handedBack(admits uint64) bool {
 	return true
 }
 
-// forget removes the units of call id: a cancelled booking, a released
-// concurrency slot.
-func (lo *local) forget(sc scope, id string) {
-	lo.mu.Lock()
-	defer lo.mu.Unlock()
-	for i := range lo.rules {
-		lg := lo.log(i, sc)
-		lg.entries = slices.DeleteFunc(lg.entries, func(e localEntry) bool { return e.id == id })
-	}
-}
+// forget removes the units of call id under every rule: a cancelled
+// booking.
+func (lo *local) forget(sc scope, id string) { lo.remove(sc, id, false) }
 
 // release frees the concurrency slots of call id, which ran: its units
 // still count under every other rule.
-func (lo *local) release(sc scope, id string) {
+func (lo *local) release(sc scope, id string) { lo.remove(sc, id, true) }
+
+// remove removes the entries of call id under every rule of scope sc, or
+// under its concurrency rules only.
+func (lo *local) remove(sc scope, id string, slotsOnly bool) {
 	lo.mu.Lock()
 	defer lo.mu.Unlock()
 	for i, r := range lo.rules {
-		if r.Kind != policies.KindConcurrency {
+		if slotsOnly && r.Kind != policies.KindConcurrency {
 			continue
 		}
 		lg := lo.log(i, sc)

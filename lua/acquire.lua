@@ -147,19 +147,26 @@ end
 -- two reads each.
 local SEGMENT = 1024
 
--- seg_insert inserts n entries at score into the ascending scores s.
-local function seg_insert(s, score, n)
+-- first_after returns the index of the first of the ascending scores s
+-- that is greater than x, or #s + 1.
+local function first_after(s, x)
   local lo, hi = 1, #s + 1
   while lo < hi do
     local mid = math.floor((lo + hi) / 2)
-    if s[mid] > score then
+    if s[mid] > x then
       hi = mid
     else
       lo = mid + 1
     end
   end
+  return lo
+end
+
+-- seg_insert inserts n entries at score into the ascending scores s.
+local function seg_insert(s, score, n)
+  local at = first_after(s, score)
   for _ = 1, n do
-    table.insert(s, lo, score)
+    table.insert(s, at, score)
   end
 end
 
@@ -289,16 +296,7 @@ end
 -- hold every entry after t - w: the same pass, in memory.
 local function earliest_in_segment(r, s, t, room, budget)
   local w = r.window
-  local lo, hi = 1, #s + 1
-  while lo < hi do
-    local mid = math.floor((lo + hi) / 2)
-    if s[mid] > t - w then
-      hi = mid
-    else
-      lo = mid + 1
-    end
-  end
-  local j = lo
+  local j = first_after(s, t - w)
   while true do
     local a, b = s[j], s[j + room]
     if b == nil or b - w >= t then
