@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"math"
 	"slices"
 	"sync"
 	"sync/atomic"
@@ -65,7 +66,7 @@ func (l *Limiter) decideInRedis(ctx context.Context, sc scope, c call, maxWait t
 	if !probe && l.failedWhileQueued(c) {
 		return result{}, l.unavailable(errQueuedBehindFailures)
 	}
-	req.deadline.Store(time.Now().Add(l.s.redisTimeout).UnixNano())
+	req.deadline.Store(askDeadline(time.Now().Add(l.s.redisTimeout)))
 	if probe {
 		go l.decide(sc, []*request{req})
 	} else if ln := l.submit(req); ln != nil {
@@ -131,11 +132,21 @@ var errQueuedBehindFailures = errors.New("the calls ahead of this one in the que
 // ahead of it in the queue waited for the same Redis, and it fails at once
 // rather than wait a Redis timeout of its own after theirs.
 func (l *Limiter) failedWhileQueued(c call) bool {
-	if c.queued.IsZero() {
+	if c.queued.IsZero() || isOff(offQueuedFailures) {
 		return false
 	}
 	failed := l.lastFailure.Load()
 	return failed > c.queued.UnixNano() && failed > l.lastAnswer.Load()
+}
+
+// askDeadline returns when a call that asked Redis stops waiting for it,
+// at t, in Unix nanoseconds: never when the time runs from each call's own
+// script call instead (switches.go), which the script call's context ends.
+func askDeadline(t time.Time) int64 {
+	if isOff(offAskTimeout) {
+		return math.MaxInt64
+	}
+	return t.UnixNano()
 }
 
 // answered moves out the Redis deadline of every call still waiting in the
@@ -146,7 +157,7 @@ func (l *Limiter) failedWhileQueued(c call) bool {
 func (l *Limiter) answered() {
 	now := time.Now()
 	l.lastAnswer.Store(now.UnixNano())
-	deadline := now.Add(l.s.redisTimeout).UnixNano()
+	deadline := askDeadline(now.Add(l.s.redisTimeout))
 	l.lanesMu.Lock()
 	defer l.lanesMu.Unlock()
 	if l.lane == nil {
@@ -178,7 +189,11 @@ func (l *Limiter) take(ln *lane) []*request {
 	l.lanesMu.Lock()
 	defer l.lanesMu.Unlock()
 	var batch []*request
-	for len(ln.pending) > 0 && len(batch) < maxBatch {
+	most := maxBatch
+	if isOff(offBatches) {
+		most = 1
+	}
+	for len(ln.pending) > 0 && len(batch) < most {
 		req := ln.pending[0]
 		ln.pending = ln.pending[1:]
 		if req.state.Load() == requestWaiting {
@@ -309,7 +324,7 @@ func (l *Limiter) batchArgs(sc scope, batch []*request, late []*result, spares, 
 // by the new clock; half the step tells them apart.
 func (l *Limiter) newStep() int64 {
 	seq, by, at := l.timing.step()
-	if seq <= l.seenStep.Load() {
+	if seq <= l.seenStep.Load() || isOff(offForwardSteps) {
 		return 0
 	}
 	l.seenStep.Store(seq)
@@ -388,6 +403,10 @@ func (l *Limiter) finishBatch(sc scope, batch []*request, rep acquireReply, stal
 // on a distant Redis the calls waiting in it would miss their deadlines in
 // turn, and be given back in turn.
 func (l *Limiter) abandon(r result) {
+	if isOff(offAbandon) {
+		l.cancel(context.Background(), call{cost: r.cost}, r)
+		return
+	}
 	l.lanesMu.Lock()
 	l.abandoned = append(l.abandoned, r)
 	start := !l.giving

@@ -69,7 +69,7 @@ func newBreaker() *breaker {
 func (b *breaker) allow() pass {
 	b.mu.Lock()
 	defer b.mu.Unlock()
-	if !b.open {
+	if !b.open || isOff(offBreaker) {
 		return pass{ok: true}
 	}
 	now := time.Now()

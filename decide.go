@@ -259,6 +259,9 @@ func (l *Limiter) awaitHandBack(ctx context.Context) error {
 func (l *Limiter) handBack() (complete bool, err error) {
 	ctx := context.Background()
 	charges, gen := l.local.charges()
+	if isOff(offHandBack) {
+		charges = nil
+	}
 	byScope := map[string][]charge{}
 	scopes := map[string]scope{"": l.scopeFor(call{})}
 	for _, c := range charges {

@@ -411,7 +411,7 @@ func TestDataLoss_NoticedWhenRedisGoesBackInTime(t *testing.T) {
 		if d, _ := lim.Allow(ctx, Cost(2)); !d.OK {
 			t.Fatal("first call refused")
 		}
-		snapshot, err := rdb.Get(ctx, lim.shared[0]).Result()
+		snapshot, err := rdb.HGetAll(ctx, lim.shared[0]).Result()
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -422,7 +422,7 @@ func TestDataLoss_NoticedWhenRedisGoesBackInTime(t *testing.T) {
 		if err := rdb.FlushAll(ctx).Err(); err != nil {
 			t.Fatal(err)
 		}
-		if err := rdb.Set(ctx, lim.shared[0], snapshot, 0).Err(); err != nil {
+		if err := rdb.HSet(ctx, lim.shared[0], snapshot).Err(); err != nil {
 			t.Fatal(err)
 		}
 		clock.Add(time.Second)

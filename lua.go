@@ -48,6 +48,9 @@ var scripts = struct {
 	handback: script("handback.lua"),
 }
 
+// offLine is the line of lib.lua that sets the scripts' switches.
+const offLine = "local OFF = {}"
+
 // sent maps each script's SHA1 to its lines as Redis has them.
 var sent = map[string][]string{}
 
@@ -58,6 +61,9 @@ func script(name string) *redis.Script {
 	for _, line := range strings.Split(luaFile("lib.lua")+luaFile(name), "\n") {
 		if t := strings.TrimSpace(line); t == "" || strings.HasPrefix(t, "--") {
 			continue
+		}
+		if line == offLine {
+			line = luaOff() // the switches (switches.go)
 		}
 		b.WriteString(line)
 		b.WriteByte('\n')

@@ -69,6 +69,9 @@ var hubs sync.Map // redis.UniversalClient -> *hub
 
 // listen subscribes l to its quota's news, once, without waiting for Redis.
 func (l *Limiter) listen() {
+	if isOff(offNews) {
+		return
+	}
 	l.listening.Do(func() {
 		for {
 			v, _ := hubs.LoadOrStore(l.rdb, &hub{subs: map[string][]weak.Pointer[Limiter]{}})

@@ -126,6 +126,9 @@ func New(rdb redis.UniversalClient, name string, policy policies.Policy, opts ..
 	if rdb == nil {
 		return nil, errors.New("throttle: New: redis client is nil")
 	}
+	if offErr != nil {
+		return nil, offErr
+	}
 	if err := validName("name", name); err != nil {
 		return nil, err
 	}
@@ -163,7 +166,7 @@ func New(rdb redis.UniversalClient, name string, policy policies.Policy, opts ..
 func (l *Limiter) compile() {
 	rules := l.rules
 	l.base = l.s.prefix + ":{" + l.name + "}:"
-	l.shared = []string{l.base + "pause", l.base + "pause"}
+	l.shared = []string{l.base + "meta", l.base + "meta"}
 	// Cost counts under the rules that count units: it may not exceed the
 	// smallest of their limits. Under rules that count calls it is 1.
 	l.maxCost = maxRemaining

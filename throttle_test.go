@@ -564,7 +564,7 @@ func TestTTL_EveryKeyExpires(t *testing.T) {
 		}
 		kinds := map[string]bool{}
 		for _, k := range keys {
-			for _, kind := range []string{"log", "counter", "bucket", "concurrency", ":next", ":cap", ":pause"} {
+			for _, kind := range []string{"log", "counter", "bucket", "concurrency", ":next", ":cap", ":meta"} {
 				if strings.Contains(k, kind) {
 					kinds[kind] = true
 				}
@@ -573,7 +573,7 @@ func TestTTL_EveryKeyExpires(t *testing.T) {
 				t.Errorf("key %s has no TTL (PTTL %v)", k, ttl)
 			}
 		}
-		for _, kind := range []string{"log", "counter", "bucket", "concurrency", ":next", ":cap", ":pause"} {
+		for _, kind := range []string{"log", "counter", "bucket", "concurrency", ":next", ":cap", ":meta"} {
 			if !kinds[kind] {
 				t.Errorf("no %q key among %v: the test no longer covers it", kind, keys)
 			}

@@ -198,7 +198,7 @@ func (k *timing) keepTrip(at time.Duration) {
 // failover to a server farther away, whose clock differs, is doubted that
 // long: its calls book again, and fail as too late after 3 tries).
 func (k *timing) unsure() time.Duration {
-	if k.clock != nil {
+	if k.clock != nil || isOff(offDoubt) {
 		return 0
 	}
 	at := k.now()

@@ -82,7 +82,7 @@ func (l *Limiter) wait(ctx context.Context, c call) (*Permit, error) {
 				l.cancel(ctx, c, r)
 				return nil, l.limited(late, lateReason)
 			}
-			if replyLate {
+			if replyLate && !isOff(offLeads) {
 				c.lead += max(late, 0) // none when only the timing is unsure
 			}
 			giveBack = &r
@@ -185,7 +185,7 @@ func (l *Limiter) sleepToSlot(ctx context.Context, r result) error {
 	l.asleep.Add(1)
 	defer l.asleep.Add(-1)
 	in, ok := l.timing.wakeIn(r.startsAt())
-	if !ok {
+	if !ok || isOff(offSleepToSlot) {
 		return sleep(ctx, d)
 	}
 	d = min(d, in)
@@ -237,7 +237,7 @@ func (l *Limiter) now(ctx context.Context, c call) (result, error) {
 // is as late as this process's clock says, against the configured margin.
 func (l *Limiter) late(r result) (time.Duration, bool) {
 	m := r.margin
-	if m < minGuardedMargin {
+	if m < minGuardedMargin || isOff(offGuard) {
 		return 0, false // no guard, or FailOpen
 	}
 	late, ok := l.timing.lateness(r.startsAt())

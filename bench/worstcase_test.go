@@ -442,8 +442,8 @@ func ruleKey(quota string, r policies.Rule) string {
 	return fmt.Sprintf("%s:{%s}:%s", keyPrefix, quota, r.ID())
 }
 
-// metaKey is the key of a quota's epoch and pause.
-func metaKey(quota string) string { return keyPrefix + ":{" + quota + "}:pause" }
+// metaKey is the key of a quota's meta hash: its epoch, pause and timing.
+func metaKey(quota string) string { return keyPrefix + ":{" + quota + "}:meta" }
 
 func (w *worstBench) keys(ctx context.Context, pattern string) []string {
 	keys, err := w.rdb.Keys(ctx, pattern).Result()

@@ -89,7 +89,7 @@ local function load(r)
   if r.kind == LOG then
     -- Entries are kept as long as the widest margin could count them; the
     -- window in force counts those after now - r.window.
-    if now % TRIM_EVERY == 0 then
+    if now % TRIM_EVERY == 0 or OFF.lazy_trim then
       r.long = redis.call('ZREMRANGEBYSCORE', r.key, '-inf', str(now - r.keep)) > LONG_WORK
     end
     r.n = redis.call('ZCOUNT', r.key, '(' .. str(now - r.window), '+inf')
@@ -241,7 +241,7 @@ end
 -- the time after the log's last entries. A log is read by rank, a few
 -- entries at a time where the search needs them, so that a call reads
 -- about as many entries as its search steps over, not the whole log.
-local SCAN = 512
+local SCAN = OFF.read_budget and math.huge or 512
 local FIRST_READ = 4
 local MAX_READ = 256
 
@@ -450,6 +450,9 @@ end
 -- earlier than it did.
 local function memo_from(r, t, cost)
   local from = t
+  if OFF.memo then
+    return from
+  end
   for c, m in pairs(r.memo) do
     if c <= cost and m.t <= t and m.at > from then
       from = m.at
@@ -510,10 +513,10 @@ local function earliest_in_log(r, t, cost, budget)
   -- The time a search of this script found for cost units fits them
   -- until a call is recorded: the rounds over the rules of a policy ask
   -- again there, and need not read the log again.
-  if r.fits and r.fits.c == cost and r.fits.at == t then
+  if r.fits and r.fits.c == cost and r.fits.at == t and not OFF.fits then
     return t
   end
-  if r.n <= SEGMENT then
+  if r.n <= SEGMENT and not OFF.segment then
     -- Short enough to be read whole from a window before the search's
     -- start: searched in memory, with no hint to read or write.
     local from = memo_from(r, t, cost)
@@ -651,13 +654,13 @@ local function read_fleet(batch)
   end
   batch.span = longest_window(batch.rs)
   batch.start = starting(meta, now, batch.span)
-  batch.warming = batch.start or meta.wu > now
+  batch.warming = batch.start or meta.warm_until > now
   if meta then
     note_timing(meta, now, batch.report, batch.delay)
     roll_hold(meta, now)
   end
   batch.spread = fleet_spread(meta, now)
-  batch.margin = margins(batch.objs, batch.spread, held_spread(meta, now), meta and meta.wh > now)
+  batch.margin = margins(batch.objs, batch.spread, held_spread(meta, now), meta and meta.warm_held > now)
   return meta
 end
 
@@ -675,7 +678,7 @@ local function check_meta(batch, meta)
   if not found and check_seq(meta, now, batch.known, batch.seen, batch.rs) then
     found = true
   end
-  local step = meta.la - now
+  local step = meta.last_acquire - now
   if not found and not created and check_clock(meta, now, batch.rs) then
     found, batch.back = true, step
   end
@@ -686,9 +689,9 @@ local function check_meta(batch, meta)
     found = true
   end
   if batch.start then
-    meta.wu = now + batch.span
+    meta.warm_until = now + batch.span
   end
-  meta.la = now
+  meta.last_acquire = now
   batch.meta, batch.found = meta, found
 end
 
@@ -698,17 +701,17 @@ end
 -- keeps to the share none of them takes.
 local function reserve(batch)
   local meta = batch.meta
-  batch.reserved = meta.ru > now and meta.rn > 1
+  batch.reserved = meta.reserved_until > now and meta.reserved_share > 1 and not OFF.reserve
   if not batch.reserved then
     return
   end
   for _, r in ipairs(batch.objs) do
     r.whole = { limit = r.limit, interval = r.interval }
-    r.limit = math.max(math.floor(r.limit / meta.rn), 1)
+    r.limit = math.max(math.floor(r.limit / meta.reserved_share), 1)
     if r.kind == BUCKET then
       -- A share of the rate and of the burst: a longer interval alone
       -- would lengthen the burst's span with it.
-      r.interval = r.interval * meta.rn
+      r.interval = r.interval * meta.reserved_share
     end
   end
 end
@@ -819,7 +822,7 @@ end
 -- pace_warm_start paces the guarded logs of the script's one call while
 -- the quota warms up, when the other replicas crowd them (see above).
 local function pace_warm_start(batch)
-  if not batch.warming or batch.ncalls ~= 1 then
+  if not batch.warming or batch.ncalls ~= 1 or OFF.warm_pacing then
     return
   end
   local c = call_args(batch, 0)
@@ -881,7 +884,7 @@ local function start_from(batch, call)
   -- booked ahead, at times any slot booked now could share a window with.
   -- Refused, with the reserve's end for when to ask again: every replica
   -- has handed back by then.
-  call.reserved_until = batch.meta.ru
+  call.reserved_until = batch.meta.reserved_until
   return NEVER, false
 end
 
@@ -1020,7 +1023,7 @@ local function write_back_meta(batch)
     end
   end
   if batch.warming and batch.at_once then
-    meta.wh = math.max(meta.wh, now + warm_hold(batch.rs))
+    meta.warm_held = math.max(meta.warm_held, now + warm_hold(batch.rs))
   end
   if latest > 0 then
     hold_spread(meta, now, batch.spread, latest, batch.rs)
@@ -1078,5 +1081,5 @@ local long = batch.ncalls > LONG_CALLS or batch.units > LONG_WORK
 for _, r in ipairs(batch.objs) do
   long = long or r.long
 end
-batch.out[6] = long and str(clock()) or str(now)
+batch.out[6] = (long or OFF.lazy_done) and str(clock()) or str(now)
 return batch.out

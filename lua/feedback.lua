@@ -50,7 +50,7 @@ end
 
 local rs = rules()
 local meta = read_meta()
-margins(rs, fleet_spread(meta, now), held_spread(meta, now), meta and meta.wh > now)
+margins(rs, fleet_spread(meta, now), held_spread(meta, now), meta and meta.warm_held > now)
 local known = arg.known
 local learn = arg.refused and arg.as_of > 0
 local dirty, found = false, false
@@ -60,14 +60,14 @@ end
 read_caps(rs, meta, now)
 local lowered = 0
 if learn then
-  local cu = meta.cu
+  local cu = meta.caps_until
   for _, r in ipairs(rs) do
     local vlimit = r.per_call and arg.calls_limit or arg.limit
     if r.kind ~= CONCURRENCY and learn_cap(r, as_of, meta, now, vlimit) then
       lowered = 1
     end
   end
-  dirty = dirty or meta.cu ~= cu
+  dirty = dirty or meta.caps_until ~= cu
 end
 local announce = found
 local until_ = pause_until(meta and meta.pause or 0)
@@ -92,6 +92,9 @@ end
 -- charged_after returns the units charged to rule r that sit after time t
 -- and within its window, and drops the charges that left it.
 local function charged_after(r, t)
+  if OFF.charges then
+    return 0
+  end
   local key = r.key .. ':ch'
   redis.call('ZREMRANGEBYSCORE', key, '-inf', str(now - r.window))
   local n = 0

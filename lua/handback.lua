@@ -24,8 +24,8 @@ local n, span, ncharges = tonumber(ARGV[4]), tonumber(ARGV[5]), tonumber(ARGV[6]
 local rs = rules()
 margins(rs, 0)
 local meta = read_meta() or new_meta(now)
-if now + span > meta.ru then
-  meta.ru, meta.rn = now + span, n
+if now + span > meta.reserved_until then
+  meta.reserved_until, meta.reserved_share = now + span, n
   write_meta(meta, rs)
 end
 local arg = after_rules()

@@ -32,6 +32,10 @@
 -- their effects, and some hosted services reject the call.
 
 local LOG, COUNTER, BUCKET, CONCURRENCY = 1, 2, 3, 4
+
+-- OFF names the mechanisms turned off to measure again what they buy
+-- (docs/PROTOCOL.md, section 7, and switches.go): empty but in such runs.
+local OFF = {}
 local NEVER = math.huge
 
 -- Redis receives times and counts as integers: Lua's tostring would print a
@@ -159,113 +163,129 @@ end
 local META_TTL = 30 * 24 * 3600 * 1000
 local META_REFRESH = 24 * 3600 * 1000000
 
--- The meta key holds, separated by colons:
---   epoch      when the quota's data was first written, in microseconds;
---   pause      a time before which no call of the quota is admitted;
---   refreshed  when the key's expiry was last pushed back;
---   jp         the timing period (now // TIMING_PERIOD) the histogram is of;
---   js         the fleet's spread in force (see note_timing);
---   h          the histogram of the period's latenesses, comma-separated
---              counts per LATE_BUCKETS bucket;
---   dx, dn     the longest and shortest usual delay from Redis that the
---              fleet's processes reported in period jp; pdx, pdn the same in
---              the period before, or -1;
---   loss       when Redis was last found to have lost the quota's data, or 0;
---   policies   the ids of the policies the quota ran under lately, newest
---              first, comma-separated (see check_policy);
---   ru, rn     until time ru, Redis admits only 1/rn of each limit: replicas
---              of the Local fallback may still be deciding without Redis
---              (see handback.lua);
---   seq        how many acquire scripts have run in this epoch: a Redis
---              whose count is behind what a caller saw has gone back in
---              time (see check_seq).
---   hs, hu     a spread held until time hu: calls were booked with the
---              margins it gave, and may start as late as those allow, so
---              the margins keep room for them until they have all left
---              their windows (see held_spread);
---   ns, nu     the same for the calls booked since the fleet's spread fell
---              below hs, with the narrower margins it gave: the hold that
---              follows when hu passes.
---   cu         until time cu, rules of the quota may have learned caps
---              (see read_caps): before it, scripts read them; after it,
---              they spare the reads.
---   wu, wh     until time wu, the quota warms up; until time wh, the calls
---              it admitted at once while it did are held (see Warming up);
---   la         when the last acquire script of the quota ran.
--- read_meta returns them as a table, or nil when the key is missing.
+-- The meta key is a hash of these fields, each a number but policies and
+-- lates:
+--   epoch           when the quota's data was first written, in
+--                   microseconds;
+--   pause           a time before which no call of the quota is admitted;
+--   refreshed       when the key's expiry was last pushed back;
+--   period          the timing period (now // TIMING_PERIOD) lates is of;
+--   spread          the fleet's spread in force (see note_timing);
+--   lates           the histogram of the period's latenesses, comma-separated
+--                   counts per LATE_BUCKETS bucket;
+--   delay_max, delay_min
+--                   the longest and shortest usual delay from Redis that the
+--                   fleet's processes reported in the period;
+--   prev_delay_max, prev_delay_min
+--                   the same in the period before, or -1;
+--   loss            when Redis was last found to have lost the quota's data,
+--                   or 0;
+--   policies        the ids of the policies the quota ran under lately,
+--                   newest first, comma-separated (see check_policy);
+--   reserved_until, reserved_share
+--                   until then, Redis admits only 1/reserved_share of each
+--                   limit: replicas of the Local fallback may still be
+--                   deciding without Redis (see handback.lua);
+--   seq             how many acquire scripts have run in this epoch: a Redis
+--                   whose count is behind what a caller saw has gone back in
+--                   time (see check_seq);
+--   hold, hold_until
+--                   a spread held until then: calls were booked with the
+--                   margins it gave, and may start as late as those allow,
+--                   so the margins keep room for them until they have all
+--                   left their windows (see held_spread);
+--   next_hold, next_until
+--                   the same for the calls booked since the fleet's spread
+--                   fell below hold, with the narrower margins it gave: the
+--                   hold that follows when hold_until passes;
+--   caps_until      until then, rules of the quota may have learned caps
+--                   (see read_caps): before it, scripts read them; after it,
+--                   they spare the reads;
+--   warm_until, warm_held
+--                   until warm_until, the quota warms up; until warm_held,
+--                   the calls it admitted at once while it did are held (see
+--                   Warming up);
+--   last_acquire    when the last acquire script of the quota ran.
+local META_FIELDS = {
+  epoch = 0, pause = 0, refreshed = 0, period = -1, spread = 0,
+  delay_max = -1, delay_min = -1, prev_delay_max = -1, prev_delay_min = -1,
+  loss = 0, seq = 0, reserved_until = 0, reserved_share = 1,
+  hold = 0, hold_until = 0, next_hold = 0, next_until = 0,
+  caps_until = 0, warm_until = 0, warm_held = 0, last_acquire = 0,
+}
+
+-- read_meta returns the meta as a table, its numbers by name (each
+-- missing one as in META_FIELDS), or nil when the key is missing. The
+-- fields as read are kept in raw, so that write_meta writes only those
+-- that changed; lates is kept as text (lates_text) until a report needs
+-- it.
 local function read_meta()
-  local v = redis.call('GET', KEYS[1])
-  if not v then
+  local v = redis.call('HGETALL', KEYS[1])
+  local raw = {}
+  for k = 1, #v, 2 do
+    raw[v[k]] = v[k + 1]
+  end
+  local m = { raw = raw, policies = raw.policies or '', lates_text = raw.lates or '' }
+  for f, default in pairs(META_FIELDS) do
+    m[f] = tonumber(raw[f]) or default
+  end
+  if not tonumber(raw.epoch) then
     return nil
   end
-  -- The histogram is kept as text until a report needs it; the fields as
-  -- read are kept too, so that write_meta formats only those that changed.
-  local f, i = {}, 1
-  while true do
-    local j = string.find(v, ':', i, true)
-    if not j then
-      f[#f + 1] = string.sub(v, i)
-      break
-    end
-    f[#f + 1] = string.sub(v, i, j - 1)
-    i = j + 1
-  end
-  local e = tonumber(f[1])
-  if not e then
-    return nil
-  end
-  return {
-    raw = f,
-    epoch = e, pause = tonumber(f[2]) or 0, refreshed = tonumber(f[3]) or 0,
-    jp = tonumber(f[4]) or -1, js = tonumber(f[5]) or 0, htext = f[6] or '',
-    hs = tonumber(f[7]) or 0, hu = tonumber(f[8]) or 0,
-    dx = tonumber(f[9]) or -1, dn = tonumber(f[10]) or -1, pdx = tonumber(f[11]) or -1, pdn = tonumber(f[12]) or -1,
-    loss = tonumber(f[13]) or 0, policies = f[14] or '', seq = tonumber(f[15]) or 0,
-    ru = tonumber(f[16]) or 0, rn = tonumber(f[17]) or 1, cu = tonumber(f[18]) or 0,
-    ns = tonumber(f[19]) or 0, nu = tonumber(f[20]) or 0, wu = tonumber(f[21]) or 0,
-    wh = tonumber(f[22]) or 0, la = tonumber(f[23]) or 0,
-  }
+  return m
 end
 
 local function new_meta(now)
-  return {
-    epoch = now, pause = 0, refreshed = now, jp = -1, js = 0, htext = '', hs = 0, hu = 0,
-    dx = -1, dn = -1, pdx = -1, pdn = -1, loss = 0, policies = '', seq = 0, ru = 0, rn = 1, cu = 0,
-    ns = 0, nu = 0, wu = 0, wh = 0, la = 0,
-  }
+  local m = { raw = {}, policies = '', lates_text = '' }
+  for f, default in pairs(META_FIELDS) do
+    m[f] = default
+  end
+  m.epoch, m.refreshed = now, now
+  return m
 end
 
 -- histogram returns the meta's histogram as a table of counts.
 local function histogram(m)
-  if not m.h then
-    m.h = {}
-    for x in string.gmatch(m.htext, '[^,]+') do
-      m.h[#m.h + 1] = tonumber(x)
+  if not m.lates then
+    m.lates = {}
+    for x in string.gmatch(m.lates_text, '[^,]+') do
+      m.lates[#m.lates + 1] = tonumber(x)
     end
   end
-  return m.h
+  return m.lates
 end
 
+-- write_meta writes the fields of the meta m that changed since it was
+-- read; its expiry is pushed back when the key is new or refreshed (see
+-- META_TTL), for the longest window of rules rs.
 local function write_meta(m, rs)
-  local ttl = META_TTL
-  for _, r in ipairs(rs) do
-    if r.kind == LOG or r.kind == COUNTER then
-      ttl = math.max(ttl, 2 * r.window / 1000)
+  local raw, args = m.raw, {}
+  for f in pairs(META_FIELDS) do
+    if tonumber(raw[f]) ~= m[f] then
+      args[#args + 1], args[#args + 2] = f, str(m[f])
     end
   end
-  local v = { m.epoch, m.pause, m.refreshed, m.jp, m.js, 0, m.hs, m.hu, m.dx, m.dn, m.pdx, m.pdn, m.loss,
-    0, m.seq, m.ru, m.rn, m.cu, m.ns, m.nu, m.wu, m.wh, m.la }
-  local raw = m.raw or {}
-  for i = 1, #v do
-    -- A field that did not change is written as it was read.
-    if tonumber(raw[i]) ~= v[i] then
-      raw[i] = str(v[i])
-    end
-    v[i] = raw[i]
+  if m.policies ~= (raw.policies or '') then
+    args[#args + 1], args[#args + 2] = 'policies', m.policies
   end
-  v[14] = m.policies
-  v[6] = m.h and table.concat(m.h, ',') or m.htext
-  redis.call('SET', KEYS[1], table.concat(v, ':'), 'PX', math.ceil(ttl))
+  if m.lates then
+    local text = table.concat(m.lates, ',')
+    if text ~= (raw.lates or '') then
+      args[#args + 1], args[#args + 2] = 'lates', text
+    end
+  end
+  if #args > 0 then
+    redis.call('HSET', KEYS[1], unpack(args))
+  end
+  if raw.refreshed == nil or tonumber(raw.refreshed) ~= m.refreshed then
+    local ttl = META_TTL
+    for _, r in ipairs(rs) do
+      if r.kind == LOG or r.kind == COUNTER then
+        ttl = math.max(ttl, 2 * r.window / 1000)
+      end
+    end
+    redis.call('PEXPIRE', KEYS[1], math.ceil(ttl))
+  end
 end
 
 -- Timing: each process reports, with its calls, how much later than its
@@ -315,11 +335,11 @@ end
 -- it changed.
 local function note_timing(m, now, report, delay)
   local p = math.floor(now / TIMING_PERIOD)
-  local known = delay < 0 or m.jp == p and delay <= m.dx and delay >= m.dn
-  if report == '' and known and m.jp >= p - 1 then
+  local known = delay < 0 or m.period == p and delay <= m.delay_max and delay >= m.delay_min
+  if report == '' and known and m.period >= p - 1 then
     return false
   end
-  if m.jp ~= p then
+  if m.period ~= p then
     -- A new period: the last one, if it saw enough calls, says the spread;
     -- a fleet idle for a period or more starts from nothing, and so does a
     -- fleet whose quota warmed up during the last one: what its calls
@@ -331,37 +351,37 @@ local function note_timing(m, now, report, delay)
     -- of the new period show it, and the delays as soon as the processes
     -- report them, with their next script calls.
     local q, n = quantile(histogram(m))
-    if m.jp == p - 1 and m.wu > m.jp * TIMING_PERIOD then
-      m.js = 0
-      m.pdx, m.pdn = -1, -1
-    elseif m.jp == p - 1 and n >= SPREAD_SAMPLES then
-      m.js = q
-      m.pdx, m.pdn = m.dx, m.dn
-    elseif m.jp < p - 1 then
-      m.js = 0
-      m.pdx, m.pdn = -1, -1
+    if m.period == p - 1 and m.warm_until > m.period * TIMING_PERIOD then
+      m.spread = 0
+      m.prev_delay_max, m.prev_delay_min = -1, -1
+    elseif m.period == p - 1 and n >= SPREAD_SAMPLES then
+      m.spread = q
+      m.prev_delay_max, m.prev_delay_min = m.delay_max, m.delay_min
+    elseif m.period < p - 1 then
+      m.spread = 0
+      m.prev_delay_max, m.prev_delay_min = -1, -1
     end
-    m.jp, m.h, m.dx, m.dn = p, {}, -1, -1
+    m.period, m.lates, m.delay_max, m.delay_min = p, {}, -1, -1
   end
   if delay >= 0 then
-    if m.dx < 0 or delay > m.dx then
-      m.dx = delay
+    if m.delay_max < 0 or delay > m.delay_max then
+      m.delay_max = delay
     end
-    if m.dn < 0 or delay < m.dn then
-      m.dn = delay
+    if m.delay_min < 0 or delay < m.delay_min then
+      m.delay_min = delay
     end
   end
   histogram(m)
   for k, n in string.gmatch(report, '(%d+):(%d+)') do
     k = math.min(tonumber(k), LATE_BUCKETS - 1) + 1
-    m.h[k] = (m.h[k] or 0) + tonumber(n)
+    m.lates[k] = (m.lates[k] or 0) + tonumber(n)
   end
   for k = 1, LATE_BUCKETS do
-    m.h[k] = m.h[k] or 0
+    m.lates[k] = m.lates[k] or 0
   end
-  local q, n = quantile(m.h)
-  if n >= SPREAD_SAMPLES and q > m.js then
-    m.js = q
+  local q, n = quantile(m.lates)
+  if n >= SPREAD_SAMPLES and q > m.spread then
+    m.spread = q
   end
   return true
 end
@@ -370,18 +390,18 @@ end
 -- lateness of its calls beyond each process's usual delay, and how much the
 -- usual delays of its processes differ.
 local function fleet_spread(m, now)
-  if not m or m.jp < math.floor(now / TIMING_PERIOD) - 1 then
+  if not m or m.period < math.floor(now / TIMING_PERIOD) - 1 then
     return 0
   end
-  local dx, dn = m.dx, m.dn
-  if m.pdx >= 0 then
-    dx = math.max(dx, m.pdx)
-    dn = dn < 0 and m.pdn or math.min(dn, m.pdn)
+  local dx, dn = m.delay_max, m.delay_min
+  if m.prev_delay_max >= 0 then
+    dx = math.max(dx, m.prev_delay_max)
+    dn = dn < 0 and m.prev_delay_min or math.min(dn, m.prev_delay_min)
   end
   if dx >= 0 and dn >= 0 then
-    return m.js + dx - dn
+    return m.spread + dx - dn
   end
-  return m.js
+  return m.spread
 end
 
 -- Holds. A call booked with a margin may start as late as half of it (the
@@ -399,22 +419,22 @@ end
 -- roll_hold ends the hold of hs once its calls have left their windows,
 -- and reports whether the meta changed.
 local function roll_hold(m, now)
-  if m.hu > now or m.nu <= 0 then
+  if m.hold_until > now or m.next_until <= 0 or OFF.next_hold then
     return false
   end
-  m.hs, m.hu, m.ns, m.nu = m.ns, m.nu, 0, 0
+  m.hold, m.hold_until, m.next_hold, m.next_until = m.next_hold, m.next_until, 0, 0
   return true
 end
 
 -- held_spread returns the widest spread that calls booked earlier still
 -- hold, 0 when none.
 local function held_spread(m, now)
-  if not m then
+  if not m or OFF.holds then
     return 0
-  elseif m.hu > now then
-    return m.hs
-  elseif m.nu > now then
-    return m.ns
+  elseif m.hold_until > now then
+    return m.hold
+  elseif m.next_until > now then
+    return m.next_hold
   end
   return 0
 end
@@ -431,7 +451,7 @@ end
 -- of rules rs, and the latest of them may have started. It reports whether
 -- the meta changed.
 local function hold_spread(m, now, spread, slot, rs)
-  if spread <= 0 then
+  if spread <= 0 or OFF.holds then
     return false
   end
   local span = 0
@@ -441,9 +461,9 @@ local function hold_spread(m, now, spread, slot, rs)
     end
   end
   -- The widest spread held so far, or the next level after it.
-  local s, u = 'hs', 'hu'
-  if spread < m.hs and m.hu > now then
-    s, u = 'ns', 'nu'
+  local s, u = 'hold', 'hold_until'
+  if spread < m.hold and m.hold_until > now and not OFF.next_hold then
+    s, u = 'next_hold', 'next_until'
   end
   local until_ = slot + span
   -- Pushed back in steps of a tenth of the span, to spare a write per call.
@@ -533,7 +553,10 @@ end
 -- connections the fleet kept open.
 local WARM_IDLE = 60000000
 local function starting(m, now, span)
-  return not m or now - m.la > math.max(span, WARM_IDLE)
+  if OFF.warm_up then
+    return false
+  end
+  return not m or now - m.last_acquire > math.max(span, WARM_IDLE)
 end
 
 -- warm_hold returns how long the calls admitted at once while the quota
@@ -560,6 +583,9 @@ end
 -- bucket's own margin included, which a call booked now is held to (see
 -- late in waiter.go), or 0 when no rule is guarded.
 local function margins(rs, spread, held, warm)
+  if OFF.spread_margins then
+    spread, held = 0, 0
+  end
   local least = 0
   for _, r in ipairs(rs) do
     if r.kind == LOG or r.kind == COUNTER then
@@ -571,7 +597,7 @@ local function margins(rs, spread, held, warm)
         if warm then
           old = math.max(old, math.min(ceiling, WARM_MARGIN))
         end
-        if r.kind == LOG and ceiling > m and 2 * spread >= ceiling then
+        if r.kind == LOG and ceiling > m and 2 * spread >= ceiling and not OFF.pacing then
           -- The fleet starts its calls later than the widest margin
           -- covers: pace the log's calls (see Pacing).
           r.pace = math.floor(w / r.limit)
@@ -582,7 +608,7 @@ local function margins(rs, spread, held, warm)
         end
       end
       r.margin, r.window, r.keep = m, w + m, w + ceiling
-    elseif r.kind == BUCKET and r.margin >= GUARDED then
+    elseif r.kind == BUCKET and r.margin >= GUARDED and not OFF.bucket_margin then
       -- A token bucket's margin does not grow, but its calls are held to
       -- it all the same: one that starts late bunches with the calls after
       -- it at the vendor.
@@ -618,14 +644,14 @@ end
 local function check_loss(m, now, known, rs)
   if not m then
     m = new_meta(now)
-    if known > 0 then
+    if known > 0 and not OFF.epochs then
       m.loss = now
       m.pause = loss_pause(rs, now)
       return m, true, true
     end
     return m, true, false
   end
-  if known > 0 and known ~= m.epoch and m.loss < m.epoch then
+  if known > 0 and known ~= m.epoch and m.loss < m.epoch and not OFF.epochs then
     -- The data was lost before this epoch began; what the fleet admitted
     -- since is in it.
     m.loss = m.epoch
@@ -651,7 +677,7 @@ end
 -- counts as lost, under a new epoch, so that every process's sleeping
 -- calls book again. It returns whether it found a loss.
 local function check_seq(m, now, known, seen, rs)
-  if known <= 0 or known ~= m.epoch or seen <= m.seq then
+  if known <= 0 or known ~= m.epoch or seen <= m.seq or OFF.seq then
     return false
   end
   lose(m, now, rs)
@@ -681,10 +707,10 @@ end
 -- returns whether it found a loss.
 local CLOCK_BACK = 5000
 local function check_clock(m, now, rs)
-  if m.la <= now + CLOCK_BACK then
+  if m.last_acquire <= now + CLOCK_BACK or OFF.back_steps then
     return false
   end
-  m.pause = back_by(m.pause, m.la - now, now)
+  m.pause = back_by(m.pause, m.last_acquire - now, now)
   lose(m, now, rs)
   return true
 end
@@ -715,7 +741,7 @@ local function check_policy(m, now, id, rs, new)
     end
     ids[#ids + 1] = x
   end
-  if not new and #ids > 0 then
+  if not new and #ids > 0 and not OFF.policy_ids then
     m.pause = math.max(m.pause, loss_pause(rs, now))
   end
   table.insert(ids, 1, id)
@@ -781,6 +807,9 @@ end
 -- more. Taking entries out can make room again, but only within a window of
 -- them: change lowers the hint below that.
 local function read_hint(r)
+  if OFF.hint then
+    return false
+  end
   local v = redis.call('GET', r.key .. ':next')
   if v then
     local t, at, c, w = string.match(v, '^(%-?%d+):(%-?%d+):(%d+):(%d+)$')
@@ -793,6 +822,9 @@ end
 
 local function write_hint(r, now)
   local h = r.hint
+  if OFF.hint then
+    return
+  end
   redis.call('SET', r.key .. ':next', str(h.t) .. ':' .. str(h.at) .. ':' .. h.c .. ':' .. str(h.w),
     'PX', math.ceil((math.max(h.at, now) - now + r.keep) / 1000) + SLACK)
 end
@@ -924,7 +956,7 @@ end
 -- read_caps applies the learned caps of rules rs, when the meta says some
 -- rule of the quota may have one.
 local function read_caps(rs, m, now)
-  if not m or m.cu <= now then
+  if not m or m.caps_until <= now then
     return
   end
   for _, r in ipairs(rs) do
@@ -953,7 +985,7 @@ local function write_cap(r, c, m, now)
   end
   local ttl = math.ceil(math.max(CAP_TTL, CAP_TTL_WINDOWS * span_of(r) / 1000))
   redis.call('SET', r.key .. ':cap', str(c.lim) .. ':' .. str(c.at) .. ':' .. str(c.from) .. ':' .. str(c.next) .. ':' .. str(c.step), 'PX', ttl)
-  m.cu = math.max(m.cu, now + ttl * 1000)
+  m.caps_until = math.max(m.caps_until, now + ttl * 1000)
   r.cap = c
   set_limit(r, c.lim)
 end
@@ -994,6 +1026,9 @@ end
 -- the like: vlimit > 0) is taken at its word, within the same bound of
 -- half.
 local function learn_cap(r, as_of, m, now, vlimit)
+  if OFF.learned_caps then
+    return false
+  end
   local c = r.cap
   local lim, from
   if not c then

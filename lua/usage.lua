@@ -19,7 +19,7 @@ local now = clock()
 local meta = read_meta()
 local spread = spread_in_force(meta, now)
 local rs = rules()
-margins(rs, fleet_spread(meta, now), held_spread(meta, now), meta and meta.wh > now)
+margins(rs, fleet_spread(meta, now), held_spread(meta, now), meta and meta.warm_held > now)
 read_caps(rs, meta, now)
 local out = { str(now), str(pause_until(meta and meta.pause or 0)), str(spread) }
 

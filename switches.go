@@ -1,0 +1,111 @@
+package throttle
+
+// Switches turn one mechanism of the protocol off, so that what it buys
+// can be measured again (docs/PROTOCOL.md, section 7, the ledger: each row
+// names its switch). They are for measurement only: a fleet with a
+// mechanism off may break the promise that mechanism serves, and no
+// release keeps a switch's name. A program reads them once, when it
+// starts, from the environment variable THROTTLE_OFF, a comma-separated
+// list of names; New fails while it names a mechanism that does not exist.
+// The library's scripts read those of the Lua side from a table, OFF,
+// which they are sent with empty.
+
+import (
+	"fmt"
+	"os"
+	"slices"
+	"strings"
+)
+
+// mechanism names a mechanism that a switch turns off.
+type mechanism string
+
+// The mechanisms decided in Go.
+const (
+	offSleepToSlot    mechanism = "sleep_to_slot"   // waiter.go sleepToSlot: sleep the wait from the reply instead
+	offGuard          mechanism = "guard"           // waiter.go late: no call is too late
+	offDoubt          mechanism = "doubt"           // timing.go unsure: no doubt after a clock step
+	offLeads          mechanism = "leads"           // waiter.go wait: a late reply books from now, not ahead
+	offSpares         mechanism = "spares"          // spare.go mayPool: no spare admissions
+	offBatches        mechanism = "batches"         // batch.go take: one call per script call
+	offAbandon        mechanism = "abandon"         // batch.go abandon: given back at once, holding the lane
+	offNews           mechanism = "news"            // news.go listen: no subscription to the quota's channel
+	offBreaker        mechanism = "breaker"         // breaker.go allow: every call asks Redis
+	offAskTimeout     mechanism = "ask_timeout"     // batch.go askDeadline: the timeout runs from the call's own script call
+	offQueuedFailures mechanism = "queued_failures" // batch.go failedWhileQueued: a queued call waits its own timeout
+	offHandBack       mechanism = "hand_back"       // decide.go handBack: Redis is not told of the fallback's calls
+	offForwardSteps   mechanism = "forward_steps"   // batch.go newStep: a forward step is not told to the script
+)
+
+// luaMechanisms are the mechanisms decided in the scripts, by the names
+// the scripts' OFF table uses.
+var luaMechanisms = []mechanism{
+	"spread_margins", // lib.lua margins: the configured margin, whatever the fleet's spread
+	"bucket_margin",  // lib.lua margins: a token bucket's calls are not held to its margin
+	"holds",          // lib.lua hold_spread, held_spread: no spread is held for the calls booked with it
+	"next_hold",      // lib.lua hold_spread: no second level; a hold narrows only once its calls have left
+	"warm_up",        // lib.lua starting: a quota never warms up
+	"warm_pacing",    // acquire.lua pace_warm_start: the lone calls of a warming quota are not paced
+	"pacing",         // lib.lua margins: a late fleet's calls are not paced
+	"hint",           // lib.lua read_hint, write_hint: no :next key
+	"segment",        // acquire.lua earliest_in_log: every log is searched by rank
+	"memo",           // acquire.lua memo_from: the calls of a batch search from their own time
+	"fits",           // acquire.lua earliest_in_log: the rounds of one call search again
+	"read_budget",    // acquire.lua SCAN: a search reads the whole log
+	"lazy_trim",      // acquire.lua load: every script trims its logs
+	"lazy_done",      // acquire.lua: every script reads the clock again when it ends
+	"epochs",         // lib.lua check_loss: a missing meta key is a new quota
+	"seq",            // lib.lua check_seq: a Redis gone back in time is not found
+	"back_steps",     // lib.lua check_clock: a clock gone back is not found
+	"policy_ids",     // lib.lua check_policy: a changed policy starts at once
+	"learned_caps",   // feedback.lua: a vendor's refusal teaches no cap
+	"charges",        // feedback.lua charged_after: every answer charges its whole gap
+	"reserve",        // acquire.lua reserve: back from Local, Redis admits the whole limit
+}
+
+// goMechanisms are the mechanisms decided in Go.
+var goMechanisms = []mechanism{
+	offSleepToSlot, offGuard, offDoubt, offLeads, offSpares, offBatches, offAbandon,
+	offNews, offBreaker, offAskTimeout, offQueuedFailures, offHandBack, offForwardSteps,
+}
+
+// switchedOff holds the mechanisms THROTTLE_OFF turns off, and offErr what
+// is wrong with it.
+var switchedOff, offErr = readOff(os.Getenv("THROTTLE_OFF"))
+
+// readOff reads a list of mechanisms to turn off.
+func readOff(v string) (map[mechanism]bool, error) {
+	if strings.TrimSpace(v) == "" {
+		return nil, nil
+	}
+	known := append(slices.Clone(goMechanisms), luaMechanisms...)
+	off := map[mechanism]bool{}
+	for _, name := range strings.Split(v, ",") {
+		m := mechanism(strings.TrimSpace(name))
+		if !slices.Contains(known, m) {
+			names := make([]string, len(known))
+			for i, k := range known {
+				names[i] = string(k)
+			}
+			slices.Sort(names)
+			return nil, fmt.Errorf("throttle: THROTTLE_OFF names no mechanism %q (it turns off, for measurement only: %s)", m, strings.Join(names, ", "))
+		}
+		off[m] = true
+	}
+	return off, nil
+}
+
+// isOff reports whether the mechanism m is switched off.
+func isOff(m mechanism) bool { return switchedOff[m] }
+
+// luaOff returns the scripts' OFF table as Lua: the mechanisms of the
+// scripts switched off.
+func luaOff() string {
+	var on []string
+	for _, m := range luaMechanisms {
+		if isOff(m) {
+			on = append(on, string(m)+" = true")
+		}
+	}
+	return "local OFF = {" + strings.Join(on, ", ") + "}"
+}
