@@ -70,6 +70,21 @@ func (l *Limiter) acquire(ctx context.Context, c call, maxWait time.Duration, gi
 	return l.fallback(sc, c, maxWait, err)
 }
 
+// cancel gives a booking back so that the next caller can have the slot. It
+// runs even though ctx has ended; if Redis cannot be reached the booking
+// stays, which wastes its slot but never overfills a window.
+func (l *Limiter) cancel(ctx context.Context, c call, r result) {
+	if r.local {
+		if l.local != nil {
+			l.local.forget(r.scope, r.member)
+		}
+		return
+	}
+	within(ctx, func() {
+		_ = l.run(context.WithoutCancel(ctx), scripts.cancel, r.scope, l.cancelArgs(r.member, c.cost, r.slot(), r.epoch)).Err()
+	})
+}
+
 // onFallback reports whether the Local fallback decides calls now: Redis
 // has not learned of the calls of its turn yet.
 func (l *Limiter) onFallback() bool { return l.local != nil && l.local.on.Load() }

@@ -57,20 +57,27 @@ var sent = map[string][]string{}
 // script prepends lib.lua to the script in lua/name and drops the lines
 // that hold only a comment.
 func script(name string) *redis.Script {
+	text := scriptText(name, switchedOff)
+	s := redis.NewScript(text)
+	sent[s.Hash()] = strings.Split(text, "\n")
+	return s
+}
+
+// scriptText returns the text of the script in lua/name as Redis gets it,
+// with the mechanisms off switched off (switches.go).
+func scriptText(name string, off map[mechanism]bool) string {
 	var b strings.Builder
 	for _, line := range strings.Split(luaFile("lib.lua")+luaFile(name), "\n") {
 		if t := strings.TrimSpace(line); t == "" || strings.HasPrefix(t, "--") {
 			continue
 		}
 		if line == offLine {
-			line = luaOff() // the switches (switches.go)
+			line = luaOff(off)
 		}
 		b.WriteString(line)
 		b.WriteByte('\n')
 	}
-	s := redis.NewScript(b.String())
-	sent[s.Hash()] = strings.Split(b.String(), "\n")
-	return s
+	return b.String()
 }
 
 var (

@@ -2,6 +2,12 @@ package throttle
 
 import (
 	"context"
+	"go/ast"
+	"go/importer"
+	"go/parser"
+	"go/token"
+	"go/types"
+	"io/fs"
 	"net/http"
 	"net/http/httptest"
 	"path/filepath"
@@ -124,4 +130,170 @@ func TestPath_ACallGoesDownThroughEachFileOnce(t *testing.T) {
 			}
 		})
 	}
+}
+
+// TestPath_FollowingCtxFromAnEntryPointIsATree follows the caller's
+// context through the package's code, reading it: from each entry point,
+// each call that passes ctx on to a function of the package (Do's acquire,
+// then its release), and from there every such call. The files each one
+// reaches form a tree: each is entered from one file only, and none calls
+// back up into a file on its way down, so a reader who follows ctx from
+// the entry point goes down through each file once and comes back up the
+// same way.
+func TestPath_FollowingCtxFromAnEntryPointIsATree(t *testing.T) {
+	fset := token.NewFileSet()
+	pkgs, err := parser.ParseDir(fset, ".", func(fi fs.FileInfo) bool { return !strings.HasSuffix(fi.Name(), "_test.go") }, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var files []*ast.File
+	for _, f := range pkgs["throttle"].Files {
+		files = append(files, f)
+	}
+	info := &types.Info{Uses: map[*ast.Ident]types.Object{}, Defs: map[*ast.Ident]types.Object{}}
+	conf := types.Config{Importer: importer.ForCompiler(fset, "source", nil)}
+	if _, err := conf.Check("throttle", fset, files, info); err != nil {
+		t.Fatal(err)
+	}
+	decls := map[types.Object]*ast.FuncDecl{}
+	for _, f := range files {
+		for _, d := range f.Decls {
+			if fd, ok := d.(*ast.FuncDecl); ok {
+				decls[info.Defs[fd.Name]] = fd
+			}
+		}
+	}
+	for _, entry := range []string{"Limiter.Acquire", "Limiter.Allow", "Do", "Go"} {
+		t.Run(entry, func(t *testing.T) {
+			var root *ast.FuncDecl
+			for _, fd := range decls {
+				if funcName(fd) == entry {
+					root = fd
+				}
+			}
+			if root == nil {
+				t.Fatalf("no %s", entry)
+			}
+			// Each call of the entry point that passes ctx on goes down
+			// once: Do acquires, then releases.
+			ast.Inspect(root.Body, func(n ast.Node) bool {
+				call, ok := n.(*ast.CallExpr)
+				if !ok || !passesCtx(call) {
+					return true
+				}
+				if callee := (&ctxPath{info: info, decls: decls}).callee(call); callee != nil {
+					cp := ctxPath{fset: fset, info: info, decls: decls, from: map[string]string{}, seen: map[*ast.FuncDecl]bool{root: true}}
+					cp.from[cp.file(callee)] = cp.file(root)
+					cp.walk(t, callee)
+					t.Logf("%s: %v", funcName(callee), cp.from)
+				}
+				return true
+			})
+		})
+	}
+}
+
+// funcName returns "Recv.Name" for a method, "Name" for a function.
+func funcName(fd *ast.FuncDecl) string {
+	if fd.Recv == nil {
+		return fd.Name.Name
+	}
+	typ := fd.Recv.List[0].Type
+	if star, ok := typ.(*ast.StarExpr); ok {
+		typ = star.X
+	}
+	if id, ok := typ.(*ast.Ident); ok {
+		return id.Name + "." + fd.Name.Name
+	}
+	return fd.Name.Name
+}
+
+// ctxPath follows ctx down from a function; from maps each file reached to
+// the file it was first entered from.
+type ctxPath struct {
+	fset  *token.FileSet
+	info  *types.Info
+	decls map[types.Object]*ast.FuncDecl
+	from  map[string]string
+	seen  map[*ast.FuncDecl]bool
+}
+
+func (cp *ctxPath) file(n ast.Node) string { return filepath.Base(cp.fset.Position(n.Pos()).Filename) }
+
+// walk follows every call of fd that passes ctx on to a function of the
+// package, and fails t where a file is entered from a second file or
+// from below.
+func (cp *ctxPath) walk(t *testing.T, fd *ast.FuncDecl) {
+	if cp.seen[fd] {
+		return
+	}
+	cp.seen[fd] = true
+	ast.Inspect(fd.Body, func(n ast.Node) bool {
+		call, ok := n.(*ast.CallExpr)
+		if !ok || !passesCtx(call) {
+			return true
+		}
+		callee := cp.callee(call)
+		if callee == nil {
+			return true
+		}
+		a, b := cp.file(fd), cp.file(callee)
+		if a != b {
+			if up := cp.ancestors(a); slices.Contains(up, b) {
+				t.Errorf("%s (%s) calls %s back up in %s, on the way down %v", funcName(fd), a, funcName(callee), b, up)
+			} else if f, ok := cp.from[b]; ok && f != a {
+				t.Errorf("%s is entered from %s (%s calls %s) and from %s", b, a, funcName(fd), funcName(callee), f)
+			}
+			if _, ok := cp.from[b]; !ok {
+				cp.from[b] = a
+			}
+		}
+		cp.walk(t, callee)
+		return true
+	})
+}
+
+// ancestors returns the files above file on the way down, nearest first.
+func (cp *ctxPath) ancestors(file string) []string {
+	var up []string
+	for f, ok := cp.from[file]; ok && !slices.Contains(up, f); f, ok = cp.from[f] {
+		up = append(up, f)
+	}
+	return up
+}
+
+// passesCtx reports whether an argument of call mentions ctx.
+func passesCtx(call *ast.CallExpr) bool {
+	found := false
+	for _, a := range call.Args {
+		ast.Inspect(a, func(n ast.Node) bool {
+			if id, ok := n.(*ast.Ident); ok && id.Name == "ctx" {
+				found = true
+			}
+			return !found
+		})
+	}
+	return found
+}
+
+// callee returns the declaration of the package's function that call
+// calls, or nil.
+func (cp *ctxPath) callee(call *ast.CallExpr) *ast.FuncDecl {
+	var id *ast.Ident
+	switch f := call.Fun.(type) {
+	case *ast.Ident:
+		id = f
+	case *ast.SelectorExpr:
+		id = f.Sel
+	case *ast.IndexExpr:
+		id, _ = f.X.(*ast.Ident)
+	}
+	if id == nil {
+		return nil
+	}
+	obj := cp.info.Uses[id]
+	if fn, ok := obj.(*types.Func); ok {
+		obj = fn.Origin()
+	}
+	return cp.decls[obj]
 }

@@ -197,21 +197,6 @@ func (r result) slot() time.Duration { return r.now + r.wait }
 // every policy's bounds.
 func (r result) startsAt() time.Duration { return max(r.slot(), r.done) }
 
-// cancel gives a booking back so that the next caller can have the slot. It
-// runs even though ctx has ended; if Redis cannot be reached the booking
-// stays, which wastes its slot but never overfills a window.
-func (l *Limiter) cancel(ctx context.Context, c call, r result) {
-	if r.local {
-		if l.local != nil {
-			l.local.forget(r.scope, r.member)
-		}
-		return
-	}
-	within(ctx, func() {
-		_ = l.run(context.WithoutCancel(ctx), scripts.cancel, r.scope, l.cancelArgs(r.member, c.cost, r.slot(), r.epoch)).Err()
-	})
-}
-
 // within runs f, which talks to Redis on a call's behalf after the call is
 // decided (a booking given back, a slot released), and waits for it until
 // leaveWithin after ctx ends at most: the call returns by its deadline

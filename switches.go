@@ -99,11 +99,11 @@ func readOff(v string) (map[mechanism]bool, error) {
 func isOff(m mechanism) bool { return switchedOff[m] }
 
 // luaOff returns the scripts' OFF table as Lua: the mechanisms of the
-// scripts switched off.
-func luaOff() string {
+// scripts in off.
+func luaOff(off map[mechanism]bool) string {
 	var on []string
 	for _, m := range luaMechanisms {
-		if isOff(m) {
+		if off[m] {
 			on = append(on, string(m)+" = true")
 		}
 	}
