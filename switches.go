@@ -44,12 +44,11 @@ var luaMechanisms = []mechanism{
 	"bucket_margin",  // lib.lua margins: a token bucket's calls are not held to its margin
 	"holds",          // lib.lua hold_spread, held_spread: no spread is held for the calls booked with it
 	"next_hold",      // lib.lua hold_spread: no second level; a hold narrows only once its calls have left
-	"warm_up",        // lib.lua starting: a quota never warms up
+	"warm_up",        // acquire.lua read_fleet: a quota never warms up
 	"warm_pacing",    // acquire.lua pace_warm_start: the lone calls of a warming quota are not paced
 	"pacing",         // lib.lua margins: a late fleet's calls are not paced
 	"hint",           // lib.lua read_hint, write_hint: no :next key
 	"segment",        // acquire.lua earliest_in_log: every log is searched by rank
-	"memo",           // acquire.lua memo_from: the calls of a batch search from their own time
 	"fits",           // acquire.lua earliest_in_log: the rounds of one call search again
 	"read_budget",    // acquire.lua SCAN: a search reads the whole log
 	"lazy_trim",      // acquire.lua load: every script trims its logs

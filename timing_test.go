@@ -271,6 +271,16 @@ func TestMargin_NarrowsWhileTheFleetBooksAhead(t *testing.T) {
 	long(t)
 	t.Parallel() // a given clock: nothing in it depends on the machine's load
 	redistest.Each(t, func(t *testing.T, s *redistest.Server) {
+		for _, late := range []time.Duration{0, 5 * ms} {
+			t.Run("then late "+late.String(), func(t *testing.T) { marginNarrows(t, s, late) })
+		}
+	})
+}
+
+// marginNarrows is TestMargin_NarrowsWhileTheFleetBooksAhead on s, with
+// the calls late by late once the margin has widened.
+func marginNarrows(t *testing.T, s *redistest.Server, late time.Duration) {
+	{
 		clock := newClock()
 		lim := newLimiter(t, s.Client(t), policies.SlidingLog{Limit: 100, Window: time.Second}, Options{Clock: clock.Now})
 		ctx := context.Background()
@@ -307,7 +317,7 @@ func TestMargin_NarrowsWhileTheFleetBooksAhead(t *testing.T) {
 		for step := range 200 {
 			clock.Add(50 * ms)
 			for range 6 {
-				lim.lates.note(0)
+				lim.lates.note(late)
 				r, err := lim.acquire(ctx, call{cost: 1}, 5*time.Second, nil)
 				if err != nil || !r.admitted {
 					t.Fatalf("step %d: %+v, %v", step, r, err)
@@ -339,7 +349,7 @@ func TestMargin_NarrowsWhileTheFleetBooksAhead(t *testing.T) {
 		if !equalDurations(seen, want) {
 			t.Errorf("margins in force %v, want %v", seen, want)
 		}
-	})
+	}
 }
 
 func equalDurations(a, b []time.Duration) bool {

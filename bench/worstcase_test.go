@@ -620,10 +620,19 @@ func (w *worstBench) buildCounter(quota string, p policies.SlidingCounter, maxWa
 	m := (r.Window + r.Bucket - 1) / r.Bucket
 	step := (m + 1) * r.Bucket
 	lim := w.limiter(quota, p, throttle.Options{Mode: throttle.FailFast})
+	// Latest first, each at its own time (the buckets before a call's
+	// window would go with it), as if all were booked at t0: before each,
+	// the quota's last script ran no later than it, lest Redis's clock
+	// read as gone back (a loss, and a pause of a window).
+	ctx := context.Background()
 	for k := int(maxWait / step); k >= 0; k-- {
-		w.admit(lim, w.t0.Add(time.Duration(k)*step), p.Limit)
+		t := w.t0.Add(time.Duration(k) * step)
+		if err := w.rdb.HSet(ctx, metaKey(quota), "last_acquire", t.UnixMicro()).Err(); err != nil {
+			w.b.Fatal(err)
+		}
+		w.admit(lim, t, p.Limit)
 	}
-	w.persist(context.Background(), quota)
+	w.persist(ctx, quota)
 }
 
 // buildBucket empties quota's token bucket at t0.
@@ -750,6 +759,7 @@ func throttleScripts(tb testing.TB) []*redis.Script {
 		return string(b)
 	}
 	lib := read("lib.lua")
+	off := luaOff(tb, read)
 	var out []*redis.Script
 	for _, name := range []string{"acquire.lua", "cancel.lua", "settle.lua", "release.lua", "feedback.lua", "usage.lua", "handback.lua"} {
 		var b strings.Builder
@@ -757,10 +767,42 @@ func throttleScripts(tb testing.TB) []*redis.Script {
 			if t := strings.TrimSpace(line); t == "" || strings.HasPrefix(t, "--") {
 				continue
 			}
+			if line == "local OFF = {}" {
+				line = off
+			}
 			b.WriteString(line)
 			b.WriteByte('\n')
 		}
 		out = append(out, redis.NewScript(b.String()))
 	}
 	return out
+}
+
+// luaOff returns the scripts' OFF table as the throttle package writes it
+// for the switches THROTTLE_OFF turns off (see ../switches.go): those of
+// the scripts, in the order of its luaMechanisms.
+func luaOff(tb testing.TB, read func(string) string) string {
+	tb.Helper()
+	b, err := os.ReadFile(filepath.Join("..", "switches.go"))
+	if err != nil {
+		tb.Fatal(err)
+	}
+	src := string(b)
+	start := strings.Index(src, "var luaMechanisms = []mechanism{")
+	end := strings.Index(src[max(start, 0):], "\n}")
+	if start < 0 || end < 0 {
+		tb.Fatal("../switches.go: no luaMechanisms")
+	}
+	off := map[string]bool{}
+	for _, m := range strings.Split(os.Getenv("THROTTLE_OFF"), ",") {
+		off[strings.TrimSpace(m)] = true
+	}
+	var on []string
+	for _, line := range strings.Split(src[start:start+end], "\n")[1:] {
+		name := strings.Trim(strings.TrimSpace(strings.SplitN(line, ",", 2)[0]), `"`)
+		if off[name] {
+			on = append(on, name+" = true")
+		}
+	}
+	return "local OFF = {" + strings.Join(on, ", ") + "}"
 }

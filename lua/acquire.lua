@@ -93,7 +93,6 @@ local function load(r)
       r.long = redis.call('ZREMRANGEBYSCORE', r.key, '-inf', str(now - r.keep)) > LONG_WORK
     end
     r.n = redis.call('ZCOUNT', r.key, '(' .. str(now - r.window), '+inf')
-    r.memo = {}
   elseif r.kind == COUNTER then
     -- The oldest bucket a window ending now may touch, as earliest_counter
     -- counts them; older ones are dropped once no margin could count them.
@@ -443,31 +442,13 @@ local function paced(r, t)
   return math.max(t, tonumber(last[2]) + r.pace)
 end
 
--- memo_from returns the time from which a search of log r for cost units,
--- asked from t, begins, after the searches of this script: calls only add
--- entries, and a costlier call fits in fewer places: a call costing at
--- least as much as an earlier one, asked from no earlier a time, fits no
--- earlier than it did.
-local function memo_from(r, t, cost)
-  local from = t
-  if OFF.memo then
-    return from
-  end
-  for c, m in pairs(r.memo) do
-    if c <= cost and m.t <= t and m.at > from then
-      from = m.at
-    end
-  end
-  return from
-end
-
 -- search_from returns the time from which a search by rank of log r for
 -- cost units, asked from t, begins, and the log's hint as it was before
 -- the search: so the calls of a batch, and the calls of later batches
 -- through the log's hint, do not each read a log booked far ahead again
 -- (see read_hint in lib.lua).
 local function search_from(r, t, cost)
-  local from = memo_from(r, t, cost)
+  local from = t
   if r.hint == nil then
     r.hint = read_hint(r)
   end
@@ -519,11 +500,9 @@ local function earliest_in_log(r, t, cost, budget)
   if r.n <= SEGMENT and not OFF.segment then
     -- Short enough to be read whole from a window before the search's
     -- start: searched in memory, with no hint to read or write.
-    local from = memo_from(r, t, cost)
-    local seg = segment(r, from - r.window)
+    local seg = segment(r, t - r.window)
     if seg then
-      local at = earliest_in_segment(r, seg.s, from, r.limit - cost, budget)
-      r.memo[cost] = { t = t, at = at }
+      local at = earliest_in_segment(r, seg.s, t, r.limit - cost, budget)
       r.fits = { c = cost, at = at }
       return at
     end
@@ -534,7 +513,6 @@ local function earliest_in_log(r, t, cost, budget)
   -- would for every later call anyway, until entries taken out of the
   -- log lower the hint.
   local at = earliest_log(r, from, cost, budget)
-  r.memo[cost] = { t = t, at = at }
   r.fits = { c = cost, at = at }
   keep_hint(r, h, t, cost, at)
   return at
@@ -653,8 +631,8 @@ local function read_fleet(batch)
     meta.refreshed = now
   end
   batch.span = longest_window(batch.rs)
-  batch.start = starting(meta, now, batch.span)
-  batch.warming = batch.start or meta.warm_until > now
+  batch.start = starting(meta, now, batch.span) and not OFF.warm_up
+  batch.warming = batch.start or meta ~= nil and meta.warm_until > now
   if meta then
     note_timing(meta, now, batch.report, batch.delay)
     roll_hold(meta, now)

@@ -553,9 +553,6 @@ end
 -- connections the fleet kept open.
 local WARM_IDLE = 60000000
 local function starting(m, now, span)
-  if OFF.warm_up then
-    return false
-  end
   return not m or now - m.last_acquire > math.max(span, WARM_IDLE)
 end
 

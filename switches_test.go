@@ -1,0 +1,203 @@
+package throttle
+
+import (
+	"context"
+	"os"
+	"os/exec"
+	"regexp"
+	"slices"
+	"strings"
+	"testing"
+
+	"github.com/throttlekit/throttle/internal/redistest"
+)
+
+func TestSwitches_THROTTLE_OFFNamesKnownMechanisms(t *testing.T) {
+	off, err := readOff(" hint, spares ")
+	if err != nil || !off["hint"] || !off[offSpares] || len(off) != 2 {
+		t.Errorf("readOff(hint, spares) = %v, %v; want both off", off, err)
+	}
+	if off, err := readOff(""); err != nil || off != nil {
+		t.Errorf("readOff(\"\") = %v, %v; want nothing off", off, err)
+	}
+	_, err = readOff("hint,nope")
+	if err == nil || !strings.Contains(err.Error(), "THROTTLE_OFF") || !strings.Contains(err.Error(), `"nope"`) || !strings.Contains(err.Error(), "segment") {
+		t.Errorf("readOff(hint,nope) error = %v; want one naming THROTTLE_OFF, the value and the mechanisms it knows", err)
+	}
+}
+
+// TestSwitches_EachIsReadWhereItsMechanismLives checks that every switch
+// reaches its mechanism: each of the scripts' is read as OFF.<name> in
+// lua/, and each of Go's is passed to isOff outside the tests.
+func TestSwitches_EachIsReadWhereItsMechanismLives(t *testing.T) {
+	var lua strings.Builder
+	for _, f := range []string{"lib.lua", "acquire.lua", "feedback.lua"} {
+		lua.WriteString(luaFile(f))
+	}
+	for _, m := range luaMechanisms {
+		if !regexp.MustCompile(`\bOFF\.` + string(m) + `\b`).MatchString(lua.String()) {
+			t.Errorf("no script reads OFF.%s", m)
+		}
+	}
+	var src strings.Builder
+	files, _ := os.ReadDir(".")
+	for _, f := range files {
+		if n := f.Name(); strings.HasSuffix(n, ".go") && !strings.HasSuffix(n, "_test.go") && n != "switches.go" {
+			b, err := os.ReadFile(n)
+			if err != nil {
+				t.Fatal(err)
+			}
+			src.Write(b)
+		}
+	}
+	for _, m := range goMechanisms {
+		name := goSwitchName(t, m)
+		if !strings.Contains(src.String(), "isOff("+name+")") {
+			t.Errorf("no isOff(%s) in the package's code: switch %q reaches nothing", name, m)
+		}
+	}
+}
+
+// goSwitchName returns the name of the Go constant of mechanism m.
+func goSwitchName(t *testing.T, m mechanism) string {
+	t.Helper()
+	b, err := os.ReadFile("switches.go")
+	if err != nil {
+		t.Fatal(err)
+	}
+	c := regexp.MustCompile(`(?m)^\t(off\w+)\s+mechanism = "` + string(m) + `"`).FindStringSubmatch(string(b))
+	if c == nil {
+		t.Fatalf("switches.go: no constant for %q", m)
+	}
+	return c[1]
+}
+
+// TestSwitches_ScriptsLoadWithEachOff loads every script with each of the
+// scripts' switches off, on miniredis and a real Redis: a switch that
+// breaks a script's syntax measures nothing.
+func TestSwitches_ScriptsLoadWithEachOff(t *testing.T) {
+	redistest.Each(t, func(t *testing.T, s *redistest.Server) {
+		rdb := s.Client(t)
+		ctx := context.Background()
+		for _, m := range luaMechanisms {
+			for _, name := range []string{"acquire.lua", "cancel.lua", "settle.lua", "release.lua", "feedback.lua", "usage.lua", "handback.lua"} {
+				text := scriptText(name, map[mechanism]bool{m: true})
+				if !strings.Contains(text, "local OFF = {"+string(m)+" = true}") {
+					t.Fatalf("%s with %s off: no OFF table naming it", name, m)
+				}
+				if err := rdb.ScriptLoad(ctx, text).Err(); err != nil {
+					t.Errorf("%s with %s off: %v", name, m, err)
+				}
+			}
+		}
+	})
+}
+
+// TestSwitches_TheLedgerNamesEachOnce checks that docs/PROTOCOL.md's
+// ledger gives every switch a row, and names no switch that does not
+// exist.
+func TestSwitches_TheLedgerNamesEachOnce(t *testing.T) {
+	b, err := os.ReadFile("docs/PROTOCOL.md")
+	if err != nil {
+		t.Fatal(err)
+	}
+	doc := string(b)
+	start := strings.Index(doc, "## 7. Ledger of mechanisms")
+	end := strings.Index(doc, "## 8.")
+	if start < 0 || end < start {
+		t.Fatal("docs/PROTOCOL.md: no section 7 before section 8")
+	}
+	seen := map[mechanism]int{}
+	for _, line := range strings.Split(doc[start:end], "\n") {
+		cells := strings.Split(line, " | ")
+		if !strings.HasPrefix(line, "| ") || len(cells) < 6 || strings.HasPrefix(line, "| mechanism") || strings.HasPrefix(line, "| ---") {
+			continue
+		}
+		last := strings.TrimSuffix(cells[len(cells)-1], " |")
+		for _, m := range regexp.MustCompile("`([a-z_]+)`").FindAllStringSubmatch(last, -1) {
+			seen[mechanism(m[1])]++
+		}
+	}
+	known := append(slices.Clone(goMechanisms), luaMechanisms...)
+	for _, m := range known {
+		if seen[m] != 1 {
+			t.Errorf("the ledger names switch %q in %d rows, want 1", m, seen[m])
+		}
+	}
+	for m := range seen {
+		if !slices.Contains(known, m) {
+			t.Errorf("the ledger names switch %q, which switches.go does not know", m)
+		}
+	}
+}
+
+// switchBreaks names, for each switch, a test of the default run that
+// fails with the switch off (its -test.run pattern, and any other flag):
+// the test that shows what the mechanism does. A switch missing here has
+// no such test; the ledger says what measures it instead.
+var switchBreaks = map[mechanism][]string{
+	offSleepToSlot:    {"^TestGuard_SlowReplyStillStartsOnItsSlot$"},
+	offGuard:          {"^TestGuard_BooksAgainABoundedNumberOfTimes$"},
+	offDoubt:          {"^TestTiming_UnsureAfterAStepWhileRepliesAreSlow$"},
+	offLeads:          {"^TestGuard_LateReplyWaitsForASlotAhead$"},
+	offSpares:         {"^TestSpare_TermsFollowTheMarginAndTheRoomLeft$"},
+	offAbandon:        {"^TestBatch_CallersThatLeaveDoNotHoldTheCallsBehindThem$"},
+	offNews:           {"^TestSim_Regressions$/^(701|10462)$"},
+	offBreaker:        {"^TestBreaker_StopsAskingADeadRedisAndComesBack$"},
+	offAskTimeout:     {"^TestSim_Schedules$/^27$", "-sim.n=28"},
+	offQueuedFailures: {"^TestQueue_ACallQueuedBehindFailuresFailsAtItsTurn$"},
+	offHandBack:       {"^TestLocal_HandsBackTheCallsThatBeganNotThoseBookedAhead$"},
+	offForwardSteps:   {"^TestClockStep_ForwardStepCountsAsALoss$"},
+	"spread_margins":  {"^TestMargin_FollowsTheFleetsSpread$"},
+	"bucket_margin":   {"^TestGuard_TokenBucketLateReplyBooksAgain$"},
+	"holds":           {"^TestMargin_NarrowsWhileTheFleetBooksAhead$"},
+	"next_hold":       {"^TestMargin_NarrowsWhileTheFleetBooksAhead$"},
+	"warm_up":         {"^TestWarmUp_HoldsTheFirstCallsOfAColdQuota$"},
+	"warm_pacing":     {"^TestPacing_SpreadsTheLoneCallsOfManyReplicasWhileWarm$"},
+	"pacing":          {"^TestPacing_SpreadsTheCallsOfALateFleet$"},
+	"hint":            {"^TestScript_HintHoldsAfterACallThatBooksAhead$"},
+	"read_budget":     {"^TestScript_LongLogSettlesForItsTail$"},
+	"epochs":          {"^TestDataLoss_CountsTheQuotaFullForOneWindow$"},
+	"seq":             {"^TestDataLoss_NoticedWhenRedisGoesBackInTime$"},
+	"back_steps":      {"^TestClockStep_BackwardStepCountsAsALoss$"},
+	"policy_ids":      {"^TestDeploy_ChangedPolicyTakesOverCleanly$"},
+	"learned_caps":    {"^TestRefused_DropsByHalfAtMost$"},
+	"charges":         {"^TestSetRemaining_AnswersOfCallsInFlightChargeTheGapOnce$"},
+	"reserve":         {"^TestLocal_BackOnRedisReservesTheOthersShare$"},
+}
+
+// TestSwitches_EachBreaksItsTest runs, for each switch of switchBreaks,
+// this test binary again with the switch off and the test named for it,
+// which must fail, and with every mechanism on, where it must pass; with
+// THROTTLE_LONG=1 only.
+func TestSwitches_EachBreaksItsTest(t *testing.T) {
+	if os.Getenv("THROTTLE_LONG") == "" {
+		t.Skip("runs this test binary twice per switch; set THROTTLE_LONG=1")
+	}
+	if os.Getenv("THROTTLE_OFF") != "" {
+		t.Skip("already run with a switch off")
+	}
+	for m, args := range switchBreaks {
+		t.Run(string(m), func(t *testing.T) {
+			t.Parallel()
+			run := func(off string) (string, error) {
+				cmd := exec.Command(os.Args[0], append([]string{"-test.count=1", "-test.run", args[0]}, args[1:]...)...)
+				cmd.Env = append(os.Environ(), "THROTTLE_OFF="+off)
+				out, err := cmd.CombinedOutput()
+				return string(out), err
+			}
+			out, err := run(string(m))
+			switch {
+			case err == nil:
+				t.Errorf("THROTTLE_OFF=%s -test.run %s passed; want the test to fail without its mechanism", m, args[0])
+			case !strings.Contains(out, "--- FAIL"):
+				t.Errorf("THROTTLE_OFF=%s -test.run %s: %v, with no failing test:\n%s", m, args[0], err, out)
+			case strings.Contains(out, "no tests to run"):
+				t.Errorf("-test.run %s runs no test", args[0])
+			}
+			if out, err := run(""); err != nil || strings.Contains(out, "no tests to run") {
+				t.Errorf("-test.run %s with every mechanism on: %v\n%s", args[0], err, out)
+			}
+		})
+	}
+}
