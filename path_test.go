@@ -140,6 +140,7 @@ func TestPath_ACallGoesDownThroughEachFileOnce(t *testing.T) {
 // the entry point goes down through each file once and comes back up the
 // same way.
 func TestPath_FollowingCtxFromAnEntryPointIsATree(t *testing.T) {
+	t.Parallel() // type-checks go-redis from source: seconds under -race
 	fset := token.NewFileSet()
 	names, err := filepath.Glob("*.go")
 	if err != nil {

@@ -47,8 +47,8 @@ var (
 // Under the race detector the default corpus is empty, and the
 // regressions alone run (TestSim_Regressions, a dozen schedules of every
 // kind): the README's test command runs with -race, and the detector
-// makes each schedule about twenty times slower. .ci/run runs 2,000
-// without it.
+// makes each schedule about twenty times slower. .ci/run runs the seeds
+// from 1 for 60 s without it.
 func init() {
 	if raceEnabled {
 		*simN = 0

@@ -169,13 +169,18 @@ var switchBreaks = map[mechanism][]string{
 // TestSwitches_EachBreaksItsTest runs, for each switch of switchBreaks,
 // this test binary again with the switch off and the test named for it,
 // which must fail, and with every mechanism on, where it must pass; with
-// THROTTLE_LONG=1 only.
+// THROTTLE_LONG=1 and without -race only (.ci/run runs it so).
 func TestSwitches_EachBreaksItsTest(t *testing.T) {
 	if os.Getenv("THROTTLE_LONG") == "" {
 		t.Skip("runs this test binary twice per switch; set THROTTLE_LONG=1")
 	}
 	if os.Getenv("THROTTLE_OFF") != "" {
 		t.Skip("already run with a switch off")
+	}
+	if raceEnabled {
+		// Each run builds nothing, but the race detector makes the 56
+		// runs take minutes: .ci/run runs this test without it.
+		t.Skip("runs without -race (see .ci/run)")
 	}
 	for m, args := range switchBreaks {
 		t.Run(string(m), func(t *testing.T) {
