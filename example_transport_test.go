@@ -1,6 +1,7 @@
 package throttle_test
 
 import (
+	"context"
 	"errors"
 	"fmt"
 	"io"
@@ -113,4 +114,50 @@ func ExampleRoute() {
 	// Output:
 	// search refused: 10
 	// core refused: 0
+}
+
+// A call made through a vendor's SDK over a Transport is settled from the
+// SDK's typed result: Track gives the caller a permit that stands for the
+// call the Transport sent with its context. Here the "SDK" is a function
+// that posts a prompt and decodes the tokens the vendor says it used.
+func ExampleTrack() {
+	mr := miniredis.NewMiniRedis()
+	if err := mr.Start(); err != nil {
+		fmt.Println(err)
+		return
+	}
+	defer mr.Close()
+	rdb := redis.NewClient(&redis.Options{Addr: mr.Addr()})
+	defer rdb.Close()
+	vendor := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		io.WriteString(w, "120") // the tokens the call used
+	}))
+	defer vendor.Close()
+
+	lim, err := throttle.New(rdb, "llm-tokens", policies.SlidingLog{Limit: 100_000, Window: time.Minute})
+	if err != nil {
+		fmt.Println(err)
+		return
+	}
+	// Each request is admitted at an estimate of its tokens.
+	client := &http.Client{Transport: &throttle.Transport{Limiter: lim, Cost: func(*http.Request) int { return 500 }}}
+	complete := func(ctx context.Context, prompt string) (tokens int, err error) {
+		req, _ := http.NewRequestWithContext(ctx, http.MethodPost, vendor.URL, strings.NewReader(prompt))
+		resp, err := client.Do(req)
+		if err != nil {
+			return 0, err
+		}
+		defer resp.Body.Close()
+		_, err = fmt.Fscan(resp.Body, &tokens)
+		return tokens, err
+	}
+
+	ctx, call := throttle.Track(context.Background())
+	tokens, err := complete(ctx, "Say hello")
+	if err == nil {
+		err = call.Settle(ctx, tokens) // the estimate of 500 becomes 120
+	}
+	u, _ := lim.Usage(ctx)
+	fmt.Println(tokens, err, u.Rules[0].Used)
+	// Output: 120 <nil> 120
 }

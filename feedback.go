@@ -45,8 +45,9 @@ func (l *Limiter) Pause(ctx context.Context, d time.Duration, opts ...CallOption
 // not call it for a refusal about something else (a limit of one endpoint,
 // a vendor overloaded): Pause alone is right for those.
 func (p *Permit) Refused(ctx context.Context, retryAfter time.Duration) error {
-	if p == nil || p.l == nil {
-		return errors.New("throttle: Refused: the permit is nil")
+	p, err := p.acting("Refused")
+	if err != nil {
+		return err
 	}
 	said := vendorSaid{pause: min(max(retryAfter, 0), maxPause), units: unknownCount, calls: unknownCount, learn: !p.l.s.noLearning}
 	return p.l.feedback(ctx, said, p.r, p.opts())
@@ -268,8 +269,9 @@ func (c *Count) count() vendorCount {
 // error says the answer was not made known (Redis could not be reached, a
 // negative field); the pause and the refusal are reported all the same.
 func (p *Permit) Heard(ctx context.Context, a Answer) (pause time.Duration, refused bool, err error) {
-	if p == nil || p.l == nil {
-		return 0, false, errors.New("throttle: Heard: the permit is nil")
+	p, err = p.acting("Heard")
+	if err != nil {
+		return 0, false, err
 	}
 	l := p.l
 	if err := a.check(); err != nil {

@@ -14,8 +14,56 @@ type permitKey struct{}
 // WithPermit returns a copy of ctx that carries p, for PermitFrom: Do and
 // Go give their fn such a context, and Transport sends each request with
 // one. Use it in a wrapper of your own that takes calls through Acquire.
+// When ctx carries a permit of Track, that permit stands for p from now on.
 func WithPermit(ctx context.Context, p *Permit) context.Context {
+	if t := PermitFrom(ctx); t != nil && t.tracking && p != nil && !p.tracking {
+		t.sent.Store(p)
+	}
 	return context.WithValue(ctx, permitKey{}, p)
+}
+
+// Track returns a copy of ctx, and a permit that stands for the call made
+// with it: the permit a Transport sends a request of that context with (of
+// the last request, when the request is sent again), or that Do or Go runs
+// fn with. Code that calls a vendor through an SDK settles the call from
+// the SDK's typed result so, without the raw response:
+//
+//	ctx, call := throttle.Track(ctx)
+//	resp, err := client.Chat.Completions.New(ctx, params) // over a throttle.Transport
+//	if err == nil {
+//		err = call.Settle(ctx, int(resp.Usage.TotalTokens))
+//	}
+//
+// Before a call is made, its methods fail (Settle, Cancel, Extend) or do
+// nothing. Track one call at a time with each context it returns: of calls
+// made at once, it stands for the last to leave.
+func Track(ctx context.Context) (context.Context, *Permit) {
+	p := &Permit{tracking: true}
+	return context.WithValue(ctx, permitKey{}, p), p
+}
+
+// errNotSent is what a permit of Track answers before its call is made.
+var errNotSent = errors.New("no call was made with the context of this permit (Track) yet")
+
+// acting returns the permit that method acts on (see target), or an error
+// naming method when there is none.
+func (p *Permit) acting(method string) (*Permit, error) {
+	if t := p.target(); t != nil && t.l != nil {
+		return t, nil
+	}
+	if p != nil && p.tracking {
+		return nil, fmt.Errorf("throttle: %s: %w", method, errNotSent)
+	}
+	return nil, fmt.Errorf("throttle: %s: the permit is nil", method)
+}
+
+// target returns the permit p's methods act on: p, or, for a permit of
+// Track, the permit of the call made with its context (nil before one).
+func (p *Permit) target() *Permit {
+	if p == nil || !p.tracking {
+		return p
+	}
+	return p.sent.Load()
 }
 
 // PermitFrom returns the permit of the call that Do or Go runs with ctx, or
@@ -46,6 +94,10 @@ type Permit struct {
 	// Acquire) before Release saw it, which Release notes; noLate when not
 	// known.
 	late atomic.Int64
+	// A permit of Track stands for sent, the permit of the last call made
+	// with its context (see WithPermit).
+	tracking bool
+	sent     atomic.Pointer[Permit]
 }
 
 // noLate is a Permit's late when how late its call started is not known.
@@ -58,13 +110,18 @@ func (l *Limiter) permit(c call, r result, waited time.Duration) *Permit {
 }
 
 // Cost returns the units the call counts for: its Cost, or what Settle set.
-func (p *Permit) Cost() int { return p.call.cost }
+func (p *Permit) Cost() int {
+	if p = p.target(); p == nil {
+		return 0
+	}
+	return p.call.cost
+}
 
 // Remaining returns how many units the quota had free now under its
 // tightest limit right after it admitted the call, as Decision.Remaining
 // says, or -1 when unknown (a call admitted without Redis).
 func (p *Permit) Remaining() int {
-	if p == nil || p.r.local || !p.r.admitted {
+	if p = p.target(); p == nil || p.r.local || !p.r.admitted {
 		return -1
 	}
 	return p.r.remaining
@@ -77,7 +134,7 @@ func (p *Permit) Remaining() int {
 // spread the fleet's margin follows. Calling it more than once is
 // harmless.
 func (p *Permit) Release() {
-	if p == nil || p.l == nil || p.released.Swap(true) {
+	if p = p.target(); p == nil || p.l == nil || p.released.Swap(true) {
 		return
 	}
 	if late := p.late.Load(); late != noLate {
@@ -126,8 +183,9 @@ func (p *Permit) releaseWithin(ctx context.Context) {
 // vendor counted it; use Settle for what it cost. Cancel releases the
 // permit; calling it again, or after Release, does nothing more.
 func (p *Permit) Cancel(ctx context.Context) error {
-	if p == nil || p.l == nil {
-		return errors.New("throttle: Cancel: the permit is nil")
+	p, err := p.acting("Cancel")
+	if err != nil {
+		return err
 	}
 	if p.released.Swap(true) {
 		return nil
@@ -153,8 +211,9 @@ func (p *Permit) Cancel(ctx context.Context) error {
 // runs longer than policies.Concurrency.Lease: the slots stay taken for
 // lease from now. It does nothing for a quota without a Concurrency policy.
 func (p *Permit) Extend(ctx context.Context, lease time.Duration) error {
-	if p == nil || p.l == nil {
-		return errors.New("throttle: Extend: the permit is nil")
+	p, err := p.acting("Extend")
+	if err != nil {
+		return err
 	}
 	if !p.l.hasConc {
 		return nil
@@ -190,8 +249,9 @@ func (p *Permit) Extend(ctx context.Context, lease time.Duration) error {
 // Permit's methods are for the goroutine that holds it; Release and Start
 // may be called from anywhere.
 func (p *Permit) Settle(ctx context.Context, actual int) error {
-	if p == nil || p.l == nil {
-		return errors.New("throttle: Settle: the permit is nil")
+	p, err := p.acting("Settle")
+	if err != nil {
+		return err
 	}
 	if actual < 0 {
 		return fmt.Errorf("throttle: quota %q: Settle: actual cost must not be negative, got %d", p.l.name, actual)

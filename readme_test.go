@@ -99,6 +99,45 @@ func readmeKeyPool(core *throttle.Limiter, tokens []string) *throttle.Transport 
 	return tr
 }
 
+// readmeSDK stands for an SDK's client (openai-go's), which sends its
+// requests over the http.Client it was given.
+type readmeSDK struct {
+	Chat struct{ Completions readmeCompletions }
+}
+
+type readmeCompletions struct{ client *http.Client }
+
+type readmeCompletion struct {
+	Usage struct{ TotalTokens int64 }
+}
+
+// New posts a completion request, and returns the tokens it used.
+func (c readmeCompletions) New(ctx context.Context, params string) (*readmeCompletion, error) {
+	req, err := http.NewRequestWithContext(ctx, http.MethodPost, params, nil)
+	if err != nil {
+		return nil, err
+	}
+	resp, err := c.client.Do(req)
+	if err != nil {
+		return nil, err
+	}
+	resp.Body.Close()
+	out := &readmeCompletion{}
+	out.Usage.TotalTokens = 900
+	return out, nil
+}
+
+func readmeTrack(ctx context.Context, oai readmeSDK, params string) error {
+	// README track
+	ctx, call := throttle.Track(ctx)
+	completion, err := oai.Chat.Completions.New(ctx, params)
+	if err == nil {
+		err = call.Settle(ctx, int(completion.Usage.TotalTokens))
+	}
+	// README end
+	return err
+}
+
 func readmeOpenAI(ctx context.Context, rdb *redis.Client, req *http.Request) error {
 	estimateTokens := func(*http.Request) int { return 1200 }
 	var usage struct{ TotalTokens int }
@@ -298,6 +337,18 @@ func TestREADME_SnippetsRun(t *testing.T) {
 		req, _ = http.NewRequestWithContext(ctx, http.MethodPost, vendor.URL, strings.NewReader(`{"model":"m"}`))
 		if err := readmeOpenAI(ctx, rdb, req); err != nil {
 			t.Errorf("OpenAI: %v", err)
+		}
+		tracked, err := throttle.New(rdb, "readme-track", policies.SlidingLog{Limit: 100_000, Window: time.Minute})
+		if err != nil {
+			t.Fatal(err)
+		}
+		var oai readmeSDK
+		oai.Chat.Completions.client = &http.Client{Transport: &throttle.Transport{Limiter: tracked, Cost: func(*http.Request) int { return 1200 }}}
+		if err := readmeTrack(ctx, oai, vendor.URL); err != nil {
+			t.Errorf("Track: %v", err)
+		}
+		if u, err := tracked.Usage(ctx); err != nil || u.Rules[0].Used != 900 {
+			t.Errorf("Track: %+v, %v; want the call settled at 900", u, err)
 		}
 		tenants, github := readmePolicies()
 		for _, p := range []policies.Policy{tenants, github} {

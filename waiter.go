@@ -266,7 +266,7 @@ func (l *Limiter) late(r result) (time.Duration, bool) {
 // Acquire returned. The last Start before Release counts, and Release
 // notes it; after Release or Cancel, Start does nothing.
 func (p *Permit) Start() {
-	if p == nil || p.l == nil || p.released.Load() {
+	if p = p.target(); p == nil || p.l == nil || p.released.Load() {
 		return
 	}
 	p.markStart()

@@ -108,3 +108,52 @@ func TestOpenAI_FollowsAKeyAnotherConsumerSpends(t *testing.T) {
 		t.Errorf("%d calls served, want at least %d: most of what the other consumer leaves", ours, min)
 	}
 }
+
+// A call made through openai-go is settled from its typed result in one
+// line, with the permit Track gives: of the request's last try, when the
+// SDK sent it again. The fake fails the first request with a 500, which
+// openai-go retries by itself; each try was admitted at the estimate of
+// 100 tokens, the first stays counted (the vendor may have counted it),
+// the second is settled at the 11 tokens the answer says it used.
+func TestOpenAI_SettlesFromTheTypedResult(t *testing.T) {
+	t.Parallel()
+	s := redistest.Mini(t)
+	var tries int
+	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		tries++
+		w.Header().Set("Content-Type", "application/json")
+		if tries == 1 {
+			w.WriteHeader(http.StatusInternalServerError)
+			fmt.Fprint(w, `{"error":{"message":"overloaded","type":"server_error"}}`)
+			return
+		}
+		fmt.Fprint(w, `{"id":"chatcmpl-1","object":"chat.completion","created":1,"model":"gpt-4o","choices":[{"index":0,"message":{"role":"assistant","content":"hi"},"finish_reason":"stop"}],"usage":{"prompt_tokens":9,"completion_tokens":2,"total_tokens":11}}`)
+	}))
+	defer srv.Close()
+	lim, err := throttle.New(s.Client(t), "openai-settle", policies.SlidingLog{Limit: 100_000, Window: time.Minute})
+	if err != nil {
+		t.Fatal(err)
+	}
+	hc := &http.Client{Transport: &throttle.Transport{Limiter: lim, Cost: func(*http.Request) int { return 100 }}}
+	client := openai.NewClient(option.WithAPIKey("sk-test"), option.WithBaseURL(srv.URL+"/"), option.WithHTTPClient(hc),
+		option.WithRequestTimeout(5*time.Second))
+
+	ctx, call := throttle.Track(context.Background())
+	completion, err := client.Chat.Completions.New(ctx, openai.ChatCompletionNewParams{
+		Model:    "gpt-4o",
+		Messages: []openai.ChatCompletionMessageParamUnion{openai.UserMessage("hi")},
+	})
+	if err == nil {
+		err = call.Settle(ctx, int(completion.Usage.TotalTokens))
+	}
+	if err != nil {
+		t.Fatal(err)
+	}
+	u, err := lim.Usage(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if tries != 2 || u.Rules[0].Used != 100+11 {
+		t.Errorf("%d tries, %d tokens counted; want 2 tries, and 111 (the first try's estimate, the second settled)", tries, u.Rules[0].Used)
+	}
+}
