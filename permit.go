@@ -34,9 +34,11 @@ func WithPermit(ctx context.Context, p *Permit) context.Context {
 //		err = call.Settle(ctx, int(resp.Usage.TotalTokens))
 //	}
 //
-// Before a call is made, its methods fail (Settle, Cancel, Extend) or do
-// nothing. Track one call at a time with each context it returns: of calls
-// made at once, it stands for the last to leave.
+// Before a call is made, the permit's methods that tell the quota
+// something (Settle, Cancel, Extend, Refused, Heard) fail with an error
+// that says so, and the others do nothing. Track one call at a time with
+// each context it returns: of calls made at once, it stands for the last
+// to leave.
 func Track(ctx context.Context) (context.Context, *Permit) {
 	p := &Permit{tracking: true}
 	return context.WithValue(ctx, permitKey{}, p), p
