@@ -220,6 +220,7 @@ func (l *Limiter) drain(ln *lane, batch []*request) {
 // take (spare.go); with no calls, to give spares back alone. It waits for
 // Redis no longer than the Redis timeout.
 func (l *Limiter) decide(sc scope, batch []*request) {
+	movesFirst(batch)
 	give, spares, spareCost := l.spareTerms(sc, batch)
 	give = append(give, l.takeAbandoned(maxBatch)...)
 	if len(batch) == 0 && len(give) == 0 {
@@ -302,13 +303,20 @@ func (l *Limiter) batchArgs(sc scope, batch []*request, late []*result, spares, 
 	for _, r := range late {
 		args = append(args, r.member, r.cost, r.slot().Microseconds(), r.epoch, index[r.scope.id])
 	}
+	given := 0 // the place of a call's own booking among those given back
 	for _, req := range batch {
-		args = append(args, req.member, req.c.cost, req.maxWait.Microseconds(), req.c.lead.Microseconds(), index[req.sc.id])
+		moves := 0
+		if req.late != nil {
+			if given++; req.c.moves {
+				moves = given
+			}
+		}
+		args = append(args, req.member, req.c.cost, req.maxWait.Microseconds(), req.c.lead.Microseconds(), index[req.sc.id], moves)
 	}
 	members := make([]string, spares)
 	for i := range members {
 		members[i] = l.newMember()
-		args = append(args, members[i], spareCost, 0, 0, 1)
+		args = append(args, members[i], spareCost, 0, 0, 1, 0)
 	}
 	return args, members
 }

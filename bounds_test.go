@@ -68,10 +68,11 @@ func TestScript_MatchesModelOnLargeQuotas(t *testing.T) {
 	})
 }
 
-// A log booked further ahead than one call may read (512 entries)
-// settles for the time
-// after its last entries, even when a booking given back deep inside it left
-// room earlier: a slot later than need be, never an overfilled window.
+// A log booked further ahead than one call may read (512 entries; a call's
+// units at one time are stepped over at once, for about 10 of them)
+// settles for the time after its last entries, even when a booking given
+// back deep inside it left room earlier: a slot later than need be, never
+// an overfilled window.
 func TestScript_LongLogSettlesForItsTail(t *testing.T) {
 	t.Parallel() // a given clock: nothing in it depends on the machine's load
 	redistest.Each(t, func(t *testing.T, s *redistest.Server) {
@@ -79,25 +80,25 @@ func TestScript_LongLogSettlesForItsTail(t *testing.T) {
 		clock := newClock()
 		lim := newLimiter(t, s.Client(t), policies.SlidingLog{Limit: limit, Window: window, Margin: time.Nanosecond}, Options{Clock: clock.Now})
 		ctx := context.Background()
-		// Fifty windows booked ahead, far more than one call reads.
+		// A hundred windows booked ahead, more than one call reads.
 		var deep result
-		for i := range 50 {
+		for i := range 100 {
 			r, err := lim.acquire(ctx, call{cost: limit}, time.Minute, nil)
 			if err != nil || !r.admitted || r.wait != time.Duration(i)*window {
 				t.Fatalf("booking %d: %+v, %v", i, r, err)
 			}
-			if i == 30 {
+			if i == 80 {
 				deep = r
 			}
 		}
 		lim.cancel(ctx, call{cost: limit}, deep)
-		// A call that could take the hole thirty windows ahead is booked
+		// A call that could take the hole eighty windows ahead is booked
 		// after the last window instead.
 		r, err := lim.acquire(ctx, call{cost: 1}, time.Minute, nil)
 		if err != nil || !r.admitted {
 			t.Fatalf("acquire: %+v, %v", r, err)
 		}
-		if want := 50 * window; r.wait != want {
+		if want := 100 * window; r.wait != want {
 			t.Errorf("booked %v ahead, want %v (after the last booked window)", r.wait, want)
 		}
 		checkRedisWindows(t, s.Client(t), lim, []model.Rule{toModel(lim.rules[0])})

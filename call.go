@@ -37,6 +37,10 @@ type call struct {
 	// queued is when the call entered the local queue (Queue mode), or
 	// zero once it asked Redis (see failedWhileQueued).
 	queued time.Time
+	// moves says that the booking given back with the call is its own,
+	// asked to move earlier (move.go): the script keeps its slot when
+	// nothing earlier fits.
+	moves bool
 }
 
 // callOf applies a call's options to the defaults.

@@ -311,3 +311,49 @@ func (l *Limiter) handBack() (complete bool, err error) {
 	}
 	return l.local.handedBack(gen), nil
 }
+
+// moveEarlier asks Redis to move the booking r of call c to the earliest
+// slot that fits, moveGain earlier than its own at least. It returns the
+// booking the call then holds: r when it is too close to its slot to ask,
+// or Redis cannot be asked now (the breaker is open, calls are decided
+// without Redis); the moved or kept booking; or, with wokenOvertaken,
+// nothing the script could keep (r was of a lost epoch); with wokenLost,
+// nothing known (Redis failed the script call, which may or may not have
+// given r back). Only the caller's context ending is an error.
+func (l *Limiter) moveEarlier(ctx context.Context, c call, r result) (result, woken, error) {
+	in, ok := l.timing.wakeIn(r.startsAt())
+	maxWait := in - l.timing.delay() - moveGain
+	if !ok || maxWait <= 0 {
+		return r, wokenAtSlot, nil
+	}
+	pass := l.brk.allow()
+	if !pass.ok || pass.probe || l.onFallback() {
+		l.brk.abort(pass)
+		return r, wokenAtSlot, nil
+	}
+	c.moves = true
+	moved, err := l.decideInRedis(ctx, r.scope, c, maxWait, &r, false)
+	switch {
+	case err != nil && ctx.Err() != nil:
+		// The script call goes on; what it booked is given back (abandon).
+		l.brk.abort(pass)
+		return r, wokenAtSlot, ctx.Err()
+	case err != nil:
+		if errors.Is(err, ErrUnavailable) && !refusedByConfiguration(err) {
+			l.brk.failure()
+		} else {
+			l.brk.abort(pass)
+		}
+		return r, wokenLost, nil
+	}
+	l.redisAnswered()
+	switch {
+	case !moved.admitted:
+		// The script kept nothing: r was of an epoch Redis lost, and
+		// giving it back again changes nothing.
+		return r, wokenOvertaken, nil
+	case moved.stale:
+		return moved, wokenOvertaken, nil
+	}
+	return moved, wokenAtSlot, nil
+}

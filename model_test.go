@@ -39,6 +39,40 @@ func TestScript_MatchesModel(t *testing.T) {
 	})
 }
 
+// Room given back moves the calls booked after it (move.go): random
+// histories of bookings, refunds, cancels and moves, on every kind of rule
+// but the token bucket (which can take back only its latest call's units,
+// so its calls never move), decided by the script and the model alike; no
+// window ever holds more than its limit, and no moved call ends later
+// than it was.
+func TestScript_MovesMatchModel(t *testing.T) {
+	t.Parallel()
+	redistest.Each(t, func(t *testing.T, s *redistest.Server) {
+		seeds := modelSeeds(40)
+		if !s.Real {
+			seeds = modelSeeds(10)
+		}
+		var stats moveStats
+		for _, kinds := range [][]policies.Kind{
+			{policies.KindSlidingLog},
+			{policies.KindSlidingCounter},
+			{policies.KindConcurrency, policies.KindSlidingLog},
+			{policies.KindSlidingLog, policies.KindSlidingCounter, policies.KindConcurrency},
+		} {
+			for seed := range seeds {
+				rng := rand.New(rand.NewPCG(uint64(seed), 99+uint64(len(kinds))))
+				run := modelRun{name: fmt.Sprint(kinds), tc: randomPolicy(rng, kinds), steps: 200, maxCost: 3, moves: &stats}
+				checkSeed(t, s.Client(t), s.Mini, rng, run, uint64(seed))
+			}
+		}
+		// Both ways out of a move were taken, often.
+		if stats.earlier < 4*seeds || stats.kept < 4*seeds {
+			t.Fatalf("the histories moved %d calls earlier and kept %d at their slots: too few to tell", stats.earlier, stats.kept)
+		}
+		t.Logf("moved %d calls earlier, kept %d", stats.earlier, stats.kept)
+	})
+}
+
 func TestScript_MatchesModelOnCluster(t *testing.T) {
 	t.Parallel()
 	c := redistest.StartCluster(t)
@@ -171,13 +205,112 @@ func checkAgainstModel(t *testing.T, rdb redis.UniversalClient, mini *miniredis.
 	}
 }
 
+// held is a call the script admitted or booked, as a history holds it.
+type held struct {
+	c call
+	r result
+}
+
+// moveBookings gives one booking back, mostly, and moves one to four of
+// the calls booked, in one script call with some new calls, as the
+// sleeping calls of a process do when the fleet gives units back: the script and the model must take the same
+// decisions, no moved call may end later than it was, and the calls that
+// moved replace their old bookings in what it returns.
+func moveBookings(t *testing.T, rng *rand.Rand, lim *Limiter, m *model.Model, booked []held, now int64, pauses map[string]int64, stats *moveStats, where string) []held {
+	t.Helper()
+	if len(booked) > 1 && rng.IntN(4) > 0 {
+		// What sets calls moving: one gives its booking back.
+		i := rng.IntN(len(booked))
+		h := booked[i]
+		booked = append(booked[:i], booked[i+1:]...)
+		lim.cancel(context.Background(), h.c, h.r)
+		m.Cancel(h.r.member, h.c.key, h.c.cost, h.r.slot().Microseconds(), now)
+	}
+	var batch []*request
+	moving := map[*request]held{}
+	for range 1 + rng.IntN(4) {
+		if len(booked) == 0 {
+			break
+		}
+		i := rng.IntN(len(booked))
+		h := booked[i]
+		// A wait past the slot too: the process reckons it before its
+		// call waits in the lane behind another script call.
+		gain := []int64{0, 2000, -3000}[rng.IntN(3)]
+		left := h.r.slot().Microseconds() - now - gain
+		if left <= 0 || h.r.slot().Microseconds() <= now {
+			continue
+		}
+		booked = append(booked[:i], booked[i+1:]...)
+		c := h.c
+		c.moves = true
+		r := h.r
+		req := &request{sc: lim.scopeFor(c), c: c, maxWait: time.Duration(left) * time.Microsecond, member: lim.newMember(), late: &r, done: make(chan struct{})}
+		batch = append(batch, req)
+		moving[req] = h
+	}
+	for range rng.IntN(3) {
+		c := call{key: "k" + strconv.Itoa(rng.IntN(3)), hasKey: true, cost: 1}
+		batch = append(batch, &request{sc: lim.scopeFor(c), c: c, maxWait: 40 * time.Millisecond, member: lim.newMember(), done: make(chan struct{})})
+	}
+	if len(batch) == 0 {
+		return booked
+	}
+	lim.decide(batch[0].sc, batch)
+	m.Script(now)
+	for _, req := range batch { // every booking given back first, as the script does
+		if h, ok := moving[req]; ok {
+			m.Cancel(h.r.member, h.c.key, h.c.cost, h.r.slot().Microseconds(), now)
+		}
+	}
+	for _, req := range batch { // decide sorted them: moves first, by their slots
+		r, c := req.res, req.c
+		if req.err != nil {
+			t.Fatalf("%s: %v", where, req.err)
+		}
+		pause := max(pauses[""], pauses[c.key])
+		h, moved := moving[req]
+		maxWait := req.maxWait.Microseconds()
+		if moved {
+			// Only a slot before its own moves it.
+			maxWait = min(maxWait, h.r.slot().Microseconds()-now-1)
+		}
+		want := m.Acquire(now, pause, r.member, c.key, c.cost, maxWait)
+		if moved && !want.Admitted {
+			want = m.Keep(now, r.member, c.key, c.cost, h.r.slot().Microseconds())
+		}
+		got := model.Decision{Admitted: r.admitted, Wait: r.wait.Microseconds(), Remaining: r.remaining, Busy: r.reason == reasonBusy}
+		if got != want {
+			t.Fatalf("%s: moving %v, key %s cost %d maxWait %v (batch of %d): script %+v, model %+v", where, moved, c.key, c.cost, req.maxWait, len(batch), got, want)
+		}
+		if moved && r.slot() > h.r.slot() {
+			t.Fatalf("%s: a call moved from slot %d to %d, later", where, h.r.slot().Microseconds(), r.slot().Microseconds())
+		}
+		switch {
+		case moved && r.slot() < h.r.slot():
+			stats.earlier++
+		case moved:
+			stats.kept++
+		}
+		if r.admitted && r.wait > 0 {
+			booked = append(booked, held{c, r})
+		}
+	}
+	m.EndScript(now)
+	return booked
+}
+
 // modelRun is one random history checked against the model.
 type modelRun struct {
 	name    string
 	tc      modelCase
 	steps   int
 	maxCost int
+	moves   *moveStats // when not nil, some steps move bookings earlier, as room given back makes sleeping calls do
 }
+
+// moveStats counts what the moves of model histories did.
+type moveStats struct{ earlier, kept int }
 
 func checkSeed(t *testing.T, rdb redis.UniversalClient, mini *miniredis.Miniredis, rng *rand.Rand, run modelRun, seed uint64) {
 	ctx := context.Background()
@@ -205,10 +338,6 @@ func checkSeed(t *testing.T, rdb redis.UniversalClient, mini *miniredis.Miniredi
 	}
 	m := model.New(tc.rules...)
 	step := int64(20_000)
-	type held struct {
-		c call
-		r result
-	}
 	var booked, admitted []held
 	take := func(hs *[]held) held {
 		i := rng.IntN(len(*hs))
@@ -255,6 +384,8 @@ func checkSeed(t *testing.T, rdb redis.UniversalClient, mini *miniredis.Miniredi
 			if d > 0 {
 				pauses[key] = max(pauses[key], now+d.Microseconds())
 			}
+		case op >= 4 && op <= 6 && run.moves != nil && len(booked) > 0:
+			booked = moveBookings(t, rng, lim, m, booked, now, pauses, run.moves, where(i))
 		case op == 2 && len(admitted) > 0:
 			// Settle refunds only: a charge may exceed the limit on purpose.
 			h := take(&admitted)

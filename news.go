@@ -25,6 +25,7 @@ import (
 //
 //	q <epoch> <pause until> <now>    the quota's epoch and pause, after a loss or a pause
 //	k <pause key> <until> <now>      the pause of one key of a quota
+//	f <epoch> <until> <now>          units given back left room until then (move.go)
 
 // A process that cannot hear the news cannot trust its bookings: while the
 // subscription is cut, a pause or a loss may be published unheard, and a
@@ -327,5 +328,9 @@ func (l *Limiter) news(payload string) {
 		l.notePause(scope{keys: []string{l.shared[0], l.shared[0]}}, us(now), us(a))
 	case "k":
 		l.notePause(scope{keys: []string{l.shared[0], f[1]}}, us(now), us(a))
+	case "f":
+		if epoch, err := strconv.ParseInt(f[1], 10, 64); err == nil && epoch == l.epoch.Load() {
+			l.signalRoom()
+		}
 	}
 }

@@ -35,6 +35,7 @@ const (
 	offQueuedFailures mechanism = "queued_failures" // batch.go failedWhileQueued: a queued call waits its own timeout
 	offHandBack       mechanism = "hand_back"       // decide.go handBack: Redis is not told of the fallback's calls
 	offForwardSteps   mechanism = "forward_steps"   // batch.go newStep: a forward step is not told to the script
+	offMoves          mechanism = "moves"           // move.go movable: room given back moves no sleeping call
 )
 
 // luaMechanisms are the mechanisms decided in the scripts, by the names
@@ -65,7 +66,7 @@ var luaMechanisms = []mechanism{
 // goMechanisms are the mechanisms decided in Go.
 var goMechanisms = []mechanism{
 	offSleepToSlot, offGuard, offDoubt, offLeads, offSpares, offBatches, offAbandon,
-	offNews, offBreaker, offAskTimeout, offQueuedFailures, offHandBack, offForwardSteps,
+	offNews, offBreaker, offAskTimeout, offQueuedFailures, offHandBack, offForwardSteps, offMoves,
 }
 
 // switchedOff holds the mechanisms THROTTLE_OFF turns off, and offErr what

@@ -148,6 +148,7 @@ var switchBreaks = map[mechanism][]string{
 	offQueuedFailures: {"^TestQueue_ACallQueuedBehindFailuresFailsAtItsTurn$"},
 	offHandBack:       {"^TestLocal_HandsBackTheCallsThatBeganNotThoseBookedAhead$"},
 	offForwardSteps:   {"^TestClockStep_ForwardStepCountsAsALoss$"},
+	offMoves:          {"^TestMove_RefundMovesASleepingCallOfAnotherReplica$"},
 	"spread_margins":  {"^TestMargin_FollowsTheFleetsSpread$"},
 	"bucket_margin":   {"^TestGuard_TokenBucketLateReplyBooksAgain$"},
 	"holds":           {"^TestMargin_NarrowsWhileTheFleetBooksAhead$"},

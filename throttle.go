@@ -79,6 +79,9 @@ type Limiter struct {
 
 	freedMu sync.Mutex    // guards freed
 	freed   chan struct{} // closed, and replaced, when a slot frees in this process
+
+	roomMu sync.Mutex    // guards room
+	room   chan struct{} // closed, and replaced, when the fleet gave units back (move.go)
 }
 
 // compiled is what New derives from the rules: the same for every call.
@@ -92,6 +95,7 @@ type compiled struct {
 	perKey    bool          // some rule is per key
 	hasShared bool          // some rule is shared by all keys
 	hasConc   bool          // some rule is a Concurrency
+	hasBucket bool          // some rule is a TokenBucket
 	unitRules bool          // some rule counts the units calls cost
 	callRules bool          // some rule counts calls (policies.PerCall)
 	maxCost   int
@@ -140,7 +144,7 @@ func New(rdb redis.UniversalClient, name string, policy policies.Policy, opts ..
 	if err != nil {
 		return nil, err
 	}
-	l := &Limiter{rdb: rdb, name: name, s: s, id: newID(), freed: make(chan struct{}), timing: timingFor(rdb, s.clock)}
+	l := &Limiter{rdb: rdb, name: name, s: s, id: newID(), freed: make(chan struct{}), room: make(chan struct{}), timing: timingFor(rdb, s.clock)}
 	l.rules, l.brk = rules, newBreaker()
 	// The steps of Redis's clock that the process's other limiters on the
 	// server saw before this one existed are theirs to tell their quotas;
@@ -198,6 +202,7 @@ func (l *Limiter) compile() {
 		l.perKey = l.perKey || r.PerKey
 		l.hasShared = l.hasShared || !r.PerKey
 		l.hasConc = l.hasConc || r.Kind == policies.KindConcurrency
+		l.hasBucket = l.hasBucket || r.Kind == policies.KindTokenBucket
 		l.callRules = l.callRules || r.PerCall
 		l.unitRules = l.unitRules || !r.PerCall && r.Kind != policies.KindConcurrency
 		if !r.PerCall && r.Limit < l.maxCost {

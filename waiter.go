@@ -2,6 +2,7 @@ package throttle
 
 import (
 	"context"
+	"errors"
 	"math/rand/v2"
 	"time"
 )
@@ -60,12 +61,15 @@ func (l *Limiter) wait(ctx context.Context, c call) (*Permit, error) {
 		late, tooLate := l.late(r)
 		replyLate := tooLate
 		if !tooLate && r.wait > 0 {
-			overtaken, err := l.awaitSlot(ctx, c, r)
+			var how woken
+			r, how, err = l.awaitSlot(ctx, c, r)
 			if err != nil {
 				return nil, err
 			}
-			if overtaken {
+			if how == wokenOvertaken {
 				giveBack = &r
+			}
+			if how != wokenAtSlot {
 				continue
 			}
 			late, tooLate = l.late(r)
@@ -134,27 +138,44 @@ func (l *Limiter) notAdmitted(ctx context.Context, r result, maxWait, busy time.
 	return min(2*busy, busyMax), nil
 }
 
-// awaitSlot sleeps until the slot of the booked call r, and reports whether
-// its booking was overtaken meanwhile, and must be given back. It gives the
-// booking back and fails when the slot lies beyond the context's deadline,
-// or the context ends first.
-func (l *Limiter) awaitSlot(ctx context.Context, c call, r result) (overtaken bool, err error) {
-	if deadline, ok := ctx.Deadline(); ok && time.Now().Add(r.wait).After(deadline) {
-		l.cancel(ctx, c, r)
-		return false, l.limited(r.wait, "the slot lies beyond the context's deadline")
+// awaitSlot sleeps until the slot of the booked call r, moving it earlier
+// each time the fleet gives units back (move.go), and returns the booking
+// it woke with and how: at its slot, overtaken meanwhile (to be given back),
+// or lost. It gives the booking back and fails when the slot lies beyond the
+// context's deadline, or the context ends first.
+func (l *Limiter) awaitSlot(ctx context.Context, c call, r result) (result, woken, error) {
+	for {
+		if deadline, ok := ctx.Deadline(); ok && time.Now().Add(r.wait).After(deadline) {
+			l.cancel(ctx, c, r)
+			return r, wokenAtSlot, l.limited(r.wait, "the slot lies beyond the context's deadline")
+		}
+		err := l.sleepToSlot(ctx, r, l.roomFor(r))
+		if errors.Is(err, errRoom) {
+			var how woken
+			if r, how, err = l.moveEarlier(ctx, c, r); err != nil || how != wokenAtSlot {
+				return r, how, err
+			}
+			continue
+		}
+		if err != nil {
+			l.cancel(ctx, c, r)
+			return r, wokenAtSlot, err
+		}
+		// A vendor may have asked the fleet to pause while this call
+		// slept, or Redis may have lost the booking with the rest of the
+		// quota's data. Calling then would crowd the windows after the
+		// slot, so the call gives its slot back and books again.
+		if r.local {
+			if l.local != nil && !l.local.claim(r) {
+				return r, wokenOvertaken, nil
+			}
+			return r, wokenAtSlot, nil
+		}
+		if l.overtaken(r) {
+			return r, wokenOvertaken, nil
+		}
+		return r, wokenAtSlot, nil
 	}
-	if err := l.sleepToSlot(ctx, r); err != nil {
-		l.cancel(ctx, c, r)
-		return false, err
-	}
-	// A vendor may have asked the fleet to pause while this call
-	// slept, or Redis may have lost the booking with the rest of the
-	// quota's data. Calling then would crowd the windows after the
-	// slot, so the call gives its slot back and books again.
-	if r.local {
-		return l.local != nil && !l.local.claim(r), nil
-	}
-	return l.overtaken(r), nil
 }
 
 // wakeLead is how long before its slot a sleeping call looks at the
@@ -173,8 +194,9 @@ const wakeLead = 100 * time.Millisecond
 // that come while its first calls sleep, and a call that woke by them would
 // start late against what the process then knows, and book again. Without
 // a reading, or decided by the Local fallback, it sleeps the whole wait,
-// which never wakes early either.
-func (l *Limiter) sleepToSlot(ctx context.Context, r result) error {
+// which never wakes early either. It returns errRoom when room closes
+// first (see roomFor).
+func (l *Limiter) sleepToSlot(ctx context.Context, r result, room <-chan struct{}) error {
 	d := r.wait
 	if r.local {
 		if l.local == nil {
@@ -186,11 +208,11 @@ func (l *Limiter) sleepToSlot(ctx context.Context, r result) error {
 	defer l.asleep.Add(-1)
 	in, ok := l.timing.wakeIn(r.startsAt())
 	if !ok || isOff(offSleepToSlot) {
-		return sleep(ctx, d)
+		return sleepOr(ctx, d, room)
 	}
 	d = min(d, in)
 	if lead := min(d/2, wakeLead); lead > 0 {
-		if err := sleep(ctx, d-lead); err != nil {
+		if err := sleepOr(ctx, d-lead, room); err != nil {
 			return err
 		}
 		d = lead
@@ -198,7 +220,7 @@ func (l *Limiter) sleepToSlot(ctx context.Context, r result) error {
 			d = min(d, in)
 		}
 	}
-	return sleep(ctx, d)
+	return sleepOr(ctx, d, room)
 }
 
 // now decides a call that runs now or not at all (FailFast, Allow, shadow
@@ -321,12 +343,17 @@ func (l *Limiter) signalFreed() {
 	l.freedMu.Unlock()
 }
 
-func sleep(ctx context.Context, d time.Duration) error {
+func sleep(ctx context.Context, d time.Duration) error { return sleepOr(ctx, d, nil) }
+
+// sleepOr sleeps d, and returns errRoom when room closes first.
+func sleepOr(ctx context.Context, d time.Duration, room <-chan struct{}) error {
 	t := time.NewTimer(d)
 	defer t.Stop()
 	select {
 	case <-t.C:
 		return nil
+	case <-room:
+		return errRoom
 	case <-ctx.Done():
 		return ctx.Err()
 	}

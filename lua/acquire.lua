@@ -28,11 +28,14 @@
 --   for each booking to give back (a call that would start too late books
 --   again in the same script call), five arguments: its id, its cost, its
 --   slot in microseconds, the epoch it was booked in, and its scope (1..s);
---   for each call c, five arguments: its id, unique across the fleet; its
+--   for each call c, six arguments: its id, unique across the fleet; its
 --   cost, in units; the longest wait in microseconds it accepts (0 admits
 --   only now); the least, in microseconds (a call whose last slot came
 --   back from Redis too late to start in asks for one that far ahead, so
---   that the reply arrives before it); and its scope (1..s).
+--   that the reply arrives before it); its scope (1..s); and, for a call
+--   that moves its booking earlier, the booking's place among those given
+--   back (1..g), else 0: when nothing earlier fits, the call keeps its
+--   slot (see decide).
 --
 -- Returns {now, pause, epoch, lost, margin, done, seq, then for each call: admitted,
 -- wait, remaining, reason, pause}:
@@ -355,7 +358,16 @@ local function earliest_log(r, t, cost, budget)
     if b[i] - a[i] < w and t < a[i] + w then
       t = a[i] + w
     end
-    i, j = i + 1, j + 1
+    if a[i + 1] == a[i] then
+      -- The entries after it at the same time (the units of one call)
+      -- forbid no time it does not, or none before t: on to the first
+      -- entry after them, by its rank.
+      j = redis.call('ZCOUNT', r.key, '-inf', str(a[i]))
+      i, n = #a + 1, FIRST_READ
+      budget.left = budget.left - 1
+    else
+      i, j = i + 1, j + 1
+    end
     budget.left = budget.left - 1
   end
 end
@@ -591,14 +603,20 @@ local function booking_args(batch, g)
 end
 
 -- call_args reads call c (from 0) of the batch: its id, cost, the wait it
--- accepts, its lead, and its scope, with the fields read_call fills.
+-- accepts, its lead, its scope, and the booking it moves (one given back
+-- in this script, or nil), with the fields read_call fills.
 local function call_args(batch, c)
-  local a = batch.first + 5 * c
+  local a = batch.first + 6 * c
   local sc = batch.scopes[tonumber(ARGV[a + 4])]
-  return {
+  local call = {
     id = ARGV[a], cost = tonumber(ARGV[a + 1]), maxwait = tonumber(ARGV[a + 2]), lead = tonumber(ARGV[a + 3]),
     scope = sc, rs = sc.rs, pause = sc.pause, remaining = NEVER, after = NEVER, too_big = false,
+    moves = batch.given[tonumber(ARGV[a + 5])],
   }
+  if call.moves then
+    call.moves.moving = true
+  end
+  return call
 end
 
 -- read_args reads the rules and the arguments of the script's own (see
@@ -615,6 +633,8 @@ local function read_args()
     stepped = tonumber(ARGV[arg + 3]),
     at_once = false, -- some call was admitted now
     units = 0, -- the units the calls admitted and booked cost
+    given = {}, -- the bookings given back, by their place from 1
+    freed = 0, -- until when the room they left is of use to others, or 0
   }
   batch.gives = read_scopes(batch, arg + 4)
   batch.first = batch.gives + 5 * batch.ngive
@@ -703,6 +723,7 @@ local function give_back_bookings(batch)
     local b = booking_args(batch, g)
     if b.epoch == batch.meta.epoch then
       give_back(b.scope.rs, b.id, b.cost, b.slot, now)
+      batch.given[g + 1] = b
     end
   end
 end
@@ -958,8 +979,10 @@ end
 
 -- decide decides call c of the batch and appends its answer to the reply:
 -- refused, with when it would fit, or recorded in every rule of its scope
--- at its slot. It returns, instead, an error reply for a call no rule can
--- ever take.
+-- at its slot. A call that moves its booking and finds nothing earlier
+-- than its slot keeps that slot: given back and taken again, it leaves
+-- every window as it found it. It returns, instead, an error reply for a
+-- call no rule can ever take.
 local function decide(batch, c)
   local call, err = read_call(batch, c)
   if err then
@@ -967,11 +990,16 @@ local function decide(batch, c)
   end
   local t, moved = start_from(batch, call)
   t = settle(call, t, moved)
-  if call.reserved_until then
+  local refused = call.reserved_until or t == NEVER or t - now > call.maxwait
+    or call.moves and t >= call.moves.slot
+  if call.moves and refused then
+    t, refused, call.moves.kept = call.moves.slot, false, true
+  end
+  if call.reserved_until and refused then
     answer(batch, call, 0, call.reserved_until - now, call.remaining, REFUSED_SHARE)
   elseif t == NEVER then
     answer(batch, call, 0, busy_for(call.rs, call.cost), call.remaining, REFUSED_BUSY)
-  elseif t - now > call.maxwait then
+  elseif refused then
     answer(batch, call, 0, t - now, call.remaining, REFUSED_TOO_FAR)
   else
     for _, r in ipairs(call.rs) do
@@ -984,8 +1012,26 @@ local function decide(batch, c)
     else
       batch.at_once = true
     end
+    if call.moves and call.moves.kept then
+      remaining = 0
+    end
     answer(batch, call, 1, t - now, remaining, ADMITTED)
   end
+end
+
+-- announce_given tells the fleet of the room the bookings given back left
+-- (see announce_room in lib.lua), but for those of calls that moved: a
+-- move takes the room it leaves in the same script, for the calls after it,
+-- and its news would only set the fleet moving again for what the refund
+-- that moved it already told.
+local function announce_given(batch)
+  local until_ = 0
+  for _, b in pairs(batch.given) do
+    if not b.moving then
+      until_ = math.max(until_, b.slot + longest_window(b.scope.rs))
+    end
+  end
+  announce_room(batch.meta, batch.objs, until_, now)
 end
 
 -- write_back_meta writes the meta back, holding what the calls decided
@@ -1010,6 +1056,7 @@ local function write_back_meta(batch)
   if batch.found or meta.pause > batch.pause_before and meta.pause > now then
     announce_quota(meta, now)
   end
+  announce_given(batch)
 end
 
 -- write_back_rules writes what the calls recorded in every rule, and the

@@ -6,6 +6,9 @@
 -- ARGV[5]   the quota's epoch when it was booked: a booking of another epoch
 --           is gone with the data it was written in, and nothing is given back.
 --
+-- The room it leaves is told to the fleet when calls are booked ahead
+-- (announce_room in lib.lua).
+--
 -- Returns 1.
 
 local now = clock()
@@ -19,4 +22,5 @@ end
 local rs = rules()
 margins(rs, 0)
 give_back(rs, id, cost, t, now)
+announce_room(meta, rs, t + longest_window(rs), now)
 return 1

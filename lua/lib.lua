@@ -719,6 +719,35 @@ local function announce_quota(m, now)
   redis.call('PUBLISH', KEYS[1], 'q ' .. str(m.epoch) .. ' ' .. str(m.pause) .. ' ' .. str(now))
 end
 
+-- booked_ahead reports whether some log or counter of rules rs holds units
+-- booked after now: calls sleep towards slots that room given back may
+-- bring forward. A counter is not read: it says so whenever it counts.
+local function booked_ahead(rs, now)
+  for _, r in ipairs(rs) do
+    if r.kind == COUNTER then
+      return true
+    elseif r.kind == LOG then
+      local last = redis.call('ZRANGE', r.key, -1, -1, 'WITHSCORES')
+      if last[2] and tonumber(last[2]) > now then
+        return true
+      end
+    end
+  end
+  return false
+end
+
+-- announce_room tells the fleet that units given back (a refund, a booking
+-- given back) left room in windows up to until_, when calls are booked
+-- ahead of now: each process with calls sleeping towards their slots then
+-- asks, in one script call, to move them to the earliest slots that fit
+-- (see Limiter.moveEarlier in Go). Room that no window from now on holds,
+-- or that no booking waits for, is told to no one.
+local function announce_room(m, rs, until_, now)
+  if until_ > now and m and booked_ahead(rs, now) then
+    redis.call('PUBLISH', KEYS[1], 'f ' .. str(m.epoch) .. ' ' .. str(until_) .. ' ' .. str(now))
+  end
+end
+
 local function announce_key(until_, now)
   redis.call('PUBLISH', KEYS[1], 'k ' .. KEYS[2] .. ' ' .. str(until_) .. ' ' .. str(now))
 end

@@ -12,6 +12,9 @@
 --           of another epoch are gone with the data they were written in, so
 --           they are not refunded, only charged.
 --
+-- A refund is told to the fleet when calls are booked ahead (announce_room
+-- in lib.lua): their processes move them into the room it left.
+--
 -- Returns 1.
 
 local now = clock()
@@ -30,5 +33,8 @@ for _, r in ipairs(rs) do
   if r.kind ~= CONCURRENCY and not r.per_call then
     change(r, id, from, to, t, now)
   end
+end
+if to < from then
+  announce_room(meta, rs, t + longest_window(rs), now)
 end
 return 1

@@ -311,6 +311,30 @@ func (m *Model) Acquire(now, pause int64, id, key string, cost int, maxWait int6
 	if wait > maxWait {
 		return Decision{Wait: wait, Remaining: remaining}
 	}
+	m.record(now, id, key, cost, t)
+	remaining -= cost
+	if remaining < 0 || wait > 0 {
+		remaining = 0
+	}
+	if wait == 0 {
+		m.atOnce = true
+	}
+	return Decision{Admitted: true, Wait: wait, Remaining: remaining}
+}
+
+// Keep books call id again at slot, as it was before it was given back to
+// move earlier (Cancel, then an Acquire that found nothing earlier), and
+// returns the decision the script answers a kept call with.
+func (m *Model) Keep(now int64, id, key string, cost int, slot int64) Decision {
+	m.record(now, id, key, cost, slot)
+	if slot <= now {
+		m.atOnce = true
+	}
+	return Decision{Admitted: true, Wait: slot - now}
+}
+
+// record books call id of cost units for key at t, decided at now.
+func (m *Model) record(now int64, id, key string, cost int, t int64) {
 	for i, r := range m.rules {
 		name := m.name(i, key)
 		switch r.Kind {
@@ -325,14 +349,6 @@ func (m *Model) Acquire(now, pause int64, id, key string, cost int, maxWait int6
 			m.logs[name] = append(m.logs[name], entry{at: t, id: id, cost: cost})
 		}
 	}
-	remaining -= cost
-	if remaining < 0 || wait > 0 {
-		remaining = 0
-	}
-	if wait == 0 {
-		m.atOnce = true
-	}
-	return Decision{Admitted: true, Wait: wait, Remaining: remaining}
 }
 
 // Cancel gives back the booking of call id, of cost units, for key, made

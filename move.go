@@ -1,0 +1,78 @@
+package throttle
+
+import (
+	"cmp"
+	"errors"
+	"slices"
+	"time"
+)
+
+// Units given back move the calls that wait for them. A call booked ahead
+// holds its slot at the cost it was admitted with; when the fleet gives
+// units back (a Settle below the estimate, a Cancel, a booking given back
+// by a call that books again), the calls booked after them could fit
+// earlier. The script that gave units back tells the fleet on the quota's
+// channel ("f", news.go) when calls are booked ahead; each process with
+// calls sleeping towards their slots then asks, in one script call for
+// all of them (the lane batches them), to move each to the earliest slot
+// that fits, in the order of their slots. A call never moves later: the
+// script gives its booking back and searches from now, and when nothing
+// earlier fits it takes the same slot again, which leaves every window as
+// it was (see decide in lua/acquire.lua, and docs/PROTOCOL.md 3.8).
+
+// moveGain is how much earlier than its slot a call must be able to move
+// for the move to be made: a smaller gain is not worth rewriting it.
+const moveGain = 2 * time.Millisecond
+
+// errRoom ends the sleep of a call when the fleet gave units back.
+var errRoom = errors.New("throttle: units were given back")
+
+// woken says how a call sleeping towards its slot came out of its sleep.
+type woken int
+
+const (
+	wokenAtSlot    woken = iota // at its slot, booked as it was told
+	wokenOvertaken              // its booking was overtaken: give it back and book again
+	wokenLost                   // its booking may be gone: book again, giving nothing back
+)
+
+// signalRoom wakes every call of this limiter sleeping towards its slot,
+// to move earlier: the fleet gave units back.
+func (l *Limiter) signalRoom() {
+	l.roomMu.Lock()
+	close(l.room)
+	l.room = make(chan struct{})
+	l.roomMu.Unlock()
+}
+
+// roomFor returns the channel that closes when the fleet gives units back,
+// for a call booked as r, or nil when such a call does not move: decided
+// without Redis, or on a quota with a token bucket, which can take back
+// only its latest call's units.
+func (l *Limiter) roomFor(r result) <-chan struct{} {
+	if r.local || l.hasBucket || isOff(offMoves) {
+		return nil
+	}
+	l.roomMu.Lock()
+	defer l.roomMu.Unlock()
+	return l.room
+}
+
+// movesFirst puts the calls of batch that move their bookings first, in
+// the order of their slots, and the others after them in their order. In
+// that order each move finds its own slot free again: a call moved ahead
+// of it had a slot no later than its own, so any window holding both the
+// moved call and this slot held the moved call's old slot too.
+func movesFirst(batch []*request) {
+	slices.SortStableFunc(batch, func(a, b *request) int {
+		switch {
+		case a.c.moves && b.c.moves:
+			return cmp.Compare(a.late.slot(), b.late.slot())
+		case a.c.moves:
+			return -1
+		case b.c.moves:
+			return 1
+		}
+		return 0
+	})
+}

@@ -1,0 +1,98 @@
+package throttle
+
+import (
+	"context"
+	"testing"
+	"time"
+
+	"github.com/throttlekit/throttle/internal/redistest"
+	"github.com/throttlekit/throttle/policies"
+)
+
+// A refund on one replica moves the call another replica booked behind
+// the units refunded: the quota's window is 30 s, so without the move the
+// call sleeps 30 s, and the test's bound of 15 s is far from both.
+func TestMove_RefundMovesASleepingCallOfAnotherReplica(t *testing.T) {
+	redistest.Each(t, func(t *testing.T, s *redistest.Server) {
+		policy := policies.SlidingLog{Limit: 100, Window: 30 * time.Second}
+		a := newLimiter(t, s.Client(t), policy)
+		b := newLimiter(t, s.Client(t), policy)
+		ctx := context.Background()
+		first, err := a.Acquire(ctx, Cost(80)) // an estimate of 80
+		if err != nil {
+			t.Fatal(err)
+		}
+		waited := make(chan time.Duration, 1)
+		go func() {
+			start := time.Now()
+			p, err := b.Acquire(ctx, Cost(50))
+			if err != nil {
+				t.Error(err)
+				return
+			}
+			p.Release()
+			waited <- time.Since(start)
+		}()
+		waitBooked(t, a, 130)
+		if err := first.Settle(ctx, 30); err != nil { // it used 30
+			t.Fatal(err)
+		}
+		select {
+		case d := <-waited:
+			t.Logf("the booked call went after %v", d.Round(time.Millisecond))
+		case <-time.After(15 * time.Second):
+			t.Fatal("the call booked 30 s ahead still waits 15 s after the refund that made room for it")
+		}
+		if used := ruleUsed(t, a); used != 80 {
+			t.Fatalf("the window holds %d units, want 80: the refunded call's 30 and the moved call's 50", used)
+		}
+	})
+}
+
+// waitBooked waits until the first rule of lim counts units, admitted and
+// booked: a call of another goroutine has its slot.
+func waitBooked(t *testing.T, lim *Limiter, units int) {
+	t.Helper()
+	deadline := time.Now().Add(20 * time.Second)
+	for {
+		u, err := lim.Usage(context.Background())
+		if err != nil {
+			t.Fatal(err)
+		}
+		if u.Rules[0].Used+u.Rules[0].Booked >= units {
+			return
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("the quota holds %d units admitted and %d booked, want %d in all", u.Rules[0].Used, u.Rules[0].Booked, units)
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
+}
+
+// A call that moves never ends later than its slot, even when its process
+// reckoned a wait past it (its call waited in the lane behind another
+// script call) and the only room lies later: here a pause the vendor asked
+// for after the call was booked.
+func TestMove_NeverLaterThanItsSlot(t *testing.T) {
+	redistest.Each(t, func(t *testing.T, s *redistest.Server) {
+		clock := newClock()
+		lim := newLimiter(t, s.Client(t), policies.SlidingLog{Limit: 1, Window: 10 * time.Millisecond}, Options{Clock: clock.Now})
+		ctx := context.Background()
+		if _, err := lim.acquire(ctx, call{cost: 1}, 0, nil); err != nil {
+			t.Fatal(err)
+		}
+		booked, err := lim.acquire(ctx, call{cost: 1}, time.Second, nil)
+		if err != nil || !booked.admitted || booked.wait <= 0 {
+			t.Fatalf("booking: %+v, %v", booked, err)
+		}
+		if err := lim.Pause(ctx, 50*time.Millisecond); err != nil {
+			t.Fatal(err)
+		}
+		c := call{cost: 1, moves: true}
+		req := &request{sc: lim.scopeFor(c), c: c, maxWait: time.Second, member: lim.newMember(), late: &booked, done: make(chan struct{})}
+		lim.decide(req.sc, []*request{req})
+		if req.err != nil || !req.res.admitted || req.res.slot() != booked.slot() {
+			t.Fatalf("the moving call: %+v, %v; want its slot %v kept", req.res, req.err, booked.slot())
+		}
+	})
+}
