@@ -1,6 +1,7 @@
 package vendors
 
 import (
+	"context"
 	"encoding/json"
 	"fmt"
 	"io"
@@ -8,8 +9,12 @@ import (
 	"net/http"
 	"net/http/httptest"
 	"strconv"
+	"strings"
 	"sync"
+	"testing"
 	"time"
+
+	"github.com/throttlekit/throttle/internal/redistest"
 )
 
 // slidingCount is a vendor's strict count of units (requests, tokens) in
@@ -146,6 +151,23 @@ func fakeOpenAITokens(v *llmVendor) *httptest.Server {
 		fmt.Fprintf(w, `{"id":"chatcmpl-1","object":"chat.completion","created":1,"model":"gpt-4o","choices":[{"index":0,"message":{"role":"assistant","content":"hi"},"finish_reason":"stop"}],"usage":{"prompt_tokens":%d,"completion_tokens":%d,"total_tokens":%d}}`,
 			prompt, completion, prompt+completion)
 	}))
+}
+
+// scriptCalls returns how many scripts the Redis of s ran.
+func scriptCalls(t *testing.T, s *redistest.Server) int {
+	info, err := s.Client(t).Info(context.Background(), "commandstats").Result()
+	if err != nil {
+		t.Fatal(err)
+	}
+	n := 0
+	for _, line := range strings.Split(info, "\n") {
+		if strings.HasPrefix(line, "cmdstat_evalsha:") || strings.HasPrefix(line, "cmdstat_eval:") {
+			f := strings.TrimPrefix(strings.Split(line, ",")[0], strings.Split(line, ":")[0]+":calls=")
+			c, _ := strconv.Atoi(f)
+			n += c
+		}
+	}
+	return n
 }
 
 // share returns the tokens used in the windows after the first, as a

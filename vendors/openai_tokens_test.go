@@ -101,7 +101,8 @@ func TestOpenAI_TokensFleetRunsNearTheTokensCap(t *testing.T) {
 	served, refused, used, usage := v.results()
 	windows := int(run.d / run.window)
 	got := share(used, run.tokens, windows)
-	t.Logf("openai-go, tokens: %d calls served, %d refused; tokens per window %v; usage %.2f of the estimates; %.3f of the tokens cap", served, refused, used, usage, got)
+	t.Logf("openai-go, tokens: %d calls served, %d refused; tokens per window %v; usage %.2f of the estimates; %.3f of the tokens cap; %.2f script calls per call served",
+		served, refused, used, usage, got, float64(scriptCalls(t, s))/float64(served))
 	if refused != 0 {
 		t.Errorf("%d refusals, want none", refused)
 	}
