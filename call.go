@@ -1,6 +1,7 @@
 package throttle
 
 import (
+	"context"
 	"fmt"
 	"strings"
 	"time"
@@ -18,6 +19,26 @@ func Key(k string) CallOption { return func(c *call) { c.key, c.hasKey = k, true
 // Cost makes the call count as n units (a batch of n messages, n tokens).
 // The default is 1; n must be between 1 and the smallest Limit of the quota.
 func Cost(n int) CallOption { return func(c *call) { c.cost, c.hasCost = n, true } }
+
+// costKey is the context key of WithCost.
+type costKey struct{}
+
+// WithCost returns a context whose requests, sent through a Transport,
+// cost n units, on every try an SDK sends; Transport.Cost is not called. A caller of an SDK who knows the call's
+// estimate from the parameters it passes (an LLM's max_tokens and
+// prompt) sets it once, where the Transport would read and parse the
+// request's body again on each try. Combined with Track:
+//
+//	ctx, call := throttle.Track(throttle.WithCost(ctx, estimate))
+func WithCost(ctx context.Context, n int) context.Context {
+	return context.WithValue(ctx, costKey{}, n)
+}
+
+// CostFrom returns the cost WithCost put in ctx, and whether there is one.
+func CostFrom(ctx context.Context) (int, bool) {
+	n, ok := ctx.Value(costKey{}).(int)
+	return n, ok
+}
 
 // Priority orders calls in the queue of a limiter in Queue mode: higher
 // values run first, calls of equal priority in arrival order. The default is

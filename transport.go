@@ -114,7 +114,11 @@ type Transport struct {
 	// Cost gives the Cost of each request, in units of the quota (a batch
 	// endpoint, an estimate of LLM tokens). It must be at least 1 and at
 	// most the quota's smallest limit, or the request fails with the
-	// limiter's error. When nil, every request costs 1.
+	// limiter's error. When nil, every request costs 1. It is called once
+	// per try: a client that sends a request again (an SDK's retries) sends
+	// a new one. A request whose context carries a cost (WithCost) costs
+	// that, and Cost is not called: an SDK's caller who knows the call's
+	// estimate from its typed parameters sets it once for every try.
 	Cost func(*http.Request) int
 	// ResponseCost reads the actual cost of each request from its
 	// response, for a vendor that says what a call cost (a header of
@@ -500,7 +504,9 @@ func (t *transport) callOptions(req *http.Request) []CallOption {
 			opts = append(opts, Key(k))
 		}
 	}
-	if t.cost != nil {
+	if n, ok := CostFrom(req.Context()); ok {
+		opts = append(opts, Cost(n))
+	} else if t.cost != nil {
 		opts = append(opts, Cost(t.cost(req)))
 	}
 	if t.priority != nil {
