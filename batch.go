@@ -301,7 +301,7 @@ func (l *Limiter) batchArgs(sc scope, batch []*request, late []*result, spares, 
 		}
 	}
 	for _, r := range late {
-		args = append(args, r.member, r.cost, r.slot().Microseconds(), r.epoch, index[r.scope.id])
+		args = append(args, r.member, l.costArg(r.cost, r.named), r.slot().Microseconds(), r.epoch, index[r.scope.id])
 	}
 	given := 0 // the place of a call's own booking among those given back
 	for _, req := range batch {
@@ -311,7 +311,7 @@ func (l *Limiter) batchArgs(sc scope, batch []*request, late []*result, spares, 
 				moves = given
 			}
 		}
-		args = append(args, req.member, req.c.cost, req.maxWait.Microseconds(), req.c.lead.Microseconds(), index[req.sc.id], moves)
+		args = append(args, req.member, l.costArg(req.c.cost, req.c.named), req.maxWait.Microseconds(), req.c.lead.Microseconds(), index[req.sc.id], moves)
 	}
 	members := make([]string, spares)
 	for i := range members {
@@ -391,6 +391,7 @@ func (l *Limiter) finishBatch(sc scope, batch []*request, rep acquireReply, stal
 			scope:     req.sc,
 			member:    req.member,
 			cost:      req.c.cost,
+			named:     req.c.named,
 			epoch:     rep.epoch,
 			margin:    rep.margin,
 			done:      rep.done,
@@ -412,7 +413,7 @@ func (l *Limiter) finishBatch(sc scope, batch []*request, rep acquireReply, stal
 // turn, and be given back in turn.
 func (l *Limiter) abandon(r result) {
 	if isOff(offAbandon) {
-		l.cancel(context.Background(), call{cost: r.cost}, r)
+		l.cancel(context.Background(), call{cost: r.cost, named: r.named}, r)
 		return
 	}
 	l.lanesMu.Lock()

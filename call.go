@@ -2,7 +2,9 @@ package throttle
 
 import (
 	"context"
+	"errors"
 	"fmt"
+	"slices"
 	"strings"
 	"time"
 )
@@ -20,24 +22,41 @@ func Key(k string) CallOption { return func(c *call) { c.key, c.hasKey = k, true
 // The default is 1; n must be between 1 and the smallest Limit of the quota.
 func Cost(n int) CallOption { return func(c *call) { c.cost, c.hasCost = n, true } }
 
-// costKey is the context key of WithCost.
-type costKey struct{}
+// optionsKey is the context key of WithOptions.
+type optionsKey struct{}
 
-// WithCost returns a context whose requests, sent through a Transport,
-// cost n units, on every try an SDK sends; Transport.Cost is not called. A caller of an SDK who knows the call's
-// estimate from the parameters it passes (an LLM's max_tokens and
-// prompt) sets it once, where the Transport would read and parse the
-// request's body again on each try. Combined with Track:
+// WithOptions returns a context whose requests, sent through a Transport,
+// take opts, on every try an SDK sends: a Transport's request made with it
+// costs what opts say (Cost, CostIn; 1 when they say nothing), and
+// Transport.Cost is not called; opts come after the Transport's Key and
+// Priority, so they win. A caller of an SDK who knows the call's estimate
+// from the parameters it passes (an LLM's max_tokens and prompt) sets it
+// once, where the Transport would read and parse the request's body again
+// on each try. With Track, to settle the call afterwards:
 //
-//	ctx, call := throttle.Track(throttle.WithCost(ctx, estimate))
-func WithCost(ctx context.Context, n int) context.Context {
-	return context.WithValue(ctx, costKey{}, n)
+//	ctx, call := throttle.Track(throttle.WithOptions(ctx, throttle.Cost(estimate)))
+func WithOptions(ctx context.Context, opts ...CallOption) context.Context {
+	return context.WithValue(ctx, optionsKey{}, slices.Clone(opts))
 }
 
-// CostFrom returns the cost WithCost put in ctx, and whether there is one.
-func CostFrom(ctx context.Context) (int, bool) {
-	n, ok := ctx.Value(costKey{}).(int)
-	return n, ok
+// OptionsFrom returns the options WithOptions put in ctx, and whether
+// there are any.
+func OptionsFrom(ctx context.Context) ([]CallOption, bool) {
+	opts, ok := ctx.Value(optionsKey{}).([]CallOption)
+	return opts, ok
+}
+
+// CostIn makes the call cost n units of the unit name, under the rules of
+// a policies.Unit of that name; n must be between 0 and the smallest limit
+// of those rules. A call of a quota that counts named units must give the
+// cost of each; its Cost counts under the other rules.
+func CostIn(name string, n int) CallOption {
+	return func(c *call) {
+		if c.named == nil {
+			c.named = map[string]int{}
+		}
+		c.named[name] = n
+	}
 }
 
 // Priority orders calls in the queue of a limiter in Queue mode: higher
@@ -49,7 +68,8 @@ type call struct {
 	key      string
 	hasKey   bool
 	cost     int
-	hasCost  bool // Cost was given: Permit.Heard reads the vendor's tokens as the call's units
+	hasCost  bool           // Cost was given: Permit.Heard reads the vendor's tokens as the call's units
+	named    map[string]int // its costs in named units (CostIn), nil for none
 	priority int
 	// lead is how far ahead of now the call asks for its slot: a slot
 	// whose reply came back too late to start in is booked again this much
@@ -93,7 +113,42 @@ func (l *Limiter) newCall(opts []CallOption) (call, error) {
 	case l.closed.Load():
 		return c, quotaErr(l.name, ErrClosed, "limiter closed")
 	}
-	return c, nil
+	return c, l.checkNamed(c.named)
+}
+
+// checkNamed checks a call's costs in named units: each counted by the
+// quota, within the smallest limit of the rules that count it, and one
+// for each unit the quota counts.
+func (l *Limiter) checkNamed(named map[string]int) error {
+	for name, n := range named {
+		most, ok := l.unitMax[name]
+		switch {
+		case !ok:
+			return fmt.Errorf("throttle: quota %q: CostIn(%q, %d): no policy counts unit %q (its units: %s)", l.name, name, n, name, l.unitList())
+		case n < 0:
+			return fmt.Errorf("throttle: quota %q: CostIn(%q, %d): a cost must not be negative", l.name, name, n)
+		case n > most:
+			return fmt.Errorf("throttle: quota %q: CostIn(%q, %d) exceeds the limit %d of unit %q and could never run", l.name, name, n, most, name)
+		}
+	}
+	for _, name := range l.units {
+		if _, ok := named[name]; !ok {
+			return fmt.Errorf("throttle: quota %q counts unit %q (policies.Unit): the call needs CostIn(%q, n): %w", l.name, name, name, errNoUnitCost)
+		}
+	}
+	return nil
+}
+
+// errNoUnitCost is why a call that gives no cost in a unit its quota
+// counts fails; Usage, which reads the quota, needs none.
+var errNoUnitCost = errors.New("no cost given in a counted unit")
+
+// unitList names the units the quota counts, for an error.
+func (l *Limiter) unitList() string {
+	if len(l.units) == 0 {
+		return "none"
+	}
+	return strings.Join(l.units, ", ")
 }
 
 // redactKey shows the start of a key, which may be a secret (an API token).

@@ -81,7 +81,7 @@ func (l *Limiter) cancel(ctx context.Context, c call, r result) {
 		return
 	}
 	within(ctx, func() {
-		_ = l.run(context.WithoutCancel(ctx), scripts.cancel, r.scope, l.cancelArgs(r.member, c.cost, r.slot(), r.epoch)).Err()
+		_ = l.run(context.WithoutCancel(ctx), scripts.cancel, r.scope, l.cancelArgs(r.member, l.costArg(c.cost, c.named), r.slot(), r.epoch)).Err()
 	})
 }
 
@@ -347,13 +347,10 @@ func (l *Limiter) moveEarlier(ctx context.Context, c call, r result) (result, wo
 		return r, wokenLost, nil
 	}
 	l.redisAnswered()
-	switch {
-	case !moved.admitted:
+	if !moved.admitted {
 		// The script kept nothing: r was of an epoch Redis lost, and
 		// giving it back again changes nothing.
 		return r, wokenOvertaken, nil
-	case moved.stale:
-		return moved, wokenOvertaken, nil
 	}
-	return moved, wokenAtSlot, nil
+	return moved, afterMove(moved), nil
 }

@@ -124,7 +124,9 @@ func (l *Limiter) feedback(ctx context.Context, said vendorSaid, r result, opts 
 		if !l.hasShared {
 			about = r.PerKey
 		}
-		if about && r.Kind != policies.KindConcurrency {
+		// A named unit's rules: the vendor's counts speak of the call's
+		// Cost and of requests, not of them (policies.Unit).
+		if about && r.Kind != policies.KindConcurrency && r.Unit == "" {
 			keys = append(keys, sc.keys[2+i])
 			rules = append(rules, r)
 		}

@@ -124,7 +124,7 @@ func (lo *local) decideInTurn(sc scope, c call, member string, maxWait time.Dura
 	lo.sweep(now)
 	remaining := lo.remaining(sc, now)
 	for _, r := range lo.rules {
-		if unitsOf(r, c.cost) > r.Limit {
+		if unitsOf(r, c) > r.Limit {
 			return result{reason: reasonShare, remaining: remaining, local: true}
 		}
 	}
@@ -180,7 +180,7 @@ func (lo *local) busyFor(sc scope, c call, now time.Time) (time.Duration, bool) 
 		if freeAt := lo.full.Add(r.Lease); now.Before(freeAt) {
 			return freeAt.Sub(now), true
 		}
-		if lo.log(i, sc).unitsAfter(now)+unitsOf(r, c.cost) > r.Limit {
+		if lo.log(i, sc).unitsAfter(now)+unitsOf(r, c) > r.Limit {
 			return r.Lease, true
 		}
 	}
@@ -203,7 +203,7 @@ func (lo *local) slot(sc scope, c call, now time.Time) time.Time {
 	for moved := true; moved; {
 		moved = false
 		for i, r := range lo.rules {
-			if u := lo.log(i, sc).earliest(r, unitsOf(r, c.cost), t); u.After(t) {
+			if u := lo.log(i, sc).earliest(r, unitsOf(r, c), t); u.After(t) {
 				t, moved = u, true
 			}
 		}
@@ -239,7 +239,7 @@ func (lo *local) book(sc scope, c call, member string, t time.Time) {
 	lo.admits++
 	for i, r := range lo.rules {
 		lg := lo.log(i, sc)
-		cost := unitsOf(r, c.cost)
+		cost := unitsOf(r, c)
 		switch r.Kind {
 		case policies.KindTokenBucket:
 			lg.tat = maxTime(lg.tat, t).Add(time.Duration(cost) * r.Every)
@@ -462,11 +462,14 @@ func maxTime(a, b time.Time) time.Time {
 	return b
 }
 
-// unitsOf returns what a call of cost counts for under rule r: its cost, or
-// 1 under a policies.PerCall rule.
-func unitsOf(r policies.Rule, cost int) int {
-	if r.PerCall {
+// unitsOf returns what call c counts for under rule r: its cost, its cost
+// in the rule's unit (policies.Unit), or 1 under a policies.PerCall rule.
+func unitsOf(r policies.Rule, c call) int {
+	switch {
+	case r.PerCall:
 		return 1
+	case r.Unit != "":
+		return c.named[r.Unit]
 	}
-	return cost
+	return c.cost
 }

@@ -58,6 +58,19 @@ func (l *Limiter) roomFor(r result) <-chan struct{} {
 	return l.room
 }
 
+// afterMove says what a call does with the booking moved that a move gave
+// it: sleep towards it, or book again, giving it back, when it was decided
+// by a clock that had just stepped, or kept at a slot that passed while
+// the call waited for the script (behind another in the lane): it would
+// start after its slot by more than its lateness shows, which is measured
+// from the script's end.
+func afterMove(moved result) woken {
+	if moved.stale || moved.wait < 0 {
+		return wokenOvertaken
+	}
+	return wokenAtSlot
+}
+
 // movesFirst puts the calls of batch that move their bookings first, in
 // the order of their slots, and the others after them in their order. In
 // that order each move finds its own slot free again: a call moved ahead

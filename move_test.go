@@ -96,3 +96,34 @@ func TestMove_NeverLaterThanItsSlot(t *testing.T) {
 		}
 	})
 }
+
+// A call kept at a slot that passed while it waited for the script books
+// again: measured from the script's end, its lateness would not show how
+// far after its slot it starts (simulation seed 85: 28 in a window of 25).
+func TestMove_KeptAtAPassedSlotBooksAgain(t *testing.T) {
+	redistest.Each(t, func(t *testing.T, s *redistest.Server) {
+		clock := newClock()
+		lim := newLimiter(t, s.Client(t), policies.SlidingLog{Limit: 1, Window: 10 * time.Millisecond}, Options{Clock: clock.Now})
+		ctx := context.Background()
+		if _, err := lim.acquire(ctx, call{cost: 1}, 0, nil); err != nil {
+			t.Fatal(err)
+		}
+		booked, err := lim.acquire(ctx, call{cost: 1}, time.Second, nil)
+		if err != nil || !booked.admitted || booked.wait <= 0 {
+			t.Fatalf("booking: %+v, %v", booked, err)
+		}
+		clock.Add(booked.wait + time.Millisecond)
+		c := call{cost: 1, moves: true}
+		req := &request{sc: lim.scopeFor(c), c: c, maxWait: time.Second, member: lim.newMember(), late: &booked, done: make(chan struct{})}
+		lim.decide(req.sc, []*request{req})
+		if req.err != nil || !req.res.admitted || req.res.slot() != booked.slot() || req.res.wait >= 0 {
+			t.Fatalf("the moving call: %+v, %v; want its slot kept, %v ago", req.res, req.err, time.Millisecond)
+		}
+		if afterMove(req.res) != wokenOvertaken {
+			t.Fatal("a call kept at a slot already past sleeps towards it, and would start late unseen")
+		}
+		if afterMove(booked) != wokenAtSlot {
+			t.Fatal("a call kept at a slot ahead books again")
+		}
+	})
+}

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"maps"
 	"math"
 	"sync/atomic"
 	"time"
@@ -199,7 +200,7 @@ func (p *Permit) Cancel(ctx context.Context) error {
 		}
 		return nil
 	}
-	if err := p.l.run(ctx, scripts.cancel, p.r.scope, p.l.cancelArgs(p.r.member, p.call.cost, p.r.slot(), p.r.epoch)).Err(); err != nil {
+	if err := p.l.run(ctx, scripts.cancel, p.r.scope, p.l.cancelArgs(p.r.member, p.l.costArg(p.call.cost, p.call.named), p.r.slot(), p.r.epoch)).Err(); err != nil {
 		return p.l.unavailable(err)
 	}
 	if p.l.hasConc && p.held != p.call.cost {
@@ -251,22 +252,48 @@ func (p *Permit) Extend(ctx context.Context, lease time.Duration) error {
 // Permit's methods are for the goroutine that holds it; Release and Start
 // may be called from anywhere.
 func (p *Permit) Settle(ctx context.Context, actual int) error {
+	return p.SettleUnits(ctx, map[string]int{"": actual})
+}
+
+// SettleUnits settles, as Settle does, each cost the call was admitted
+// with that actual names: "" its Cost, any other name its cost in that
+// unit (CostIn, policies.Unit), in one script call. A unit actual leaves
+// out keeps the cost it had. A cost above the smallest limit of its unit
+// counts as that limit.
+//
+//	call.SettleUnits(ctx, map[string]int{"input_tokens": in, "output_tokens": out})
+func (p *Permit) SettleUnits(ctx context.Context, actual map[string]int) error {
 	p, err := p.acting("Settle")
 	if err != nil {
 		return err
 	}
-	if actual < 0 {
-		return fmt.Errorf("throttle: quota %q: Settle: actual cost must not be negative, got %d", p.l.name, actual)
+	to := p.call
+	to.named = maps.Clone(p.call.named)
+	for name, n := range actual {
+		most, ok := p.l.unitMax[name]
+		switch {
+		case name == "":
+			most, ok = p.l.maxCost, true
+		case !ok:
+			return fmt.Errorf("throttle: quota %q: Settle: no policy counts unit %q (its units: %s)", p.l.name, name, p.l.unitList())
+		}
+		if n < 0 {
+			return fmt.Errorf("throttle: quota %q: Settle: actual cost must not be negative, got %d for unit %q", p.l.name, n, name)
+		}
+		if name == "" {
+			to.cost = min(n, most)
+		} else {
+			to.named[name] = min(n, most)
+		}
 	}
-	actual = min(actual, p.l.maxCost)
-	if actual == p.call.cost || p.r.local {
+	if p.r.local || to.cost == p.call.cost && maps.Equal(to.named, p.call.named) {
 		// A call decided without Redis has nothing in Redis to settle.
 		return nil
 	}
-	args := p.l.settleArgs(p.r.member, p.call.cost, p.r.slot(), actual, p.r.epoch)
+	args := p.l.settleArgs(p.r.member, p.l.costArg(p.call.cost, p.call.named), p.r.slot(), p.l.costArg(to.cost, to.named), p.r.epoch)
 	if err := p.l.run(ctx, scripts.settle, p.r.scope, args).Err(); err != nil {
 		return p.l.unavailable(err)
 	}
-	p.call.cost = actual
+	p.call.cost, p.call.named = to.cost, to.named
 	return nil
 }

@@ -3,6 +3,8 @@ package throttle
 import (
 	"context"
 	"fmt"
+	"strconv"
+	"strings"
 	"time"
 
 	"github.com/redis/go-redis/v9"
@@ -87,10 +89,31 @@ func decodeFeedback(v []int64) (feedbackReply, error) {
 	return feedbackReply{now: us(v[0]), until: us(v[1]), charged: int(v[2]), lowered: v[3] == 1, limit: int(v[4])}, nil
 }
 
+// costArg is a call's cost as the scripts take it: its Cost, or, on a
+// quota that counts named units, its units under each rule in the rules'
+// order, comma-separated (see read_cost in lua/lib.lua).
+func (l *Limiter) costArg(cost int, named map[string]int) any {
+	if len(l.units) == 0 {
+		return cost
+	}
+	var b strings.Builder
+	for i, r := range l.rules {
+		if i > 0 {
+			b.WriteByte(',')
+		}
+		n := cost
+		if r.Unit != "" {
+			n = named[r.Unit]
+		}
+		b.WriteString(strconv.Itoa(n))
+	}
+	return b.String()
+}
+
 // args builds the arguments every script takes (see lua/lib.lua): the time,
 // the call's id, its cost, three arguments of the script's own, and then
 // each rule. The builders below name those three for each script.
-func (l *Limiter) args(id string, cost int, a, b, c int64) []any {
+func (l *Limiter) args(id string, cost, a, b, c any) []any {
 	return argsFor(l.s.clock, id, cost, a, b, c, l.rules)
 }
 
@@ -107,16 +130,16 @@ func (l *Limiter) releaseArgs(member string, held int, lease time.Duration) []an
 	return l.args(member, held, lease.Microseconds(), 0, 0)
 }
 
-// cancelArgs are cancel.lua's: the booking of member, of cost units at
+// cancelArgs are cancel.lua's: the booking of member, of cost (costArg) at
 // slot, made in epoch, given back.
-func (l *Limiter) cancelArgs(member string, cost int, slot time.Duration, epoch int64) []any {
+func (l *Limiter) cancelArgs(member string, cost any, slot time.Duration, epoch int64) []any {
 	return l.args(member, cost, slot.Microseconds(), epoch, 0)
 }
 
-// settleArgs are settle.lua's: the call member, admitted for cost units at
-// slot in epoch, counts actual units instead.
-func (l *Limiter) settleArgs(member string, cost int, slot time.Duration, actual int, epoch int64) []any {
-	return l.args(member, cost, slot.Microseconds(), int64(actual), epoch)
+// settleArgs are settle.lua's: the call member, admitted for cost at slot
+// in epoch, counts actual instead (both as costArg gives them).
+func (l *Limiter) settleArgs(member string, cost any, slot time.Duration, actual any, epoch int64) []any {
+	return l.args(member, cost, slot.Microseconds(), actual, epoch)
 }
 
 // handBackArgs start handback.lua's: the quota divided among replicas,
@@ -131,7 +154,7 @@ func (l *Limiter) usageArgs() []any {
 	return l.args("", 0, 0, 0, 0)
 }
 
-func argsFor(clock func() time.Time, id string, cost int, a, b, c int64, rules []policies.Rule) []any {
+func argsFor(clock func() time.Time, id string, cost, a, b, c any, rules []policies.Rule) []any {
 	var now int64
 	if clock != nil {
 		now = clock().UnixMicro()
@@ -179,13 +202,14 @@ type result struct {
 	pause     time.Duration // Redis time until which the scope is paused, or 0
 	scope     scope
 	member    string
-	cost      int           // the units booked
-	epoch     int64         // the quota's epoch when the call was decided
-	margin    time.Duration // the smallest guarded margin in force, 0 for none
-	stale     bool          // decided by a Redis clock that had just stepped forward
-	gaps      uint64        // the gaps in the quota's news this process knew of when it was decided (see news.go)
-	local     bool          // decided without Redis (FailOpen, Local)
-	turn      uint64        // the Local fallback's turn that decided it (see local)
+	cost      int            // the units booked
+	named     map[string]int // the call's costs in named units (CostIn)
+	epoch     int64          // the quota's epoch when the call was decided
+	margin    time.Duration  // the smallest guarded margin in force, 0 for none
+	stale     bool           // decided by a Redis clock that had just stepped forward
+	gaps      uint64         // the gaps in the quota's news this process knew of when it was decided (see news.go)
+	local     bool           // decided without Redis (FailOpen, Local)
+	turn      uint64         // the Local fallback's turn that decided it (see local)
 }
 
 // slot is the Redis time of the call's booked slot.

@@ -81,7 +81,9 @@ type pool struct {
 // mayPool reports whether the limiter's quota may take spares at all: one
 // with a Concurrency rule never does, nor one with no guarded margin, whose
 // calls have no lateness to spend.
-func (l *Limiter) mayPool() bool { return !l.hasConc && l.guardMin > 0 && !isOff(offSpares) }
+func (l *Limiter) mayPool() bool {
+	return !l.hasConc && len(l.units) == 0 && l.guardMin > 0 && !isOff(offSpares)
+}
 
 // takeSpare gives call c of scope sc a spare admission, if its pool holds a
 // usable one, and counts the call for the next pool's size either way.

@@ -99,7 +99,9 @@ type compiled struct {
 	unitRules bool          // some rule counts the units calls cost
 	callRules bool          // some rule counts calls (policies.PerCall)
 	maxCost   int
-	maxCostIs string // the limit maxCost comes from, as the user set it
+	maxCostIs string         // the limit maxCost comes from, as the user set it
+	units     []string       // the named units the rules count (policies.Unit), in their order
+	unitMax   map[string]int // the smallest limit of each named unit's rules
 }
 
 // view is what this limiter last saw of the quota in Redis, as every reply
@@ -204,11 +206,26 @@ func (l *Limiter) compile() {
 		l.hasConc = l.hasConc || r.Kind == policies.KindConcurrency
 		l.hasBucket = l.hasBucket || r.Kind == policies.KindTokenBucket
 		l.callRules = l.callRules || r.PerCall
-		l.unitRules = l.unitRules || !r.PerCall && r.Kind != policies.KindConcurrency
-		if !r.PerCall && r.Limit < l.maxCost {
+		l.unitRules = l.unitRules || !r.PerCall && r.Kind != policies.KindConcurrency && r.Unit == ""
+		if r.Unit != "" {
+			l.countUnit(r)
+		} else if !r.PerCall && r.Limit < l.maxCost {
 			l.maxCost = r.Limit
 			l.maxCostIs = limitName(r)
 		}
+	}
+}
+
+// countUnit notes that rule r counts a named unit.
+func (l *Limiter) countUnit(r policies.Rule) {
+	if l.unitMax == nil {
+		l.unitMax = map[string]int{}
+	}
+	if most, ok := l.unitMax[r.Unit]; !ok || r.Limit < most {
+		if !ok {
+			l.units = append(l.units, r.Unit)
+		}
+		l.unitMax[r.Unit] = r.Limit
 	}
 }
 

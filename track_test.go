@@ -107,16 +107,16 @@ func TestTrack_BeforeTheCallThePermitSaysNoneWasMade(t *testing.T) {
 	}
 }
 
-// A cost put in the context is every try's, and the Transport's Cost is
-// not called for it: an SDK's caller estimates once, from its parameters.
-func TestWithCost_IsEveryTrysCostAndCostIsNotCalled(t *testing.T) {
+// Options put in the context are every try's, and the Transport's Cost is
+// not called: an SDK's caller estimates once, from its parameters.
+func TestWithOptions_AreEveryTrysAndCostIsNotCalled(t *testing.T) {
 	redistest.Each(t, func(t *testing.T, s *redistest.Server) {
 		lim := newLimiter(t, s.Client(t), policies.SlidingLog{Limit: 1000, Window: time.Minute})
 		vendor := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {}))
 		defer vendor.Close()
 		called := 0
 		client := &http.Client{Transport: &Transport{Limiter: lim, Cost: func(*http.Request) int { called++; return 1 }}}
-		ctx, call := Track(WithCost(context.Background(), 70))
+		ctx, call := Track(WithOptions(context.Background(), Cost(70)))
 		for range 2 {
 			req, _ := http.NewRequestWithContext(ctx, http.MethodPost, vendor.URL, strings.NewReader("{}"))
 			resp, err := client.Do(req)
@@ -128,8 +128,8 @@ func TestWithCost_IsEveryTrysCostAndCostIsNotCalled(t *testing.T) {
 		if called != 0 || call.Cost() != 70 || ruleUsed(t, lim) != 140 {
 			t.Fatalf("Cost called %d times, the last try cost %d, the window holds %d; want 0, 70 and 140", called, call.Cost(), ruleUsed(t, lim))
 		}
-		if n, ok := CostFrom(context.Background()); ok {
-			t.Fatalf("CostFrom of a context without one: %d, true", n)
+		if _, ok := OptionsFrom(context.Background()); ok {
+			t.Fatal("OptionsFrom of a context without options says it has some")
 		}
 	})
 }

@@ -116,9 +116,10 @@ type Transport struct {
 	// most the quota's smallest limit, or the request fails with the
 	// limiter's error. When nil, every request costs 1. It is called once
 	// per try: a client that sends a request again (an SDK's retries) sends
-	// a new one. A request whose context carries a cost (WithCost) costs
-	// that, and Cost is not called: an SDK's caller who knows the call's
-	// estimate from its typed parameters sets it once for every try.
+	// a new one. A request whose context carries call options (WithOptions)
+	// costs what they say, and Cost is not called: an SDK's caller who knows
+	// the call's estimate from its typed parameters sets it once for every
+	// try.
 	Cost func(*http.Request) int
 	// ResponseCost reads the actual cost of each request from its
 	// response, for a vendor that says what a call cost (a header of
@@ -504,15 +505,14 @@ func (t *transport) callOptions(req *http.Request) []CallOption {
 			opts = append(opts, Key(k))
 		}
 	}
-	if n, ok := CostFrom(req.Context()); ok {
-		opts = append(opts, Cost(n))
-	} else if t.cost != nil {
+	given, ok := OptionsFrom(req.Context())
+	if t.cost != nil && !ok {
 		opts = append(opts, Cost(t.cost(req)))
 	}
 	if t.priority != nil {
 		opts = append(opts, Priority(t.priority(req)))
 	}
-	return opts
+	return append(opts, given...)
 }
 
 // feedback tells the limiter what the vendor's answer says (Permit.Heard),

@@ -2,6 +2,7 @@ package throttle
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"time"
 
@@ -55,7 +56,7 @@ type RuleUsage struct {
 // a dashboard can run it as often as it likes.
 func (l *Limiter) Usage(ctx context.Context, opts ...CallOption) (Usage, error) {
 	c, err := l.newCall(opts)
-	if err != nil {
+	if err != nil && !errors.Is(err, errNoUnitCost) {
 		return Usage{}, err
 	}
 	sc := l.scopeFor(c)
@@ -74,7 +75,7 @@ func (l *Limiter) Usage(ctx context.Context, opts ...CallOption) (Usage, error) 
 	spares, cost := l.heldSpares(sc)
 	for i, r := range l.rules {
 		w := v[header+perRule*i:]
-		held := spares * unitsOf(r, cost)
+		held := spares * unitsOf(r, call{cost: cost})
 		u.Rules = append(u.Rules, RuleUsage{
 			Rule:      r,
 			Used:      max(int(w[0])-held, 0),

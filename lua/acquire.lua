@@ -597,7 +597,7 @@ end
 local function booking_args(batch, g)
   local a = batch.gives + 5 * g
   return {
-    id = ARGV[a], cost = tonumber(ARGV[a + 1]), slot = tonumber(ARGV[a + 2]), epoch = tonumber(ARGV[a + 3]),
+    id = ARGV[a], cost = read_cost(ARGV[a + 1]), slot = tonumber(ARGV[a + 2]), epoch = tonumber(ARGV[a + 3]),
     scope = batch.scopes[tonumber(ARGV[a + 4])],
   }
 end
@@ -609,7 +609,7 @@ local function call_args(batch, c)
   local a = batch.first + 6 * c
   local sc = batch.scopes[tonumber(ARGV[a + 4])]
   local call = {
-    id = ARGV[a], cost = tonumber(ARGV[a + 1]), maxwait = tonumber(ARGV[a + 2]), lead = tonumber(ARGV[a + 3]),
+    id = ARGV[a], cost = read_cost(ARGV[a + 1]), maxwait = tonumber(ARGV[a + 2]), lead = tonumber(ARGV[a + 3]),
     scope = sc, rs = sc.rs, pause = sc.pause, remaining = NEVER, after = NEVER, too_big = false,
     moves = batch.given[tonumber(ARGV[a + 5])],
   }
@@ -1005,7 +1005,7 @@ local function decide(batch, c)
     for _, r in ipairs(call.rs) do
       record(r, t, call.id, units(r, call.cost))
     end
-    batch.units = batch.units + call.cost
+    batch.units = batch.units + call.cost.total
     local remaining = call.after
     if t > now then
       remaining = 0

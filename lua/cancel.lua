@@ -13,7 +13,7 @@
 
 local now = clock()
 local id = ARGV[2]
-local cost = tonumber(ARGV[3])
+local cost = read_cost(ARGV[3])
 local t = tonumber(ARGV[4])
 local meta = read_meta()
 if not meta or meta.epoch ~= tonumber(ARGV[5]) then

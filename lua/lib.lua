@@ -71,6 +71,7 @@ local function rules()
     local a = 2 + 5 * i
     local kind = tonumber(ARGV[a])
     local r = {
+      i = i,
       key = KEYS[2 + i],
       kind = kind % PER_CALL,
       per_call = kind >= PER_CALL,
@@ -94,13 +95,30 @@ local function rules()
   return rs
 end
 
--- units returns what a call of cost counts for under rule r: its cost, or
--- 1 under a rule that counts calls.
+-- read_cost reads a call's cost: one number, its units under every rule,
+-- or, on a quota whose rules count units of several names (policies.Unit),
+-- its units under each rule in the rules' order, comma-separated. total
+-- is the sum of the numbers.
+local function read_cost(s)
+  local n = tonumber(s)
+  if n then
+    return { all = n, total = n }
+  end
+  local per, total = {}, 0
+  for x in string.gmatch(s, '[^,]+') do
+    per[#per + 1] = tonumber(x)
+    total = total + per[#per]
+  end
+  return { per = per, total = total }
+end
+
+-- units returns what a call of cost (read_cost) counts for under rule r:
+-- its units there, or 1 under a rule that counts calls.
 local function units(r, cost)
-  if r.per_call and cost > 0 then
+  if r.per_call and cost.total > 0 then
     return 1
   end
-  return cost
+  return cost.per and cost.per[r.i] or cost.all
 end
 
 -- The first argument after the rules.

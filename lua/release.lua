@@ -8,7 +8,7 @@
 
 local now = clock()
 local id = ARGV[2]
-local cost = tonumber(ARGV[3])
+local cost = read_cost(ARGV[3])
 local lease = tonumber(ARGV[4])
 local held = 0
 for _, r in ipairs(rules()) do

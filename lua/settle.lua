@@ -7,7 +7,7 @@
 -- KEYS and ARGV as in lib.lua, with ARGV[3] the cost the call was admitted
 -- with, and
 -- ARGV[4]   the time of the call's slot, in microseconds;
--- ARGV[5]   the actual cost;
+-- ARGV[5]   the actual cost (both costs as read_cost in lib.lua reads them);
 -- ARGV[6]   the quota's epoch when the call was admitted: the units of a call
 --           of another epoch are gone with the data they were written in, so
 --           they are not refunded, only charged.
@@ -19,22 +19,24 @@
 
 local now = clock()
 local id = ARGV[2]
-local from = tonumber(ARGV[3])
+local from = read_cost(ARGV[3])
 local t = tonumber(ARGV[4])
-local to = tonumber(ARGV[5])
+local to = read_cost(ARGV[5])
 local meta = read_meta()
-if (not meta or meta.epoch ~= tonumber(ARGV[6])) and to < from then
-  return 1
-end
+-- Units of another epoch are gone with the data: only charged.
+local stale = not meta or meta.epoch ~= tonumber(ARGV[6])
 local rs = rules()
 margins(rs, 0)
+local refunded = false
 for _, r in ipairs(rs) do
   -- A call is one call whatever it cost: rules that count calls stay.
-  if r.kind ~= CONCURRENCY and not r.per_call then
-    change(r, id, from, to, t, now)
+  local a, b = units(r, from), units(r, to)
+  if r.kind ~= CONCURRENCY and not r.per_call and (b > a or b < a and not stale) then
+    change(r, id, a, b, t, now)
+    refunded = refunded or b < a
   end
 end
-if to < from then
+if refunded then
   announce_room(meta, rs, t + longest_window(rs), now)
 end
 return 1

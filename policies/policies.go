@@ -247,6 +247,9 @@ func (p PerCall) Validate() error {
 	if hasPerCall(p.Policy) {
 		return errors.New("policies: PerCall.Policy must not contain another PerCall")
 	}
+	if holds(p.Policy, isUnit) {
+		return errors.New("policies: PerCall.Policy must not contain a Unit: a PerCall policy counts calls")
+	}
 	if err := p.Policy.Validate(); err != nil {
 		return fmt.Errorf("policies: PerCall.Policy: %w", err)
 	}
@@ -262,30 +265,29 @@ func (p PerCall) rules(perKey bool) []Rule {
 }
 
 func hasPerCall(p Policy) bool {
-	switch p := p.(type) {
-	case PerCall:
-		return true
-	case PerKey:
-		return hasPerCall(p.Policy)
-	case all:
-		for _, q := range p {
-			if hasPerCall(q) {
-				return true
-			}
-		}
-	}
-	return false
+	return holds(p, func(q Policy) bool { _, ok := q.(PerCall); return ok })
 }
 
 func hasPerKey(p Policy) bool {
+	return holds(p, func(q Policy) bool { _, ok := q.(PerKey); return ok })
+}
+
+// holds reports whether p, or a policy it wraps at any depth, is one that
+// is reports true for.
+func holds(p Policy, is func(Policy) bool) bool {
+	if is(p) {
+		return true
+	}
 	switch p := p.(type) {
 	case PerKey:
-		return true
+		return holds(p.Policy, is)
 	case PerCall:
-		return hasPerKey(p.Policy)
+		return holds(p.Policy, is)
+	case Unit:
+		return holds(p.Policy, is)
 	case all:
 		for _, q := range p {
-			if hasPerKey(q) {
+			if holds(q, is) {
 				return true
 			}
 		}
@@ -320,6 +322,9 @@ type Rule struct {
 	// Margin is the jitter the rule absorbs between the decision in Redis
 	// and the arrival at the vendor (log, counter, token bucket).
 	Margin time.Duration
+	// Unit names what the rule counts, when not a call's Cost: a Unit
+	// policy's Name (see Unit).
+	Unit string
 }
 
 // ID names the rule by what its data means, for the Redis key that holds
@@ -329,6 +334,12 @@ type Rule struct {
 // that rule on a key of its own, where the old data cannot be misread; the
 // order of the rules in All does not matter.
 func (r Rule) ID() string {
+	if r.Unit != "" {
+		// Units of different names are different data.
+		unit := r.Unit
+		r.Unit = ""
+		return unit + ":" + r.ID()
+	}
 	if r.PerCall {
 		// Calls and units are different data.
 		r.PerCall = false

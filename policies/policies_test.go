@@ -578,3 +578,29 @@ func TestSlidingCounterBuckets(t *testing.T) {
 		}
 	}
 }
+
+func TestUnit_ValidatesItsNameAndPolicy(t *testing.T) {
+	log := SlidingLog{Limit: 10, Window: time.Minute}
+	for _, tc := range []struct {
+		p    Policy
+		want string
+	}{
+		{Unit{Name: "Output", Policy: log}, `Unit.Name must be lower-case`},
+		{Unit{Name: "output_tokens"}, "Unit.Policy is nil"},
+		{Unit{Name: "a", Policy: Concurrency{Max: 1}}, "must not contain a Concurrency"},
+		{Unit{Name: "a", Policy: PerCall{Policy: log}}, "must not contain a Unit or a PerCall"},
+		{PerCall{Policy: Unit{Name: "a", Policy: log}}, "must not contain a Unit"},
+		{Unit{Name: "a", Policy: SlidingLog{Window: time.Minute}}, `Unit "a": `},
+	} {
+		if _, err := Rules(tc.p); err == nil || !strings.Contains(err.Error(), tc.want) {
+			t.Errorf("%#v: %v, want an error saying %q", tc.p, err, tc.want)
+		}
+	}
+	rules, err := Rules(All(log, PerKey{Policy: Unit{Name: "output_tokens", Policy: log}}))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if rules[1].Unit != "output_tokens" || !rules[1].PerKey || rules[1].ID() != "output_tokens:log60000000" || rules[0].ID() != "log60000000" {
+		t.Fatalf("rules %+v, ids %q %q", rules, rules[0].ID(), rules[1].ID())
+	}
+}

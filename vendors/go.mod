@@ -5,6 +5,7 @@ go 1.26.0
 replace github.com/throttlekit/throttle => ../
 
 require (
+	github.com/anthropics/anthropic-sdk-go/v2 v2.15.0
 	github.com/google/go-github/v84 v84.0.0
 	github.com/openai/openai-go/v3 v3.96.0
 	github.com/throttlekit/throttle v0.0.0-00010101000000-000000000000
@@ -12,7 +13,6 @@ require (
 
 require (
 	github.com/alicebob/miniredis/v2 v2.40.0 // indirect
-	github.com/anthropics/anthropic-sdk-go/v2 v2.15.0 // indirect
 	github.com/bahlo/generic-list-go v0.2.0 // indirect
 	github.com/buger/jsonparser v1.1.2 // indirect
 	github.com/cenkalti/backoff/v4 v4.3.0 // indirect

@@ -182,3 +182,10 @@ func share(used []int, limit, windows int) float64 {
 	}
 	return float64(sum) / float64(limit*(windows-1))
 }
+
+// rngSource draws the fakes' usage, the same on every run.
+type rngSource struct{ r *rand.Rand }
+
+func newRNG() *rngSource { return &rngSource{rand.New(rand.NewPCG(1, 2))} }
+
+func (s *rngSource) intN(n int) int { return s.r.IntN(n) }
