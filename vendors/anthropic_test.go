@@ -44,13 +44,17 @@ func (b *bucket) refill(now time.Time) {
 // its output tokens estimated from max_tokens at arrival, and the estimate
 // adjusted to the tokens used when the request ends.
 type anthropicVendor struct {
-	mu                     sync.Mutex
+	mu                      sync.Mutex
 	requests, input, output *bucket
-	window, latency        time.Duration
-	start                  time.Time
-	served, refused        int
-	outputUsed, inputUsed  []int // per window of the run
-	rng                    *rngSource
+	window, latency         time.Duration
+	start                   time.Time
+	served, refused         int
+	outputUsed, inputUsed   []int // per window of the run
+	rng                     *rngSource
+	// strict, when set, counts the output tokens a request uses at its
+	// arrival, in a strict sliding window, instead of the output bucket:
+	// a vendor that counts what calls really use.
+	strict *slidingCount
 }
 
 func newAnthropicVendor(requests, input, output int, window, latency time.Duration) *anthropicVendor {
@@ -69,19 +73,27 @@ func (v *anthropicVendor) admit(prompt, most int) (int, bool) {
 	for _, b := range []*bucket{v.requests, v.input, v.output} {
 		b.refill(now)
 	}
-	if v.requests.level < 1 || v.input.level < float64(prompt) || v.output.level < float64(most) {
+	used := most/4 + v.rng.intN(most/2+1) // a quarter to three quarters of max_tokens
+	output := v.output.level >= float64(most)
+	if v.strict != nil {
+		output = v.strict.fits(now, used)
+	}
+	if v.requests.level < 1 || v.input.level < float64(prompt) || !output {
 		v.refused++
 		return 0, false
 	}
 	v.requests.level--
 	v.input.level -= float64(prompt)
-	v.output.level -= float64(most)
+	if v.strict != nil {
+		v.strict.add(now, used)
+	} else {
+		v.output.level -= float64(most)
+	}
 	v.served++
 	k := int(now.Sub(v.start) / v.window)
 	for len(v.outputUsed) <= k {
 		v.outputUsed, v.inputUsed = append(v.outputUsed, 0), append(v.inputUsed, 0)
 	}
-	used := most/4 + v.rng.intN(most/2+1) // a quarter to three quarters of max_tokens
 	v.outputUsed[k] += used
 	v.inputUsed[k] += prompt
 	return used, true
@@ -91,6 +103,9 @@ func (v *anthropicVendor) admit(prompt, most int) (int, bool) {
 func (v *anthropicVendor) done(most, used int) {
 	v.mu.Lock()
 	defer v.mu.Unlock()
+	if v.strict != nil {
+		return
+	}
 	v.output.refill(time.Now())
 	v.output.level = min(v.output.limit, v.output.level+float64(most-used))
 }
@@ -202,6 +217,29 @@ func TestAnthropic_OneQuotaForRequestsInputAndOutputTokens(t *testing.T) {
 	got := share(output, run.tokens, windows)
 	t.Logf("anthropic-sdk-go: %d calls served, %d refused; output tokens per window %v, input %v; %.3f of the output tokens cap; %.2f script calls per call served",
 		served, refused, output, in, got, float64(scriptCalls(t, s))/float64(served))
+	if refused != 0 {
+		t.Errorf("%d refusals, want none", refused)
+	}
+	if got < 0.9 {
+		t.Errorf("%.3f of the output tokens cap used after the first window, want at least 0.9", got)
+	}
+}
+
+// The same fleet against a vendor that counts the output tokens calls
+// really use, at their arrival, in a strict sliding window.
+func TestAnthropic_OutputTokensCountedAsUsed(t *testing.T) {
+	t.Parallel()
+	run := llmRun{requests: 60, tokens: 4000, window: 2 * time.Second, d: 10 * time.Second, replicas: 3, workers: 10}
+	const input = 6000
+	s := redistest.Real(t)
+	v := newAnthropicVendor(run.requests, input, run.tokens, run.window, 100*time.Millisecond)
+	v.strict = &slidingCount{limit: run.tokens, window: run.window}
+	srv := fakeAnthropic(v)
+	defer srv.Close()
+	anthropicFleet(t, s, "anthropic-used", srv.URL, run, input)
+	served, refused, output, _ := v.results()
+	got := share(output, run.tokens, int(run.d/run.window))
+	t.Logf("anthropic-sdk-go, output counted as used: %d calls served, %d refused; output tokens per window %v; %.3f of the output tokens cap", served, refused, output, got)
 	if refused != 0 {
 		t.Errorf("%d refusals, want none", refused)
 	}

@@ -62,6 +62,10 @@ type llmVendor struct {
 	used      []int // tokens used, per window of the run
 	estimated int   // tokens the fleet's requests asked for at most
 	usedAll   int
+	// countsEstimate makes the vendor count a request's prompt and its
+	// max_completion_tokens at arrival, never adjusted: OpenAI's count, as
+	// its guide and reports describe it.
+	countsEstimate bool
 }
 
 func newLLMVendor(requests, tokens int, window, latency time.Duration) *llmVendor {
@@ -79,18 +83,22 @@ func (v *llmVendor) admit(prompt, most int) (int, bool) {
 	defer v.mu.Unlock()
 	now := time.Now()
 	completion := most/4 + v.rng.IntN(most/2+1) // a quarter to three quarters of the most
-	if !v.requests.fits(now, 1) || !v.tokens.fits(now, prompt+completion) {
+	counted := prompt + completion
+	if v.countsEstimate {
+		counted = prompt + most
+	}
+	if !v.requests.fits(now, 1) || !v.tokens.fits(now, counted) {
 		v.refused++
 		return 0, false
 	}
 	v.requests.add(now, 1)
-	v.tokens.add(now, prompt+completion)
+	v.tokens.add(now, counted)
 	v.served++
 	k := int(now.Sub(v.start) / v.tokens.window)
 	for len(v.used) <= k {
 		v.used = append(v.used, 0)
 	}
-	v.used[k] += prompt + completion
+	v.used[k] += counted
 	v.usedAll += prompt + completion
 	v.estimated += prompt + most
 	return completion, true

@@ -16,6 +16,7 @@ import (
 	"github.com/throttlekit/throttle"
 	"github.com/throttlekit/throttle/internal/redistest"
 	"github.com/throttlekit/throttle/policies"
+	"github.com/throttlekit/throttle/tokens"
 )
 
 // openaiEstimate is a call's tokens at most: its prompt's, estimated as
@@ -54,9 +55,10 @@ type llmRun struct {
 }
 
 // openaiTokensFleet runs replicas × workers openai-go clients through
-// throttle's transport, each call admitted at its estimate and settled
-// from its typed result, against the fake at baseURL.
-func openaiTokensFleet(t *testing.T, s *redistest.Server, name, baseURL string, run llmRun) {
+// throttle's transport, each call admitted at its estimate (the package
+// tokens' of its body, or, with settle, openaiEstimate's) and, with
+// settle, settled from its typed result, against the fake at baseURL.
+func openaiTokensFleet(t *testing.T, s *redistest.Server, name, baseURL string, run llmRun, settle bool) {
 	policy := policies.All(
 		policies.PerCall{Policy: policies.SlidingLog{Limit: run.requests, Window: run.window}},
 		policies.SlidingLog{Limit: run.tokens, Window: run.window},
@@ -67,7 +69,11 @@ func openaiTokensFleet(t *testing.T, s *redistest.Server, name, baseURL string, 
 		if err != nil {
 			t.Fatal(err)
 		}
-		hc := &http.Client{Transport: &throttle.Transport{Limiter: lim, Cost: openaiEstimate}}
+		cost := tokens.Cost(tokens.OpenAIChat, tokens.Estimate.Total, run.tokens)
+		if settle {
+			cost = openaiEstimate
+		}
+		hc := &http.Client{Transport: &throttle.Transport{Limiter: lim, Cost: cost}}
 		clients[i] = openai.NewClient(option.WithAPIKey("sk-test"), option.WithBaseURL(baseURL+"/"), option.WithHTTPClient(hc))
 	}
 	prompt := strings.Repeat("tell me more ", 31) // 100 tokens as the fake counts
@@ -78,7 +84,7 @@ func openaiTokensFleet(t *testing.T, s *redistest.Server, name, baseURL string, 
 			Messages:            []openai.ChatCompletionMessageParamUnion{openai.UserMessage(prompt)},
 			MaxCompletionTokens: openai.Int(200),
 		})
-		if err == nil {
+		if err == nil && settle {
 			err = call.Settle(ctx, int(completion.Usage.TotalTokens))
 		}
 		if err != nil {
@@ -97,7 +103,7 @@ func TestOpenAI_TokensFleetRunsNearTheTokensCap(t *testing.T) {
 	v := newLLMVendor(run.requests, run.tokens, run.window, 100*time.Millisecond)
 	srv := fakeOpenAITokens(v)
 	defer srv.Close()
-	openaiTokensFleet(t, s, "openai-tokens", srv.URL, run)
+	openaiTokensFleet(t, s, "openai-tokens", srv.URL, run, true)
 	served, refused, used, usage := v.results()
 	windows := int(run.d / run.window)
 	got := share(used, run.tokens, windows)
@@ -108,5 +114,30 @@ func TestOpenAI_TokensFleetRunsNearTheTokensCap(t *testing.T) {
 	}
 	if got < 0.9 {
 		t.Errorf("%.3f of the tokens cap used after the first window, want at least 0.9", got)
+	}
+}
+
+// Against a vendor that counts each request's estimate at arrival and
+// never adjusts it, as OpenAI's guide says it counts, the fleet charges
+// the same estimate (the package tokens' of the body) and does not settle:
+// no refusal, and near the cap as the vendor counts it.
+func TestOpenAI_ChargesTheEstimateTheVendorCounts(t *testing.T) {
+	t.Parallel()
+	run := llmRun{requests: 60, tokens: 6000, window: 2 * time.Second, d: 10 * time.Second, replicas: 3, workers: 10}
+	s := redistest.Real(t)
+	v := newLLMVendor(run.requests, run.tokens, run.window, 100*time.Millisecond)
+	v.countsEstimate = true
+	srv := fakeOpenAITokens(v)
+	defer srv.Close()
+	openaiTokensFleet(t, s, "openai-estimates", srv.URL, run, false)
+	served, refused, counted, _ := v.results()
+	windows := int(run.d / run.window)
+	got := share(counted, run.tokens, windows)
+	t.Logf("openai-go, estimates counted: %d calls served, %d refused; tokens counted per window %v; %.3f of the tokens cap as the vendor counts it", served, refused, counted, got)
+	if refused != 0 {
+		t.Errorf("%d refusals, want none", refused)
+	}
+	if got < 0.9 {
+		t.Errorf("%.3f of the tokens cap, as the vendor counts it, used after the first window; want at least 0.9", got)
 	}
 }
