@@ -142,7 +142,7 @@ func readmeOpenAI(ctx context.Context, rdb *redis.Client, req *http.Request) err
 	estimateTokens := func(*http.Request) int { return 1200 }
 	var usage struct{ TotalTokens int }
 	usage.TotalTokens = 900
-	// README openai
+	// README raw
 	lim, _ := throttle.New(rdb, "openai", policies.All(
 		policies.PerCall{Policy: policies.SlidingLog{Limit: 500, Window: time.Minute}},
 		policies.SlidingCounter{Limit: 200_000, Window: time.Minute},
@@ -211,11 +211,20 @@ func readmeLLM(ctx context.Context, rdb *redis.Client) (*Reply, error) {
 
 // readmeRegions returns this file's README regions by name, each dedented
 // by the one tab of a function body, the regions of one name joined.
+// readmeRegionFiles hold the regions: this file, and, for the snippets
+// that call the vendors' SDKs, the vendors module's tests, which compile
+// and run them (the SDKs are no dependency of this module).
+var readmeRegionFiles = []string{"readme_test.go", "vendors/readme_openai_test.go", "vendors/readme_anthropic_test.go"}
+
 func readmeRegions(t *testing.T) map[string]string {
 	t.Helper()
-	src, err := os.ReadFile("readme_test.go")
-	if err != nil {
-		t.Fatal(err)
+	var src []byte
+	for _, f := range readmeRegionFiles {
+		b, err := os.ReadFile(f)
+		if err != nil {
+			t.Fatal(err)
+		}
+		src = append(src, b...)
 	}
 	regions := map[string]string{}
 	name := ""
@@ -292,8 +301,8 @@ func TestREADME_SnippetsAreThese(t *testing.T) {
 			t.Errorf("readme_test.go's region %q is not in the README as it is here:\n%s", name, regions[name])
 		}
 	}
-	if len(regions) < 7 {
-		t.Errorf("%d README regions, want the 7 snippets", len(regions))
+	if len(regions) < 9 {
+		t.Errorf("%d README regions, want the 9 snippets", len(regions))
 	}
 }
 
