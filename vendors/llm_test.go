@@ -58,7 +58,7 @@ type llmVendor struct {
 	rng       *rand.Rand
 	latency   time.Duration
 	served    int
-	refused   int
+	refused   int   // after the first window; a first window's refusals are the vendor's burst, not the fleet's pace
 	used      []int // tokens used, per window of the run
 	estimated int   // tokens the fleet's requests asked for at most
 	usedAll   int
@@ -88,7 +88,9 @@ func (v *llmVendor) admit(prompt, most int) (int, bool) {
 		counted = prompt + most
 	}
 	if !v.requests.fits(now, 1) || !v.tokens.fits(now, counted) {
-		v.refused++
+		if now.Sub(v.start) >= v.tokens.window {
+			v.refused++
+		}
 		return 0, false
 	}
 	v.requests.add(now, 1)

@@ -97,7 +97,8 @@ func openaiTokensFleet(t *testing.T, s *redistest.Server, name, baseURL string, 
 // cap: the units each call's settle gives back move the calls booked
 // behind them.
 func TestOpenAI_TokensFleetRunsNearTheTokensCap(t *testing.T) {
-	t.Parallel()
+	// Not in parallel: a fleet that shares the machine with others starts
+	// its calls later than the margin covers.
 	run := llmRun{requests: 60, tokens: 6000, window: 2 * time.Second, d: 10 * time.Second, replicas: 3, workers: 10}
 	s := redistest.Real(t)
 	v := newLLMVendor(run.requests, run.tokens, run.window, 100*time.Millisecond)
@@ -107,10 +108,10 @@ func TestOpenAI_TokensFleetRunsNearTheTokensCap(t *testing.T) {
 	served, refused, used, usage := v.results()
 	windows := int(run.d / run.window)
 	got := share(used, run.tokens, windows)
-	t.Logf("openai-go, tokens: %d calls served, %d refused; tokens per window %v; usage %.2f of the estimates; %.3f of the tokens cap; %.2f script calls per call served",
+	t.Logf("openai-go, tokens: %d calls served, %d refused after the first window; tokens per window %v; usage %.2f of the estimates; %.3f of the tokens cap; %.2f script calls per call served",
 		served, refused, used, usage, got, float64(scriptCalls(t, s))/float64(served))
 	if refused != 0 {
-		t.Errorf("%d refusals, want none", refused)
+		t.Errorf("%d refusals after the first window, want none", refused)
 	}
 	if got < 0.9 {
 		t.Errorf("%.3f of the tokens cap used after the first window, want at least 0.9", got)
@@ -122,7 +123,8 @@ func TestOpenAI_TokensFleetRunsNearTheTokensCap(t *testing.T) {
 // the same estimate (the package tokens' of the body) and does not settle:
 // no refusal, and near the cap as the vendor counts it.
 func TestOpenAI_ChargesTheEstimateTheVendorCounts(t *testing.T) {
-	t.Parallel()
+	// Not in parallel: a fleet that shares the machine with others starts
+	// its calls later than the margin covers.
 	run := llmRun{requests: 60, tokens: 6000, window: 2 * time.Second, d: 10 * time.Second, replicas: 3, workers: 10}
 	s := redistest.Real(t)
 	v := newLLMVendor(run.requests, run.tokens, run.window, 100*time.Millisecond)
@@ -133,9 +135,9 @@ func TestOpenAI_ChargesTheEstimateTheVendorCounts(t *testing.T) {
 	served, refused, counted, _ := v.results()
 	windows := int(run.d / run.window)
 	got := share(counted, run.tokens, windows)
-	t.Logf("openai-go, estimates counted: %d calls served, %d refused; tokens counted per window %v; %.3f of the tokens cap as the vendor counts it", served, refused, counted, got)
+	t.Logf("openai-go, estimates counted: %d calls served, %d refused after the first window; tokens counted per window %v; %.3f of the tokens cap as the vendor counts it", served, refused, counted, got)
 	if refused != 0 {
-		t.Errorf("%d refusals, want none", refused)
+		t.Errorf("%d refusals after the first window, want none", refused)
 	}
 	if got < 0.9 {
 		t.Errorf("%.3f of the tokens cap, as the vendor counts it, used after the first window; want at least 0.9", got)
