@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"math/rand/v2"
 	"net/http"
+	"strconv"
 	"time"
 
 	"github.com/throttlekit/throttle/policies"
@@ -87,6 +88,7 @@ func (l *Limiter) setRemaining(ctx context.Context, remaining int, reset time.Du
 type vendorSaid struct {
 	pause        time.Duration
 	units, calls vendorCount
+	named        map[string]vendorCount // of the named units (policies.Unit), by name
 	learn        bool
 }
 
@@ -119,16 +121,25 @@ func (l *Limiter) feedback(ctx context.Context, said vendorSaid, r result, opts 
 	// key's own when there are none.
 	keys := sc.keys[:2:2]
 	var rules []policies.Rule
+	var named []any // per named unit's rule: its place among rules, and its count
 	for i, r := range l.rules {
 		about := !r.PerKey
 		if !l.hasShared {
 			about = r.PerKey
 		}
-		// A named unit's rules: the vendor's counts speak of the call's
-		// Cost and of requests, not of them (policies.Unit).
-		if about && r.Kind != policies.KindConcurrency && r.Unit == "" {
+		// A named unit's rules hear their own unit's count alone, and
+		// learn no cap from a refusal, which does not say which of the
+		// vendor's counts it is about (policies.Unit).
+		c, counted := said.named[r.Unit]
+		if r.Unit != "" && (!counted || said.learn) {
+			about = false
+		}
+		if about && r.Kind != policies.KindConcurrency {
 			keys = append(keys, sc.keys[2+i])
 			rules = append(rules, r)
+			if r.Unit != "" {
+				named = append(named, len(rules), max(c.left, -1), c.reset.Microseconds())
+			}
 		}
 	}
 	args := argsFor(l.s.clock, l.newMember(), int(asOf.Microseconds()), pause.Microseconds(),
@@ -138,7 +149,8 @@ func (l *Limiter) feedback(ctx context.Context, said vendorSaid, r result, opts 
 		learnArg = 1
 	}
 	args = append(args, l.epoch.Load(), learnArg, max(said.units.limit, 0),
-		max(said.calls.left, -1), said.calls.reset.Microseconds(), max(said.calls.limit, 0))
+		max(said.calls.left, -1), said.calls.reset.Microseconds(), max(said.calls.limit, 0), len(named)/3)
+	args = append(args, named...)
 	v, err := scripts.feedback.Run(ctx, l.rdb, keys, args...).Int64Slice()
 	if err != nil {
 		return l.unavailable(err)
@@ -205,6 +217,12 @@ type Answer struct {
 	// quota with policies.PerCall rules, a Cost with no Tokens tells
 	// nothing of the units, and Requests counts the calls alone).
 	Tokens *Count
+	// Units are its counts of named units, by the names of the quota's
+	// policies.Unit (Anthropic's input and output tokens, which Transport
+	// reads as "input_tokens" and "output_tokens"): each reaches the rules
+	// that count its unit, which no other count reaches. A name the quota
+	// does not count is ignored.
+	Units map[string]*Count
 	// Shared reports a refusal about a resource the quota shares with
 	// others (Discord's X-RateLimit-Scope: shared): the fleet pauses, but
 	// learns no cap from it.
@@ -294,6 +312,11 @@ func (a Answer) check() error {
 	if err := errors.Join(a.Requests.check("Answer.Requests"), a.Tokens.check("Answer.Tokens")); err != nil {
 		return err
 	}
+	for name, c := range a.Units {
+		if err := c.check("Answer.Units[" + strconv.Quote(name) + "]"); err != nil {
+			return err
+		}
+	}
 	if a.RetryAfter < 0 || a.DefaultPause < 0 {
 		return fmt.Errorf("Answer.RetryAfter and Answer.DefaultPause must not be negative, got %v and %v",
 			a.RetryAfter, a.DefaultPause)
@@ -328,6 +351,14 @@ func (p *Permit) counts(a Answer, requests, tokens vendorCount) vendorSaid {
 	}
 	if p.l.callRules {
 		said.calls = requests
+	}
+	for name, c := range a.Units {
+		if _, ok := p.l.unitMax[name]; ok && c != nil {
+			if said.named == nil {
+				said.named = map[string]vendorCount{}
+			}
+			said.named[name] = c.count()
+		}
 	}
 	return said
 }
@@ -398,6 +429,11 @@ func (p *Permit) tell(ctx context.Context, said vendorSaid, pause time.Duration,
 		return l.feedback(ctx, said, p.r, p.opts())
 	case pause > 0:
 		return l.Pause(ctx, pause, p.opts()...)
+	case len(said.named) > 0:
+		// Counts of named units: the quota keeps no belief of their
+		// remaining to save the call by.
+		said.units.limit, said.calls.limit = 0, 0
+		return l.feedback(ctx, said, p.r, p.opts())
 	case (said.units.left >= 0 || said.calls.left >= 0) && countsCalls(l) &&
 		(l.hasConc || l.callRules || said.units.left < p.r.remaining):
 		// The count only ever believes fewer are left after it admitted

@@ -39,6 +39,10 @@ type vendorLimits struct {
 	tokens      int
 	tokensReset time.Duration
 	hasTokens   bool
+	// units are the vendor's counts of named kinds of tokens (Anthropic's
+	// input and output tokens), by the names a policies.Unit gives them:
+	// "input_tokens", "output_tokens".
+	units map[string]Count
 	// noRetry reports a vendor that said the call must not be sent again
 	// (Stripe-Should-Retry: false).
 	noRetry bool
@@ -161,10 +165,17 @@ func parseTwoKinds(h http.Header, v *vendorLimits, now time.Time) {
 		if t, err := time.Parse(time.RFC3339, strings.TrimSpace(h.Get(prefix+"Reset"))); err == nil {
 			reset = untilCeil(t, now)
 		}
-		if kind == "requests" {
-			limit, _ := parseRemaining(h.Values(prefix + "Limit"))
+		limit, _ := parseRemaining(h.Values(prefix + "Limit"))
+		switch kind {
+		case "requests":
 			v.note(remaining, reset, limit)
-		} else {
+		case "input-tokens", "output-tokens":
+			if v.units == nil {
+				v.units = map[string]Count{}
+			}
+			v.units[strings.ReplaceAll(kind, "-", "_")] = Count{Remaining: remaining, Reset: reset, Limit: limit}
+			fallthrough
+		default:
 			v.noteTokens(remaining, reset)
 		}
 	}

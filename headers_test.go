@@ -2,6 +2,7 @@ package throttle
 
 import (
 	"net/http"
+	"reflect"
 	"strconv"
 	"testing"
 	"time"
@@ -129,7 +130,7 @@ func TestHeader_VendorLimits(t *testing.T) {
 					hdr.Add(k, v)
 				}
 			}
-			if got := parseVendorLimits(hdr, headerNow); got != tt.want {
+			if got := parseVendorLimits(hdr, headerNow); !reflect.DeepEqual(got, tt.want) {
 				t.Errorf("parseVendorLimits(%v) = %+v, want %+v", hdr, got, tt.want)
 			}
 		})

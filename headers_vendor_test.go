@@ -5,6 +5,7 @@ import (
 	"encoding/json"
 	"net/http"
 	"net/http/httptest"
+	"reflect"
 	"strconv"
 	"sync/atomic"
 	"testing"
@@ -78,7 +79,11 @@ func TestHeader_Vendors(t *testing.T) {
 			"anthropic-ratelimit-output-tokens-limit", "8000",
 			"anthropic-ratelimit-output-tokens-remaining", "7500",
 			"anthropic-ratelimit-output-tokens-reset", rfc3339(3*time.Second),
-		), vendorLimits{remaining: 49, reset: 2 * time.Second, limit: 50, tokens: 7500, tokensReset: 3 * time.Second, hasTokens: true}},
+		), vendorLimits{remaining: 49, reset: 2 * time.Second, limit: 50, tokens: 7500, tokensReset: 3 * time.Second, hasTokens: true,
+			units: map[string]Count{
+				"input_tokens":  {Remaining: 39500, Reset: time.Second, Limit: 40000},
+				"output_tokens": {Remaining: 7500, Reset: 3 * time.Second, Limit: 8000},
+			}}},
 		{"Anthropic, a 429", h(
 			"retry-after", "12",
 			"anthropic-ratelimit-requests-limit", "50",
@@ -144,7 +149,7 @@ func TestHeader_Vendors(t *testing.T) {
 					hdr.Add(k, v)
 				}
 			}
-			if got := parseVendorLimits(hdr, headerNow); got != tt.want {
+			if got := parseVendorLimits(hdr, headerNow); !reflect.DeepEqual(got, tt.want) {
 				t.Errorf("parseVendorLimits(%v)\n got  %+v\n want %+v", hdr, got, tt.want)
 			}
 		})

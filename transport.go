@@ -536,6 +536,12 @@ func (t *transport) feedback(ctx context.Context, p *Permit, status int, v vendo
 	if v.hasTokens {
 		a.Tokens = &Count{Remaining: v.tokens, Reset: v.tokensReset}
 	}
+	for name, c := range v.units {
+		if a.Units == nil {
+			a.Units = map[string]*Count{}
+		}
+		a.Units[name] = &c
+	}
 	quiet, refused, _ = p.Heard(ctx, a)
 	return quiet, refused
 }

@@ -3,6 +3,8 @@ package throttle
 import (
 	"context"
 	"errors"
+	"net/http"
+	"net/http/httptest"
 	"strings"
 	"testing"
 	"time"
@@ -123,6 +125,36 @@ func TestUnits_CancelGivesEachUnitBack(t *testing.T) {
 			if b := u.Rules[i].Booked; b != want {
 				t.Fatalf("rule %d holds %d booked after the cancel, want none", i, b)
 			}
+		}
+	})
+}
+
+// The transport routes Anthropic's counts of input and output tokens to
+// the rules that count those units, each its own: the vendor says 5
+// output tokens are left, and the output rule is charged up to that; the
+// input rule, whose count says nothing new, keeps its own.
+func TestUnits_EachFollowsItsOwnVendorCount(t *testing.T) {
+	redistest.Each(t, func(t *testing.T, s *redistest.Server) {
+		lim := newLimiter(t, s.Client(t), anthropicLike)
+		vendor := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+			h := w.Header()
+			h.Set("anthropic-ratelimit-input-tokens-limit", "100")
+			h.Set("anthropic-ratelimit-input-tokens-remaining", "90")
+			h.Set("anthropic-ratelimit-output-tokens-limit", "50")
+			h.Set("anthropic-ratelimit-output-tokens-remaining", "5")
+			h.Set("anthropic-ratelimit-output-tokens-reset", time.Now().Add(time.Minute).UTC().Format(time.RFC3339))
+		}))
+		defer vendor.Close()
+		client := &http.Client{Transport: &Transport{Limiter: lim}}
+		ctx := WithOptions(context.Background(), CostIn("input_tokens", 10), CostIn("output_tokens", 10))
+		req, _ := http.NewRequestWithContext(ctx, http.MethodPost, vendor.URL, nil)
+		resp, err := client.Do(req)
+		if err != nil {
+			t.Fatal(err)
+		}
+		resp.Body.Close()
+		if got := usedOf(t, lim); got[0] != 1 || got[1] != 10 || got[2] != 45 {
+			t.Fatalf("used %v, want [1 10 45]: the output rule charged up to the 5 the vendor says are left, the input rule as it was", got)
 		}
 	})
 }

@@ -18,7 +18,10 @@
 -- three of the vendor's counts of requests, for the rules that count calls
 -- (see units in lib.lua): the requests left (or -1), microseconds until
 -- their reset (or 0), the limit stated (or 0). ARGV[5], ARGV[6] and the
--- limit before speak of the other rules.
+-- limit before speak of the other rules, but for those that count a named
+-- unit (policies.Unit): then their number, n, and for each its place among
+-- the rules (from 1), the units of it left (or -1) and microseconds until
+-- their reset (or 0): each such rule follows its own count alone.
 --
 -- When the vendor has fewer units left than a rule believes (another consumer
 -- of the same API key, a restart), the rule is charged the difference, under
@@ -43,6 +46,12 @@ local arg = {
   calls_left = tonumber(ARGV[a + 3]), calls_reset = tonumber(ARGV[a + 4]), calls_limit = tonumber(ARGV[a + 5]),
 }
 local id, pause, left, reset = arg.id, arg.pause, arg.left, arg.reset
+-- The counts of the rules that count a named unit, by their place.
+local own = {}
+for k = 0, tonumber(ARGV[a + 6] or '0') - 1 do
+  local b = a + 7 + 3 * k
+  own[tonumber(ARGV[b])] = { left = tonumber(ARGV[b + 1]), reset = tonumber(ARGV[b + 2]) }
+end
 local as_of = arg.as_of
 if as_of <= 0 or as_of > now then
   as_of = now
@@ -106,10 +115,12 @@ end
 
 local charged = 0
 local calls_left, calls_reset = arg.calls_left, arg.calls_reset
-for _, r in ipairs(rs) do
+for i, r in ipairs(rs) do
   local left, reset = left, reset
   if r.per_call then
     left, reset = calls_left, calls_reset
+  elseif own[i] then
+    left, reset = own[i].left, own[i].reset
   end
   if left >= 0 then
     local free
