@@ -36,13 +36,39 @@ const (
 	wokenLost                   // its booking may be gone: book again, giving nothing back
 )
 
+// roomEvery is how often at most the calls of a limiter move: the news of
+// units given back within it sets them moving once, at its end. A fleet
+// whose calls settle at a high rate costs each process at most one or two
+// script calls per roomEvery, however many refunds it hears.
+const roomEvery = 20 * time.Millisecond
+
 // signalRoom wakes every call of this limiter sleeping towards its slot,
-// to move earlier: the fleet gave units back.
+// to move earlier: the fleet gave units back. Within roomEvery of the last
+// time it did, it does so once that time is out.
 func (l *Limiter) signalRoom() {
 	l.roomMu.Lock()
+	defer l.roomMu.Unlock()
+	if l.roomDue {
+		return
+	}
+	if wait := time.Until(l.roomLast.Add(roomEvery)); wait > 0 {
+		l.roomDue = true
+		time.AfterFunc(wait, func() {
+			l.roomMu.Lock()
+			defer l.roomMu.Unlock()
+			l.roomDue = false
+			l.openRoom()
+		})
+		return
+	}
+	l.openRoom()
+}
+
+// openRoom wakes the calls waiting on room; roomMu is held.
+func (l *Limiter) openRoom() {
 	close(l.room)
 	l.room = make(chan struct{})
-	l.roomMu.Unlock()
+	l.roomLast = time.Now()
 }
 
 // roomFor returns the channel that closes when the fleet gives units back,

@@ -3,6 +3,7 @@ package throttle
 import (
 	"context"
 	"testing"
+	"testing/synctest"
 	"time"
 
 	"github.com/throttlekit/throttle/internal/redistest"
@@ -124,6 +125,40 @@ func TestMove_KeptAtAPassedSlotBooksAgain(t *testing.T) {
 		}
 		if afterMove(booked) != wokenAtSlot {
 			t.Fatal("a call kept at a slot ahead books again")
+		}
+	})
+}
+
+// The news of many refunds within roomEvery sets the sleeping calls of a
+// process moving twice at most: at once, and once when roomEvery is out.
+func TestMove_RefundsHeardTogetherMoveOnce(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		l := &Limiter{room: make(chan struct{})}
+		closed := func(ch <-chan struct{}) bool {
+			select {
+			case <-ch:
+				return true
+			default:
+				return false
+			}
+		}
+		first := l.roomFor(result{})
+		l.signalRoom()
+		if !closed(first) {
+			t.Fatal("the first refund's news moved no call")
+		}
+		second := l.roomFor(result{})
+		for range 50 {
+			l.signalRoom()
+		}
+		if closed(second) {
+			t.Fatal("the calls moved again at once")
+		}
+		time.Sleep(roomEvery)
+		synctest.Wait()
+		third := l.roomFor(result{})
+		if !closed(second) || closed(third) {
+			t.Fatalf("after roomEvery: the refunds heard meanwhile moved the calls %v, and again %v; want once", closed(second), closed(third))
 		}
 	})
 }

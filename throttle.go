@@ -80,8 +80,10 @@ type Limiter struct {
 	freedMu sync.Mutex    // guards freed
 	freed   chan struct{} // closed, and replaced, when a slot frees in this process
 
-	roomMu sync.Mutex    // guards room
-	room   chan struct{} // closed, and replaced, when the fleet gave units back (move.go)
+	roomMu   sync.Mutex    // guards room, roomLast and roomDue
+	room     chan struct{} // closed, and replaced, when the fleet gave units back (move.go)
+	roomLast time.Time     // when room was last closed
+	roomDue  bool          // a close is due at roomLast + roomEvery
 }
 
 // compiled is what New derives from the rules: the same for every call.
