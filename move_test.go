@@ -23,24 +23,32 @@ func TestMove_RefundMovesASleepingCallOfAnotherReplica(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		waited := make(chan time.Duration, 1)
+		type went struct {
+			after time.Duration
+			err   error
+		}
+		waited := make(chan went, 1)
+		bctx, stop := context.WithCancel(ctx)
+		defer func() { stop(); <-waited }() // the booked call ends with the test
 		go func() {
 			start := time.Now()
-			p, err := b.Acquire(ctx, Cost(50))
-			if err != nil {
-				t.Error(err)
-				return
+			p, err := b.Acquire(bctx, Cost(50))
+			if err == nil {
+				p.Release()
 			}
-			p.Release()
-			waited <- time.Since(start)
+			waited <- went{time.Since(start), err}
 		}()
 		waitBooked(t, a, 130)
 		if err := first.Settle(ctx, 30); err != nil { // it used 30
 			t.Fatal(err)
 		}
 		select {
-		case d := <-waited:
-			t.Logf("the booked call went after %v", d.Round(time.Millisecond))
+		case w := <-waited:
+			waited <- w // for the deferred wait
+			if w.err != nil {
+				t.Fatal(w.err)
+			}
+			t.Logf("the booked call went after %v", w.after.Round(time.Millisecond))
 		case <-time.After(15 * time.Second):
 			t.Fatal("the call booked 30 s ahead still waits 15 s after the refund that made room for it")
 		}

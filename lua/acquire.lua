@@ -358,10 +358,11 @@ local function earliest_log(r, t, cost, budget)
     if b[i] - a[i] < w and t < a[i] + w then
       t = a[i] + w
     end
-    if a[i + 1] == a[i] then
-      -- The entries after it at the same time (the units of one call)
-      -- forbid no time it does not, or none before t: on to the first
-      -- entry after them, by its rank.
+    if a[i + 1] == a[i] and a[#a] == a[i] then
+      -- The entries after it at the same time (the units of one call),
+      -- to the end of what was read and beyond, forbid no time it does
+      -- not, or none before t: on to the first entry after them, by its
+      -- rank, rather than read them.
       j = redis.call('ZCOUNT', r.key, '-inf', str(a[i]))
       i, n = #a + 1, FIRST_READ
       budget.left = budget.left - 1
