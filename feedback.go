@@ -117,31 +117,7 @@ func (l *Limiter) feedback(ctx context.Context, said vendorSaid, r result, opts 
 		return err
 	}
 	sc := l.scopeFor(c)
-	// Only the rules the vendor's answer is about: the shared ones, or the
-	// key's own when there are none.
-	keys := sc.keys[:2:2]
-	var rules []policies.Rule
-	var named []any // per named unit's rule: its place among rules, and its count
-	for i, r := range l.rules {
-		about := !r.PerKey
-		if !l.hasShared {
-			about = r.PerKey
-		}
-		// A named unit's rules hear their own unit's count alone, and
-		// learn no cap from a refusal, which does not say which of the
-		// vendor's counts it is about (policies.Unit).
-		c, counted := said.named[r.Unit]
-		if r.Unit != "" && (!counted || said.learn) {
-			about = false
-		}
-		if about && r.Kind != policies.KindConcurrency {
-			keys = append(keys, sc.keys[2+i])
-			rules = append(rules, r)
-			if r.Unit != "" {
-				named = append(named, len(rules), max(c.left, -1), c.reset.Microseconds())
-			}
-		}
-	}
+	keys, rules, named := l.rulesAbout(sc, said)
 	args := argsFor(l.s.clock, l.newMember(), int(asOf.Microseconds()), pause.Microseconds(),
 		int64(max(said.units.left, -1)), said.units.reset.Microseconds(), rules)
 	learnArg := 0
@@ -169,6 +145,35 @@ func (l *Limiter) feedback(ctx context.Context, said vendorSaid, r result, opts 
 		l.emit(Event{Kind: EventCapLearned, Limit: rep.limit})
 	}
 	return nil
+}
+
+// rulesAbout returns the rules of scope sc that the vendor's answer said is
+// about, and their keys after the scope's two: the shared ones, or the
+// key's own when there are none; a named unit's rules only with their own
+// unit's count, and never to learn a cap, since a refusal does not say
+// which of the vendor's counts it is about (policies.Unit). named holds,
+// for each of those, its place among rules and its count, as feedback.lua
+// takes them.
+func (l *Limiter) rulesAbout(sc scope, said vendorSaid) (keys []string, rules []policies.Rule, named []any) {
+	keys = sc.keys[:2:2]
+	for i, r := range l.rules {
+		about := !r.PerKey
+		if !l.hasShared {
+			about = r.PerKey
+		}
+		c, counted := said.named[r.Unit]
+		if r.Unit != "" && (!counted || said.learn) {
+			about = false
+		}
+		if about && r.Kind != policies.KindConcurrency {
+			keys = append(keys, sc.keys[2+i])
+			rules = append(rules, r)
+			if r.Unit != "" {
+				named = append(named, len(rules), max(c.left, -1), c.reset.Microseconds())
+			}
+		}
+	}
+	return keys, rules, named
 }
 
 // newFeedbackCall reads the options of Pause and SetRemaining: only Key
