@@ -323,7 +323,7 @@ func (l *Limiter) handBack() (complete bool, err error) {
 func (l *Limiter) moveEarlier(ctx context.Context, c call, r result) (result, woken, error) {
 	in, ok := l.timing.wakeIn(r.startsAt())
 	maxWait := in - l.timing.delay() - moveGain
-	if !ok || maxWait <= 0 {
+	if !ok || maxWait <= 0 || l.troubled(r) {
 		return r, wokenAtSlot, nil
 	}
 	pass := l.brk.allow()
@@ -339,11 +339,9 @@ func (l *Limiter) moveEarlier(ctx context.Context, c call, r result) (result, wo
 		l.brk.abort(pass)
 		return r, wokenAtSlot, ctx.Err()
 	case err != nil:
-		if errors.Is(err, ErrUnavailable) && !refusedByConfiguration(err) {
-			l.brk.failure()
-		} else {
-			l.brk.abort(pass)
-		}
+		// A move is not needed: its failure tells the breaker nothing
+		// that the call's next script call will not.
+		l.brk.abort(pass)
 		return r, wokenLost, nil
 	}
 	l.redisAnswered()

@@ -84,6 +84,18 @@ func (l *Limiter) roomFor(r result) <-chan struct{} {
 	return l.room
 }
 
+// troubleSpan is how long after a Redis failure this process's calls do
+// not move: a move is a script call the call does not need, and on a
+// failing Redis one that fails leaves the call to book again.
+const troubleSpan = time.Second
+
+// troubled reports whether the booking r should stay as it is: Redis
+// failed a script call of this limiter lately, or news went unheard since
+// r was booked (it books again when it wakes, moved or not).
+func (l *Limiter) troubled(r result) bool {
+	return time.Since(time.Unix(0, l.lastFailure.Load())) < troubleSpan || l.gaps.Load() != r.gaps
+}
+
 // afterMove says what a call does with the booking moved that a move gave
 // it: sleep towards it, or book again, giving it back, when it was decided
 // by a clock that had just stepped, or kept at a slot that passed while

@@ -609,15 +609,11 @@ end
 local function call_args(batch, c)
   local a = batch.first + 6 * c
   local sc = batch.scopes[tonumber(ARGV[a + 4])]
-  local call = {
+  return {
     id = ARGV[a], cost = read_cost(ARGV[a + 1]), maxwait = tonumber(ARGV[a + 2]), lead = tonumber(ARGV[a + 3]),
     scope = sc, rs = sc.rs, pause = sc.pause, remaining = NEVER, after = NEVER, too_big = false,
     moves = batch.given[tonumber(ARGV[a + 5])],
   }
-  if call.moves then
-    call.moves.moving = true
-  end
-  return call
 end
 
 -- read_args reads the rules and the arguments of the script's own (see
@@ -635,7 +631,6 @@ local function read_args()
     at_once = false, -- some call was admitted now
     units = 0, -- the units the calls admitted and booked cost
     given = {}, -- the bookings given back, by their place from 1
-    freed = 0, -- until when the room they left is of use to others, or 0
   }
   batch.gives = read_scopes(batch, arg + 4)
   batch.first = batch.gives + 5 * batch.ngive
@@ -1020,21 +1015,6 @@ local function decide(batch, c)
   end
 end
 
--- announce_given tells the fleet of the room the bookings given back left
--- (see announce_room in lib.lua), but for those of calls that moved: a
--- move takes the room it leaves in the same script, for the calls after it,
--- and its news would only set the fleet moving again for what the refund
--- that moved it already told.
-local function announce_given(batch)
-  local until_ = 0
-  for _, b in pairs(batch.given) do
-    if not b.moving then
-      until_ = math.max(until_, b.slot + longest_window(b.scope.rs))
-    end
-  end
-  announce_room(batch.meta, batch.objs, until_, now)
-end
-
 -- write_back_meta writes the meta back, holding what the calls decided
 -- need held: the calls admitted at once while the quota warms up, and the
 -- spread they were booked with (see Holds in lib.lua). Every acquire
@@ -1057,7 +1037,6 @@ local function write_back_meta(batch)
   if batch.found or meta.pause > batch.pause_before and meta.pause > now then
     announce_quota(meta, now)
   end
-  announce_given(batch)
 end
 
 -- write_back_rules writes what the calls recorded in every rule, and the
