@@ -323,7 +323,7 @@ func (l *Limiter) handBack() (complete bool, err error) {
 func (l *Limiter) moveEarlier(ctx context.Context, c call, r result) (result, woken, error) {
 	in, ok := l.timing.wakeIn(r.startsAt())
 	maxWait := in - l.timing.delay() - moveGain
-	if !ok || maxWait <= 0 || l.troubled(r) {
+	if !ok || maxWait <= 0 || l.troubled() {
 		return r, wokenAtSlot, nil
 	}
 	pass := l.brk.allow()

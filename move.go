@@ -89,11 +89,12 @@ func (l *Limiter) roomFor(r result) <-chan struct{} {
 // failing Redis one that fails leaves the call to book again.
 const troubleSpan = time.Second
 
-// troubled reports whether the booking r should stay as it is: Redis
-// failed a script call of this limiter lately, or news went unheard since
-// r was booked (it books again when it wakes, moved or not).
-func (l *Limiter) troubled(r result) bool {
-	return time.Since(time.Unix(0, l.lastFailure.Load())) < troubleSpan || l.gaps.Load() != r.gaps
+// troubled reports whether the calls of this limiter should stay as they
+// are: Redis failed one of its script calls lately. (A call booked before
+// a gap in the news moves all the same: its move books it again, as its
+// waking would.)
+func (l *Limiter) troubled() bool {
+	return time.Since(time.Unix(0, l.lastFailure.Load())) < troubleSpan
 }
 
 // afterMove says what a call does with the booking moved that a move gave
