@@ -23,17 +23,17 @@ import (
 // times (many in the same microsecond), costs, keys, waits and cancellations,
 // under one, two or three limits.
 //
-// redis-server, which users run, checks 60 histories of each mix of
-// kinds; miniredis 15, for what its Lua and its TIME do differently: it
+// redis-server, which users run, checks 40 histories of each mix of
+// kinds; miniredis 10, for what its Lua and its TIME do differently: it
 // runs the scripts in the test's process, five times slower under -race.
-// The default run checks a fifth of them (12 and 3, both of miniredis's
-// clocks); THROTTLE_LONG=1 checks them all.
+// The default run checks a fifth of them (8 and 2, both of miniredis's
+// clocks); THROTTLE_LONG=1 without -race checks them all.
 func TestScript_MatchesModel(t *testing.T) {
 	t.Parallel() // a given clock: nothing in it depends on the machine's load
 	redistest.Each(t, func(t *testing.T, s *redistest.Server) {
-		seeds := 60
+		seeds := 40
 		if !s.Real {
-			seeds = 15
+			seeds = 10
 		}
 		checkAgainstModel(t, s.Client(t), s.Mini, modelSeeds(seeds))
 	})

@@ -180,17 +180,18 @@ func scriptCalls(t *testing.T, s *redistest.Server) int {
 	return n
 }
 
-// share returns the tokens used in the windows after the first, as a
-// share of what the cap allows in them.
+// share returns the tokens used in the windows after the first two (the
+// fleet's start: connections, the quota's warm-up), as a share of what
+// the cap allows in them.
 func share(used []int, limit, windows int) float64 {
 	if len(used) > windows {
 		used = used[:windows]
 	}
 	sum := 0
-	for _, u := range used[1:] {
+	for _, u := range used[2:] {
 		sum += u
 	}
-	return float64(sum) / float64(limit*(windows-1))
+	return float64(sum) / float64(limit*(windows-2))
 }
 
 // rngSource draws the fakes' usage, the same on every run.
