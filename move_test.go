@@ -78,28 +78,43 @@ func waitBooked(t *testing.T, lim *Limiter, units int) {
 	}
 }
 
+// bookBehindOne returns a limiter of one call per 10 ms on a given clock,
+// its clock, and a call booked behind the one it admitted.
+func bookBehindOne(t *testing.T, s *redistest.Server) (*Limiter, *fixedClock, result) {
+	t.Helper()
+	clock := newClock()
+	lim := newLimiter(t, s.Client(t), policies.SlidingLog{Limit: 1, Window: 10 * time.Millisecond}, Options{Clock: clock.Now})
+	ctx := context.Background()
+	if _, err := lim.acquire(ctx, call{cost: 1}, 0, nil); err != nil {
+		t.Fatal(err)
+	}
+	booked, err := lim.acquire(ctx, call{cost: 1}, time.Second, nil)
+	if err != nil || !booked.admitted || booked.wait <= 0 {
+		t.Fatalf("booking: %+v, %v", booked, err)
+	}
+	return lim, clock, booked
+}
+
+// moveOnce asks, in one script call, to move the booking of the call
+// booked, with a wait of a second.
+func moveOnce(lim *Limiter, booked result) *request {
+	c := call{cost: 1, moves: true}
+	req := &request{sc: lim.scopeFor(c), c: c, maxWait: time.Second, member: lim.newMember(), late: &booked, done: make(chan struct{})}
+	lim.decide(req.sc, []*request{req})
+	return req
+}
+
 // A call that moves never ends later than its slot, even when its process
 // reckoned a wait past it (its call waited in the lane behind another
 // script call) and the only room lies later: here a pause the vendor asked
 // for after the call was booked.
 func TestMove_NeverLaterThanItsSlot(t *testing.T) {
 	redistest.Each(t, func(t *testing.T, s *redistest.Server) {
-		clock := newClock()
-		lim := newLimiter(t, s.Client(t), policies.SlidingLog{Limit: 1, Window: 10 * time.Millisecond}, Options{Clock: clock.Now})
-		ctx := context.Background()
-		if _, err := lim.acquire(ctx, call{cost: 1}, 0, nil); err != nil {
+		lim, _, booked := bookBehindOne(t, s)
+		if err := lim.Pause(context.Background(), 50*time.Millisecond); err != nil {
 			t.Fatal(err)
 		}
-		booked, err := lim.acquire(ctx, call{cost: 1}, time.Second, nil)
-		if err != nil || !booked.admitted || booked.wait <= 0 {
-			t.Fatalf("booking: %+v, %v", booked, err)
-		}
-		if err := lim.Pause(ctx, 50*time.Millisecond); err != nil {
-			t.Fatal(err)
-		}
-		c := call{cost: 1, moves: true}
-		req := &request{sc: lim.scopeFor(c), c: c, maxWait: time.Second, member: lim.newMember(), late: &booked, done: make(chan struct{})}
-		lim.decide(req.sc, []*request{req})
+		req := moveOnce(lim, booked)
 		if req.err != nil || !req.res.admitted || req.res.slot() != booked.slot() {
 			t.Fatalf("the moving call: %+v, %v; want its slot %v kept", req.res, req.err, booked.slot())
 		}
@@ -111,20 +126,9 @@ func TestMove_NeverLaterThanItsSlot(t *testing.T) {
 // far after its slot it starts (simulation seed 85: 28 in a window of 25).
 func TestMove_KeptAtAPassedSlotBooksAgain(t *testing.T) {
 	redistest.Each(t, func(t *testing.T, s *redistest.Server) {
-		clock := newClock()
-		lim := newLimiter(t, s.Client(t), policies.SlidingLog{Limit: 1, Window: 10 * time.Millisecond}, Options{Clock: clock.Now})
-		ctx := context.Background()
-		if _, err := lim.acquire(ctx, call{cost: 1}, 0, nil); err != nil {
-			t.Fatal(err)
-		}
-		booked, err := lim.acquire(ctx, call{cost: 1}, time.Second, nil)
-		if err != nil || !booked.admitted || booked.wait <= 0 {
-			t.Fatalf("booking: %+v, %v", booked, err)
-		}
+		lim, clock, booked := bookBehindOne(t, s)
 		clock.Add(booked.wait + time.Millisecond)
-		c := call{cost: 1, moves: true}
-		req := &request{sc: lim.scopeFor(c), c: c, maxWait: time.Second, member: lim.newMember(), late: &booked, done: make(chan struct{})}
-		lim.decide(req.sc, []*request{req})
+		req := moveOnce(lim, booked)
 		if req.err != nil || !req.res.admitted || req.res.slot() != booked.slot() || req.res.wait >= 0 {
 			t.Fatalf("the moving call: %+v, %v; want its slot kept, %v ago", req.res, req.err, time.Millisecond)
 		}
