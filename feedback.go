@@ -136,6 +136,7 @@ func (l *Limiter) feedback(ctx context.Context, said vendorSaid, r result, opts 
 		return fmt.Errorf("throttle: quota %q: %w", l.name, err)
 	}
 	l.notePause(sc, rep.now, rep.until)
+	l.noteOthers(rep)
 	if pause > 0 {
 		l.emit(Event{Kind: EventPaused, Duration: pause})
 	}
@@ -440,18 +441,51 @@ func (p *Permit) tell(ctx context.Context, said vendorSaid, pause time.Duration,
 		said.units.limit, said.calls.limit = 0, 0
 		return l.feedback(ctx, said, p.r, p.opts())
 	case (said.units.left >= 0 || said.calls.left >= 0) && countsCalls(l) &&
-		(l.hasConc || l.callRules || said.units.left < p.r.remaining):
+		(l.hasConc || l.callRules || said.units.left < p.r.remaining || l.measuringOthers()):
 		// The count only ever believes fewer are left after it admitted
 		// this call: when it believed no more than the vendor then, a call
 		// to Redis is saved. A Concurrency rule's free slots take part in
 		// that belief, and so do the counts of calls beside units: with
-		// one, the vendor's count is always passed on. The vendor counted
-		// as of this call: calls admitted after it, on their way, are not
-		// in its number.
-		said.units.limit, said.calls.limit = 0, 0
+		// one, the vendor's count is always passed on. So is every count
+		// while the quota measures what other consumers of the key spend:
+		// counts passed on only when they say less is left than the fleet
+		// believed would measure the others high. The vendor counted as of
+		// this call: calls admitted after it, on their way, are not in its
+		// number.
 		return l.feedback(ctx, said, p.r, p.opts())
 	}
 	return nil
+}
+
+// noteOthers keeps what the feedback script said of the others' share,
+// and reports a change of it.
+func (l *Limiter) noteOthers(rep feedbackReply) {
+	until := int64(0)
+	if rep.measuring {
+		until = time.Now().Add(2 * l.longestSpan()).UnixNano()
+	}
+	l.measuring.Store(until)
+	if old := l.others.Swap(int64(rep.others)); old != int64(rep.others) {
+		l.emit(Event{Kind: EventOthers, Others: rep.others})
+	}
+}
+
+// measuringOthers reports whether the quota measured lately what other
+// consumers of the key spend.
+func (l *Limiter) measuringOthers() bool {
+	return time.Now().UnixNano() < l.measuring.Load()
+}
+
+// longestSpan returns the longest window of the quota's rules, as
+// configured, or a second when it has none.
+func (l *Limiter) longestSpan() time.Duration {
+	span := time.Second
+	for _, r := range l.rules {
+		if r.Kind == policies.KindSlidingLog || r.Kind == policies.KindSlidingCounter {
+			span = max(span, r.Window)
+		}
+	}
+	return span
 }
 
 // countsCalls reports whether the quota has a rule that counts calls over

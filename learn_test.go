@@ -378,12 +378,15 @@ func TestSetRemaining_AnswersOfCallsInFlightChargeTheGapOnce(t *testing.T) {
 			t.Fatal(err)
 		}
 		// The vendor's 40 for the 10 calls and its 30 left: the gap of 40
-		// is charged once.
-		if got := u.Rules[0].Used + u.Rules[0].Booked; got != 50 {
-			t.Errorf("the count holds %d units, want the 10 calls and the 40 the vendor does not have", got)
+		// is left to others once (and a unit more, for their jitter), or,
+		// with shares off, charged once.
+		got, want := u.Rules[0].Used+u.Rules[0].Booked+u.Rules[0].Others, 80-leftAfter(80, 10, 30)
+		if got != want {
+			t.Errorf("the count holds %d units and leaves others %d, want %d in all: the 10 calls and the 40 the vendor does not have",
+				u.Rules[0].Used+u.Rules[0].Booked, u.Rules[0].Others, want)
 		}
-		if u.Rules[0].Remaining != 30 {
-			t.Errorf("remaining %d, want the vendor's 30", u.Rules[0].Remaining)
+		if u.Rules[0].Remaining != 80-want {
+			t.Errorf("remaining %d, want %d", u.Rules[0].Remaining, 80-want)
 		}
 	})
 }

@@ -42,6 +42,11 @@ const (
 	// quota learned its cap: Limit is the lowest limit in force of its rules
 	// (see Permit.Refused).
 	EventCapLearned EventKind = "cap_learned"
+	// EventOthers: the units the quota leaves other consumers of the
+	// vendor's key changed: Others is the most a rule of it leaves them,
+	// per window, as the vendor's counts measure them (0 when the others
+	// stopped). See Limiter.SetRemaining.
+	EventOthers EventKind = "others"
 )
 
 // Event is one thing a limiter did. Fields that do not apply to its Kind
@@ -66,6 +71,9 @@ type Event struct {
 	// Limit is the lowest limit in force of the quota's rules after the
 	// vendor's refusal taught it a cap (EventCapLearned).
 	Limit int
+	// Others is the units per window the quota leaves other consumers of
+	// the vendor's key (EventOthers).
+	Others int
 	// Queued is how many calls wait in the local queue (Queue mode).
 	Queued int
 	// Local reports a call decided without Redis, by the fallback.

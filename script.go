@@ -78,15 +78,20 @@ type feedbackReply struct {
 	charged int           // units charged to match the vendor's count
 	lowered bool          // a rule's learned cap dropped
 	limit   int           // the lowest limit in force of a capped rule, or -1
+	// others is the most units a rule leaves other consumers of the
+	// vendor's key; measuring reports that a rule keeps their share.
+	others    int
+	measuring bool
 }
 
 // decodeFeedback reads feedback.lua's reply v, or says what is wrong with it.
 func decodeFeedback(v []int64) (feedbackReply, error) {
-	if len(v) != 5 {
+	if len(v) != 7 {
 		return feedbackReply{}, fmt.Errorf("unexpected script reply %v", v)
 	}
 	us := func(x int64) time.Duration { return time.Duration(x) * time.Microsecond }
-	return feedbackReply{now: us(v[0]), until: us(v[1]), charged: int(v[2]), lowered: v[3] == 1, limit: int(v[4])}, nil
+	return feedbackReply{now: us(v[0]), until: us(v[1]), charged: int(v[2]), lowered: v[3] == 1, limit: int(v[4]),
+		others: int(v[5]), measuring: v[6] == 1}, nil
 }
 
 // costArg is a call's cost as the scripts take it: its Cost, or, on a

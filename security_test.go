@@ -198,9 +198,9 @@ func securityPaths(t *testing.T, rdb redis.UniversalClient) {
 			resp.StatusCode, body, err, arrivals.Load())
 	}
 	// The vendor says 5 of 10 are left after the one call: the quota
-	// counts the 4 it did not know of.
-	if used := usage("after the Transport", hl).Rules[0].Used; used != 5 {
-		t.Errorf("the Transport's quota counts %d units after the vendor said 5 of 10 are left, want 5", used)
+	// leaves the others the 4 it did not know of, and a unit more.
+	if u := usage("after the Transport", hl).Rules[0]; u.Remaining != leftAfter(10, 1, 5) {
+		t.Errorf("the Transport's quota has %d left after the vendor said 5 of 10 are left, want %d", u.Remaining, leftAfter(10, 1, 5))
 	}
 }
 

@@ -61,6 +61,7 @@ var luaMechanisms = []mechanism{
 	"learned_caps",   // feedback.lua: a vendor's refusal teaches no cap
 	"charges",        // feedback.lua charged_after: every answer charges its whole gap
 	"reserve",        // acquire.lua reserve: back from Local, Redis admits the whole limit
+	"others",         // feedback.lua note_others: no share is left to other consumers of the key
 }
 
 // goMechanisms are the mechanisms decided in Go.

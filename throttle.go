@@ -116,6 +116,8 @@ type view struct {
 	gaps        atomic.Uint64 // the gaps in the quota's news (news.go), and switches to the Local fallback
 	asleep      atomic.Int64  // calls sleeping towards slots booked in Redis
 	listening   sync.Once     // subscribed to the quota's news (news.go)
+	others      atomic.Int64  // units the quota's rules leave other consumers of the key, as last told
+	measuring   atomic.Int64  // until then (Unix ns), every count the vendor gives goes to Redis (see tell)
 }
 
 // failover is what keeps calls going while Redis cannot decide them.

@@ -153,8 +153,14 @@ func TestUnits_EachFollowsItsOwnVendorCount(t *testing.T) {
 			t.Fatal(err)
 		}
 		resp.Body.Close()
-		if got := usedOf(t, lim); got[0] != 1 || got[1] != 10 || got[2] != 45 {
-			t.Fatalf("used %v, want [1 10 45]: the output rule charged up to the 5 the vendor says are left, the input rule as it was", got)
+		u, err := lim.Usage(context.Background())
+		if err != nil {
+			t.Fatal(err)
+		}
+		if got := usedOf(t, lim); got[0] != 1 || got[1] != 10 || u.Rules[2].Remaining != leftAfter(50, 10, 5) || u.Rules[1].Others != 0 {
+			t.Fatalf("used %v, output tokens left %d, input tokens left to others %d; want [1 10 _], %d left "+
+				"(the output rule follows the 5 the vendor says are left, less one for the others), and none: the input rule as it was",
+				got, u.Rules[2].Remaining, u.Rules[1].Others, leftAfter(50, 10, 5))
 		}
 	})
 }

@@ -48,7 +48,13 @@ type RuleUsage struct {
 	// Limit is the limit in force: Rule.Limit, or lower while a cap learned
 	// from the vendor's refusals holds (see Permit.Refused). For a
 	// TokenBucket, the units of a burst's span, whose rate falls with it.
+	// It also leaves Others their share.
 	Limit int
+	// Others is the units per window the rule leaves other consumers of
+	// the vendor's key: what the vendor's counts show they spend, beside
+	// the fleet, smoothed, and a sixteenth more (see Limiter.SetRemaining);
+	// 0 when no one else spends it.
+	Others int
 }
 
 // Usage reads how full the quota is, for the call's Key when it has per-key
@@ -64,7 +70,7 @@ func (l *Limiter) Usage(ctx context.Context, opts ...CallOption) (Usage, error) 
 	if err != nil {
 		return Usage{}, l.unavailable(err)
 	}
-	const header, perRule = 3, 6
+	const header, perRule = 3, 7
 	if len(v) != header+perRule*len(l.rules) {
 		return Usage{}, l.unavailable(fmt.Errorf("unexpected script reply %v", v))
 	}
@@ -84,6 +90,7 @@ func (l *Limiter) Usage(ctx context.Context, opts ...CallOption) (Usage, error) 
 			NextFree:  us(w[3]),
 			Margin:    us(w[4]),
 			Limit:     int(w[5]),
+			Others:    int(w[6]),
 		})
 		if i == 0 || u.Rules[i].Remaining < u.Remaining {
 			u.Remaining = u.Rules[i].Remaining

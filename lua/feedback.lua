@@ -32,10 +32,16 @@
 -- next answer's call, and the next answer must count it all the same, or
 -- the answers of calls in flight together would each charge the gap again.
 --
--- Returns {now, pause until (or 0), units charged, lowered, cap}, the time
--- and the pause first as in every script's reply that has them: lowered is
--- 1 when a rule's cap dropped; cap the lowest limit in force of a capped
--- rule, or -1 when no rule is capped.
+-- Each count also measures what other consumers of the key spend (see
+-- Others' share in lib.lua, and note_others below).
+--
+-- Returns {now, pause until (or 0), units charged, lowered, cap, others},
+-- the time and the pause first as in every script's reply that has them:
+-- lowered is 1 when a rule's cap dropped; cap the lowest limit in force of
+-- a capped rule, or -1 when no rule is capped; others the most units a rule
+-- leaves other consumers of the key (others_reserve), or 0; measuring 1
+-- while a rule keeps a share, which every count the vendor gives should
+-- measure, not only those that say fewer are left than the fleet believed.
 
 local now = clock()
 -- The arguments, read once (see the header).
@@ -78,6 +84,93 @@ if learn then
   end
   dirty = dirty or meta.caps_until ~= cu
 end
+-- charged_in returns the units charged to rule r that sit in (lo, hi]:
+-- in its record, but not sent by the fleet.
+local function charged_in(r, lo, hi)
+  local n = 0
+  for _, m in ipairs(redis.call('ZRANGEBYSCORE', r.key .. ':ch', '(' .. str(lo), str(hi))) do
+    n = n + (tonumber(string.match(m, ':(%d+)$')) or 0)
+  end
+  return n
+end
+
+-- sent_in_window returns the units the fleet sent in the vendor's window
+-- of rule r as of the call of as_of: in its record from a window before,
+-- charges aside. A log's entries a little after as_of (within the fleet's
+-- spread) may have reached the vendor before the call: they count as sent,
+-- so that a measure of the others errs low rather than high.
+local function sent_in_window(r, span)
+  if r.kind == COUNTER then
+    -- Every bucket the window touches counts whole, up to as_of's.
+    local n = 0
+    local raw = redis.call('HGETALL', r.key)
+    for k = 1, #raw, 2 do
+      local lo = tonumber(raw[k]) * r.width
+      if lo + r.width > as_of - span and lo <= as_of then
+        n = n + tonumber(raw[k + 1])
+      end
+    end
+    return n - charged_in(r, as_of - span - r.width, as_of + r.width)
+  end
+  local d = math.max(fleet_spread(meta, now), r.margin / 4, 1000)
+  return redis.call('ZCOUNT', r.key, '(' .. str(as_of - span), str(as_of + d)) - charged_in(r, as_of - span, as_of + d)
+end
+
+-- note_others measures, from the vendor's count of units left of a rule r
+-- as of the call of as_of, what others spent in the vendor's window: what
+-- the vendor counted (its limit, stated as vlimit or else the rule's, less
+-- what is left) less what the fleet sent (sent_in_window), and adds the
+-- measure to the others' share (see Others' share in lib.lua). A rule
+-- with no share keeps none until a measure gives half a unit, and drops
+-- its share when it falls under a tenth. It reports whether the share
+-- changed.
+local function note_others(r, left, vlimit)
+  if OFF.others or not meta or (r.kind ~= LOG and r.kind ~= COUNTER) then
+    return false
+  end
+  local o = r.oth or { vlim = 0, p = {}, share = NO_MEASURE }
+  if vlimit > 0 then
+    o.vlim = vlimit
+  end
+  local base = o.vlim > 0 and o.vlim or (r.cap and r.cap.lim or r.conf)
+  local m = math.floor(1000 * (base - left - sent_in_window(r, span_of(r))) + 0.5)
+  local i = others_period(r, now)
+  o.p[i] = math.max(o.p[i] or NO_MEASURE, m)
+  others_share(r, o, now)
+  if not r.oth and o.share < 500 then
+    return false
+  end
+  local limit = r.limit
+  r.oth = o
+  if o.share < 100 then
+    -- The others stopped, or were noise: the share goes.
+    r.oth = nil
+  end
+  apply_limits(r)
+  if r.limit > limit then
+    -- Room the share gave back: a log's hint may say nothing fits there.
+    redis.call('DEL', r.key .. ':next')
+  end
+  return true
+end
+
+-- Each count the vendor gave measures the others' share of its rules.
+if meta and not learn then
+  local cu = meta.caps_until
+  for i, r in ipairs(rs) do
+    local left, vlimit = arg.left, arg.limit
+    if r.per_call then
+      left, vlimit = arg.calls_left, arg.calls_limit
+    elseif own[i] then
+      left, vlimit = own[i].left, 0
+    end
+    if left >= 0 and note_others(r, left, vlimit) then
+      write_limits(r, meta, now)
+    end
+  end
+  dirty = dirty or meta.caps_until ~= cu
+end
+
 local announce = found
 local until_ = pause_until(meta and meta.pause or 0)
 if pause > 0 and now + pause > until_ then
@@ -158,10 +251,13 @@ for i, r in ipairs(rs) do
   end
 end
 
-local cap = -1
+local cap, others, measuring = -1, 0, 0
 for _, r in ipairs(rs) do
   if r.cap and (cap < 0 or r.cap.lim < cap) then
     cap = r.cap.lim
   end
+  if r.oth then
+    others, measuring = math.max(others, r.reserve), 1
+  end
 end
-return { str(now), str(until_), charged, lowered, cap }
+return { str(now), str(until_), charged, lowered, cap, others, measuring }

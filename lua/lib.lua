@@ -974,6 +974,9 @@ end
 --         refusals of the calls in flight at a drop do not compound;
 --   next  the earliest time it may rise;
 --   step  how much it rises then.
+-- The same key keeps the others' share of the rule (see Others' share
+-- below) after those five; lim is then the configured
+-- limit when no cap was learned.
 local CAP_HOLD = 8
 local CAP_FIRST_STEP = 16
 local CAP_TTL = 24 * 3600 * 1000
@@ -997,8 +1000,90 @@ local function set_limit(r, lim)
   r.limit = lim
 end
 
--- read_caps applies the learned caps of rules rs, when the meta says some
--- rule of the quota may have one.
+-- Others' share. Other consumers of the vendor's key (a cron job, another
+-- service) spend its limit too. Each vendor's count that reaches
+-- feedback.lua measures them: what the vendor counted in its window, less
+-- what the fleet sent in the same window, is what others sent (see
+-- note_others there). A measure errs only low: the fleet's calls close to
+-- the one counted count as sent, though some reach the vendor after it (in
+-- a burst, the first answers measure the others far too low, the last
+-- ones right). So the share is the largest measure of the last window and
+-- a half (the fleet's bursts come a window and a margin apart, and their
+-- last answers later), kept by periods of a quarter window: a count that
+-- measures the others too low does not lower it, and one that measures
+-- them too high (a call of the fleet that reached the vendor far earlier
+-- than the calls before it) makes the fleet leave more room than needed,
+-- never less, for a window and a half. Only the last answer of a burst
+-- measures the others right: a smoother statistic (the second largest of
+-- a period) measured them a unit low, and let their calls meet full
+-- windows. The rule's limit in
+-- force leaves the others their share (others_reserve): the fleet's
+-- bookings stay within what the others leave, so that their calls find
+-- room, instead of taking each unit the moment it frees. The share follows
+-- the others down when they stop: their units leave the vendor's window,
+-- the measures fall with them, and the periods that saw them are dropped
+-- a window and a half later.
+-- It is kept as ":vlim:i/top,i/top,...": the vendor's limit as it last
+-- stated it (0 when unknown), then, for each period i (the time divided
+-- by a period's length) of the last window and a half, its largest
+-- measure, in thousandths of a unit per window; for OTHERS_TTL windows
+-- after the last measure.
+local OTHERS_PERIODS = 4
+local OTHERS_KEPT = 6
+local OTHERS_TTL = 8
+local NO_MEASURE = -1000000000
+
+-- others_period returns the period of time t for rule r.
+local function others_period(r, t)
+  return math.floor(t / math.max(math.floor(span_of(r) / OTHERS_PERIODS), 1))
+end
+
+-- others_share sets the share o.share in force at time t for rule r, in
+-- thousandths of a unit per window, and drops the periods that left the
+-- window.
+local function others_share(r, o, t)
+  local cur, share = others_period(r, t), NO_MEASURE
+  for i, p in pairs(o.p) do
+    if i < cur - OTHERS_KEPT then
+      o.p[i] = nil
+    else
+      share = math.max(share, p)
+    end
+  end
+  o.share = share
+end
+
+-- others_reserve returns the units a rule leaves others of base, the
+-- vendor's limit, from their share o: its whole units, and a sixteenth of
+-- them and one more, for the jitter of their calls (a window of an even
+-- pace holds one call more at times) and for the measures, which err low;
+-- that more is at most half the room the share leaves. None for a share
+-- under a unit.
+local function others_reserve(o, base)
+  if not o or o.share < 1000 then
+    return 0
+  end
+  local share = math.floor(o.share / 1000)
+  return share + math.min(math.floor(share / 16) + 1, math.max(math.floor((base - share) / 2), 1))
+end
+
+-- apply_limits makes the limit in force of rule r its learned cap, or its
+-- configured limit, less what the vendor's limit leaves others (r.reserve):
+-- the vendor's stated limit, or, when it stated none, that same cap or
+-- limit.
+local function apply_limits(r)
+  local lim = r.cap and r.cap.lim or r.conf
+  r.reserve = 0
+  if r.oth and r.kind ~= BUCKET then
+    local base = r.oth.vlim > 0 and r.oth.vlim or lim
+    r.reserve = others_reserve(r.oth, base)
+    lim = math.min(lim, base - r.reserve)
+  end
+  set_limit(r, lim)
+end
+
+-- read_caps applies the learned caps and the others' shares of rules rs,
+-- when the meta says some rule of the quota may have one.
 local function read_caps(rs, m, now)
   if not m or m.caps_until <= now then
     return
@@ -1006,32 +1091,63 @@ local function read_caps(rs, m, now)
   for _, r in ipairs(rs) do
     if r.kind ~= CONCURRENCY then
       local v = redis.call('GET', r.key .. ':cap')
-      local lim, at, from, nxt, step
+      local lim, at, from, nxt, step, rest
       if v then
-        lim, at, from, nxt, step = string.match(v, '^(%d+):(%-?%d+):(%d+):(%-?%d+):(%d+)$')
+        lim, at, from, nxt, step, rest = string.match(v, '^(%d+):(%-?%d+):(%d+):(%-?%d+):(%d+)(.*)$')
       end
       if lim and tonumber(lim) < r.conf then
         r.cap = { lim = tonumber(lim), at = tonumber(at), from = tonumber(from), next = tonumber(nxt), step = tonumber(step) }
-        set_limit(r, r.cap.lim)
+      end
+      local vlim, periods = string.match(rest or '', '^:(%d+):(.*)$')
+      if vlim and not OFF.others then
+        local o = { vlim = tonumber(vlim), p = {} }
+        for i, top in string.gmatch(periods, '(%-?%d+)/(%-?%d+)') do
+          o.p[tonumber(i)] = tonumber(top)
+        end
+        others_share(r, o, now)
+        r.oth = o
+      end
+      if r.cap or r.oth then
+        apply_limits(r)
       end
     end
   end
 end
 
--- write_cap keeps rule r's cap c, or drops it when it has come back to the
--- configured limit, and notes in meta m that the quota has caps.
-local function write_cap(r, c, m, now)
-  if c.lim >= r.conf then
-    redis.call('DEL', r.key .. ':cap')
+-- write_limits keeps rule r's cap and others' share, or drops the key when
+-- it holds neither, and notes in meta m that the quota has some.
+local function write_limits(r, m, now)
+  if r.cap and r.cap.lim >= r.conf then
     r.cap = nil
-    set_limit(r, r.conf)
+  end
+  apply_limits(r)
+  if not r.cap and not r.oth then
+    redis.call('DEL', r.key .. ':cap')
     return
   end
-  local ttl = math.ceil(math.max(CAP_TTL, CAP_TTL_WINDOWS * span_of(r) / 1000))
-  redis.call('SET', r.key .. ':cap', str(c.lim) .. ':' .. str(c.at) .. ':' .. str(c.from) .. ':' .. str(c.next) .. ':' .. str(c.step), 'PX', ttl)
+  local c = r.cap or { lim = r.conf, at = 0, from = r.conf, next = 0, step = 0 }
+  local v = str(c.lim) .. ':' .. str(c.at) .. ':' .. str(c.from) .. ':' .. str(c.next) .. ':' .. str(c.step)
+  local ttl = 0
+  if r.cap then
+    ttl = math.ceil(math.max(CAP_TTL, CAP_TTL_WINDOWS * span_of(r) / 1000))
+  end
+  if r.oth then
+    local ps = {}
+    for i, p in pairs(r.oth.p) do
+      ps[#ps + 1] = str(i) .. '/' .. str(p)
+    end
+    v = v .. ':' .. str(r.oth.vlim) .. ':' .. table.concat(ps, ',')
+    ttl = math.max(ttl, math.ceil(OTHERS_TTL * span_of(r) / 1000))
+  end
+  redis.call('SET', r.key .. ':cap', v, 'PX', math.max(ttl, 1))
   m.caps_until = math.max(m.caps_until, now + ttl * 1000)
+end
+
+-- write_cap keeps rule r's cap c, or drops it when it has come back to the
+-- configured limit.
+local function write_cap(r, c, m, now)
   r.cap = c
-  set_limit(r, c.lim)
+  write_limits(r, m, now)
 end
 
 -- accepted_before returns the units the fleet admitted in the vendor's

@@ -5,7 +5,7 @@
 -- KEYS and ARGV as in lib.lua (ARGV[2] .. ARGV[6] unused).
 --
 -- Returns {now, pause, spread, then for each rule: used, booked, remaining,
--- next, margin, limit}:
+-- next, margin, limit, others}:
 --   spread     the fleet's spread of call starts (see note_timing in lib.lua);
 --   used       units admitted in the window ending now;
 --   booked     units booked for later by waiting calls;
@@ -13,7 +13,10 @@
 --   next       microseconds until one more unit fits, 0 when one fits now;
 --   margin     the margin in force, in microseconds (0 for a rule with none);
 --   limit      the limit in force: the configured one, or a cap learned from
---              the vendor's refusals (see read_caps in lib.lua).
+--              the vendor's refusals (see read_caps in lib.lua), less the
+--              others' share;
+--   others     the units per window the rule leaves other consumers of
+--              the vendor's key (see others_reserve in lib.lua).
 
 local now = clock()
 local meta = read_meta()
@@ -65,7 +68,8 @@ for _, r in ipairs(rs) do
       next = tonumber(first[2]) - now
     end
   end
-  out[#out + 1], out[#out + 2], out[#out + 3], out[#out + 4], out[#out + 5], out[#out + 6] =
-    used, booked, math.max(r.limit - used - booked, 0), str(next), str(r.kind ~= BUCKET and r.margin or 0), r.limit
+  out[#out + 1], out[#out + 2], out[#out + 3], out[#out + 4], out[#out + 5], out[#out + 6], out[#out + 7] =
+    used, booked, math.max(r.limit - used - booked, 0), str(next), str(r.kind ~= BUCKET and r.margin or 0), r.limit,
+    r.reserve or 0
 end
 return out

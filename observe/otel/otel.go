@@ -72,6 +72,7 @@ type Observer struct {
 	margin           metric.Float64Gauge
 	capsLearned      metric.Int64Counter
 	learnedLimit     metric.Int64Gauge
+	others           metric.Int64Gauge
 
 	mu     sync.Mutex // serializes the creation of a quota's attributes
 	quotas sync.Map   // quota name -> *quotaAttrs
@@ -168,6 +169,8 @@ func New(meter metric.Meter) (*Observer, error) {
 		"Times a vendor's refusal lowered the quota's limit in force to a cap learned from it.")
 	o.learnedLimit = gauge("throttle.learned_limit", "{unit}",
 		"The lowest limit in force of the quota's rules after the latest cap learned from the vendor; Limiter.Usage says when it rose back.")
+	o.others = gauge("throttle.others", "{unit}",
+		"The units per window the quota leaves other consumers of the vendor's key, as the vendor's counts measure them; 0 when no one else spends it.")
 	if err := errors.Join(errs...); err != nil {
 		return nil, err
 	}
@@ -222,6 +225,8 @@ func (o *Observer) Observe(e throttle.Event) {
 	case throttle.EventCapLearned:
 		o.capsLearned.Add(ctx, 1, a.quota.add...)
 		o.learnedLimit.Record(ctx, int64(e.Limit), a.quota.rec...)
+	case throttle.EventOthers:
+		o.others.Record(ctx, int64(e.Others), a.quota.rec...)
 	}
 	// Only a limiter in Queue mode has a queue; others would report a
 	// gauge that is always 0.

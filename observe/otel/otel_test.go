@@ -161,6 +161,8 @@ func TestObserver_RecordsEveryEventKind(t *testing.T) {
 	ev(throttle.EventPaused, throttle.Event{Duration: 500 * time.Millisecond})
 	ev(throttle.EventCapLearned, throttle.Event{Limit: 50})
 	ev(throttle.EventCapLearned, throttle.Event{Limit: 40})
+	ev(throttle.EventOthers, throttle.Event{Others: 25})
+	ev(throttle.EventOthers, throttle.Event{Others: 24})
 	obs.Observe(throttle.Event{Kind: throttle.EventAdmitted, Quota: "jobs", Mode: throttle.Queue, Cost: 1, Queued: 4})
 	obs.Observe(throttle.Event{Kind: throttle.EventLimited, Err: throttle.ErrQueueFull, Quota: "jobs", Mode: throttle.Queue, Queued: 2})
 
@@ -207,6 +209,9 @@ func TestObserver_RecordsEveryEventKind(t *testing.T) {
 	}
 	if got := gauge(t, ms, "throttle.learned_limit", "{unit}", sms); got != 40 {
 		t.Errorf("throttle.learned_limit = %d, want 40, the latest", got)
+	}
+	if got := gauge(t, ms, "throttle.others", "{unit}", sms); got != 24 {
+		t.Errorf("throttle.others = %d, want 24, the latest", got)
 	}
 	if got := gauge(t, ms, "throttle.fallback.active", "1", sms); got != 1 {
 		t.Errorf("throttle.fallback.active = %d after a second fallback, want 1", got)

@@ -79,6 +79,7 @@ type Observer struct {
 	margin           *prometheus.GaugeVec
 	capsLearned      *prometheus.CounterVec
 	learnedLimit     *prometheus.GaugeVec
+	others           *prometheus.GaugeVec
 
 	quotas sync.Map // quota name -> *quotaMetrics
 }
@@ -113,6 +114,7 @@ type quotaMetrics struct {
 	margin           prometheus.Gauge
 	capsLearned      prometheus.Counter
 	learnedLimit     prometheus.Gauge
+	others           prometheus.Gauge
 
 	// Created on first use: only a limiter in shadow mode has shadow
 	// refusals, and only one in Queue mode has a queue. Others would export
@@ -190,6 +192,8 @@ func New(opts ...Option) *Observer {
 			"Times a vendor's refusal lowered the quota's limit in force to a cap learned from it.", "quota"),
 		learnedLimit: gauge("throttle_learned_limit",
 			"The lowest limit in force of the quota's rules after the latest cap learned from the vendor; Limiter.Usage says when it rose back."),
+		others: gauge("throttle_others_units",
+			"The units per window the quota leaves other consumers of the vendor's key, as the vendor's counts measure them; 0 when no one else spends it."),
 	}
 }
 
@@ -211,7 +215,7 @@ func (o *Observer) collectors() []prometheus.Collector {
 	return []prometheus.Collector{
 		o.calls, o.units, o.wait, o.fallbackAdmitted, o.roundTrip, o.redisErrors, o.callsPerScript,
 		o.fallbackActive, o.fallbackSwitches, o.dataLost, o.vendorLimited, o.pauses, o.pauseSeconds, o.queueDepth, o.margin,
-		o.capsLearned, o.learnedLimit,
+		o.capsLearned, o.learnedLimit, o.others,
 	}
 }
 
@@ -261,6 +265,8 @@ func (o *Observer) Observe(e throttle.Event) {
 	case throttle.EventCapLearned:
 		m.capsLearned.Inc()
 		m.learnedLimit.Set(float64(e.Limit))
+	case throttle.EventOthers:
+		m.others.Set(float64(e.Others))
 	}
 	if e.Mode == throttle.Queue {
 		m.queueOnce.Do(func() { m.queueDepth = o.queueDepth.WithLabelValues(m.name) })
@@ -308,6 +314,7 @@ func (o *Observer) quota(name string) *quotaMetrics {
 		margin:           o.margin.WithLabelValues(name),
 		capsLearned:      o.capsLearned.WithLabelValues(name),
 		learnedLimit:     o.learnedLimit.WithLabelValues(name),
+		others:           o.others.WithLabelValues(name),
 	}
 	for i, outcome := range refusals {
 		m.refused[i] = o.calls.WithLabelValues(name, outcome, "false")

@@ -152,6 +152,8 @@ func TestObserver_ExportsEveryEventKind(t *testing.T) {
 	ev(throttle.EventPaused, throttle.Event{Duration: 500 * time.Millisecond})
 	ev(throttle.EventCapLearned, throttle.Event{Limit: 50})
 	ev(throttle.EventCapLearned, throttle.Event{Limit: 40})
+	ev(throttle.EventOthers, throttle.Event{Others: 25})
+	ev(throttle.EventOthers, throttle.Event{Others: 24})
 	// A limiter in Queue mode: the gauge follows its latest event.
 	obs.Observe(throttle.Event{Kind: throttle.EventAdmitted, Quota: "jobs", Mode: throttle.Queue, Cost: 1, Queued: 4})
 	obs.Observe(throttle.Event{Kind: throttle.EventLimited, Err: throttle.ErrQueueFull, Quota: "jobs", Mode: throttle.Queue, Queued: 2})
@@ -200,6 +202,9 @@ func TestObserver_ExportsEveryEventKind(t *testing.T) {
 	}
 	if got := gauge(t, fams, "throttle_learned_limit", sms...); got != 40 {
 		t.Errorf("throttle_learned_limit = %v, want 40, the latest", got)
+	}
+	if got := gauge(t, fams, "throttle_others_units", sms...); got != 24 {
+		t.Errorf("throttle_others_units = %v, want 24, the latest", got)
 	}
 	if got := gauge(t, fams, "throttle_fallback_active", sms...); got != 1 {
 		t.Errorf("throttle_fallback_active = %v after a second fallback, want 1", got)

@@ -1,0 +1,216 @@
+package throttle
+
+import (
+	"context"
+	"slices"
+	"net/http"
+	"net/http/httptest"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/throttlekit/throttle/internal/fakevendor"
+	"github.com/throttlekit/throttle/internal/redistest"
+	"github.com/throttlekit/throttle/policies"
+)
+
+// sharedKey is a strict vendor (a sliding window, X-RateLimit-Limit and
+// -Remaining on every answer) whose key another consumer spends beside
+// the fleet, at an even pace, asking no one.
+type sharedKey struct {
+	v     *fakevendor.Vendor
+	srv   *httptest.Server
+	start time.Time
+	mu    sync.Mutex
+	ok    []time.Duration // the fleet's calls accepted, since start
+	no    []time.Duration // and refused
+	other []time.Duration // the other consumer's calls accepted
+	turn  []time.Duration // and refused
+}
+
+func newSharedKey(t *testing.T, limit int, window time.Duration) *sharedKey {
+	k := &sharedKey{v: fakevendor.New(fakevendor.Config{Limit: limit, Window: window}), start: time.Now()}
+	h := k.v.Handler()
+	k.srv = httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		at := time.Since(k.start)
+		sw := &statusOf{ResponseWriter: w, code: http.StatusOK}
+		h.ServeHTTP(sw, r)
+		k.note(sw.code == http.StatusOK, at, &k.ok, &k.no)
+	}))
+	t.Cleanup(func() { k.srv.Close(); k.v.Close() })
+	return k
+}
+
+type statusOf struct {
+	http.ResponseWriter
+	code int
+}
+
+func (s *statusOf) WriteHeader(code int) {
+	s.code = code
+	s.ResponseWriter.WriteHeader(code)
+}
+
+func (k *sharedKey) note(ok bool, at time.Duration, yes, no *[]time.Duration) {
+	k.mu.Lock()
+	defer k.mu.Unlock()
+	if ok {
+		*yes = append(*yes, at)
+	} else {
+		*no = append(*no, at)
+	}
+}
+
+// spend sends a call every every until stop is closed, as the other
+// consumer does.
+func (k *sharedKey) spend(every time.Duration, stop <-chan struct{}) {
+	tick := time.NewTicker(every)
+	defer tick.Stop()
+	for {
+		select {
+		case <-stop:
+			return
+		case <-tick.C:
+			at := time.Since(k.start)
+			k.note(k.v.Arrive(), at, &k.other, &k.turn)
+		}
+	}
+}
+
+// count returns how many of ts lie in [from, to).
+func (k *sharedKey) count(ts []time.Duration, from, to time.Duration) int {
+	k.mu.Lock()
+	defer k.mu.Unlock()
+	n := 0
+	for _, t := range ts {
+		if t >= from && t < to {
+			n++
+		}
+	}
+	return n
+}
+
+// sharedKeyFleet runs replicas × workers calls through Transports on the
+// shared key from the fleet's start until its end, since the vendor's
+// start.
+func sharedKeyFleet(t *testing.T, s *redistest.Server, k *sharedKey, limit int, window, from, to time.Duration, obs func(Event)) []*Limiter {
+	const replicas, workers = 3, 10
+	ctx, cancel := context.WithCancel(context.Background())
+	var wg sync.WaitGroup
+	var lims []*Limiter
+	time.Sleep(time.Until(k.start.Add(from)))
+	for range replicas {
+		lim := newLimiter(t, s.Client(t), policies.SlidingLog{Limit: limit, Window: window}, Options{Observer: obs})
+		lims = append(lims, lim)
+		c := &http.Client{Transport: &Transport{Base: &http.Transport{MaxIdleConnsPerHost: workers}, Limiter: lim, MaxRetries: -1}}
+		for range workers {
+			wg.Go(func() {
+				for ctx.Err() == nil {
+					_, _ = get(ctx, c, k.srv.URL)
+				}
+			})
+		}
+	}
+	time.Sleep(time.Until(k.start.Add(to)))
+	cancel()
+	wg.Wait()
+	return lims
+}
+
+// Another consumer spends 40% of the vendor's key, evenly, from a window
+// before the fleet starts, and stops later. The fleet measures it from the
+// vendor's counts and leaves it its share: the other consumer's calls find
+// room (at most 2% refused), the fleet takes at least 0.9 of what the
+// other leaves with no 429 after its first two windows; and once the
+// other stops, the fleet takes the whole cap again within three windows.
+func TestOthers_LeavesAnotherConsumerItsShare(t *testing.T) {
+	t.Parallel()
+	const (
+		limit  = 60
+		window = time.Second
+		every  = window * 10 / (limit * 4) // 40% of the cap
+		start  = window                    // the fleet's
+		stopAt = start + 6*window          // the other consumer's
+		end    = stopAt + 5*window
+	)
+	s := redistest.Real(t)
+	k := newSharedKey(t, limit, window)
+	stop := make(chan struct{})
+	go k.spend(every, stop)
+	time.AfterFunc(stopAt, func() { close(stop) })
+	var mu sync.Mutex
+	var told []int // the Others of each EventOthers
+	lims := sharedKeyFleet(t, s, k, limit, window, start, end, func(e Event) {
+		if e.Kind == EventOthers {
+			mu.Lock()
+			told = append(told, e.Others)
+			mu.Unlock()
+		}
+	})
+
+	sent := k.count(k.other, 0, end) + k.count(k.turn, 0, end)
+	turned := k.count(k.turn, 0, end)
+	settled := start + 2*window
+	fleet, refused := k.count(k.ok, settled, stopAt), k.count(k.no, settled, stopAt)
+	others := k.count(k.other, settled, stopAt)
+	left := float64(limit)*float64(stopAt-settled)/float64(window) - float64(others)
+	after := k.count(k.ok, stopAt+3*window, end)
+	t.Logf("the other consumer: %d of %d refused; the fleet: %d calls while it spent %d (%.3f of what it left), %d refused; %d in the %v after it stopped",
+		turned, sent, fleet, others, float64(fleet)/left, refused, after, end-stopAt-3*window)
+	if t.Failed() || testing.Verbose() {
+		k.dump(t, window, end)
+	}
+	if turned*50 > sent {
+		t.Errorf("the other consumer had %d of its %d calls refused, want at most 2%%", turned, sent)
+	}
+	if float64(fleet) < 0.9*left {
+		t.Errorf("the fleet took %d calls of the %.0f the other consumer left, want at least 0.9 of them", fleet, left)
+	}
+	if refused > 0 {
+		t.Errorf("the fleet had %d calls refused after its first two windows, want none", refused)
+	}
+	u, err := lims[0].Usage(context.Background())
+	if err != nil {
+		t.Fatal(err)
+	}
+	// The observer was told of the share the other consumer took, and of
+	// its end; Usage shows none left.
+	mu.Lock()
+	defer mu.Unlock()
+	if len(told) < 2 || slices.Max(told) < limit*4/10 || told[len(told)-1] != 0 || u.Rules[0].Others != 0 {
+		t.Errorf("EventOthers told %v, Usage shows %d left to others at the end; want a share of at least %d, then 0",
+			told, u.Rules[0].Others, limit*4/10)
+	}
+	share := float64(window) / float64(window+u.Rules[0].Margin)
+	if want := 0.95 * share * float64(limit) * float64(end-stopAt-3*window) / float64(window); float64(after) < want {
+		t.Errorf("the fleet took %d calls in the %v from three windows after the other consumer stopped, want at least %.0f",
+			after, end-stopAt-3*window, want)
+	}
+}
+
+func (k *sharedKey) dump(t *testing.T, window, end time.Duration) {
+	for w := time.Duration(0); w < end; w += window / 2 {
+		t.Logf("%5v: fleet %3d ok %2d no; other %2d ok %2d no", w, k.count(k.ok, w, w+window/2), k.count(k.no, w, w+window/2),
+			k.count(k.other, w, w+window/2), k.count(k.turn, w, w+window/2))
+	}
+}
+
+// leftToOthers is what a rule leaves other consumers of the key who spent
+// n units of a window of the vendor's limit of base (see others_reserve in
+// lua/lib.lua), or nothing with the switch others off.
+func leftToOthers(n, base int) int {
+	if n < 1 || isOff("others") {
+		return 0
+	}
+	return n + min(n/16+1, max((base-n)/2, 1))
+}
+
+// leftAfter is what a rule of limit base leaves the fleet, which sent
+// ours, when the vendor says left are left: less than left by the more
+// it leaves others, or left, with shares off, by a charge.
+func leftAfter(base, ours, left int) int {
+	if isOff("others") {
+		return left
+	}
+	return max(base-leftToOthers(base-left-ours, base)-ours, 0)
+}
