@@ -278,7 +278,8 @@ func (c *Count) count() vendorCount {
 //
 //   - A refusal pauses the quota (Limiter.Pause) until the time the vendor
 //     named, or for DefaultPause when it named none; so does any answer that
-//     says nothing is left until a reset.
+//     says nothing is left until a reset, unless the quota's own count had
+//     nothing left after the call either.
 //   - A refusal over the quota's cap teaches the quota the cap, as
 //     Permit.Refused does (not a 503, not a refusal about a shared
 //     resource, not one with Retry-After: 0, which says there is room now),
@@ -306,6 +307,12 @@ func (p *Permit) Heard(ctx context.Context, a Answer) (pause time.Duration, refu
 	requests, tokens := a.Requests.count(), a.Tokens.count()
 	said := p.counts(a, requests, tokens)
 	pause, refused = a.refusal(requests, untilReset(requests, tokens))
+	if !refused && p.r.admitted && !p.r.local && p.r.remaining == 0 {
+		// The fleet's count was as full as the vendor's after this call: it
+		// admits nothing before its own units leave the window, which a
+		// vendor's reset in whole seconds would only delay.
+		pause = 0
+	}
 	pause = min(pause, maxPause)
 	if refused {
 		l.emit(Event{Kind: EventVendorLimited})

@@ -2,9 +2,9 @@ package throttle
 
 import (
 	"context"
-	"slices"
 	"net/http"
 	"net/http/httptest"
+	"slices"
 	"sync"
 	"testing"
 	"time"
