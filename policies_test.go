@@ -189,11 +189,7 @@ func TestConcurrency_ReleaseWakesThisProcesssWaiters(t *testing.T) {
 	redistest.Each(t, func(t *testing.T, s *redistest.Server) {
 		lim := newLimiter(t, s.Client(t), policies.Concurrency{Max: 2, Lease: time.Minute})
 		ctx := context.Background()
-		freed := func() <-chan struct{} {
-			lim.freedMu.Lock()
-			defer lim.freedMu.Unlock()
-			return lim.freed
-		}
+		freed := lim.freed.wait
 		for _, end := range []struct {
 			name string
 			fn   func(*Permit) error

@@ -77,8 +77,7 @@ type Limiter struct {
 	q       *queue      // the local queue in Queue mode, or nil; its own lock
 	closed  atomic.Bool // Close was called
 
-	freedMu sync.Mutex    // guards freed
-	freed   chan struct{} // closed, and replaced, when a slot frees in this process
+	freed *freed // signals a concurrency slot freed in this process: the limiter's own, or its group's (policies.Shared)
 
 	roomMu   sync.Mutex    // guards room, roomLast and roomDue
 	room     chan struct{} // closed, and replaced, when the fleet gave units back (move.go)
@@ -102,6 +101,7 @@ type compiled struct {
 	callRules bool          // some rule counts calls (policies.PerCall)
 	maxCost   int
 	maxCostIs string         // the limit maxCost comes from, as the user set it
+	group     string         // the Name of the quota's policies.Shared rules, or ""
 	units     []string       // the named units the rules count (policies.Unit), in their order
 	unitMax   map[string]int // the smallest limit of each named unit's rules
 }
@@ -150,7 +150,7 @@ func New(rdb redis.UniversalClient, name string, policy policies.Policy, opts ..
 	if err != nil {
 		return nil, err
 	}
-	l := &Limiter{rdb: rdb, name: name, s: s, id: newID(), freed: make(chan struct{}), room: make(chan struct{}), timing: timingFor(rdb, s.clock)}
+	l := &Limiter{rdb: rdb, name: name, s: s, id: newID(), room: make(chan struct{}), timing: timingFor(rdb, s.clock)}
 	l.rules, l.brk = rules, newBreaker()
 	// The steps of Redis's clock that the process's other limiters on the
 	// server saw before this one existed are theirs to tell their quotas;
@@ -164,6 +164,10 @@ func New(rdb redis.UniversalClient, name string, policy policies.Policy, opts ..
 		}
 	}
 	l.compile()
+	l.freed = freedFor(l.group)
+	if l.group != "" && s.onRedisError == Local {
+		return nil, fmt.Errorf("throttle: quota %q: OnRedisError Local cannot divide the policies.Shared rules of %q among the quotas that share them: use FailClosed or FailOpen", name, l.group)
+	}
 	if s.mode == Queue {
 		l.q = newQueue(s.maxQueue, s.overflow, min(l.maxCost, maxDispatched))
 	}
@@ -176,6 +180,17 @@ func New(rdb redis.UniversalClient, name string, policy policies.Policy, opts ..
 func (l *Limiter) compile() {
 	rules := l.rules
 	l.base = l.s.prefix + ":{" + l.name + "}:"
+	// A quota with policies.Shared rules keeps every key under the hash
+	// tag of their Name: its own after "/" and its name, the shared ones
+	// after "//", which no quota's name makes.
+	var sharedBase string
+	for _, r := range rules {
+		if r.Shared != "" {
+			l.group = r.Shared
+			l.base = l.s.prefix + ":{" + r.Shared + "}/" + l.name + ":"
+			sharedBase = l.s.prefix + ":{" + r.Shared + "}//"
+		}
+	}
 	l.shared = []string{l.base + "meta", l.base + "meta"}
 	// Cost counts under the rules that count units: it may not exceed the
 	// smallest of their limits. Under rules that count calls it is 1.
@@ -187,11 +202,15 @@ func (l *Limiter) compile() {
 		if r.PerKey {
 			id = "key:" + id
 		}
+		base := l.base
+		if r.Shared != "" {
+			id, base = "shared:"+id, sharedBase
+		}
 		if seen[id]++; seen[id] > 1 {
 			id += "#" + strconv.Itoa(seen[id])
 		}
 		ids = append(ids, id)
-		l.shared = append(l.shared, l.base+id)
+		l.shared = append(l.shared, base+strings.TrimPrefix(id, "shared:"))
 	}
 	sorted := slices.Clone(ids)
 	slices.Sort(sorted)

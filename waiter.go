@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"math/rand/v2"
+	"sync"
 	"time"
 )
 
@@ -320,9 +321,7 @@ func (l *Limiter) sleepBusy(ctx context.Context, d, leaseEnds time.Duration) err
 	if leaseEnds > 0 {
 		d = min(d, leaseEnds)
 	}
-	l.freedMu.Lock()
-	freed := l.freed
-	l.freedMu.Unlock()
+	freed := l.freed.wait()
 	t := time.NewTimer(d)
 	defer t.Stop()
 	select {
@@ -335,12 +334,44 @@ func (l *Limiter) sleepBusy(ctx context.Context, d, leaseEnds time.Duration) err
 }
 
 // signalFreed wakes every call of this process waiting for a concurrency
-// slot.
-func (l *Limiter) signalFreed() {
-	l.freedMu.Lock()
-	close(l.freed)
-	l.freed = make(chan struct{})
-	l.freedMu.Unlock()
+// slot of the limiter, or of any limiter of its group.
+func (l *Limiter) signalFreed() { l.freed.signal() }
+
+// freed is closed, and replaced, when a concurrency slot frees in this
+// process.
+type freed struct {
+	mu sync.Mutex
+	ch chan struct{}
+}
+
+// groups holds the freed signal of each group of quotas that share rules
+// (policies.Shared), by the group's name: a slot one quota frees may be
+// the one another quota's calls wait for.
+var groups sync.Map
+
+// freedFor returns the signal of group, or a signal of its own for "".
+func freedFor(group string) *freed {
+	f := &freed{ch: make(chan struct{})}
+	if group == "" {
+		return f
+	}
+	shared, _ := groups.LoadOrStore(group, f)
+	return shared.(*freed)
+}
+
+// wait returns the channel the next signal closes.
+func (f *freed) wait() <-chan struct{} {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	return f.ch
+}
+
+// signal wakes everyone waiting.
+func (f *freed) signal() {
+	f.mu.Lock()
+	close(f.ch)
+	f.ch = make(chan struct{})
+	f.mu.Unlock()
 }
 
 func sleep(ctx context.Context, d time.Duration) error { return sleepOr(ctx, d, nil) }

@@ -285,6 +285,8 @@ func holds(p Policy, is func(Policy) bool) bool {
 		return holds(p.Policy, is)
 	case Unit:
 		return holds(p.Policy, is)
+	case Shared:
+		return holds(p.Policy, is)
 	case all:
 		for _, q := range p {
 			if holds(q, is) {
@@ -325,6 +327,9 @@ type Rule struct {
 	// Unit names what the rule counts, when not a call's Cost: a Unit
 	// policy's Name (see Unit).
 	Unit string
+	// Shared names the quotas that share the rule: a Shared policy's Name
+	// (see Shared), or "" for a rule of the quota's own.
+	Shared string
 }
 
 // ID names the rule by what its data means, for the Redis key that holds
@@ -368,5 +373,9 @@ func Rules(p Policy) ([]Rule, error) {
 	if err := p.Validate(); err != nil {
 		return nil, err
 	}
-	return p.rules(false), nil
+	rs := p.rules(false)
+	if err := sharedNames(rs); err != nil {
+		return nil, err
+	}
+	return rs, nil
 }
