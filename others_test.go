@@ -130,8 +130,8 @@ func TestOthers_LeavesAnotherConsumerItsShare(t *testing.T) {
 		window = time.Second
 		every  = window * 10 / (limit * 4) // 40% of the cap
 		start  = window                    // the fleet's
-		stopAt = start + 6*window          // the other consumer's
-		end    = stopAt + 5*window
+		stopAt = start + 5*window          // the other consumer's
+		end    = stopAt + 4*window
 	)
 	s := redistest.Real(t)
 	k := newSharedKey(t, limit, window)

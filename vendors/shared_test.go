@@ -144,14 +144,14 @@ func (k *sharedKey) serve(t *testing.T, shape func(http.ResponseWriter, bool, in
 }
 
 // The run of a shared key: a window of the other consumer alone, then
-// the fleet beside it for six windows, then the fleet alone for five.
+// the fleet beside it for five windows, then the fleet alone for four.
 const (
 	sharedLimit  = 60
 	sharedWindow = 2 * time.Second
 	sharedEvery  = 83 * time.Millisecond // 40% of the cap
 	sharedStart  = sharedWindow
-	sharedStop   = sharedStart + 6*sharedWindow
-	sharedEnd    = sharedStop + 5*sharedWindow
+	sharedStop   = sharedStart + 5*sharedWindow
+	sharedEnd    = sharedStop + 4*sharedWindow
 )
 
 // sharedKeyRun runs the other consumer and the fleet, whose call sends
