@@ -179,18 +179,7 @@ func New(rdb redis.UniversalClient, name string, policy policies.Policy, opts ..
 // cost, and which kinds of rule the quota has.
 func (l *Limiter) compile() {
 	rules := l.rules
-	l.base = l.s.prefix + ":{" + l.name + "}:"
-	// A quota with policies.Shared rules keeps every key under the hash
-	// tag of their Name: its own after "/" and its name, the shared ones
-	// after "//", which no quota's name makes.
-	var sharedBase string
-	for _, r := range rules {
-		if r.Shared != "" {
-			l.group = r.Shared
-			l.base = l.s.prefix + ":{" + r.Shared + "}/" + l.name + ":"
-			sharedBase = l.s.prefix + ":{" + r.Shared + "}//"
-		}
-	}
+	sharedBase := l.bases()
 	l.shared = []string{l.base + "meta", l.base + "meta"}
 	// Cost counts under the rules that count units: it may not exceed the
 	// smallest of their limits. Under rules that count calls it is 1.
@@ -237,6 +226,22 @@ func (l *Limiter) compile() {
 			l.maxCostIs = limitName(r)
 		}
 	}
+}
+
+// bases sets the start of the quota's own keys, and returns that of its
+// policies.Shared rules' keys, or "". A quota with Shared rules keeps every
+// key under the hash tag of their Name: its own after "/" and its name,
+// the shared ones after "//", which no quota's name makes.
+func (l *Limiter) bases() (shared string) {
+	l.base = l.s.prefix + ":{" + l.name + "}:"
+	for _, r := range l.rules {
+		if r.Shared != "" {
+			l.group = r.Shared
+			l.base = l.s.prefix + ":{" + r.Shared + "}/" + l.name + ":"
+			shared = l.s.prefix + ":{" + r.Shared + "}//"
+		}
+	}
+	return shared
 }
 
 // countUnit notes that rule r counts a named unit.
