@@ -90,6 +90,17 @@ func readmeHTTPClient(rdb *redis.Client) *http.Client {
 	return client
 }
 
+func readmeShared(rdb *redis.Client) (*throttle.Limiter, *throttle.Limiter) {
+	// README shared
+	secondary := policies.Shared{Name: "github", Policy: policies.PerKey{Policy: policies.Concurrency{Max: 8}}}
+	core, _ := throttle.New(rdb, "github-core", policies.All(
+		policies.PerKey{Policy: policies.SlidingLog{Limit: 5000, Window: time.Hour}}, secondary))
+	search, _ := throttle.New(rdb, "github-search", policies.All(
+		policies.PerKey{Policy: policies.SlidingLog{Limit: 30, Window: time.Minute}}, secondary))
+	// README end
+	return core, search
+}
+
 func readmeKeyPool(core *throttle.Limiter, tokens []string) *throttle.Transport {
 	// README keypool
 	tr := &throttle.Transport{Limiter: core, Keys: tokens, SetKey: func(r *http.Request, token string) {
