@@ -354,6 +354,17 @@ func TestREADME_SnippetsRun(t *testing.T) {
 			t.Errorf("key pool: the vendor saw Authorization %q, want a token of the pool", sent)
 		}
 		mu.Unlock()
+		// GitHub's secondary limit: 8 in flight per token, core and search.
+		shCore, shSearch := readmeShared(rdb)
+		for i := range 8 {
+			lim := []*throttle.Limiter{shCore, shSearch}[i%2]
+			if _, err := lim.Allow(ctx, throttle.Key("t1")); err != nil {
+				t.Fatalf("the shared rule's call %d: %v", i, err)
+			}
+		}
+		if d, err := shSearch.Allow(ctx, throttle.Key("t1")); err != nil || d.OK {
+			t.Errorf("a ninth call of t1 across core and search: %+v, %v; want refused", d, err)
+		}
 		req, _ = http.NewRequestWithContext(ctx, http.MethodPost, vendor.URL, strings.NewReader(`{"model":"m"}`))
 		if err := readmeOpenAI(ctx, rdb, req); err != nil {
 			t.Errorf("OpenAI: %v", err)
