@@ -314,7 +314,10 @@ func TestSpare_TermsFollowTheMarginAndTheRoomLeft(t *testing.T) {
 // once: its memory does not grow with the keys it has seen.
 func TestSpare_PoolsBoundedWithManyKeys(t *testing.T) {
 	s := redistest.Mini(t)
-	lim := newLimiter(t, s.Client(t), policies.PerKey{Policy: policies.SlidingLog{Limit: 100, Window: time.Minute}})
+	// 1,500 script calls on miniredis, beside the package's tests under
+	// -race: a slow one is no failure here.
+	lim := newLimiter(t, s.Client(t), policies.PerKey{Policy: policies.SlidingLog{Limit: 100, Window: time.Minute}},
+		Options{RedisTimeout: 10 * time.Second})
 	ctx := context.Background()
 	for i := range maxPools + 500 {
 		if d, err := lim.Allow(ctx, Key("tenant-"+strconv.Itoa(i))); err != nil || !d.OK {
