@@ -74,7 +74,6 @@ func (v *secondaryVendor) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 // both routes (policies.Shared): no secondary refusal, and each token
 // keeps up to 8 in flight, split between the routes as the calls come.
 func TestGitHub_OneSecondaryLimitAcrossCoreAndSearch(t *testing.T) {
-	t.Parallel()
 	const replicas, workers, perToken = 3, 16, 8
 	tokens := []string{"token-a", "token-b", "token-c", "token-d"}
 	s := redistest.Real(t)

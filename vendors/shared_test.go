@@ -145,6 +145,9 @@ func (k *sharedKey) serve(t *testing.T, shape func(http.ResponseWriter, bool, in
 
 // The run of a shared key: a window of the other consumer alone, then
 // the fleet beside it for five windows, then the fleet alone for four.
+// One run at a time: a machine busy with another fleet starts the calls
+// late, and a late call makes the vendor's count measure the others low
+// (two at once in CI: 10 of 144 of the other's calls refused).
 const (
 	sharedLimit  = 60
 	sharedWindow = 2 * time.Second
@@ -199,7 +202,6 @@ func sharedKeyRun(t *testing.T, k *sharedKey, srv *httptest.Server, call func(re
 // Transport measures it from x-ratelimit-remaining-requests and leaves it
 // its share.
 func TestOpenAI_LeavesAnotherConsumerItsShare(t *testing.T) {
-	t.Parallel()
 	s := redistest.Real(t)
 	k := newSharedKey(sharedLimit, sharedWindow)
 	srv := k.serve(t, openAIShape)
@@ -227,7 +229,6 @@ func TestOpenAI_LeavesAnotherConsumerItsShare(t *testing.T) {
 // The same through go-github: GitHub's x-ratelimit-remaining, -used and
 // -reset (in whole seconds, of when the oldest request leaves).
 func TestGitHub_LeavesAnotherConsumerItsShare(t *testing.T) {
-	t.Parallel()
 	s := redistest.Real(t)
 	k := newSharedKey(sharedLimit, sharedWindow)
 	srv := k.serve(t, gitHubShape)
