@@ -124,6 +124,14 @@ func sharedKeyFleet(t *testing.T, s *redistest.Server, k *sharedKey, limit int, 
 // other leaves with no 429 after its first two windows; and once the
 // other stops, the fleet takes the whole cap again within three windows.
 func TestOthers_LeavesAnotherConsumerItsShare(t *testing.T) {
+	if raceEnabled {
+		// Under -race beside the package's tests, the fleet's calls start
+		// hundreds of milliseconds late and out of their slots' order, and
+		// the vendor's counts measure others that are not there (a share of
+		// 20 of 60 held after the other consumer stopped, in one CI run):
+		// .ci/run runs it without -race (the switches' step, on and off).
+		t.Skip("a figure of a fleet's timing: run without -race")
+	}
 	t.Parallel()
 	const (
 		limit  = 60
