@@ -469,7 +469,7 @@ func (p *Permit) tell(ctx context.Context, said vendorSaid, pause time.Duration,
 func (l *Limiter) noteOthers(rep feedbackReply) {
 	until := int64(0)
 	if rep.measuring {
-		until = time.Now().Add(2 * l.longestSpan()).UnixNano()
+		until = time.Now().Add(2 * l.longest).UnixNano()
 	}
 	l.measuring.Store(until)
 	if old := l.others.Swap(int64(rep.others)); old != int64(rep.others) {
@@ -481,18 +481,6 @@ func (l *Limiter) noteOthers(rep feedbackReply) {
 // consumers of the key spend.
 func (l *Limiter) measuringOthers() bool {
 	return time.Now().UnixNano() < l.measuring.Load()
-}
-
-// longestSpan returns the longest window of the quota's rules, as
-// configured, or a second when it has none.
-func (l *Limiter) longestSpan() time.Duration {
-	span := time.Second
-	for _, r := range l.rules {
-		if r.Kind == policies.KindSlidingLog || r.Kind == policies.KindSlidingCounter {
-			span = max(span, r.Window)
-		}
-	}
-	return span
 }
 
 // countsCalls reports whether the quota has a rule that counts calls over

@@ -33,22 +33,12 @@ func newSharedKey(t *testing.T, limit int, window time.Duration) *sharedKey {
 	h := k.v.Handler()
 	k.srv = httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		at := time.Since(k.start)
-		sw := &statusOf{ResponseWriter: w, code: http.StatusOK}
+		sw := &statusRecorder{ResponseWriter: w, status: http.StatusOK}
 		h.ServeHTTP(sw, r)
-		k.note(sw.code == http.StatusOK, at, &k.ok, &k.no)
+		k.note(sw.status == http.StatusOK, at, &k.ok, &k.no)
 	}))
 	t.Cleanup(func() { k.srv.Close(); k.v.Close() })
 	return k
-}
-
-type statusOf struct {
-	http.ResponseWriter
-	code int
-}
-
-func (s *statusOf) WriteHeader(code int) {
-	s.code = code
-	s.ResponseWriter.WriteHeader(code)
 }
 
 func (k *sharedKey) note(ok bool, at time.Duration, yes, no *[]time.Duration) {

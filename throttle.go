@@ -102,6 +102,7 @@ type compiled struct {
 	maxCost   int
 	maxCostIs string         // the limit maxCost comes from, as the user set it
 	group     string         // the Name of the quota's policies.Shared rules, or ""
+	longest   time.Duration  // the longest window of the rules, at least a second
 	units     []string       // the named units the rules count (policies.Unit), in their order
 	unitMax   map[string]int // the smallest limit of each named unit's rules
 }
@@ -206,7 +207,11 @@ func (l *Limiter) compile() {
 	sum := sha256.Sum256([]byte(strings.Join(sorted, ",")))
 	l.policyID = base64.RawURLEncoding.EncodeToString(sum[:9])
 	l.minMargin = policies.DefaultMargin
+	l.longest = time.Second
 	for _, r := range rules {
+		if r.Kind == policies.KindSlidingLog || r.Kind == policies.KindSlidingCounter {
+			l.longest = max(l.longest, r.Window)
+		}
 		if (r.Kind == policies.KindSlidingLog || r.Kind == policies.KindSlidingCounter) && r.Margin < l.minMargin {
 			l.minMargin = max(r.Margin, minStep)
 		}

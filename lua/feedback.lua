@@ -84,11 +84,11 @@ if learn then
   end
   dirty = dirty or meta.caps_until ~= cu
 end
--- charged_in returns the units charged to rule r that sit in (lo, hi]:
--- in its record, but not sent by the fleet.
+-- charged_in returns the units charged to rule r that sit in (lo, hi], or
+-- after lo for no hi: in its record, but not sent by the fleet.
 local function charged_in(r, lo, hi)
   local n = 0
-  for _, m in ipairs(redis.call('ZRANGEBYSCORE', r.key .. ':ch', '(' .. str(lo), str(hi))) do
+  for _, m in ipairs(redis.call('ZRANGEBYSCORE', r.key .. ':ch', '(' .. str(lo), hi and str(hi) or '+inf')) do
     n = n + (tonumber(string.match(m, ':(%d+)$')) or 0)
   end
   return n
@@ -140,16 +140,10 @@ local function note_others(r, left, vlimit)
   if not r.oth and o.share < 500 then
     return false
   end
-  local limit = r.limit
   r.oth = o
   if o.share < 100 then
     -- The others stopped, or were noise: the share goes.
     r.oth = nil
-  end
-  apply_limits(r)
-  if r.limit > limit then
-    -- Room the share gave back: a log's hint may say nothing fits there.
-    redis.call('DEL', r.key .. ':next')
   end
   return true
 end
@@ -164,8 +158,13 @@ if meta and not learn then
     elseif own[i] then
       left, vlimit = own[i].left, 0
     end
+    local limit = r.limit
     if left >= 0 and note_others(r, left, vlimit) then
       write_limits(r, meta, now)
+      if r.limit > limit then
+        -- Room the share gave back: a log's hint may say nothing fits there.
+        redis.call('DEL', r.key .. ':next')
+      end
     end
   end
   dirty = dirty or meta.caps_until ~= cu
@@ -197,13 +196,8 @@ local function charged_after(r, t)
   if OFF.charges then
     return 0
   end
-  local key = r.key .. ':ch'
-  redis.call('ZREMRANGEBYSCORE', key, '-inf', str(now - r.window))
-  local n = 0
-  for _, m in ipairs(redis.call('ZRANGEBYSCORE', key, '(' .. str(t), '+inf')) do
-    n = n + (tonumber(string.match(m, ':(%d+)$')) or 0)
-  end
-  return n
+  redis.call('ZREMRANGEBYSCORE', r.key .. ':ch', '-inf', str(now - r.window))
+  return charged_in(r, t)
 end
 
 local charged = 0
