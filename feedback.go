@@ -7,6 +7,7 @@ import (
 	"math/rand/v2"
 	"net/http"
 	"strconv"
+	"strings"
 	"time"
 
 	"github.com/throttlekit/throttle/policies"
@@ -50,7 +51,7 @@ func (p *Permit) Refused(ctx context.Context, retryAfter time.Duration) error {
 	if err != nil {
 		return err
 	}
-	said := vendorSaid{pause: min(max(retryAfter, 0), maxPause), units: unknownCount, calls: unknownCount, learn: !p.l.s.noLearning}
+	said := vendorSaid{pause: min(max(retryAfter, 0), maxPause), units: unknownCount, calls: unknownCount, learn: !p.l.s.noLearning, refused: true}
 	return p.l.feedback(ctx, said, p.r, p.opts())
 }
 
@@ -90,6 +91,14 @@ type vendorSaid struct {
 	units, calls vendorCount
 	named        map[string]vendorCount // of the named units (policies.Unit), by name
 	learn        bool
+	// late is how late after its slot the call started (Permit.Start), 0
+	// when not known: the vendor counted as of the call's arrival, so the
+	// fleet's calls booked within that lateness after the slot count as
+	// sent when the count measures other consumers of the key.
+	late time.Duration
+	// refused says that the vendor refused the call: it most often does
+	// not count a refused call, which the measure of the others must know.
+	refused bool
 }
 
 // vendorCount is one of the vendor's counts: what is left (-1 when
@@ -125,7 +134,8 @@ func (l *Limiter) feedback(ctx context.Context, said vendorSaid, r result, opts 
 		learnArg = 1
 	}
 	args = append(args, l.epoch.Load(), learnArg, max(said.units.limit, 0),
-		max(said.calls.left, -1), said.calls.reset.Microseconds(), max(said.calls.limit, 0), len(named)/3)
+		max(said.calls.left, -1), said.calls.reset.Microseconds(), max(said.calls.limit, 0),
+		max(said.late, 0).Microseconds(), refusedCost(said, r, rules), len(named)/3)
 	args = append(args, named...)
 	v, err := scripts.feedback.Run(ctx, l.rdb, keys, args...).Int64Slice()
 	if err != nil {
@@ -137,6 +147,9 @@ func (l *Limiter) feedback(ctx context.Context, said vendorSaid, r result, opts 
 	}
 	l.notePause(sc, rep.now, rep.until)
 	l.noteOthers(rep)
+	if rep.dropped {
+		l.noteLowered(rep.now)
+	}
 	if pause > 0 {
 		l.emit(Event{Kind: EventPaused, Duration: pause})
 	}
@@ -175,6 +188,23 @@ func (l *Limiter) rulesAbout(sc scope, said vendorSaid) (keys []string, rules []
 		}
 	}
 	return keys, rules, named
+}
+
+// refusedCost returns the cost of the call r under each of rules, as
+// feedback.lua reads it, when the vendor refused it, else "".
+func refusedCost(said vendorSaid, r result, rules []policies.Rule) string {
+	if !said.refused || !r.admitted || r.local {
+		return ""
+	}
+	parts := make([]string, len(rules))
+	for i, rule := range rules {
+		n := r.cost
+		if rule.Unit != "" {
+			n = r.named[rule.Unit]
+		}
+		parts[i] = strconv.Itoa(n)
+	}
+	return strings.Join(parts, ",")
 }
 
 // newFeedbackCall reads the options of Pause and SetRemaining: only Key
@@ -317,6 +347,7 @@ func (p *Permit) Heard(ctx context.Context, a Answer) (pause time.Duration, refu
 	if refused {
 		l.emit(Event{Kind: EventVendorLimited})
 	}
+	said.refused = refused
 	return pause, refused, p.tell(ctx, said, pause, a.teaches(said, refused))
 }
 
@@ -435,11 +466,23 @@ func (a Answer) teaches(said vendorSaid, refused bool) bool {
 // quota nothing.
 func (p *Permit) tell(ctx context.Context, said vendorSaid, pause time.Duration, learn bool) error {
 	l := p.l
+	said.late = p.startedLate()
+	if said.refused && !p.r.local {
+		// A call the fleet admitted and the vendor refused: another
+		// consumer of the key may spend it. The counts that follow are
+		// passed on, to measure them, even those that say more is left
+		// than the fleet believes (its refused calls are in its record).
+		l.measureOthers()
+	}
 	switch {
 	case learn && !l.s.noLearning:
 		said.pause, said.learn = pause, true
 		said.units.left, said.calls.left = -1, -1
 		return l.feedback(ctx, said, p.r, p.opts())
+	case pause > 0 && said.refused:
+		// The refusal is noted with the pause (see refusedCost).
+		return l.feedback(ctx, vendorSaid{pause: min(pause, maxPause), units: unknownCount, calls: unknownCount,
+			refused: true}, p.r, p.opts())
 	case pause > 0:
 		return l.Pause(ctx, pause, p.opts()...)
 	case len(said.named) > 0:
@@ -467,18 +510,28 @@ func (p *Permit) tell(ctx context.Context, said vendorSaid, pause time.Duration,
 // noteOthers keeps what the feedback script said of the others' share,
 // and reports a change of it.
 func (l *Limiter) noteOthers(rep feedbackReply) {
-	until := int64(0)
 	if rep.measuring {
-		until = time.Now().Add(2 * l.longest).UnixNano()
+		l.measureOthers()
 	}
-	l.measuring.Store(until)
 	if old := l.others.Swap(int64(rep.others)); old != int64(rep.others) {
 		l.emit(Event{Kind: EventOthers, Others: rep.others})
 	}
 }
 
+// measureOthers makes every count the vendor gives in the next two
+// windows measure what other consumers of the key spend (see tell).
+func (l *Limiter) measureOthers() {
+	until := time.Now().Add(2 * l.longest).UnixNano()
+	for {
+		old := l.measuring.Load()
+		if old >= until || l.measuring.CompareAndSwap(old, until) {
+			return
+		}
+	}
+}
+
 // measuringOthers reports whether the quota measured lately what other
-// consumers of the key spend.
+// consumers of the key spend, or should.
 func (l *Limiter) measuringOthers() bool {
 	return time.Now().UnixNano() < l.measuring.Load()
 }

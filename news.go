@@ -328,6 +328,10 @@ func (l *Limiter) news(payload string) {
 		l.notePause(scope{keys: []string{l.shared[0], l.shared[0]}}, us(now), us(a))
 	case "k":
 		l.notePause(scope{keys: []string{l.shared[0], f[1]}}, us(now), us(a))
+	case "l":
+		if epoch, err := strconv.ParseInt(f[1], 10, 64); err == nil && epoch == l.epoch.Load() {
+			l.noteLowered(us(a))
+		}
 	case "f":
 		if epoch, err := strconv.ParseInt(f[1], 10, 64); err == nil && epoch == l.epoch.Load() {
 			l.signalRoom()

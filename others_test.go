@@ -217,3 +217,75 @@ func leftAfter(base, ours, left int) int {
 	}
 	return max(base-leftToOthers(base-left-ours, base)-ours, 0)
 }
+
+// A call the vendor refused is in the fleet's record but not in the
+// vendor's count: the measure of the others leaves it out (the ':rj' list
+// in feedback.lua), or each refusal of the fleet would measure the others
+// a unit low, and the lower share let more of the fleet's calls through.
+func TestOthers_RefusedCallsAreNotTheFleets(t *testing.T) {
+	redistest.Each(t, func(t *testing.T, s *redistest.Server) {
+		ctx := context.Background()
+		lim := newLimiter(t, s.Client(t), policies.SlidingLog{Limit: 10, Window: 10 * time.Second},
+			Options{Mode: FailFast, WithoutLearning: true})
+		var ps []*Permit
+		for range 6 {
+			p, err := lim.Acquire(ctx)
+			if err != nil {
+				t.Fatal(err)
+			}
+			ps = append(ps, p)
+		}
+		// The vendor refused the last two; the other four and two calls
+		// of another consumer are what it counted.
+		for _, p := range ps[4:] {
+			if _, refused, err := p.Heard(ctx, Answer{Status: http.StatusTooManyRequests, RetryAfter: time.Millisecond, HasRetryAfter: true}); err != nil || !refused {
+				t.Fatalf("Heard a 429: refused %v, %v", refused, err)
+			}
+		}
+		if _, _, err := ps[3].Heard(ctx, Answer{Status: http.StatusOK, Requests: &Count{Remaining: 4, Limit: 10}}); err != nil {
+			t.Fatal(err)
+		}
+		u, err := lim.Usage(ctx)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if want := leftToOthers(2, 10); u.Rules[0].Others != want {
+			t.Errorf("the quota leaves others %d, want %d: they spent 2 of the vendor's 6", u.Rules[0].Others, want)
+		}
+	})
+}
+
+// Units that settle refunded after a call's slot were in the vendor's
+// count when it answered that call (it counted the refunded call at its
+// estimate until it ended): the measure of the others counts them as the
+// fleet's still (the ':rf' list of settle.lua), or an LLM fleet whose calls
+// settle below their estimates measures others that are not there.
+func TestOthers_RefundsAfterTheSlotStillCount(t *testing.T) {
+	redistest.Each(t, func(t *testing.T, s *redistest.Server) {
+		ctx := context.Background()
+		lim := newLimiter(t, s.Client(t), policies.SlidingLog{Limit: 20, Window: 10 * time.Second}, Options{Mode: FailFast})
+		first, err := lim.Acquire(ctx, Cost(8))
+		if err != nil {
+			t.Fatal(err)
+		}
+		second, err := lim.Acquire(ctx, Cost(2))
+		if err != nil {
+			t.Fatal(err)
+		}
+		// The first call ends and settles at 3 after the second one's slot;
+		// the vendor had counted it at 8, and 3 units of another consumer.
+		if err := first.Settle(ctx, 3); err != nil {
+			t.Fatal(err)
+		}
+		if _, _, err := second.Heard(ctx, Answer{Status: http.StatusOK, Tokens: &Count{Remaining: 7, Limit: 20}}); err != nil {
+			t.Fatal(err)
+		}
+		u, err := lim.Usage(ctx)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if want := leftToOthers(3, 20); u.Rules[0].Others != want {
+			t.Errorf("the quota leaves others %d, want %d: they spent 3 of the vendor's 13", u.Rules[0].Others, want)
+		}
+	})
+}

@@ -39,11 +39,11 @@ func TestDecodeAcquire_NamesEveryField(t *testing.T) {
 }
 
 func TestDecodeFeedback_NamesEveryField(t *testing.T) {
-	got, err := decodeFeedback([]int64{3_000, 1_000, 2, 1, 40, 7, 1})
+	got, err := decodeFeedback([]int64{3_000, 1_000, 2, 1, 40, 7, 1, 1})
 	if err != nil {
 		t.Fatal(err)
 	}
-	want := feedbackReply{until: 1_000 * time.Microsecond, charged: 2, now: 3_000 * time.Microsecond, lowered: true, limit: 40, others: 7, measuring: true}
+	want := feedbackReply{until: 1_000 * time.Microsecond, charged: 2, now: 3_000 * time.Microsecond, lowered: true, limit: 40, others: 7, measuring: true, dropped: true}
 	if got != want {
 		t.Errorf("decodeFeedback = %+v, want %+v", got, want)
 	}

@@ -82,16 +82,17 @@ type feedbackReply struct {
 	// vendor's key; measuring reports that a rule keeps their share.
 	others    int
 	measuring bool
+	dropped   bool // a rule's limit in force dropped: calls booked before book again
 }
 
 // decodeFeedback reads feedback.lua's reply v, or says what is wrong with it.
 func decodeFeedback(v []int64) (feedbackReply, error) {
-	if len(v) != 7 {
+	if len(v) != 8 {
 		return feedbackReply{}, fmt.Errorf("unexpected script reply %v", v)
 	}
 	us := func(x int64) time.Duration { return time.Duration(x) * time.Microsecond }
 	return feedbackReply{now: us(v[0]), until: us(v[1]), charged: int(v[2]), lowered: v[3] == 1, limit: int(v[4]),
-		others: int(v[5]), measuring: v[6] == 1}, nil
+		others: int(v[5]), measuring: v[6] == 1, dropped: v[7] == 1}, nil
 }
 
 // costArg is a call's cost as the scripts take it: its Cost, or, on a

@@ -36,6 +36,7 @@ const (
 	offHandBack       mechanism = "hand_back"       // decide.go handBack: Redis is not told of the fallback's calls
 	offForwardSteps   mechanism = "forward_steps"   // batch.go newStep: a forward step is not told to the script
 	offMoves          mechanism = "moves"           // move.go movable: room given back moves no sleeping call
+	offRebookLowered  mechanism = "rebook_lowered"  // view.go overtaken: a call booked before a limit dropped keeps its slot
 )
 
 // luaMechanisms are the mechanisms decided in the scripts, by the names
@@ -67,7 +68,7 @@ var luaMechanisms = []mechanism{
 // goMechanisms are the mechanisms decided in Go.
 var goMechanisms = []mechanism{
 	offSleepToSlot, offGuard, offDoubt, offLeads, offSpares, offBatches, offAbandon,
-	offNews, offBreaker, offAskTimeout, offQueuedFailures, offHandBack, offForwardSteps, offMoves,
+	offNews, offBreaker, offAskTimeout, offQueuedFailures, offHandBack, offForwardSteps, offMoves, offRebookLowered,
 }
 
 // switchedOff holds the mechanisms THROTTLE_OFF turns off, and offErr what

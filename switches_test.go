@@ -149,6 +149,7 @@ var switchBreaks = map[mechanism][]string{
 	offHandBack:       {"^TestLocal_HandsBackTheCallsThatBeganNotThoseBookedAhead$"},
 	offForwardSteps:   {"^TestClockStep_ForwardStepCountsAsALoss$"},
 	offMoves:          {"^TestMove_RefundMovesASleepingCallOfAnotherReplica$"},
+	offRebookLowered:  {"^TestLowered_CallsBookedBeforeADropBookAgain$"},
 	"spread_margins":  {"^TestMargin_FollowsTheFleetsSpread$"},
 	"bucket_margin":   {"^TestGuard_TokenBucketLateReplyBooksAgain$"},
 	"holds":           {"^TestMargin_NarrowsWhileTheFleetBooksAhead$"},

@@ -119,6 +119,7 @@ type view struct {
 	listening   sync.Once     // subscribed to the quota's news (news.go)
 	others      atomic.Int64  // units the quota's rules leave other consumers of the key, as last told
 	measuring   atomic.Int64  // until then (Unix ns), every count the vendor gives goes to Redis (see tell)
+	lowered     atomic.Int64  // the Redis time (µs) a limit in force last dropped, as last told (see overtaken)
 }
 
 // failover is what keeps calls going while Redis cannot decide them.

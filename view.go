@@ -69,12 +69,26 @@ func (l *Limiter) noteScripts(newEpoch bool, n int64) {
 
 // overtaken reports whether what this process learned since r was decided
 // in Redis makes its slot unusable: a pause that ends after it; a loss of
-// the quota's data (a new epoch), which took the booking with it; or a gap
-// in the quota's news, during which either may have gone unheard, or Redis
+// the quota's data (a new epoch), which took the booking with it; a limit
+// in force that dropped after r was decided against it (a cap learned, a
+// larger share left to other consumers of the key); or a gap in the
+// quota's news, during which any of these may have gone unheard, or Redis
 // failed and the fleet began to decide without it (the Local fallback,
 // which counts this process's calls as it decides them).
 func (l *Limiter) overtaken(r result) bool {
-	return l.pausedPast(r.scope, r.slot()) || l.epoch.Load() != r.epoch || l.gaps.Load() != r.gaps
+	return l.pausedPast(r.scope, r.slot()) || l.epoch.Load() != r.epoch || l.gaps.Load() != r.gaps ||
+		r.now < time.Duration(l.lowered.Load())*time.Microsecond && !isOff(offRebookLowered)
+}
+
+// noteLowered keeps the Redis time at which a limit in force dropped.
+func (l *Limiter) noteLowered(at time.Duration) {
+	us := at.Microseconds()
+	for {
+		old := l.lowered.Load()
+		if us <= old || l.lowered.CompareAndSwap(old, us) {
+			return
+		}
+	}
 }
 
 // pausedPast reports whether a pause this process knows of, not over yet,

@@ -303,6 +303,15 @@ func (p *Permit) markStart() {
 	}
 }
 
+// startedLate returns how late after its slot the call started, as its
+// last Start saw it, or 0 when that is not known.
+func (p *Permit) startedLate() time.Duration {
+	if late := p.late.Load(); late != noLate && late > 0 {
+		return time.Duration(late)
+	}
+	return 0
+}
+
 // lateness returns how late after its slot the call would start now, and
 // false when that is not known or not the fleet's: a call decided without
 // Redis, or not admitted.

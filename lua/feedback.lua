@@ -17,7 +17,11 @@
 -- then the limit the vendor stated with its refusal, or 0; then the same
 -- three of the vendor's counts of requests, for the rules that count calls
 -- (see units in lib.lua): the requests left (or -1), microseconds until
--- their reset (or 0), the limit stated (or 0). ARGV[5], ARGV[6] and the
+-- their reset (or 0), the limit stated (or 0); then how late after its
+-- slot the call of ARGV[3] started, in microseconds (0 when unknown): the
+-- vendor counted as of its arrival; then, when the vendor refused the call
+-- of ARGV[3], its cost (as read_cost in lib.lua reads it, under the rules
+-- passed), else an empty string. ARGV[5], ARGV[6] and the
 -- limit before speak of the other rules, but for those that count a named
 -- unit (policies.Unit): then their number, n, and for each its place among
 -- the rules (from 1), the units of it left (or -1) and microseconds until
@@ -35,11 +39,17 @@
 -- Each count also measures what other consumers of the key spend (see
 -- Others' share in lib.lua, and note_others below).
 --
--- Returns {now, pause until (or 0), units charged, lowered, cap, others},
+-- When a rule's limit in force drops (a cap learned, a larger share left to
+-- others), the fleet is told (announce_lowered in lib.lua): calls booked
+-- before the drop, against the limit before it, book again at their slots.
+--
+-- Returns {now, pause until (or 0), units charged, lowered, cap, others,
+-- measuring, dropped},
 -- the time and the pause first as in every script's reply that has them:
 -- lowered is 1 when a rule's cap dropped; cap the lowest limit in force of
 -- a capped rule, or -1 when no rule is capped; others the most units a rule
 -- leaves other consumers of the key (others_reserve), or 0; measuring 1
+-- dropped 1 when a rule's limit in force dropped; measuring 1
 -- while a rule keeps a share, which every count the vendor gives should
 -- measure, not only those that say fewer are left than the fleet believed.
 
@@ -50,12 +60,13 @@ local arg = {
   id = ARGV[2], as_of = tonumber(ARGV[3]), pause = tonumber(ARGV[4]), left = tonumber(ARGV[5]), reset = tonumber(ARGV[6]),
   known = tonumber(ARGV[a]), refused = ARGV[a + 1] == '1', limit = tonumber(ARGV[a + 2]),
   calls_left = tonumber(ARGV[a + 3]), calls_reset = tonumber(ARGV[a + 4]), calls_limit = tonumber(ARGV[a + 5]),
+  late = math.max(tonumber(ARGV[a + 6]) or 0, 0), refused_cost = ARGV[a + 7] or '',
 }
 local id, pause, left, reset = arg.id, arg.pause, arg.left, arg.reset
 -- The counts of the rules that count a named unit, by their place.
 local own = {}
-for k = 0, tonumber(ARGV[a + 6] or '0') - 1 do
-  local b = a + 7 + 3 * k
+for k = 0, tonumber(ARGV[a + 8] or '0') - 1 do
+  local b = a + 9 + 3 * k
   own[tonumber(ARGV[b])] = { left = tonumber(ARGV[b + 1]), reset = tonumber(ARGV[b + 2]) }
 end
 local as_of = arg.as_of
@@ -73,47 +84,97 @@ if meta or learn or pause > 0 and KEYS[2] == KEYS[1] then
   meta, dirty, found = check_loss(meta, now, known, rs)
 end
 read_caps(rs, meta, now)
-local lowered = 0
+local lowered, dropped = 0, 0
 if learn then
   local cu = meta.caps_until
   for _, r in ipairs(rs) do
     local vlimit = r.per_call and arg.calls_limit or arg.limit
     if r.kind ~= CONCURRENCY and learn_cap(r, as_of, meta, now, vlimit) then
-      lowered = 1
+      lowered, dropped = 1, 1
     end
   end
   dirty = dirty or meta.caps_until ~= cu
 end
--- charged_in returns the units charged to rule r that sit in (lo, hi], or
--- after lo for no hi: in its record, but not sent by the fleet.
-local function charged_in(r, lo, hi)
+-- listed_in returns the units listed in key (members "id:units", scored
+-- by the time they sit at) that sit in (lo, hi], or after lo for no hi.
+local function listed_in(key, lo, hi)
   local n = 0
-  for _, m in ipairs(redis.call('ZRANGEBYSCORE', r.key .. ':ch', '(' .. str(lo), hi and str(hi) or '+inf')) do
+  for _, m in ipairs(redis.call('ZRANGEBYSCORE', key, '(' .. str(lo), hi and str(hi) or '+inf')) do
     n = n + (tonumber(string.match(m, ':(%d+)$')) or 0)
   end
   return n
 end
 
--- sent_in_window returns the units the fleet sent in the vendor's window
--- of rule r as of the call of as_of: in its record from a window before,
--- charges aside. A log's entries a little after as_of (within the fleet's
--- spread) may have reached the vendor before the call: they count as sent,
--- so that a measure of the others errs low rather than high.
+-- charged_in returns the units charged to rule r that sit in (lo, hi], or
+-- after lo for no hi: in its record, but not sent by the fleet.
+local function charged_in(r, lo, hi)
+  return listed_in(r.key .. ':ch', lo, hi)
+end
+
+-- A call the vendor refused is still in the fleet's record (a vendor may
+-- count refused calls too: the record errs on the safe side), but the
+-- vendor's counts most often leave it out: it is listed in r.key .. ':rj'
+-- (as a charge is in ':ch') for the measure of the others, which would
+-- otherwise take each refused call of the fleet for room the others left,
+-- and the next refusals would follow. A vendor that counts refused calls
+-- is measured high while the fleet's calls are refused, which leaves
+-- more room until they stop.
+if arg.refused_cost ~= '' and arg.as_of > 0 and not OFF.others then
+  local cost = read_cost(arg.refused_cost)
+  for _, r in ipairs(rs) do
+    local n = units(r, cost)
+    if n > 0 and (r.kind == LOG or r.kind == COUNTER) then
+      local key = r.key .. ':rj'
+      redis.call('ZREMRANGEBYSCORE', key, '-inf', str(now - r.window))
+      redis.call('ZADD', key, str(as_of), id .. ':' .. n)
+      expire(key, (as_of - now + r.window) / 1000)
+    end
+  end
+end
+
+-- refunded_in returns the units of rule r refunded (settle.lua) since the
+-- call of as_of, from calls booked in (lo, hi]: until such a call ended,
+-- the vendor counted it at its estimate.
+local function refunded_in(r, lo, hi)
+  local n = 0
+  for _, m in ipairs(redis.call('ZRANGEBYSCORE', r.key .. ':rf', '(' .. str(as_of), '+inf')) do
+    local t, u = string.match(m, '^(%-?%d+):.*:(%d+)$')
+    t = tonumber(t)
+    if t and t > lo and t <= hi then
+      n = n + tonumber(u)
+    end
+  end
+  return n
+end
+
+-- sent_in_window returns the units of rule r the fleet had sent in the
+-- vendor's window when the vendor counted the call of as_of, at its
+-- arrival: its record from a window before the call's slot to the call's
+-- start (its slot and its own lateness), each bound widened by the
+-- fleet's spread (calls booked a little earlier or later may have reached
+-- the vendor in that window), charges aside, and the units refunded since
+-- the slot still in (the vendor counted those calls as estimated), the
+-- calls it refused aside. Each
+-- bound errs towards more sent, so that a measure of the others errs low
+-- rather than high.
 local function sent_in_window(r, span)
+  local d = math.max(fleet_spread(meta, now), r.margin / 4, 1000)
+  local lo, hi = as_of - span - d, as_of + arg.late + d
   if r.kind == COUNTER then
-    -- Every bucket the window touches counts whole, up to as_of's.
+    -- Every bucket the bounds touch counts whole.
     local n = 0
     local raw = redis.call('HGETALL', r.key)
     for k = 1, #raw, 2 do
-      local lo = tonumber(raw[k]) * r.width
-      if lo + r.width > as_of - span and lo <= as_of then
+      local b = tonumber(raw[k]) * r.width
+      if b + r.width > lo and b <= hi then
         n = n + tonumber(raw[k + 1])
       end
     end
-    return n - charged_in(r, as_of - span - r.width, as_of + r.width)
+    lo, hi = lo - r.width, hi + r.width
+    return n - charged_in(r, lo, hi) + refunded_in(r, lo, hi) - listed_in(r.key .. ':rj', lo, hi)
   end
-  local d = math.max(fleet_spread(meta, now), r.margin / 4, 1000)
-  return redis.call('ZCOUNT', r.key, '(' .. str(as_of - span), str(as_of + d)) - charged_in(r, as_of - span, as_of + d)
+  return redis.call('ZCOUNT', r.key, '(' .. str(lo), str(hi)) - charged_in(r, lo, hi) + refunded_in(r, lo, hi) -
+    listed_in(r.key .. ':rj', lo, hi)
 end
 
 -- note_others measures, from the vendor's count of units left of a rule r
@@ -161,7 +222,9 @@ if meta and not learn then
     local limit = r.limit
     if left >= 0 and note_others(r, left, vlimit) then
       write_limits(r, meta, now)
-      if r.limit > limit then
+      if r.limit < limit then
+        dropped = 1
+      elseif r.limit > limit then
         -- Room the share gave back: a log's hint may say nothing fits there.
         redis.call('DEL', r.key .. ':next')
       end
@@ -188,6 +251,9 @@ if dirty then
 end
 if announce then
   announce_quota(meta, now)
+end
+if dropped == 1 then
+  announce_lowered(meta, now)
 end
 
 -- charged_after returns the units charged to rule r that sit after time t
@@ -228,6 +294,10 @@ for i, r in ipairs(rs) do
       local tat = tat_of(r.key)
       free = bucket_free(r, tat, now)
     end
+    -- A vendor's count that says fewer are left than the fleet believed
+    -- leaves the others the spare of their share too: the fleet takes
+    -- what the vendor says is left, but not its last units.
+    left = math.max(left - (r.spare or 0), 0)
     if free and free > left then
       -- Charged units sit where they leave the window as the vendor's resets.
       local at = now
@@ -254,4 +324,4 @@ for _, r in ipairs(rs) do
     others, measuring = math.max(others, r.reserve), 1
   end
 end
-return { str(now), str(until_), charged, lowered, cap, others, measuring }
+return { str(now), str(until_), charged, lowered, cap, others, measuring, dropped }

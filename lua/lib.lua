@@ -766,6 +766,16 @@ local function announce_room(m, rs, until_, now)
   end
 end
 
+-- announce_lowered tells the fleet that a limit in force of the quota
+-- dropped now (a cap learned, a larger share left to other consumers of
+-- the key): each process's calls booked before it, against the limit
+-- before, book again when they wake at their slots (see overtaken in Go).
+local function announce_lowered(m, now)
+  if m then
+    redis.call('PUBLISH', KEYS[1], 'l ' .. str(m.epoch) .. ' ' .. str(now) .. ' ' .. str(now))
+  end
+end
+
 local function announce_key(until_, now)
   redis.call('PUBLISH', KEYS[1], 'k ' .. KEYS[2] .. ' ' .. str(until_) .. ' ' .. str(now))
 end
@@ -1070,13 +1080,14 @@ end
 -- apply_limits makes the limit in force of rule r its learned cap, or its
 -- configured limit, less what the vendor's limit leaves others (r.reserve):
 -- the vendor's stated limit, or, when it stated none, that same cap or
--- limit.
+-- limit. r.spare is the part of the reserve beyond the others' share.
 local function apply_limits(r)
   local lim = r.cap and r.cap.lim or r.conf
-  r.reserve = 0
+  r.reserve, r.spare = 0, 0
   if r.oth and r.kind ~= BUCKET then
     local base = r.oth.vlim > 0 and r.oth.vlim or lim
     r.reserve = others_reserve(r.oth, base)
+    r.spare = math.max(r.reserve - math.floor(r.oth.share / 1000), 0)
     lim = math.min(lim, base - r.reserve)
   end
   set_limit(r, lim)

@@ -17,6 +17,21 @@
 --
 -- Returns 1.
 
+-- note_refund lists the units n of call id, booked at t, that rule r
+-- refunded now, in r.key .. ':rf' (member "t:id:n", scored by now), for a
+-- window: a vendor's count taken while the call was on its way counted
+-- them, and the measure of the others must too (sent_in_window in
+-- feedback.lua).
+local function note_refund(r, id, t, n, now)
+  if OFF.others then
+    return
+  end
+  local key = r.key .. ':rf'
+  redis.call('ZREMRANGEBYSCORE', key, '-inf', str(now - r.window))
+  redis.call('ZADD', key, str(now), str(t) .. ':' .. id .. ':' .. n)
+  expire(key, r.window / 1000)
+end
+
 local now = clock()
 local id = ARGV[2]
 local from = read_cost(ARGV[3])
@@ -33,6 +48,9 @@ for _, r in ipairs(rs) do
   local a, b = units(r, from), units(r, to)
   if r.kind ~= CONCURRENCY and not r.per_call and (b > a or b < a and not stale) then
     change(r, id, a, b, t, now)
+    if b < a and r.kind ~= BUCKET then
+      note_refund(r, id, t, a - b, now)
+    end
     refunded = refunded or b < a
   end
 end

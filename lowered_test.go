@@ -1,0 +1,76 @@
+package throttle
+
+import (
+	"context"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/throttlekit/throttle/internal/redistest"
+	"github.com/throttlekit/throttle/policies"
+)
+
+// Calls booked ahead against a limit that then drops (a cap learned from a
+// refusal here; equally a larger share left to other consumers) book again
+// when they wake at their slots, against the limit in force: they do not
+// all go out into a window the vendor has just said is smaller.
+func TestLowered_CallsBookedBeforeADropBookAgain(t *testing.T) {
+	redistest.Each(t, func(t *testing.T, s *redistest.Server) {
+		ctx := context.Background()
+		const window = 500 * time.Millisecond
+		lim := newLimiter(t, s.Client(t), policies.SlidingLog{Limit: 10, Window: window}, Options{MaxWait: 10 * window})
+		start := time.Now()
+		var first []*Permit
+		for range 10 {
+			p, err := lim.Acquire(ctx)
+			if err != nil {
+				t.Fatal(err)
+			}
+			first = append(first, p)
+		}
+		// Ten more, booked a window ahead while the limit is 10.
+		var wg sync.WaitGroup
+		var mu sync.Mutex
+		var starts []time.Duration
+		for range 10 {
+			wg.Add(1)
+			go func() {
+				defer wg.Done()
+				p, err := lim.Acquire(ctx)
+				if err != nil {
+					t.Error(err)
+					return
+				}
+				mu.Lock()
+				starts = append(starts, time.Since(start))
+				mu.Unlock()
+				p.Release()
+			}()
+		}
+		for booked := 0; booked < 10; {
+			u, err := lim.Usage(ctx)
+			if err != nil {
+				t.Fatal(err)
+			}
+			booked = u.Rules[0].Booked
+			time.Sleep(5 * time.Millisecond)
+		}
+		// The vendor refuses a call of the first ten: the cap drops to 5.
+		if err := first[9].Refused(ctx, 0); err != nil {
+			t.Fatal(err)
+		}
+		if got := limitInForce(t, lim); got[0] != 5 {
+			t.Fatalf("limit in force %v after the refusal, want 5", got)
+		}
+		wg.Wait()
+		early := 0
+		for _, at := range starts {
+			if at < window*17/10 {
+				early++
+			}
+		}
+		if early > 5 {
+			t.Errorf("%d of the calls booked before the drop started within the window after the first ten (at %v), want 5 at most", early, starts)
+		}
+	})
+}
