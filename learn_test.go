@@ -151,6 +151,7 @@ func TestRefused_DropsByHalfAtMost(t *testing.T) {
 
 func TestRefused_CapRisesBackAfterItsHold(t *testing.T) {
 	long(t)
+	figureWithoutRace(t)
 	t.Parallel() // a given clock: nothing in it depends on the machine's load
 	redistest.Each(t, func(t *testing.T, s *redistest.Server) {
 		clock := newClock()

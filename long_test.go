@@ -26,3 +26,14 @@ func long(t testing.TB) {
 		t.Skip("long test: run it with THROTTLE_LONG=1 go test -race ./... (as .ci/run does)")
 	}
 }
+
+// figureWithoutRace skips a long test under -race: its figures (a margin
+// or a cap over many windows of a given clock) take the race detector half
+// a minute of CPU each to replay, and the paths it runs are raced by the
+// shorter tests. .ci/run runs it without -race.
+func figureWithoutRace(t testing.TB) {
+	t.Helper()
+	if raceEnabled {
+		t.Skip("a long figure: .ci/run runs it without -race")
+	}
+}

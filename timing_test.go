@@ -269,6 +269,7 @@ func TestMargin_ForgetsTheDelaysOfAWarmUp(t *testing.T) {
 // calls booked with it, and its own narrower margin from the rest.
 func TestMargin_NarrowsWhileTheFleetBooksAhead(t *testing.T) {
 	long(t)
+	figureWithoutRace(t)
 	t.Parallel() // a given clock: nothing in it depends on the machine's load
 	redistest.Each(t, func(t *testing.T, s *redistest.Server) {
 		for _, late := range []time.Duration{0, 5 * ms} {

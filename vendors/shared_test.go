@@ -183,10 +183,15 @@ func sharedKeyRun(t *testing.T, k *sharedKey, srv *httptest.Server, call func(re
 	fleet, refused := k.between(k.fleet[0], settled, sharedStop), k.between(k.fleet[1], settled, sharedStop)
 	others := k.between(k.other[0], settled, sharedStop)
 	left := float64(sharedLimit)*float64(sharedStop-settled)/float64(sharedWindow) - float64(others)
-	full := sharedStop + 3*sharedWindow
-	after := k.between(k.fleet[0], full, sharedEnd)
-	cap := float64(sharedLimit) * float64(sharedEnd-full) / float64(sharedWindow)
-	t.Logf("the other consumer: %d of %d refused (%d of %d after the fleet's first window); the fleet: %d while the other spent %d (%.3f of what it left), %d refused after its first two windows, %d refused in all; %.3f of the cap from three windows after the other stopped",
+	// The whole cap again: some window of the vendor's, starting within
+	// three windows of the stop, holds a whole cap of the fleet's calls
+	// (any window: the fleet's bursts drift through the test's own).
+	after := 0
+	for at := sharedStop + 2*sharedWindow; at <= sharedEnd-sharedWindow; at += sharedWindow / 20 {
+		after = max(after, k.between(k.fleet[0], at, at+sharedWindow))
+	}
+	cap := float64(sharedLimit)
+	t.Logf("the other consumer: %d of %d refused (%d of %d after the fleet's first window); the fleet: %d while the other spent %d (%.3f of what it left), %d refused after its first two windows, %d refused in all; %.3f of the cap in a window from three windows after the other stopped",
 		turned, sent, turnedWarm, sentWarm, fleet, others, float64(fleet)/left, refused, len(k.fleet[1]), float64(after)/cap)
 	if turnedWarm*50 > sentWarm {
 		t.Errorf("the other consumer had %d of its %d requests after the fleet's first window refused, want at most 2%%", turnedWarm, sentWarm)
@@ -202,7 +207,7 @@ func sharedKeyRun(t *testing.T, k *sharedKey, srv *httptest.Server, call func(re
 	}
 	// A sliding log runs at its window and margin (30ms of 2s).
 	if float64(after) < 0.95*cap {
-		t.Errorf("the fleet took %d requests from three windows after the other consumer stopped, want at least %.0f",
+		t.Errorf("the fleet took at most %d requests in a window starting within three windows after the other consumer stopped, want at least %.0f",
 			after, 0.95*cap)
 	}
 }
