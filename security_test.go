@@ -369,7 +369,7 @@ func TestSecurity_ACLUserMissingARight(t *testing.T) {
 		// Redis refuses a command inside a script with an ERR that names
 		// the command only from Redis 7.2 on: see below.
 		{"WithoutZadd", without("+zadd", ""), []string{"script"}, "command", "zadd", true},
-		{"WithoutTheKeys", without("~throttle:*", "~other:*"), []string{"NOPERM", "keys"}, "key", "throttle:{security-acl}:", false},
+		{"WithoutTheKeys", without("~throttle:*", "~other:*"), []string{"NOPERM", "key"}, "key", "throttle:{security-acl}:", false},
 	} {
 		t.Run(c.name, func(t *testing.T) {
 			s := redistest.Real(t)

@@ -70,11 +70,14 @@ func StartTLS(tb testing.TB) *TLSServer {
 }
 
 // tlsUnsupported reports whether a server's log says that it cannot speak
-// TLS: a build without it refuses the tls-* directives, and Redis 7.2 and
-// later built with TLS as a module that is not loaded find no TLS listener.
+// TLS, in any engine's words: a build without it refuses the tls-*
+// directives, or says it finds no TLS support (Valkey 8, Redis 7.4 and 8
+// built without it), and Redis 7.2 and later built with TLS as a module
+// that is not loaded find no TLS listener.
 func tlsUnsupported(log string) bool {
 	return strings.Contains(log, "Bad directive") && strings.Contains(log, "tls-") ||
-		strings.Contains(log, "connection listener of tls")
+		strings.Contains(log, "connection listener of tls") ||
+		strings.Contains(strings.ToLower(log), "finding tls support")
 }
 
 func (s *TLSServer) launch(port int) error {

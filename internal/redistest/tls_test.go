@@ -62,6 +62,7 @@ func TestTLSUnsupported_ReadsTheLog(t *testing.T) {
 	}{
 		{"*** FATAL CONFIG FILE ERROR (Redis 6.2.6) ***\nReading the configuration file, at line 2\n>>> 'tls-port \"6380\"'\nBad directive or wrong number of arguments", true},
 		{"# Failed finding connection listener of tls", true},
+		{"# Failed finding TLS support.", true},
 		{"*** FATAL CONFIG FILE ERROR ***\n>>> 'port \"x\"'\nBad directive or wrong number of arguments", false},
 		{"# Could not create server TCP listening socket 127.0.0.1:6380: bind: Address already in use", false},
 	} {
