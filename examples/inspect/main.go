@@ -8,11 +8,14 @@
 // paused the quota. When stdout is a terminal the screen is redrawn in
 // place; otherwise each refresh is printed after the last.
 //
-// The policy must be given exactly as the fleet configured it. A quota lives
-// in one Redis key per rule, throttle:{NAME}:<rule index> (followed by a
-// hash of the key for a per-key rule), and the script reads each key by its
-// rule's kind, limit and window. Terms in another order read other rules'
-// keys; another kind, window or margin reads them wrongly. For a per-key
+// The policy must be given as the fleet configured it. A quota lives in one
+// Redis key per rule, named by what the rule counts, not by its place:
+// throttle:{NAME}:log<window µs> for a sliding log, counter<window>/<bucket
+// width>, bucket<emission interval>, concurrency; calls: before it inside
+// policies.PerCall; key:<id>:<hash of the key> for a per-key rule (see
+// docs/PROTOCOL.md, 1.1). The script reads each key by its rule's kind,
+// limit and window: another kind or window reads another rule's key, or
+// none; another limit or margin reads the right key wrongly. For a per-key
 // rule, -key names whose keys to read.
 //
 // Usage:
