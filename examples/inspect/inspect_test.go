@@ -237,3 +237,48 @@ func TestRun_Demo(t *testing.T) {
 		t.Errorf("the last frame shows no traffic:\n%s", out.String())
 	}
 }
+
+// With only -redis, inspect lists the quotas the Redis holds, a Shared
+// group's with their group, found by their meta keys.
+func TestList_NamesEveryQuota(t *testing.T) {
+	mr := miniredis.RunT(t)
+	rdb := redis.NewClient(&redis.Options{Addr: mr.Addr()})
+	defer rdb.Close()
+	ctx := context.Background()
+	for name, p := range map[string]policies.Policy{
+		"alpha:api": policies.SlidingLog{Limit: 10, Window: time.Second},
+		"beta": policies.All(policies.SlidingLog{Limit: 10, Window: time.Second},
+			policies.Shared{Name: "token-a", Policy: policies.Concurrency{Max: 2}}),
+	} {
+		lim, err := throttle.New(rdb, name, p)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if _, err := lim.Allow(ctx); err != nil {
+			t.Fatal(err)
+		}
+	}
+	// Another prefix's quota is not this one's.
+	other, err := throttle.New(rdb, "gamma", policies.SlidingLog{Limit: 1, Window: time.Second}, throttle.Options{Prefix: "elsewhere"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := other.Allow(ctx); err != nil {
+		t.Fatal(err)
+	}
+	cfg, err := parseFlags([]string{"-redis", mr.Addr()}, io.Discard)
+	if err != nil || !cfg.List {
+		t.Fatalf("parseFlags with -redis alone: list %v, %v", cfg.List, err)
+	}
+	var out bytes.Buffer
+	if err := run(ctx, cfg, &out, false); err != nil {
+		t.Fatal(err)
+	}
+	want := "2 quotas of prefix \"throttle\" (show one with -quota NAME -policy P):\n  alpha:api\n  beta (group token-a)\n"
+	if out.String() != want {
+		t.Errorf("listed\n%s\nwant\n%s", out.String(), want)
+	}
+	if _, err := parseFlags([]string{"-redis", mr.Addr(), "-policy", "log:1/1s"}, io.Discard); err == nil || !strings.Contains(err.Error(), "-quota") {
+		t.Errorf("-policy without -quota: %v, want an error naming -quota", err)
+	}
+}

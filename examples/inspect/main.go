@@ -21,12 +21,15 @@
 // Usage:
 //
 //	go run ./examples/inspect -redis redis://127.0.0.1:6379 -quota NAME -policy 'log:100/1s' [-key K] [-every 1s]
+//	go run ./examples/inspect -redis redis://127.0.0.1:6379   (lists the quotas)
 //	go run ./examples/inspect -demo
 //
 // The flags are:
 //
 //	-redis URL    the Redis holding the quota: redis://[:password@]host:port[/db], or host:port
-//	-quota NAME   the quota's name, as given to throttle.New
+//	-quota NAME   the quota's name, as given to throttle.New; without it (and
+//	              without -policy and -key), the quotas the Redis holds are
+//	              listed, found by their meta keys with SCAN
 //	-policy P     the quota's policy, in the syntax below
 //	-key K        the key whose per-key rules to read; required when the policy has a key: term
 //	-prefix P     the key prefix, as given in throttle.Options.Prefix (throttle)
@@ -84,6 +87,7 @@ type config struct {
 	Every  time.Duration
 	N      int
 	Demo   bool
+	List   bool // no -quota: list the quotas the Redis holds
 }
 
 func main() {
@@ -117,7 +121,7 @@ func parseFlags(args []string, stderr io.Writer) (config, error) {
 	fs.IntVar(&cfg.N, "n", 0, "refreshes before exiting; 0 until interrupted")
 	fs.BoolVar(&cfg.Demo, "demo", false, "start an embedded Redis, run some traffic on a quota, and show it")
 	fs.Usage = func() {
-		fmt.Fprintln(fs.Output(), "usage: inspect -redis URL -quota NAME -policy P [-key K] [-every D] [-n N]\n       inspect -demo")
+		fmt.Fprintln(fs.Output(), "usage: inspect -redis URL -quota NAME -policy P [-key K] [-every D] [-n N]\n       inspect -redis URL   (lists the quotas)\n       inspect -demo")
 		fs.PrintDefaults()
 		fmt.Fprintln(fs.Output(), "\n-policy takes "+policySyntax)
 	}
@@ -142,8 +146,11 @@ func parseFlags(args []string, stderr io.Writer) (config, error) {
 	switch {
 	case cfg.Redis == "" && !cfg.Demo:
 		return cfg, errors.New("-redis is required (or -demo)")
+	case cfg.Quota == "" && *policy == "" && !cfg.HasKey:
+		cfg.List = true
+		return cfg, nil
 	case cfg.Quota == "":
-		return cfg, errors.New("-quota is required")
+		return cfg, errors.New("-quota is required with -policy or -key (without them, inspect lists the quotas)")
 	case cfg.Every <= 0:
 		return cfg, fmt.Errorf("-every must be positive, got %v", cfg.Every)
 	case cfg.N < 0:
@@ -189,6 +196,9 @@ func run(ctx context.Context, cfg config, stdout io.Writer, terminal bool) error
 		return err
 	}
 	defer rdb.Close()
+	if cfg.List {
+		return listQuotas(ctx, rdb, cfg.Prefix, stdout)
+	}
 	lim, err := throttle.New(rdb, cfg.Quota, cfg.Policy, throttle.Options{Prefix: cfg.Prefix})
 	if err != nil {
 		return err
