@@ -177,7 +177,9 @@ func TestBatch_CallersThatLeaveDoNotHoldTheCallsBehindThem(t *testing.T) {
 			t.Fatal(err)
 		}
 		p.Release()
-		if took := time.Since(begin); took > 250*time.Millisecond {
+		// About 100 ms; 340 ms once under -race beside CI's other work;
+		// 740 ms with the switch abandon off.
+		if took := time.Since(begin); took > 450*time.Millisecond {
 			t.Errorf("a call behind five that left took %v, want about a round trip of 100 ms", took)
 		}
 		wg.Wait()
