@@ -106,6 +106,8 @@ import (
 	"strings"
 	"syscall"
 	"time"
+
+	"github.com/throttlekit/throttle/bench/internal/redisserver"
 )
 
 // options is what the flags ask for.
@@ -190,11 +192,11 @@ func run(ctx context.Context, opts options, stdout, stderr io.Writer) ([]result,
 			return nil, fmt.Errorf("find this program to start the replicas: %w", err)
 		}
 	}
-	srv, err := startRedis()
+	srv, err := redisserver.Start("throttle-conditions-")
 	if err != nil {
 		return nil, err
 	}
-	defer srv.stop()
+	defer srv.Stop()
 
 	var results []result
 	for _, sc := range scenarios() {
@@ -203,7 +205,7 @@ func run(ctx context.Context, opts options, stdout, stderr io.Writer) ([]result,
 		}
 		fmt.Fprintf(stderr, "%-16s running for %v ...", sc.name, opts.duration)
 		t := time.Now()
-		res, err := runScenario(ctx, env{exe: exe, redis: srv.addr, timeline: opts.timeline, margin: opts.margin}, sc, opts.duration)
+		res, err := runScenario(ctx, env{exe: exe, redis: srv.Addr, timeline: opts.timeline, margin: opts.margin}, sc, opts.duration)
 		if err != nil {
 			fmt.Fprintln(stderr)
 			return results, fmt.Errorf("%s: %w", sc.name, err)
@@ -217,7 +219,7 @@ func run(ctx context.Context, opts options, stdout, stderr io.Writer) ([]result,
 		margin = "Margin " + opts.margin.String()
 	}
 	fmt.Fprintf(stdout, "%d CPUs, %s %s/%s, redis-server %s; %v per scenario; quota policies.SlidingLog at the vendor's cap, %s, Block mode\n\n",
-		runtime.NumCPU(), runtime.Version(), runtime.GOOS, runtime.GOARCH, srv.version, opts.duration, margin)
+		runtime.NumCPU(), runtime.Version(), runtime.GOOS, runtime.GOARCH, srv.Version, opts.duration, margin)
 	writeTable(stdout, results)
 	fmt.Fprintln(stdout)
 	writeDetails(stdout, results)

@@ -23,6 +23,7 @@ import (
 
 	"github.com/redis/go-redis/v9"
 
+	"github.com/throttlekit/throttle/bench/internal/redisserver"
 	"github.com/throttlekit/throttle/internal/delayproxy"
 	"github.com/throttlekit/throttle/internal/fakevendor"
 )
@@ -302,7 +303,7 @@ func scriptMicros(ctx context.Context, admin *redis.Client) (float64, error) {
 	if err != nil {
 		return 0, fmt.Errorf("INFO commandstats: %w", err)
 	}
-	for f := range strings.SplitSeq(infoField(info, "cmdstat_evalsha"), ",") {
+	for f := range strings.SplitSeq(redisserver.InfoField(info, "cmdstat_evalsha"), ",") {
 		if v, ok := strings.CutPrefix(f, "usec_per_call="); ok {
 			return strconv.ParseFloat(v, 64)
 		}
@@ -318,7 +319,7 @@ func redisCPU(ctx context.Context, admin *redis.Client) (time.Duration, error) {
 	}
 	var total float64
 	for _, field := range []string{"used_cpu_sys", "used_cpu_user"} {
-		v, err := strconv.ParseFloat(infoField(info, field), 64)
+		v, err := strconv.ParseFloat(redisserver.InfoField(info, field), 64)
 		if err != nil {
 			return 0, fmt.Errorf("INFO cpu: %s: %w", field, err)
 		}

@@ -68,6 +68,8 @@ import (
 	"strings"
 	"syscall"
 	"time"
+
+	"github.com/throttlekit/throttle/bench/internal/redisserver"
 )
 
 // options is what the flags ask for.
@@ -136,17 +138,17 @@ type results struct {
 // tables to stdout and the progress to stderr.
 func run(ctx context.Context, opts options, stdout, stderr io.Writer) (results, error) {
 	began := time.Now()
-	srv, err := startRedis()
+	srv, err := redisserver.Start("throttle-priority-")
 	if err != nil {
 		return results{}, err
 	}
-	defer srv.stop()
+	defer srv.Stop()
 
 	var res results
 	for _, v := range opts.versions {
 		for _, mode := range priorityModes {
 			fmt.Fprintf(stderr, "priority %s %s: running for %v ...", v.name, mode, opts.duration)
-			r, err := runPriority(ctx, srv.addr, v, mode, opts.duration)
+			r, err := runPriority(ctx, srv.Addr, v, mode, opts.duration)
 			if err != nil {
 				fmt.Fprintln(stderr)
 				return res, fmt.Errorf("priority, %s, %s: %w", v.name, mode, err)
@@ -155,7 +157,7 @@ func run(ctx context.Context, opts options, stdout, stderr io.Writer) (results, 
 			res.priority = append(res.priority, r)
 		}
 		fmt.Fprintf(stderr, "fairness %s: running for %v ...", v.name, opts.duration)
-		r, err := runFairness(ctx, srv.addr, v, opts.duration)
+		r, err := runFairness(ctx, srv.Addr, v, opts.duration)
 		if err != nil {
 			fmt.Fprintln(stderr)
 			return res, fmt.Errorf("fairness, %s: %w", v.name, err)
@@ -165,7 +167,7 @@ func run(ctx context.Context, opts options, stdout, stderr io.Writer) (results, 
 	}
 
 	fmt.Fprintf(stdout, "%d CPUs, %s %s/%s, redis-server %s; %v a run; a strict vendor at %d calls per %v\n\n",
-		runtime.NumCPU(), runtime.Version(), runtime.GOOS, runtime.GOARCH, srv.version, opts.duration, vendorLimit, vendorWindow)
+		runtime.NumCPU(), runtime.Version(), runtime.GOOS, runtime.GOARCH, srv.Version, opts.duration, vendorLimit, vendorWindow)
 	writeVersions(stdout, opts.versions)
 	writePriority(stdout, res.priority)
 	writeFairness(stdout, res.fairness)

@@ -1,4 +1,8 @@
-package main
+// Package redisserver starts a throwaway redis-server for the bench
+// programs (internal/redistest needs a testing.TB): on a free 127.0.0.1
+// port, never the machine's shared 6379, with no persistence, in a temp
+// dir of its own.
+package redisserver
 
 import (
 	"context"
@@ -15,8 +19,6 @@ import (
 	"github.com/redis/go-redis/v9"
 )
 
-// internal/redistest starts servers for tests only (it needs a testing.TB),
-// so the program starts its own, as bench/conditions does.
 const (
 	// reservedPort is the machine's shared Redis, which this program never
 	// touches.
@@ -28,23 +30,24 @@ const (
 	redisStartAttempts = 5
 )
 
-// redisServer is a throwaway redis-server on a free 127.0.0.1 port, with no
+// Server is a throwaway redis-server on a free 127.0.0.1 port, with no
 // persistence, in a temp dir of its own.
-type redisServer struct {
-	addr    string
-	version string
+type Server struct {
+	Addr    string // host:port
+	Version string // redis_version, once it answered
 	dir     string
 	cmd     *exec.Cmd
 	exited  chan struct{} // closed once the process has been reaped
 }
 
-// startRedis starts redis-server and waits until it answers.
-func startRedis() (*redisServer, error) {
+// Start starts redis-server and waits until it answers; its dir is a new
+// temp dir whose name begins with dirPrefix.
+func Start(dirPrefix string) (*Server, error) {
 	bin, err := exec.LookPath("redis-server")
 	if err != nil {
 		return nil, fmt.Errorf("this program needs redis-server on PATH: %w", err)
 	}
-	dir, err := os.MkdirTemp("", "throttle-priority-")
+	dir, err := os.MkdirTemp("", dirPrefix)
 	if err != nil {
 		return nil, err
 	}
@@ -53,7 +56,7 @@ func startRedis() (*redisServer, error) {
 		if port, err = freePort(); err != nil {
 			break
 		}
-		var s *redisServer
+		var s *Server
 		if s, err = launchRedis(bin, dir, port); err == nil {
 			return s, nil
 		}
@@ -64,14 +67,14 @@ func startRedis() (*redisServer, error) {
 
 // launchRedis starts the server on port, its log in dir, and waits until
 // it answers.
-func launchRedis(bin, dir string, port int) (*redisServer, error) {
+func launchRedis(bin, dir string, port int) (*Server, error) {
 	log, err := os.OpenFile(filepath.Join(dir, "redis.log"), os.O_WRONLY|os.O_CREATE|os.O_APPEND, 0o644)
 	if err != nil {
 		return nil, err
 	}
 	defer log.Close()
-	s := &redisServer{
-		addr:   net.JoinHostPort("127.0.0.1", strconv.Itoa(port)),
+	s := &Server{
+		Addr:   net.JoinHostPort("127.0.0.1", strconv.Itoa(port)),
 		dir:    dir,
 		exited: make(chan struct{}),
 	}
@@ -88,15 +91,15 @@ func launchRedis(bin, dir string, port int) (*redisServer, error) {
 	}()
 	if err := s.awaitReady(); err != nil {
 		s.kill()
-		return nil, fmt.Errorf("redis-server on %s: %w", s.addr, err)
+		return nil, fmt.Errorf("redis-server on %s: %w", s.Addr, err)
 	}
 	return s, nil
 }
 
 // awaitReady polls the server until it answers INFO as our process, so that
 // another server holding the port is not mistaken for ours.
-func (s *redisServer) awaitReady() error {
-	rdb := redis.NewClient(&redis.Options{Addr: s.addr, MaxRetries: -1, DialTimeout: 250 * time.Millisecond})
+func (s *Server) awaitReady() error {
+	rdb := redis.NewClient(&redis.Options{Addr: s.Addr, MaxRetries: -1, DialTimeout: 250 * time.Millisecond})
 	defer rdb.Close()
 	var last error
 	for deadline := time.Now().Add(redisStartTimeout); time.Now().Before(deadline); time.Sleep(10 * time.Millisecond) {
@@ -112,29 +115,29 @@ func (s *redisServer) awaitReady() error {
 			last = err
 			continue
 		}
-		if pid := infoField(info, "process_id"); pid != strconv.Itoa(s.cmd.Process.Pid) {
+		if pid := InfoField(info, "process_id"); pid != strconv.Itoa(s.cmd.Process.Pid) {
 			return fmt.Errorf("the port is answered by pid %s, not by ours", pid)
 		}
-		s.version = infoField(info, "redis_version")
+		s.Version = InfoField(info, "redis_version")
 		return nil
 	}
 	return fmt.Errorf("no answer within %v: %v", redisStartTimeout, last)
 }
 
-// stop kills the server and removes its dir.
-func (s *redisServer) stop() {
+// Stop kills the server and removes its dir.
+func (s *Server) Stop() {
 	s.kill()
 	os.RemoveAll(s.dir)
 }
 
 // kill kills the server and waits until it is reaped.
-func (s *redisServer) kill() {
+func (s *Server) kill() {
 	_ = s.cmd.Process.Kill()
 	<-s.exited
 }
 
-// infoField returns the value of one "field:value" line of an INFO reply.
-func infoField(info, field string) string {
+// InfoField returns the value of one "field:value" line of an INFO reply.
+func InfoField(info, field string) string {
 	for line := range strings.Lines(info) {
 		if v, ok := strings.CutPrefix(strings.TrimSpace(line), field+":"); ok {
 			return v
