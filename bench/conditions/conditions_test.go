@@ -13,6 +13,7 @@ import (
 	"time"
 
 	"github.com/throttlekit/throttle"
+	"github.com/throttlekit/throttle/bench/internal/durations"
 	"github.com/throttlekit/throttle/internal/redistest"
 )
 
@@ -89,11 +90,11 @@ func TestPercentile_IsTheNearestRank(t *testing.T) {
 		q    float64
 		want time.Duration
 	}{{0.5, 50 * time.Millisecond}, {0.99, 99 * time.Millisecond}, {1, 100 * time.Millisecond}} {
-		if got := percentile(d, tt.q); got != tt.want {
-			t.Errorf("percentile(%v) = %v, want %v", tt.q, got, tt.want)
+		if got := durations.Percentile(d, tt.q); got != tt.want {
+			t.Errorf("durations.Percentile(%v) = %v, want %v", tt.q, got, tt.want)
 		}
 	}
-	if got := percentile(nil, 0.5); got != 0 {
+	if got := durations.Percentile(nil, 0.5); got != 0 {
 		t.Errorf("percentile of nothing = %v, want 0", got)
 	}
 }

@@ -7,6 +7,7 @@ import (
 	"strconv"
 	"time"
 
+	"github.com/throttlekit/throttle/bench/internal/durations"
 	"github.com/throttlekit/throttle/bench/internal/mdtable"
 )
 
@@ -65,11 +66,11 @@ func newSpread(sorted []time.Duration) spread {
 	if len(sorted) == 0 {
 		return spread{}
 	}
-	return spread{percentile(sorted, 0.50), percentile(sorted, 0.99), sorted[len(sorted)-1]}
+	return spread{durations.Percentile(sorted, 0.50), durations.Percentile(sorted, 0.99), sorted[len(sorted)-1]}
 }
 
 func (s spread) String() string {
-	return formatMs(s.P50) + " / " + formatMs(s.P99) + " / " + formatMs(s.Max)
+	return durations.FormatMs(s.P50) + " / " + durations.FormatMs(s.P99) + " / " + durations.FormatMs(s.Max)
 }
 
 // scriptsPerAdmitted is the script calls per admitted call.
@@ -93,10 +94,10 @@ func (r result) cells() []string {
 		fmt.Sprintf("%d/%d", r.MaxInWindow, r.Cap),
 		strconv.FormatFloat(r.Utilization, 'f', 3, 64),
 		strconv.FormatFloat(r.scriptsPerAdmitted(), 'f', 3, 64),
-		formatMs(r.WaitP50) + " / " + formatMs(r.WaitP99),
+		durations.FormatMs(r.WaitP50) + " / " + durations.FormatMs(r.WaitP99),
 		fmt.Sprintf("%d (%d)", r.Errors, r.Late),
 		fmt.Sprintf("%d (%d)", r.Unavailable, r.TimedOut),
-		formatMs(r.Spread) + " / " + formatMs(r.Margin),
+		durations.FormatMs(r.Spread) + " / " + durations.FormatMs(r.Margin),
 	}
 }
 
@@ -166,22 +167,4 @@ func writeNotes(w io.Writer, results []result) {
 			fmt.Fprintf(w, "%s: stderr, %d×: %s\n", r.Name, c.n, line)
 		}
 	}
-}
-
-// formatMs formats d in milliseconds, with one decimal under 100ms.
-func formatMs(d time.Duration) string {
-	ms := float64(d) / float64(time.Millisecond)
-	if ms < 100 {
-		return strconv.FormatFloat(ms, 'f', 1, 64)
-	}
-	return strconv.FormatFloat(ms, 'f', 0, 64)
-}
-
-// percentile returns the nearest-rank q-quantile (0 < q <= 1) of sorted.
-func percentile(sorted []time.Duration, q float64) time.Duration {
-	if len(sorted) == 0 {
-		return 0
-	}
-	i := int(math.Ceil(q*float64(len(sorted)))) - 1
-	return sorted[min(max(i, 0), len(sorted)-1)]
 }

@@ -23,6 +23,7 @@ import (
 
 	"github.com/redis/go-redis/v9"
 
+	"github.com/throttlekit/throttle/bench/internal/durations"
 	"github.com/throttlekit/throttle/bench/internal/redisserver"
 	"github.com/throttlekit/throttle/internal/delayproxy"
 	"github.com/throttlekit/throttle/internal/fakevendor"
@@ -253,7 +254,7 @@ func summarize(sc scenario, reps []report) result {
 		res.Margin = max(res.Margin, time.Duration(r.MarginMicros)*time.Microsecond)
 	}
 	slices.Sort(waits)
-	res.WaitP50, res.WaitP99 = percentile(waits, 0.50), percentile(waits, 0.99)
+	res.WaitP50, res.WaitP99 = durations.Percentile(waits, 0.50), durations.Percentile(waits, 0.99)
 	slices.Sort(trips)
 	res.RoundTrip = newSpread(trips)
 	return res

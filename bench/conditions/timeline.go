@@ -10,6 +10,7 @@ import (
 	"github.com/redis/go-redis/v9"
 
 	"github.com/throttlekit/throttle"
+	"github.com/throttlekit/throttle/bench/internal/durations"
 	"github.com/throttlekit/throttle/bench/internal/mdtable"
 	"github.com/throttlekit/throttle/policies"
 )
@@ -99,7 +100,7 @@ func writeTimelines(w io.Writer, results []result, step time.Duration) {
 		rows := [][]string{{"from (s)", "arrived", "window count / cap", "spread / margin (ms)"}}
 		for _, s := range r.Timeline {
 			rows = append(rows, []string{fmt.Sprintf("%.2f", s.From.Seconds()), fmt.Sprint(s.Arrived),
-				fmt.Sprintf("%d / %d", s.InWindow, r.Cap), formatMs(s.Spread) + " / " + formatMs(s.Margin)})
+				fmt.Sprintf("%d / %d", s.InWindow, r.Cap), durations.FormatMs(s.Spread) + " / " + durations.FormatMs(s.Margin)})
 		}
 		mdtable.Write(w, rows)
 	}

@@ -10,6 +10,7 @@ import (
 	"github.com/redis/go-redis/v9"
 
 	"github.com/throttlekit/throttle"
+	"github.com/throttlekit/throttle/bench/internal/durations"
 	"github.com/throttlekit/throttle/policies"
 )
 
@@ -158,7 +159,7 @@ func (t *tally) summary() summary {
 	slices.Sort(w)
 	s := summary{asked: t.asked, admitted: len(w), failed: t.failed, first: t.first}
 	if len(w) > 0 {
-		s.p50, s.p99, s.max = percentile(w, 0.50), percentile(w, 0.99), w[len(w)-1]
+		s.p50, s.p99, s.max = durations.Percentile(w, 0.50), durations.Percentile(w, 0.99), w[len(w)-1]
 	}
 	return s
 }

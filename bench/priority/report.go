@@ -3,10 +3,9 @@ package main
 import (
 	"fmt"
 	"io"
-	"math"
 	"strconv"
-	"time"
 
+	"github.com/throttlekit/throttle/bench/internal/durations"
 	"github.com/throttlekit/throttle/bench/internal/mdtable"
 )
 
@@ -34,8 +33,8 @@ func writePriority(w io.Writer, results []priorityResult) {
 		rows = append(rows, []string{
 			r.version, string(r.mode),
 			ratio(r.interactive.admitted, r.interactive.asked),
-			formatMs(r.interactive.p50) + " / " + formatMs(r.interactive.p99) + " / " + formatMs(r.interactive.max),
-			formatMs(r.batch.p50),
+			durations.FormatMs(r.interactive.p50) + " / " + durations.FormatMs(r.interactive.p99) + " / " + durations.FormatMs(r.interactive.max),
+			durations.FormatMs(r.batch.p50),
 			strconv.FormatFloat(r.use, 'f', 3, 64),
 			strconv.Itoa(r.overCap),
 			strconv.Itoa(r.interactive.failed + r.batch.failed),
@@ -92,7 +91,7 @@ func writeFairness(w io.Writer, results []fairnessResult) {
 func tenantCells(version string, t tenantResult) []string {
 	return []string{
 		version, t.name, strconv.Itoa(t.replica), ratio(t.admitted, t.asked),
-		formatMs(t.p50) + " / " + formatMs(t.p99),
+		durations.FormatMs(t.p50) + " / " + durations.FormatMs(t.p99),
 	}
 }
 
@@ -121,22 +120,4 @@ func ratio(n, of int) string {
 		return "0/0"
 	}
 	return fmt.Sprintf("%d/%d (%.3f)", n, of, float64(n)/float64(of))
-}
-
-// formatMs formats d in milliseconds, with one decimal under 100ms.
-func formatMs(d time.Duration) string {
-	ms := float64(d) / float64(time.Millisecond)
-	if ms < 100 {
-		return strconv.FormatFloat(ms, 'f', 1, 64)
-	}
-	return strconv.FormatFloat(ms, 'f', 0, 64)
-}
-
-// percentile returns the nearest-rank q-quantile (0 < q <= 1) of sorted.
-func percentile(sorted []time.Duration, q float64) time.Duration {
-	if len(sorted) == 0 {
-		return 0
-	}
-	i := int(math.Ceil(q*float64(len(sorted)))) - 1
-	return sorted[min(max(i, 0), len(sorted)-1)]
 }
