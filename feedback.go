@@ -521,13 +521,7 @@ func (l *Limiter) noteOthers(rep feedbackReply) {
 // measureOthers makes every count the vendor gives in the next two
 // windows measure what other consumers of the key spend (see tell).
 func (l *Limiter) measureOthers() {
-	until := time.Now().Add(2 * l.longest).UnixNano()
-	for {
-		old := l.measuring.Load()
-		if old >= until || l.measuring.CompareAndSwap(old, until) {
-			return
-		}
-	}
+	raise(&l.measuring, time.Now().Add(2*l.longest).UnixNano())
 }
 
 // measuringOthers reports whether the quota measured lately what other

@@ -1,6 +1,9 @@
 package throttle
 
-import "time"
+import (
+	"sync/atomic"
+	"time"
+)
 
 // notePause remembers, in local time, until when a scope is paused, so that
 // a waiter of this process that wakes during a pause books again instead of
@@ -59,9 +62,14 @@ func (l *Limiter) noteScripts(newEpoch bool, n int64) {
 		l.scripts.Store(n)
 		return
 	}
+	raise(&l.scripts, n)
+}
+
+// raise stores v in a unless a holds as much already.
+func raise(a *atomic.Int64, v int64) {
 	for {
-		old := l.scripts.Load()
-		if n <= old || l.scripts.CompareAndSwap(old, n) {
+		old := a.Load()
+		if v <= old || a.CompareAndSwap(old, v) {
 			return
 		}
 	}
@@ -82,13 +90,7 @@ func (l *Limiter) overtaken(r result) bool {
 
 // noteLowered keeps the Redis time at which a limit in force dropped.
 func (l *Limiter) noteLowered(at time.Duration) {
-	us := at.Microseconds()
-	for {
-		old := l.lowered.Load()
-		if us <= old || l.lowered.CompareAndSwap(old, us) {
-			return
-		}
-	}
+	raise(&l.lowered, at.Microseconds())
 }
 
 // pausedPast reports whether a pause this process knows of, not over yet,
