@@ -112,7 +112,8 @@ func sharedKeyFleet(t *testing.T, s *redistest.Server, k *sharedKey, limit int, 
 // vendor's counts and leaves it its share: the other consumer's calls find
 // room (at most 2% refused), the fleet takes at least 0.7 of what the
 // other leaves with no 429 after its first two windows; and once the
-// other stops, the fleet takes the whole cap again within three windows.
+// other stops, the fleet takes the whole cap again within four windows
+// (three in the vendors' runs).
 func TestOthers_LeavesAnotherConsumerItsShare(t *testing.T) {
 	if raceEnabled {
 		// Under -race beside the package's tests, the fleet's calls start
@@ -129,7 +130,7 @@ func TestOthers_LeavesAnotherConsumerItsShare(t *testing.T) {
 		every  = window * 10 / (limit * 4) // 40% of the cap
 		start  = window                    // the fleet's
 		stopAt = start + 5*window          // the other consumer's
-		end    = stopAt + 4*window
+		end    = stopAt + 5*window + window/2
 	)
 	s := redistest.Real(t)
 	k := newSharedKey(t, limit, window)
@@ -152,14 +153,18 @@ func TestOthers_LeavesAnotherConsumerItsShare(t *testing.T) {
 	fleet, refused := k.count(k.ok, settled, stopAt), k.count(k.no, settled, stopAt)
 	others := k.count(k.other, settled, stopAt)
 	left := float64(limit)*float64(stopAt-settled)/float64(window) - float64(others)
-	// The whole cap again: some window starting within three windows of
+	// The whole cap again: some window starting within four windows of
 	// the stop holds it (any window: the fleet's bursts drift through a
-	// fixed one, and a fixed one caught 52 of 60 in one CI run).
-	after := 0
-	for at := stopAt + 2*window; at <= end-window; at += window / 20 {
-		after = max(after, k.count(k.ok, at, at+window))
-	}
-	t.Logf("the other consumer: %d of %d refused; the fleet: %d calls while it spent %d (%.3f of what it left), %d refused; %d in the fullest window starting two to three windows after it stopped",
+	// fixed one). The share is the largest measure of the last window and
+	// a half, and the fleet books a window ahead: the burst three windows
+	// after the stop is the first booked once the share has fallen. In 4
+	// runs of 12 that burst held 45-53 of 60, and the next one 49-60: a
+	// measure after the stop erred high (in one run the bursts went 53,
+	// 49, 60). The vendors' runs, with 2 s windows, hold it at three.
+	// The bursts come a window and its margin apart: the run goes on a
+	// window and a half past four windows from the stop.
+	after := fullestAfter(k.ok, stopAt+2*window, stopAt+4*window, window)
+	t.Logf("the other consumer: %d of %d refused; the fleet: %d calls while it spent %d (%.3f of what it left), %d refused; %d in the fullest window starting two to four windows after it stopped",
 		turned, sent, fleet, others, float64(fleet)/left, refused, after)
 	if t.Failed() || testing.Verbose() {
 		k.dump(t, window, end)
@@ -175,11 +180,11 @@ func TestOthers_LeavesAnotherConsumerItsShare(t *testing.T) {
 	if float64(fleet) < 0.7*left {
 		t.Errorf("the fleet took %d calls of the %.0f the other consumer left, want at least 0.7 of them", fleet, left)
 	}
-	// None alone; .ci/run runs it beside the nested modules' compiles,
-	// where calls that start late measure the others low now and then (3
-	// in one CI run). Without the share: 40-46.
-	if refused > 3 {
-		t.Errorf("the fleet had %d calls refused after its first two windows, want 3 at most", refused)
+	// Without the share: 40-46. Beside compiles, calls that start late
+	// measure the others low now and then (3 and 6 in two CI runs): .ci/run
+	// runs it alone, once the nested modules are done.
+	if refused > 0 {
+		t.Errorf("the fleet had %d calls refused after its first two windows, want none", refused)
 	}
 	u, err := lims[0].Usage(context.Background())
 	if err != nil {
@@ -195,7 +200,7 @@ func TestOthers_LeavesAnotherConsumerItsShare(t *testing.T) {
 	}
 	share := float64(window) / float64(window+u.Rules[0].Margin)
 	if want := 0.95 * share * float64(limit); float64(after) < want {
-		t.Errorf("the fleet took at most %d calls in a window starting within three windows after the other consumer stopped, want at least %.0f",
+		t.Errorf("the fleet took at most %d calls in a window starting within four windows after the other consumer stopped, want at least %.0f",
 			after, want)
 	}
 }
@@ -258,7 +263,9 @@ func TestOthers_RefusedCallsAreNotTheFleets(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		if want := leftToOthers(2, 10); u.Rules[0].Others != want {
+		// 2 units, and the spare of one (others_reserve); none with the
+		// share off, which the switch table checks.
+		if want := 3; u.Rules[0].Others != want {
 			t.Errorf("the quota leaves others %d, want %d: they spent 2 of the vendor's 6", u.Rules[0].Others, want)
 		}
 	})
@@ -297,4 +304,30 @@ func TestOthers_RefundsAfterTheSlotStillCount(t *testing.T) {
 			t.Errorf("the quota leaves others %d, want %d: they spent 3 of the vendor's 13", u.Rules[0].Others, want)
 		}
 	})
+}
+
+// fullestAfter returns the most calls of starts (times from the run's
+// start) in a window of length w that starts at one of them,
+// from lo up to the first one at or after hi: the first burst three
+// windows after a stop is the last one a test reads.
+func fullestAfter(starts []time.Duration, lo, hi, w time.Duration) int {
+	starts = slices.Sorted(slices.Values(starts))
+	most := 0
+	for i, at := range starts {
+		if at < lo {
+			continue
+		}
+		n := 0
+		for _, b := range starts[i:] {
+			if b >= at+w {
+				break
+			}
+			n++
+		}
+		most = max(most, n)
+		if at >= hi {
+			break
+		}
+	}
+	return most
 }

@@ -165,7 +165,7 @@ var switchBreaks = map[mechanism][]string{
 	"policy_ids":      {"^TestDeploy_ChangedPolicyTakesOverCleanly$"},
 	"learned_caps":    {"^TestRefused_DropsByHalfAtMost$"},
 	"charges":         {"^TestSetRemaining_AnswersOfCallsInFlightChargeTheGapOnce$", "+off=others"},
-	"others":          {"^TestOthers_LeavesAnotherConsumerItsShare$"},
+	"others":          {"^TestOthers_RefusedCallsAreNotTheFleets$"},
 	"reserve":         {"^TestLocal_BackOnRedisReservesTheOthersShare$"},
 }
 
