@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"math"
 	"slices"
+	"strconv"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -311,12 +312,17 @@ func (l *Limiter) batchArgs(sc scope, batch []*request, late []*result, spares, 
 				moves = given
 			}
 		}
-		args = append(args, req.member, l.costArg(req.c.cost, req.c.named), req.maxWait.Microseconds(), req.c.lead.Microseconds(), index[req.sc.id], moves)
+		args = append(args, req.member, l.costArg(req.c.cost, req.c.named), req.maxWait.Microseconds(), req.c.lead.Microseconds(), index[req.sc.id], moves, l.classOf(req.c, req.sc))
 	}
 	members := make([]string, spares)
+	class := "0"
+	if len(batch) > 0 {
+		// Spares go to the scope's next calls: of the class of its calls.
+		class = l.classOf(batch[0].c, sc)
+	}
 	for i := range members {
 		members[i] = l.newMember()
-		args = append(args, members[i], spareCost, 0, 0, 1, 0)
+		args = append(args, members[i], spareCost, 0, 0, 1, 0, class)
 	}
 	return args, members
 }
@@ -472,4 +478,19 @@ type batches struct {
 	// call, and when one last failed, in Unix nanoseconds (see
 	// failedWhileQueued).
 	lastAnswer, lastFailure atomic.Int64
+}
+
+// classOf names the class of call c in scope sc, whose share of a full
+// quota the acquire script keeps for it (see Classes in lua/acquire.lua):
+// its priority and, for a call of a key, the key as hashed in sc; "" for
+// a limiter in ArrivalOrder, whose calls are of no class.
+func (l *Limiter) classOf(c call, sc scope) string {
+	if l.s.arrival {
+		return ""
+	}
+	p := strconv.Itoa(c.priority)
+	if sc.id == "" {
+		return p
+	}
+	return p + "/" + sc.id
 }

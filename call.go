@@ -59,9 +59,16 @@ func CostIn(name string, n int) CallOption {
 	}
 }
 
-// Priority orders calls in the queue of a limiter in Queue mode: higher
-// values run first, calls of equal priority in arrival order. The default is
-// 0. Other modes ignore it.
+// Priority ranks the call among the quota's calls, fleet-wide. Each
+// priority is a class of calls whose share of a full quota every replica
+// holds for it: lower priorities book only what the higher ones leave,
+// less the share those booked (or asked for and waited) in the last window
+// and a half, so that a higher-priority call finds room when it comes.
+// Every class keeps a tenth of each limit, so none starves. In Queue mode
+// it also orders the local queue: higher values run first, calls of equal
+// priority in arrival order. The default is 0; Options.ArrivalOrder serves
+// the limiter's calls first come, first served instead (docs/PROTOCOL.md,
+// 3.13).
 func Priority(p int) CallOption { return func(c *call) { c.priority = p } }
 
 type call struct {

@@ -105,6 +105,7 @@ func toModel(r policies.Rule) model.Rule {
 		Every:  r.Every.Microseconds(),
 		Lease:  r.Lease.Microseconds(),
 		PerKey: r.PerKey,
+		Span:   (r.Window - r.Margin).Microseconds(),
 	}
 }
 
@@ -171,14 +172,15 @@ func modelRules(p policies.Policy, perKey bool) []model.Rule {
 		}
 		warm := max(m, min(ceiling, 200_000))
 		return []model.Rule{{Kind: model.Kind(policies.KindSlidingLog), Limit: p.Limit, Window: w + m, PerKey: perKey,
-			Keep: w + ceiling, Warm: (m+warm+1)/2 - m}}
+			Keep: w + ceiling, Warm: (m+warm+1)/2 - m, Span: w}}
 	case policies.SlidingCounter:
 		w := widened(p.Window, p.Margin)
 		n := p.Buckets
 		if n == 0 {
 			n = policies.DefaultBuckets
 		}
-		return []model.Rule{{Kind: model.Kind(policies.KindSlidingCounter), Limit: p.Limit, Window: us(w), Width: ceilUS(w / time.Duration(n)), PerKey: perKey, Keep: us(w)}}
+		return []model.Rule{{Kind: model.Kind(policies.KindSlidingCounter), Limit: p.Limit, Window: us(w), Width: ceilUS(w / time.Duration(n)), PerKey: perKey,
+			Keep: us(w), Span: us(p.Window)}}
 	case policies.TokenBucket:
 		// Burst zero means 1; one unit every Per/Rate.
 		return []model.Rule{{Kind: model.Kind(policies.KindTokenBucket), Limit: max(p.Burst, 1), Every: ceilUS(p.Per / time.Duration(p.Rate)), PerKey: perKey}}
@@ -278,9 +280,9 @@ func moveBookings(t *testing.T, rng *rand.Rand, lim *Limiter, m *model.Model, bo
 			// Only a slot before its own moves it.
 			maxWait = min(maxWait, h.r.slot().Microseconds()-now-1)
 		}
-		want := m.Acquire(now, pause, r.member, c.key, c.cost, maxWait)
+		want := m.AcquireIn(now, pause, r.member, c.key, c.priority, c.cost, maxWait)
 		if moved && !want.Admitted {
-			want = m.Keep(now, r.member, c.key, c.cost, h.r.slot().Microseconds())
+			want = m.KeepIn(now, r.member, c.key, c.priority, c.cost, h.r.slot().Microseconds())
 		}
 		got := model.Decision{Admitted: r.admitted, Wait: r.wait.Microseconds(), Remaining: r.remaining, Busy: r.reason == reasonBusy}
 		if got != want {
@@ -407,7 +409,10 @@ func checkSeed(t *testing.T, rdb redis.UniversalClient, mini *miniredis.Miniredi
 				if rng.IntN(2) == 0 {
 					key = "k" + strconv.Itoa(rng.IntN(3))
 				}
-				c := call{key: key, hasKey: true, cost: 1 + rng.IntN(min(run.maxCost, lim.maxCost))}
+				// Priorities too, now and then: a class above the others
+				// is held its share of the rules (see Classes).
+				prio := []int{0, 0, 0, 3, 7}[rng.IntN(5)]
+				c := call{key: key, hasKey: true, cost: 1 + rng.IntN(min(run.maxCost, lim.maxCost)), priority: prio}
 				batch = append(batch, &request{
 					sc:      lim.scopeFor(c),
 					c:       c,
@@ -423,10 +428,10 @@ func checkSeed(t *testing.T, rdb redis.UniversalClient, mini *miniredis.Miniredi
 				if req.err != nil {
 					t.Fatalf("%s: %v", where(i), req.err)
 				}
-				want := m.Acquire(now, max(pauses[""], pauses[c.key]), r.member, c.key, c.cost, req.maxWait.Microseconds())
+				want := m.AcquireIn(now, max(pauses[""], pauses[c.key]), r.member, c.key, c.priority, c.cost, req.maxWait.Microseconds())
 				got := model.Decision{Admitted: r.admitted, Wait: r.wait.Microseconds(), Remaining: r.remaining, Busy: r.reason == reasonBusy}
 				if got != want {
-					t.Fatalf("%s: key %s cost %d maxWait %v (batch of %d): script %+v, model %+v", where(i), c.key, c.cost, req.maxWait, len(batch), got, want)
+					t.Fatalf("%s: key %s priority %d cost %d maxWait %v (batch of %d): script %+v, model %+v", where(i), c.key, c.priority, c.cost, req.maxWait, len(batch), got, want)
 				}
 				if r.now.Microseconds() != now {
 					t.Fatalf("%s: script used time %d, want %d", where(i), r.now.Microseconds(), now)

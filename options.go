@@ -14,8 +14,10 @@ type Mode string
 
 const (
 	// Block books the earliest slot in which the call fits and waits for it,
-	// within the context's deadline and the limiter's MaxWait. Waiters are
-	// served in arrival order across the fleet. It is the default.
+	// within the context's deadline and the limiter's MaxWait. Waiters of a
+	// class (a Priority, or a key under a limit every key shares) are
+	// served in arrival order across the fleet; a full quota holds each
+	// class above them its share. It is the default.
 	Block Mode = "Block"
 	// FailFast runs the call only if it fits now, and otherwise returns an
 	// error matching ErrLimited at once.
@@ -40,8 +42,9 @@ const (
 // Options tune a Limiter in New. The zero value of every field picks its
 // default, so Options{} is a limiter in Block mode that fails closed. New
 // takes several and merges them in order: a field set in a later one wins
-// (Options{Mode: Block} sets Block back), but for Shadow and
-// WithoutLearning, which are on when any of them sets them.
+// (Options{Mode: Block} sets Block back), but for Shadow,
+// WithoutLearning and ArrivalOrder, which are on when any of them sets
+// them.
 type Options struct {
 	// Mode is what a call does when the quota is full. The default is Block.
 	Mode Mode
@@ -113,6 +116,14 @@ type Options struct {
 	// its refusals pause the fleet, but never teach the quota a lower cap
 	// (see Permit.Refused). Its remaining counts are still heeded.
 	WithoutLearning bool
+	// ArrivalOrder serves the quota first come, first served across the
+	// fleet: the limiter's calls book the earliest free slot, and hold no
+	// share for a class of calls (see Priority). By default a full quota
+	// keeps, in every replica, the share that higher priorities and, under
+	// a rule every key shares, lighter keys booked in the last window and
+	// a half, so that their calls find room when they come; a fleet whose
+	// calls are all of priority 0 and of no key behaves the same either way.
+	ArrivalOrder bool
 	// Clock makes the limiter pass the time from Clock() to the script
 	// instead of letting the script read Redis TIME. Use it only for hosted
 	// services that refuse TIME in scripts, and only when every replica's
@@ -160,6 +171,7 @@ func (o Options) merge(p Options) Options {
 	}
 	o.Shadow = o.Shadow || p.Shadow
 	o.WithoutLearning = o.WithoutLearning || p.WithoutLearning
+	o.ArrivalOrder = o.ArrivalOrder || p.ArrivalOrder
 	if p.Clock != nil {
 		o.Clock = p.Clock
 	}
@@ -180,6 +192,7 @@ type settings struct {
 	maxQueue     int
 	overflow     Overflow
 	noLearning   bool
+	arrival      bool
 	maxWaitSet   bool
 }
 
@@ -194,7 +207,7 @@ func newSettings(name string, opts []Options) (settings, error) {
 		observer: o.Observer, shadow: o.Shadow, onRedisError: o.OnRedisError, replicas: o.ExpectedReplicas,
 		logger: o.Logger, redisTimeout: o.RedisTimeout, mode: o.Mode, maxWait: o.MaxWait, clock: o.Clock,
 		prefix: o.Prefix, maxQueue: o.MaxQueue, overflow: o.Overflow, noLearning: o.WithoutLearning,
-		maxWaitSet: o.MaxWait > 0,
+		arrival: o.ArrivalOrder, maxWaitSet: o.MaxWait > 0,
 	}
 	if s.logger == nil {
 		s.logger = slog.Default()

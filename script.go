@@ -175,9 +175,13 @@ func argsFor(clock func() time.Time, id string, cost, a, b, c any, rules []polic
 	return args
 }
 
-// perCallFlag is added to the kind of a rule that counts each call once
+// perCallFlag is added to the kind of a rule that counts each call once,
+// perKeyFlag to the kind of a rule that applies to each key separately
 // (see lua/lib.lua).
-const perCallFlag = 16
+const (
+	perCallFlag = 16
+	perKeyFlag  = 32
+)
 
 // ruleArgs encodes rule r as the script reads it: the kind and four
 // parameters in microseconds or units (see lua/lib.lua).
@@ -186,6 +190,9 @@ func ruleArgs(r policies.Rule) [5]int64 {
 	kind := int64(r.Kind)
 	if r.PerCall {
 		kind += perCallFlag
+	}
+	if r.PerKey {
+		kind += perKeyFlag
 	}
 	switch r.Kind {
 	case policies.KindSlidingCounter:

@@ -63,6 +63,7 @@ var luaMechanisms = []mechanism{
 	"charges",        // feedback.lua charged_after: every answer charges its whole gap
 	"reserve",        // acquire.lua reserve: back from Local, Redis admits the whole limit
 	"others",         // feedback.lua note_others: no share is left to other consumers of the key
+	"classes",        // acquire.lua class_rules: no share is held for higher priorities and lighter keys
 }
 
 // goMechanisms are the mechanisms decided in Go.

@@ -167,6 +167,7 @@ var switchBreaks = map[mechanism][]string{
 	"charges":         {"^TestSetRemaining_AnswersOfCallsInFlightChargeTheGapOnce$", "+off=others"},
 	"others":          {"^TestOthers_RefusedCallsAreNotTheFleets$"},
 	"reserve":         {"^TestLocal_BackOnRedisReservesTheOthersShare$"},
+	"classes":         {"^TestClasses_AHigherPriorityFindsItsShareAtOnce$"},
 }
 
 // TestSwitches_EachBreaksItsTest runs, for each switch of switchBreaks,

@@ -2,7 +2,7 @@
 -- a quota, atomically, in the order given. Calls that run at the same moment in
 -- one process share one script call; each is decided as if alone, after the
 -- ones before it. A call is recorded only when it is admitted or booked; a
--- refused call writes nothing.
+-- refused call writes nothing but its class's demand (see Classes).
 --
 -- KEYS and ARGV as in lib.lua (ARGV[2] unused), with
 -- ARGV[4]        the number of calls, n;
@@ -28,14 +28,15 @@
 --   for each booking to give back (a call that would start too late books
 --   again in the same script call), five arguments: its id, its cost, its
 --   slot in microseconds, the epoch it was booked in, and its scope (1..s);
---   for each call c, six arguments: its id, unique across the fleet; its
+--   for each call c, seven arguments: its id, unique across the fleet; its
 --   cost, in units; the longest wait in microseconds it accepts (0 admits
 --   only now); the least, in microseconds (a call whose last slot came
 --   back from Redis too late to start in asks for one that far ahead, so
---   that the reply arrives before it); its scope (1..s); and, for a call
+--   that the reply arrives before it); its scope (1..s); for a call
 --   that moves its booking earlier, the booking's place among those given
 --   back (1..g), else 0: when nothing earlier fits, the call keeps its
---   slot (see decide).
+--   slot (see decide); and its class, "<priority>" or "<priority>/<key>"
+--   (see Classes), or "" for a call of no class (ArrivalOrder).
 --
 -- Returns {now, pause, epoch, lost, margin, done, seq, then for each call: admitted,
 -- wait, remaining, reason, pause}:
@@ -604,15 +605,18 @@ local function booking_args(batch, g)
 end
 
 -- call_args reads call c (from 0) of the batch: its id, cost, the wait it
--- accepts, its lead, its scope, and the booking it moves (one given back
--- in this script, or nil), with the fields read_call fills.
+-- accepts, its lead, its scope, the booking it moves (one given back in
+-- this script, or nil), and its class and priority (see Classes), with
+-- the fields read_call fills.
 local function call_args(batch, c)
-  local a = batch.first + 6 * c
+  local a = batch.first + 7 * c
   local sc = batch.scopes[tonumber(ARGV[a + 4])]
+  local class = ARGV[a + 6]
   return {
     id = ARGV[a], cost = read_cost(ARGV[a + 1]), maxwait = tonumber(ARGV[a + 2]), lead = tonumber(ARGV[a + 3]),
     scope = sc, rs = sc.rs, pause = sc.pause, remaining = NEVER, after = NEVER, too_big = false,
     moves = batch.given[tonumber(ARGV[a + 5])],
+    class = class, prio = tonumber(string.match(class, '^(%-?%d+)') or '0'),
   }
 end
 
@@ -832,12 +836,284 @@ local function pace_warm_start(batch)
   end
 end
 
+-- Classes. The calls of a quota fall into classes: their priority and,
+-- under a rule that every key shares, their key ("<priority>/<key>"; a
+-- rule per key drops the key). Each log or counter rule keeps in its ':cl'
+-- hash the units each class booked, by the period of a quarter window of
+-- their slots, for a window and a half and as far ahead as they are
+-- booked, and the units of its calls that had to wait or were refused, by
+-- the period they asked in: a class's demand is the most it booked in a window of four
+-- periods (scaled up to a window while it is younger than one), and what
+-- of it waited in the last window. Where a
+-- quota serves several classes, a call books, besides every rule of its
+-- scope, in a log (or counter) of its class alone, whose limit is the
+-- rule's less what it holds for the classes that rank above the call's
+-- (class_hold): the whole demand of every higher priority; at its own
+-- priority, each lighter class's demand up to the max-min fair share of
+-- what the higher ones leave; and, while the call's class alone could
+-- fill the rule, a tenth of it for the lower priorities that call at all.
+-- A sixteenth and one unit more covers the jitter of their calls. So a
+-- class above finds its share free whenever it comes, and the call takes
+-- every unit left but that spare; every class keeps at least a tenth of
+-- the limit, so none starves for ever. A quota of one class (every call
+-- of priority 0, no key) reads the empty hash once per rule and script,
+-- and nothing more. The rule's own log still holds every call: a class's
+-- log only ever narrows what its calls may take, so a class measured
+-- wrong (a booking given back stays in its class's log, its units in the
+-- demand, until they leave the window) costs that class room, never the
+-- cap.
+local CLASS_PERIODS = 4
+local CLASS_KEPT = 6
+local CLASS_FLOOR = 10
+local CLASS_TTL = 60000
+
+-- class_period returns the period of time t for rule r.
+local function class_period(r, t)
+  return math.floor(t / math.max(math.floor(span_of(r) / CLASS_PERIODS), 1))
+end
+
+-- read_classes reads, once per script, the classes of rule r: r.cls maps
+-- each class's name to its priority and its units by period (p); the
+-- classes with no period left go to r.cls_gone.
+local function read_classes(r)
+  if r.cls then
+    return
+  end
+  r.cls, r.cls_gone, r.cls_add = {}, {}, {}
+  local raw = redis.call('HGETALL', r.key .. ':cl')
+  local oldest = class_period(r, now) - CLASS_KEPT
+  for i = 1, #raw, 2 do
+    local c, any = { p = {}, w = {}, prio = tonumber(string.match(raw[i], '^(%-?%d+)') or '0') }, false
+    for pi, u, w in string.gmatch(raw[i + 1], '(%-?%d+):(%d+):(%d+)') do
+      pi = tonumber(pi)
+      if pi >= oldest then
+        c.p[pi], c.w[pi], any = tonumber(u), tonumber(w), true
+      end
+    end
+    if any then
+      r.cls[raw[i]] = c
+    else
+      r.cls_gone[#r.cls_gone + 1] = raw[i]
+    end
+  end
+end
+
+-- demand returns the units per window in force class c of rule r books,
+-- in thousandths: the most in any four periods in a row, scaled up to a
+-- window while c is younger than one, with what of it waited in the last
+-- window, scaled to the window's margin. Thousandths, rounded down at
+-- each step, keep every sum exact.
+local function demand(r, c)
+  if c.d then
+    return c.d
+  end
+  local ps = {}
+  for pi in pairs(c.p) do
+    ps[#ps + 1] = pi
+  end
+  table.sort(ps)
+  local d = 0
+  for i = 1, #ps do
+    local sum, j = 0, i
+    while j <= #ps and ps[j] < ps[i] + CLASS_PERIODS do
+      sum, j = sum + c.p[ps[j]], j + 1
+    end
+    d = math.max(d, sum)
+  end
+  local cur = class_period(r, now)
+  local age = math.max(ps[#ps], cur) - ps[1] + 1
+  d = d * 1000
+  if age < CLASS_PERIODS then
+    d = math.floor(d * CLASS_PERIODS / age)
+  end
+  -- What waited, or was refused, in the last window, on top: a class
+  -- refused at once (FailFast) shows its demand only so; a class whose calls
+  -- queue for the next free slot books them all there, where they fill
+  -- its share, and the calls after them wait in turn; the larger share
+  -- lets the queue drain within a window.
+  for pi = cur - CLASS_PERIODS + 1, cur do
+    d = d + (c.w[pi] or 0) * 1000
+  end
+  -- Four periods span the window the vendor counts; the window in force,
+  -- its margin included, holds that much more of an even stream.
+  c.d = math.floor(d * r.window / span_of(r))
+  return c.d
+end
+
+-- fair_share returns the max-min fair share of room among demands ds: the
+-- level under which each demand is met whole, and above which every
+-- larger one gets the level.
+local function fair_share(ds, room)
+  table.sort(ds)
+  for i, d in ipairs(ds) do
+    local level = math.floor(room / (#ds - i + 1))
+    if d > level then
+      return level
+    end
+    room = room - d
+  end
+  return NEVER
+end
+
+-- class_hold returns the units rule r holds, against a call of class name
+-- and priority prio, for the classes that rank above it (see Classes).
+local function class_hold(r, name, prio)
+  local own = r.cls[name]
+  local mine = own and demand(r, own) or 0
+  local floor = math.max(math.floor(r.limit / CLASS_FLOOR), 1)
+  local above, lower, peers, lighter = 0, 0, { mine }, {}
+  for n, c in pairs(r.cls) do
+    if n ~= name then
+      local d = demand(r, c)
+      if c.prio > prio then
+        above = above + d
+      elseif c.prio < prio then
+        lower = lower + math.min(d, floor * 1000)
+      else
+        peers[#peers + 1] = d
+        if d < mine then
+          lighter[#lighter + 1] = d
+        end
+      end
+    end
+  end
+  local hold = above
+  local fair = fair_share(peers, math.max(r.limit * 1000 - above, 0))
+  for _, d in ipairs(lighter) do
+    hold = hold + math.min(d, fair)
+  end
+  if mine + hold >= (r.limit - floor) * 1000 then
+    hold = hold + lower
+  end
+  if hold == 0 then
+    return 0
+  end
+  hold = math.ceil(hold / 1000)
+  return math.min(hold + math.floor(hold / 16) + 1, r.limit - floor)
+end
+
+-- class_rule returns the rule of class name under rule r: a log or
+-- counter of that class's calls alone, read once per script and written
+-- with the batch's other rules.
+local function class_rule(batch, r, name)
+  r.vrules = r.vrules or {}
+  local v = r.vrules[name]
+  if v then
+    return v
+  end
+  v = {}
+  for k, x in pairs(r) do
+    v[k] = x
+  end
+  v.key = r.key .. ':c:' .. name
+  v.cls, v.cls_gone, v.cls_add, v.vrules = nil, nil, nil, nil
+  v.hint, v.hint_changed, v.fits, v.seg, v.pending, v.added = nil, nil, nil, nil, nil, nil
+  v.recorded, v.at, v.at_str, v.long, v.cap, v.oth = nil, nil, nil, nil, nil, nil
+  load(v)
+  r.vrules[name] = v
+  batch.objs[#batch.objs + 1] = v
+  return v
+end
+
+-- class_rules adds to call's rules the rule of its class under each log
+-- and counter that serves several classes, with the limit that leaves the
+-- classes above it their share, and notes in call.classes where its units
+-- count towards its class's demand.
+local function class_rules(batch, call)
+  if OFF.classes or call.class == '' then
+    return
+  end
+  local rs
+  for _, r in ipairs(call.rs) do
+    if (r.kind == LOG or r.kind == COUNTER) and not r.class_of then
+      read_classes(r)
+      local name = call.class
+      if r.per_key then
+        name = string.match(name, '^[^/]*')
+      end
+      if next(r.cls) or name ~= '0' then
+        call.classes = call.classes or {}
+        call.classes[#call.classes + 1] = { r = r, name = name }
+        local hold = class_hold(r, name, call.prio)
+        if hold > 0 then
+          local v = class_rule(batch, r, name)
+          v.class_of = r
+          local lim = math.max(r.limit - hold, units(r, call.cost))
+          if v.limit ~= lim then
+            v.limit, v.fits = lim, nil
+          end
+          rs = rs or { unpack(call.rs) }
+          rs[#rs + 1] = v
+        end
+      end
+    end
+  end
+  call.rs = rs or call.rs
+end
+
+-- note_classes adds the units of call to its classes' demand: booked at
+-- t, or refused (t nil). A call that waits, or is refused, counts among
+-- the units that waited too.
+local function note_classes(call, t)
+  for _, cc in ipairs(call.classes or {}) do
+    local r = cc.r
+    local add = r.cls_add[cc.name] or { p = {}, w = {} }
+    r.cls_add[cc.name] = add
+    local u = units(r, call.cost)
+    if t then
+      local pi = class_period(r, t)
+      add.p[pi] = (add.p[pi] or 0) + u
+    end
+    if not t or t > now then
+      local pi = class_period(r, now)
+      add.w[pi] = (add.w[pi] or 0) + u
+    end
+  end
+end
+
+-- write_classes writes back the classes of rule r that the batch booked
+-- in, and drops those with no period left; the hash lives a window and a
+-- half past its latest booking.
+local function write_classes(r)
+  if not r.cls_add then
+    return
+  end
+  if #r.cls_gone > 0 then
+    redis.call('HDEL', r.key .. ':cl', unpack(r.cls_gone))
+  end
+  local oldest, latest = class_period(r, now) - CLASS_KEPT, nil
+  for name, add in pairs(r.cls_add) do
+    local c = r.cls[name] or { p = {}, w = {} }
+    local parts = {}
+    for pi, u in pairs(add.p) do
+      c.p[pi] = (c.p[pi] or 0) + u
+    end
+    for pi, w in pairs(add.w) do
+      c.p[pi] = c.p[pi] or 0
+      c.w[pi] = (c.w[pi] or 0) + w
+    end
+    for pi, u in pairs(c.p) do
+      if pi >= oldest then
+        parts[#parts + 1] = pi .. ':' .. u .. ':' .. (c.w[pi] or 0)
+        latest = math.max(latest or pi, pi)
+      end
+    end
+    redis.call('HSET', r.key .. ':cl', name, table.concat(parts, ','))
+  end
+  if latest then
+    local period = math.max(math.floor(span_of(r) / CLASS_PERIODS), 1)
+    local ms = ((latest + 1) * period - now + span_of(r) * CLASS_KEPT / CLASS_PERIODS) / 1000
+    expire(r.key .. ':cl', math.max(ms, CLASS_TTL))
+  end
+end
+
 -- read_call reads call c of the batch, with the units still free under the
 -- tightest rule of its scope, now (remaining) and once it is in (after).
 -- It returns, instead, an error reply for a call that costs more than a
 -- rule's configured limit.
 local function read_call(batch, c)
   local call = call_args(batch, c)
+  class_rules(batch, call)
   for _, r in ipairs(call.rs) do
     local u = units(r, call.cost)
     if r.conf < u then
@@ -991,6 +1267,9 @@ local function decide(batch, c)
   if call.moves and refused then
     t, refused, call.moves.kept = call.moves.slot, false, true
   end
+  if refused then
+    note_classes(call, nil)
+  end
   if call.reserved_until and refused then
     answer(batch, call, 0, call.reserved_until - now, call.remaining, REFUSED_SHARE)
   elseif t == NEVER then
@@ -1001,6 +1280,7 @@ local function decide(batch, c)
     for _, r in ipairs(call.rs) do
       record(r, t, call.id, units(r, call.cost))
     end
+    note_classes(call, t)
     batch.units = batch.units + call.cost.total
     local remaining = call.after
     if t > now then
@@ -1045,15 +1325,21 @@ end
 local function write_back_rules(objs)
   for _, r in ipairs(objs) do
     flush(r)
+    write_classes(r)
     if r.hint_changed then
       write_hint(r, now)
     end
+    -- A class's log is written only by its own calls while a share is
+    -- held against them: kept a minute at least, so that a Redis whose
+    -- clock runs apart from the one the scripts are given (see SLACK) does
+    -- not drop it between two of them.
+    local least = r.class_of and CLASS_TTL or 0
     if not r.recorded then
       -- nothing to keep
     elseif r.kind == LOG then
-      expire(r.key, (r.tmax - now + r.keep) / 1000)
+      expire(r.key, math.max((r.tmax - now + r.keep) / 1000, least))
     elseif r.kind == COUNTER then
-      expire(r.key, (r.tmax - now + r.keep + r.width) / 1000)
+      expire(r.key, math.max((r.tmax - now + r.keep + r.width) / 1000, least))
     elseif r.kind == CONCURRENCY then
       expire(r.key, (r.tmax - now + r.lease) / 1000)
     end

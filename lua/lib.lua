@@ -17,7 +17,8 @@
 -- ARGV[4..6]     arguments of the script's own (see each script).
 -- ARGV[2+5i]     rule i's kind: 1 sliding log, 2 sliding counter, 3 token bucket
 --                (GCRA), 4 concurrency; plus PER_CALL for a rule that counts
---                each call once, whatever its cost (see units);
+--                each call once, whatever its cost (see units), and PER_KEY
+--                for a rule that applies to each key separately;
 -- ARGV[3+5i] .. ARGV[6+5i]  its four parameters, by kind (read by name: see rules):
 --                log:         limit, window (µs), unused, margin (µs)
 --                counter:     limit, window (µs), bucket width (µs), margin (µs)
@@ -54,6 +55,7 @@ local function clock()
 end
 
 local PER_CALL = 16
+local PER_KEY = 32
 
 -- rules returns the rules of the call, each with its key, kind and
 -- parameters by name:
@@ -74,7 +76,8 @@ local function rules()
       i = i,
       key = KEYS[2 + i],
       kind = kind % PER_CALL,
-      per_call = kind >= PER_CALL,
+      per_call = kind % PER_KEY >= PER_CALL,
+      per_key = kind >= PER_KEY,
       limit = tonumber(ARGV[a + 1]),
       margin = tonumber(ARGV[a + 4]),
     }

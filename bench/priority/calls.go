@@ -127,11 +127,18 @@ func sleep(ctx context.Context, d time.Duration) {
 // tally collects the calls of one class or tenant: how many were asked
 // for, how long the admitted ones waited, and how many failed.
 type tally struct {
-	mu     sync.Mutex
-	asked  int
-	waits  []time.Duration
-	failed int
-	first  error // the first failure
+	// start is when the run began, slowAfter the wait past which a call
+	// counts as slow (0 for none).
+	start     time.Time
+	slowAfter time.Duration
+
+	mu       sync.Mutex
+	asked    int
+	waits    []time.Duration
+	failed   int
+	first    error         // the first failure
+	slow     int           // the calls that waited longer than slowAfter
+	lastSlow time.Duration // when the last of them was asked, from start
 }
 
 // add counts one call that waited for waited and returned err, and returns
@@ -148,6 +155,10 @@ func (t *tally) add(waited time.Duration, err error) error {
 		return err
 	}
 	t.waits = append(t.waits, waited)
+	if t.slowAfter > 0 && waited > t.slowAfter {
+		t.slow++
+		t.lastSlow = max(t.lastSlow, time.Since(t.start)-waited)
+	}
 	return nil
 }
 
@@ -157,7 +168,7 @@ func (t *tally) summary() summary {
 	defer t.mu.Unlock()
 	w := slices.Clone(t.waits)
 	slices.Sort(w)
-	s := summary{asked: t.asked, admitted: len(w), failed: t.failed, first: t.first}
+	s := summary{asked: t.asked, admitted: len(w), failed: t.failed, first: t.first, slow: t.slow, lastSlow: t.lastSlow}
 	if len(w) > 0 {
 		s.p50, s.p99, s.max = durations.Percentile(w, 0.50), durations.Percentile(w, 0.99), w[len(w)-1]
 	}
@@ -169,4 +180,15 @@ type summary struct {
 	asked, admitted, failed int
 	p50, p99, max           time.Duration // of the admitted calls' waits
 	first                   error
+	slow                    int           // the calls that waited longer than the tally's slowAfter
+	lastSlow                time.Duration // when the last of them was asked, from the run's start
+}
+
+// slowCalls formats the slow calls of s: how many, and when the last one
+// was asked.
+func (s summary) slowCalls() string {
+	if s.slow == 0 {
+		return "0"
+	}
+	return fmt.Sprintf("%d (last asked at %.1fs)", s.slow, s.lastSlow.Seconds())
 }

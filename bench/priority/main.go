@@ -31,12 +31,15 @@
 //	           for 5 calls a second (a ticker, a goroutine per call), the odd
 //	           ones on replica 2, the even ones on replica 3.
 //
-// The versions (-versions): FCFS is the library as it is, first come first
-// served across the fleet: a Block call books the earliest free slot, and
-// Priority orders only the local queue of a limiter in Queue mode, so it
-// cannot put replica 3's calls ahead of the other replicas' calls. A later
-// version, such as a fleet-wide priority mode, is one more entry in
-// versions, with the Options it needs, and one more row of each table.
+// The versions (-versions): FCFS is first come, first served across the
+// fleet (Options.ArrivalOrder): a Block call books the earliest free slot,
+// and Priority orders only the local queue of a limiter in Queue mode, so
+// it cannot put replica 3's calls ahead of the other replicas' calls.
+// shares is the default: a full quota holds, in every replica, the share
+// that higher priorities and lighter keys booked (or asked for and waited)
+// in the last window and a half, so that their calls find room when they
+// come (docs/PROTOCOL.md, 3.13). Each version is a row of each table, in
+// the same run.
 //
 // The figures: waits are nearest-rank percentiles; "over the cap" counts
 // the calls that found 100 others started in the second before them; "use

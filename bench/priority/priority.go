@@ -19,6 +19,9 @@ const (
 	batchPriority       = 0
 	interactivePriority = 10
 	interactiveEvery    = 100 * time.Millisecond
+	// interactiveSlow is the wait past which an interactive call counts as
+	// slow: the bound on its p99.
+	interactiveSlow = 50 * time.Millisecond
 )
 
 // priorityModes are the modes the priority scenario runs in, in order.
@@ -46,8 +49,8 @@ func runPriority(ctx context.Context, addr string, v version, mode throttle.Mode
 	defer reps.close()
 
 	var ven vendor
-	var batch, interactive tally
 	start := time.Now()
+	batch, interactive := tally{start: start}, tally{start: start, slowAfter: interactiveSlow}
 	end := start.Add(d)
 	var wg sync.WaitGroup
 	for _, lim := range reps.lims[:2] {

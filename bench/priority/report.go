@@ -20,7 +20,7 @@ func writeVersions(w io.Writer, vs []version) {
 // priorityHeader heads the priority scenario's table.
 var priorityHeader = []string{
 	"version", "mode", "interactive admitted / asked", "interactive wait p50 / p99 / max (ms)",
-	"batch wait p50 (ms)", "use of the cap", "calls over the cap", "failed calls",
+	"interactive over 50 ms", "batch wait p50 (ms)", "use of the cap", "calls over the cap", "failed calls",
 }
 
 // writePriority prints the priority scenario's table.
@@ -34,6 +34,7 @@ func writePriority(w io.Writer, results []priorityResult) {
 			r.version, string(r.mode),
 			ratio(r.interactive.admitted, r.interactive.asked),
 			durations.FormatMs(r.interactive.p50) + " / " + durations.FormatMs(r.interactive.p99) + " / " + durations.FormatMs(r.interactive.max),
+			r.interactive.slowCalls(),
 			durations.FormatMs(r.batch.p50),
 			strconv.FormatFloat(r.use, 'f', 3, 64),
 			strconv.Itoa(r.overCap),
@@ -45,7 +46,7 @@ func writePriority(w io.Writer, results []priorityResult) {
 }
 
 // tenantHeader heads the table of the fairness scenario's tenants.
-var tenantHeader = []string{"version", "tenant", "replica", "admitted / demanded", "wait p50 / p99 (ms)"}
+var tenantHeader = []string{"version", "tenant", "replica", "admitted / demanded", "wait p50 / p99 (ms)", "over 200 ms"}
 
 // fairnessHeader heads the table of the fairness scenario's fleet.
 var fairnessHeader = []string{
@@ -91,7 +92,7 @@ func writeFairness(w io.Writer, results []fairnessResult) {
 func tenantCells(version string, t tenantResult) []string {
 	return []string{
 		version, t.name, strconv.Itoa(t.replica), ratio(t.admitted, t.asked),
-		durations.FormatMs(t.p50) + " / " + durations.FormatMs(t.p99),
+		durations.FormatMs(t.p50) + " / " + durations.FormatMs(t.p99), t.slowCalls(),
 	}
 }
 

@@ -14,13 +14,19 @@ type version struct {
 }
 
 // versions are the versions the program knows, in the order of the rows.
-// FCFS is the library as it is; a fleet-wide priority mode, once it exists,
-// is another entry whose options turn it on.
 var versions = []version{
 	{
 		name: "FCFS",
-		about: "the library today, first come first served across the fleet: a call books the earliest free slot; " +
+		about: "first come first served across the fleet (Options.ArrivalOrder): a call books the earliest free slot; " +
 			"Priority orders only the local queue of a limiter in Queue mode",
+		options: func(mode throttle.Mode) throttle.Options {
+			return throttle.Options{Mode: mode, ArrivalOrder: true}
+		},
+	},
+	{
+		name: "shares",
+		about: "the default: a full quota holds, in every replica, the share that higher priorities and lighter keys " +
+			"booked in the last window and a half (the classes of lua/acquire.lua)",
 		options: func(mode throttle.Mode) throttle.Options { return throttle.Options{Mode: mode} },
 	},
 }

@@ -43,6 +43,9 @@ type Rule struct {
 	// admitted at once are held (see Script).
 	Keep int64
 	Warm int64
+	// Log and Counter rules: the window the vendor counts, without the
+	// margin, which the classes' periods divide (see Classes).
+	Span int64
 }
 
 type entry struct {
@@ -70,6 +73,18 @@ type Model struct {
 	warming bool  // the current script runs while the quota warms up
 	holding bool  // the current script decides with the wider windows
 	atOnce  bool  // the current script admitted a call at once
+
+	// Classes (see classes.go): the keys and the priorities a quota
+	// serves. classes[rule name][class name] is what each class booked;
+	// seen holds the classes as the current script read them, with their
+	// demand, and adds what it booked, written when it ends; classLogs
+	// holds each class's own log under a rule, by rule and class name.
+	perKey    bool
+	now       int64
+	classes   map[string]map[string]*class
+	seen      map[string]map[string]*class
+	adds      map[string]map[string]*class
+	classLogs map[string][]entry
 }
 
 // hold is a concurrency slot held from one time to another: from the
@@ -82,7 +97,13 @@ type hold struct {
 
 // New returns an empty model of a quota with the given rules.
 func New(rules ...Rule) *Model {
-	return &Model{rules: rules, logs: map[string][]entry{}, tat: map[string]int64{}, last: map[string]string{}, held: map[string][]hold{}}
+	m := &Model{rules: rules, logs: map[string][]entry{}, tat: map[string]int64{}, last: map[string]string{}, held: map[string][]hold{},
+		classes: map[string]map[string]*class{}, seen: map[string]map[string]*class{}, adds: map[string]map[string]*class{},
+		classLogs: map[string][]entry{}}
+	for _, r := range rules {
+		m.perKey = m.perKey || r.PerKey
+	}
+	return m
 }
 
 // warmIdle is how long a quota may go without a script before it warms up
@@ -99,6 +120,8 @@ func (m *Model) Script(now int64) {
 			span = max(span, r.Window)
 		}
 	}
+	m.now = now
+	m.seen, m.adds = map[string]map[string]*class{}, map[string]map[string]*class{}
 	start := !m.called || now-m.lastRun > max(span, warmIdle)
 	m.warming = start || m.warmTo > now
 	m.holding = m.called && m.holdTo > now
@@ -111,6 +134,7 @@ func (m *Model) Script(now int64) {
 
 // EndScript ends the script Script began at now.
 func (m *Model) EndScript(now int64) {
+	m.writeClasses(now)
 	if !m.warming || !m.atOnce {
 		return
 	}
@@ -172,7 +196,20 @@ func (m *Model) fits(i int, key string, t, now int64, cost int) bool {
 	r := m.rules[i]
 	log := m.logs[m.name(i, key)]
 	switch r.Kind {
-	case Log:
+	case Log, Counter:
+		return m.fitsIn(r, log, r.Limit, t, cost)
+	case Bucket:
+		tat := m.tat[m.name(i, key)]
+		return max(tat, t)+int64(cost)*r.Every-t <= int64(r.Limit)*r.Every
+	default:
+		return units(log, now, math.MaxInt64)+cost <= r.Limit
+	}
+}
+
+// fitsIn reports whether cost more units at t keep log, of a Log or
+// Counter rule r, within limit.
+func (m *Model) fitsIn(r Rule, log []entry, limit int, t int64, cost int) bool {
+	if r.Kind == Log {
 		// The count of a window (u-w, u] changes only where an entry enters
 		// it, so the windows ending at t and at each entry in (t, t+w) are
 		// the only ones to check.
@@ -184,31 +221,71 @@ func (m *Model) fits(i int, key string, t, now int64, cost int) bool {
 			}
 		}
 		for _, u := range ends {
-			if units(log, u-w, u)+cost > r.Limit {
+			if units(log, u-w, u)+cost > limit {
 				return false
 			}
 		}
 		return true
-	case Counter:
-		k, span := floorDiv(t, r.Width), counterSpan(r)
-		for j := k; j <= k+span; j++ {
-			n := 0
-			for _, e := range log {
-				if b := floorDiv(e.at, r.Width); b >= j-span && b <= j {
-					n += e.cost
-				}
-			}
-			if n+cost > r.Limit {
-				return false
-			}
-		}
-		return true
-	case Bucket:
-		tat := m.tat[m.name(i, key)]
-		return max(tat, t)+int64(cost)*r.Every-t <= int64(r.Limit)*r.Every
-	default:
-		return units(log, now, math.MaxInt64)+cost <= r.Limit
 	}
+	// The windows ending in buckets k .. k+span each hold buckets j-span ..
+	// j; the count only grows where a bucket that holds units enters, so
+	// the windows ending at k and at those buckets are the ones to check.
+	k, span := floorDiv(t, r.Width), counterSpan(r)
+	ends := []int64{k}
+	for _, e := range log {
+		if b := floorDiv(e.at, r.Width); b > k && b <= k+span {
+			ends = append(ends, b)
+		}
+	}
+	for _, j := range ends {
+		n := 0
+		for _, e := range log {
+			if b := floorDiv(e.at, r.Width); b >= j-span && b <= j {
+				n += e.cost
+			}
+		}
+		if n+cost > limit {
+			return false
+		}
+	}
+	return true
+}
+
+// used is the units log, of a Log or Counter rule r, holds in the window
+// ending at now and ahead of it.
+func (m *Model) used(r Rule, log []entry, now int64) int {
+	if r.Kind == Log {
+		return units(log, now-m.window(r), math.MaxInt64)
+	}
+	oldest := floorDiv(now, r.Width) - counterSpan(r)
+	n := 0
+	for _, e := range log {
+		if floorDiv(e.at, r.Width) >= oldest {
+			n += e.cost
+		}
+	}
+	return n
+}
+
+// candidates returns the times from start on at which log, of a Log or
+// Counter rule r, may free room: as an entry leaves the window, or as a
+// bucket does.
+func (m *Model) candidates(r Rule, log []entry, start int64) []int64 {
+	var cands []int64
+	if r.Kind == Log {
+		for _, e := range log {
+			cands = append(cands, e.at+m.window(r))
+		}
+		return cands
+	}
+	last := start
+	for _, e := range log {
+		last = max(last, e.at)
+	}
+	for b := floorDiv(start, r.Width) + 1; b <= floorDiv(last, r.Width)+counterSpan(r)+1; b++ {
+		cands = append(cands, b*r.Width)
+	}
+	return cands
 }
 
 // free is the units the rule has free at now, bookings ahead counted.
@@ -216,17 +293,8 @@ func (m *Model) free(i int, key string, now int64) int {
 	r := m.rules[i]
 	log := m.logs[m.name(i, key)]
 	switch r.Kind {
-	case Log:
-		return r.Limit - units(log, now-m.window(r), math.MaxInt64)
-	case Counter:
-		oldest := floorDiv(now, r.Width) - counterSpan(r)
-		n := 0
-		for _, e := range log {
-			if floorDiv(e.at, r.Width) >= oldest {
-				n += e.cost
-			}
-		}
-		return r.Limit - n
+	case Log, Counter:
+		return r.Limit - m.used(r, log, now)
 	case Bucket:
 		tat := m.tat[m.name(i, key)]
 		return int(floorDiv(int64(r.Limit)*r.Every-max(0, tat-now), r.Every))
@@ -235,23 +303,62 @@ func (m *Model) free(i int, key string, now int64) int {
 	}
 }
 
-// Acquire decides a call of cost units for key at time now, not before
-// pause, that accepts a wait of at most maxWait, and records it under id
-// when it is admitted.
+// Acquire decides a call of priority 0 (see AcquireIn).
 func (m *Model) Acquire(now, pause int64, id, key string, cost int, maxWait int64) Decision {
-	start := max(now, pause)
-	remaining := math.MaxInt
-	for i := range m.rules {
-		remaining = min(remaining, m.free(i, key, now))
-	}
-	remaining = max(remaining, 0)
+	return m.AcquireIn(now, pause, id, key, 0, cost, maxWait)
+}
+
+// AcquireIn decides a call of cost units and priority prio for key at
+// time now, not before pause, that accepts a wait of at most maxWait, and
+// records it under id when it is admitted.
+func (m *Model) AcquireIn(now, pause int64, id, key string, prio, cost int, maxWait int64) Decision {
+	cls := m.callClasses(key, prio, cost)
+	remaining := m.remaining(key, cls, now)
 	if pause > now {
 		// Nothing is free while the vendor asked for quiet.
 		remaining = 0
 	}
-	// No one knows when a holder will finish, so a full concurrency rule
-	// refuses the call; its hint is when the first lease runs out, in the
-	// fullest of them.
+	if busy, hint := m.busy(key, cost, now); busy {
+		m.noteRefused(cls, cost)
+		return Decision{Wait: hint, Remaining: remaining, Busy: true}
+	}
+	t := m.earliest(key, cls, max(now, pause), now, cost)
+	wait := t - now
+	if wait > maxWait {
+		m.noteRefused(cls, cost)
+		return Decision{Wait: wait, Remaining: remaining}
+	}
+	m.record(now, id, key, cost, t)
+	m.noteClasses(cls, id, cost, t)
+	remaining -= cost
+	if remaining < 0 || wait > 0 {
+		remaining = 0
+	}
+	if wait == 0 {
+		m.atOnce = true
+	}
+	return Decision{Admitted: true, Wait: wait, Remaining: remaining}
+}
+
+// remaining is the units free at now under the tightest rule for key and
+// the logs of classes cls, bookings ahead counted.
+func (m *Model) remaining(key string, cls []callClass, now int64) int {
+	remaining := math.MaxInt
+	for i := range m.rules {
+		remaining = min(remaining, m.free(i, key, now))
+	}
+	for _, c := range cls {
+		if c.limit > 0 {
+			remaining = min(remaining, c.limit-m.used(m.rules[c.i], m.classLogs[c.log], now))
+		}
+	}
+	return max(remaining, 0)
+}
+
+// busy reports whether a full concurrency rule refuses a call of cost for
+// key: no one knows when a holder will finish. Its hint is when the first
+// lease runs out, in the fullest of them.
+func (m *Model) busy(key string, cost int, now int64) (bool, int64) {
 	busy, hint := false, int64(0)
 	for i, r := range m.rules {
 		if r.Kind == Concurrency && !m.fits(i, key, now, now, cost) {
@@ -264,33 +371,29 @@ func (m *Model) Acquire(now, pause int64, id, key string, cost int, maxWait int6
 			busy, hint = true, max(hint, first-now)
 		}
 	}
-	if busy {
-		return Decision{Wait: hint, Remaining: remaining, Busy: true}
-	}
-	// The earliest allowed time is the start or the moment some rule frees
-	// room; try them all in order.
+	return busy, hint
+}
+
+// earliest is the earliest time from start on at which cost more units fit
+// every rule for key and the logs of classes cls: the start or the moment
+// some rule frees room, tried in order.
+func (m *Model) earliest(key string, cls []callClass, start, now int64, cost int) int64 {
 	cands := []int64{start}
 	for i, r := range m.rules {
 		log := m.logs[m.name(i, key)]
 		switch r.Kind {
-		case Log:
-			for _, e := range log {
-				cands = append(cands, e.at+m.window(r))
-			}
-		case Counter:
-			last := start
-			for _, e := range log {
-				last = max(last, e.at)
-			}
-			for b := floorDiv(start, r.Width) + 1; b <= floorDiv(last, r.Width)+counterSpan(r)+1; b++ {
-				cands = append(cands, b*r.Width)
-			}
+		case Log, Counter:
+			cands = append(cands, m.candidates(r, log, start)...)
 		case Bucket:
 			cands = append(cands, m.tat[m.name(i, key)]-int64(r.Limit-cost)*r.Every)
 		}
 	}
+	for _, c := range cls {
+		if c.limit > 0 {
+			cands = append(cands, m.candidates(m.rules[c.i], m.classLogs[c.log], start)...)
+		}
+	}
 	sort.Slice(cands, func(a, b int) bool { return cands[a] < cands[b] })
-	t := int64(-1)
 	for _, c := range cands {
 		if c < start {
 			continue
@@ -302,31 +405,32 @@ func (m *Model) Acquire(now, pause int64, id, key string, cost int, maxWait int6
 				break
 			}
 		}
+		for _, cl := range cls {
+			if ok && cl.limit > 0 {
+				ok = m.fitsIn(m.rules[cl.i], m.classLogs[cl.log], cl.limit, c, cost)
+			}
+		}
 		if ok {
-			t = c
-			break
+			return c
 		}
 	}
-	wait := t - now
-	if wait > maxWait {
-		return Decision{Wait: wait, Remaining: remaining}
-	}
-	m.record(now, id, key, cost, t)
-	remaining -= cost
-	if remaining < 0 || wait > 0 {
-		remaining = 0
-	}
-	if wait == 0 {
-		m.atOnce = true
-	}
-	return Decision{Admitted: true, Wait: wait, Remaining: remaining}
+	return -1
 }
 
 // Keep books call id again at slot, as it was before it was given back to
 // move earlier (Cancel, then an Acquire that found nothing earlier), and
 // returns the decision the script answers a kept call with.
 func (m *Model) Keep(now int64, id, key string, cost int, slot int64) Decision {
+	return m.KeepIn(now, id, key, 0, cost, slot)
+}
+
+// KeepIn is Keep for a call of priority prio. It follows the AcquireIn
+// that found nothing earlier for the call: the call was kept, not refused.
+func (m *Model) KeepIn(now int64, id, key string, prio, cost int, slot int64) Decision {
+	cls := m.callClasses(key, prio, cost)
+	m.noteRefused(cls, -cost)
 	m.record(now, id, key, cost, slot)
+	m.noteClasses(cls, id, cost, slot)
 	if slot <= now {
 		m.atOnce = true
 	}

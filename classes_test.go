@@ -1,0 +1,182 @@
+package throttle
+
+import (
+	"context"
+	"errors"
+	"strconv"
+	"testing"
+	"time"
+
+	"github.com/throttlekit/throttle/internal/redistest"
+	"github.com/throttlekit/throttle/policies"
+)
+
+// classRun drives one limiter in FailFast mode on a given clock, a step
+// at a time, so that each class's calls are decided at known times.
+type classRun struct {
+	t     *testing.T
+	lim   *Limiter
+	clock *fixedClock
+}
+
+func newClassRun(t *testing.T, s *redistest.Server, p policies.Policy, opts Options) *classRun {
+	clock := newClock()
+	opts.Mode, opts.Clock = FailFast, clock.Now
+	return &classRun{t: t, lim: newLimiter(t, s.Client(t), p, opts), clock: clock}
+}
+
+// try asks for one call now, and reports whether it was admitted.
+func (c *classRun) try(opts ...CallOption) bool {
+	c.t.Helper()
+	p, err := c.lim.Acquire(context.Background(), opts...)
+	if errors.Is(err, ErrLimited) {
+		return false
+	}
+	if err != nil {
+		c.t.Fatal(err)
+	}
+	p.Release()
+	return true
+}
+
+// fill asks for calls now until one is refused, 500 at most, and returns
+// how many were admitted.
+func (c *classRun) fill(opts ...CallOption) int {
+	c.t.Helper()
+	n := 0
+	for n < 500 && c.try(opts...) {
+		n++
+	}
+	return n
+}
+
+// A batch class fills a quota of 100 a second at every step of 100ms; an
+// interactive class of a higher priority asks for one call at each step.
+// From the second window on, the quota holds the interactive calls their
+// share: every one is admitted at once, and the two classes together use
+// at least 0.9 of the quota. First come, first served (ArrivalOrder, or
+// the classes switched off), the batch takes every unit as it frees and
+// the interactive calls are refused.
+func TestClasses_AHigherPriorityFindsItsShareAtOnce(t *testing.T) {
+	redistest.Each(t, func(t *testing.T, s *redistest.Server) {
+		for _, arrival := range []bool{false, true} {
+			t.Run("ArrivalOrder="+strconv.FormatBool(arrival), func(t *testing.T) {
+				c := newClassRun(t, s, policies.SlidingLog{Limit: 100, Window: time.Second}, Options{ArrivalOrder: arrival})
+				refused, used := 0, 0
+				for step := range 31 {
+					// The first window, its 3% margin included, ends
+					// after the step at 1s.
+					warm := step > 10
+					if !c.try(Priority(10)) && warm {
+						t.Logf("step %d: an interactive call refused", step)
+						refused++
+					} else if warm {
+						used++
+					}
+					n := c.fill(Priority(0))
+					if warm {
+						used += n
+					}
+					c.clock.Add(100 * time.Millisecond)
+				}
+				// Two seconds, in windows of 1s and a 3% margin.
+				ceiling := 200 / 1.03
+				t.Logf("interactive calls refused after the first window: %d of 20; both classes: %d calls in 2s (%.3f of the window's ceiling)",
+					refused, used, float64(used)/ceiling)
+				if arrival {
+					if refused < 15 {
+						t.Errorf("first come, first served: %d interactive calls refused of 20, want most of them", refused)
+					}
+					return
+				}
+				if refused > 0 {
+					t.Errorf("%d interactive calls refused after the first window, want none", refused)
+				}
+				if float64(used) < 0.9*ceiling {
+					t.Errorf("both classes used %d calls in 2s, want at least 0.9 of %.0f", used, ceiling)
+				}
+			})
+		}
+	})
+}
+
+// Under a global cap of 100 a second that every key shares, one heavy key
+// fills the quota at every step of 100ms, and four light keys ask for one
+// call every 200ms each. From the second window on, at least 0.9 of the
+// light keys' calls are admitted at once (first come, first served: none),
+// and the heavy key takes at least 0.9 of what they leave.
+func TestClasses_LightKeysFindTheirShareUnderAGlobalCap(t *testing.T) {
+	redistest.Each(t, func(t *testing.T, s *redistest.Server) {
+		rule := policies.SlidingLog{Limit: 100, Window: time.Second}
+		c := newClassRun(t, s, policies.All(rule, policies.PerKey{Policy: rule}), Options{})
+		refused, light, heavy := 0, 0, 0
+		for step := range 31 {
+			warm := step > 10
+			for k := range 4 {
+				if (step+k)%2 != 0 {
+					continue
+				}
+				ok := c.try(Key("light-" + strconv.Itoa(k)))
+				switch {
+				case !ok && warm:
+					t.Logf("step %d: a call of light-%d refused", step, k)
+					refused++
+				case warm:
+					light++
+				}
+			}
+			n := c.fill(Key("heavy"))
+			if warm {
+				heavy += n
+			}
+			c.clock.Add(100 * time.Millisecond)
+		}
+		left := 200/1.03 - float64(light)
+		t.Logf("light keys: %d calls admitted, %d refused after the first window; the heavy key: %d calls (%.3f of the %.0f they left)",
+			light, refused, heavy, float64(heavy)/left, left)
+		// A window in force (1.03s) holds five or six calls of a light
+		// key, and the share held for each is its mean, 5.15, with a spare
+		// for them all: when several keys' calls line up, one is refused
+		// now and then (3 of 40 here); a call that may wait (Block) books
+		// the first unit to leave the window instead.
+		if refused*10 > light+refused {
+			t.Errorf("%d light calls refused after the first window, %d admitted, want at least 0.9 admitted", refused, light)
+		}
+		if float64(heavy) < 0.9*left {
+			t.Errorf("the heavy key took %d calls, want at least 0.9 of the %.0f the light keys left", heavy, left)
+		}
+	})
+}
+
+// A higher priority that asks for more than the whole quota does not
+// starve a lower one: the lower class, once it has a call in, keeps a
+// tenth of the limit, so its calls, five a second, book within a window
+// and a half of their asking. Without that floor its share would fall to
+// one call a window, and its waits would grow with every call.
+func TestClasses_ALowerPriorityKeepsATenth(t *testing.T) {
+	redistest.Each(t, func(t *testing.T, s *redistest.Server) {
+		c := newClassRun(t, s, policies.SlidingLog{Limit: 100, Window: time.Second}, Options{})
+		var waits []time.Duration
+		for step := range 50 {
+			c.fill(Priority(10))
+			if step%2 == 0 {
+				req := &request{c: call{cost: 1}, maxWait: 10 * time.Second, member: c.lim.newMember(), done: make(chan struct{})}
+				req.sc = c.lim.scopeFor(req.c)
+				c.lim.decide(req.sc, []*request{req})
+				if req.err != nil || !req.res.admitted {
+					t.Fatalf("step %d: a low call was not booked: %v %+v", step, req.err, req.res)
+				}
+				waits = append(waits, req.res.wait)
+			}
+			c.clock.Add(100 * time.Millisecond)
+		}
+		last := waits[len(waits)-5:]
+		t.Logf("the low calls' waits: %v", waits)
+		for _, w := range last {
+			if w > 1500*time.Millisecond {
+				t.Errorf("the last low calls waited %v, want each within a window and a half", last)
+				break
+			}
+		}
+	})
+}

@@ -1,0 +1,261 @@
+package model
+
+import (
+	"math"
+	"sort"
+	"strconv"
+	"strings"
+)
+
+// Classes, as lua/acquire.lua states them: the calls of a quota fall into
+// classes, their priority and, under a rule every key shares, their key.
+// Each Log and Counter rule counts what each class booked, by period of a
+// quarter of its Span, and what of it had to wait; a call books, besides
+// every rule, in a log of its class alone whose limit leaves the classes
+// that rank above it their demand (hold). The model reads the classes once
+// per script, as the script does, and writes what the script booked when
+// it ends.
+const (
+	classPeriods = 4
+	classKept    = 6
+	classFloor   = 10
+)
+
+// class is what one class booked under one rule: units by the period of
+// their slots (p), and the units of its calls that waited, by the period
+// they asked in (w); d is its demand as the script read it, in thousandths,
+// or -1 until computed.
+type class struct {
+	prio int
+	p, w map[int64]int
+	d    int64
+}
+
+// callClass is a call's class under rule i: its name, the rule's name for
+// the key, the log of the class, and the limit of that log, 0 when the
+// rule holds nothing against the class.
+type callClass struct {
+	i               int
+	name, rule, log string
+	limit           int
+}
+
+// period is the period of time t under rule r.
+func period(r Rule, t int64) int64 {
+	return floorDiv(t, max(r.Span/classPeriods, 1))
+}
+
+// className is the class of a call of priority prio for key under rule r.
+func (m *Model) className(r Rule, key string, prio int) string {
+	name := strconv.Itoa(prio)
+	if m.perKey && !r.PerKey {
+		name += "/" + key
+	}
+	return name
+}
+
+// read returns the classes of the rule named rule as the current script
+// reads them: the periods of the last window and a half and ahead.
+func (m *Model) read(r Rule, rule string) map[string]*class {
+	if cs, ok := m.seen[rule]; ok {
+		return cs
+	}
+	oldest := period(r, m.now) - classKept
+	cs := map[string]*class{}
+	for name, c := range m.classes[rule] {
+		k := &class{prio: c.prio, p: map[int64]int{}, w: map[int64]int{}, d: -1}
+		for pi, u := range c.p {
+			if pi >= oldest {
+				k.p[pi], k.w[pi] = u, c.w[pi]
+			}
+		}
+		if len(k.p) > 0 {
+			cs[name] = k
+		}
+	}
+	m.seen[rule] = cs
+	return cs
+}
+
+// demand is class c's units per window in force under rule r, in
+// thousandths, as the script reckons it.
+func (m *Model) demand(r Rule, c *class) int64 {
+	if c.d >= 0 {
+		return c.d
+	}
+	var ps []int64
+	for pi := range c.p {
+		ps = append(ps, pi)
+	}
+	sort.Slice(ps, func(a, b int) bool { return ps[a] < ps[b] })
+	most := 0
+	for i := range ps {
+		sum := 0
+		for j := i; j < len(ps) && ps[j] < ps[i]+classPeriods; j++ {
+			sum += c.p[ps[j]]
+		}
+		most = max(most, sum)
+	}
+	cur := period(r, m.now)
+	age := max(ps[len(ps)-1], cur) - ps[0] + 1
+	d := float64(most) * 1000
+	if age < classPeriods {
+		d = math.Floor(d * classPeriods / float64(age))
+	}
+	for pi := cur - classPeriods + 1; pi <= cur; pi++ {
+		d += float64(c.w[pi]) * 1000
+	}
+	c.d = int64(math.Floor(d * float64(m.window(r)) / float64(r.Span)))
+	return c.d
+}
+
+// fairShare is the max-min fair share of room among demands ds.
+func fairShare(ds []int64, room int64) int64 {
+	sort.Slice(ds, func(a, b int) bool { return ds[a] < ds[b] })
+	for i, d := range ds {
+		level := room / int64(len(ds)-i)
+		if d > level {
+			return level
+		}
+		room -= d
+	}
+	return math.MaxInt64
+}
+
+// hold is the units rule r holds against a call of class name and
+// priority prio, among classes cs.
+func (m *Model) hold(r Rule, cs map[string]*class, name string, prio int) int {
+	var mine int64
+	if own, ok := cs[name]; ok {
+		mine = m.demand(r, own)
+	}
+	floor := max(r.Limit/classFloor, 1)
+	var above, lower int64
+	peers, lighter := []int64{mine}, []int64{}
+	for n, c := range cs {
+		if n == name {
+			continue
+		}
+		d := m.demand(r, c)
+		switch {
+		case c.prio > prio:
+			above += d
+		case c.prio < prio:
+			lower += min(d, int64(floor)*1000)
+		default:
+			peers = append(peers, d)
+			if d < mine {
+				lighter = append(lighter, d)
+			}
+		}
+	}
+	hold := above
+	fair := fairShare(peers, max(int64(r.Limit)*1000-above, 0))
+	for _, d := range lighter {
+		hold += min(d, fair)
+	}
+	if mine+hold >= int64(r.Limit-floor)*1000 {
+		hold += lower
+	}
+	if hold == 0 {
+		return 0
+	}
+	units := int((hold + 999) / 1000)
+	return min(units+units/16+1, r.Limit-floor)
+}
+
+// callClasses returns the classes of a call of cost for key and priority
+// prio, under each Log and Counter rule that serves classes.
+func (m *Model) callClasses(key string, prio, cost int) []callClass {
+	var out []callClass
+	for i, r := range m.rules {
+		if r.Kind != Log && r.Kind != Counter {
+			continue
+		}
+		rule, name := m.name(i, key), m.className(r, key, prio)
+		cs := m.read(r, rule)
+		if len(cs) == 0 && name == "0" {
+			continue
+		}
+		c := callClass{i: i, name: name, rule: rule, log: rule + "|" + name}
+		if h := m.hold(r, cs, name, prio); h > 0 {
+			c.limit = max(r.Limit-h, cost)
+		}
+		out = append(out, c)
+	}
+	return out
+}
+
+// noteClasses records call id, of cost, booked at t, in the logs of its
+// classes cls that hold against it, and adds it to their demand.
+func (m *Model) noteClasses(cls []callClass, id string, cost int, t int64) {
+	for _, c := range cls {
+		r := m.rules[c.i]
+		if c.limit > 0 {
+			m.classLogs[c.log] = append(m.classLogs[c.log], entry{at: t, id: id, cost: cost})
+		}
+		a := m.added(c)
+		a.p[period(r, t)] += cost
+		if t > m.now {
+			a.w[period(r, m.now)] += cost
+		}
+	}
+}
+
+// noteRefused adds a refused call of cost to the units of its classes cls
+// that waited.
+func (m *Model) noteRefused(cls []callClass, cost int) {
+	for _, c := range cls {
+		m.added(c).w[period(m.rules[c.i], m.now)] += cost
+	}
+}
+
+// added returns what the current script added to class c.
+func (m *Model) added(c callClass) *class {
+	adds := m.adds[c.rule]
+	if adds == nil {
+		adds = map[string]*class{}
+		m.adds[c.rule] = adds
+	}
+	a := adds[c.name]
+	if a == nil {
+		a = &class{p: map[int64]int{}, w: map[int64]int{}}
+		adds[c.name] = a
+	}
+	return a
+}
+
+// writeClasses writes what the script booked into the classes, keeping
+// the periods of the last window and a half and ahead.
+func (m *Model) writeClasses(now int64) {
+	for rule, adds := range m.adds {
+		i, _ := strconv.Atoi(rule[:strings.IndexAny(rule+":", ":")])
+		r := m.rules[i]
+		oldest := period(r, now) - classKept
+		if m.classes[rule] == nil {
+			m.classes[rule] = map[string]*class{}
+		}
+		for name, a := range adds {
+			c := m.classes[rule][name]
+			if c == nil {
+				prio, _ := strconv.Atoi(strings.SplitN(name, "/", 2)[0])
+				c = &class{prio: prio, p: map[int64]int{}, w: map[int64]int{}}
+				m.classes[rule][name] = c
+			}
+			for pi, u := range a.p {
+				c.p[pi] += u
+			}
+			for pi, w := range a.w {
+				c.p[pi] += 0
+				c.w[pi] += w
+			}
+			for pi := range c.p {
+				if pi < oldest {
+					delete(c.p, pi)
+					delete(c.w, pi)
+				}
+			}
+		}
+	}
+	m.adds = map[string]map[string]*class{}
+}
