@@ -368,7 +368,9 @@ func (r *simReplica) work(version context.Context, k uint64) {
 		if s.Hold > 0 {
 			hold = s.Hold
 		}
-		opts := []CallOption{Cost(cost)}
+		// Two priorities, by worker: the shares each class holds the
+		// other (docs/PROTOCOL.md, 3.13) meet every fault too.
+		opts := []CallOption{Cost(cost), Priority(int(k % 2))}
 		if key != "" {
 			opts = append(opts, Key(key))
 		}

@@ -856,8 +856,11 @@ end
 -- class above finds its share free whenever it comes, and the call takes
 -- every unit left but that spare; every class keeps at least a tenth of
 -- the limit, so none starves for ever. A quota of one class (every call
--- of priority 0, no key) reads the empty hash once per rule and script,
--- and nothing more. The rule's own log still holds every call: a class's
+-- of priority 0, no key) reads nothing more: the meta says until when some
+-- class called (classes_until in lib.lua), and the ':cl' and ':c:' keys,
+-- built here rather than declared in KEYS, are touched only by a quota
+-- that serves classes (a Cluster slot migrating refuses undeclared keys).
+-- The rule's own log still holds every call: a class's
 -- log only ever narrows what its calls may take, so a class measured
 -- wrong (a booking given back stays in its class's log, its units in the
 -- demand, until they leave the window) costs that class room, never the
@@ -1015,6 +1018,15 @@ local function class_rule(batch, r, name)
   return v
 end
 
+-- classes_until makes the quota's meta say that rule r may hold shares
+-- for classes until two windows after t: a call of the default class
+-- ("0") reads the classes only until then, once every period of the last
+-- class's demand has passed.
+local function classes_until(batch, r, t)
+  local m = batch.meta
+  m.classes_until = math.max(m.classes_until, math.max(t, now) + 2 * span_of(r))
+end
+
 -- class_rules adds to call's rules the rule of its class under each log
 -- and counter that serves several classes, with the limit that leaves the
 -- classes above it their share, and notes in call.classes where its units
@@ -1026,12 +1038,17 @@ local function class_rules(batch, call)
   local rs
   for _, r in ipairs(call.rs) do
     if (r.kind == LOG or r.kind == COUNTER) and not r.class_of then
-      read_classes(r)
       local name = call.class
       if r.per_key then
         name = string.match(name, '^[^/]*')
       end
-      if next(r.cls) or name ~= '0' then
+      if name ~= '0' then
+        classes_until(batch, r, now)
+      end
+      if name ~= '0' or batch.meta.classes_until > now then
+        read_classes(r)
+      end
+      if r.cls and (next(r.cls) or name ~= '0') then
         call.classes = call.classes or {}
         call.classes[#call.classes + 1] = { r = r, name = name }
         local hold = class_hold(r, name, call.prio)
@@ -1054,9 +1071,12 @@ end
 -- note_classes adds the units of call to its classes' demand: booked at
 -- t, or refused (t nil). A call that waits, or is refused, counts among
 -- the units that waited too.
-local function note_classes(call, t)
+local function note_classes(batch, call, t)
   for _, cc in ipairs(call.classes or {}) do
     local r = cc.r
+    if t and cc.name ~= '0' then
+      classes_until(batch, r, t)
+    end
     local add = r.cls_add[cc.name] or { p = {}, w = {} }
     r.cls_add[cc.name] = add
     local u = units(r, call.cost)
@@ -1268,7 +1288,7 @@ local function decide(batch, c)
     t, refused, call.moves.kept = call.moves.slot, false, true
   end
   if refused then
-    note_classes(call, nil)
+    note_classes(batch, call, nil)
   end
   if call.reserved_until and refused then
     answer(batch, call, 0, call.reserved_until - now, call.remaining, REFUSED_SHARE)
@@ -1280,7 +1300,7 @@ local function decide(batch, c)
     for _, r in ipairs(call.rs) do
       record(r, t, call.id, units(r, call.cost))
     end
-    note_classes(call, t)
+    note_classes(batch, call, t)
     batch.units = batch.units + call.cost.total
     local remaining = call.after
     if t > now then

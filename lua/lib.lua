@@ -222,6 +222,10 @@ local META_REFRESH = 24 * 3600 * 1000000
 --   caps_until      until then, rules of the quota may have learned caps
 --                   (see read_caps): before it, scripts read them; after it,
 --                   they spare the reads;
+--   classes_until   until then, rules of the quota may hold shares for
+--                   classes of calls (see Classes in acquire.lua): before
+--                   it, every call reads them; after it, only a call of a
+--                   class does;
 --   warm_until, warm_held
 --                   until warm_until, the quota warms up; until warm_held,
 --                   the calls it admitted at once while it did are held (see
@@ -233,6 +237,7 @@ local META_FIELDS = {
   loss = 0, seq = 0, reserved_until = 0, reserved_share = 1,
   hold = 0, hold_until = 0, next_hold = 0, next_until = 0,
   caps_until = 0, warm_until = 0, warm_held = 0, last_acquire = 0,
+  classes_until = 0,
 }
 
 -- read_meta returns the meta as a table, its numbers by name (each

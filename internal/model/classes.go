@@ -173,6 +173,12 @@ func (m *Model) callClasses(key string, prio, cost int) []callClass {
 			continue
 		}
 		rule, name := m.name(i, key), m.className(r, key, prio)
+		if name != "0" {
+			m.classesUntil = max(m.classesUntil, m.now+2*r.Span)
+		} else if m.classesUntil <= m.now {
+			// The meta says no class called lately: nothing is read.
+			continue
+		}
 		cs := m.read(r, rule)
 		if len(cs) == 0 && name == "0" {
 			continue
@@ -196,6 +202,9 @@ func (m *Model) noteClasses(cls []callClass, id string, cost int, t int64) {
 		}
 		a := m.added(c)
 		a.p[period(r, t)] += cost
+		if c.name != "0" {
+			m.classesUntil = max(m.classesUntil, max(t, m.now)+2*r.Span)
+		}
 		if t > m.now {
 			a.w[period(r, m.now)] += cost
 		}

@@ -79,12 +79,13 @@ type Model struct {
 	// seen holds the classes as the current script read them, with their
 	// demand, and adds what it booked, written when it ends; classLogs
 	// holds each class's own log under a rule, by rule and class name.
-	perKey    bool
-	now       int64
-	classes   map[string]map[string]*class
-	seen      map[string]map[string]*class
-	adds      map[string]map[string]*class
-	classLogs map[string][]entry
+	perKey       bool
+	now          int64
+	classesUntil int64 // until then a call of the default class reads the classes
+	classes      map[string]map[string]*class
+	seen         map[string]map[string]*class
+	adds         map[string]map[string]*class
+	classLogs    map[string][]entry
 }
 
 // hold is a concurrency slot held from one time to another: from the
