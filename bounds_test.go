@@ -24,6 +24,7 @@ import (
 // reads more than its budget. Four histories of each: one by default,
 // all four with THROTTLE_LONG=1.
 func TestScript_MatchesModelOnLargeQuotas(t *testing.T) {
+	skipLongModelUnderRace(t)
 	t.Parallel()
 	ms := func(rng *rand.Rand, lo, hi int) time.Duration {
 		return time.Duration(lo+rng.IntN(hi-lo)) * time.Millisecond

@@ -29,6 +29,7 @@ import (
 // The default run checks a fifth of them (8 and 2, both of miniredis's
 // clocks); THROTTLE_LONG=1 without -race checks them all.
 func TestScript_MatchesModel(t *testing.T) {
+	skipLongModelUnderRace(t)
 	t.Parallel() // a given clock: nothing in it depends on the machine's load
 	redistest.Each(t, func(t *testing.T, s *redistest.Server) {
 		seeds := 40
@@ -46,6 +47,7 @@ func TestScript_MatchesModel(t *testing.T) {
 // window ever holds more than its limit, and no moved call ends later
 // than it was.
 func TestScript_MovesMatchModel(t *testing.T) {
+	skipLongModelUnderRace(t)
 	t.Parallel()
 	redistest.Each(t, func(t *testing.T, s *redistest.Server) {
 		seeds := modelSeeds(20)
@@ -74,9 +76,19 @@ func TestScript_MovesMatchModel(t *testing.T) {
 }
 
 func TestScript_MatchesModelOnCluster(t *testing.T) {
+	skipLongModelUnderRace(t)
 	t.Parallel()
 	c := redistest.StartCluster(t)
 	checkAgainstModel(t, c.Client(t), nil, modelSeeds(15))
+}
+
+// skipLongModelUnderRace skips a model check under -race with
+// THROTTLE_LONG=1: .ci/run runs every history of it without -race, and one
+// goroutine replays a history, where the race detector finds nothing.
+func skipLongModelUnderRace(t *testing.T) {
+	if raceEnabled && longRun() {
+		t.Skip("run whole without -race in .ci/run's second step")
+	}
 }
 
 // modelSeeds is how many histories of each kind a model check runs: all
