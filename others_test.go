@@ -163,7 +163,7 @@ func TestOthers_LeavesAnotherConsumerItsShare(t *testing.T) {
 	// 49, 60). The vendors' runs, with 2 s windows, hold it at three.
 	// The bursts come a window and its margin apart: the run goes on a
 	// window and a half past four windows from the stop.
-	after := fullestAfter(k.ok, stopAt+2*window, stopAt+4*window, window)
+	after := fakevendor.FullestWindow(k.ok, stopAt+2*window, stopAt+4*window, window)
 	t.Logf("the other consumer: %d of %d refused; the fleet: %d calls while it spent %d (%.3f of what it left), %d refused; %d in the fullest window starting two to four windows after it stopped",
 		turned, sent, fleet, others, float64(fleet)/left, refused, after)
 	if t.Failed() || testing.Verbose() {
@@ -304,30 +304,4 @@ func TestOthers_RefundsAfterTheSlotStillCount(t *testing.T) {
 			t.Errorf("the quota leaves others %d, want %d: they spent 3 of the vendor's 13", u.Rules[0].Others, want)
 		}
 	})
-}
-
-// fullestAfter returns the most calls of starts (times from the run's
-// start) in a window of length w that starts at one of them,
-// from lo up to the first one at or after hi: the first burst three
-// windows after a stop is the last one a test reads.
-func fullestAfter(starts []time.Duration, lo, hi, w time.Duration) int {
-	starts = slices.Sorted(slices.Values(starts))
-	most := 0
-	for i, at := range starts {
-		if at < lo {
-			continue
-		}
-		n := 0
-		for _, b := range starts[i:] {
-			if b >= at+w {
-				break
-			}
-			n++
-		}
-		most = max(most, n)
-		if at >= hi {
-			break
-		}
-	}
-	return most
 }

@@ -6,7 +6,6 @@ import (
 	"net/http"
 	"net/http/httptest"
 	"net/url"
-	"slices"
 	"strconv"
 	"sync"
 	"testing"
@@ -17,6 +16,7 @@ import (
 	"github.com/openai/openai-go/v3/option"
 
 	"github.com/throttlekit/throttle"
+	"github.com/throttlekit/throttle/internal/fakevendor"
 	"github.com/throttlekit/throttle/internal/redistest"
 	"github.com/throttlekit/throttle/policies"
 )
@@ -190,7 +190,7 @@ func sharedKeyRun(t *testing.T, k *sharedKey, srv *httptest.Server, call func(re
 	// The whole cap again: some window of the vendor's, starting within
 	// three windows of the stop, holds a whole cap of the fleet's calls
 	// (any window: the fleet's bursts drift through the test's own).
-	after := fullestAfter(k.fleet[0], sharedStop+2*sharedWindow, sharedStop+3*sharedWindow, sharedWindow)
+	after := fakevendor.FullestWindow(k.fleet[0], sharedStop+2*sharedWindow, sharedStop+3*sharedWindow, sharedWindow)
 	cap := float64(sharedLimit)
 	t.Logf("the other consumer: %d of %d refused (%d of %d after the fleet's first window); the fleet: %d while the other spent %d (%.3f of what it left), %d refused after its first two windows, %d refused in all; %.3f of the cap in a window from three windows after the other stopped",
 		turned, sent, turnedWarm, sentWarm, fleet, others, float64(fleet)/left, refused, len(k.fleet[1]), float64(after)/cap)
@@ -275,30 +275,4 @@ func TestGitHub_LeavesAnotherConsumerItsShare(t *testing.T) {
 			time.Sleep(10 * time.Millisecond)
 		}
 	})
-}
-
-// fullestAfter returns the most calls of starts (times from the run's
-// start) in a window of length w that starts at one of them, from lo up to
-// the first one at or after hi: the first burst three windows after a stop
-// is the last one a test reads.
-func fullestAfter(starts []time.Duration, lo, hi, w time.Duration) int {
-	s := slices.Sorted(slices.Values(starts))
-	most := 0
-	for i, at := range s {
-		if at < lo {
-			continue
-		}
-		n := 0
-		for _, b := range s[i:] {
-			if b >= at+w {
-				break
-			}
-			n++
-		}
-		most = max(most, n)
-		if at >= hi {
-			break
-		}
-	}
-	return most
 }

@@ -1,6 +1,7 @@
 package fakevendor
 
 import (
+	"slices"
 	"sort"
 	"time"
 )
@@ -92,4 +93,30 @@ func (r *ring) sumSince(now time.Time, w time.Duration) int {
 		return r.sum()
 	}
 	return r.pushed - r.at(i-1).cum
+}
+
+// FullestWindow returns the most of starts (times from a run's start, in
+// any order) in a window of length w that starts at one of them, from lo
+// up to the first one at or after hi: a test reads the first burst past
+// hi as the last one it may count.
+func FullestWindow(starts []time.Duration, lo, hi, w time.Duration) int {
+	starts = slices.Sorted(slices.Values(starts))
+	most := 0
+	for i, at := range starts {
+		if at < lo {
+			continue
+		}
+		n := 0
+		for _, b := range starts[i:] {
+			if b >= at+w {
+				break
+			}
+			n++
+		}
+		most = max(most, n)
+		if at >= hi {
+			break
+		}
+	}
+	return most
 }
