@@ -229,7 +229,8 @@ func (l *Limiter) decide(sc scope, batch []*request) {
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), l.s.redisTimeout)
 	defer cancel()
-	args, members := l.batchArgs(sc, batch, lateOf(batch, give), spares, spareCost)
+	describing := l.describing()
+	args, members := l.batchArgs(sc, batch, lateOf(batch, give), spares, spareCost, describing)
 	// A gap in the news from now on, however soon, may hide what would
 	// make these decisions unusable.
 	gaps := l.gaps.Load()
@@ -245,6 +246,9 @@ func (l *Limiter) decide(sc scope, batch []*request) {
 		return
 	}
 	stale := l.noteAcquireReply(sc, rep, len(batch), sent, recvd)
+	if describing != "" {
+		l.described.Store(rep.epoch)
+	}
 	// The spares first: a caller that has its decision finds the pool it
 	// filled (and Close, after the last call, gives it back).
 	l.keepSpares(sc, batch, rep, members, spareCost, stale, gaps)
@@ -290,12 +294,13 @@ func scriptScopes(sc scope, batch []*request, late []*result) ([]scope, map[stri
 
 // batchArgs returns the arguments of the acquire script that decides the
 // calls of batch, gives back the bookings late, and takes spares spare
-// admissions of cost spareCost for sc, and the members of those spares.
-func (l *Limiter) batchArgs(sc scope, batch []*request, late []*result, spares, spareCost int) ([]any, []string) {
+// admissions of cost spareCost for sc, and the members of those spares;
+// described is the policy's description for the meta, or "".
+func (l *Limiter) batchArgs(sc scope, batch []*request, late []*result, spares, spareCost int, described string) ([]any, []string) {
 	scopes, index := scriptScopes(sc, batch, late)
 	args := l.acquireArgs(len(batch)+spares, len(late))
 	stepped := l.newStep()
-	args = append(args, l.lates.report(), l.timing.delay().Microseconds(), l.policyID, stepped, len(scopes))
+	args = append(args, l.lates.report(), l.timing.delay().Microseconds(), l.policyID, described, stepped, len(scopes))
 	for _, s := range scopes[1:] {
 		for _, k := range s.keys[1:] {
 			args = append(args, k)

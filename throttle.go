@@ -87,24 +87,25 @@ type Limiter struct {
 
 // compiled is what New derives from the rules: the same for every call.
 type compiled struct {
-	rules     []policies.Rule
-	base      string        // start of every key: prefix:{name}:
-	policyID  string        // names the set of rules, whatever their order
-	minMargin time.Duration // the smallest margin configured, or the default
-	guardMin  time.Duration // the smallest configured margin that guards its calls (see late), 0 for none
-	shared    []string      // the Redis keys of a call with no key; per-key rules get the key appended
-	perKey    bool          // some rule is per key
-	hasShared bool          // some rule is shared by all keys
-	hasConc   bool          // some rule is a Concurrency
-	hasBucket bool          // some rule is a TokenBucket
-	unitRules bool          // some rule counts the units calls cost
-	callRules bool          // some rule counts calls (policies.PerCall)
-	maxCost   int
-	maxCostIs string         // the limit maxCost comes from, as the user set it
-	group     string         // the Name of the quota's policies.Shared rules, or ""
-	longest   time.Duration  // the longest window of the rules, at least a second
-	units     []string       // the named units the rules count (policies.Unit), in their order
-	unitMax   map[string]int // the smallest limit of each named unit's rules
+	rules       []policies.Rule
+	base        string        // start of every key: prefix:{name}:
+	policyID    string        // names the set of rules, whatever their order
+	description string        // the policy described, for the quota's meta (describe.go)
+	minMargin   time.Duration // the smallest margin configured, or the default
+	guardMin    time.Duration // the smallest configured margin that guards its calls (see late), 0 for none
+	shared      []string      // the Redis keys of a call with no key; per-key rules get the key appended
+	perKey      bool          // some rule is per key
+	hasShared   bool          // some rule is shared by all keys
+	hasConc     bool          // some rule is a Concurrency
+	hasBucket   bool          // some rule is a TokenBucket
+	unitRules   bool          // some rule counts the units calls cost
+	callRules   bool          // some rule counts calls (policies.PerCall)
+	maxCost     int
+	maxCostIs   string         // the limit maxCost comes from, as the user set it
+	group       string         // the Name of the quota's policies.Shared rules, or ""
+	longest     time.Duration  // the longest window of the rules, at least a second
+	units       []string       // the named units the rules count (policies.Unit), in their order
+	unitMax     map[string]int // the smallest limit of each named unit's rules
 }
 
 // view is what this limiter last saw of the quota in Redis, as every reply
@@ -120,6 +121,7 @@ type view struct {
 	others      atomic.Int64  // units the quota's rules leave other consumers of the key, as last told
 	measuring   atomic.Int64  // until then (Unix ns), every count the vendor gives goes to Redis (see tell)
 	lowered     atomic.Int64  // the Redis time (µs) a limit in force last dropped, as last told (see overtaken)
+	described   atomic.Int64  // the epoch whose meta holds this limiter's description, as far as it knows (describe.go)
 }
 
 // failover is what keeps calls going while Redis cannot decide them.
@@ -207,6 +209,7 @@ func (l *Limiter) compile() {
 	slices.Sort(sorted)
 	sum := sha256.Sum256([]byte(strings.Join(sorted, ",")))
 	l.policyID = base64.RawURLEncoding.EncodeToString(sum[:9])
+	l.description = l.describe()
 	l.minMargin = policies.DefaultMargin
 	l.longest = time.Second
 	for _, r := range rules {

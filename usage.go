@@ -14,6 +14,17 @@ type Usage struct {
 	// Paused is how long the quota, or the key, stays paused at the
 	// vendor's request.
 	Paused time.Duration
+	// PausedBy says why, while Paused: PausedByVendor, PausedByLoss,
+	// PausedByPolicy or PausedByClock; "" when not paused, or when the
+	// pause was set before the quota noted why.
+	PausedBy string
+	// Since is when the quota's data began in this Redis: its first call,
+	// or the last loss of its data (see LastLoss).
+	Since time.Time
+	// LastLoss is when Redis was last found to have lost the quota's data
+	// (a restart without persistence, a failover to a replica behind, an
+	// eviction), or the zero time.
+	LastLoss time.Time
 	// Spread is how much later after its slot one call of the fleet may
 	// start than another, as the fleet's processes measure it and report it
 	// with their calls. The windows' margins follow it (see
@@ -24,6 +35,34 @@ type Usage struct {
 	Remaining int
 	// Rules holds the usage of each rule, in the order of policies.Rules.
 	Rules []RuleUsage
+}
+
+// The causes of a pause, as Usage.PausedBy names them.
+const (
+	// PausedByVendor: the vendor refused a call (Permit.Refused, a
+	// Transport's 429), or someone called Pause.
+	PausedByVendor = "vendor"
+	// PausedByLoss: Redis lost the quota's data; the quota waits out a
+	// window, whose calls the vendor still counts.
+	PausedByLoss = "data loss"
+	// PausedByPolicy: a deploy changed a rule's kind or window; the new
+	// rule waits out a window of the old one's calls.
+	PausedByPolicy = "new policy"
+	// PausedByClock: Redis's clock went back; the calls admitted before
+	// the step lie ahead of it.
+	PausedByClock = "clock step"
+)
+
+// pausedBy names the causes usage.lua returns (PAUSED_BY_* in lib.lua).
+var pausedBy = map[int64]string{1: PausedByVendor, 2: PausedByLoss, 3: PausedByPolicy, 4: PausedByClock}
+
+// unixMicro is the time of x microseconds since the Unix epoch, or the
+// zero time for 0.
+func unixMicro(x int64) time.Time {
+	if x <= 0 {
+		return time.Time{}
+	}
+	return time.UnixMicro(x)
 }
 
 // RuleUsage is how full one rule is.
@@ -70,12 +109,15 @@ func (l *Limiter) Usage(ctx context.Context, opts ...CallOption) (Usage, error) 
 	if err != nil {
 		return Usage{}, l.unavailable(err)
 	}
-	const header, perRule = 3, 7
+	const header, perRule = 6, 7
 	if len(v) != header+perRule*len(l.rules) {
 		return Usage{}, l.unavailable(fmt.Errorf("unexpected script reply %v", v))
 	}
 	us := func(x int64) time.Duration { return time.Duration(x) * time.Microsecond }
-	u := Usage{Paused: max(us(v[1]-v[0]), 0), Spread: us(v[2])}
+	u := Usage{Paused: max(us(v[1]-v[0]), 0), Spread: us(v[2]), Since: unixMicro(v[3]), LastLoss: unixMicro(v[5])}
+	if u.Paused > 0 {
+		u.PausedBy = pausedBy[v[4]]
+	}
 	// This process's spare admissions (spare.go) are free for its calls, not
 	// used by any.
 	spares, cost := l.heldSpares(sc)

@@ -16,6 +16,8 @@
 --   bucket k (see note_timing in lib.lua), or "" for none;
 --   that usual delay, one way, in microseconds, or -1 when unknown;
 --   the id of the caller's policy (see check_policy in lib.lua);
+--   the caller's policy described (the meta's policy field), or "" when
+--   the caller knows the meta holds it already;
 --   when the caller saw Redis's clock step forward by more than the margin
 --   since it last said so, the least time (by the new clock, microseconds)
 --   of a loss that counts that step, else 0: windows measured by that clock
@@ -631,12 +633,12 @@ local function read_args()
     ncalls = tonumber(ARGV[4]), ngive = tonumber(ARGV[6]),
     known = tonumber(ARGV[5]), seen = tonumber(ARGV[3]),
     report = ARGV[arg], delay = tonumber(ARGV[arg + 1]), policy = ARGV[arg + 2],
-    stepped = tonumber(ARGV[arg + 3]),
+    described = ARGV[arg + 3], stepped = tonumber(ARGV[arg + 4]),
     at_once = false, -- some call was admitted now
     units = 0, -- the units the calls admitted and booked cost
     given = {}, -- the bookings given back, by their place from 1
   }
-  batch.gives = read_scopes(batch, arg + 4)
+  batch.gives = read_scopes(batch, arg + 5)
   batch.first = batch.gives + 5 * batch.ngive
   return batch
 end
@@ -682,6 +684,9 @@ local function check_meta(batch, meta)
   end
   meta.seq = meta.seq + 1
   check_policy(meta, now, batch.policy, batch.rs, created)
+  if batch.described ~= '' then
+    meta.policy = batch.described
+  end
   if not found and meta.loss < batch.stepped then
     lose(meta, now, batch.rs)
     found = true

@@ -238,7 +238,7 @@ local until_ = pause_until(meta and meta.pause or 0)
 if pause > 0 and now + pause > until_ then
   until_ = now + pause
   if KEYS[2] == KEYS[1] then
-    meta.pause = until_
+    meta.pause, meta.paused_by = until_, PAUSED_BY_VENDOR
     dirty, announce = true, true
   else
     announce_key(until_, now)

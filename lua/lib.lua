@@ -230,6 +230,11 @@ local META_REFRESH = 24 * 3600 * 1000000
 --                   until warm_until, the quota warms up; until warm_held,
 --                   the calls it admitted at once while it did are held (see
 --                   Warming up);
+--   paused_by       why pause was last set: one of PAUSED_BY_*, or 0;
+--   policy          the newest policy's description, as the process that
+--                   runs it sent it (JSON: see description in describe.go),
+--                   so that a tool reads the quota without being told its
+--                   policy;
 --   last_acquire    when the last acquire script of the quota ran.
 local META_FIELDS = {
   epoch = 0, pause = 0, refreshed = 0, period = -1, spread = 0,
@@ -237,8 +242,23 @@ local META_FIELDS = {
   loss = 0, seq = 0, reserved_until = 0, reserved_share = 1,
   hold = 0, hold_until = 0, next_hold = 0, next_until = 0,
   caps_until = 0, warm_until = 0, warm_held = 0, last_acquire = 0,
-  classes_until = 0,
+  classes_until = 0, paused_by = 0,
 }
+
+-- Why the quota's pause was last set (the meta's paused_by; see Usage in
+-- Go, which names them).
+local PAUSED_BY_VENDOR = 1 -- feedback.lua: a refusal, or a pause asked
+local PAUSED_BY_LOSS = 2 -- a loss of the quota's data (check_loss, lose)
+local PAUSED_BY_POLICY = 3 -- a new policy (check_policy)
+local PAUSED_BY_CLOCK = 4 -- Redis's clock went back (check_clock)
+
+-- pause_for lengthens the quota's pause in meta m to until, if that is
+-- later, noting why.
+local function pause_for(m, until_, why)
+  if until_ > m.pause then
+    m.pause, m.paused_by = until_, why
+  end
+end
 
 -- read_meta returns the meta as a table, its numbers by name (each
 -- missing one as in META_FIELDS), or nil when the key is missing. The
@@ -251,7 +271,7 @@ local function read_meta()
   for k = 1, #v, 2 do
     raw[v[k]] = v[k + 1]
   end
-  local m = { raw = raw, policies = raw.policies or '', lates_text = raw.lates or '' }
+  local m = { raw = raw, policies = raw.policies or '', lates_text = raw.lates or '', policy = raw.policy or '' }
   for f, default in pairs(META_FIELDS) do
     m[f] = tonumber(raw[f]) or default
   end
@@ -262,7 +282,7 @@ local function read_meta()
 end
 
 local function new_meta(now)
-  local m = { raw = {}, policies = '', lates_text = '' }
+  local m = { raw = {}, policies = '', lates_text = '', policy = '' }
   for f, default in pairs(META_FIELDS) do
     m[f] = default
   end
@@ -293,6 +313,9 @@ local function write_meta(m, rs)
   end
   if m.policies ~= (raw.policies or '') then
     args[#args + 1], args[#args + 2] = 'policies', m.policies
+  end
+  if m.policy ~= (raw.policy or '') then
+    args[#args + 1], args[#args + 2] = 'policy', m.policy
   end
   if m.lates then
     local text = table.concat(m.lates, ',')
@@ -669,7 +692,7 @@ local function check_loss(m, now, known, rs)
     m = new_meta(now)
     if known > 0 and not OFF.epochs then
       m.loss = now
-      m.pause = loss_pause(rs, now)
+      pause_for(m, loss_pause(rs, now), PAUSED_BY_LOSS)
       return m, true, true
     end
     return m, true, false
@@ -678,7 +701,7 @@ local function check_loss(m, now, known, rs)
     -- The data was lost before this epoch began; what the fleet admitted
     -- since is in it.
     m.loss = m.epoch
-    m.pause = math.max(m.pause, loss_pause(rs, m.epoch))
+    pause_for(m, loss_pause(rs, m.epoch), PAUSED_BY_LOSS)
     return m, true, true
   end
   return m, false, false
@@ -689,7 +712,7 @@ end
 -- process's sleeping calls, booked in the old epoch, book again.
 local function lose(m, now, rs)
   m.epoch, m.loss = now, now
-  m.pause = math.max(m.pause, loss_pause(rs, now))
+  pause_for(m, loss_pause(rs, now), PAUSED_BY_LOSS)
 end
 
 -- check_seq finds a Redis that went back in time: a failover to a replica
@@ -734,7 +757,11 @@ local function check_clock(m, now, rs)
     return false
   end
   m.pause = back_by(m.pause, m.last_acquire - now, now)
+  local before = m.pause
   lose(m, now, rs)
+  if m.pause > before then
+    m.paused_by = PAUSED_BY_CLOCK
+  end
   return true
 end
 
@@ -804,7 +831,7 @@ local function check_policy(m, now, id, rs, new)
     ids[#ids + 1] = x
   end
   if not new and #ids > 0 and not OFF.policy_ids then
-    m.pause = math.max(m.pause, loss_pause(rs, now))
+    pause_for(m, loss_pause(rs, now), PAUSED_BY_POLICY)
   end
   table.insert(ids, 1, id)
   while #ids > 4 do

@@ -4,9 +4,12 @@
 --
 -- KEYS and ARGV as in lib.lua (ARGV[2] .. ARGV[6] unused).
 --
--- Returns {now, pause, spread, then for each rule: used, booked, remaining,
--- next, margin, limit, others}:
+-- Returns {now, pause, spread, epoch, paused_by, loss, then for each rule:
+-- used, booked, remaining, next, margin, limit, others}:
 --   spread     the fleet's spread of call starts (see note_timing in lib.lua);
+--   epoch      the quota's epoch (see the meta in lib.lua), or 0 for none;
+--   paused_by  why the pause in force was set (PAUSED_BY_* in lib.lua), or 0;
+--   loss       when Redis was last found to have lost the quota's data, or 0;
 --   used       units admitted in the window ending now;
 --   booked     units booked for later by waiting calls;
 --   remaining  units a call could take now (limit - used - booked, at least 0);
@@ -24,7 +27,16 @@ local spread = spread_in_force(meta, now)
 local rs = rules()
 margins(rs, fleet_spread(meta, now), held_spread(meta, now), meta and meta.warm_held > now)
 read_caps(rs, meta, now)
-local out = { str(now), str(pause_until(meta and meta.pause or 0)), str(spread) }
+local quota_pause = meta and meta.pause or 0
+local pause = pause_until(quota_pause)
+local paused_by = 0
+if pause > now then
+  -- A key's own pause comes from the vendor alone.
+  paused_by = pause > quota_pause and PAUSED_BY_VENDOR or meta.paused_by
+end
+local out = {
+  str(now), str(pause), str(spread), str(meta and meta.epoch or 0), paused_by, str(meta and meta.loss or 0),
+}
 
 for _, r in ipairs(rs) do
   local used, booked, next = 0, 0, 0

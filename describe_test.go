@@ -1,0 +1,174 @@
+package throttle
+
+import (
+	"context"
+	"errors"
+	"reflect"
+	"slices"
+	"testing"
+	"time"
+
+	"github.com/throttlekit/throttle/internal/redistest"
+	"github.com/throttlekit/throttle/policies"
+)
+
+// describedPolicy has a rule of each kind, a per-key rule, a named unit and
+// a rule counting calls, so that every field of a rule goes through the
+// description.
+var describedPolicy = policies.All(
+	policies.SlidingLog{Limit: 50, Window: time.Second, Margin: 7 * time.Millisecond},
+	policies.SlidingCounter{Limit: 1000, Window: time.Minute, Buckets: 12},
+	policies.PerKey{Policy: policies.TokenBucket{Rate: 5, Per: time.Second, Burst: 3}},
+	policies.PerCall{Policy: policies.Concurrency{Max: 4, Lease: 30 * time.Second}},
+	policies.Unit{Name: "tokens", Policy: policies.SlidingLog{Limit: 900, Window: time.Second}},
+)
+
+// A quota's first call stores its policy with its meta: Quotas lists the
+// quota, and Open reads it back with the same rules and keys, so that its
+// Usage reads what the fleet's limiter reads. Without the description
+// (the acquire script not storing it), Open fails with ErrNotDescribed.
+func TestOpen_ReadsAQuotaWithoutItsPolicy(t *testing.T) {
+	redistest.Each(t, func(t *testing.T, s *redistest.Server) {
+		ctx := context.Background()
+		rdb := s.Client(t)
+		lim := newLimiter(t, rdb, describedPolicy)
+		for range 3 {
+			p, err := lim.Acquire(ctx, Key("tenant-1"), CostIn("tokens", 40))
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer p.Release()
+		}
+		names, err := Quotas(ctx, rdb, "")
+		if err != nil {
+			t.Fatal(err)
+		}
+		if !slices.Contains(names, QuotaName{Name: lim.name}) {
+			t.Fatalf("Quotas = %v, want %q among them", names, lim.name)
+		}
+		opened, err := Open(ctx, rdb, QuotaName{Name: lim.name})
+		if err != nil {
+			t.Fatal(err)
+		}
+		if !reflect.DeepEqual(opened.rules, lim.rules) || !slices.Equal(opened.shared, lim.shared) {
+			t.Fatalf("Open's rules and keys:\n %+v %v\nwant\n %+v %v", opened.rules, opened.shared, lim.rules, lim.shared)
+		}
+		want, err := lim.Usage(ctx, Key("tenant-1"))
+		if err != nil {
+			t.Fatal(err)
+		}
+		got, err := opened.Usage(ctx, Key("tenant-1"))
+		if err != nil {
+			t.Fatal(err)
+		}
+		for i, r := range want.Rules {
+			if got.Rules[i].Used != r.Used || got.Rules[i].Limit != r.Limit {
+				t.Errorf("rule %d: the opened quota reads used %d of %d, the fleet's %d of %d", i, got.Rules[i].Used, got.Rules[i].Limit, r.Used, r.Limit)
+			}
+		}
+		if want.Rules[3].Used != 3 {
+			t.Errorf("the concurrency rule holds %d calls, want the 3 in flight", want.Rules[3].Used)
+		}
+	})
+}
+
+// Open says what is missing: a quota with no meta, or a meta without a
+// description, fail with ErrNotDescribed and the key read; a bad name with
+// its field.
+func TestOpen_SaysWhatIsMissing(t *testing.T) {
+	s := redistest.Mini(t)
+	ctx := context.Background()
+	rdb := s.Client(t)
+	if _, err := Open(ctx, rdb, QuotaName{Name: "nothing-here"}); !errors.Is(err, ErrNotDescribed) {
+		t.Errorf("Open of a missing quota: %v, want ErrNotDescribed", err)
+	}
+	if err := rdb.HSet(ctx, "throttle:{old}:meta", "epoch", 1).Err(); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := Open(ctx, rdb, QuotaName{Name: "old"}); !errors.Is(err, ErrNotDescribed) {
+		t.Errorf("Open of a quota without a description: %v, want ErrNotDescribed", err)
+	}
+	if _, err := Open(ctx, rdb, QuotaName{Name: "a{b"}); err == nil {
+		t.Error("Open of a name with a brace: no error")
+	}
+	if _, err := Open(ctx, nil, QuotaName{Name: "x"}); err == nil {
+		t.Error("Open with a nil client: no error")
+	}
+}
+
+// A quota of a policies.Shared group is listed with its group, and opened
+// by it; the shared rule's key is the group's.
+func TestQuotas_ListsAGroupsQuotas(t *testing.T) {
+	s := redistest.Mini(t)
+	ctx := context.Background()
+	rdb := s.Client(t)
+	shared := policies.Shared{Name: "vendor-x", Policy: policies.Concurrency{Max: 2}}
+	for _, name := range []string{"alpha", "beta"} {
+		lim, err := New(rdb, name, policies.All(shared, policies.SlidingLog{Limit: 10, Window: time.Second}))
+		if err != nil {
+			t.Fatal(err)
+		}
+		if _, err := Do(ctx, lim, func(context.Context) (int, error) { return 0, nil }); err != nil {
+			t.Fatal(err)
+		}
+	}
+	names, err := Quotas(ctx, rdb, "throttle")
+	if err != nil {
+		t.Fatal(err)
+	}
+	want := []QuotaName{{Name: "alpha", Group: "vendor-x"}, {Name: "beta", Group: "vendor-x"}}
+	if !slices.Equal(names, want) {
+		t.Fatalf("Quotas = %v, want %v", names, want)
+	}
+	opened, err := Open(ctx, rdb, want[1])
+	if err != nil {
+		t.Fatal(err)
+	}
+	u, err := opened.Usage(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if u.Rules[1].Used != 1 {
+		t.Errorf("beta's own log reads %d used, want its 1 call", u.Rules[1].Used)
+	}
+}
+
+// After Redis loses a quota's data, the quota is described again by the
+// call after the one that found the loss (a limiter that described the old
+// epoch's meta sends it once more when it sees a new epoch), and Usage says the quota is paused for the loss; a pause
+// asked of the quota says the vendor's.
+func TestOpen_DescribedAgainAfterALoss(t *testing.T) {
+	redistest.Each(t, func(t *testing.T, s *redistest.Server) {
+		ctx := context.Background()
+		rdb := s.Client(t)
+		lim := newLimiter(t, rdb, policies.SlidingLog{Limit: 10, Window: time.Second}, Options{Mode: FailFast})
+		if _, err := lim.Allow(ctx); err != nil {
+			t.Fatal(err)
+		}
+		if err := rdb.FlushAll(ctx).Err(); err != nil {
+			t.Fatal(err)
+		}
+		for range 2 {
+			if _, err := lim.Allow(ctx); err != nil && !errors.Is(err, ErrLimited) {
+				t.Fatal(err)
+			}
+		}
+		opened, err := Open(ctx, rdb, QuotaName{Name: lim.name})
+		if err != nil {
+			t.Fatalf("Open after a loss: %v", err)
+		}
+		u, err := opened.Usage(ctx)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if u.PausedBy != PausedByLoss || u.LastLoss.IsZero() || u.Since.IsZero() {
+			t.Errorf("after a loss: paused %v by %q, last loss %v, since %v; want paused by %q", u.Paused, u.PausedBy, u.LastLoss, u.Since, PausedByLoss)
+		}
+		if err := lim.Pause(ctx, time.Hour); err != nil {
+			t.Fatal(err)
+		}
+		if u, err = opened.Usage(ctx); err != nil || u.PausedBy != PausedByVendor {
+			t.Errorf("after Pause: paused %v by %q (%v), want %q", u.Paused, u.PausedBy, err, PausedByVendor)
+		}
+	})
+}
