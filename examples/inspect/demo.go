@@ -49,6 +49,13 @@ func startDemo(ctx context.Context, cfg config) (addr string, stop func(), err e
 		mr.Close()
 		return "", nil, err
 	}
+	// A first call before the display starts: it stores the quota's
+	// description, which the display reads the quota by.
+	if _, err := lim.Allow(ctx, throttle.Key(demoKeys[0])); err != nil {
+		rdb.Close()
+		mr.Close()
+		return "", nil, err
+	}
 	ctx, cancel := context.WithCancel(ctx)
 	var wg sync.WaitGroup
 	for w := range demoWorkers {

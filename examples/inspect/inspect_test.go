@@ -82,7 +82,7 @@ func TestParsePolicy_ErrorsNameTheTermAndTheField(t *testing.T) {
 	}
 }
 
-func TestParseFlags_NeedsAKeyExactlyForPerKeyTerms(t *testing.T) {
+func TestParseFlags_TakesAKeyOnlyForPerKeyTerms(t *testing.T) {
 	base := []string{"-redis", "127.0.0.1:6400", "-quota", "q"}
 	tests := []struct {
 		args    []string
@@ -90,7 +90,7 @@ func TestParseFlags_NeedsAKeyExactlyForPerKeyTerms(t *testing.T) {
 	}{
 		{[]string{"-policy", "log:10/1s"}, ""},
 		{[]string{"-policy", "log:10/1s+key:log:1/1s", "-key", "t1"}, ""},
-		{[]string{"-policy", "log:10/1s+key:log:1/1s"}, "-key is required"},
+		{[]string{"-policy", "log:10/1s+key:log:1/1s"}, ""},
 		{[]string{"-policy", "log:10/1s", "-key", "t1"}, "no key: term"},
 		{[]string{"-policy", "log:10/1s", "-every", "0s"}, "-every must be positive"},
 	}
@@ -123,7 +123,7 @@ func TestRender(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	u := throttle.Usage{Paused: 1500 * time.Millisecond, Rules: []throttle.RuleUsage{
+	u := throttle.Usage{Paused: 1500 * time.Millisecond, PausedBy: throttle.PausedByVendor, Rules: []throttle.RuleUsage{
 		{Rule: rules[0], Used: 63, Booked: 4, Remaining: 37},
 		{Rule: rules[1], Used: 5, NextFree: 59 * time.Second},
 		{Rule: rules[2], Used: 12, Remaining: 8, NextFree: 0},
@@ -193,6 +193,28 @@ func TestRun_ShowsTheCallsMade(t *testing.T) {
 	perKey := regexp.MustCompile(`(?m)^1\s+key\s+log\s+5\s+1m \+30ms\s+3\s+0\s+2\s+now\s+60%$`)
 	if !shared.MatchString(out.String()) || !perKey.MatchString(out.String()) {
 		t.Errorf("want rows with 4 calls shared and 3 for key a:\n%s", out.String())
+	}
+
+	// Without -policy, the quota is read under the one it describes: the
+	// same rows; without -key, its per-key row shows no figures.
+	described, err := parseFlags([]string{"-redis", mr.Addr(), "-quota", "vendor", "-key", "a", "-n", "1"}, io.Discard)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var own bytes.Buffer
+	if err := run(ctx, described, &own, false); err != nil {
+		t.Fatal(err)
+	}
+	if !shared.MatchString(own.String()) || !perKey.MatchString(own.String()) {
+		t.Errorf("read under its own description, want the same rows:\n%s", own.String())
+	}
+	noKey, _ := parseFlags([]string{"-redis", mr.Addr(), "-quota", "vendor", "-n", "1"}, io.Discard)
+	own.Reset()
+	if err := run(ctx, noKey, &own, false); err != nil {
+		t.Fatal(err)
+	}
+	if !regexp.MustCompile(`(?m)^1\s+key\s+log\s+5\s+1m \+30ms\s+-\s+-\s+-\s+-\s+-$`).MatchString(own.String()) {
+		t.Errorf("without -key, want the per-key row without figures:\n%s", own.String())
 	}
 
 	var tty bytes.Buffer
@@ -266,7 +288,7 @@ func TestList_NamesEveryQuota(t *testing.T) {
 	if _, err := other.Allow(ctx); err != nil {
 		t.Fatal(err)
 	}
-	cfg, err := parseFlags([]string{"-redis", mr.Addr()}, io.Discard)
+	cfg, err := parseFlags([]string{"-redis", mr.Addr(), "-n", "1"}, io.Discard)
 	if err != nil || !cfg.List {
 		t.Fatalf("parseFlags with -redis alone: list %v, %v", cfg.List, err)
 	}
@@ -274,9 +296,13 @@ func TestList_NamesEveryQuota(t *testing.T) {
 	if err := run(ctx, cfg, &out, false); err != nil {
 		t.Fatal(err)
 	}
-	want := "2 quotas of prefix \"throttle\" (show one with -quota NAME -policy P):\n  alpha:api\n  beta (group token-a)\n"
-	if out.String() != want {
-		t.Errorf("listed\n%s\nwant\n%s", out.String(), want)
+	want := "2 quotas of prefix \"throttle\":\n  alpha:api\n  beta (group token-a)\n\nshowing \"alpha:api\" (-quota NAME shows another)\n\nquota \"alpha:api\" on "
+	if !strings.HasPrefix(out.String(), want) {
+		t.Errorf("listed\n%s\nwant it to begin with\n%s", out.String(), want)
+	}
+	// The first quota is shown under the policy it describes: 1 call of 10.
+	if !regexp.MustCompile(`(?m)^0\s+shared\s+log\s+10\s+1s \+30ms\s+1\s+0\s+9\s`).MatchString(out.String()) {
+		t.Errorf("the first quota's row is missing:\n%s", out.String())
 	}
 	if _, err := parseFlags([]string{"-redis", mr.Addr(), "-policy", "log:1/1s"}, io.Discard); err == nil || !strings.Contains(err.Error(), "-quota") {
 		t.Errorf("-policy without -quota: %v, want an error naming -quota", err)

@@ -19,6 +19,7 @@ const clearScreen = "\x1b[H\x1b[2J"
 // frame is one refresh of the display.
 type frame struct {
 	Quota  string
+	Group  string // the quota's policies.Shared group, or ""
 	Prefix string
 	Redis  string // where the quota lives, as the user named it
 	Key    string
@@ -40,11 +41,15 @@ func render(w io.Writer, f frame) {
 		fmt.Fprintf(w, "error: %v\n", f.Err)
 		return
 	}
-	paused := "no"
-	if f.Usage.Paused > 0 {
-		paused = "for " + until(f.Usage.Paused) + ", at the vendor's request"
+	fmt.Fprintf(w, "paused: %s   remaining under every rule: %s\n", paused(f.Usage), figure(f.Usage.Remaining, f.HasKey || !perKey(f.Rules)))
+	if !f.Usage.Since.IsZero() {
+		fmt.Fprintf(w, "data since %s", f.Usage.Since.UTC().Format(time.DateTime))
+		if !f.Usage.LastLoss.IsZero() {
+			fmt.Fprintf(w, "   last lost %s", f.Usage.LastLoss.UTC().Format(time.DateTime))
+		}
+		fmt.Fprintln(w)
 	}
-	fmt.Fprintf(w, "paused: %s   remaining under every rule: %d\n\n", paused, f.Usage.Remaining)
+	fmt.Fprintln(w)
 
 	tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', 0)
 	fmt.Fprintln(tw, "#\tscope\tkind\tlimit\twindow\tused\tbooked\tremaining\tnext free\tfull")
@@ -63,11 +68,50 @@ func render(w io.Writer, f frame) {
 		case u.NextFree > 0:
 			next = until(u.NextFree)
 		}
-		fmt.Fprintf(tw, "%d\t%s\t%s\t%d\t%s\t%d\t%s\t%d\t%s\t%s\n",
-			i, scope(r), kindName(r.Kind), r.Limit, window(r), u.Used, booked, u.Remaining, next, full(u))
+		if r.PerKey && !f.HasKey {
+			// Read for no key: -key names whose figures to show.
+			fmt.Fprintf(tw, "%d\t%s\t%s\t%s\t%s\t-\t-\t-\t-\t-\n", i, scope(r), kindName(r.Kind), limit(u), window(r))
+			continue
+		}
+		fmt.Fprintf(tw, "%d\t%s\t%s\t%s\t%s\t%d\t%s\t%d\t%s\t%s\n",
+			i, scope(r), kindName(r.Kind), limit(u), window(r), u.Used, booked, u.Remaining, next, full(u))
 	}
 	tw.Flush()
 	fmt.Fprintf(w, "\nredis keys: %s\n", strings.Join(keys(f), ", "))
+}
+
+// paused says whether the quota is paused, for how long, and why.
+func paused(u throttle.Usage) string {
+	if u.Paused <= 0 {
+		return "no"
+	}
+	why := map[string]string{
+		throttle.PausedByVendor: "at the vendor's request",
+		throttle.PausedByLoss:   "after Redis lost the quota's data",
+		throttle.PausedByPolicy: "for a new policy",
+		throttle.PausedByClock:  "after Redis's clock went back",
+	}[u.PausedBy]
+	if why == "" {
+		why = "(cause not recorded)"
+	}
+	return "for " + until(u.Paused) + ", " + why
+}
+
+// figure prints n, or "-" when it was not read (a per-key rule without a key).
+func figure(n int, read bool) string {
+	if !read {
+		return "-"
+	}
+	return strconv.Itoa(n)
+}
+
+// limit prints the rule's limit, and the limit in force when a cap
+// learned from the vendor or others' share lowers it.
+func limit(u throttle.RuleUsage) string {
+	if u.Limit > 0 && u.Limit < u.Rule.Limit {
+		return fmt.Sprintf("%d (%d now)", u.Rule.Limit, u.Limit)
+	}
+	return strconv.Itoa(u.Rule.Limit)
 }
 
 func scope(r policies.Rule) string {
@@ -136,6 +180,12 @@ func keys(f frame) []string {
 			id += "#" + strconv.Itoa(seen[id])
 		}
 		k := fmt.Sprintf("%s:{%s}:%s", f.Prefix, f.Quota, id)
+		switch {
+		case r.Shared != "":
+			k = fmt.Sprintf("%s:{%s}//%s", f.Prefix, r.Shared, id)
+		case f.Group != "":
+			k = fmt.Sprintf("%s:{%s}/%s:%s", f.Prefix, f.Group, f.Quota, id)
+		}
 		if r.PerKey {
 			k += ":<key hash>"
 		}
