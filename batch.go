@@ -230,12 +230,12 @@ func (l *Limiter) decide(sc scope, batch []*request) {
 	ctx, cancel := context.WithTimeout(context.Background(), l.s.redisTimeout)
 	defer cancel()
 	describing := l.describing()
-	args, members := l.batchArgs(sc, batch, lateOf(batch, give), spares, spareCost, describing)
+	keys, args, members := l.batchArgs(sc, batch, lateOf(batch, give), spares, spareCost, describing)
 	// A gap in the news from now on, however soon, may hide what would
 	// make these decisions unusable.
 	gaps := l.gaps.Load()
 	sent := l.timing.now()
-	v, err := l.run(ctx, scripts.acquire, sc, args).Int64Slice()
+	v, err := l.runOn(ctx, scripts.acquire, keys, args).Int64Slice()
 	recvd := l.timing.now()
 	var rep acquireReply
 	if err == nil {
@@ -295,10 +295,11 @@ func scriptScopes(sc scope, batch []*request, late []*result) ([]scope, map[stri
 // batchArgs returns the arguments of the acquire script that decides the
 // calls of batch, gives back the bookings late, and takes spares spare
 // admissions of cost spareCost for sc, and the members of those spares;
-// described is the policy's description for the meta, or "".
-func (l *Limiter) batchArgs(sc scope, batch []*request, late []*result, spares, spareCost int, described string) ([]any, []string) {
+// described is the policy's description for the meta, or "". keys are
+// the script call's KEYS: every key it may touch (see declared).
+func (l *Limiter) batchArgs(sc scope, batch []*request, late []*result, spares, spareCost int, described string) (keys []string, args []any, members []string) {
 	scopes, index := scriptScopes(sc, batch, late)
-	args := l.acquireArgs(len(batch)+spares, len(late))
+	args = l.acquireArgs(len(batch)+spares, len(late))
 	stepped := l.newStep()
 	args = append(args, l.lates.report(), l.timing.delay().Microseconds(), l.policyID, described, stepped, len(scopes))
 	for _, s := range scopes[1:] {
@@ -306,6 +307,7 @@ func (l *Limiter) batchArgs(sc scope, batch []*request, late []*result, spares, 
 			args = append(args, k)
 		}
 	}
+	var classes []classIn // the classes the calls book in, by scope
 	for _, r := range late {
 		args = append(args, r.member, l.costArg(r.cost, r.named), r.slot().Microseconds(), r.epoch, index[r.scope.id])
 	}
@@ -317,19 +319,72 @@ func (l *Limiter) batchArgs(sc scope, batch []*request, late []*result, spares, 
 				moves = given
 			}
 		}
-		args = append(args, req.member, l.costArg(req.c.cost, req.c.named), req.maxWait.Microseconds(), req.c.lead.Microseconds(), index[req.sc.id], moves, l.classOf(req.c, req.sc))
+		class := l.classOf(req.c, req.sc)
+		classes = append(classes, classIn{req.sc, class})
+		args = append(args, req.member, l.costArg(req.c.cost, req.c.named), req.maxWait.Microseconds(), req.c.lead.Microseconds(), index[req.sc.id], moves, class)
 	}
-	members := make([]string, spares)
+	members = make([]string, spares)
 	class := "0"
 	if len(batch) > 0 {
 		// Spares go to the scope's next calls: of the class of its calls.
 		class = l.classOf(batch[0].c, sc)
 	}
+	if spares > 0 {
+		classes = append(classes, classIn{sc, class})
+	}
 	for i := range members {
 		members[i] = l.newMember()
 		args = append(args, members[i], spareCost, 0, 0, 1, 0, class)
 	}
-	return args, members
+	return l.batchKeys(scopes, classes), args, members
+}
+
+// classIn is a class a call books in, in its scope.
+type classIn struct {
+	sc    scope
+	class string
+}
+
+// batchKeys returns the KEYS of an acquire script call on scopes, the
+// first one's first, as the script reads them by place, then every other
+// key it may touch (see declared): the other scopes' keys, each once, and
+// the logs of the classes the calls book in.
+func (l *Limiter) batchKeys(scopes []scope, classes []classIn) []string {
+	keys := l.allKeys(scopes[0])
+	if len(scopes) == 1 && len(classes) == 0 {
+		return keys
+	}
+	keys = slices.Clone(keys)
+	if len(scopes) > 1 {
+		seen := make(map[string]bool, len(keys))
+		for _, k := range keys {
+			seen[k] = true
+		}
+		for _, s := range scopes[1:] {
+			for _, k := range l.allKeys(s)[1:] {
+				if !seen[k] {
+					seen[k] = true
+					keys = append(keys, k)
+				}
+			}
+		}
+	}
+	for i, c := range classes {
+		// A class's logs are its scope's: one (scope, class) declares them.
+		if !slices.ContainsFunc(classes[:i], func(d classIn) bool { return d.sc.id == c.sc.id && d.class == c.class }) {
+			keys = l.declareClasses(keys, c.sc, c.class)
+		}
+	}
+	return keys
+}
+
+// allKeys returns the keys of scope s and every key a script may build
+// from them (see declared).
+func (l *Limiter) allKeys(s scope) []string {
+	if s.all == nil {
+		return declared(s.keys, l.rules)
+	}
+	return s.all
 }
 
 // newStep returns when Redis's clock stepped forward by more than the

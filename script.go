@@ -165,8 +165,8 @@ func argsFor(clock func() time.Time, id string, cost, a, b, c any, rules []polic
 	if clock != nil {
 		now = clock().UnixMicro()
 	}
-	args := make([]any, 0, 6+5*len(rules))
-	args = append(args, now, id, cost, a, b, c)
+	args := make([]any, 0, 7+5*len(rules))
+	args = append(args, now, id, cost, a, b, c, len(rules))
 	for _, r := range rules {
 		for _, v := range ruleArgs(r) {
 			args = append(args, v)
@@ -272,9 +272,18 @@ const leaveWithin = 50 * time.Millisecond
 // Redis that has the script sends only its SHA, however many replicas start
 // at once.
 func (l *Limiter) run(ctx context.Context, s *redis.Script, sc scope, args []any) *redis.Cmd {
+	keys := sc.all
+	if keys == nil {
+		keys = declared(sc.keys, l.rules)
+	}
+	return l.runOn(ctx, s, keys, args)
+}
+
+// runOn runs script s with keys, every key it touches (see declared).
+func (l *Limiter) runOn(ctx context.Context, s *redis.Script, keys []string, args []any) *redis.Cmd {
 	ctx, cancel := context.WithTimeout(ctx, l.s.redisTimeout)
 	defer cancel()
-	return s.Run(ctx, l.rdb, sc.keys, args...)
+	return s.Run(ctx, l.rdb, keys, args...)
 }
 
 // unavailable wraps an error of Redis, or of the way to it.

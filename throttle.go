@@ -94,6 +94,7 @@ type compiled struct {
 	minMargin   time.Duration // the smallest margin configured, or the default
 	guardMin    time.Duration // the smallest configured margin that guards its calls (see late), 0 for none
 	shared      []string      // the Redis keys of a call with no key; per-key rules get the key appended
+	sharedAll   []string      // shared, then the keys a script may build from them (declared)
 	perKey      bool          // some rule is per key
 	hasShared   bool          // some rule is shared by all keys
 	hasConc     bool          // some rule is a Concurrency
@@ -210,6 +211,7 @@ func (l *Limiter) compile() {
 	sum := sha256.Sum256([]byte(strings.Join(sorted, ",")))
 	l.policyID = base64.RawURLEncoding.EncodeToString(sum[:9])
 	l.description = l.describe()
+	l.sharedAll = declared(l.shared, l.rules)
 	l.minMargin = policies.DefaultMargin
 	l.longest = time.Second
 	for _, r := range rules {

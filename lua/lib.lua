@@ -9,24 +9,29 @@
 --                the fleet's timing as its processes report it.
 -- KEYS[2]        the pause key of the call's key: a time before which no call
 --                of that key is admitted; or KEYS[1] again.
--- KEYS[2+i]      the key of rule i.
+-- KEYS[2+i]      the key of rule i, for n rules;
+-- KEYS[3+n] ..   every other key the script may touch, declared (a rule's
+--                hint, cap, charges, refunds, refusals and classes, the keys
+--                of a batch's other scopes: see declared in script.go); a
+--                script reaches them by name, and touches no key not in KEYS.
 -- ARGV[1]        now in microseconds, or "0" to read Redis TIME (the default, so
 --                that the whole fleet shares one clock).
 -- ARGV[2]        the call's id, unique across the fleet.
 -- ARGV[3]        cost: the units this call counts for.
 -- ARGV[4..6]     arguments of the script's own (see each script).
--- ARGV[2+5i]     rule i's kind: 1 sliding log, 2 sliding counter, 3 token bucket
+-- ARGV[7]        n, the number of rules.
+-- ARGV[3+5i]     rule i's kind: 1 sliding log, 2 sliding counter, 3 token bucket
 --                (GCRA), 4 concurrency; plus PER_CALL for a rule that counts
 --                each call once, whatever its cost (see units), and PER_KEY
 --                for a rule that applies to each key separately;
--- ARGV[3+5i] .. ARGV[6+5i]  its four parameters, by kind (read by name: see rules):
+-- ARGV[4+5i] .. ARGV[7+5i]  its four parameters, by kind (read by name: see rules):
 --                log:         limit, window (µs), unused, margin (µs)
 --                counter:     limit, window (µs), bucket width (µs), margin (µs)
 --                bucket:      burst, emission interval per unit (µs), unused, margin (µs)
 --                concurrency: max, lease (µs), unused, unused
 --                A window includes its configured margin; the margin in force
 --                may be wider (see margins).
--- Arguments of the script's own that follow the rules start at ARGV[7+5n],
+-- Arguments of the script's own that follow the rules start at ARGV[8+5n],
 -- for n rules.
 --
 -- No script calls redis.replicate_commands: since Redis 5 scripts replicate
@@ -69,8 +74,8 @@ local PER_KEY = 32
 -- All times are in microseconds.
 local function rules()
   local rs = {}
-  for i = 1, #KEYS - 2 do
-    local a = 2 + 5 * i
+  for i = 1, tonumber(ARGV[7]) do
+    local a = 3 + 5 * i
     local kind = tonumber(ARGV[a])
     local r = {
       i = i,
@@ -126,7 +131,7 @@ end
 
 -- The first argument after the rules.
 local function after_rules()
-  return 7 + 5 * (#KEYS - 2)
+  return 8 + 5 * tonumber(ARGV[7])
 end
 
 -- Unit u of call id is the member id (u = 1) or id.u: a call's units stay
