@@ -57,7 +57,7 @@ func (l *Limiter) newMember() string {
 var derivedSuffixes = map[policies.Kind][]string{
 	policies.KindSlidingLog:     {":next", ":cap", ":ch", ":rf", ":rj", ":cl"},
 	policies.KindSlidingCounter: {":cap", ":ch", ":rf", ":rj", ":cl"},
-	policies.KindTokenBucket:    {":cap", ":ch", ":rf", ":rj"},
+	policies.KindTokenBucket:    {":cap"},
 }
 
 // declared returns keys, the KEYS a script reads by place for rules (the
