@@ -229,3 +229,37 @@ func ExamplePermit_Heard() {
 	// 30s true <nil>
 	// next call in 30s
 }
+
+// A tool reads the quotas a Redis holds without being told their
+// policies: each quota stored its own with its data on its first call.
+func ExampleOpen() {
+	rdb, done := exampleRedis()
+	defer done()
+	ctx := context.Background()
+
+	// Somewhere in the fleet:
+	lim, _ := throttle.New(rdb, "github-api", policies.SlidingLog{Limit: 5000, Window: time.Hour})
+	_, _ = lim.Allow(ctx)
+
+	// In the tool:
+	quotas, err := throttle.Quotas(ctx, rdb, "")
+	if err != nil {
+		fmt.Println(err)
+		return
+	}
+	for _, q := range quotas {
+		view, err := throttle.Open(ctx, rdb, q)
+		if err != nil {
+			fmt.Println(err)
+			continue
+		}
+		u, err := view.Usage(ctx)
+		if err != nil {
+			fmt.Println(err)
+			continue
+		}
+		r := u.Rules[0]
+		fmt.Printf("%s: %d of %d per %v\n", q.Name, r.Used, r.Limit, r.Rule.Window-r.Rule.Margin)
+	}
+	// Output: github-api: 1 of 5000 per 1h0m0s
+}
