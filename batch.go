@@ -350,7 +350,7 @@ type classIn struct {
 // key it may touch (see declared): the other scopes' keys, each once, and
 // the logs of the classes the calls book in.
 func (l *Limiter) batchKeys(scopes []scope, classes []classIn) []string {
-	keys := l.allKeys(scopes[0])
+	keys := l.declaredFor(scripts.acquire, scopes[0])
 	if len(scopes) == 1 && len(classes) == 0 {
 		return keys
 	}
@@ -361,7 +361,7 @@ func (l *Limiter) batchKeys(scopes []scope, classes []classIn) []string {
 			seen[k] = true
 		}
 		for _, s := range scopes[1:] {
-			for _, k := range l.allKeys(s)[1:] {
+			for _, k := range l.declaredFor(scripts.acquire, s)[1:] {
 				if !seen[k] {
 					seen[k] = true
 					keys = append(keys, k)
@@ -376,15 +376,6 @@ func (l *Limiter) batchKeys(scopes []scope, classes []classIn) []string {
 		}
 	}
 	return keys
-}
-
-// allKeys returns the keys of scope s and every key a script may build
-// from them (see declared).
-func (l *Limiter) allKeys(s scope) []string {
-	if s.all == nil {
-		return declared(s.keys, l.rules)
-	}
-	return s.all
 }
 
 // newStep returns when Redis's clock stepped forward by more than the

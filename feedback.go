@@ -137,7 +137,7 @@ func (l *Limiter) feedback(ctx context.Context, said vendorSaid, r result, opts 
 		max(said.calls.left, -1), said.calls.reset.Microseconds(), max(said.calls.limit, 0),
 		max(said.late, 0).Microseconds(), refusedCost(said, r, rules), len(named)/3)
 	args = append(args, named...)
-	v, err := scripts.feedback.Run(ctx, l.rdb, declared(keys, rules), args...).Int64Slice()
+	v, err := scripts.feedback.Run(ctx, l.rdb, declared(scripts.feedback, keys, rules), args...).Int64Slice()
 	if err != nil {
 		return l.unavailable(err)
 	}

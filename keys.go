@@ -3,8 +3,11 @@ package throttle
 import (
 	"crypto/sha256"
 	"encoding/base64"
+	"slices"
 	"strconv"
 	"strings"
+
+	"github.com/redis/go-redis/v9"
 
 	"github.com/throttlekit/throttle/policies"
 )
@@ -14,7 +17,6 @@ import (
 type scope struct {
 	id   string   // the hashed key, or "" for a call that touches shared rules only
 	keys []string // pause of the quota, pause of the key (or the quota's again), rules
-	all  []string // keys, then every key a script may build from them (declared)
 }
 
 // scopeFor resolves the keys of every rule for key k. The key is hashed so
@@ -23,7 +25,7 @@ type scope struct {
 // all on Redis Cluster.
 func (l *Limiter) scopeFor(c call) scope {
 	if !l.perKey {
-		return scope{keys: l.shared, all: l.sharedAll}
+		return scope{keys: l.shared}
 	}
 	sum := sha256.Sum256([]byte(c.key))
 	hashed := base64.RawURLEncoding.EncodeToString(sum[:16])
@@ -37,7 +39,7 @@ func (l *Limiter) scopeFor(c call) scope {
 			keys[2+i] += ":" + hashed
 		}
 	}
-	return scope{id: hashed, keys: keys, all: declared(keys, l.rules)}
+	return scope{id: hashed, keys: keys}
 }
 
 func (l *Limiter) newMember() string {
@@ -47,35 +49,74 @@ func (l *Limiter) newMember() string {
 // Every key a script touches is declared in its KEYS, as Redis asks of a
 // script (engines that check it, as Dragonfly does, refuse others): the
 // keys the script reads by place (the meta, the pause, the rules), then
-// those it reaches by name (see lib.lua's header). derivedSuffixes are the
-// keys a script may build from a rule's key, by the rule's kind: a log's
-// hint (:next), a learned cap and the others' share (:cap), the charges to
-// match the vendor's count (:ch), the refunds (:rf), the refused calls
-// (:rj), and the classes (:cl). A class's own log (:c:<class>) is declared
-// by the acquire script's caller, which knows the calls' classes
-// (declareClasses).
-var derivedSuffixes = map[policies.Kind][]string{
-	policies.KindSlidingLog:     {":next", ":cap", ":ch", ":rf", ":rj", ":cl"},
-	policies.KindSlidingCounter: {":cap", ":ch", ":rf", ":rj", ":cl"},
-	policies.KindTokenBucket:    {":cap"},
-}
+// those it reaches by name (see lib.lua's header), built from a rule's
+// key: a log's hint (:next), a learned cap and the others' share (:cap),
+// the charges to match the vendor's count (:ch), the refunds (:rf), the
+// refused calls (:rj), and the classes (:cl). A class's own log
+// (:c:<class>) is declared by the acquire script's caller, which knows the
+// calls' classes (declareClasses). Each script declares only what it may
+// touch, by the rule's kind: every key declared costs the call's bytes,
+// and, while a Cluster slot migrates, a declared key absent from the source
+// makes Redis answer TRYAGAIN. TestScripts_TouchOnlyDeclaredKeys holds
+// these lists to what the scripts touch.
+var (
+	logOrCounter = []policies.Kind{policies.KindSlidingLog, policies.KindSlidingCounter}
+	suffixes     = map[*redis.Script]map[policies.Kind][]string{
+		scripts.acquire: {
+			policies.KindSlidingLog:     {":next", ":cap", ":cl"},
+			policies.KindSlidingCounter: {":cap", ":cl"},
+			policies.KindTokenBucket:    {":cap"},
+		},
+		scripts.cancel:   {policies.KindSlidingLog: {":next"}},
+		scripts.handback: {policies.KindSlidingLog: {":next"}},
+		scripts.settle: {
+			policies.KindSlidingLog:     {":next", ":rf"},
+			policies.KindSlidingCounter: {":rf"},
+		},
+		scripts.usage: {
+			policies.KindSlidingLog:     {":cap"},
+			policies.KindSlidingCounter: {":cap"},
+			policies.KindTokenBucket:    {":cap"},
+		},
+		scripts.feedback: {
+			policies.KindSlidingLog:     {":next", ":cap", ":ch", ":rf", ":rj"},
+			policies.KindSlidingCounter: {":cap", ":ch", ":rf", ":rj"},
+			policies.KindTokenBucket:    {":cap"},
+		},
+	}
+)
 
-// declared returns keys, the KEYS a script reads by place for rules (the
-// meta, the pause, then rule i's at 2+i), followed by the keys a script
-// may build from them.
-func declared(keys []string, rules []policies.Rule) []string {
+// declared returns keys, the KEYS script s reads by place for rules (the
+// meta, the pause, then rule i's at 2+i), followed by the keys it may
+// build from them.
+func declared(s *redis.Script, keys []string, rules []policies.Rule) []string {
+	by := suffixes[s]
 	n := len(keys)
 	for _, r := range rules {
-		n += len(derivedSuffixes[r.Kind])
+		n += len(by[r.Kind])
+	}
+	if n == len(keys) {
+		return keys
 	}
 	out := make([]string, len(keys), n)
 	copy(out, keys)
 	for i, r := range rules {
-		for _, suffix := range derivedSuffixes[r.Kind] {
+		for _, suffix := range by[r.Kind] {
 			out = append(out, keys[2+i]+suffix)
 		}
 	}
 	return out
+}
+
+// declaredFor returns what declared does for script s on scope sc: for
+// the scope of the shared rules, as compile made it once.
+func (l *Limiter) declaredFor(s *redis.Script, sc scope) []string {
+	if sc.id == "" {
+		if keys, ok := l.sharedAll[s]; ok {
+			return keys
+		}
+	}
+	return declared(s, sc.keys, l.rules)
 }
 
 // declareClasses appends to keys the class logs the acquire script may
@@ -88,7 +129,7 @@ func (l *Limiter) declareClasses(keys []string, sc scope, class string) []string
 	}
 	prio, _, _ := strings.Cut(class, "/")
 	for i, r := range l.rules {
-		if r.Kind != policies.KindSlidingLog && r.Kind != policies.KindSlidingCounter {
+		if !slices.Contains(logOrCounter, r.Kind) {
 			continue
 		}
 		name := class

@@ -272,11 +272,7 @@ const leaveWithin = 50 * time.Millisecond
 // Redis that has the script sends only its SHA, however many replicas start
 // at once.
 func (l *Limiter) run(ctx context.Context, s *redis.Script, sc scope, args []any) *redis.Cmd {
-	keys := sc.all
-	if keys == nil {
-		keys = declared(sc.keys, l.rules)
-	}
-	return l.runOn(ctx, s, keys, args)
+	return l.runOn(ctx, s, l.declaredFor(s, sc), args)
 }
 
 // runOn runs script s with keys, every key it touches (see declared).

@@ -88,19 +88,19 @@ type Limiter struct {
 // compiled is what New derives from the rules: the same for every call.
 type compiled struct {
 	rules       []policies.Rule
-	base        string        // start of every key: prefix:{name}:
-	policyID    string        // names the set of rules, whatever their order
-	description string        // the policy described, for the quota's meta (describe.go)
-	minMargin   time.Duration // the smallest margin configured, or the default
-	guardMin    time.Duration // the smallest configured margin that guards its calls (see late), 0 for none
-	shared      []string      // the Redis keys of a call with no key; per-key rules get the key appended
-	sharedAll   []string      // shared, then the keys a script may build from them (declared)
-	perKey      bool          // some rule is per key
-	hasShared   bool          // some rule is shared by all keys
-	hasConc     bool          // some rule is a Concurrency
-	hasBucket   bool          // some rule is a TokenBucket
-	unitRules   bool          // some rule counts the units calls cost
-	callRules   bool          // some rule counts calls (policies.PerCall)
+	base        string                     // start of every key: prefix:{name}:
+	policyID    string                     // names the set of rules, whatever their order
+	description string                     // the policy described, for the quota's meta (describe.go)
+	minMargin   time.Duration              // the smallest margin configured, or the default
+	guardMin    time.Duration              // the smallest configured margin that guards its calls (see late), 0 for none
+	shared      []string                   // the Redis keys of a call with no key; per-key rules get the key appended
+	sharedAll   map[*redis.Script][]string // for each script, shared and the keys it may build from them (declared)
+	perKey      bool                       // some rule is per key
+	hasShared   bool                       // some rule is shared by all keys
+	hasConc     bool                       // some rule is a Concurrency
+	hasBucket   bool                       // some rule is a TokenBucket
+	unitRules   bool                       // some rule counts the units calls cost
+	callRules   bool                       // some rule counts calls (policies.PerCall)
 	maxCost     int
 	maxCostIs   string         // the limit maxCost comes from, as the user set it
 	group       string         // the Name of the quota's policies.Shared rules, or ""
@@ -211,7 +211,10 @@ func (l *Limiter) compile() {
 	sum := sha256.Sum256([]byte(strings.Join(sorted, ",")))
 	l.policyID = base64.RawURLEncoding.EncodeToString(sum[:9])
 	l.description = l.describe()
-	l.sharedAll = declared(l.shared, l.rules)
+	l.sharedAll = map[*redis.Script][]string{}
+	for s := range suffixes {
+		l.sharedAll[s] = declared(s, l.shared, l.rules)
+	}
 	l.minMargin = policies.DefaultMargin
 	l.longest = time.Second
 	for _, r := range rules {
