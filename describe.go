@@ -162,10 +162,7 @@ func Open(ctx context.Context, rdb redis.UniversalClient, q QuotaName, opts ...O
 	if err != nil {
 		return nil, err
 	}
-	meta := s.prefix + ":{" + name + "}:meta"
-	if group != "" {
-		meta = s.prefix + ":{" + group + "}/" + name + ":meta"
-	}
+	meta := quotaBase(s.prefix, name, group) + "meta"
 	text, err := rdb.HGet(ctx, meta, "policy").Result()
 	switch {
 	case errors.Is(err, redis.Nil):

@@ -247,15 +247,24 @@ func (l *Limiter) compile() {
 // key under the hash tag of their Name: its own after "/" and its name,
 // the shared ones after "//", which no quota's name makes.
 func (l *Limiter) bases() (shared string) {
-	l.base = l.s.prefix + ":{" + l.name + "}:"
 	for _, r := range l.rules {
 		if r.Shared != "" {
 			l.group = r.Shared
-			l.base = l.s.prefix + ":{" + r.Shared + "}/" + l.name + ":"
 			shared = l.s.prefix + ":{" + r.Shared + "}//"
 		}
 	}
+	l.base = quotaBase(l.s.prefix, l.name, l.group)
 	return shared
+}
+
+// quotaBase is the start of the keys of quota name, of policies.Shared
+// group ("" for none), under prefix (see bases; quotaOfMeta reads a meta
+// key back).
+func quotaBase(prefix, name, group string) string {
+	if group != "" {
+		return prefix + ":{" + group + "}/" + name + ":"
+	}
+	return prefix + ":{" + name + "}:"
 }
 
 // countUnit notes that rule r counts a named unit.
