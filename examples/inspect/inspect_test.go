@@ -304,6 +304,19 @@ func TestList_NamesEveryQuota(t *testing.T) {
 	if !regexp.MustCompile(`(?m)^0\s+shared\s+log\s+10\s+1s \+30ms\s+1\s+0\s+9\s`).MatchString(out.String()) {
 		t.Errorf("the first quota's row is missing:\n%s", out.String())
 	}
+	// A group's quota is found by its name alone, and shown with its
+	// group's keys.
+	beta, err := parseFlags([]string{"-redis", mr.Addr(), "-quota", "beta", "-n", "1"}, io.Discard)
+	if err != nil {
+		t.Fatal(err)
+	}
+	out.Reset()
+	if err := run(ctx, beta, &out, false); err != nil {
+		t.Fatal(err)
+	}
+	if !strings.Contains(out.String(), "throttle:{token-a}/beta:log1000000") || !strings.Contains(out.String(), "throttle:{token-a}//concurrency") {
+		t.Errorf("beta shown without its group's keys:\n%s", out.String())
+	}
 	if _, err := parseFlags([]string{"-redis", mr.Addr(), "-policy", "log:1/1s"}, io.Discard); err == nil || !strings.Contains(err.Error(), "-quota") {
 		t.Errorf("-policy without -quota: %v, want an error naming -quota", err)
 	}

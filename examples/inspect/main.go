@@ -243,19 +243,22 @@ func openQuota(ctx context.Context, rdb *redis.Client, cfg *config) (*throttle.L
 		return throttle.New(rdb, cfg.Quota, cfg.Policy, throttle.Options{Prefix: cfg.Prefix})
 	}
 	q := throttle.QuotaName{Name: cfg.Quota, Group: cfg.Group}
-	if q.Group == "" {
-		names, err := throttle.Quotas(ctx, rdb, cfg.Prefix)
-		if err != nil {
-			return nil, err
+	lim, err := throttle.Open(ctx, rdb, q, throttle.Options{Prefix: cfg.Prefix})
+	if errors.Is(err, throttle.ErrNotDescribed) && q.Group == "" {
+		// Perhaps a quota of a policies.Shared group, whose keys carry
+		// the group's name: only a listing finds it.
+		names, lerr := throttle.Quotas(ctx, rdb, cfg.Prefix)
+		if lerr != nil {
+			return nil, lerr
 		}
 		for _, n := range names {
-			if n.Name == q.Name {
-				q = n
+			if n.Name == q.Name && n.Group != "" {
+				cfg.Group = n.Group
+				lim, err = throttle.Open(ctx, rdb, n, throttle.Options{Prefix: cfg.Prefix})
 				break
 			}
 		}
 	}
-	lim, err := throttle.Open(ctx, rdb, q, throttle.Options{Prefix: cfg.Prefix})
 	if errors.Is(err, throttle.ErrNotDescribed) {
 		return nil, fmt.Errorf("%w\n(a quota that has not called since its data began, or whose fleet does not describe it: give -policy)", err)
 	}
