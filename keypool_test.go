@@ -139,7 +139,10 @@ func TestKeyPool_SpreadsCallsOverTheKeysWithRoom(t *testing.T) {
 	served, refused := v.counts()
 	t.Logf("served per token %v, refused %v", served, refused)
 	for _, tok := range []string{"t0", "t1", "t3"} {
-		if min := limit * (windows - 1); served[tok] < min {
+		// The figure (two windows' worth of calls in three) needs the
+		// machine: under -race beside the other tests a CI run's fleet
+		// served 39-58 per token; .ci/run checks it without -race.
+		if min := limit * (windows - 1); !raceEnabled && served[tok] < min {
 			t.Errorf("token %s served %d calls in %d windows of %d, want at least %d", tok, served[tok], windows, limit, min)
 		}
 		if refused[tok] > 0 {
