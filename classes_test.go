@@ -100,6 +100,30 @@ func TestClasses_AHigherPriorityFindsItsShareAtOnce(t *testing.T) {
 	})
 }
 
+// A higher priority that calls for the first time, as a batch class
+// fills the quota at every step, is held a tenth of the limit through its
+// first window, while its own demand is too young to tell: its calls in
+// that window, one every 100ms, are all admitted at once. Without the
+// tenth, the quota held only what its first calls scaled to, and 4 of
+// the 10 were refused.
+func TestClasses_AHigherPriorityNewlyCalledFindsRoomInItsFirstWindow(t *testing.T) {
+	redistest.Each(t, func(t *testing.T, s *redistest.Server) {
+		c := newClassRun(t, s, policies.SlidingLog{Limit: 100, Window: time.Second}, Options{})
+		refused := 0
+		for step := range 10 {
+			if !c.try(Priority(10)) {
+				t.Logf("step %d: the interactive call refused", step)
+				refused++
+			}
+			c.fill(Priority(0))
+			c.clock.Add(100 * time.Millisecond)
+		}
+		if refused > 0 {
+			t.Errorf("%d of the interactive class's 10 calls in its first window refused, want none", refused)
+		}
+	})
+}
+
 // Under a global cap of 100 a second that every key shares, one heavy key
 // fills the quota at every step of 100ms, and four light keys ask for one
 // call every 200ms each. From the second window on, at least 0.9 of the

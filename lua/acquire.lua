@@ -847,24 +847,24 @@ end
 -- hash the units each class booked, by the period of a quarter window of
 -- their slots, for a window and a half and as far ahead as they are
 -- booked, and the units of its calls that had to wait or were refused, by
--- the period they asked in: a class's demand is the most it booked in a window of four
--- periods (scaled up to a window while it is younger than one), and what
--- of it waited in the last window. Where a
--- quota serves several classes, a call books, besides every rule of its
+-- the period they asked in: a class's demand is the most it booked in a
+-- run of four periods from four periods ago on (scaled up to a window
+-- while it is younger than one), and what of it waited in the last
+-- window. Where a quota serves several classes, a call books, besides every rule of its
 -- scope, in a log (or counter) of its class alone, whose limit is the
 -- rule's less what it holds for the classes that rank above the call's
--- (class_hold): the whole demand of every higher priority; at its own
+-- (class_hold): the whole demand of every higher priority (a tenth of
+-- the limit at least for one younger than a window); at its own
 -- priority, each lighter class's demand up to the max-min fair share of
 -- what the higher ones leave; and, while the call's class alone could
 -- fill the rule, a tenth of it for the lower priorities that call at all.
--- A sixteenth and one unit more covers the jitter of their calls. So a
+-- A thirty-second and one unit more covers the jitter of their calls. So a
 -- class above finds its share free whenever it comes, and the call takes
 -- every unit left but that spare; every class keeps at least a tenth of
 -- the limit, so none starves for ever. A quota of one class (every call
 -- of priority 0, no key) reads nothing more: the meta says until when some
--- class called (classes_until in lib.lua), and the ':cl' and ':c:' keys,
--- built here rather than declared in KEYS, are touched only by a quota
--- that serves classes (a Cluster slot migrating refuses undeclared keys).
+-- class called (classes_until in lib.lua), and the ':cl' and ':c:' keys
+-- are touched only by a quota that serves classes.
 -- The rule's own log still holds every call: a class's
 -- log only ever narrows what its calls may take, so a class measured
 -- wrong (a booking given back stays in its class's log, its units in the
@@ -907,8 +907,9 @@ local function read_classes(r)
 end
 
 -- demand returns the units per window in force class c of rule r books,
--- in thousandths: the most in any four periods in a row, scaled up to a
--- window while c is younger than one, with what of it waited in the last
+-- in thousandths: the most in four periods in a row from four periods
+-- before the current one on, scaled up to a window while c is younger
+-- than one (c.young), with what of it waited in the last
 -- window, scaled to the window's margin. Thousandths, rounded down at
 -- each step, keep every sum exact.
 local function demand(r, c)
@@ -921,17 +922,21 @@ local function demand(r, c)
   end
   table.sort(ps)
   local d = 0
+  local cur = class_period(r, now)
   for i = 1, #ps do
     local sum, j = 0, i
+    if ps[i] < cur - CLASS_PERIODS then
+      j = #ps + 1
+    end
     while j <= #ps and ps[j] < ps[i] + CLASS_PERIODS do
       sum, j = sum + c.p[ps[j]], j + 1
     end
     d = math.max(d, sum)
   end
-  local cur = class_period(r, now)
   local age = math.max(ps[#ps], cur) - ps[1] + 1
   d = d * 1000
-  if age < CLASS_PERIODS then
+  c.young = age < CLASS_PERIODS
+  if c.young then
     d = math.floor(d * CLASS_PERIODS / age)
   end
   -- What waited, or was refused, in the last window, on top: a class
@@ -974,7 +979,9 @@ local function class_hold(r, name, prio)
     if n ~= name then
       local d = demand(r, c)
       if c.prio > prio then
-        above = above + d
+        -- A higher class younger than a window has shown too little of
+        -- its demand to hold it: a tenth of the limit at least.
+        above = above + (c.young and math.max(d, floor * 1000) or d)
       elseif c.prio < prio then
         lower = lower + math.min(d, floor * 1000)
       else
@@ -997,7 +1004,7 @@ local function class_hold(r, name, prio)
     return 0
   end
   hold = math.ceil(hold / 1000)
-  return math.min(hold + math.floor(hold / 16) + 1, r.limit - floor)
+  return math.min(hold + math.floor(hold / 32) + 1, r.limit - floor)
 end
 
 -- class_rule returns the rule of class name under rule r: a log or

@@ -26,9 +26,10 @@ const (
 // they asked in (w); d is its demand as the script read it, in thousandths,
 // or -1 until computed.
 type class struct {
-	prio int
-	p, w map[int64]int
-	d    int64
+	prio  int
+	p, w  map[int64]int
+	d     int64
+	young bool // younger than a window when d was computed
 }
 
 // callClass is a call's class under rule i: its name, the rule's name for
@@ -88,18 +89,22 @@ func (m *Model) demand(r Rule, c *class) int64 {
 		ps = append(ps, pi)
 	}
 	sort.Slice(ps, func(a, b int) bool { return ps[a] < ps[b] })
+	cur := period(r, m.now)
 	most := 0
 	for i := range ps {
+		if ps[i] < cur-classPeriods {
+			continue
+		}
 		sum := 0
 		for j := i; j < len(ps) && ps[j] < ps[i]+classPeriods; j++ {
 			sum += c.p[ps[j]]
 		}
 		most = max(most, sum)
 	}
-	cur := period(r, m.now)
 	age := max(ps[len(ps)-1], cur) - ps[0] + 1
 	d := float64(most) * 1000
-	if age < classPeriods {
+	c.young = age < classPeriods
+	if c.young {
 		d = math.Floor(d * classPeriods / float64(age))
 	}
 	for pi := cur - classPeriods + 1; pi <= cur; pi++ {
@@ -138,6 +143,8 @@ func (m *Model) hold(r Rule, cs map[string]*class, name string, prio int) int {
 		}
 		d := m.demand(r, c)
 		switch {
+		case c.prio > prio && c.young:
+			above += max(d, int64(floor)*1000)
 		case c.prio > prio:
 			above += d
 		case c.prio < prio:
@@ -161,7 +168,7 @@ func (m *Model) hold(r Rule, cs map[string]*class, name string, prio int) int {
 		return 0
 	}
 	units := int((hold + 999) / 1000)
-	return min(units+units/16+1, r.Limit-floor)
+	return min(units+units/32+1, r.Limit-floor)
 }
 
 // callClasses returns the classes of a call of cost for key and priority
