@@ -19,6 +19,7 @@ import (
 // and booked), beside a global rule; the keys a rule's key derives (a
 // hint, a class's log) and keys of other quotas are not taken for tenants.
 func TestBusiestKeys_ListsTheFullestKeysFirst(t *testing.T) {
+	t.Parallel() // a minute's window: nothing in it depends on the machine's load
 	perKey := []struct {
 		name   string
 		policy policies.Policy
@@ -125,6 +126,7 @@ func TestBusiestKeys_FailsWithoutPerKeyRulesOrN(t *testing.T) {
 
 // On Redis Cluster, BusiestKeys reads the node of the quota's hash tag.
 func TestBusiestKeys_ReadsTheQuotasNodeOnCluster(t *testing.T) {
+	t.Parallel() // a Cluster of its own, a minute's window
 	rdb := redistest.StartCluster(t).Client(t)
 	loads := map[string]int{"tenant-a": 1, "tenant-b": 2, "tenant-c": 3}
 	lim := callTenants(t, rdb, policies.PerKey{Policy: policies.SlidingLog{Limit: 10, Window: time.Minute}}, loads)

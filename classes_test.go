@@ -58,6 +58,7 @@ func (c *classRun) fill(opts ...CallOption) int {
 // the classes switched off), the batch takes every unit as it frees and
 // the interactive calls are refused.
 func TestClasses_AHigherPriorityFindsItsShareAtOnce(t *testing.T) {
+	t.Parallel() // a given clock: nothing in it depends on the machine's load
 	redistest.Each(t, func(t *testing.T, s *redistest.Server) {
 		for _, arrival := range []bool{false, true} {
 			t.Run("ArrivalOrder="+strconv.FormatBool(arrival), func(t *testing.T) {
@@ -107,6 +108,7 @@ func TestClasses_AHigherPriorityFindsItsShareAtOnce(t *testing.T) {
 // tenth, the quota held only what its first calls scaled to, and 4 of
 // the 10 were refused.
 func TestClasses_AHigherPriorityNewlyCalledFindsRoomInItsFirstWindow(t *testing.T) {
+	t.Parallel() // a given clock: nothing in it depends on the machine's load
 	redistest.Each(t, func(t *testing.T, s *redistest.Server) {
 		c := newClassRun(t, s, policies.SlidingLog{Limit: 100, Window: time.Second}, Options{})
 		refused := 0
@@ -130,6 +132,7 @@ func TestClasses_AHigherPriorityNewlyCalledFindsRoomInItsFirstWindow(t *testing.
 // light keys' calls are admitted at once (first come, first served: none),
 // and the heavy key takes at least 0.9 of what they leave.
 func TestClasses_LightKeysFindTheirShareUnderAGlobalCap(t *testing.T) {
+	t.Parallel() // a given clock: nothing in it depends on the machine's load
 	redistest.Each(t, func(t *testing.T, s *redistest.Server) {
 		rule := policies.SlidingLog{Limit: 100, Window: time.Second}
 		c := newClassRun(t, s, policies.All(rule, policies.PerKey{Policy: rule}), Options{})
@@ -178,6 +181,7 @@ func TestClasses_LightKeysFindTheirShareUnderAGlobalCap(t *testing.T) {
 // and a half of their asking. Without that floor its share would fall to
 // one call a window, and its waits would grow with every call.
 func TestClasses_ALowerPriorityKeepsATenth(t *testing.T) {
+	t.Parallel() // a given clock: nothing in it depends on the machine's load
 	redistest.Each(t, func(t *testing.T, s *redistest.Server) {
 		c := newClassRun(t, s, policies.SlidingLog{Limit: 100, Window: time.Second}, Options{})
 		var waits []time.Duration

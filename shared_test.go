@@ -79,6 +79,7 @@ func TestShared_OneConcurrencyAcrossTwoQuotas(t *testing.T) {
 // On Redis Cluster, every key of both quotas carries the group's hash
 // tag: one script call reaches the shared rule and each quota's own.
 func TestShared_OneConcurrencyAcrossTwoQuotasOnCluster(t *testing.T) {
+	t.Parallel() // a Cluster of its own
 	c := redistest.StartCluster(t)
 	sharedRoutes(t, c.Client(t))
 }

@@ -315,6 +315,7 @@ func TestSpare_TermsFollowTheMarginAndTheRoomLeft(t *testing.T) {
 // A limiter with many keys counts the calls of at most maxPools of them at
 // once: its memory does not grow with the keys it has seen.
 func TestSpare_PoolsBoundedWithManyKeys(t *testing.T) {
+	t.Parallel() // a minute's window: nothing in it depends on the machine's load
 	s := redistest.Mini(t)
 	// 1,500 script calls on miniredis, beside the package's tests under
 	// -race: a slow one is no failure here.

@@ -76,6 +76,7 @@ func goSwitchName(t *testing.T, m mechanism) string {
 // scripts' switches off, on miniredis and a real Redis: a switch that
 // breaks a script's syntax measures nothing.
 func TestSwitches_ScriptsLoadWithEachOff(t *testing.T) {
+	t.Parallel() // loads scripts only
 	redistest.Each(t, func(t *testing.T, s *redistest.Server) {
 		rdb := s.Client(t)
 		ctx := context.Background()
