@@ -187,7 +187,7 @@ func fillUsage(v *quotaView, u throttle.Usage, now time.Time) {
 // ruleOf returns the view of rule i, as u reads it.
 func ruleOf(i int, u throttle.RuleUsage) ruleView {
 	r := u.Rule
-	v := ruleView{Index: i, Kind: kindName(r.Kind), Spec: spec(r), Scope: scopeOf(r), PerKey: r.PerKey, Configured: r.Limit}
+	v := ruleView{Index: i, Kind: r.Kind.String(), Spec: spec(r), Scope: scopeOf(r), PerKey: r.PerKey, Configured: r.Limit}
 	if r.PerKey {
 		return v
 	}
@@ -216,21 +216,6 @@ func (h *Handler) readKeys(ctx context.Context, lim *throttle.Limiter, v *quotaV
 	for _, k := range keys {
 		v.Keys = append(v.Keys, keyView{Hash: k.Hash, Used: k.Used, Limit: k.Limit, Fill: percent(k.Used, k.Limit)})
 	}
-}
-
-// kindName names a rule's kind as the policies do.
-func kindName(k policies.Kind) string {
-	switch k {
-	case policies.KindSlidingLog:
-		return "sliding log"
-	case policies.KindSlidingCounter:
-		return "sliding counter"
-	case policies.KindTokenBucket:
-		return "token bucket"
-	case policies.KindConcurrency:
-		return "concurrency"
-	}
-	return fmt.Sprintf("kind %d", int(k))
 }
 
 // spec says what rule r admits: its limit and its window, interval or

@@ -308,6 +308,23 @@ const (
 	KindConcurrency    Kind = 4
 )
 
+// String names the kind as people read it ("sliding log", "sliding
+// counter", "token bucket", "concurrency"); a kind the script does not
+// know reads "kind N".
+func (k Kind) String() string {
+	switch k {
+	case KindSlidingLog:
+		return "sliding log"
+	case KindSlidingCounter:
+		return "sliding counter"
+	case KindTokenBucket:
+		return "token bucket"
+	case KindConcurrency:
+		return "concurrency"
+	}
+	return "kind " + strconv.Itoa(int(k))
+}
+
 // A Rule is one limit in the flat form the Redis script checks:
 // throttle.New flattens a Policy into its rules (see Rules), and
 // throttle.Usage reports how full each one is. How a rule is encoded for the

@@ -604,3 +604,14 @@ func TestUnit_ValidatesItsNameAndPolicy(t *testing.T) {
 		t.Fatalf("rules %+v, ids %q %q", rules, rules[0].ID(), rules[1].ID())
 	}
 }
+
+func TestKind_StringNamesEachKind(t *testing.T) {
+	for k, want := range map[Kind]string{
+		KindSlidingLog: "sliding log", KindSlidingCounter: "sliding counter",
+		KindTokenBucket: "token bucket", KindConcurrency: "concurrency", Kind(9): "kind 9",
+	} {
+		if got := k.String(); got != want {
+			t.Errorf("Kind(%d).String() = %q, want %q", int(k), got, want)
+		}
+	}
+}

@@ -121,6 +121,8 @@ func scope(r policies.Rule) string {
 	return "shared"
 }
 
+// kindName names a rule's kind as -policy spells it ("log", "counter",
+// "bucket", "concurrency"), so that the table reads as the flag is typed.
 func kindName(k policies.Kind) string {
 	switch k {
 	case policies.KindSlidingLog:
