@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"strconv"
+	"sync"
 	"testing"
 	"time"
 
@@ -205,6 +206,57 @@ func TestClasses_ALowerPriorityKeepsATenth(t *testing.T) {
 				t.Errorf("the last low calls waited %v, want each within a window and a half", last)
 				break
 			}
+		}
+	})
+}
+
+// A key that calls for the first time while another key has filled the
+// quota's next window with bookings made ahead tells the fleet so, on the
+// quota's channel: the calls booked before it book again when they wake,
+// against the share the global rule then holds for the new key, whose
+// calls find room in that window instead of after it. Without the news
+// (class_news off) the heavy key's bookings fill that window and every
+// light call in it is refused.
+func TestClasses_ANewKeyIsHeardByTheCallsBookedAhead(t *testing.T) {
+	t.Parallel() // waits out a window and more: 7 of 7 admitted here, 0 without the news
+	redistest.Each(t, func(t *testing.T, s *redistest.Server) {
+		p := policies.All(policies.SlidingLog{Limit: 20, Window: time.Second},
+			policies.PerKey{Policy: policies.SlidingLog{Limit: 20, Window: time.Second}})
+		heavy := newLimiter(t, s.Client(t), p, Options{Mode: Block})
+		light := newLimiter(t, s.Client(t), p, Options{Mode: FailFast})
+		ctx := context.Background()
+		start := time.Now()
+		// 20 calls now, 20 booked for the next window, sleeping.
+		var wg sync.WaitGroup
+		for range 40 {
+			wg.Go(func() {
+				_, _ = Do(ctx, heavy, func(context.Context) (struct{}, error) { return struct{}{}, nil }, Key("heavy"))
+			})
+		}
+		defer wg.Wait()
+		waitBooked(t, heavy, 40, Key("heavy"))
+		// The light key asks every 100ms from 0.2s; its calls from 1.3s
+		// on, past the heavy key's first window and its margin, count.
+		admitted, counted := 0, 0
+		for at := 200 * time.Millisecond; at < 1950*time.Millisecond; at += 100 * time.Millisecond {
+			time.Sleep(time.Until(start.Add(at)))
+			p, err := light.Acquire(ctx, Key("light"))
+			if err != nil && !errors.Is(err, ErrLimited) {
+				t.Fatal(err)
+			}
+			if at >= 1300*time.Millisecond {
+				counted++
+				if err == nil {
+					admitted++
+				}
+			}
+			if err == nil {
+				p.Release()
+			}
+		}
+		t.Logf("the light key's calls admitted in the heavy key's booked window: %d of %d", admitted, counted)
+		if admitted < 4 {
+			t.Errorf("%d of the light key's %d calls admitted in the window the heavy key had booked before it came, want at least 4", admitted, counted)
 		}
 	})
 }

@@ -6,6 +6,8 @@ import (
 	"testing/synctest"
 	"time"
 
+	"github.com/redis/go-redis/v9"
+
 	"github.com/throttlekit/throttle/internal/redistest"
 	"github.com/throttlekit/throttle/policies"
 )
@@ -39,6 +41,10 @@ func TestMove_RefundMovesASleepingCallOfAnotherReplica(t *testing.T) {
 			waited <- went{time.Since(start), err}
 		}()
 		waitBooked(t, a, 130)
+		// The news of the refund reaches b once its subscription is up:
+		// a call booked before then keeps its slot (the cap is never at
+		// stake), which a busy machine made this test wait out once.
+		waitSubscribed(t, s.Client(t), b, 2)          // a's and b's clients
 		if err := first.Settle(ctx, 30); err != nil { // it used 30
 			t.Fatal(err)
 		}
@@ -59,12 +65,13 @@ func TestMove_RefundMovesASleepingCallOfAnotherReplica(t *testing.T) {
 }
 
 // waitBooked waits until the first rule of lim counts units, admitted and
-// booked: a call of another goroutine has its slot.
-func waitBooked(t *testing.T, lim *Limiter, units int) {
+// booked: a call of another goroutine has its slot. opts name the scope
+// (a key) where the quota has a per-key rule.
+func waitBooked(t *testing.T, lim *Limiter, units int, opts ...CallOption) {
 	t.Helper()
 	deadline := time.Now().Add(20 * time.Second)
 	for {
-		u, err := lim.Usage(context.Background())
+		u, err := lim.Usage(context.Background(), opts...)
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -173,4 +180,24 @@ func TestMove_RefundsHeardTogetherMoveOnce(t *testing.T) {
 			t.Fatalf("after roomEvery: the refunds heard meanwhile moved the calls %v, and again %v; want once", closed(second), closed(third))
 		}
 	})
+}
+
+// waitSubscribed waits, 20s at most, until n connections of the server rdb
+// talks to are subscribed to lim's quota's channel.
+func waitSubscribed(t *testing.T, rdb redis.UniversalClient, lim *Limiter, n int) {
+	t.Helper()
+	deadline := time.Now().Add(20 * time.Second)
+	for {
+		subs, err := rdb.PubSubNumSub(context.Background(), lim.shared[0]).Result()
+		if err != nil {
+			t.Fatal(err)
+		}
+		if subs[lim.shared[0]] >= int64(n) {
+			return
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("%d subscribed to %q after 20s, want %d", subs[lim.shared[0]], lim.shared[0], n)
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
 }

@@ -64,6 +64,7 @@ var luaMechanisms = []mechanism{
 	"reserve",        // acquire.lua reserve: back from Local, Redis admits the whole limit
 	"others",         // feedback.lua note_others: no share is left to other consumers of the key
 	"classes",        // acquire.lua class_rules: no share is held for higher priorities and lighter keys
+	"class_news",     // acquire.lua announce_class: the calls booked ahead do not hear of a new class
 }
 
 // goMechanisms are the mechanisms decided in Go.

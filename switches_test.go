@@ -169,6 +169,7 @@ var switchBreaks = map[mechanism][]string{
 	"others":          {"^TestOthers_RefusedCallsAreNotTheFleets$"},
 	"reserve":         {"^TestLocal_BackOnRedisReservesTheOthersShare$"},
 	"classes":         {"^TestClasses_AHigherPriorityFindsItsShareAtOnce$"},
+	"class_news":      {"^TestClasses_ANewKeyIsHeardByTheCallsBookedAhead$"},
 }
 
 // TestSwitches_EachBreaksItsTest runs, for each switch of switchBreaks,

@@ -874,10 +874,30 @@ local CLASS_PERIODS = 4
 local CLASS_KEPT = 6
 local CLASS_FLOOR = 10
 local CLASS_TTL = 60000
+-- The field of ':cl' that keeps the period a new class was last told in
+-- (announce_class); no class's name starts with '~'.
+local CLASS_TOLD = '~told'
 
 -- class_period returns the period of time t for rule r.
 local function class_period(r, t)
   return math.floor(t / math.max(math.floor(span_of(r) / CLASS_PERIODS), 1))
+end
+
+-- read_class reads class name of rule r from its field v of ':cl': into
+-- r.cls, or r.cls_gone when no period of it is left from oldest on.
+local function read_class(r, name, v, oldest)
+  local c, any = { p = {}, w = {}, prio = tonumber(string.match(name, '^(%-?%d+)') or '0') }, false
+  for pi, u, w in string.gmatch(v, '(%-?%d+):(%d+):(%d+)') do
+    pi = tonumber(pi)
+    if pi >= oldest then
+      c.p[pi], c.w[pi], any = tonumber(u), tonumber(w), true
+    end
+  end
+  if any then
+    r.cls[name] = c
+  else
+    r.cls_gone[#r.cls_gone + 1] = name
+  end
 end
 
 -- read_classes reads, once per script, the classes of rule r: r.cls maps
@@ -891,17 +911,10 @@ local function read_classes(r)
   local raw = redis.call('HGETALL', r.key .. ':cl')
   local oldest = class_period(r, now) - CLASS_KEPT
   for i = 1, #raw, 2 do
-    local c, any = { p = {}, w = {}, prio = tonumber(string.match(raw[i], '^(%-?%d+)') or '0') }, false
-    for pi, u, w in string.gmatch(raw[i + 1], '(%-?%d+):(%d+):(%d+)') do
-      pi = tonumber(pi)
-      if pi >= oldest then
-        c.p[pi], c.w[pi], any = tonumber(u), tonumber(w), true
-      end
-    end
-    if any then
-      r.cls[raw[i]] = c
+    if raw[i] == CLASS_TOLD then
+      r.cls_told = tonumber(raw[i + 1])
     else
-      r.cls_gone[#r.cls_gone + 1] = raw[i]
+      read_class(r, raw[i], raw[i + 1], oldest)
     end
   end
 end
@@ -1039,6 +1052,27 @@ local function classes_until(batch, r, t)
   m.classes_until = math.max(m.classes_until, math.max(t, now) + 2 * span_of(r))
 end
 
+-- announce_class tells the fleet that class name, which rule r had not
+-- seen, calls: the calls the rule booked ahead before it held nothing for
+-- it, and book again when they wake at their slots (announce_lowered),
+-- against the share the rule now holds for it; a higher class's calls, or
+-- a light key's, then find that share in the window those bookings would
+-- have filled. Once a period per rule at most, and only while the rule
+-- holds bookings ahead: each sleeping call books again once per
+-- announcement it slept through.
+local function announce_class(batch, r, name)
+  if OFF.class_news or r.cls[name] or r.cls_add[name] then
+    return
+  end
+  local cur = class_period(r, now)
+  if (r.cls_told or cur - 1) >= cur or not booked_ahead({ r }, now) then
+    return
+  end
+  r.cls_told = cur
+  redis.call('HSET', r.key .. ':cl', CLASS_TOLD, cur)
+  announce_lowered(batch.meta, now)
+end
+
 -- class_rules adds to call's rules the rule of its class under each log
 -- and counter that serves several classes, with the limit that leaves the
 -- classes above it their share, and notes in call.classes where its units
@@ -1059,6 +1093,9 @@ local function class_rules(batch, call)
       end
       if name ~= '0' or batch.meta.classes_until > now then
         read_classes(r)
+      end
+      if name ~= '0' then
+        announce_class(batch, r, name)
       end
       if r.cls and (next(r.cls) or name ~= '0') then
         call.classes = call.classes or {}
