@@ -2,6 +2,7 @@ package throttle
 
 import (
 	"context"
+	"fmt"
 	"testing"
 	"testing/synctest"
 	"time"
@@ -182,22 +183,13 @@ func TestMove_RefundsHeardTogetherMoveOnce(t *testing.T) {
 	})
 }
 
-// waitSubscribed waits, 20s at most, until n connections of the server rdb
-// talks to are subscribed to lim's quota's channel.
+// waitSubscribed waits until n connections of the server rdb talks to
+// are subscribed to lim's quota's channel.
 func waitSubscribed(t *testing.T, rdb redis.UniversalClient, lim *Limiter, n int) {
 	t.Helper()
-	deadline := time.Now().Add(20 * time.Second)
-	for {
-		subs, err := rdb.PubSubNumSub(context.Background(), lim.shared[0]).Result()
-		if err != nil {
-			t.Fatal(err)
-		}
-		if subs[lim.shared[0]] >= int64(n) {
-			return
-		}
-		if time.Now().After(deadline) {
-			t.Fatalf("%d subscribed to %q after 20s, want %d", subs[lim.shared[0]], lim.shared[0], n)
-		}
-		time.Sleep(5 * time.Millisecond)
-	}
+	channel := lim.shared[0]
+	waitFor(t, func() bool {
+		subs, err := rdb.PubSubNumSub(context.Background(), channel).Result()
+		return err == nil && subs[channel] >= int64(n)
+	}, fmt.Sprintf("%d subscriptions to %q", n, channel))
 }

@@ -937,14 +937,13 @@ local function demand(r, c)
   local d = 0
   local cur = class_period(r, now)
   for i = 1, #ps do
-    local sum, j = 0, i
-    if ps[i] < cur - CLASS_PERIODS then
-      j = #ps + 1
+    if ps[i] >= cur - CLASS_PERIODS then
+      local sum, j = 0, i
+      while j <= #ps and ps[j] < ps[i] + CLASS_PERIODS do
+        sum, j = sum + c.p[ps[j]], j + 1
+      end
+      d = math.max(d, sum)
     end
-    while j <= #ps and ps[j] < ps[i] + CLASS_PERIODS do
-      sum, j = sum + c.p[ps[j]], j + 1
-    end
-    d = math.max(d, sum)
   end
   local age = math.max(ps[#ps], cur) - ps[1] + 1
   d = d * 1000
