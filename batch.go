@@ -309,7 +309,10 @@ func (l *Limiter) batchArgs(sc scope, batch []*request, late []*result, spares, 
 	}
 	var classes []classIn // the classes the calls book in, by scope
 	for _, r := range late {
-		args = append(args, r.member, l.costArg(r.cost, r.named), r.slot().Microseconds(), r.epoch, index[r.scope.id])
+		args = append(args, r.member, l.costArg(r.cost, r.named), r.slot().Microseconds(), r.epoch, index[r.scope.id], r.where())
+		if r.noted != 0 {
+			classes = append(classes, classIn{r.scope, r.class})
+		}
 	}
 	given := 0 // the place of a call's own booking among those given back
 	for _, req := range batch {
@@ -324,11 +327,7 @@ func (l *Limiter) batchArgs(sc scope, batch []*request, late []*result, spares, 
 		args = append(args, req.member, l.costArg(req.c.cost, req.c.named), req.maxWait.Microseconds(), req.c.lead.Microseconds(), index[req.sc.id], moves, class)
 	}
 	members = make([]string, spares)
-	class := "0"
-	if len(batch) > 0 {
-		// Spares go to the scope's next calls: of the class of its calls.
-		class = l.classOf(batch[0].c, sc)
-	}
+	class := l.spareClass(batch, sc)
 	if spares > 0 {
 		classes = append(classes, classIn{sc, class})
 	}
@@ -337,6 +336,16 @@ func (l *Limiter) batchArgs(sc scope, batch []*request, late []*result, spares, 
 		args = append(args, members[i], spareCost, 0, 0, 1, 0, class)
 	}
 	return l.batchKeys(scopes, classes), args, members
+}
+
+// spareClass is the class of the spares a script call deciding batch
+// takes for sc: they go to the scope's next calls, of the class of its
+// calls.
+func (l *Limiter) spareClass(batch []*request, sc scope) string {
+	if len(batch) == 0 {
+		return "0"
+	}
+	return l.classOf(batch[0].c, sc)
 }
 
 // classIn is a class a call books in, in its scope.
@@ -454,6 +463,11 @@ func (l *Limiter) finishBatch(sc scope, batch []*request, rep acquireReply, stal
 			done:      rep.done,
 			stale:     stale,
 			gaps:      gaps,
+			noted:     c.noted,
+			logged:    c.logged,
+		}
+		if c.noted != 0 {
+			r.class = l.classOf(req.c, req.sc)
 		}
 		if !req.finish(r, nil) && r.admitted {
 			// The caller gave up while its call was being booked.

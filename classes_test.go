@@ -260,3 +260,62 @@ func TestClasses_ANewKeyIsHeardByTheCallsBookedAhead(t *testing.T) {
 		}
 	})
 }
+
+// A class's bookings given back leave its class's own log as they leave
+// the quota's: given back by callers that gave up (cancel), the class
+// books the same slots again; given back by calls that book again in the
+// same script call (as a call whose slot came too late to start in does),
+// each finds its own slot free. Left in the class's log, the units given
+// back would fill it for a window, and the class's calls would book the
+// window after. THROTTLE_OFF=class_give_back leaves them there.
+func TestClasses_ABookingGivenBackLeavesItsClass(t *testing.T) {
+	t.Parallel()
+	redistest.Each(t, func(t *testing.T, s *redistest.Server) {
+		run := newClassRun(t, s, policies.SlidingLog{Limit: 20, Window: time.Second}, Options{})
+		ctx := context.Background()
+		// A class above holds its share; the batch class fills the rest
+		// and books the next window's.
+		run.try(Priority(5))
+		run.try(Priority(5))
+		run.fill()
+		batch := callOf(nil)
+		book := func(giveBack *result) (result, bool) {
+			t.Helper()
+			r, err := run.lim.acquire(ctx, batch, 1500*time.Millisecond, giveBack)
+			if err != nil {
+				t.Fatal(err)
+			}
+			return r, r.admitted && r.wait > 0
+		}
+		var booked []result
+		for r, ok := book(nil); ok; r, ok = book(nil) {
+			booked = append(booked, r)
+		}
+		if len(booked) < 10 {
+			t.Fatalf("the batch class booked %d calls in the next window, want 10 at least", len(booked))
+		}
+		for _, r := range booked {
+			run.lim.cancel(ctx, batch, r)
+		}
+		again := 0
+		for i := range booked {
+			r, ok := book(nil)
+			if ok && r.slot() <= booked[len(booked)-1].slot() {
+				again++
+			}
+			booked[i] = r
+		}
+		if again != len(booked) {
+			t.Errorf("after giving back %d bookings, the class booked %d of them again in the same slots", len(booked), again)
+		}
+		moved := 0
+		for _, r := range booked {
+			if n, ok := book(&r); ok && n.slot() <= r.slot() {
+				moved++
+			}
+		}
+		if moved != len(booked) {
+			t.Errorf("%d of %d calls booking again, each giving its booking back, found their slot free", moved, len(booked))
+		}
+	})
+}

@@ -81,7 +81,7 @@ func (l *Limiter) cancel(ctx context.Context, c call, r result) {
 		return
 	}
 	within(ctx, func() {
-		_ = l.run(context.WithoutCancel(ctx), scripts.cancel, r.scope, l.cancelArgs(r.member, l.costArg(c.cost, c.named), r.slot(), r.epoch)).Err()
+		_ = l.runBooking(context.WithoutCancel(ctx), scripts.cancel, r, l.cancelArgs(r, l.costArg(c.cost, c.named))).Err()
 	})
 }
 

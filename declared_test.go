@@ -65,6 +65,7 @@ var declaredPaths = []struct {
 	{"a long log's hint", driveHint},
 	{"classes", driveClasses},
 	{"a class's long log", driveClassHint},
+	{"a class's bookings given back", driveClassGiveBack},
 	{"a learned cap", driveLearnedCap},
 	{"a count before any call", driveCharge},
 	{"others' share", driveOthers},
@@ -151,6 +152,38 @@ func driveClasses(t *testing.T, s *redistest.Server) {
 		}
 		fillUp(t, lim, 30, Key("heavy"))
 		clock.Add(100 * time.Millisecond)
+	}
+}
+
+// driveClassGiveBack books calls of a key's class in its own logs, under
+// a log, a counter and a rule per key, then settles one, gives one back
+// (cancel) and has one book again giving its booking back (acquire): each
+// leaves its class's logs and demand.
+func driveClassGiveBack(t *testing.T, s *redistest.Server) {
+	ctx := context.Background()
+	clock := newClock()
+	lim := declaredLimiter(t, s.Client(t), "class-give-back", policies.All(
+		policies.SlidingLog{Limit: 20, Window: time.Second},
+		policies.SlidingCounter{Limit: 20, Window: time.Second, Buckets: 10},
+		policies.PerKey{Policy: policies.SlidingLog{Limit: 10, Window: time.Second}},
+	), Options{Mode: FailFast, Clock: clock.Now})
+	mustAllow(t, lim, Key("light"), Priority(5))
+	fillUp(t, lim, 30, Key("heavy"))
+	c := callOf([]CallOption{Key("heavy"), Cost(2)})
+	var booked []result
+	for range 3 {
+		r, err := lim.acquire(ctx, c, 2*time.Second, nil)
+		if err != nil || !r.admitted || r.noted == 0 {
+			t.Fatalf("a call of the heavy key's class: %+v, %v; want it booked in its class", r, err)
+		}
+		booked = append(booked, r)
+	}
+	if err := lim.permit(c, booked[0], 0).Settle(ctx, 1); err != nil {
+		t.Fatal(err)
+	}
+	lim.cancel(ctx, c, booked[1])
+	if _, err := lim.acquire(ctx, c, 2*time.Second, &booked[2]); err != nil {
+		t.Fatal(err)
 	}
 }
 

@@ -144,3 +144,37 @@ func (l *Limiter) declareClasses(keys []string, sc scope, class string) []string
 	}
 	return keys
 }
+
+// bookingKeys returns the keys script s may touch to give back or settle
+// booking r: those of its scope (see declared) and, under the rules where
+// r counts in its class, the rule's classes (:cl) and, where the class's
+// own log holds r, that log and a log's hint of it (see change_classes in
+// lua/lib.lua).
+func (l *Limiter) bookingKeys(s *redis.Script, r result) []string {
+	keys := l.declaredFor(s, r.scope)
+	if r.noted == 0 {
+		return keys
+	}
+	keys = slices.Clone(keys)
+	prio, _, _ := strings.Cut(r.class, "/")
+	for i, rule := range l.rules {
+		bit := int64(1) << i
+		if r.noted&bit == 0 {
+			continue
+		}
+		k := r.scope.keys[2+i]
+		keys = append(keys, k+":cl")
+		if r.logged&bit == 0 {
+			continue
+		}
+		name := r.class
+		if rule.PerKey {
+			name = prio
+		}
+		keys = append(keys, k+":c:"+name)
+		if rule.Kind == policies.KindSlidingLog {
+			keys = append(keys, k+":c:"+name+":next")
+		}
+	}
+	return keys
+}

@@ -200,7 +200,7 @@ func (p *Permit) Cancel(ctx context.Context) error {
 		}
 		return nil
 	}
-	if err := p.l.run(ctx, scripts.cancel, p.r.scope, p.l.cancelArgs(p.r.member, p.l.costArg(p.call.cost, p.call.named), p.r.slot(), p.r.epoch)).Err(); err != nil {
+	if err := p.l.runBooking(ctx, scripts.cancel, p.r, p.l.cancelArgs(p.r, p.l.costArg(p.call.cost, p.call.named))).Err(); err != nil {
 		return p.l.unavailable(err)
 	}
 	if p.l.hasConc && p.held != p.call.cost {
@@ -290,8 +290,8 @@ func (p *Permit) SettleUnits(ctx context.Context, actual map[string]int) error {
 		// A call decided without Redis has nothing in Redis to settle.
 		return nil
 	}
-	args := p.l.settleArgs(p.r.member, p.l.costArg(p.call.cost, p.call.named), p.r.slot(), p.l.costArg(to.cost, to.named), p.r.epoch)
-	if err := p.l.run(ctx, scripts.settle, p.r.scope, args).Err(); err != nil {
+	args := p.l.settleArgs(p.r, p.l.costArg(p.call.cost, p.call.named), p.l.costArg(to.cost, to.named))
+	if err := p.l.runBooking(ctx, scripts.settle, p.r, args).Err(); err != nil {
 		return p.l.unavailable(err)
 	}
 	p.call.cost, p.call.named = to.cost, to.named

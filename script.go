@@ -27,7 +27,7 @@ const (
 // call (see lua/acquire.lua).
 const (
 	acquireHeader  = 7
-	acquirePerCall = 5
+	acquirePerCall = 7
 )
 
 // acquireReply is acquire.lua's reply, field by field, in the order its
@@ -50,6 +50,9 @@ type callReply struct {
 	remaining int           // units free now under the tightest rule, after it
 	reason    reason
 	pause     time.Duration // the time until which its scope is paused, or 0
+	// noted and logged are the rules, rule i as bit i, under which its
+	// class's demand counts it, and its class's own log holds it.
+	noted, logged int64
 }
 
 // decodeAcquire reads acquire.lua's reply v about n calls, or says what is
@@ -66,7 +69,7 @@ func decodeAcquire(v []int64, n int) (acquireReply, error) {
 	}
 	for i := range n {
 		w := v[acquireHeader+acquirePerCall*i:]
-		rep.calls[i] = callReply{admitted: w[0] == 1, wait: us(w[1]), remaining: int(w[2]), reason: reason(w[3]), pause: us(w[4])}
+		rep.calls[i] = callReply{admitted: w[0] == 1, wait: us(w[1]), remaining: int(w[2]), reason: reason(w[3]), pause: us(w[4]), noted: w[5], logged: w[6]}
 	}
 	return rep, nil
 }
@@ -136,16 +139,16 @@ func (l *Limiter) releaseArgs(member string, held int, lease time.Duration) []an
 	return l.args(member, held, lease.Microseconds(), 0, 0)
 }
 
-// cancelArgs are cancel.lua's: the booking of member, of cost (costArg) at
-// slot, made in epoch, given back.
-func (l *Limiter) cancelArgs(member string, cost any, slot time.Duration, epoch int64) []any {
-	return l.args(member, cost, slot.Microseconds(), epoch, 0)
+// cancelArgs are cancel.lua's: the booking r, of cost (costArg), given
+// back.
+func (l *Limiter) cancelArgs(r result, cost any) []any {
+	return l.args(r.member, cost, r.slot().Microseconds(), r.epoch, r.where())
 }
 
-// settleArgs are settle.lua's: the call member, admitted for cost at slot
-// in epoch, counts actual instead (both as costArg gives them).
-func (l *Limiter) settleArgs(member string, cost any, slot time.Duration, actual any, epoch int64) []any {
-	return l.args(member, cost, slot.Microseconds(), actual, epoch)
+// settleArgs are settle.lua's: the call admitted as r, for cost, counts
+// actual instead (both as costArg gives them).
+func (l *Limiter) settleArgs(r result, cost, actual any) []any {
+	return append(l.args(r.member, cost, r.slot().Microseconds(), actual, r.epoch), r.where())
 }
 
 // handBackArgs start handback.lua's: the quota divided among replicas,
@@ -223,6 +226,20 @@ type result struct {
 	gaps      uint64         // the gaps in the quota's news this process knew of when it was decided (see news.go)
 	local     bool           // decided without Redis (FailOpen, Local)
 	turn      uint64         // the Local fallback's turn that decided it (see local)
+	// class is the call's class, and noted and logged the rules where it
+	// counts in it, as acquire.lua answered (see callReply): a booking
+	// given back, or settled, leaves its class too.
+	class         string
+	noted, logged int64
+}
+
+// where says where the booking counts in its class, as the scripts that
+// give it back or settle it read it (change_classes in lua/lib.lua).
+func (r result) where() string {
+	if r.noted == 0 {
+		return ""
+	}
+	return strconv.FormatInt(r.noted, 10) + ":" + strconv.FormatInt(r.logged, 10) + ":" + r.class
 }
 
 // slot is the Redis time of the call's booked slot.
@@ -273,6 +290,12 @@ const leaveWithin = 50 * time.Millisecond
 // at once.
 func (l *Limiter) run(ctx context.Context, s *redis.Script, sc scope, args []any) *redis.Cmd {
 	return l.runOn(ctx, s, l.declaredFor(s, sc), args)
+}
+
+// runBooking runs script s about booking r, with args: a booking given
+// back or settled, with every key that may touch (bookingKeys).
+func (l *Limiter) runBooking(ctx context.Context, s *redis.Script, r result, args []any) *redis.Cmd {
+	return l.runOn(ctx, s, l.bookingKeys(s, r), args)
 }
 
 // runOn runs script s with keys, every key it touches (see declared).

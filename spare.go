@@ -243,12 +243,16 @@ func (l *Limiter) keepSpares(sc scope, batch []*request, rep acquireReply, membe
 		return
 	}
 	var taken []string
+	r := result{admitted: true, now: rep.now, pause: rep.pause, scope: sc, cost: cost, epoch: rep.epoch, margin: rep.margin, done: rep.done, stale: stale, gaps: gaps}
 	for i, m := range members {
 		if c := rep.calls[len(batch)+i]; c.admitted && c.wait == 0 {
+			if len(taken) == 0 && c.noted != 0 {
+				// The spares of one script call count alike in their class.
+				r.noted, r.logged, r.class = c.noted, c.logged, l.spareClass(batch, sc)
+			}
 			taken = append(taken, m)
 		}
 	}
-	r := result{admitted: true, now: rep.now, pause: rep.pause, scope: sc, cost: cost, epoch: rep.epoch, margin: rep.margin, done: rep.done, stale: stale, gaps: gaps}
 	l.fillSpares(sc, rep.margin, remaining, contended, r, taken)
 }
 

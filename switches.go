@@ -42,29 +42,30 @@ const (
 // luaMechanisms are the mechanisms decided in the scripts, by the names
 // the scripts' OFF table uses.
 var luaMechanisms = []mechanism{
-	"spread_margins", // lib.lua margins: the configured margin, whatever the fleet's spread
-	"bucket_margin",  // lib.lua margins: a token bucket's calls are not held to its margin
-	"holds",          // lib.lua hold_spread, held_spread: no spread is held for the calls booked with it
-	"next_hold",      // lib.lua hold_spread: no second level; a hold narrows only once its calls have left
-	"warm_up",        // acquire.lua read_fleet: a quota never warms up
-	"warm_pacing",    // acquire.lua pace_warm_start: the lone calls of a warming quota are not paced
-	"pacing",         // lib.lua margins: a late fleet's calls are not paced
-	"hint",           // lib.lua read_hint, write_hint: no :next key
-	"segment",        // acquire.lua earliest_in_log: every log is searched by rank
-	"fits",           // acquire.lua earliest_in_log: the rounds of one call search again
-	"read_budget",    // acquire.lua SCAN: a search reads the whole log
-	"lazy_trim",      // acquire.lua load: every script trims its logs
-	"lazy_done",      // acquire.lua: every script reads the clock again when it ends
-	"epochs",         // lib.lua check_loss: a missing meta key is a new quota
-	"seq",            // lib.lua check_seq: a Redis gone back in time is not found
-	"back_steps",     // lib.lua check_clock: a clock gone back is not found
-	"policy_ids",     // lib.lua check_policy: a changed policy starts at once
-	"learned_caps",   // feedback.lua: a vendor's refusal teaches no cap
-	"charges",        // feedback.lua charged_after: every answer charges its whole gap
-	"reserve",        // acquire.lua reserve: back from Local, Redis admits the whole limit
-	"others",         // feedback.lua note_others: no share is left to other consumers of the key
-	"classes",        // acquire.lua class_rules: no share is held for higher priorities and lighter keys
-	"class_news",     // acquire.lua announce_class: the calls booked ahead do not hear of a new class
+	"spread_margins",  // lib.lua margins: the configured margin, whatever the fleet's spread
+	"bucket_margin",   // lib.lua margins: a token bucket's calls are not held to its margin
+	"holds",           // lib.lua hold_spread, held_spread: no spread is held for the calls booked with it
+	"next_hold",       // lib.lua hold_spread: no second level; a hold narrows only once its calls have left
+	"warm_up",         // acquire.lua read_fleet: a quota never warms up
+	"warm_pacing",     // acquire.lua pace_warm_start: the lone calls of a warming quota are not paced
+	"pacing",          // lib.lua margins: a late fleet's calls are not paced
+	"hint",            // lib.lua read_hint, write_hint: no :next key
+	"segment",         // acquire.lua earliest_in_log: every log is searched by rank
+	"fits",            // acquire.lua earliest_in_log: the rounds of one call search again
+	"read_budget",     // acquire.lua SCAN: a search reads the whole log
+	"lazy_trim",       // acquire.lua load: every script trims its logs
+	"lazy_done",       // acquire.lua: every script reads the clock again when it ends
+	"epochs",          // lib.lua check_loss: a missing meta key is a new quota
+	"seq",             // lib.lua check_seq: a Redis gone back in time is not found
+	"back_steps",      // lib.lua check_clock: a clock gone back is not found
+	"policy_ids",      // lib.lua check_policy: a changed policy starts at once
+	"learned_caps",    // feedback.lua: a vendor's refusal teaches no cap
+	"charges",         // feedback.lua charged_after: every answer charges its whole gap
+	"reserve",         // acquire.lua reserve: back from Local, Redis admits the whole limit
+	"others",          // feedback.lua note_others: no share is left to other consumers of the key
+	"classes",         // acquire.lua class_rules: no share is held for higher priorities and lighter keys
+	"class_news",      // acquire.lua announce_class: the calls booked ahead do not hear of a new class
+	"class_give_back", // lib.lua change_classes: a booking given back or settled stays in its class's log and demand
 }
 
 // goMechanisms are the mechanisms decided in Go.

@@ -170,6 +170,7 @@ var switchBreaks = map[mechanism][]string{
 	"reserve":         {"^TestLocal_BackOnRedisReservesTheOthersShare$"},
 	"classes":         {"^TestClasses_AHigherPriorityFindsItsShareAtOnce$"},
 	"class_news":      {"^TestClasses_ANewKeyIsHeardByTheCallsBookedAhead$"},
+	"class_give_back": {"^TestClasses_ABookingGivenBackLeavesItsClass$"},
 }
 
 // TestSwitches_EachBreaksItsTest runs, for each switch of switchBreaks,

@@ -28,8 +28,11 @@
 --   one key per rule, in the order of the rules (a shared rule's key is the
 --   one in KEYS);
 --   for each booking to give back (a call that would start too late books
---   again in the same script call), five arguments: its id, its cost, its
---   slot in microseconds, the epoch it was booked in, and its scope (1..s);
+--   again in the same script call), six arguments: its id, its cost, its
+--   slot in microseconds, the epoch it was booked in, its scope (1..s),
+--   and where its class counted it, "<noted>:<logged>:<class>" with noted
+--   and logged as its answer gave them, or "" (see change_classes in
+--   lib.lua);
 --   for each call c, seven arguments: its id, unique across the fleet; its
 --   cost, in units; the longest wait in microseconds it accepts (0 admits
 --   only now); the least, in microseconds (a call whose last slot came
@@ -41,7 +44,7 @@
 --   (see Classes), or "" for a call of no class (ArrivalOrder).
 --
 -- Returns {now, pause, epoch, lost, margin, done, seq, then for each call: admitted,
--- wait, remaining, reason, pause}:
+-- wait, remaining, reason, pause, noted, logged}:
 --   now        the time the script used, in microseconds;
 --   pause      the time until which the quota or the first scope's key is
 --              paused, or 0; after each call, the same for the call's scope;
@@ -63,13 +66,19 @@
 --              knows when a holder will finish; wait is then the time until the
 --              first lease runs out); REFUSED_SHARE (3) refused: the call is
 --              larger than the quota's share reserved after a Local outage
---              (wait: until the reserve ends).
+--              (wait: until the reserve ends);
+--   noted      for a call admitted or booked, the rules whose class demand
+--              counts it, rule i as the bit 2^(i-1) (see Classes); else 0;
+--   logged     the same for the rules whose class's own log holds it.
 
 -- The reasons of a call's answer, as script.go reads them (see reason).
 local ADMITTED = 0
 local REFUSED_TOO_FAR = 1
 local REFUSED_BUSY = 2
 local REFUSED_SHARE = 3
+
+-- The arguments of each booking to give back (see the header).
+local BOOKING_ARGS = 6
 
 local now = clock()
 
@@ -597,12 +606,13 @@ local function read_scopes(batch, arg)
 end
 
 -- booking_args reads booking g (from 0) of those to give back: its id,
--- cost, slot and epoch, and the scope it was booked in.
+-- cost, slot and epoch, the scope it was booked in, and where its class
+-- counted it (see change_classes in lib.lua).
 local function booking_args(batch, g)
-  local a = batch.gives + 5 * g
+  local a = batch.gives + BOOKING_ARGS * g
   return {
     id = ARGV[a], cost = read_cost(ARGV[a + 1]), slot = tonumber(ARGV[a + 2]), epoch = tonumber(ARGV[a + 3]),
-    scope = batch.scopes[tonumber(ARGV[a + 4])],
+    scope = batch.scopes[tonumber(ARGV[a + 4])], where = ARGV[a + 5],
   }
 end
 
@@ -639,7 +649,7 @@ local function read_args()
     given = {}, -- the bookings given back, by their place from 1
   }
   batch.gives = read_scopes(batch, arg + 5)
-  batch.first = batch.gives + 5 * batch.ngive
+  batch.first = batch.gives + BOOKING_ARGS * batch.ngive
   return batch
 end
 
@@ -728,6 +738,9 @@ local function give_back_bookings(batch)
     local b = booking_args(batch, g)
     if b.epoch == batch.meta.epoch then
       give_back(b.scope.rs, b.id, b.cost, b.slot, now)
+      -- Its class's demand still counts it while the calls are decided:
+      -- the call that gave it back books again (see leave_classes).
+      change_classes(b.scope.rs, b.id, b.cost, NONE, b.slot, b.where, now, 'logs')
       batch.given[g + 1] = b
     end
   end
@@ -865,23 +878,17 @@ end
 -- of priority 0, no key) reads nothing more: the meta says until when some
 -- class called (classes_until in lib.lua), and the ':cl' and ':c:' keys
 -- are touched only by a quota that serves classes.
--- The rule's own log still holds every call: a class's
--- log only ever narrows what its calls may take, so a class measured
--- wrong (a booking given back stays in its class's log, its units in the
--- demand, until they leave the window) costs that class room, never the
--- cap.
-local CLASS_PERIODS = 4
+-- A booking given back, or settled at another cost, changes its class's
+-- log and demand with the rule's (change_classes in lib.lua). The rule's
+-- own log still holds every call: a class's log only ever narrows what
+-- its calls may take, so a class measured wrong costs that class room,
+-- never the cap.
 local CLASS_KEPT = 6
 local CLASS_FLOOR = 10
 local CLASS_TTL = 60000
 -- The field of ':cl' that keeps the period a new class was last told in
 -- (announce_class); no class's name starts with '~'.
 local CLASS_TOLD = '~told'
-
--- class_period returns the period of time t for rule r.
-local function class_period(r, t)
-  return math.floor(t / math.max(math.floor(span_of(r) / CLASS_PERIODS), 1))
-end
 
 -- read_class reads class name of rule r from its field v of ':cl': into
 -- r.cls, or r.cls_gone when no period of it is left from oldest on.
@@ -1083,10 +1090,7 @@ local function class_rules(batch, call)
   local rs
   for _, r in ipairs(call.rs) do
     if (r.kind == LOG or r.kind == COUNTER) and not r.class_of then
-      local name = call.class
-      if r.per_key then
-        name = string.match(name, '^[^/]*')
-      end
+      local name = class_name(r, call.class)
       if name ~= '0' then
         classes_until(batch, r, now)
       end
@@ -1098,8 +1102,10 @@ local function class_rules(batch, call)
       end
       if r.cls and (next(r.cls) or name ~= '0') then
         call.classes = call.classes or {}
-        call.classes[#call.classes + 1] = { r = r, name = name }
+        local cc = { r = r, name = name }
+        call.classes[#call.classes + 1] = cc
         local hold = class_hold(r, name, call.prio)
+        cc.logged = hold > 0
         if hold > 0 then
           local v = class_rule(batch, r, name)
           v.class_of = r
@@ -1172,6 +1178,16 @@ local function write_classes(r)
     local period = math.max(math.floor(span_of(r) / CLASS_PERIODS), 1)
     local ms = ((latest + 1) * period - now + span_of(r) * CLASS_KEPT / CLASS_PERIODS) / 1000
     expire(r.key .. ':cl', math.max(ms, CLASS_TTL))
+  end
+end
+
+-- leave_classes takes the bookings given back out of their classes'
+-- demand, once the calls are decided and the classes written: read while
+-- the calls were decided, a class whose calls all book again at once
+-- would have shown no demand, and held no share.
+local function leave_classes(batch)
+  for _, b in pairs(batch.given) do
+    change_classes(b.scope.rs, b.id, b.cost, NONE, b.slot, b.where, now, 'demand')
   end
 end
 
@@ -1315,6 +1331,14 @@ local function answer(batch, call, admitted, wait, remaining, reason)
   out[n + 3] = remaining
   out[n + 4] = reason
   out[n + 5] = call.pause == 0 and 0 or str(call.pause)
+  local noted, logged = 0, 0
+  if admitted == 1 then
+    for _, cc in ipairs(call.classes or {}) do
+      noted = noted + 2 ^ (cc.r.i - 1)
+      logged = logged + (cc.logged and 2 ^ (cc.r.i - 1) or 0)
+    end
+  end
+  out[n + 6], out[n + 7] = noted, logged
 end
 
 -- decide decides call c of the batch and appends its answer to the reply:
@@ -1436,6 +1460,7 @@ for c = 0, batch.ncalls - 1 do
 end
 write_back_meta(batch)
 write_back_rules(batch.objs)
+leave_classes(batch)
 local long = batch.ncalls > LONG_CALLS or batch.units > LONG_WORK
 for _, r in ipairs(batch.objs) do
   long = long or r.long

@@ -1295,3 +1295,82 @@ local function raise_caps(rs, m, now)
   end
   return raised
 end
+
+-- Classes' bookings given back. A call of a class (see Classes in
+-- acquire.lua) counts under each log or counter rule that serves classes
+-- in its class's demand (the ':cl' hash) and, where the rule held a share
+-- against it, in its class's own log; acquire.lua answers, for each call,
+-- where (classes_of). A booking given back (cancel.lua, a call that books
+-- again or moves in acquire.lua) or settled at another cost (settle.lua)
+-- changes those counts too: left there, a call that books again would
+-- count twice in its class, which would then hold less room, and lose it.
+local CLASS_PERIODS = 4
+
+-- NONE is the cost of a booking given back.
+local NONE = { all = 0, total = 0 }
+
+-- class_period returns the period of time t for rule r.
+local function class_period(r, t)
+  return math.floor(t / math.max(math.floor(span_of(r) / CLASS_PERIODS), 1))
+end
+
+-- class_name returns the name of class under rule r: a rule per key
+-- counts priorities alone.
+local function class_name(r, class)
+  if r.per_key then
+    return string.match(class, '^[^/]*')
+  end
+  return class
+end
+
+-- change_period changes by d the units that class name booked in the
+-- period of time t under rule r, in its ':cl' field, never below 0.
+local function change_period(r, name, t, d)
+  local key = r.key .. ':cl'
+  local v = redis.call('HMGET', key, name)[1]
+  if not v then
+    return
+  end
+  local want = class_period(r, t)
+  local parts = {}
+  for pi, u, w in string.gmatch(v, '(%-?%d+):(%d+):(%d+)') do
+    if tonumber(pi) == want then
+      u = math.max(tonumber(u) + d, 0)
+    end
+    parts[#parts + 1] = pi .. ':' .. u .. ':' .. w
+  end
+  redis.call('HSET', key, name, table.concat(parts, ','))
+end
+
+-- change_classes applies to the classes of call id, booked at t, the
+-- change of its cost from cost `from` to `to` (read_cost; to is NONE for a
+-- booking given back): in its classes' own logs, and, unless logs_only,
+-- in their demand; part 'logs' or 'demand' changes that part alone.
+-- where is what acquire.lua answered for the call
+-- (classes_of there): the class and, by the rules' places, where it
+-- counted, as "<noted>:<logged>:<class>", or "" for a call of no class.
+local function change_classes(rs, id, from, to, t, where, now, part)
+  local noted, logged, class = string.match(where or '', '^(%d+):(%d+):(.*)$')
+  if not noted or OFF.class_give_back then
+    return
+  end
+  noted, logged = tonumber(noted), tonumber(logged)
+  for _, r in ipairs(rs) do
+    local bit = 2 ^ (r.i - 1)
+    local a, b = units(r, from), units(r, to)
+    if noted % (2 * bit) >= bit and a ~= b then
+      local name = class_name(r, class)
+      if logged % (2 * bit) >= bit and part ~= 'demand' then
+        local v = {}
+        for k, x in pairs(r) do
+          v[k] = x
+        end
+        v.key, v.hint = r.key .. ':c:' .. name, nil
+        change(v, id, a, b, t, now)
+      end
+      if part ~= 'logs' then
+        change_period(r, name, t, b - a)
+      end
+    end
+  end
+end

@@ -10,7 +10,9 @@
 -- ARGV[5]   the actual cost (both costs as read_cost in lib.lua reads them);
 -- ARGV[6]   the quota's epoch when the call was admitted: the units of a call
 --           of another epoch are gone with the data they were written in, so
---           they are not refunded, only charged.
+--           they are not refunded, only charged;
+-- after the rules, where its class counted it, or "" (see change_classes in
+-- lib.lua).
 --
 -- A refund is told to the fleet when calls are booked ahead (announce_room
 -- in lib.lua): their processes move them into the room it left.
@@ -53,6 +55,9 @@ for _, r in ipairs(rs) do
     end
     refunded = refunded or b < a
   end
+end
+if not stale then
+  change_classes(rs, id, from, to, t, ARGV[after_rules()], now)
 end
 if refunded then
   announce_room(meta, rs, t + longest_window(rs), now)

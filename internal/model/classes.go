@@ -202,6 +202,9 @@ func (m *Model) callClasses(key string, prio, cost int) []callClass {
 // noteClasses records call id, of cost, booked at t, in the logs of its
 // classes cls that hold against it, and adds it to their demand.
 func (m *Model) noteClasses(cls []callClass, id string, cost int, t int64) {
+	if len(cls) > 0 {
+		m.booked[id] = bookedIn{cls: cls, t: t, cost: cost}
+	}
 	for _, c := range cls {
 		r := m.rules[c.i]
 		if c.limit > 0 {
@@ -218,11 +221,87 @@ func (m *Model) noteClasses(cls []callClass, id string, cost int, t int64) {
 	}
 }
 
+// bookedIn is where a call counts in its classes: cls as callClasses
+// gave them, its slot and cost.
+type bookedIn struct {
+	cls  []callClass
+	t    int64
+	cost int
+}
+
+// leaving is a change d of a booking's units in its classes' demand, left
+// for the script's end.
+type leaving struct {
+	in bookedIn
+	d  int
+}
+
+// changeClasses changes the cost of call id from `from` to `to` in its
+// classes, as lua/lib.lua's change_classes does: in the logs of those
+// that hold against it, and in their demand at its slot's period, at
+// once, or, for a booking given back in a script (a call that moves),
+// when the script ends.
+func (m *Model) changeClasses(id string, from, to int) {
+	in, ok := m.booked[id]
+	if !ok || from == to {
+		return
+	}
+	for _, c := range in.cls {
+		if c.limit == 0 {
+			continue
+		}
+		log := m.classLogs[c.log]
+		for k := range log {
+			if log[k].id == id {
+				log[k].cost += to - from
+			}
+		}
+	}
+	in.cost = to
+	m.booked[id] = in
+	if to == 0 {
+		delete(m.booked, id)
+	}
+	if m.inScript && to == 0 {
+		m.leave = append(m.leave, leaving{in, to - from})
+		return
+	}
+	m.changeDemand(in, to-from)
+}
+
+// changeDemand changes by d the units booking in counts for in its
+// classes' demand at its slot's period, never below 0.
+func (m *Model) changeDemand(in bookedIn, d int) {
+	for _, c := range in.cls {
+		k := m.classes[c.rule][c.name]
+		if k == nil {
+			continue
+		}
+		pi := period(m.rules[c.i], in.t)
+		if u, ok := k.p[pi]; ok {
+			k.p[pi] = max(u+d, 0)
+		}
+	}
+}
+
 // noteRefused adds a refused call of cost to the units of its classes cls
 // that waited.
 func (m *Model) noteRefused(cls []callClass, cost int) {
 	for _, c := range cls {
 		m.added(c).w[period(m.rules[c.i], m.now)] += cost
+	}
+}
+
+// unnoteRefused takes back what noteRefused added for a call of cost that
+// was kept, not refused (KeepIn): a period left with nothing that waited
+// is no period of the class's.
+func (m *Model) unnoteRefused(cls []callClass, cost int) {
+	for _, c := range cls {
+		w := m.added(c).w
+		pi := period(m.rules[c.i], m.now)
+		if w[pi] -= cost; w[pi] == 0 {
+			delete(w, pi)
+		}
 	}
 }
 

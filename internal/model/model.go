@@ -86,6 +86,13 @@ type Model struct {
 	seen         map[string]map[string]*class
 	adds         map[string]map[string]*class
 	classLogs    map[string][]entry
+	// booked maps each call to the classes it counts in and its slot: a
+	// booking given back or settled changes them too. In a script, a
+	// booking given back leaves its classes' demand only when the script
+	// ends (leave).
+	booked   map[string]bookedIn
+	inScript bool
+	leave    []leaving
 }
 
 // hold is a concurrency slot held from one time to another: from the
@@ -100,7 +107,7 @@ type hold struct {
 func New(rules ...Rule) *Model {
 	m := &Model{rules: rules, logs: map[string][]entry{}, tat: map[string]int64{}, last: map[string]string{}, held: map[string][]hold{},
 		classes: map[string]map[string]*class{}, seen: map[string]map[string]*class{}, adds: map[string]map[string]*class{},
-		classLogs: map[string][]entry{}}
+		classLogs: map[string][]entry{}, booked: map[string]bookedIn{}}
 	for _, r := range rules {
 		m.perKey = m.perKey || r.PerKey
 	}
@@ -131,11 +138,16 @@ func (m *Model) Script(now int64) {
 		m.warmTo = now + span
 	}
 	m.called, m.lastRun = true, now
+	m.inScript = true
 }
 
 // EndScript ends the script Script began at now.
 func (m *Model) EndScript(now int64) {
 	m.writeClasses(now)
+	for _, l := range m.leave {
+		m.changeDemand(l.in, l.d)
+	}
+	m.leave, m.inScript = nil, false
 	if !m.warming || !m.atOnce {
 		return
 	}
@@ -429,7 +441,7 @@ func (m *Model) Keep(now int64, id, key string, cost int, slot int64) Decision {
 // that found nothing earlier for the call: the call was kept, not refused.
 func (m *Model) KeepIn(now int64, id, key string, prio, cost int, slot int64) Decision {
 	cls := m.callClasses(key, prio, cost)
-	m.noteRefused(cls, -cost)
+	m.unnoteRefused(cls, cost)
 	m.record(now, id, key, cost, slot)
 	m.noteClasses(cls, id, cost, slot)
 	if slot <= now {
@@ -495,6 +507,7 @@ func (m *Model) release(i int, key, id string, now int64) {
 // Settle changes the cost of call id, booked for time slot, from one count
 // of units to another.
 func (m *Model) Settle(id, key string, from, to int, slot, now int64) {
+	m.changeClasses(id, from, to)
 	for i, r := range m.rules {
 		name := m.name(i, key)
 		if r.Kind == Concurrency {
