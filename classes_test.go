@@ -3,6 +3,7 @@ package throttle
 import (
 	"context"
 	"errors"
+	"net/http"
 	"strconv"
 	"sync"
 	"testing"
@@ -316,6 +317,51 @@ func TestClasses_ABookingGivenBackLeavesItsClass(t *testing.T) {
 		}
 		if moved != len(booked) {
 			t.Errorf("%d of %d calls booking again, each giving its booking back, found their slot free", moved, len(booked))
+		}
+	})
+}
+
+// Through the Transport, a request's Priority is its class fleet-wide, as
+// a call's: a batch class fills a quota of 100 a second at every step of
+// 100ms, and an interactive request of a higher priority, sent through
+// the Transport of the same limiter, is admitted at once at every step
+// from the second window on. First come, first served (ArrivalOrder) it
+// is refused.
+func TestClasses_TheTransportsPriorityIsItsRequestsClass(t *testing.T) {
+	t.Parallel() // a given clock: nothing in it depends on the machine's load
+	redistest.Each(t, func(t *testing.T, s *redistest.Server) {
+		for _, arrival := range []bool{false, true} {
+			t.Run("ArrivalOrder="+strconv.FormatBool(arrival), func(t *testing.T) {
+				c := newClassRun(t, s, policies.SlidingLog{Limit: 100, Window: time.Second}, Options{ArrivalOrder: arrival})
+				srv := newVendorServer(t, answer(http.StatusOK, "ok"))
+				client := &http.Client{Transport: &Transport{
+					Limiter:  c.lim,
+					Priority: func(r *http.Request) int { n, _ := strconv.Atoi(r.URL.Query().Get("p")); return n },
+				}}
+				refused := 0
+				for step := range 31 {
+					resp, err := client.Get(srv.URL + "/?p=10")
+					switch {
+					case errors.Is(err, ErrLimited):
+						if step > 10 {
+							refused++
+						}
+					case err != nil:
+						t.Fatal(err)
+					default:
+						readAll(t, resp)
+					}
+					c.fill(Priority(0))
+					c.clock.Add(100 * time.Millisecond)
+				}
+				t.Logf("interactive requests refused after the first window: %d of 20", refused)
+				if arrival && refused < 15 {
+					t.Errorf("first come, first served: %d interactive requests refused of 20, want most of them", refused)
+				}
+				if !arrival && refused > 0 {
+					t.Errorf("%d interactive requests refused after the first window, want none", refused)
+				}
+			})
 		}
 	})
 }

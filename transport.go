@@ -130,8 +130,9 @@ type Transport struct {
 	// usage), read the body, then settle the permit that
 	// PermitFrom(resp.Request.Context()) returns.
 	ResponseCost func(*http.Response) int
-	// Priority gives the Priority of each request in the queue of a limiter
-	// in Queue mode: higher values go first.
+	// Priority gives each request's Priority: its class, whose share of a
+	// full quota every replica holds for it (see Priority), and its place
+	// in the queue of a limiter in Queue mode, higher values first.
 	Priority func(*http.Request) int
 
 	// Keys spreads requests over several API keys of one vendor (a GitHub
