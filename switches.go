@@ -66,7 +66,6 @@ var luaMechanisms = []mechanism{
 	"classes",         // acquire.lua class_rules: no share is held for higher priorities and lighter keys
 	"class_news",      // acquire.lua announce_class: the calls booked ahead do not hear of a new class
 	"class_give_back", // lib.lua change_classes: a booking given back or settled stays in its class's log and demand
-	"class_room",      // acquire.lua note_hold: the calls booked ahead against a hold that fell do not hear of the room
 }
 
 // goMechanisms are the mechanisms decided in Go.

@@ -171,7 +171,6 @@ var switchBreaks = map[mechanism][]string{
 	"classes":         {"^TestClasses_AHigherPriorityFindsItsShareAtOnce$"},
 	"class_news":      {"^TestClasses_ANewKeyIsHeardByTheCallsBookedAhead$"},
 	"class_give_back": {"^TestClasses_ABookingGivenBackLeavesItsClass$"},
-	"class_room":      {"^TestClasses_CallsBookedAheadMoveWhenTheHoldAgainstThemFalls$"},
 }
 
 // TestSwitches_EachBreaksItsTest runs, for each switch of switchBreaks,

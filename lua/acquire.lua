@@ -886,12 +886,9 @@ end
 local CLASS_KEPT = 6
 local CLASS_FLOOR = 10
 local CLASS_TTL = 60000
--- The field of ':cl' that keeps the period the fleet was last told of its
--- classes (announce_class, note_hold), and the prefix of the fields that
--- keep the hold against each class (note_hold); no class's name starts
--- with '~'.
+-- The field of ':cl' that keeps the period a new class was last told in
+-- (announce_class); no class's name starts with '~'.
 local CLASS_TOLD = '~told'
-local CLASS_HELD = '~h:'
 
 -- read_class reads class name of rule r from its field v of ':cl': into
 -- r.cls, or r.cls_gone when no period of it is left from oldest on.
@@ -911,30 +908,20 @@ local function read_class(r, name, v, oldest)
 end
 
 -- read_classes reads, once per script, the classes of rule r: r.cls maps
--- each class's name to its priority and its units by period (p), and
--- r.cls_held to the hold against it last kept (note_hold); the classes
--- with no period left, and their holds, go to r.cls_gone.
+-- each class's name to its priority and its units by period (p); the
+-- classes with no period left go to r.cls_gone.
 local function read_classes(r)
   if r.cls then
     return
   end
-  r.cls, r.cls_gone, r.cls_add, r.cls_held, r.held_add = {}, {}, {}, {}, {}
+  r.cls, r.cls_gone, r.cls_add = {}, {}, {}
   local raw = redis.call('HGETALL', r.key .. ':cl')
   local oldest = class_period(r, now) - CLASS_KEPT
   for i = 1, #raw, 2 do
-    local f = raw[i]
-    if f == CLASS_TOLD then
+    if raw[i] == CLASS_TOLD then
       r.cls_told = tonumber(raw[i + 1])
-    elseif string.sub(f, 1, #CLASS_HELD) == CLASS_HELD then
-      r.cls_held[string.sub(f, #CLASS_HELD + 1)] = tonumber(raw[i + 1])
     else
-      read_class(r, f, raw[i + 1], oldest)
-    end
-  end
-  for name in pairs(r.cls_held) do
-    if not r.cls[name] then
-      r.cls_held[name] = nil
-      r.cls_gone[#r.cls_gone + 1] = CLASS_HELD .. name
+      read_class(r, raw[i], raw[i + 1], oldest)
     end
   end
 end
@@ -1071,19 +1058,6 @@ local function classes_until(batch, r, t)
   m.classes_until = math.max(m.classes_until, math.max(t, now) + 2 * span_of(r))
 end
 
--- tell reports whether the fleet may be told of rule r's classes now: once
--- a period of the rule at most, and only while it holds bookings ahead,
--- which are the calls that hear it; it keeps the period told (CLASS_TOLD).
-local function tell(r)
-  local cur = class_period(r, now)
-  if (r.cls_told or cur - 1) >= cur or not booked_ahead({ r }, now) then
-    return false
-  end
-  r.cls_told = cur
-  redis.call('HSET', r.key .. ':cl', CLASS_TOLD, cur)
-  return true
-end
-
 -- announce_class tells the fleet that class name, which rule r had not
 -- seen, calls: the calls the rule booked ahead before it held nothing for
 -- it, and book again when they wake at their slots (announce_lowered),
@@ -1096,30 +1070,13 @@ local function announce_class(batch, r, name)
   if OFF.class_news or r.cls[name] or r.cls_add[name] then
     return
   end
-  if tell(r) then
-    announce_lowered(batch.meta, now)
-  end
-end
-
--- note_hold keeps hold, the hold of rule r against class name, and tells
--- the fleet of room (announce_room) when it fell by more than a
--- thirty-second of the limit since it was kept: the class's calls booked
--- ahead against the larger hold, a window or more away when the holds
--- above them had swelled (a backlog of light keys served at once), move
--- into what it frees. A hold that rises is kept; one that falls by less
--- is not, so that the falls add up.
-local function note_hold(batch, r, name, hold)
-  local was = r.cls_held[name]
-  if was == hold or OFF.class_room then
+  local cur = class_period(r, now)
+  if (r.cls_told or cur - 1) >= cur or not booked_ahead({ r }, now) then
     return
   end
-  if was and hold < was then
-    if was - hold <= math.max(math.floor(r.limit / 32), 1) or not tell(r) then
-      return
-    end
-    announce_room(batch.meta, { r }, now + r.window, now)
-  end
-  r.cls_held[name], r.held_add[name] = hold, hold
+  r.cls_told = cur
+  redis.call('HSET', r.key .. ':cl', CLASS_TOLD, cur)
+  announce_lowered(batch.meta, now)
 end
 
 -- class_rules adds to call's rules the rule of its class under each log
@@ -1148,7 +1105,6 @@ local function class_rules(batch, call)
         local cc = { r = r, name = name }
         call.classes[#call.classes + 1] = cc
         local hold = class_hold(r, name, call.prio)
-        note_hold(batch, r, name, hold)
         cc.logged = hold > 0
         if hold > 0 then
           local v = class_rule(batch, r, name)
@@ -1217,14 +1173,6 @@ local function write_classes(r)
       end
     end
     redis.call('HSET', r.key .. ':cl', name, table.concat(parts, ','))
-  end
-  local held = {}
-  for name, h in pairs(r.held_add) do
-    held[#held + 1] = CLASS_HELD .. name
-    held[#held + 1] = h
-  end
-  if #held > 0 then
-    redis.call('HSET', r.key .. ':cl', unpack(held))
   end
   if latest then
     local period = math.max(math.floor(span_of(r) / CLASS_PERIODS), 1)
