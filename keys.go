@@ -127,20 +127,26 @@ func (l *Limiter) declareClasses(keys []string, sc scope, class string) []string
 	if class == "" {
 		return keys
 	}
-	prio, _, _ := strings.Cut(class, "/")
 	for i, r := range l.rules {
-		if !slices.Contains(logOrCounter, r.Kind) {
-			continue
+		if slices.Contains(logOrCounter, r.Kind) {
+			keys = appendClassLog(keys, sc.keys[2+i], r, class)
 		}
-		name := class
-		if r.PerKey {
-			name = prio
-		}
-		k := sc.keys[2+i] + ":c:" + name
-		keys = append(keys, k)
-		if r.Kind == policies.KindSlidingLog {
-			keys = append(keys, k+":next")
-		}
+	}
+	return keys
+}
+
+// appendClassLog appends to keys the log of class under rule r, of key
+// ruleKey, and a log's hint of it; a per-key rule's classes are
+// priorities alone.
+func appendClassLog(keys []string, ruleKey string, r policies.Rule, class string) []string {
+	name := class
+	if r.PerKey {
+		name, _, _ = strings.Cut(class, "/")
+	}
+	k := ruleKey + ":c:" + name
+	keys = append(keys, k)
+	if r.Kind == policies.KindSlidingLog {
+		keys = append(keys, k+":next")
 	}
 	return keys
 }
@@ -156,7 +162,6 @@ func (l *Limiter) bookingKeys(s *redis.Script, r result) []string {
 		return keys
 	}
 	keys = slices.Clone(keys)
-	prio, _, _ := strings.Cut(r.class, "/")
 	for i, rule := range l.rules {
 		bit := int64(1) << i
 		if r.noted&bit == 0 {
@@ -164,16 +169,8 @@ func (l *Limiter) bookingKeys(s *redis.Script, r result) []string {
 		}
 		k := r.scope.keys[2+i]
 		keys = append(keys, k+":cl")
-		if r.logged&bit == 0 {
-			continue
-		}
-		name := r.class
-		if rule.PerKey {
-			name = prio
-		}
-		keys = append(keys, k+":c:"+name)
-		if rule.Kind == policies.KindSlidingLog {
-			keys = append(keys, k+":c:"+name+":next")
+		if r.logged&bit != 0 {
+			keys = appendClassLog(keys, k, rule, r.class)
 		}
 	}
 	return keys
