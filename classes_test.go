@@ -128,6 +128,63 @@ func TestClasses_AHigherPriorityNewlyCalledFindsRoomInItsFirstWindow(t *testing.
 	})
 }
 
+// A class that first calls while another has taken part of the window,
+// alone, finds its share in what is left of that window: the share held
+// for it counts what the other took before, since every class's calls are
+// logged from its first and the default class's, unlogged while it called
+// alone, are copied into its log when another class first calls. Here 60
+// calls of a batch class (or a heavy key) come first, then one call of an
+// interactive class (a light key), then the batch fills the quota at every
+// step of 100ms while the newcomer asks for one call a step (every other
+// step for the light key): none of the newcomer's calls in that first
+// window is refused. With THROTTLE_OFF=class_logs the batch's first 60
+// calls are in no log of its class, the share held counts only its later
+// ones, and the batch takes the window's every unit: 9 of 9 refused (the
+// light key: 4 of 4).
+func TestClasses_AClassThatCallsMidWindowFindsItsShareInIt(t *testing.T) {
+	t.Parallel() // a given clock: nothing in it depends on the machine's load
+	rule := policies.SlidingLog{Limit: 100, Window: time.Second}
+	for _, run := range []struct {
+		name            string
+		policy          policies.Policy
+		first, newcomer []CallOption
+		every           int
+	}{
+		{"priority", rule, []CallOption{Priority(0)}, []CallOption{Priority(10)}, 1},
+		{"keys", policies.All(rule, policies.PerKey{Policy: rule}), []CallOption{Key("heavy")}, []CallOption{Key("light")}, 2},
+	} {
+		t.Run(run.name, func(t *testing.T) {
+			redistest.Each(t, func(t *testing.T, s *redistest.Server) {
+				c := newClassRun(t, s, run.policy, Options{})
+				for range 60 {
+					if !c.try(run.first...) {
+						t.Fatal("one of the first 60 calls refused")
+					}
+				}
+				if !c.try(run.newcomer...) {
+					t.Fatal("the newcomer's first call refused, with 40 units free")
+				}
+				taken, refused, asked := 60+c.fill(run.first...), 0, 0
+				for step := 1; step < 10; step++ {
+					c.clock.Add(100 * time.Millisecond)
+					if step%run.every == 0 {
+						asked++
+						if !c.try(run.newcomer...) {
+							t.Logf("step %d: the newcomer's call refused", step)
+							refused++
+						}
+					}
+					taken += c.fill(run.first...)
+				}
+				t.Logf("the first class took %d calls of the first window; the newcomer was refused %d of %d", taken, refused, asked)
+				if refused > 0 {
+					t.Errorf("%d of the newcomer's %d calls in its first window refused, want none", refused, asked)
+				}
+			})
+		})
+	}
+}
+
 // Under a global cap of 100 a second that every key shares, one heavy key
 // fills the quota at every step of 100ms, and four light keys ask for one
 // call every 200ms each. From the second window on, at least 0.9 of the

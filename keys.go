@@ -122,7 +122,9 @@ func (l *Limiter) declaredFor(s *redis.Script, sc scope) []string {
 // declareClasses appends to keys the class logs the acquire script may
 // book the calls of class in, under the rules of sc (see class_rules in
 // acquire.lua): under each log and counter, the class's log, and a log's
-// hint of it; a per-key rule's classes are priorities alone.
+// hint of it; a per-key rule's classes are priorities alone. A class
+// other than the default one may be the first to call under a rule: the
+// script then fills the default class's log (fill_default), declared too.
 func (l *Limiter) declareClasses(keys []string, sc scope, class string) []string {
 	if class == "" {
 		return keys
@@ -130,20 +132,32 @@ func (l *Limiter) declareClasses(keys []string, sc scope, class string) []string
 	for i, r := range l.rules {
 		if slices.Contains(logOrCounter, r.Kind) {
 			keys = appendClassLog(keys, sc.keys[2+i], r, class)
+			if className(r, class) != defaultClass {
+				keys = appendClassLog(keys, sc.keys[2+i], r, defaultClass)
+			}
 		}
 	}
 	return keys
+}
+
+// defaultClass is the class of a call of priority 0 with no key.
+const defaultClass = "0"
+
+// className is the name of class under rule r, as class_name in
+// lua/lib.lua has it: a per-key rule's classes are priorities alone.
+func className(r policies.Rule, class string) string {
+	if r.PerKey {
+		name, _, _ := strings.Cut(class, "/")
+		return name
+	}
+	return class
 }
 
 // appendClassLog appends to keys the log of class under rule r, of key
 // ruleKey, and a log's hint of it; a per-key rule's classes are
 // priorities alone.
 func appendClassLog(keys []string, ruleKey string, r policies.Rule, class string) []string {
-	name := class
-	if r.PerKey {
-		name, _, _ = strings.Cut(class, "/")
-	}
-	k := ruleKey + ":c:" + name
+	k := ruleKey + ":c:" + className(r, class)
 	keys = append(keys, k)
 	if r.Kind == policies.KindSlidingLog {
 		keys = append(keys, k+":next")

@@ -109,7 +109,10 @@ func (l *Limiter) takeSpare(sc scope, c call) (result, bool) {
 	}
 	p.asked++
 	p.used = now
-	if len(p.members) == 0 || c.lead > 0 || c.cost != p.r.cost {
+	if len(p.members) == 0 || c.lead > 0 || c.cost != p.r.cost || p.r.class != l.classOf(c, sc) {
+		// A spare counts in the class it was booked in: a call of
+		// another class asks Redis, which notes its class and holds
+		// each its share.
 		return result{}, false
 	}
 	if !l.spareUsable(p) {
@@ -243,12 +246,14 @@ func (l *Limiter) keepSpares(sc scope, batch []*request, rep acquireReply, membe
 		return
 	}
 	var taken []string
-	r := result{admitted: true, now: rep.now, pause: rep.pause, scope: sc, cost: cost, epoch: rep.epoch, margin: rep.margin, done: rep.done, stale: stale, gaps: gaps}
+	// The spares of one script call count alike in their class, and go to
+	// calls of that class only (takeSpare).
+	r := result{admitted: true, now: rep.now, pause: rep.pause, scope: sc, cost: cost, epoch: rep.epoch, margin: rep.margin, done: rep.done, stale: stale, gaps: gaps,
+		class: l.spareClass(batch, sc)}
 	for i, m := range members {
 		if c := rep.calls[len(batch)+i]; c.admitted && c.wait == 0 {
-			if len(taken) == 0 && c.noted != 0 {
-				// The spares of one script call count alike in their class.
-				r.noted, r.logged, r.class = c.noted, c.logged, l.spareClass(batch, sc)
+			if len(taken) == 0 {
+				r.noted, r.logged = c.noted, c.logged
 			}
 			taken = append(taken, m)
 		}

@@ -66,6 +66,7 @@ var luaMechanisms = []mechanism{
 	"classes",         // acquire.lua class_rules: no share is held for higher priorities and lighter keys
 	"class_news",      // acquire.lua announce_class: the calls booked ahead do not hear of a new class
 	"class_give_back", // lib.lua change_classes: a booking given back or settled stays in its class's log and demand
+	"class_logs",      // acquire.lua class_rules, fill_default: a class's calls are logged only while a share is held against them
 }
 
 // goMechanisms are the mechanisms decided in Go.

@@ -171,6 +171,7 @@ var switchBreaks = map[mechanism][]string{
 	"classes":         {"^TestClasses_AHigherPriorityFindsItsShareAtOnce$"},
 	"class_news":      {"^TestClasses_ANewKeyIsHeardByTheCallsBookedAhead$"},
 	"class_give_back": {"^TestClasses_ABookingGivenBackLeavesItsClass$"},
+	"class_logs":      {"^TestClasses_AClassThatCallsMidWindowFindsItsShareInIt$"},
 }
 
 // TestSwitches_EachBreaksItsTest runs, for each switch of switchBreaks,

@@ -1079,6 +1079,53 @@ local function announce_class(batch, r, name)
   announce_lowered(batch.meta, now)
 end
 
+-- A class's calls are logged in its own log from its first (with nothing
+-- held against them, logged and not searched), so that a share held
+-- against it later counts what it took before. The default class ('0')
+-- calls alone unlogged: a quota of one class reads and writes nothing
+-- more. So when a class first calls under a rule whose classes noted none
+-- in the periods kept, every entry of the rule in the widest window that
+-- may count it is a call of the default class: fill_default copies them
+-- into its log, the newest BACKFILL at most, before any call books in it.
+-- A copied entry given back stays in that log until it leaves the
+-- window: the default class holds a little less room, never more.
+local BACKFILL = 4096
+
+local function fill_default(r)
+  if r.filled or OFF.class_logs then
+    return
+  end
+  r.filled = true
+  flush(r)
+  local to, latest = r.key .. ':c:0', nil
+  if r.kind == LOG then
+    local lo = '(' .. str(now - r.keep)
+    local n = redis.call('ZCOUNT', r.key, lo, '+inf')
+    local raw = redis.call('ZRANGEBYSCORE', r.key, lo, '+inf', 'WITHSCORES', 'LIMIT', math.max(n - BACKFILL, 0), BACKFILL)
+    local args = {}
+    for i = 1, #raw, 2 do
+      args[#args + 1], args[#args + 2] = raw[i + 1], raw[i]
+      if #args >= 1000 or i + 1 == #raw then
+        redis.call('ZADD', to, unpack(args))
+        args = {}
+      end
+      latest = tonumber(raw[i + 1])
+    end
+    if latest then
+      expire(to, math.max((latest - now + r.keep) / 1000, CLASS_TTL))
+    end
+  elseif r.kind == COUNTER then
+    local raw = redis.call('HGETALL', r.key)
+    for i = 1, #raw, 2 do
+      latest = math.max(latest or 0, (tonumber(raw[i]) + 1) * r.width)
+    end
+    if latest then
+      redis.call('HSET', to, unpack(raw))
+      expire(to, math.max((latest - now + r.keep + r.width) / 1000, CLASS_TTL))
+    end
+  end
+end
+
 -- class_rules adds to call's rules the rule of its class under each log
 -- and counter that serves several classes, with the limit that leaves the
 -- classes above it their share, and notes in call.classes where its units
@@ -1099,22 +1146,31 @@ local function class_rules(batch, call)
       end
       if name ~= '0' then
         announce_class(batch, r, name)
+        if not next(r.cls) then
+          fill_default(r)
+        end
       end
       if r.cls and (next(r.cls) or name ~= '0') then
         call.classes = call.classes or {}
         local cc = { r = r, name = name }
         call.classes[#call.classes + 1] = cc
         local hold = class_hold(r, name, call.prio)
-        cc.logged = hold > 0
-        if hold > 0 then
+        cc.logged = hold > 0 or not OFF.class_logs
+        if cc.logged then
           local v = class_rule(batch, r, name)
           v.class_of = r
           local lim = math.max(r.limit - hold, units(r, call.cost))
           if v.limit ~= lim then
             v.limit, v.fits = lim, nil
           end
-          rs = rs or { unpack(call.rs) }
-          rs[#rs + 1] = v
+          if hold > 0 then
+            rs = rs or { unpack(call.rs) }
+            rs[#rs + 1] = v
+          else
+            -- Nothing held against it: logged, not searched.
+            call.also = call.also or {}
+            call.also[#call.also + 1] = v
+          end
         end
       end
     end
@@ -1371,6 +1427,9 @@ local function decide(batch, c)
   else
     for _, r in ipairs(call.rs) do
       record(r, t, call.id, units(r, call.cost))
+    end
+    for _, v in ipairs(call.also or {}) do
+      record(v, t, call.id, units(v, call.cost))
     end
     note_classes(batch, call, t)
     batch.units = batch.units + call.cost.total

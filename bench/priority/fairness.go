@@ -35,6 +35,11 @@ type fairnessResult struct {
 	heavyCalls, lightCalls int
 	heavyShare             float64
 	overCap                int
+	// early is how many calls the heavy tenant started before the second
+	// light tenant first asked (lightEvery/lightTenants after the start):
+	// the room left in the first window for the light tenants that had
+	// not called yet.
+	early int
 }
 
 // tenantResult is what one tenant saw.
@@ -85,7 +90,9 @@ func runFairness(ctx context.Context, addr string, v version, d time.Duration) (
 	if err := ctx.Err(); err != nil {
 		return fairnessResult{}, err
 	}
-	return fairnessOf(v, &ven, &heavy, light, start.Add(time.Second), end), nil
+	r := fairnessOf(v, &ven, &heavy, light, start.Add(time.Second), end)
+	r.early = ven.started(start, start.Add(lightEvery/lightTenants), heavyTenant)
+	return r, nil
 }
 
 // fairnessOf sums up a run of the fairness scenario whose calls have all

@@ -51,7 +51,7 @@ var tenantHeader = []string{"version", "tenant", "replica", "admitted / demanded
 // fairnessHeader heads the table of the fairness scenario's fleet.
 var fairnessHeader = []string{
 	"version", "light tenants' calls/s", "heavy tenant's calls/s", "heavy / what the light left",
-	"calls over the cap", "failed calls",
+	"calls over the cap", "failed calls", "heavy calls started before tenant-2 first asked",
 }
 
 // writeFairness prints the fairness scenario's tables: each tenant's, then
@@ -83,6 +83,7 @@ func writeFairness(w io.Writer, results []fairnessResult) {
 			strconv.FormatFloat(r.heavyShare, 'f', 3, 64),
 			strconv.Itoa(r.overCap),
 			strconv.Itoa(failed),
+			strconv.Itoa(r.early),
 		})
 	}
 	mdtable.Write(w, rows)

@@ -2,6 +2,7 @@ package model
 
 import (
 	"math"
+	"slices"
 	"sort"
 	"strconv"
 	"strings"
@@ -190,6 +191,9 @@ func (m *Model) callClasses(key string, prio, cost int) []callClass {
 		if len(cs) == 0 && name == "0" {
 			continue
 		}
+		if len(cs) == 0 {
+			m.fillDefault(i, rule)
+		}
 		c := callClass{i: i, name: name, rule: rule, log: rule + "|" + name}
 		if h := m.hold(r, cs, name, prio); h > 0 {
 			c.limit = max(r.Limit-h, cost)
@@ -199,17 +203,42 @@ func (m *Model) callClasses(key string, prio, cost int) []callClass {
 	return out
 }
 
+// fillDefault copies into the default class's log under rule i, named
+// rule, the entries the rule holds, as lua/acquire.lua's fill_default
+// does when a class first calls under a rule whose classes noted none:
+// every one of them is a call of the default class, which called alone,
+// unlogged. The script copies those a window may still count; the model
+// copies them all, since no window counts the others again. Once per
+// script.
+func (m *Model) fillDefault(i int, rule string) {
+	if m.filled[rule] {
+		return
+	}
+	m.filled[rule] = true
+	to := rule + "|0"
+	for _, e := range m.logs[rule] {
+		if m.rules[i].Kind == Log {
+			m.classLogs[to] = slices.DeleteFunc(m.classLogs[to], func(x entry) bool { return x.id == e.id })
+		}
+		m.classLogs[to] = append(m.classLogs[to], e)
+	}
+}
+
 // noteClasses records call id, of cost, booked at t, in the logs of its
-// classes cls that hold against it, and adds it to their demand.
+// classes cls, and adds it to their demand.
 func (m *Model) noteClasses(cls []callClass, id string, cost int, t int64) {
 	if len(cls) > 0 {
 		m.booked[id] = bookedIn{cls: cls, t: t, cost: cost}
 	}
 	for _, c := range cls {
 		r := m.rules[c.i]
-		if c.limit > 0 {
-			m.classLogs[c.log] = append(m.classLogs[c.log], entry{at: t, id: id, cost: cost})
+		log := m.classLogs[c.log]
+		if r.Kind == Log {
+			// A log holds each unit of a call once: booked again, the
+			// call's entry moves (a copied one too, see fillDefault).
+			log = slices.DeleteFunc(log, func(e entry) bool { return e.id == id })
 		}
+		m.classLogs[c.log] = append(log, entry{at: t, id: id, cost: cost})
 		a := m.added(c)
 		a.p[period(r, t)] += cost
 		if c.name != "0" {
@@ -247,9 +276,6 @@ func (m *Model) changeClasses(id string, from, to int) {
 		return
 	}
 	for _, c := range in.cls {
-		if c.limit == 0 {
-			continue
-		}
 		log := m.classLogs[c.log]
 		for k := range log {
 			if log[k].id == id {

@@ -86,6 +86,7 @@ type Model struct {
 	seen         map[string]map[string]*class
 	adds         map[string]map[string]*class
 	classLogs    map[string][]entry
+	filled       map[string]bool // rules whose default class's log the current script filled
 	// booked maps each call to the classes it counts in and its slot: a
 	// booking given back or settled changes them too. In a script, a
 	// booking given back leaves its classes' demand only when the script
@@ -107,7 +108,7 @@ type hold struct {
 func New(rules ...Rule) *Model {
 	m := &Model{rules: rules, logs: map[string][]entry{}, tat: map[string]int64{}, last: map[string]string{}, held: map[string][]hold{},
 		classes: map[string]map[string]*class{}, seen: map[string]map[string]*class{}, adds: map[string]map[string]*class{},
-		classLogs: map[string][]entry{}, booked: map[string]bookedIn{}}
+		classLogs: map[string][]entry{}, booked: map[string]bookedIn{}, filled: map[string]bool{}}
 	for _, r := range rules {
 		m.perKey = m.perKey || r.PerKey
 	}
@@ -130,6 +131,7 @@ func (m *Model) Script(now int64) {
 	}
 	m.now = now
 	m.seen, m.adds = map[string]map[string]*class{}, map[string]map[string]*class{}
+	m.filled = map[string]bool{}
 	start := !m.called || now-m.lastRun > max(span, warmIdle)
 	m.warming = start || m.warmTo > now
 	m.holding = m.called && m.holdTo > now
