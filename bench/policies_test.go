@@ -58,6 +58,8 @@ func BenchmarkPolicyDecisions(b *testing.B) {
 		{name: "Concurrency", policy: policies.Concurrency{Max: 100_000}, mode: throttle.FailFast},
 		{name: "All", policy: policies.All(logNeverBinds, policies.SlidingCounter{Limit: neverBinds, Window: time.Minute})},
 		{name: "PerKey", policy: policies.PerKey{Policy: logNeverBinds}, keys: decisionKeys},
+		// Each key a class of the global log (docs/PROTOCOL.md 3.13).
+		{name: "PerKeyUnderGlobal", policy: policies.All(logNeverBinds, policies.PerKey{Policy: logNeverBinds}), keys: decisionKeys},
 	}
 	for _, c := range cases {
 		rdb := s.Client(b)
