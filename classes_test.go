@@ -185,6 +185,50 @@ func TestClasses_AClassThatCallsMidWindowFindsItsShareInIt(t *testing.T) {
 	}
 }
 
+// A backlog served is not what a class books by a window: a light key
+// whose first calls all waited books them into one period, and once that
+// period has passed its demand is what it books as it comes again, not
+// that burst. Here a heavy key fills a global cap of 100 a second at
+// every step of 100ms; a light key books 40 calls ahead at the start,
+// which go out together when the heavy key's first window turns (about
+// 1.05s), then asks for one call every 200ms. As the backlog leaves the
+// window (2.05-2.15s), the heavy key takes the room it leaves: 34 calls
+// from 1.9s to 2.1s. With THROTTLE_OFF=class_backlog the burst stays in
+// the light key's demand until its period leaves the demand's runs
+// (2.25s), the share held for the light key keeps that room, and the
+// heavy key takes none of it then.
+func TestClasses_ABacklogServedLeavesItsClassesDemand(t *testing.T) {
+	t.Parallel() // a given clock: nothing in it depends on the machine's load
+	redistest.Each(t, func(t *testing.T, s *redistest.Server) {
+		rule := policies.SlidingLog{Limit: 100, Window: time.Second}
+		c := newClassRun(t, s, policies.All(rule, policies.PerKey{Policy: rule}), Options{})
+		c.fill(Key("heavy"))
+		for range 40 {
+			req := &request{c: call{key: "light", hasKey: true, cost: 1}, maxWait: 10 * time.Second, member: c.lim.newMember(), done: make(chan struct{})}
+			req.sc = c.lim.scopeFor(req.c)
+			c.lim.decide(req.sc, []*request{req})
+			if req.err != nil || !req.res.admitted {
+				t.Fatalf("a call of the light key's backlog was not booked: %v %+v", req.err, req.res)
+			}
+		}
+		heavy := 0
+		for step := 1; step <= 21; step++ {
+			c.clock.Add(100 * time.Millisecond)
+			if step%2 == 0 {
+				c.try(Key("light"))
+			}
+			n := c.fill(Key("heavy"))
+			if step >= 19 {
+				heavy += n
+			}
+		}
+		t.Logf("the heavy key's calls from 1.9s to 2.1s: %d", heavy)
+		if heavy < 20 {
+			t.Errorf("the heavy key took %d calls as the light key's backlog left the window, want at least 20", heavy)
+		}
+	})
+}
+
 // Under a global cap of 100 a second that every key shares, one heavy key
 // fills the quota at every step of 100ms, and four light keys ask for one
 // call every 200ms each. From the second window on, at least 0.9 of the

@@ -239,7 +239,11 @@ func (r result) where() string {
 	if r.noted == 0 {
 		return ""
 	}
-	return strconv.FormatInt(r.noted, 10) + ":" + strconv.FormatInt(r.logged, 10) + ":" + r.class
+	ahead := ":0:"
+	if r.wait > 0 {
+		ahead = ":1:"
+	}
+	return strconv.FormatInt(r.noted, 10) + ":" + strconv.FormatInt(r.logged, 10) + ahead + r.class
 }
 
 // slot is the Redis time of the call's booked slot.

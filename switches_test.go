@@ -172,6 +172,7 @@ var switchBreaks = map[mechanism][]string{
 	"class_news":      {"^TestClasses_ANewKeyIsHeardByTheCallsBookedAhead$"},
 	"class_give_back": {"^TestClasses_ABookingGivenBackLeavesItsClass$"},
 	"class_logs":      {"^TestClasses_AClassThatCallsMidWindowFindsItsShareInIt$"},
+	"class_backlog":   {"^TestClasses_ABacklogServedLeavesItsClassesDemand$"},
 }
 
 // TestSwitches_EachBreaksItsTest runs, for each switch of switchBreaks,

@@ -30,9 +30,9 @@
 --   for each booking to give back (a call that would start too late books
 --   again in the same script call), six arguments: its id, its cost, its
 --   slot in microseconds, the epoch it was booked in, its scope (1..s),
---   and where its class counted it, "<noted>:<logged>:<class>" with noted
---   and logged as its answer gave them, or "" (see change_classes in
---   lib.lua);
+--   and where its class counted it, "<noted>:<logged>:<ahead>:<class>"
+--   with noted and logged as its answer gave them and ahead 1 for a call
+--   booked ahead, or "" (see change_classes in lib.lua);
 --   for each call c, seven arguments: its id, unique across the fleet; its
 --   cost, in units; the longest wait in microseconds it accepts (0 admits
 --   only now); the least, in microseconds (a call whose last slot came
@@ -893,11 +893,11 @@ local CLASS_TOLD = '~told'
 -- read_class reads class name of rule r from its field v of ':cl': into
 -- r.cls, or r.cls_gone when no period of it is left from oldest on.
 local function read_class(r, name, v, oldest)
-  local c, any = { p = {}, w = {}, prio = tonumber(string.match(name, '^(%-?%d+)') or '0') }, false
-  for pi, u, w in string.gmatch(v, '(%-?%d+):(%d+):(%d+)') do
+  local c, any = { p = {}, w = {}, a = {}, prio = tonumber(string.match(name, '^(%-?%d+)') or '0') }, false
+  for pi, u, w, a in string.gmatch(v, '(%-?%d+):(%d+):(%d+)/?(%d*)') do
     pi = tonumber(pi)
     if pi >= oldest then
-      c.p[pi], c.w[pi], any = tonumber(u), tonumber(w), true
+      c.p[pi], c.w[pi], c.a[pi], any = tonumber(u), tonumber(w), tonumber(a) or 0, true
     end
   end
   if any then
@@ -947,7 +947,13 @@ local function demand(r, c)
     if ps[i] >= cur - CLASS_PERIODS then
       local sum, j = 0, i
       while j <= #ps and ps[j] < ps[i] + CLASS_PERIODS do
-        sum, j = sum + c.p[ps[j]], j + 1
+        local u = c.p[ps[j]]
+        if ps[j] < cur and not OFF.class_backlog then
+          -- Units booked ahead into a period now past: a backlog
+          -- served, not what the class books by a window.
+          u = math.max(u - (c.a[ps[j]] or 0), 0)
+        end
+        sum, j = sum + u, j + 1
       end
       d = math.max(d, sum)
     end
@@ -1187,12 +1193,15 @@ local function note_classes(batch, call, t)
     if t and cc.name ~= '0' then
       classes_until(batch, r, t)
     end
-    local add = r.cls_add[cc.name] or { p = {}, w = {} }
+    local add = r.cls_add[cc.name] or { p = {}, w = {}, a = {} }
     r.cls_add[cc.name] = add
     local u = units(r, call.cost)
     if t then
       local pi = class_period(r, t)
       add.p[pi] = (add.p[pi] or 0) + u
+      if t > now then
+        add.a[pi] = (add.a[pi] or 0) + u
+      end
     end
     if not t or t > now then
       local pi = class_period(r, now)
@@ -1213,10 +1222,13 @@ local function write_classes(r)
   end
   local oldest, latest = class_period(r, now) - CLASS_KEPT, nil
   for name, add in pairs(r.cls_add) do
-    local c = r.cls[name] or { p = {}, w = {} }
+    local c = r.cls[name] or { p = {}, w = {}, a = {} }
     local parts = {}
     for pi, u in pairs(add.p) do
       c.p[pi] = (c.p[pi] or 0) + u
+    end
+    for pi, u in pairs(add.a) do
+      c.a[pi] = (c.a[pi] or 0) + u
     end
     for pi, w in pairs(add.w) do
       c.p[pi] = c.p[pi] or 0
@@ -1224,7 +1236,8 @@ local function write_classes(r)
     end
     for pi, u in pairs(c.p) do
       if pi >= oldest then
-        parts[#parts + 1] = pi .. ':' .. u .. ':' .. (c.w[pi] or 0)
+        local a = c.a[pi] or 0
+        parts[#parts + 1] = pi .. ':' .. u .. ':' .. (c.w[pi] or 0) .. (a > 0 and '/' .. a or '')
         latest = math.max(latest or pi, pi)
       end
     end

@@ -1324,8 +1324,9 @@ local function class_name(r, class)
 end
 
 -- change_period changes by d the units that class name booked in the
--- period of time t under rule r, in its ':cl' field, never below 0.
-local function change_period(r, name, t, d)
+-- period of time t under rule r, in its ':cl' field, never below 0, and
+-- those of them booked ahead too for a booking that was (ahead).
+local function change_period(r, name, t, d, ahead)
   local key = r.key .. ':cl'
   local v = redis.call('HMGET', key, name)[1]
   if not v then
@@ -1333,11 +1334,15 @@ local function change_period(r, name, t, d)
   end
   local want = class_period(r, t)
   local parts = {}
-  for pi, u, w in string.gmatch(v, '(%-?%d+):(%d+):(%d+)') do
+  for pi, u, w, a in string.gmatch(v, '(%-?%d+):(%d+):(%d+)/?(%d*)') do
+    a = tonumber(a) or 0
     if tonumber(pi) == want then
       u = math.max(tonumber(u) + d, 0)
+      if ahead then
+        a = math.max(a + d, 0)
+      end
     end
-    parts[#parts + 1] = pi .. ':' .. u .. ':' .. w
+    parts[#parts + 1] = pi .. ':' .. u .. ':' .. w .. (a > 0 and '/' .. a or '')
   end
   redis.call('HSET', key, name, table.concat(parts, ','))
 end
@@ -1348,12 +1353,14 @@ end
 -- in their demand; part 'logs' or 'demand' changes that part alone.
 -- where is what acquire.lua answered for the call
 -- (classes_of there): the class and, by the rules' places, where it
--- counted, as "<noted>:<logged>:<class>", or "" for a call of no class.
+-- counted, as "<noted>:<logged>:<ahead>:<class>" (ahead 1 for a call
+-- booked ahead of its script's time), or "" for a call of no class.
 local function change_classes(rs, id, from, to, t, where, now, part)
-  local noted, logged, class = string.match(where or '', '^(%d+):(%d+):(.*)$')
+  local noted, logged, ahead, class = string.match(where or '', '^(%d+):(%d+):(%d):(.*)$')
   if not noted or OFF.class_give_back then
     return
   end
+  ahead = ahead == '1'
   noted, logged = tonumber(noted), tonumber(logged)
   for _, r in ipairs(rs) do
     local bit = 2 ^ (r.i - 1)
@@ -1369,7 +1376,7 @@ local function change_classes(rs, id, from, to, t, where, now, part)
         change(v, id, a, b, t, now)
       end
       if part ~= 'logs' then
-        change_period(r, name, t, b - a)
+        change_period(r, name, t, b - a, ahead)
       end
     end
   end

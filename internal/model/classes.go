@@ -23,14 +23,14 @@ const (
 )
 
 // class is what one class booked under one rule: units by the period of
-// their slots (p), and the units of its calls that waited, by the period
-// they asked in (w); d is its demand as the script read it, in thousandths,
-// or -1 until computed.
+// their slots (p), of which booked ahead (a), and the units of its calls
+// that waited, by the period they asked in (w); d is its demand as the
+// script read it, in thousandths, or -1 until computed.
 type class struct {
-	prio  int
-	p, w  map[int64]int
-	d     int64
-	young bool // younger than a window when d was computed
+	prio    int
+	p, w, a map[int64]int
+	d       int64
+	young   bool // younger than a window when d was computed
 }
 
 // callClass is a call's class under rule i: its name, the rule's name for
@@ -65,10 +65,10 @@ func (m *Model) read(r Rule, rule string) map[string]*class {
 	oldest := period(r, m.now) - classKept
 	cs := map[string]*class{}
 	for name, c := range m.classes[rule] {
-		k := &class{prio: c.prio, p: map[int64]int{}, w: map[int64]int{}, d: -1}
+		k := &class{prio: c.prio, p: map[int64]int{}, w: map[int64]int{}, a: map[int64]int{}, d: -1}
 		for pi, u := range c.p {
 			if pi >= oldest {
-				k.p[pi], k.w[pi] = u, c.w[pi]
+				k.p[pi], k.w[pi], k.a[pi] = u, c.w[pi], c.a[pi]
 			}
 		}
 		if len(k.p) > 0 {
@@ -98,7 +98,12 @@ func (m *Model) demand(r Rule, c *class) int64 {
 		}
 		sum := 0
 		for j := i; j < len(ps) && ps[j] < ps[i]+classPeriods; j++ {
-			sum += c.p[ps[j]]
+			u := c.p[ps[j]]
+			if ps[j] < cur {
+				// Booked ahead into a period now past: a backlog served.
+				u = max(u-c.a[ps[j]], 0)
+			}
+			sum += u
 		}
 		most = max(most, sum)
 	}
@@ -228,7 +233,7 @@ func (m *Model) fillDefault(i int, rule string) {
 // classes cls, and adds it to their demand.
 func (m *Model) noteClasses(cls []callClass, id string, cost int, t int64) {
 	if len(cls) > 0 {
-		m.booked[id] = bookedIn{cls: cls, t: t, cost: cost}
+		m.booked[id] = bookedIn{cls: cls, t: t, cost: cost, ahead: t > m.now}
 	}
 	for _, c := range cls {
 		r := m.rules[c.i]
@@ -241,6 +246,9 @@ func (m *Model) noteClasses(cls []callClass, id string, cost int, t int64) {
 		m.classLogs[c.log] = append(log, entry{at: t, id: id, cost: cost})
 		a := m.added(c)
 		a.p[period(r, t)] += cost
+		if t > m.now {
+			a.a[period(r, t)] += cost
+		}
 		if c.name != "0" {
 			m.classesUntil = max(m.classesUntil, max(t, m.now)+2*r.Span)
 		}
@@ -251,11 +259,12 @@ func (m *Model) noteClasses(cls []callClass, id string, cost int, t int64) {
 }
 
 // bookedIn is where a call counts in its classes: cls as callClasses
-// gave them, its slot and cost.
+// gave them, its slot and cost, and whether it was booked ahead.
 type bookedIn struct {
-	cls  []callClass
-	t    int64
-	cost int
+	cls   []callClass
+	t     int64
+	cost  int
+	ahead bool
 }
 
 // leaving is a change d of a booking's units in its classes' demand, left
@@ -306,6 +315,9 @@ func (m *Model) changeDemand(in bookedIn, d int) {
 		pi := period(m.rules[c.i], in.t)
 		if u, ok := k.p[pi]; ok {
 			k.p[pi] = max(u+d, 0)
+			if in.ahead {
+				k.a[pi] = max(k.a[pi]+d, 0)
+			}
 		}
 	}
 }
@@ -340,7 +352,7 @@ func (m *Model) added(c callClass) *class {
 	}
 	a := adds[c.name]
 	if a == nil {
-		a = &class{p: map[int64]int{}, w: map[int64]int{}}
+		a = &class{p: map[int64]int{}, w: map[int64]int{}, a: map[int64]int{}}
 		adds[c.name] = a
 	}
 	return a
@@ -360,11 +372,14 @@ func (m *Model) writeClasses(now int64) {
 			c := m.classes[rule][name]
 			if c == nil {
 				prio, _ := strconv.Atoi(strings.SplitN(name, "/", 2)[0])
-				c = &class{prio: prio, p: map[int64]int{}, w: map[int64]int{}}
+				c = &class{prio: prio, p: map[int64]int{}, w: map[int64]int{}, a: map[int64]int{}}
 				m.classes[rule][name] = c
 			}
 			for pi, u := range a.p {
 				c.p[pi] += u
+			}
+			for pi, u := range a.a {
+				c.a[pi] += u
 			}
 			for pi, w := range a.w {
 				c.p[pi] += 0
@@ -374,6 +389,7 @@ func (m *Model) writeClasses(now int64) {
 				if pi < oldest {
 					delete(c.p, pi)
 					delete(c.w, pi)
+					delete(c.a, pi)
 				}
 			}
 		}
