@@ -2,7 +2,6 @@ package model
 
 import (
 	"math"
-	"slices"
 	"sort"
 	"strconv"
 	"strings"
@@ -222,11 +221,32 @@ func (m *Model) fillDefault(i int, rule string) {
 	m.filled[rule] = true
 	to := rule + "|0"
 	for _, e := range m.logs[rule] {
-		if m.rules[i].Kind == Log {
-			m.classLogs[to] = slices.DeleteFunc(m.classLogs[to], func(x entry) bool { return x.id == e.id })
+		if e.cost == 0 {
+			// Given back: no longer in the rule's log.
+			continue
 		}
-		m.classLogs[to] = append(m.classLogs[to], e)
+		if m.rules[i].Kind == Log {
+			m.classLogs[to] = zaddLog(m.classLogs[to], e)
+		} else {
+			m.classLogs[to] = append(m.classLogs[to], e)
+		}
 	}
+}
+
+// zaddLog adds entry e to a class's log as ZADD adds the members of its
+// units (id, id.2, ...): the units an entry of the same id holds move to
+// e's time, and those beyond e's cost stay where they were.
+func zaddLog(log []entry, e entry) []entry {
+	out := make([]entry, 0, len(log)+1)
+	for _, x := range log {
+		if x.id == e.id {
+			if x.cost = max(x.cost-e.cost, 0); x.cost == 0 {
+				continue
+			}
+		}
+		out = append(out, x)
+	}
+	return append(out, e)
 }
 
 // noteClasses records call id, of cost, booked at t, in the logs of its
@@ -237,13 +257,13 @@ func (m *Model) noteClasses(cls []callClass, id string, cost int, t int64) {
 	}
 	for _, c := range cls {
 		r := m.rules[c.i]
-		log := m.classLogs[c.log]
-		if r.Kind == Log {
+		if e := (entry{at: t, id: id, cost: cost}); r.Kind == Log {
 			// A log holds each unit of a call once: booked again, the
-			// call's entry moves (a copied one too, see fillDefault).
-			log = slices.DeleteFunc(log, func(e entry) bool { return e.id == id })
+			// call's units move (a copied entry's too, see fillDefault).
+			m.classLogs[c.log] = zaddLog(m.classLogs[c.log], e)
+		} else {
+			m.classLogs[c.log] = append(m.classLogs[c.log], e)
 		}
-		m.classLogs[c.log] = append(log, entry{at: t, id: id, cost: cost})
 		a := m.added(c)
 		a.p[period(r, t)] += cost
 		if t > m.now {
