@@ -894,7 +894,7 @@ local CLASS_TOLD = '~told'
 -- r.cls, or r.cls_gone when no period of it is left from oldest on.
 local function read_class(r, name, v, oldest)
   local c, any = { p = {}, w = {}, a = {}, prio = tonumber(string.match(name, '^(%-?%d+)') or '0') }, false
-  for pi, u, w, a in string.gmatch(v, '(%-?%d+):(%d+):(%d+)/?(%d*)') do
+  for pi, u, w, a in string.gmatch(v, CLASS_PART) do
     pi = tonumber(pi)
     if pi >= oldest then
       c.p[pi], c.w[pi], c.a[pi], any = tonumber(u), tonumber(w), tonumber(a) or 0, true
@@ -1236,8 +1236,7 @@ local function write_classes(r)
     end
     for pi, u in pairs(c.p) do
       if pi >= oldest then
-        local a = c.a[pi] or 0
-        parts[#parts + 1] = pi .. ':' .. u .. ':' .. (c.w[pi] or 0) .. (a > 0 and '/' .. a or '')
+        parts[#parts + 1] = class_part(pi, u, c.w[pi] or 0, c.a[pi] or 0)
         latest = math.max(latest or pi, pi)
       end
     end

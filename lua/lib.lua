@@ -1309,6 +1309,15 @@ local CLASS_PERIODS = 4
 -- NONE is the cost of a booking given back.
 local NONE = { all = 0, total = 0 }
 
+-- A class's field of ':cl' lists its periods, each
+-- "period:units:waited[/ahead]": CLASS_PART reads one, class_part writes
+-- one (ahead left out when 0).
+local CLASS_PART = '(%-?%d+):(%d+):(%d+)/?(%d*)'
+
+local function class_part(pi, u, w, a)
+  return pi .. ':' .. u .. ':' .. w .. (a > 0 and '/' .. a or '')
+end
+
 -- class_period returns the period of time t for rule r.
 local function class_period(r, t)
   return math.floor(t / math.max(math.floor(span_of(r) / CLASS_PERIODS), 1))
@@ -1334,7 +1343,7 @@ local function change_period(r, name, t, d, ahead)
   end
   local want = class_period(r, t)
   local parts = {}
-  for pi, u, w, a in string.gmatch(v, '(%-?%d+):(%d+):(%d+)/?(%d*)') do
+  for pi, u, w, a in string.gmatch(v, CLASS_PART) do
     a = tonumber(a) or 0
     if tonumber(pi) == want then
       u = math.max(tonumber(u) + d, 0)
@@ -1342,7 +1351,7 @@ local function change_period(r, name, t, d, ahead)
         a = math.max(a + d, 0)
       end
     end
-    parts[#parts + 1] = pi .. ':' .. u .. ':' .. w .. (a > 0 and '/' .. a or '')
+    parts[#parts + 1] = class_part(pi, u, w, a)
   end
   redis.call('HSET', key, name, table.concat(parts, ','))
 end
