@@ -5,6 +5,7 @@ import (
 	"errors"
 	"net/http"
 	"strconv"
+	"strings"
 	"sync"
 	"testing"
 	"time"
@@ -325,49 +326,80 @@ func TestClasses_ANewKeyIsHeardByTheCallsBookedAhead(t *testing.T) {
 	// -race, in parallel, miniredis's replies and the news came so late
 	// that the heavy key's calls ran at their slots unmoved: 0 of 7).
 	redistest.Each(t, func(t *testing.T, s *redistest.Server) {
-		p := policies.All(policies.SlidingLog{Limit: 20, Window: time.Second},
-			policies.PerKey{Policy: policies.SlidingLog{Limit: 20, Window: time.Second}})
-		heavy := newLimiter(t, s.Client(t), p, Options{Mode: Block})
-		light := newLimiter(t, s.Client(t), p, Options{Mode: FailFast})
-		ctx := context.Background()
-		start := time.Now()
-		// 20 calls now, 20 booked for the next window, sleeping.
-		var wg sync.WaitGroup
-		for range 40 {
-			wg.Go(func() {
-				_, _ = Do(ctx, heavy, func(context.Context) (struct{}, error) { return struct{}{}, nil }, Key("heavy"))
-			})
-		}
-		defer wg.Wait()
-		waitBooked(t, heavy, 40, Key("heavy"))
-		// The news goes to subscribed processes alone: one that missed it
-		// would keep its bookings, which costs room, never the cap.
-		waitSubscribed(t, s.Client(t), heavy, 1)
-		// The light key asks every 100ms from 0.2s; its calls from 1.3s
-		// on, past the heavy key's first window and its margin, count.
-		admitted, counted := 0, 0
-		for at := 200 * time.Millisecond; at < 1950*time.Millisecond; at += 100 * time.Millisecond {
-			time.Sleep(time.Until(start.Add(at)))
-			p, err := light.Acquire(ctx, Key("light"))
-			if err != nil && !errors.Is(err, ErrLimited) {
-				t.Fatal(err)
+		for try := 1; ; try++ {
+			admitted, counted, first := newKeyAfterBookings(t, s, try)
+			t.Logf("try %d: the light key first asked %v after the heavy key's first call; its calls admitted in the heavy key's booked window: %d of %d",
+				try, first.Round(time.Millisecond), admitted, counted)
+			// The light key's first call must come well before the heavy
+			// key's booked slots (a second after its first call) for the
+			// news to reach them: on a machine so loaded that booking the
+			// heavy key's 40 calls took most of that second, the run says
+			// nothing, and is made again on a quota of its own.
+			if first > 500*time.Millisecond && try < 3 {
+				continue
 			}
-			if at >= 1300*time.Millisecond {
-				counted++
-				if err == nil {
-					admitted++
-				}
+			// 7 of 7 here, 4 to 7 under -race beside two busy loops; 0 off.
+			if admitted < 3 {
+				t.Errorf("%d of the light key's %d calls admitted in the window the heavy key had booked before it came, want at least 3", admitted, counted)
 			}
-			if err == nil {
-				p.Release()
-			}
-		}
-		t.Logf("the light key's calls admitted in the heavy key's booked window: %d of %d", admitted, counted)
-		// 7 of 7 here, 4 to 7 under -race beside two busy loops; 0 off.
-		if admitted < 3 {
-			t.Errorf("%d of the light key's %d calls admitted in the window the heavy key had booked before it came, want at least 3", admitted, counted)
+			return
 		}
 	})
+}
+
+// newKeyAfterBookings books a heavy key's 40 calls, 20 now and 20 for the
+// next window, under a global log of 20 a second, and then has a light key
+// ask every 100 ms from 0.2 s on. It returns how many of the light key's
+// calls from 1.3 s on (past the heavy key's first window and its margin)
+// were admitted, of how many, and when the light key first asked.
+func newKeyAfterBookings(t *testing.T, s *redistest.Server, try int) (admitted, counted int, first time.Duration) {
+	t.Helper()
+	p := policies.All(policies.SlidingLog{Limit: 20, Window: time.Second},
+		policies.PerKey{Policy: policies.SlidingLog{Limit: 20, Window: time.Second}})
+	rdb := s.Client(t)
+	forgetTimingAtEnd(t, rdb)
+	name := strings.NewReplacer("/", "-").Replace(t.Name()) + "-" + strconv.Itoa(try)
+	heavy, err := New(rdb, name, p, Options{Mode: Block})
+	if err != nil {
+		t.Fatal(err)
+	}
+	light, err := New(s.Client(t), name, p, Options{Mode: FailFast})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx := context.Background()
+	start := time.Now()
+	var wg sync.WaitGroup
+	for range 40 {
+		wg.Go(func() {
+			_, _ = Do(ctx, heavy, func(context.Context) (struct{}, error) { return struct{}{}, nil }, Key("heavy"))
+		})
+	}
+	defer wg.Wait()
+	waitBooked(t, heavy, 40, Key("heavy"))
+	// The news goes to subscribed processes alone: one that missed it
+	// would keep its bookings, which costs room, never the cap.
+	waitSubscribed(t, rdb, heavy, 1)
+	for at := 200 * time.Millisecond; at < 1950*time.Millisecond; at += 100 * time.Millisecond {
+		time.Sleep(time.Until(start.Add(at)))
+		if first == 0 {
+			first = time.Since(start)
+		}
+		p, err := light.Acquire(ctx, Key("light"))
+		if err != nil && !errors.Is(err, ErrLimited) {
+			t.Fatal(err)
+		}
+		if at >= 1300*time.Millisecond {
+			counted++
+			if err == nil {
+				admitted++
+			}
+		}
+		if err == nil {
+			p.Release()
+		}
+	}
+	return admitted, counted, first
 }
 
 // A class's bookings given back leave its class's own log as they leave
