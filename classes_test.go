@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"net/http"
+	"slices"
 	"strconv"
 	"strings"
 	"sync"
@@ -188,13 +189,13 @@ func TestClasses_AClassThatCallsMidWindowFindsItsShareInIt(t *testing.T) {
 
 // A backlog served is not what a class books by a window: a light key
 // whose first calls all waited books them into one period, and once that
-// period has passed its demand is what it books as it comes again, not
-// that burst. Here a heavy key fills a global cap of 100 a second at
-// every step of 100ms; a light key books 40 calls ahead at the start,
-// which go out together when the heavy key's first window turns (about
-// 1.05s), then asks for one call every 200ms. As the backlog leaves the
-// window (2.05-2.15s), the heavy key takes the room it leaves: 34 calls
-// from 1.9s to 2.1s. With THROTTLE_OFF=class_backlog the burst stays in
+// period is the oldest the demand's runs read (a window later) its demand
+// is what it books as it comes again, not that burst. Here a heavy key
+// fills a global cap of 100 a second at every step of 100ms; a light key
+// books 40 calls ahead at the start, which go out together when the heavy
+// key's first window turns (about 1.05s), then asks for one call every
+// 200ms. As the backlog leaves the window (2.05-2.15s), the heavy key
+// takes the room it leaves: 42 calls from 1.9s to 2.1s. With THROTTLE_OFF=class_backlog the burst stays in
 // the light key's demand until its period leaves the demand's runs
 // (2.25s), the share held for the light key keeps that room, and the
 // heavy key takes none of it then.
@@ -226,6 +227,45 @@ func TestClasses_ABacklogServedLeavesItsClassesDemand(t *testing.T) {
 		t.Logf("the heavy key's calls from 1.9s to 2.1s: %d", heavy)
 		if heavy < 20 {
 			t.Errorf("the heavy key took %d calls as the light key's backlog left the window, want at least 20", heavy)
+		}
+	})
+}
+
+// A backlog served still fills the window it went out in, and the class's
+// next calls need room beside it. Here the batch class fills a quota of
+// 100 a second at the start and at every step of 100ms after; the
+// interactive class (priority 10) asks for one call a step from 0.1s on,
+// each booked at the first free slot: the first ten go out together when
+// the batch's first window turns (about 1.03s). From then on every one
+// starts at once (a step's call waits for nothing). When that backlog
+// counted no more once its period had passed (1.25s), the batch took its
+// room at the next steps while it was still in the window, and the
+// interactive calls waited up to 0.7s, every window, to 4s (THROTTLE_OFF
+// cannot show it: off, the backlog counts until its period leaves the
+// demand's runs).
+func TestClasses_ABacklogServedKeepsItsShareWhileInTheWindow(t *testing.T) {
+	t.Parallel() // a given clock: nothing in it depends on the machine's load
+	redistest.Each(t, func(t *testing.T, s *redistest.Server) {
+		c := newClassRun(t, s, policies.SlidingLog{Limit: 100, Window: time.Second}, Options{})
+		c.fill(Priority(0))
+		var waits []time.Duration
+		for step := 1; step <= 40; step++ {
+			c.clock.Add(100 * time.Millisecond)
+			req := &request{c: call{priority: 10, cost: 1}, maxWait: 2 * time.Second,
+				member: c.lim.newMember(), done: make(chan struct{})}
+			req.sc = c.lim.scopeFor(req.c)
+			c.lim.decide(req.sc, []*request{req})
+			if req.err != nil || !req.res.admitted {
+				t.Fatalf("step %d: an interactive call was not booked: %v %+v", step, req.err, req.res)
+			}
+			if step > 10 {
+				waits = append(waits, req.res.wait)
+			}
+			c.fill(Priority(0))
+		}
+		t.Logf("the interactive calls' waits from 1.1s on: %v", waits)
+		if w := slices.Max(waits); w > 0 {
+			t.Errorf("an interactive call after the backlog waited %v, want each to start at once", w)
 		}
 	})
 }

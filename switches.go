@@ -67,7 +67,7 @@ var luaMechanisms = []mechanism{
 	"class_news",      // acquire.lua announce_class: the calls booked ahead do not hear of a new class
 	"class_give_back", // lib.lua change_classes: a booking given back or settled stays in its class's log and demand
 	"class_logs",      // acquire.lua class_rules, fill_default: a class's calls are logged only while a share is held against them
-	"class_backlog",   // acquire.lua demand: a backlog booked ahead counts in its class's demand until its period leaves the window
+	"class_backlog",   // acquire.lua demand: a backlog served counts in its class's demand until its period leaves the demand's runs
 }
 
 // goMechanisms are the mechanisms decided in Go.

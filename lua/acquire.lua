@@ -948,9 +948,12 @@ local function demand(r, c)
       local sum, j = 0, i
       while j <= #ps and ps[j] < ps[i] + CLASS_PERIODS do
         local u = c.p[ps[j]]
-        if ps[j] < cur and not OFF.class_backlog then
-          -- Units booked ahead into a period now past: a backlog
-          -- served, not what the class books by a window.
+        if ps[j] <= cur - CLASS_PERIODS and not OFF.class_backlog then
+          -- Units booked ahead into the oldest period the runs read, a
+          -- window back: a backlog served and leaving the window, not
+          -- what the class books by a window. In a later period it still
+          -- fills the window, and the class's next calls need the room
+          -- beside it.
           u = math.max(u - (c.a[ps[j]] or 0), 0)
         end
         sum, j = sum + u, j + 1

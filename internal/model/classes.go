@@ -98,8 +98,9 @@ func (m *Model) demand(r Rule, c *class) int64 {
 		sum := 0
 		for j := i; j < len(ps) && ps[j] < ps[i]+classPeriods; j++ {
 			u := c.p[ps[j]]
-			if ps[j] < cur {
-				// Booked ahead into a period now past: a backlog served.
+			if ps[j] <= cur-classPeriods {
+				// Booked ahead into the oldest period the runs read: a
+				// backlog served and leaving the window.
 				u = max(u-c.a[ps[j]], 0)
 			}
 			sum += u
