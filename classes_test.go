@@ -270,6 +270,53 @@ func TestClasses_ABacklogServedKeepsItsShareWhileInTheWindow(t *testing.T) {
 	})
 }
 
+// The default class's calls booked ahead before another class first
+// called book again when they wake (announce_class): they count in the
+// default class's log once, as they book again, and not a second time as
+// copies of their old bookings (fill_default copies only what the rule
+// admitted up to now). Here the batch fills a quota of 100 a second and
+// books 30 calls ahead; an interactive call comes at 0.1s; the 30 book
+// again at 1.1s, and the batch then fills the quota every 100ms beside one
+// interactive call a step. It takes 67 calls by 2s; 37 when the copies of
+// the 30 stayed in its log, which held it to 30 fewer for a window (in
+// bench/priority with the interactive class first asking 100ms in, 0.936
+// of the cap used instead of 0.98).
+func TestClasses_DefaultClassBookingsAheadCountOnceWhenTheyBookAgain(t *testing.T) {
+	t.Parallel() // a given clock: nothing in it depends on the machine's load
+	redistest.Each(t, func(t *testing.T, s *redistest.Server) {
+		c := newClassRun(t, s, policies.SlidingLog{Limit: 100, Window: time.Second}, Options{})
+		ctx := context.Background()
+		batch := call{cost: 1}
+		c.fill()
+		var booked []result
+		for range 30 {
+			r, err := c.lim.acquire(ctx, batch, 2*time.Second, nil)
+			if err != nil || !r.admitted || r.wait == 0 {
+				t.Fatalf("a batch call was not booked ahead: %v %+v", err, r)
+			}
+			booked = append(booked, r)
+		}
+		c.clock.Add(100 * time.Millisecond)
+		c.try(Priority(10))
+		c.clock.Add(time.Second)
+		for _, b := range booked {
+			if _, err := c.lim.acquire(ctx, batch, 2*time.Second, &b); err != nil {
+				t.Fatal(err)
+			}
+		}
+		n := 0
+		for range 10 {
+			c.try(Priority(10))
+			n += c.fill()
+			c.clock.Add(100 * time.Millisecond)
+		}
+		t.Logf("the batch took %d calls from 1.1s to 2s", n)
+		if n < 55 {
+			t.Errorf("the batch took %d calls from 1.1s to 2s, want at least 55: its calls that booked again count twice", n)
+		}
+	})
+}
+
 // Under a global cap of 100 a second that every key shares, one heavy key
 // fills the quota at every step of 100ms, and four light keys ask for one
 // call every 200ms each. From the second window on, at least 0.9 of the

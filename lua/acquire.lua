@@ -1094,10 +1094,15 @@ end
 -- calls alone unlogged: a quota of one class reads and writes nothing
 -- more. So when a class first calls under a rule whose classes noted none
 -- in the periods kept, every entry of the rule in the widest window that
--- may count it is a call of the default class: fill_default copies them
--- into its log, the newest BACKFILL at most, before any call books in it.
--- A copied entry given back stays in that log until it leaves the
--- window: the default class holds a little less room, never more.
+-- may count it is a call of the default class: fill_default copies those
+-- up to now (a counter's buckets up to now's) into its log, the newest
+-- BACKFILL at most, before any call books in it. A copied entry given
+-- back would stay in that log until it left the window, and the calls
+-- booked ahead book again as they wake (announce_class): copied too, each
+-- would count twice in the window it books again in, and the default
+-- class would lose that much of its room for a window. So they are not:
+-- one of a process that missed the news counts in the rule alone, which
+-- costs the classes above room, never the cap.
 local BACKFILL = 4096
 
 local function fill_default(r)
@@ -1108,9 +1113,9 @@ local function fill_default(r)
   flush(r)
   local to, latest = r.key .. ':c:0', nil
   if r.kind == LOG then
-    local lo = '(' .. str(now - r.keep)
-    local n = redis.call('ZCOUNT', r.key, lo, '+inf')
-    local raw = redis.call('ZRANGEBYSCORE', r.key, lo, '+inf', 'WITHSCORES', 'LIMIT', math.max(n - BACKFILL, 0), BACKFILL)
+    local lo, hi = '(' .. str(now - r.keep), str(now)
+    local n = redis.call('ZCOUNT', r.key, lo, hi)
+    local raw = redis.call('ZRANGEBYSCORE', r.key, lo, hi, 'WITHSCORES', 'LIMIT', math.max(n - BACKFILL, 0), BACKFILL)
     local args = {}
     for i = 1, #raw, 2 do
       args[#args + 1], args[#args + 2] = raw[i + 1], raw[i]
@@ -1124,12 +1129,15 @@ local function fill_default(r)
       expire(to, math.max((latest - now + r.keep) / 1000, CLASS_TTL))
     end
   elseif r.kind == COUNTER then
-    local raw = redis.call('HGETALL', r.key)
+    local raw, upto, args = redis.call('HGETALL', r.key), bucket_of(now, r.width), {}
     for i = 1, #raw, 2 do
-      latest = math.max(latest or 0, (tonumber(raw[i]) + 1) * r.width)
+      if tonumber(raw[i]) <= upto then
+        args[#args + 1], args[#args + 2] = raw[i], raw[i + 1]
+        latest = math.max(latest or 0, (tonumber(raw[i]) + 1) * r.width)
+      end
     end
     if latest then
-      redis.call('HSET', to, unpack(raw))
+      redis.call('HSET', to, unpack(args))
       expire(to, math.max((latest - now + r.keep + r.width) / 1000, CLASS_TTL))
     end
   end

@@ -209,24 +209,31 @@ func (m *Model) callClasses(key string, prio, cost int) []callClass {
 }
 
 // fillDefault copies into the default class's log under rule i, named
-// rule, the entries the rule holds, as lua/acquire.lua's fill_default
-// does when a class first calls under a rule whose classes noted none:
-// every one of them is a call of the default class, which called alone,
-// unlogged. The script copies those a window may still count; the model
-// copies them all, since no window counts the others again. Once per
-// script.
+// rule, the entries the rule holds up to now (a counter's: up to now's
+// bucket), as lua/acquire.lua's fill_default does when a class first calls
+// under a rule whose classes noted none: every one of them is a call of
+// the default class, which called alone, unlogged; those booked ahead
+// book again when the news of the class wakes them. The script copies
+// those a window may still count; the model copies them all, since no
+// window counts the others again. Once per script.
 func (m *Model) fillDefault(i int, rule string) {
 	if m.filled[rule] {
 		return
 	}
 	m.filled[rule] = true
 	to := rule + "|0"
+	r := m.rules[i]
 	for _, e := range m.logs[rule] {
 		if e.cost == 0 {
 			// Given back: no longer in the rule's log.
 			continue
 		}
-		if m.rules[i].Kind == Log {
+		if e.at > m.now && (r.Kind == Log || floorDiv(e.at, r.Width) > floorDiv(m.now, r.Width)) {
+			// Booked ahead (a counter: in a later bucket than now's):
+			// it books again when the news wakes it.
+			continue
+		}
+		if r.Kind == Log {
 			m.classLogs[to] = zaddLog(m.classLogs[to], e)
 		} else {
 			m.classLogs[to] = append(m.classLogs[to], e)
