@@ -43,6 +43,19 @@ func (c *classRun) try(opts ...CallOption) bool {
 	return true
 }
 
+// book books one call now through the limiter's lane, as a call in Block
+// mode asks for its slot, waiting up to maxWait, and returns its result;
+// the test fails when the call is not booked.
+func (c *classRun) book(cl call, maxWait time.Duration) result {
+	c.t.Helper()
+	req := &request{sc: c.lim.scopeFor(cl), c: cl, maxWait: maxWait, member: c.lim.newMember(), done: make(chan struct{})}
+	c.lim.decide(req.sc, []*request{req})
+	if req.err != nil || !req.res.admitted {
+		c.t.Fatalf("a call (priority %d, key %q) was not booked: %v %+v", cl.priority, cl.key, req.err, req.res)
+	}
+	return req.res
+}
+
 // fill asks for calls now until one is refused, 500 at most, and returns
 // how many were admitted.
 func (c *classRun) fill(opts ...CallOption) int {
@@ -206,12 +219,7 @@ func TestClasses_ABacklogServedLeavesItsClassesDemand(t *testing.T) {
 		c := newClassRun(t, s, policies.All(rule, policies.PerKey{Policy: rule}), Options{})
 		c.fill(Key("heavy"))
 		for range 40 {
-			req := &request{c: call{key: "light", hasKey: true, cost: 1}, maxWait: 10 * time.Second, member: c.lim.newMember(), done: make(chan struct{})}
-			req.sc = c.lim.scopeFor(req.c)
-			c.lim.decide(req.sc, []*request{req})
-			if req.err != nil || !req.res.admitted {
-				t.Fatalf("a call of the light key's backlog was not booked: %v %+v", req.err, req.res)
-			}
+			c.book(call{key: "light", hasKey: true, cost: 1}, 10*time.Second)
 		}
 		heavy := 0
 		for step := 1; step <= 21; step++ {
@@ -251,15 +259,9 @@ func TestClasses_ABacklogServedKeepsItsShareWhileInTheWindow(t *testing.T) {
 		var waits []time.Duration
 		for step := 1; step <= 40; step++ {
 			c.clock.Add(100 * time.Millisecond)
-			req := &request{c: call{priority: 10, cost: 1}, maxWait: 2 * time.Second,
-				member: c.lim.newMember(), done: make(chan struct{})}
-			req.sc = c.lim.scopeFor(req.c)
-			c.lim.decide(req.sc, []*request{req})
-			if req.err != nil || !req.res.admitted {
-				t.Fatalf("step %d: an interactive call was not booked: %v %+v", step, req.err, req.res)
-			}
+			r := c.book(call{priority: 10, cost: 1}, 2*time.Second)
 			if step > 10 {
-				waits = append(waits, req.res.wait)
+				waits = append(waits, r.wait)
 			}
 			c.fill(Priority(0))
 		}
@@ -379,13 +381,7 @@ func TestClasses_ALowerPriorityKeepsATenth(t *testing.T) {
 		for step := range 50 {
 			c.fill(Priority(10))
 			if step%2 == 0 {
-				req := &request{c: call{cost: 1}, maxWait: 10 * time.Second, member: c.lim.newMember(), done: make(chan struct{})}
-				req.sc = c.lim.scopeFor(req.c)
-				c.lim.decide(req.sc, []*request{req})
-				if req.err != nil || !req.res.admitted {
-					t.Fatalf("step %d: a low call was not booked: %v %+v", step, req.err, req.res)
-				}
-				waits = append(waits, req.res.wait)
+				waits = append(waits, c.book(call{cost: 1}, 10*time.Second).wait)
 			}
 			c.clock.Add(100 * time.Millisecond)
 		}
