@@ -137,6 +137,7 @@ func (l *Limiter) feedback(ctx context.Context, said vendorSaid, r result, opts 
 		max(said.calls.left, -1), said.calls.reset.Microseconds(), max(said.calls.limit, 0),
 		max(said.late, 0).Microseconds(), refusedCost(said, r, rules), len(named)/3)
 	args = append(args, named...)
+	args = append(args, policySpan(l.rules).Microseconds())
 	v, err := scripts.feedback.Run(ctx, l.rdb, declared(scripts.feedback, keys, rules), args...).Int64Slice()
 	if err != nil {
 		return l.unavailable(err)
@@ -188,6 +189,24 @@ func (l *Limiter) rulesAbout(sc scope, said vendorSaid) (keys []string, rules []
 		}
 	}
 	return keys, rules, named
+}
+
+// policySpan returns the longest window of rules, each with the widest
+// margin it can take: a loss that feedback.lua finds, given only the rules
+// an answer is about, pauses the quota for it, since every rule of the
+// policy still counts the calls Redis forgot (loss_pause in lib.lua).
+func policySpan(rules []policies.Rule) time.Duration {
+	var span time.Duration
+	for _, r := range rules {
+		switch r.Kind {
+		case policies.KindSlidingLog:
+			w := r.Window - r.Margin
+			span = max(span, w+policies.MarginCeiling(w, r.Margin))
+		case policies.KindSlidingCounter:
+			span = max(span, r.Window)
+		}
+	}
+	return span
 }
 
 // refusedCost returns the cost of the call r under each of rules, as

@@ -25,7 +25,9 @@
 -- limit before speak of the other rules, but for those that count a named
 -- unit (policies.Unit): then their number, n, and for each its place among
 -- the rules (from 1), the units of it left (or -1) and microseconds until
--- their reset (or 0): each such rule follows its own count alone.
+-- their reset (or 0): each such rule follows its own count alone; last, the
+-- longest window of the whole policy in microseconds, its margin's ceiling
+-- included: a loss this script finds counts every rule as full for it.
 --
 -- When the vendor has fewer units left than a rule believes (another consumer
 -- of the same API key, a restart), the rule is charged the difference, under
@@ -65,10 +67,14 @@ local arg = {
 local id, pause, left, reset = arg.id, arg.pause, arg.left, arg.reset
 -- The counts of the rules that count a named unit, by their place.
 local own = {}
-for k = 0, tonumber(ARGV[a + 8] or '0') - 1 do
+local nnamed = tonumber(ARGV[a + 8] or '0')
+for k = 0, nnamed - 1 do
   local b = a + 9 + 3 * k
   own[tonumber(ARGV[b])] = { left = tonumber(ARGV[b + 1]), reset = tonumber(ARGV[b + 2]) }
 end
+-- The longest window of the whole policy, margin ceiling included: a loss
+-- this script finds pauses the quota for it (see loss_pause).
+local policy_span = tonumber(ARGV[a + 9 + 3 * nnamed]) or 0
 local as_of = arg.as_of
 if as_of <= 0 or as_of > now then
   as_of = now
@@ -81,7 +87,7 @@ local known = arg.known
 local learn = arg.refused and arg.as_of > 0
 local dirty, found = false, false
 if meta or learn or pause > 0 and KEYS[2] == KEYS[1] then
-  meta, dirty, found = check_loss(meta, now, known, rs)
+  meta, dirty, found = check_loss(meta, now, known, rs, policy_span)
 end
 read_caps(rs, meta, now)
 local lowered, dropped = 0, 0

@@ -683,21 +683,23 @@ end
 -- holders may still be running.
 
 -- loss_pause returns the time until which the windows of rules rs count as
--- full after a loss at time at.
-local function loss_pause(rs, at)
-  return at + longest_window(rs)
+-- full after a loss at time at. A script given only some of the policy's
+-- rules (feedback: those an answer is about) passes the policy's longest
+-- window too, as span: every rule of the policy still counts what Redis forgot.
+local function loss_pause(rs, at, span)
+  return at + math.max(longest_window(rs), span or 0)
 end
 
 -- check_loss finds a loss the caller knew nothing of: m is the meta read
 -- (nil when missing), known the epoch the caller knew (0 for none). It
 -- returns the meta to use, whether it changed, and whether this call found
--- the loss.
-local function check_loss(m, now, known, rs)
+-- the loss; span is as for loss_pause.
+local function check_loss(m, now, known, rs, span)
   if not m then
     m = new_meta(now)
     if known > 0 and not OFF.epochs then
       m.loss = now
-      pause_for(m, loss_pause(rs, now), PAUSED_BY_LOSS)
+      pause_for(m, loss_pause(rs, now, span), PAUSED_BY_LOSS)
       return m, true, true
     end
     return m, true, false
@@ -706,7 +708,7 @@ local function check_loss(m, now, known, rs)
     -- The data was lost before this epoch began; what the fleet admitted
     -- since is in it.
     m.loss = m.epoch
-    pause_for(m, loss_pause(rs, m.epoch), PAUSED_BY_LOSS)
+    pause_for(m, loss_pause(rs, m.epoch, span), PAUSED_BY_LOSS)
     return m, true, true
   end
   return m, false, false
