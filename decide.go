@@ -350,5 +350,22 @@ func (l *Limiter) moveEarlier(ctx context.Context, c call, r result) (result, wo
 		// giving it back again changes nothing.
 		return r, wokenOvertaken, nil
 	}
-	return moved, afterMove(moved), nil
+	return keptAsBooked(r, moved), afterMove(moved), nil
+}
+
+// keptAsBooked returns the booking a move gave a call that was booked as
+// r. A move that found nothing earlier keeps r's slot: the script gave the
+// booking back and took the same slot again, which leaves every window as
+// it found it, but not as the limit in force, the news or the margin may
+// have moved since r was decided. Such a booking keeps what r was decided
+// with (its time, its news gaps, its margin), so that overtaken still sees
+// it as the booking it is.
+func keptAsBooked(r, moved result) result {
+	if moved.slot() != r.slot() {
+		return moved
+	}
+	moved.now, moved.wait = r.now, r.wait
+	moved.gaps, moved.margin = r.gaps, r.margin
+	moved.stale = moved.stale || r.stale
+	return moved
 }

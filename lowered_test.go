@@ -15,6 +15,22 @@ import (
 // when they wake at their slots, against the limit in force: they do not
 // all go out into a window the vendor has just said is smaller.
 func TestLowered_CallsBookedBeforeADropBookAgain(t *testing.T) {
+	testBookedBeforeADrop(t, false)
+}
+
+// A move that finds nothing earlier keeps the call's slot, and the booking
+// it keeps is the one made before the drop: it books again all the same
+// when it wakes. Here a call given back after the drop sets every call
+// booked ahead moving, and none fits earlier under the lowered limit.
+func TestLowered_AKeptMoveStillBooksAgain(t *testing.T) {
+	testBookedBeforeADrop(t, true)
+}
+
+// testBookedBeforeADrop books ten calls a window ahead of ten admitted,
+// lowers the limit to 5 with a refusal (and, with cancel, gives one of the
+// first ten back after it), and checks that at most 5 of the ten booked
+// ahead start in the window after the first ten.
+func testBookedBeforeADrop(t *testing.T, cancel bool) {
 	redistest.Each(t, func(t *testing.T, s *redistest.Server) {
 		ctx := context.Background()
 		const window = 500 * time.Millisecond
@@ -61,6 +77,11 @@ func TestLowered_CallsBookedBeforeADropBookAgain(t *testing.T) {
 		}
 		if got := limitInForce(t, lim); got[0] != 5 {
 			t.Fatalf("limit in force %v after the refusal, want 5", got)
+		}
+		if cancel {
+			if err := first[0].Cancel(ctx); err != nil {
+				t.Fatal(err)
+			}
 		}
 		wg.Wait()
 		early := 0
