@@ -67,7 +67,14 @@ func (l *Limiter) decideInRedis(ctx context.Context, sc scope, c call, maxWait t
 	if !probe && l.failedWhileQueued(c) {
 		return result{}, l.unavailable(errQueuedBehindFailures)
 	}
-	req.deadline.Store(askDeadline(time.Now().Add(l.s.redisTimeout)))
+	deadline := time.Now().Add(l.s.redisTimeout)
+	if f := c.moved; f != nil && f.by.Before(deadline) {
+		if !time.Now().Before(f.by) {
+			return result{}, f.err
+		}
+		deadline = f.by
+	}
+	req.deadline.Store(askDeadline(deadline))
 	if probe {
 		go l.decide(sc, []*request{req})
 	} else if ln := l.submit(req); ln != nil {

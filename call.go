@@ -89,6 +89,9 @@ type call struct {
 	// asked to move earlier (move.go): the script keeps its slot when
 	// nothing earlier fits.
 	moves bool
+	// moved is the failure of the call's last move, which bounds how
+	// long its next script call may wait for Redis (see moveFailed).
+	moved *moveFailed
 }
 
 // callOf applies a call's options to the defaults.

@@ -61,13 +61,19 @@ func (l *Limiter) acquire(ctx context.Context, c call, maxWait time.Duration, gi
 		l.brk.abort(pass)
 		return r, err
 	}
+	l.redisFailed(err)
+	return l.fallback(sc, c, maxWait, err)
+}
+
+// redisFailed records that Redis failed a call's script call: the breaker
+// counts it, and says so when it opened.
+func (l *Limiter) redisFailed(err error) {
 	l.reloadSlots(err)
 	if l.brk.failure() {
 		l.s.logger.Warn("throttle: Redis keeps failing; deciding without it until it answers a probe",
 			"quota", l.name, "on_redis_error", string(l.s.onRedisError), "err", err)
 		l.emit(Event{Kind: EventFallback, Err: err})
 	}
-	return l.fallback(sc, c, maxWait, err)
 }
 
 // cancel gives a booking back so that the next caller can have the slot. It
@@ -319,7 +325,8 @@ func (l *Limiter) handBack() (complete bool, err error) {
 // without Redis); the moved or kept booking; or, with wokenOvertaken,
 // nothing the script could keep (r was of a lost epoch); with wokenLost,
 // nothing known (Redis failed the script call, which may or may not have
-// given r back). Only the caller's context ending is an error.
+// given r back). The error is the caller's context's, or a *moveFailed
+// when Redis could not be reached: the move was the call's script call.
 func (l *Limiter) moveEarlier(ctx context.Context, c call, r result) (result, woken, error) {
 	in, ok := l.timing.wakeIn(r.startsAt())
 	maxWait := in - l.timing.delay() - moveGain
@@ -332,17 +339,23 @@ func (l *Limiter) moveEarlier(ctx context.Context, c call, r result) (result, wo
 		return r, wokenAtSlot, nil
 	}
 	c.moves = true
+	asked := time.Now()
 	moved, err := l.decideInRedis(ctx, r.scope, c, maxWait, &r, false)
 	switch {
 	case err != nil && ctx.Err() != nil:
 		// The script call goes on; what it booked is given back (abandon).
 		l.brk.abort(pass)
 		return r, wokenAtSlot, ctx.Err()
-	case err != nil:
-		// A move is not needed: its failure tells the breaker nothing
-		// that the call's next script call will not.
+	case err != nil && (!errors.Is(err, ErrUnavailable) || refusedByConfiguration(err)):
 		l.brk.abort(pass)
 		return r, wokenLost, nil
+	case err != nil:
+		// The booking may be gone. The call asks again within what is
+		// left of the move's Redis timeout: a failed move tells the
+		// breaker nothing (a killed connection fails every move at once),
+		// but a hung Redis must not hold the call for a second timeout.
+		l.brk.abort(pass)
+		return r, wokenLost, &moveFailed{err: err, by: asked.Add(l.s.redisTimeout)}
 	}
 	l.redisAnswered()
 	if !moved.admitted {

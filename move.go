@@ -36,6 +36,17 @@ const (
 	wokenLost                   // its booking may be gone: book again, giving nothing back
 )
 
+// moveFailed is the error of a move that Redis failed: the call books
+// again, and waits for Redis no later than by, the move's own deadline,
+// so that it never waits for Redis longer than the timeout in all.
+type moveFailed struct {
+	err error
+	by  time.Time
+}
+
+func (e *moveFailed) Error() string { return e.err.Error() }
+func (e *moveFailed) Unwrap() error { return e.err }
+
 // roomEvery is how often at most the calls of a limiter move: the news of
 // units given back within it sets them moving once, at its end. A fleet
 // whose calls settle at a high rate costs each process at most one or two

@@ -2,6 +2,7 @@ package throttle
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"testing"
 	"testing/synctest"
@@ -10,6 +11,7 @@ import (
 	"github.com/redis/go-redis/v9"
 
 	"github.com/throttlekit/throttle/internal/redistest"
+	"github.com/throttlekit/throttle/internal/sim"
 	"github.com/throttlekit/throttle/policies"
 )
 
@@ -192,4 +194,43 @@ func waitSubscribed(t *testing.T, rdb redis.UniversalClient, lim *Limiter, n int
 		subs, err := rdb.PubSubNumSub(context.Background(), channel).Result()
 		return err == nil && subs[channel] >= int64(n)
 	}, fmt.Sprintf("%d subscriptions to %q", n, channel))
+}
+
+// A move that Redis does not answer counts as the call's script call: the
+// call fails within the Redis timeout of it (FailClosed), instead of asking
+// Redis again with a timeout of its own, twice the timeout in all on a hung
+// Redis.
+func TestMove_AFailedMoveEndsTheCallWithinTheTimeout(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		r := sim.NewRedis(func(int) time.Duration { return time.Millisecond })
+		t.Cleanup(r.Close)
+		rdb := simClient(t, r, 0)
+		lim := newLimiter(t, rdb, policies.SlidingLog{Limit: 2, Window: time.Second}, Options{Logger: quiet()})
+		defer closeInBubble(lim)
+		ctx := context.Background()
+		for range 2 {
+			if _, err := lim.Acquire(ctx); err != nil {
+				t.Fatal(err)
+			}
+		}
+		errs := make(chan error, 1)
+		var ended time.Time
+		go func() {
+			_, err := lim.Acquire(ctx) // booked a window ahead
+			ended = time.Now()
+			errs <- err
+		}()
+		time.Sleep(100 * time.Millisecond)
+		r.Freeze()
+		defer r.Thaw()
+		moved := time.Now()
+		lim.signalRoom()
+		err := <-errs
+		if !errors.Is(err, ErrUnavailable) {
+			t.Fatalf("the call whose move Redis did not answer: %v, want ErrUnavailable", err)
+		}
+		if took := ended.Sub(moved); took > defaultRedisTimeout+50*time.Millisecond {
+			t.Errorf("the call failed %v after its move began, want within the Redis timeout (%v)", took, defaultRedisTimeout)
+		}
+	})
 }

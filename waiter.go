@@ -43,6 +43,7 @@ func (l *Limiter) wait(ctx context.Context, c call) (*Permit, error) {
 		r, err := l.acquire(ctx, c, max(maxWait, 0), giveBack)
 		giveBack = nil
 		c.queued = time.Time{} // its wait in the queue is over once it asked
+		c.moved = nil
 		if err != nil {
 			return nil, err
 		}
@@ -64,6 +65,10 @@ func (l *Limiter) wait(ctx context.Context, c call) (*Permit, error) {
 		if !tooLate && r.wait > 0 {
 			var how woken
 			r, how, err = l.awaitSlot(ctx, c, r)
+			if failed := (*moveFailed)(nil); errors.As(err, &failed) {
+				c.moved = failed
+				continue
+			}
 			if err != nil {
 				return nil, err
 			}
