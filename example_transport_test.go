@@ -37,7 +37,7 @@ func ExampleTransport() {
 	defer vendor.Close()
 
 	lim, err := throttle.New(rdb, "vendor-api", policies.SlidingLog{Limit: 2, Window: time.Minute},
-		throttle.WithMode(throttle.FailFast))
+		throttle.Options{Mode: throttle.FailFast})
 	if err != nil {
 		fmt.Println(err)
 		return

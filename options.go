@@ -41,10 +41,8 @@ const (
 
 // Options tune a Limiter in New. The zero value of every field picks its
 // default, so Options{} is a limiter in Block mode that fails closed. New
-// takes several and merges them in order: a field set in a later one wins
-// (Options{Mode: Block} sets Block back), but for Shadow,
-// WithoutLearning and ArrivalOrder, which are on when any of them sets
-// them.
+// takes one Options value, or none: two are an error, since nothing
+// could say which of their fields should win.
 type Options struct {
 	// Mode is what a call does when the quota is full. The default is Block.
 	Mode Mode
@@ -132,52 +130,6 @@ type Options struct {
 	Clock func() time.Time
 }
 
-// WithMode returns Options that set Mode alone: New(rdb, name, policy,
-// WithMode(FailFast)) reads as Options{Mode: FailFast}, and merges with
-// other Options as they do (a field set in a later one wins).
-func WithMode(m Mode) Options { return Options{Mode: m} }
-
-// merge returns o with the fields set in p.
-func (o Options) merge(p Options) Options {
-	if p.Mode != "" {
-		o.Mode = p.Mode
-	}
-	if p.MaxWait != 0 {
-		o.MaxWait = p.MaxWait
-	}
-	if p.MaxQueue != 0 {
-		o.MaxQueue = p.MaxQueue
-	}
-	if p.Overflow != "" {
-		o.Overflow = p.Overflow
-	}
-	if p.OnRedisError != "" {
-		o.OnRedisError = p.OnRedisError
-	}
-	if p.ExpectedReplicas != 0 {
-		o.ExpectedReplicas = p.ExpectedReplicas
-	}
-	if p.RedisTimeout != 0 {
-		o.RedisTimeout = p.RedisTimeout
-	}
-	if p.Prefix != "" {
-		o.Prefix = p.Prefix
-	}
-	if p.Observer != nil {
-		o.Observer = p.Observer
-	}
-	if p.Logger != nil {
-		o.Logger = p.Logger
-	}
-	o.Shadow = o.Shadow || p.Shadow
-	o.WithoutLearning = o.WithoutLearning || p.WithoutLearning
-	o.ArrivalOrder = o.ArrivalOrder || p.ArrivalOrder
-	if p.Clock != nil {
-		o.Clock = p.Clock
-	}
-	return o
-}
-
 type settings struct {
 	observer     func(Event)
 	shadow       bool
@@ -200,8 +152,12 @@ type settings struct {
 // the first bad option.
 func newSettings(name string, opts []Options) (settings, error) {
 	var o Options
-	for _, p := range opts {
-		o = o.merge(p)
+	switch len(opts) {
+	case 0:
+	case 1:
+		o = opts[0]
+	default:
+		return settings{}, fmt.Errorf("throttle: quota %q: New takes one Options value, got %d: set every field in one", name, len(opts))
 	}
 	s := settings{
 		observer: o.Observer, shadow: o.Shadow, onRedisError: o.OnRedisError, replicas: o.ExpectedReplicas,

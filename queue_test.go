@@ -249,3 +249,41 @@ func queued(l *Limiter) int {
 	}
 	return l.q.len()
 }
+
+// Close drains the work it admitted: it returns once every function that
+// Do and Go run has returned, in Queue mode and in Block mode alike, not
+// once each call has its slot.
+func TestClose_WaitsForTheFunctionsDoAndGoRun(t *testing.T) {
+	for _, mode := range []Mode{Queue, Block} {
+		t.Run(string(mode), func(t *testing.T) {
+			redistest.Each(t, func(t *testing.T, s *redistest.Server) {
+				lim := newLimiter(t, s.Client(t), policies.SlidingLog{Limit: 5, Window: time.Second}, Options{Mode: mode})
+				ctx := context.Background()
+				var running, finished atomic.Int64
+				job := func(context.Context) (int, error) {
+					running.Add(1)
+					time.Sleep(100 * time.Millisecond)
+					finished.Add(1)
+					return 0, nil
+				}
+				futures := []*Future[int]{Go(ctx, lim, job), Go(ctx, lim, job)}
+				go func() { _, _ = Do(ctx, lim, job) }()
+				waitFor(t, func() bool { return running.Load() == 3 }, "the three jobs to start")
+				if err := lim.Close(ctx); err != nil {
+					t.Fatalf("Close: %v", err)
+				}
+				if n := finished.Load(); n != 3 {
+					t.Errorf("Close returned with %d of 3 jobs finished, want all", n)
+				}
+				for _, f := range futures {
+					if err := waitErr(f); err != nil {
+						t.Error(err)
+					}
+				}
+				if _, err := Do(ctx, lim, job); !errors.Is(err, ErrClosed) {
+					t.Errorf("Do after Close: %v, want ErrClosed", err)
+				}
+			})
+		})
+	}
+}

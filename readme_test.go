@@ -5,6 +5,7 @@ package throttle_test
 import (
 	"context"
 	"errors"
+	"fmt"
 	"net/http"
 	"net/http/httptest"
 	"os"
@@ -55,24 +56,41 @@ func readmeUse(ctx context.Context, rdb *redis.Client) error {
 	// README use
 	lim, err := throttle.New(rdb, "twilio-sms",
 		policies.SlidingLog{Limit: 100, Window: time.Second},
-		throttle.WithMode(throttle.Block), // the default; or FailFast, Queue (Options{Mode: ...} alike)
+		throttle.Options{Mode: throttle.Block}, // the default; or FailFast, Queue
 	)
-
-	// Wait for a slot, run the call, release.
+	if err != nil {
+		return err
+	}
+	// Wait for a slot, run the call, release it.
 	msg, err := throttle.Do(ctx, lim, func(ctx context.Context) (*Message, error) {
 		return sms.Send(ctx, to, body)
-	}, throttle.Key("tenant-42"), throttle.Cost(1))
-
-	// Lower level.
-	p, err := lim.Acquire(ctx)                     // obeys the mode; p.Release() when done
-	d, err := lim.Allow(ctx)                       // never waits: d.OK, d.RetryAfter, d.Remaining
-	limited := errors.Is(err, throttle.ErrLimited) // a *LimitedError carries RetryAfter
-	// README end
-	_, _, _ = msg, d, limited
-	if p != nil {
-		p.Release()
+	})
+	if errors.Is(err, throttle.ErrLimited) {
+		return err // no slot before ctx's deadline; a *LimitedError says when to retry
 	}
-	return err
+	// README end
+	if err != nil {
+		return err
+	}
+	if msg == nil || msg.SID != to {
+		return errors.New("the message was not sent")
+	}
+	// README use
+	// Lower level: Acquire obeys the mode, Allow never waits.
+	p, err := lim.Acquire(ctx)
+	if err != nil {
+		return err
+	}
+	defer p.Release()
+	d, err := lim.Allow(ctx)
+	if err != nil {
+		return err
+	}
+	if !d.OK {
+		return fmt.Errorf("full: retry after %v", d.RetryAfter)
+	}
+	// README end
+	return nil
 }
 
 func readmeHTTPClient(rdb *redis.Client) *http.Client {

@@ -76,6 +76,7 @@ type Limiter struct {
 	spares  spares      // spare admissions taken for the next calls (spare.go); its own lock
 	q       *queue      // the local queue in Queue mode, or nil; its own lock
 	closed  atomic.Bool // Close was called
+	calls   running     // the calls Do and Go run, which Close waits for
 
 	freed *freed // signals a concurrency slot freed in this process: the limiter's own, or its group's (policies.Shared)
 
@@ -378,9 +379,11 @@ func (l *Limiter) acquirePermit(ctx context.Context, opts []CallOption) (*Permit
 	return l.dispatch(ctx, c, nil)
 }
 
-// Close stops the limiter from taking calls: later calls get ErrClosed. In
-// Queue mode it then drains the queue: it waits until every queued call has
-// had its turn. If ctx ends first, the calls still queued get ErrClosed and
+// Close stops the limiter from taking calls: later calls get ErrClosed. It
+// then drains: in Queue mode it waits until every queued call has had its
+// turn, and in every mode until the functions that Do and Go run have
+// returned. Permits from Acquire are the caller's: Close does not wait for
+// their Release. If ctx ends first, the calls still queued get ErrClosed and
 // Close returns ctx's error; no call is dropped without an error. It ends
 // the limiter's subscription to its quota's news (what other replicas learn
 // of pauses and losses), which the last limiter on a client closes, and
@@ -395,7 +398,21 @@ func (l *Limiter) Close(ctx context.Context) error {
 		defer l.dropAllSpares(ctx)
 	}
 	if l.q != nil {
-		return l.q.close(ctx, l.name)
+		if err := l.q.close(ctx, l.name); err != nil {
+			return err
+		}
+	}
+	return l.calls.close(ctx)
+}
+
+// enter counts a call of Do or Go in, for Close to wait for; it fails
+// once Close began, or for a Limiter that New did not make.
+func (l *Limiter) enter() error {
+	if err := l.made(); err != nil {
+		return err
+	}
+	if !l.calls.enter() {
+		return quotaErr(l.name, ErrClosed, "limiter closed")
 	}
 	return nil
 }
@@ -405,9 +422,13 @@ func (l *Limiter) Close(ctx context.Context) error {
 // in its context with PermitFrom: to settle the call's actual cost, or to
 // tell the quota that the vendor refused it.
 func Do[T any](ctx context.Context, l *Limiter, fn func(context.Context) (T, error), opts ...CallOption) (T, error) {
+	var zero T
+	if err := l.enter(); err != nil {
+		return zero, err
+	}
+	defer l.calls.leave()
 	p, err := l.acquirePermit(ctx, opts)
 	if err != nil {
-		var zero T
 		return zero, err
 	}
 	defer p.releaseWithin(ctx)
@@ -432,13 +453,19 @@ func (f *Future[T]) Wait() (T, error) {
 	return f.v, f.err
 }
 
-// Go submits fn to l and returns at once: fn runs in its own goroutine when
-// l admits it, as Do would run it. In Queue mode the call takes its place in
-// the queue before Go returns, so calls submitted one after another keep
-// their order; a full queue answers through the Future at once. Job workers
-// use it to hand work over without a goroutine of their own per job.
+// Go submits fn to l and returns at once: it starts a goroutine that takes
+// the call through l as Do does, then runs fn. In Queue mode the call takes
+// its place in the queue before Go returns, so calls submitted one after
+// another keep their order; a full queue answers through the Future at
+// once. Close waits for the functions Go runs. A job's ctx bounds its wait
+// and its run: give Go a context that a shutdown signal does not cancel,
+// and Close the limiter on the signal, to let the queued jobs drain.
 func Go[T any](ctx context.Context, l *Limiter, fn func(context.Context) (T, error), opts ...CallOption) *Future[T] {
 	f := &Future[T]{done: make(chan struct{})}
+	if f.err = l.enter(); f.err != nil {
+		close(f.done)
+		return f
+	}
 	c, err := l.newCall(opts)
 	var w *waiter
 	if err == nil && l.s.mode == Queue && !l.s.shadow {
@@ -451,10 +478,12 @@ func Go[T any](ctx context.Context, l *Limiter, fn func(context.Context) (T, err
 	if err != nil {
 		f.err = err
 		close(f.done)
+		l.calls.leave()
 		return f
 	}
 	go func() {
 		defer close(f.done)
+		defer l.calls.leave()
 		var p *Permit
 		p, f.err = l.dispatch(ctx, c, w)
 		if f.err != nil {

@@ -4,7 +4,6 @@ import (
 	"context"
 	"errors"
 	"log/slog"
-	"reflect"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -86,7 +85,7 @@ func TestNew_RejectsBadConfiguration(t *testing.T) {
 		{"bad limit in All", rdb, "q", policies.All(perSecond, policies.SlidingLog{Limit: 1}), nil, []string{"All policy 1", "SlidingLog.Window", "0s"}},
 		{"nil PerKey", rdb, "q", policies.PerKey{}, nil, []string{"PerKey.Policy is nil"}},
 		{"nested PerKey", rdb, "q", policies.PerKey{Policy: policies.PerKey{Policy: perSecond}}, nil, []string{"another PerKey"}},
-		{"a bad field in a later Options", rdb, "q", perSecond, []Options{{Mode: FailFast}, {MaxWait: -time.Second}}, []string{"Options.MaxWait must not be negative", "-1s"}},
+		{"two Options", rdb, "q", perSecond, []Options{{Mode: FailFast}, {MaxWait: -time.Second}}, []string{"one Options value", "got 2"}},
 		{"unknown mode", rdb, "q", perSecond, []Options{{Mode: "Sideways"}}, []string{"Options.Mode", `"Sideways"`, "Block, FailFast or Queue"}},
 		{"negative max wait", rdb, "q", perSecond, []Options{{MaxWait: -time.Second}}, []string{"Options.MaxWait must not be negative", "-1s"}},
 		{"negative max queue", rdb, "q", perSecond, []Options{{Mode: Queue, MaxQueue: -1}}, []string{"Options.MaxQueue", "got -1"}},
@@ -696,44 +695,19 @@ func TestContext_CancelledBeforeTheCallOnEveryPath(t *testing.T) {
 	}
 }
 
-// New merges its Options in order: a field set in a later one wins.
-func TestNew_MergesOptions(t *testing.T) {
+// New takes one Options value: two are an error naming the count, since
+// nothing could say which of their fields wins (a later one could not turn
+// Shadow off, say). None gives every default.
+func TestNew_TakesOneOptions(t *testing.T) {
 	rdb := redis.NewClient(&redis.Options{Addr: "127.0.0.1:1"})
 	defer rdb.Close()
-	lim, err := New(rdb, "q", policies.SlidingLog{Limit: 1, Window: time.Second},
-		Options{Mode: Queue}, Options{MaxQueue: 5, Prefix: "a"}, Options{Prefix: "b", Shadow: true}, Options{})
-	if err != nil {
-		t.Fatal(err)
+	_, err := New(rdb, "q", policies.SlidingLog{Limit: 1, Window: time.Second}, Options{Shadow: true}, Options{Mode: Queue})
+	if err == nil || !strings.Contains(err.Error(), "one Options value, got 2") {
+		t.Errorf("New with two Options: %v, want an error naming the count", err)
 	}
-	if lim.s.mode != Queue || lim.s.maxQueue != 5 || lim.s.prefix != "b" || !lim.s.shadow {
-		t.Errorf("merged settings: mode %v, max queue %d, prefix %q, shadow %v; want Queue, 5, \"b\", true",
-			lim.s.mode, lim.s.maxQueue, lim.s.prefix, lim.s.shadow)
-	}
-}
-
-// A later Options sets a field back to its default value too: the zero
-// Mode, OnRedisError and Overflow mean "unset", not Block, FailClosed and
-// RejectNew, which a later Options can name.
-func TestNew_ALaterOptionsSetsTheDefaultBack(t *testing.T) {
-	rdb := redis.NewClient(&redis.Options{Addr: "127.0.0.1:1"})
-	defer rdb.Close()
-	lim, err := New(rdb, "q", policies.SlidingLog{Limit: 10, Window: time.Second},
-		Options{Mode: Queue, Overflow: ShedOldest, OnRedisError: Local, ExpectedReplicas: 2},
-		Options{Mode: Block, Overflow: RejectNew, OnRedisError: FailClosed})
-	if err != nil {
-		t.Fatal(err)
-	}
-	if lim.s.mode != Block || lim.s.overflow != RejectNew || lim.s.onRedisError != FailClosed {
-		t.Errorf("merged settings: %v, %v, %v; want the later Options' Block, RejectNew, FailClosed",
-			lim.s.mode, lim.s.overflow, lim.s.onRedisError)
-	}
-	lim, err = New(rdb, "q", policies.SlidingLog{Limit: 10, Window: time.Second}, WithMode(FailFast), Options{MaxWait: time.Second})
-	if err != nil || lim.s.mode != FailFast || lim.s.maxWait != time.Second {
-		t.Errorf("WithMode(FailFast) then MaxWait: %v, %v, %v; want both", err, lim.s.mode, lim.s.maxWait)
-	}
-	lim, err = New(rdb, "q", policies.SlidingLog{Limit: 10, Window: time.Second}, WithMode(Queue), WithMode(Block))
-	if err != nil || lim.s.mode != Block {
-		t.Errorf("WithMode(Queue) then WithMode(Block): %v, %v; want Block", err, lim.s.mode)
+	lim, err := New(rdb, "q", policies.SlidingLog{Limit: 10, Window: time.Second}, Options{Mode: Queue, MaxQueue: 5, Prefix: "b", Shadow: true})
+	if err != nil || lim.s.mode != Queue || lim.s.maxQueue != 5 || lim.s.prefix != "b" || !lim.s.shadow {
+		t.Errorf("one Options: %v, %+v; want each field as set", err, lim.s)
 	}
 	lim, err = New(rdb, "q", policies.SlidingLog{Limit: 10, Window: time.Second})
 	if err != nil || lim.Mode() != Block || lim.s.onRedisError != FailClosed || lim.s.overflow != RejectNew {
@@ -741,34 +715,3 @@ func TestNew_ALaterOptionsSetsTheDefaultBack(t *testing.T) {
 	}
 }
 
-// merge carries every field of Options that is set: a field added to
-// Options and forgotten in merge would be dropped without a word.
-func TestOptions_MergeCarriesEveryField(t *testing.T) {
-	var set Options
-	v := reflect.ValueOf(&set).Elem()
-	for i := range v.NumField() {
-		f := v.Field(i)
-		switch f.Kind() {
-		case reflect.Bool:
-			f.SetBool(true)
-		case reflect.Int, reflect.Int64:
-			f.SetInt(2)
-		case reflect.String:
-			f.SetString("p")
-		case reflect.Func:
-			f.Set(reflect.MakeFunc(f.Type(), func([]reflect.Value) []reflect.Value {
-				return []reflect.Value{reflect.ValueOf(time.Now())}[:f.Type().NumOut()]
-			}))
-		case reflect.Pointer:
-			f.Set(reflect.New(f.Type().Elem()))
-		default:
-			t.Fatalf("Options.%s: kind %v not covered by this test", v.Type().Field(i).Name, f.Kind())
-		}
-	}
-	got := reflect.ValueOf(Options{}.merge(set))
-	for i := range v.NumField() {
-		if got.Field(i).IsZero() {
-			t.Errorf("merge dropped Options.%s", v.Type().Field(i).Name)
-		}
-	}
-}

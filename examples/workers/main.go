@@ -104,6 +104,9 @@ func run(ctx context.Context, cfg config, out io.Writer) (report, error) {
 	start := time.Now()
 	fmt.Fprintf(out, "sending %d messages for %d tenants through %d workers; provider cap %d per %v, %d per tenant\n",
 		cfg.Jobs, cfg.Tenants, cfg.Workers, cfg.Limit, cfg.Window, cfg.TenantLimit)
+	// A signal stops the submitting, not the jobs already queued: they run
+	// with a context the signal does not cancel, and drain on Close below.
+	jobs := context.WithoutCancel(ctx)
 	for i := range cfg.Jobs {
 		if ctx.Err() != nil {
 			break
@@ -124,7 +127,7 @@ func run(ctx context.Context, cfg config, out io.Writer) (report, error) {
 			mu.Unlock()
 			return tenant, nil
 		}
-		futures = append(futures, throttle.Go(ctx, lim, send, throttle.Key(tenant), throttle.Priority(priority)))
+		futures = append(futures, throttle.Go(jobs, lim, send, throttle.Key(tenant), throttle.Priority(priority)))
 		rep.Submitted++
 	}
 

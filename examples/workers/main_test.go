@@ -20,15 +20,20 @@ func TestRun_SendsEveryJobUnderTheCap(t *testing.T) {
 	}
 }
 
-func TestRun_StopsOnSignalAndReportsEveryJob(t *testing.T) {
-	ctx, cancel := context.WithTimeout(context.Background(), 300*time.Millisecond)
+// A signal (the context's end) stops the submitting; the jobs queued by
+// then drain: each is sent, none fails for the signal.
+func TestRun_StopsOnSignalAndDrainsEveryJobQueued(t *testing.T) {
+	ctx, cancel := context.WithTimeout(context.Background(), 100*time.Millisecond)
 	defer cancel()
-	rep, err := run(ctx, config{Jobs: 400, Workers: 2, Tenants: 2, Limit: 20, TenantLimit: 10, Window: time.Second}, io.Discard)
+	rep, err := run(ctx, config{Jobs: 60, Workers: 2, Tenants: 2, Limit: 20, TenantLimit: 10, Window: 500 * time.Millisecond}, io.Discard)
 	if err != nil {
 		t.Fatal(err)
 	}
-	if rep.Sent+rep.Failed != rep.Submitted {
+	if rep.Sent+rep.Failed != rep.Submitted || rep.Submitted == 0 {
 		t.Errorf("submitted %d, sent %d, failed %d: a job went missing", rep.Submitted, rep.Sent, rep.Failed)
+	}
+	if rep.Failed != 0 {
+		t.Errorf("%d of %d jobs queued before the signal failed, want every one drained", rep.Failed, rep.Submitted)
 	}
 	if rep.OverCap != 0 {
 		t.Errorf("provider saw %d over its cap", rep.OverCap)
