@@ -714,4 +714,3 @@ func TestNew_TakesOneOptions(t *testing.T) {
 		t.Errorf("no Options: %v, %v, %v, %v; want Block, FailClosed, RejectNew", err, lim.Mode(), lim.s.onRedisError, lim.s.overflow)
 	}
 }
-
