@@ -20,7 +20,9 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"log/slog"
 	"net/http"
+	"sync"
 )
 
 // Estimate is what a call may count, in tokens.
@@ -132,17 +134,52 @@ func AnthropicMessages(body []byte) (Estimate, error) {
 }
 
 // Cost returns a Transport.Cost that estimates each request's body with
-// estimate and charges what pick makes of it (Estimate.Total, say), or
-// fallback when the body cannot be read or estimated: the most a call of
-// the endpoint may count, so that a request the function cannot read is
-// never admitted for less than it may cost.
+// estimate and charges what pick makes of it (Estimate.Total, say).
+//
+// A request without a body (a GET of the models' list on the same client)
+// counts no tokens and costs 1. A body that cannot be read or estimated (no
+// GetBody, no max tokens, another endpoint's body) costs fallback: the most
+// a call of the endpoint may count, so that a request the function cannot
+// read is never admitted for less than it may cost. Each such fallback is
+// logged through slog.Default at Warn, once per method, path and reason,
+// since a fallback as large as a minute's tokens takes the whole window.
 func Cost(estimate func([]byte) (Estimate, error), pick func(Estimate) int, fallback int) func(*http.Request) int {
+	w := &warnings{seen: map[string]bool{}}
 	return func(req *http.Request) int {
+		if req.Body == nil || req.Body == http.NoBody {
+			return 1
+		}
 		e, err := FromRequest(req, estimate)
 		if err != nil {
+			w.fallback(req, fallback, err)
 			return fallback
 		}
 		return pick(e)
+	}
+}
+
+// warnings remembers which fallbacks a Cost function has logged, up to
+// maxWarnings of them: paths that hold ids would otherwise grow it without end.
+type warnings struct {
+	mu   sync.Mutex
+	seen map[string]bool
+}
+
+const maxWarnings = 64
+
+// fallback logs that req was charged fallback for err, unless a request
+// of the same method and path was, for the same reason, before.
+func (w *warnings) fallback(req *http.Request, fallback int, err error) {
+	key := req.Method + " " + req.URL.Path + ": " + err.Error()
+	w.mu.Lock()
+	logIt := !w.seen[key] && len(w.seen) < maxWarnings
+	if logIt {
+		w.seen[key] = true
+	}
+	w.mu.Unlock()
+	if logIt {
+		slog.Default().Warn("tokens: charging the fallback: the request's body gave no estimate",
+			"method", req.Method, "path", req.URL.Path, "fallback", fallback, "err", err)
 	}
 }
 

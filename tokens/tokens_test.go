@@ -1,8 +1,10 @@
 package tokens
 
 import (
+	"bytes"
 	"fmt"
 	"io"
+	"log/slog"
 	"net/http"
 	"strings"
 	"testing"
@@ -66,6 +68,32 @@ func TestCost_ReadsTheBodyAgainAndFallsBack(t *testing.T) {
 	noGetBody.GetBody = nil
 	if n := cost(noGetBody); n != 5000 {
 		t.Fatalf("a body that cannot be read twice costs %d, want the fallback 5000", n)
+	}
+}
+
+// A fallback is never charged unseen: the first of each method, path and
+// reason is logged at Warn, the next alike are not; a request without a
+// body counts no tokens.
+func TestCost_LogsEachFallbackOnce(t *testing.T) {
+	var logged bytes.Buffer
+	defer slog.SetDefault(slog.Default())
+	slog.SetDefault(slog.New(slog.NewTextHandler(&logged, nil)))
+	cost := Cost(OpenAIChat, Estimate.Total, 200_000)
+	for range 3 {
+		bad, _ := http.NewRequest(http.MethodPost, "http://x/v1/embeddings", strings.NewReader(`{"input":"hi"}`))
+		if n := cost(bad); n != 200_000 {
+			t.Fatalf("a body without a maximum costs %d, want the fallback", n)
+		}
+	}
+	if n := strings.Count(logged.String(), "charging the fallback"); n != 1 {
+		t.Errorf("three fallbacks of one path and reason logged %d times, want once:\n%s", n, logged.String())
+	}
+	if !strings.Contains(logged.String(), "/v1/embeddings") || !strings.Contains(logged.String(), "fallback=200000") {
+		t.Errorf("the warning names neither the path nor the fallback: %s", logged.String())
+	}
+	list, _ := http.NewRequest(http.MethodGet, "http://x/v1/models", nil)
+	if n := cost(list); n != 1 {
+		t.Errorf("a GET without a body costs %d, want 1", n)
 	}
 }
 
