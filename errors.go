@@ -148,13 +148,32 @@ func (l *Limiter) refused(r result, by string) error {
 func limitName(r policies.Rule) string {
 	switch r.Kind {
 	case policies.KindTokenBucket:
-		return fmt.Sprintf("TokenBucket.Burst %d (by default Rate)", r.Limit)
+		return fmt.Sprintf("TokenBucket.Burst %d (1 when not set)", r.Limit)
 	case policies.KindConcurrency:
 		return fmt.Sprintf("Concurrency.Max %d", r.Limit)
 	case policies.KindSlidingCounter:
 		return fmt.Sprintf("SlidingCounter.Limit %d", r.Limit)
 	}
 	return fmt.Sprintf("SlidingLog.Limit %d", r.Limit)
+}
+
+// ruleName names a rule as the policy that made it: its limit's field and
+// value, inside the PerKey, PerCall, Unit or Shared that holds it.
+func ruleName(r policies.Rule) string {
+	name := limitName(r)
+	if r.PerCall {
+		name = "PerCall{" + name + "}"
+	}
+	if r.PerKey {
+		name = "PerKey{" + name + "}"
+	}
+	if r.Unit != "" {
+		name = fmt.Sprintf("Unit{%q, %s}", r.Unit, name)
+	}
+	if r.Shared != "" {
+		name = fmt.Sprintf("Shared{%q, %s}", r.Shared, name)
+	}
+	return name
 }
 
 // ErrQueueFull is matched, through errors.Is, by the error of a call that a

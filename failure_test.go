@@ -100,6 +100,14 @@ func TestOnRedisError_LocalNeedsReplicas(t *testing.T) {
 	if err == nil || !strings.Contains(err.Error(), "less than one unit") {
 		t.Errorf("Local with more replicas than the limit: %v", err)
 	}
+	// The error names the rule by the policy that made it, and what to do.
+	perKey := policies.All(policies.SlidingLog{Limit: 100, Window: time.Second}, policies.PerKey{Policy: policies.SlidingLog{Limit: 5, Window: time.Second}})
+	_, err = New(deadRedis(t), "q", perKey, Options{OnRedisError: Local, ExpectedReplicas: 6})
+	for _, want := range []string{"PerKey{SlidingLog.Limit 5}", "raise that limit to 6", "ExpectedReplicas to 5 at most", "FailClosed"} {
+		if err == nil || !strings.Contains(err.Error(), want) {
+			t.Errorf("Local with more replicas than a per-key limit: %v; want it to say %q", err, want)
+		}
+	}
 }
 
 func TestBreaker_StopsAskingADeadRedisAndComesBack(t *testing.T) {

@@ -57,7 +57,8 @@ func newLocal(rules []policies.Rule, replicas int, notice time.Duration) (*local
 	for i, r := range rules {
 		r.Limit /= replicas
 		if r.Limit < 1 {
-			return nil, fmt.Errorf("Options.ExpectedReplicas %d leaves rule %d (limit %d) less than one unit per replica", replicas, i, rules[i].Limit)
+			return nil, fmt.Errorf("Options.ExpectedReplicas %d leaves the rule %s less than one unit per replica under OnRedisError Local: "+
+				"raise that limit to %d at least, set ExpectedReplicas to %d at most, or choose FailClosed", replicas, ruleName(rules[i]), replicas, rules[i].Limit)
 		}
 		if r.Kind == policies.KindTokenBucket {
 			r.Every *= time.Duration(replicas)

@@ -358,9 +358,11 @@ func (l *Limiter) Allow(ctx context.Context, opts ...CallOption) (Decision, erro
 // Acquire takes a call through the limiter in its Mode. It returns a Permit
 // once the call may run; the caller runs the call and then calls Release.
 // In Block mode it waits for its slot, and fails at once with ErrLimited when
-// the slot lies beyond the context's deadline or MaxWait, as
-// golang.org/x/time/rate's Wait does. If the context ends while it waits, it
-// gives its slot back and returns the context's error.
+// the slot lies beyond the context's deadline or Options.MaxWait, as
+// golang.org/x/time/rate's Wait does for a deadline. Unlike Wait, a call
+// whose context has no deadline waits a minute at most when MaxWait is not
+// set. If the context ends while it waits, it gives its slot back and
+// returns the context's error.
 func (l *Limiter) Acquire(ctx context.Context, opts ...CallOption) (*Permit, error) {
 	p, err := l.acquirePermit(ctx, opts)
 	if err == nil {
