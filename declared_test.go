@@ -178,7 +178,7 @@ func driveClassGiveBack(t *testing.T, s *redistest.Server) {
 		}
 		booked = append(booked, r)
 	}
-	if err := lim.permit(c, booked[0], 0).Settle(ctx, 1); err != nil {
+	if err := lim.permit(c, booked[0], 0).Settle(ctx, Cost(1)); err != nil {
 		t.Fatal(err)
 	}
 	lim.cancel(ctx, c, booked[1])
@@ -304,10 +304,10 @@ func driveSettle(t *testing.T, s *redistest.Server) {
 	), Options{Clock: clock.Now})
 	_, err := Do(ctx, lim, func(ctx context.Context) (struct{}, error) {
 		p := PermitFrom(ctx)
-		if err := p.Settle(ctx, 3); err != nil {
+		if err := p.Settle(ctx, Cost(3)); err != nil {
 			return struct{}{}, err
 		}
-		return struct{}{}, p.Settle(ctx, 12)
+		return struct{}{}, p.Settle(ctx, Cost(12))
 	}, Cost(10))
 	if err != nil {
 		t.Fatal(err)
@@ -344,7 +344,7 @@ func driveUnits(t *testing.T, s *redistest.Server) {
 		t.Fatal(err)
 	}
 	defer p.Release()
-	if err := p.SettleUnits(ctx, map[string]int{"input_tokens": 700, "output_tokens": 900}); err != nil {
+	if err := p.Settle(ctx, CostIn("input_tokens", 700), CostIn("output_tokens", 900)); err != nil {
 		t.Fatal(err)
 	}
 	_, _, err = p.Heard(ctx, Answer{

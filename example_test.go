@@ -178,7 +178,7 @@ func ExamplePermitFrom() {
 	ctx := context.Background()
 	used, err := throttle.Do(ctx, lim, func(ctx context.Context) (int, error) {
 		used := 1200 // as the vendor's reply says
-		return used, throttle.PermitFrom(ctx).Settle(ctx, used)
+		return used, throttle.PermitFrom(ctx).Settle(ctx, throttle.Cost(used))
 	}, throttle.Cost(4000))
 	fmt.Println(used, err)
 

@@ -155,7 +155,7 @@ func ExampleTrack() {
 	ctx, call := throttle.Track(context.Background())
 	tokens, err := complete(ctx, "Say hello")
 	if err == nil {
-		err = call.Settle(ctx, tokens) // the estimate of 500 becomes 120
+		err = call.Settle(ctx, throttle.Cost(tokens)) // the estimate of 500 becomes 120
 	}
 	u, _ := lim.Usage(ctx)
 	fmt.Println(tokens, err, u.Rules[0].Used)

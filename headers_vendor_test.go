@@ -309,7 +309,7 @@ func TestTransport_SettlesTheCostFromTheResponse(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		if err := PermitFrom(resp.Request.Context()).Settle(ctx, body.Usage.TotalTokens); err != nil {
+		if err := PermitFrom(resp.Request.Context()).Settle(ctx, Cost(body.Usage.TotalTokens)); err != nil {
 			t.Fatal(err)
 		}
 		if got := used(lim); got != 120 {

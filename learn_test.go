@@ -408,7 +408,7 @@ func TestDo_HandsFnItsPermit(t *testing.T) {
 			if p == nil || p.Cost() != 500 {
 				t.Fatalf("fn's permit %+v, want the call's, of cost 500", p)
 			}
-			return 0, p.Settle(ctx, 120)
+			return 0, p.Settle(ctx, Cost(120))
 		}, Cost(500))
 		if err != nil {
 			t.Fatal(err)
@@ -427,7 +427,7 @@ func TestDo_HandsFnItsPermit(t *testing.T) {
 		// A nil permit's methods fail or do nothing; they never panic.
 		var p *Permit
 		p.Release()
-		if p.Settle(ctx, 1) == nil || p.Refused(ctx, 0) == nil || p.Extend(ctx, time.Second) == nil {
+		if p.Settle(ctx, Cost(1)) == nil || p.Refused(ctx, 0) == nil || p.Extend(ctx, time.Second) == nil {
 			t.Error("a nil permit's methods succeeded")
 		}
 		(&Permit{}).Release()

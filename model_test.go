@@ -411,7 +411,7 @@ func checkSeed(t *testing.T, rdb redis.UniversalClient, mini *miniredis.Miniredi
 			// Settle refunds only: a charge may exceed the limit on purpose.
 			h := take(&admitted)
 			to := rng.IntN(h.c.cost)
-			if err := lim.permit(h.c, h.r, 0).Settle(ctx, to); err != nil {
+			if err := lim.permit(h.c, h.r, 0).Settle(ctx, Cost(to)); err != nil {
 				t.Fatalf("%s: Settle: %v", where(i), err)
 			}
 			m.Settle(h.r.member, h.c.key, h.c.cost, to, h.r.slot().Microseconds(), now)

@@ -47,8 +47,8 @@ func TestMove_RefundMovesASleepingCallOfAnotherReplica(t *testing.T) {
 		// The news of the refund reaches b once its subscription is up:
 		// a call booked before then keeps its slot (the cap is never at
 		// stake), which a busy machine made this test wait out once.
-		waitSubscribed(t, s.Client(t), b, 2)          // a's and b's clients
-		if err := first.Settle(ctx, 30); err != nil { // it used 30
+		waitSubscribed(t, s.Client(t), b, 2)                // a's and b's clients
+		if err := first.Settle(ctx, Cost(30)); err != nil { // it used 30
 			t.Fatal(err)
 		}
 		select {

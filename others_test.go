@@ -290,7 +290,7 @@ func TestOthers_RefundsAfterTheSlotStillCount(t *testing.T) {
 		}
 		// The first call ends and settles at 3 after the second one's slot;
 		// the vendor had counted it at 8, and 3 units of another consumer.
-		if err := first.Settle(ctx, 3); err != nil {
+		if err := first.Settle(ctx, Cost(3)); err != nil {
 			t.Fatal(err)
 		}
 		if _, _, err := second.Heard(ctx, Answer{Status: http.StatusOK, Tokens: &Count{Remaining: 7, Limit: 20}}); err != nil {

@@ -43,7 +43,7 @@ func TestPerCall_CountsCallsBesideUnits(t *testing.T) {
 		// Settled at 100 tokens each: only the tokens come back, the calls
 		// still count 3 of 5.
 		for _, p := range ps {
-			if err := p.Settle(ctx, 100); err != nil {
+			if err := p.Settle(ctx, Cost(100)); err != nil {
 				t.Fatal(err)
 			}
 		}
@@ -211,7 +211,7 @@ func TestPermit_CancelGivesTheCallBack(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		if err := p.Settle(ctx, 400); err != nil {
+		if err := p.Settle(ctx, Cost(400)); err != nil {
 			t.Fatal(err)
 		}
 		if err := p.Cancel(ctx); err != nil {

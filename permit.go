@@ -32,7 +32,7 @@ func WithPermit(ctx context.Context, p *Permit) context.Context {
 //	ctx, call := throttle.Track(ctx)
 //	resp, err := client.Chat.Completions.New(ctx, params) // over a throttle.Transport
 //	if err == nil {
-//		err = call.Settle(ctx, int(resp.Usage.TotalTokens))
+//		err = call.Settle(ctx, throttle.Cost(int(resp.Usage.TotalTokens)))
 //	}
 //
 // Before a call is made, the permit's methods that tell the quota
@@ -76,7 +76,7 @@ func (p *Permit) target() *Permit {
 //	reply, err := throttle.Do(ctx, lim, func(ctx context.Context) (*Reply, error) {
 //		reply, err := llm.Complete(ctx, prompt)
 //		if err == nil {
-//			err = throttle.PermitFrom(ctx).Settle(ctx, reply.Usage.TotalTokens)
+//			err = throttle.PermitFrom(ctx).Settle(ctx, throttle.Cost(reply.Usage.TotalTokens))
 //		}
 //		return reply, err
 //	}, throttle.Cost(estimate))
@@ -240,29 +240,40 @@ func (p *Permit) Extend(ctx context.Context, lease time.Duration) error {
 	return nil
 }
 
-// Settle replaces the cost the call was admitted with by the cost the vendor
+// Settle replaces the costs the call was admitted with by what the vendor
 // actually counted, for costs known only afterwards (LLM tokens, GraphQL
-// points). The difference is refunded or charged in the same windows, at the
-// call's slot, so that the shared count matches the vendor's. A charge may
-// take a window past its limit, since the vendor counted those units
-// already: later calls then wait for them. Settle can be called again; each
-// call replaces the cost before it. The actual cost must not be negative; a
-// cost above the quota's smallest limit counts as that limit, since a
-// window holds no more (the vendor's window was full all the same). A
-// Permit's methods are for the goroutine that holds it; Release and Start
-// may be called from anywhere.
-func (p *Permit) Settle(ctx context.Context, actual int) error {
-	return p.SettleUnits(ctx, map[string]int{"": actual})
+// points), given as the call's own were: Cost for its units, CostIn for
+// those of a named unit (policies.Unit). A cost actual leaves out keeps
+// what it was. The difference is refunded or charged in the same windows,
+// at the call's slot, so that the shared count matches the vendor's, in
+// one script call. A charge may take a window past its limit, since the
+// vendor counted those units already: later calls then wait for them.
+// Settle can be called again; each call replaces the costs before it. A
+// cost must not be negative; one above the smallest limit of its unit
+// counts as that limit, since a window holds no more. A Permit's methods
+// are for the goroutine that holds it; Release and Start may be called
+// from anywhere.
+//
+//	err = call.Settle(ctx, throttle.Cost(int(completion.Usage.TotalTokens)))
+//	err = call.Settle(ctx, throttle.CostIn("input_tokens", in), throttle.CostIn("output_tokens", out))
+func (p *Permit) Settle(ctx context.Context, actual ...CallOption) error {
+	given := callOf(actual)
+	if given.hasKey || given.priority != 0 {
+		return fmt.Errorf("throttle: Settle takes Cost and CostIn only: a Key or a Priority stays the call's")
+	}
+	costs := maps.Clone(given.named)
+	if given.hasCost {
+		if costs == nil {
+			costs = map[string]int{}
+		}
+		costs[""] = given.cost
+	}
+	return p.settle(ctx, costs)
 }
 
-// SettleUnits settles, as Settle does, each cost the call was admitted
-// with that actual names: "" its Cost, any other name its cost in that
-// unit (CostIn, policies.Unit), in one script call. A unit actual leaves
-// out keeps the cost it had. A cost above the smallest limit of its unit
-// counts as that limit.
-//
-//	call.SettleUnits(ctx, map[string]int{"input_tokens": in, "output_tokens": out})
-func (p *Permit) SettleUnits(ctx context.Context, actual map[string]int) error {
+// settle settles the costs in actual: "" the call's units, any other name
+// its units of that unit.
+func (p *Permit) settle(ctx context.Context, actual map[string]int) error {
 	p, err := p.acting("Settle")
 	if err != nil {
 		return err

@@ -27,13 +27,13 @@ func TestSettle_RefundsAndChargesInTheSameWindow(t *testing.T) {
 				if err != nil {
 					t.Fatal(err)
 				}
-				if err := permit.Settle(ctx, 2); err != nil {
+				if err := permit.Settle(ctx, Cost(2)); err != nil {
 					t.Fatal(err)
 				}
 				if got := rdbUnits(t, lim); got != 2 {
 					t.Errorf("after a refund to 2, the quota holds %d units", got)
 				}
-				if err := permit.Settle(ctx, 9); err != nil {
+				if err := permit.Settle(ctx, Cost(9)); err != nil {
 					t.Fatal(err)
 				}
 				if got := rdbUnits(t, lim); got != 9 || permit.Cost() != 9 {
@@ -42,11 +42,11 @@ func TestSettle_RefundsAndChargesInTheSameWindow(t *testing.T) {
 				if d, _ := lim.Allow(ctx, Cost(2)); d.OK {
 					t.Errorf("2 units admitted after a charge to 9 of 10")
 				}
-				if err := permit.Settle(ctx, -1); err == nil || !strings.Contains(err.Error(), "must not be negative, got -1") {
+				if err := permit.Settle(ctx, Cost(-1)); err == nil || !strings.Contains(err.Error(), "must not be negative, got -1") {
 					t.Errorf("Settle(-1): %v", err)
 				}
 				// The vendor counted 11: the window is full, and no more.
-				if err := permit.Settle(ctx, 11); err != nil {
+				if err := permit.Settle(ctx, Cost(11)); err != nil {
 					t.Fatal(err)
 				}
 				if got := rdbUnits(t, lim); got != 10 || permit.Cost() != 10 {
@@ -100,13 +100,13 @@ func TestTokenBucket_RefundsOnlyItsLatestCall(t *testing.T) {
 		}
 		// An earlier call's refund would let a new call land on a later
 		// booking: it is dropped.
-		if err := first.Settle(ctx, 0); err != nil {
+		if err := first.Settle(ctx, Cost(0)); err != nil {
 			t.Fatal(err)
 		}
 		if d, _ := lim.Allow(ctx); d.OK {
 			t.Errorf("a refund of an earlier call freed room")
 		}
-		if err := last.Settle(ctx, 0); err != nil {
+		if err := last.Settle(ctx, Cost(0)); err != nil {
 			t.Fatal(err)
 		}
 		if d, _ := lim.Allow(ctx, Cost(2)); !d.OK {

@@ -161,7 +161,7 @@ func readmeTrack(ctx context.Context, oai readmeSDK, params string) error {
 	ctx, call := throttle.Track(ctx)
 	completion, err := oai.Chat.Completions.New(ctx, params)
 	if err == nil {
-		err = call.Settle(ctx, int(completion.Usage.TotalTokens))
+		err = call.Settle(ctx, throttle.Cost(int(completion.Usage.TotalTokens)))
 	}
 	// README end
 	return err
@@ -180,7 +180,7 @@ func readmeOpenAI(ctx context.Context, rdb *redis.Client, req *http.Request) err
 		Cost: estimateTokens}} // prompt tokens + max_tokens
 	resp, err := client.Do(req)
 	// Once the body is read:
-	err = throttle.PermitFrom(resp.Request.Context()).Settle(ctx, usage.TotalTokens)
+	err = throttle.PermitFrom(resp.Request.Context()).Settle(ctx, throttle.Cost(usage.TotalTokens))
 	// README end
 	resp.Body.Close()
 	return err
@@ -230,7 +230,7 @@ func readmeLLM(ctx context.Context, rdb *redis.Client) (*Reply, error) {
 	reply, err := throttle.Do(ctx, lim, func(ctx context.Context) (*Reply, error) {
 		reply, err := complete(ctx, prompt)
 		if err == nil {
-			err = throttle.PermitFrom(ctx).Settle(ctx, reply.Usage.TotalTokens) // the tokens only
+			err = throttle.PermitFrom(ctx).Settle(ctx, throttle.Cost(reply.Usage.TotalTokens)) // the tokens only
 		}
 		return reply, err
 	}, throttle.Cost(estimate))

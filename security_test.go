@@ -122,7 +122,7 @@ func securityPaths(t *testing.T, rdb redis.UniversalClient) {
 	if err != nil {
 		t.Fatalf("Acquire of cost 2: %v", err)
 	}
-	if err := p.Settle(ctx, 1); err != nil || p.Cost() != 1 {
+	if err := p.Settle(ctx, Cost(1)); err != nil || p.Cost() != 1 {
 		t.Errorf("Settle to 1: cost %d, %v", p.Cost(), err)
 	}
 	p.Release()

@@ -55,7 +55,7 @@ func TestTrack_SettlesTheCallATransportSent(t *testing.T) {
 		if call.Cost() != 30 {
 			t.Fatalf("the tracked permit costs %d, want 30: the last request's", call.Cost())
 		}
-		if err := call.Settle(ctx, 4); err != nil {
+		if err := call.Settle(ctx, Cost(4)); err != nil {
 			t.Fatal(err)
 		}
 		if got := ruleUsed(t, lim); got != 10+4 {
@@ -73,7 +73,7 @@ func TestTrack_SettlesTheCallDoRan(t *testing.T) {
 	if _, err := Do(ctx, lim, func(context.Context) (int, error) { return 0, nil }, Cost(20)); err != nil {
 		t.Fatal(err)
 	}
-	if err := call.Settle(ctx, 7); err != nil {
+	if err := call.Settle(ctx, Cost(7)); err != nil {
 		t.Fatal(err)
 	}
 	if got := ruleUsed(t, lim); got != 7 {
@@ -86,7 +86,7 @@ func TestTrack_SettlesTheCallDoRan(t *testing.T) {
 func TestTrack_BeforeTheCallThePermitSaysNoneWasMade(t *testing.T) {
 	ctx, call := Track(context.Background())
 	checks := map[string]error{
-		"Settle":  call.Settle(ctx, 1),
+		"Settle":  call.Settle(ctx, Cost(1)),
 		"Cancel":  call.Cancel(ctx),
 		"Extend":  call.Extend(ctx, time.Second),
 		"Refused": call.Refused(ctx, time.Second),

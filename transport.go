@@ -305,7 +305,7 @@ func (t *transport) settle(ctx context.Context, lim *Limiter, p *Permit, resp *h
 	}
 	ctx, stop := context.WithTimeout(context.WithoutCancel(ctx), feedbackTimeout)
 	defer stop()
-	if err := p.Settle(ctx, n); err != nil {
+	if err := p.Settle(ctx, Cost(n)); err != nil {
 		lim.Logger().Warn("throttle: could not settle a request's cost from its response", "quota", lim.Name(), "err", err)
 	}
 }

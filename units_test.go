@@ -53,7 +53,7 @@ func TestUnits_EachRuleCountsItsOwnUnit(t *testing.T) {
 		if _, err := lim.Acquire(ctx, CostIn("input_tokens", 30), CostIn("output_tokens", 20)); !errors.Is(err, ErrLimited) {
 			t.Fatalf("a call over the output tokens' limit: %v, want ErrLimited", err)
 		}
-		if err := first.SettleUnits(ctx, map[string]int{"output_tokens": 10}); err != nil {
+		if err := first.Settle(ctx, CostIn("output_tokens", 10)); err != nil {
 			t.Fatal(err)
 		}
 		if got := usedOf(t, lim); got[1] != 60 || got[2] != 10 {
@@ -93,7 +93,7 @@ func TestUnits_BadCostsAreErrorsNamingTheUnit(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if err := p.SettleUnits(ctx, map[string]int{"cached": 1}); err == nil || !strings.Contains(err.Error(), `no policy counts unit "cached"`) {
+	if err := p.Settle(ctx, CostIn("cached", 1)); err == nil || !strings.Contains(err.Error(), `no policy counts unit "cached"`) {
 		t.Fatalf("Settle of an unknown unit: %v", err)
 	}
 }
@@ -163,4 +163,25 @@ func TestUnits_EachFollowsItsOwnVendorCount(t *testing.T) {
 				got, u.Rules[2].Remaining, u.Rules[1].Others, leftAfter(50, 10, 5))
 		}
 	})
+}
+
+// Settle takes the costs as the call's options gave them, and refuses an
+// option that is not a cost.
+func TestSettle_TakesCostsOnly(t *testing.T) {
+	lim := newLimiter(t, redistest.Mini(t).Client(t), policies.SlidingLog{Limit: 10, Window: time.Second})
+	ctx := context.Background()
+	p, err := lim.Acquire(ctx, Cost(5))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer p.Release()
+	if err := p.Settle(ctx, Key("a")); err == nil || !strings.Contains(err.Error(), "Cost and CostIn only") {
+		t.Errorf("Settle with a Key: %v, want refused", err)
+	}
+	if err := p.Settle(ctx, Cost(2)); err != nil || p.Cost() != 2 {
+		t.Errorf("Settle(Cost(2)): %v, cost %d", err, p.Cost())
+	}
+	if err := p.Settle(ctx); err != nil || p.Cost() != 2 {
+		t.Errorf("Settle with nothing: %v, cost %d; want the cost kept", err, p.Cost())
+	}
 }

@@ -194,7 +194,7 @@ func anthropicFleet(t *testing.T, s *redistest.Server, name, baseURL string, run
 			Messages:  []anthropic.MessageParam{anthropic.NewUserMessage(anthropic.NewTextBlock(prompt))},
 		})
 		if err == nil {
-			err = call.SettleUnits(ctx, map[string]int{"input_tokens": int(msg.Usage.InputTokens), "output_tokens": int(msg.Usage.OutputTokens)})
+			err = call.Settle(ctx, throttle.CostIn("input_tokens", int(msg.Usage.InputTokens)), throttle.CostIn("output_tokens", int(msg.Usage.OutputTokens)))
 		}
 		if err != nil {
 			time.Sleep(10 * time.Millisecond)

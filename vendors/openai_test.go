@@ -144,7 +144,7 @@ func TestOpenAI_SettlesFromTheTypedResult(t *testing.T) {
 		Messages: []openai.ChatCompletionMessageParamUnion{openai.UserMessage("hi")},
 	})
 	if err == nil {
-		err = call.Settle(ctx, int(completion.Usage.TotalTokens))
+		err = call.Settle(ctx, throttle.Cost(int(completion.Usage.TotalTokens)))
 	}
 	if err != nil {
 		t.Fatal(err)

@@ -85,7 +85,7 @@ func openaiTokensFleet(t *testing.T, s *redistest.Server, name, baseURL string, 
 			MaxCompletionTokens: openai.Int(200),
 		})
 		if err == nil && settle {
-			err = call.Settle(ctx, int(completion.Usage.TotalTokens))
+			err = call.Settle(ctx, throttle.Cost(int(completion.Usage.TotalTokens)))
 		}
 		if err != nil {
 			time.Sleep(10 * time.Millisecond)

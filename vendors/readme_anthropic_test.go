@@ -32,8 +32,7 @@ func readmeAnthropic(ctx context.Context, rdb *redis.Client, params anthropic.Me
 		throttle.CostIn("input_tokens", prompt), throttle.CostIn("output_tokens", int(params.MaxTokens))))
 	msg, err := client.Messages.New(ctx, params)
 	if err == nil {
-		err = call.SettleUnits(ctx, map[string]int{
-			"input_tokens": int(msg.Usage.InputTokens), "output_tokens": int(msg.Usage.OutputTokens)})
+		err = call.Settle(ctx, throttle.CostIn("input_tokens", int(msg.Usage.InputTokens)), throttle.CostIn("output_tokens", int(msg.Usage.OutputTokens)))
 	}
 	// README end
 	return msg, err

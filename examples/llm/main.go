@@ -205,7 +205,7 @@ func complete(ctx context.Context, client *http.Client, url string, rng *rand.Ra
 	}
 	// What the call really used, once the body is read: the estimate's
 	// rest goes back to the fleet.
-	return throttle.PermitFrom(resp.Request.Context()).Settle(context.WithoutCancel(ctx), c.Usage.TotalTokens)
+	return throttle.PermitFrom(resp.Request.Context()).Settle(context.WithoutCancel(ctx), throttle.Cost(c.Usage.TotalTokens))
 }
 
 // report prints what the API accepted each second since start, and returns
