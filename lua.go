@@ -25,12 +25,12 @@ func luaFile(name string) string {
 	return string(b)
 }
 
-// The scripts. go-redis runs each with EVALSHA and falls back to EVAL when
-// Redis answers NOSCRIPT (a new Redis, SCRIPT FLUSH, a restart or a
-// failover). They reach Redis without their comments, which are most of
-// their text: a fleet of many replicas starting on a Redis that lost its
-// scripts sends each one once per replica.
-var scripts = struct {
+// scriptSet holds the scripts. go-redis runs each with EVALSHA and falls
+// back to EVAL when Redis answers NOSCRIPT (a new Redis, SCRIPT FLUSH, a
+// restart or a failover). They reach Redis without their comments, which
+// are most of their text: a fleet of many replicas starting on a Redis that
+// lost its scripts sends each one once per replica.
+type scriptSet struct {
 	acquire  *redis.Script // admits, books or refuses calls against every rule of a quota
 	cancel   *redis.Script // gives back the booking of a call that stopped waiting
 	settle   *redis.Script // replaces a call's estimated cost by its actual cost
@@ -38,14 +38,23 @@ var scripts = struct {
 	feedback *redis.Script // records a vendor's pause and remaining count for the fleet
 	usage    *redis.Script // reads how full each rule is, changing nothing
 	handback *redis.Script // tells Redis of the Local fallback's calls, and reserves the quota
-}{
-	acquire:  script("acquire.lua"),
-	cancel:   script("cancel.lua"),
-	settle:   script("settle.lua"),
-	release:  script("release.lua"),
-	feedback: script("feedback.lua"),
-	usage:    script("usage.lua"),
-	handback: script("handback.lua"),
+}
+
+// scripts are the scripts every limiter runs, with the switches that
+// switchOff turned off (none in a program built without the tag).
+var scripts = loadScripts()
+
+// loadScripts returns the scripts with the mechanisms switched off now.
+func loadScripts() scriptSet {
+	return scriptSet{
+		acquire:  script("acquire.lua"),
+		cancel:   script("cancel.lua"),
+		settle:   script("settle.lua"),
+		release:  script("release.lua"),
+		feedback: script("feedback.lua"),
+		usage:    script("usage.lua"),
+		handback: script("handback.lua"),
+	}
 }
 
 // offLine is the line of lib.lua that sets the scripts' switches.

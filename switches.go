@@ -4,17 +4,24 @@ package throttle
 // can be measured again (docs/PROTOCOL.md, section 7, the ledger: each row
 // names its switch). They are for measurement only: a fleet with a
 // mechanism off may break the promise that mechanism serves, and no
-// release keeps a switch's name. A program reads them once, when it
-// starts, from the environment variable THROTTLE_OFF, a comma-separated
-// list of names; New fails while it names a mechanism that does not exist.
-// The library's scripts read those of the Lua side from a table, OFF,
-// which they are sent with empty.
+// release keeps a switch's name.
+//
+// Two kinds of program read them: one built with the tag throttle_switches
+// (switches_tag.go), and this package's tests (switches_env_test.go). Each
+// reads the environment variable THROTTLE_OFF once, when it starts: a
+// comma-separated list of names; New fails while one names no mechanism.
+// Any other program keeps every mechanism on, whatever its environment:
+// its first New logs that THROTTLE_OFF has no effect, when it is set.
+// The scripts read the Lua side's switches from a table, OFF, empty unless
+// a switch is read.
 
 import (
 	"fmt"
+	"log/slog"
 	"os"
 	"slices"
 	"strings"
+	"sync"
 )
 
 // mechanism names a mechanism that a switch turns off.
@@ -76,9 +83,40 @@ var goMechanisms = []mechanism{
 	offNews, offBreaker, offAskTimeout, offQueuedFailures, offHandBack, offForwardSteps, offMoves, offRebookLowered,
 }
 
-// switchedOff holds the mechanisms THROTTLE_OFF turns off, and offErr what
-// is wrong with it.
-var switchedOff, offErr = readOff(os.Getenv("THROTTLE_OFF"))
+// switchedOff holds the mechanisms THROTTLE_OFF turns off, offErr what is
+// wrong with it, and switchesRead whether this program reads it at all.
+var (
+	switchedOff  map[mechanism]bool
+	offErr       error
+	switchesRead bool
+)
+
+// switchOff turns off the mechanisms that v names, as THROTTLE_OFF does.
+// Only the programs that read switches call it, when they start.
+func switchOff(v string) {
+	switchedOff, offErr = readOff(v)
+	switchesRead = true
+	if len(switchedOff) > 0 {
+		scripts = loadScripts() // their OFF table changes their text
+	}
+}
+
+// ignoredOnce makes warnIgnoredSwitches log once per process.
+var ignoredOnce sync.Once
+
+// warnIgnoredSwitches logs to logger, once per process, that THROTTLE_OFF
+// is set but not read. A warning, not an error: the environment must not
+// change what a production program does, nor be ignored unseen.
+func warnIgnoredSwitches(logger *slog.Logger) {
+	v := os.Getenv("THROTTLE_OFF")
+	if switchesRead || v == "" {
+		return
+	}
+	ignoredOnce.Do(func() {
+		logger.Warn("throttle: THROTTLE_OFF has no effect: every mechanism stays on in a program built without the tag throttle_switches",
+			"THROTTLE_OFF", v)
+	})
+}
 
 // readOff reads a list of mechanisms to turn off.
 func readOff(v string) (map[mechanism]bool, error) {

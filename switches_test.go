@@ -2,10 +2,13 @@ package throttle
 
 import (
 	"context"
+	"fmt"
 	"os"
 	"os/exec"
+	"path/filepath"
 	"regexp"
 	"slices"
+	"strconv"
 	"strings"
 	"testing"
 
@@ -225,4 +228,83 @@ func TestSwitches_EachBreaksItsTest(t *testing.T) {
 			}
 		})
 	}
+}
+
+// TestSwitches_AProgramBuiltWithoutTheTagIgnoresThem builds a program that
+// uses a Limiter (testdata/switchprobe) with and without the tag
+// throttle_switches, and runs both with THROTTLE_OFF=breaker,epochs. Only
+// the tagged build turns them off; the other keeps both, and warns once
+// that THROTTLE_OFF has no effect: what reads it is not even linked in.
+func TestSwitches_AProgramBuiltWithoutTheTagIgnoresThem(t *testing.T) {
+	t.Parallel() // builds and runs another program
+	for _, tagged := range []bool{false, true} {
+		t.Run(fmt.Sprintf("tagged=%v", tagged), func(t *testing.T) {
+			t.Parallel()
+			p := runSwitchProbe(t, tagged, "breaker,epochs")
+			if p.linked != tagged {
+				t.Errorf("readOff linked into the program: %v, want %v", p.linked, tagged)
+			}
+			table, warnings := "local OFF = {}", 1
+			if tagged {
+				table, warnings = "local OFF = {epochs = true}", 0
+			}
+			if p.table != table {
+				t.Errorf("the scripts' table: %q, want %q", p.table, table)
+			}
+			if held := p.calls <= 10; held == tagged {
+				t.Errorf("%d script calls of 20 decisions reached a dead Redis; breaker on: %v, want %v", p.calls, held, !tagged)
+			}
+			if n := strings.Count(p.stderr, "THROTTLE_OFF has no effect"); n != warnings {
+				t.Errorf("%d warnings that THROTTLE_OFF has no effect, want %d:\n%s", n, warnings, p.stderr)
+			}
+		})
+	}
+}
+
+// switchProbe is what testdata/switchprobe showed of one build.
+type switchProbe struct {
+	linked bool   // whether readOff is in the program at all
+	table  string // the OFF table the scripts were sent with
+	calls  int    // the script calls that reached a dead Redis
+	stderr string
+}
+
+// runSwitchProbe builds testdata/switchprobe, with the tag throttle_switches
+// if tagged, and runs it with THROTTLE_OFF=off.
+func runSwitchProbe(t *testing.T, tagged bool, off string) switchProbe {
+	t.Helper()
+	bin := filepath.Join(t.TempDir(), "switchprobe")
+	args := []string{"build", "-o", bin}
+	if tagged {
+		args = append(args, "-tags", "throttle_switches")
+	}
+	if out, err := exec.Command("go", append(args, "./testdata/switchprobe")...).CombinedOutput(); err != nil {
+		t.Fatalf("go build: %v\n%s", err, out)
+	}
+	syms, err := exec.Command("go", "tool", "nm", bin).Output()
+	if err != nil {
+		t.Fatalf("go tool nm: %v", err)
+	}
+	var stderr strings.Builder
+	run := exec.Command(bin)
+	run.Env = append(os.Environ(), "THROTTLE_OFF="+off)
+	run.Stderr = &stderr
+	out, err := run.Output()
+	if err != nil {
+		t.Fatalf("switchprobe: %v\n%s%s", err, out, stderr.String())
+	}
+	// readOff, too large to be inlined, stands for what reads the switches.
+	p := switchProbe{linked: strings.Contains(string(syms), "throttle.readOff"), calls: -1, stderr: stderr.String()}
+	for _, line := range strings.Split(string(out), "\n") {
+		if v, ok := strings.CutPrefix(line, "OFF table: "); ok {
+			p.table = v
+		}
+		if v, ok := strings.CutPrefix(line, "script calls to a dead Redis: "); ok {
+			p.calls, _ = strconv.Atoi(v)
+		}
+	}
+	if p.calls < 0 {
+		t.Fatalf("switchprobe printed no count of script calls:\n%s", out)
+	}
+	return p
 }

@@ -156,6 +156,7 @@ func New(rdb redis.UniversalClient, name string, policy policies.Policy, opts ..
 	if err != nil {
 		return nil, err
 	}
+	warnIgnoredSwitches(s.logger)
 	l := &Limiter{rdb: rdb, name: name, s: s, id: newID(), room: make(chan struct{}), timing: timingFor(rdb, s.clock)}
 	l.rules, l.brk = rules, newBreaker()
 	// The steps of Redis's clock that the process's other limiters on the

@@ -2,7 +2,8 @@
 # ledger.sh measures what each mechanism of docs/PROTOCOL.md's ledger buys:
 # it runs one measurement with every mechanism on, then once with each
 # named switch off (THROTTLE_OFF, see switches.go), all in one run, and
-# prints one line per run.
+# prints one line per run. It builds every program it runs with the tag
+# throttle_switches: a program built without it keeps every mechanism on.
 #
 # Usage, from the repository's root:
 #
@@ -39,7 +40,7 @@ off() {
 
 case $what in
 cost)
-	(cd bench && go test -c -o "$tmp/bench.test" .)
+	(cd bench && go test -tags throttle_switches -c -o "$tmp/bench.test" .)
 	for m in "${runs[@]}"; do
 		out=$(cd bench && off "$m" "$tmp/bench.test" -test.run '^$' -test.bench 'FleetSaturated/throttle$|Decisions/throttle$|AcquireUncontended$' -test.benchtime "${BENCHTIME:-2s}" 2>&1)
 		fleet=$(echo "$out" | grep 'FleetSaturated/throttle' | grep -o '[0-9.]* redis-commands/admitted\|[0-9.]* redis-µs/admitted\|[0-9.]* utilization' | tr '\n' ' ')
@@ -49,21 +50,21 @@ cost)
 	done
 	;;
 worst)
-	(cd bench && go test -c -o "$tmp/bench.test" .)
+	(cd bench && go test -tags throttle_switches -c -o "$tmp/bench.test" .)
 	for m in "${runs[@]}"; do
 		echo "== off=$m"
 		(cd bench && off "$m" "$tmp/bench.test" -test.run '^$' -test.bench 'WorstCase' -test.benchtime 1x 2>&1 | grep '^|' || true)
 	done
 	;;
 fleet)
-	(cd bench && go build -o "$tmp/conditions" ./conditions)
+	(cd bench && go build -tags throttle_switches -o "$tmp/conditions" ./conditions)
 	for m in "${runs[@]}"; do
 		echo "== off=$m"
 		off "$m" "$tmp/conditions" -only "${SCENARIOS:-fleet-d25,busy,replicas-1000}" 2>&1 | sed -n '/^| scenario/,/^$/p'
 	done
 	;;
 faults)
-	go test -c -o "$tmp/throttle.test" .
+	go test -tags throttle_switches -c -o "$tmp/throttle.test" .
 	for m in "${runs[@]}"; do
 		n=$(off "$m" env GOGC=400 "$tmp/throttle.test" -test.run 'TestSim_Schedules' -sim.n "${SCHEDULES:-500}" -test.timeout 30m 2>&1 | grep -c -- '--- FAIL: TestSim_Schedules/' || true)
 		echo "off=$m | schedules 1..${SCHEDULES:-500} | $n broke the promise"

@@ -780,7 +780,8 @@ func throttleScripts(tb testing.TB) []*redis.Script {
 
 // luaOff returns the scripts' OFF table as the throttle package writes it
 // for the switches THROTTLE_OFF turns off (see ../switches.go): those of
-// the scripts, in the order of its luaMechanisms.
+// the scripts, in the order of its luaMechanisms; none in a build without
+// the tag throttle_switches, as in the throttle package.
 func luaOff(tb testing.TB, read func(string) string) string {
 	tb.Helper()
 	b, err := os.ReadFile(filepath.Join("..", "switches.go"))
@@ -794,7 +795,7 @@ func luaOff(tb testing.TB, read func(string) string) string {
 		tb.Fatal("../switches.go: no luaMechanisms")
 	}
 	off := map[string]bool{}
-	for _, m := range strings.Split(os.Getenv("THROTTLE_OFF"), ",") {
+	for _, m := range strings.Split(switchedOff(), ",") {
 		off[strings.TrimSpace(m)] = true
 	}
 	var on []string
