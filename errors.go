@@ -12,15 +12,15 @@ import (
 
 // ErrUnavailable is matched, through errors.Is, by the error of a call that
 // could not be decided because Redis failed, answered too late, or could not
-// be reached. The call was not made. The error is an *UnavailableError.
+// be reached. The call was not made. The error wraps what went wrong, so
+// that errors.As finds a redis.Error when Redis answered with one; when
+// Redis refused a right the scripts need, its message names the right.
 var ErrUnavailable = errors.New("throttle: redis unavailable")
 
-// UnavailableError is returned when Redis could not decide a call.
-type UnavailableError struct {
-	// Quota is the limiter's name.
-	Quota string
-	// Err is what went wrong.
-	Err error
+// unavailableError is the error of a call that Redis could not decide.
+type unavailableError struct {
+	Quota string // the limiter's name
+	Err   error  // what went wrong
 
 	prefix string // the quota's key prefix, for the rights a refusal names
 }
@@ -29,7 +29,7 @@ type UnavailableError struct {
 // scripts need, it names the right to grant, in ACL SETUSER's words, and
 // the command the script calls where it was refused (Redis before 7.2
 // does not name it).
-func (e *UnavailableError) Error() string {
+func (e *unavailableError) Error() string {
 	msg := fmt.Sprintf("throttle: quota %q: redis unavailable: %v", e.Quota, e.Err)
 	called := commandAt(e.Err.Error())
 	right := missingRight(e.Err.Error(), e.prefix)
@@ -87,7 +87,7 @@ func missingRight(msg, prefix string) string {
 
 // Unwrap returns ErrUnavailable, which the error matches, and what went
 // wrong.
-func (e *UnavailableError) Unwrap() []error { return []error{ErrUnavailable, e.Err} }
+func (e *unavailableError) Unwrap() []error { return []error{ErrUnavailable, e.Err} }
 
 // ErrLimited is matched, through errors.Is, by every error that refuses a
 // call because the quota is full. The error is a *LimitedError, which says

@@ -46,7 +46,7 @@ func TestOnRedisError_FailClosedRefusesTheCall(t *testing.T) {
 	lim := newLimiter(t, deadRedis(t), perSecond)
 	ran := false
 	_, err := Do(context.Background(), lim, func(context.Context) (int, error) { ran = true; return 0, nil })
-	var ue *UnavailableError
+	var ue *unavailableError
 	if !errors.Is(err, ErrUnavailable) || !errors.As(err, &ue) || ue.Quota != lim.Name() || ran {
 		t.Fatalf("Do on a dead Redis: %v (ran %v), want ErrUnavailable and no call", err, ran)
 	}

@@ -219,7 +219,7 @@ func (f *faultFleet) finish(overCapAllowed bool) faultTally {
 	}
 	unexpected := 0
 	for _, c := range s.calls {
-		var ue *UnavailableError
+		var ue *unavailableError
 		switch {
 		case c.err == nil:
 			s.ok++

@@ -50,8 +50,8 @@ func TestHeard_MakesTheVendorsAnswerKnown(t *testing.T) {
 			if err != nil || !refused || pause != 2*time.Second {
 				t.Fatalf("Heard(429, Retry-After 2s) = %v, %v, %v; want 2s, true, nil", pause, refused, err)
 			}
-			if d := lim.Paused(); d <= time.Second || d > 2*time.Second {
-				t.Errorf("Paused() = %v after a 2s pause, want (1s, 2s]", d)
+			if d := lim.paused(); d <= time.Second || d > 2*time.Second {
+				t.Errorf("paused() = %v after a 2s pause, want (1s, 2s]", d)
 			}
 			if d, err := other.Allow(ctx); err != nil || d.OK || d.RetryAfter < time.Second {
 				t.Errorf("another replica during the pause: %+v, %v; want refused for over a second", d, err)
@@ -94,8 +94,8 @@ func TestHeard_MakesTheVendorsAnswerKnown(t *testing.T) {
 			if n, _ := rec.count(EventCapLearned, false); n != 0 || learned(t, lim) != 10 {
 				t.Errorf("an overloaded vendor taught a cap: %d events, limit in force %d", n, learned(t, lim))
 			}
-			if lim.Paused() <= 2*time.Second {
-				t.Errorf("Paused() = %v after a 3s pause", lim.Paused())
+			if lim.paused() <= 2*time.Second {
+				t.Errorf("Paused() = %v after a 3s pause", lim.paused())
 			}
 		})
 
@@ -177,8 +177,8 @@ func TestHeard_MakesTheVendorsAnswerKnown(t *testing.T) {
 					t.Errorf("Heard(%+v) = %v, %v, %v; want an error with %q", tt.a, pause, refused, err, tt.want)
 				}
 			}
-			if lim.Paused() != 0 {
-				t.Errorf("a bad answer paused the quota for %v", lim.Paused())
+			if lim.paused() != 0 {
+				t.Errorf("a bad answer paused the quota for %v", lim.paused())
 			}
 			var nilPermit *Permit
 			if _, _, err := nilPermit.Heard(ctx, Answer{Status: 429}); err == nil {
@@ -230,7 +230,7 @@ func TestLimiter_TellsAWrapperWhatItNeeds(t *testing.T) {
 		t.Error("Logger() is not Options.Logger")
 	}
 	var none *Limiter
-	if none.Mode() != Block || none.Rules() != nil || none.Logger() != slog.Default() || none.Paused() != 0 {
+	if none.Mode() != Block || none.Rules() != nil || none.Logger() != slog.Default() || none.paused() != 0 {
 		t.Error("a nil Limiter's accessors do not give their zero answers")
 	}
 	p, err := lim.Acquire(ctx)
@@ -245,10 +245,10 @@ func TestLimiter_TellsAWrapperWhatItNeeds(t *testing.T) {
 	if err := keyed.Pause(ctx, time.Minute, Key("a")); err != nil {
 		t.Fatal(err)
 	}
-	if d := keyed.Paused(Key("a")); d <= 50*time.Second || d > time.Minute {
+	if d := keyed.paused(Key("a")); d <= 50*time.Second || d > time.Minute {
 		t.Errorf("Paused(Key(a)) = %v after a pause of a minute", d)
 	}
-	if d := keyed.Paused(Key("b")); d != 0 {
+	if d := keyed.paused(Key("b")); d != 0 {
 		t.Errorf("Paused(Key(b)) = %v: another key's pause", d)
 	}
 }

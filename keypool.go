@@ -54,7 +54,7 @@ func (p *keyPool) pick(lim *Limiter) int {
 	for j := range n {
 		i := (p.next + j) % n
 		k := &p.keys[i]
-		if k.quiet.After(now) || lim.Paused(Key(k.key)) > 0 {
+		if k.quiet.After(now) || lim.paused(Key(k.key)) > 0 {
 			if first < 0 || k.quiet.Before(p.keys[first].quiet) {
 				first = i
 			}

@@ -311,5 +311,5 @@ func (l *Limiter) runOn(ctx context.Context, s *redis.Script, keys []string, arg
 
 // unavailable wraps an error of Redis, or of the way to it.
 func (l *Limiter) unavailable(err error) error {
-	return &UnavailableError{Quota: l.name, Err: err, prefix: l.s.prefix}
+	return &unavailableError{Quota: l.name, Err: err, prefix: l.s.prefix}
 }

@@ -485,7 +485,7 @@ func TestSecurity_RefusalsInEachEnginesWords(t *testing.T) {
 		{"scripting turned off", "ERR unknown command 'evalsha', with args beginning with: ", ""},
 		{"Dragonfly", "ERR script tried accessing undeclared key", ""},
 	} {
-		err := &UnavailableError{Quota: "q", Err: replyError(c.reply), prefix: "throttle"}
+		err := &unavailableError{Quota: "q", Err: replyError(c.reply), prefix: "throttle"}
 		if !refusedByConfiguration(err) {
 			t.Errorf("%s: %q taken for an outage", c.engine, c.reply)
 		}

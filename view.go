@@ -110,12 +110,12 @@ func (l *Limiter) pausedPast(sc scope, slot time.Duration) bool {
 	return false
 }
 
-// Paused reports how long, as far as this process knows, the quota stays
+// paused reports how long, as far as this process knows, the quota stays
 // paused for a call with opts (their Key matters, on a quota of
 // policies.PerKey policies only): by Pause, by a vendor's refusal that this
 // replica or another made known. It asks nothing of Redis; 0 means no pause
 // is known. A call admitted during a pause is booked after it.
-func (l *Limiter) Paused(opts ...CallOption) time.Duration {
+func (l *Limiter) paused(opts ...CallOption) time.Duration {
 	if l.made() != nil {
 		return 0
 	}

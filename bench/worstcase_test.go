@@ -718,9 +718,12 @@ func outcome(calls, admitted int) string {
 
 // redisError is what Redis answered when a decision failed there.
 func redisError(err error) error {
-	var u *throttle.UnavailableError
-	if errors.As(err, &u) {
-		return u.Err
+	if u, ok := err.(interface{ Unwrap() []error }); ok {
+		for _, e := range u.Unwrap() {
+			if e != throttle.ErrUnavailable {
+				return e
+			}
+		}
 	}
 	return err
 }

@@ -110,7 +110,9 @@ func TestClassify_TellsTheRunsEndFromErrors(t *testing.T) {
 	limited := func(after time.Duration) error {
 		return &throttle.LimitedError{Quota: "q", RetryAfter: after}
 	}
-	redisErr := func(err error) error { return &throttle.UnavailableError{Quota: "q", Err: err} }
+	redisErr := func(err error) error {
+		return fmt.Errorf("throttle: quota \"q\": %w: %w", throttle.ErrUnavailable, err)
+	}
 	tests := []struct {
 		name string
 		ctx  context.Context
