@@ -20,8 +20,8 @@ import (
 )
 
 // Outage tests: a fleet calls through a Redis that dies and comes back,
-// and each call's outcome is kept, to check what the failure table in the
-// README promises of it.
+// and each call's outcome is kept, to check what the failure table
+// (docs/FAILURES.md) promises of it.
 
 // outageCall is one call of an outage run.
 type outageCall struct {

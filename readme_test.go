@@ -93,19 +93,25 @@ func readmeUse(ctx context.Context, rdb *redis.Client) error {
 	return nil
 }
 
-func readmeHTTPClient(rdb *redis.Client) *http.Client {
+func readmeHTTPClient(rdb *redis.Client) (*http.Client, error) {
 	// README http
-	core, _ := throttle.New(rdb, "github-core", policies.PerKey{Policy: policies.SlidingLog{Limit: 5000, Window: time.Hour}})
-	search, _ := throttle.New(rdb, "github-search", policies.PerKey{Policy: policies.SlidingLog{Limit: 30, Window: time.Minute}})
+	core, err := throttle.New(rdb, "github-core", policies.PerKey{Policy: policies.SlidingLog{Limit: 5000, Window: time.Hour}})
+	if err != nil {
+		return nil, err
+	}
+	search, err := throttle.New(rdb, "github-search", policies.PerKey{Policy: policies.SlidingLog{Limit: 30, Window: time.Minute}})
+	if err != nil {
+		return nil, err
+	}
 	client := &http.Client{Transport: &throttle.Transport{ // no Limiter: other hosts are not limited
 		Routes: []throttle.Route{
 			{Pattern: "api.github.com/search/", Limiter: search},
 			{Pattern: "api.github.com/", Limiter: core},
 		},
-		Key: func(r *http.Request) string { return r.Header.Get("Authorization") },
+		Key: func(r *http.Request) string { return r.Header.Get("Authorization") }, // one quota per token
 	}}
 	// README end
-	return client
+	return client, nil
 }
 
 func readmeShared(rdb *redis.Client) (*throttle.Limiter, *throttle.Limiter) {
@@ -190,15 +196,19 @@ func readmeWorkers(ctx context.Context, rdb *redis.Client, policy policies.Polic
 	tenant := "tenant-42"
 	sendSMS := func(ctx context.Context) (*Message, error) { return smsClient{}.Send(ctx, "+15550100", "hello") }
 	// README workers
-	lim, _ := throttle.New(rdb, "sms-provider", policy, throttle.Options{Mode: throttle.Queue})
-	f := throttle.Go(ctx, lim, sendSMS, throttle.Key(tenant), throttle.Priority(10)) // returns at once
-	// ... f.Wait() where the result is needed
-	err := lim.Close(ctx) // stop taking jobs, drain the queue: every job runs or gets an error
-	// README end
-	if _, werr := f.Wait(); werr != nil {
-		return werr
+	lim, err := throttle.New(rdb, "sms-provider", policy, throttle.Options{Mode: throttle.Queue})
+	if err != nil {
+		return err
 	}
-	return err
+	f := throttle.Go(ctx, lim, sendSMS, throttle.Key(tenant), throttle.Priority(10)) // returns at once
+	if err := lim.Close(ctx); err != nil { // stop taking jobs; wait until every job has run
+		return err
+	}
+	if _, err := f.Wait(); err != nil {
+		return err
+	}
+	// README end
+	return nil
 }
 
 func readmePolicies() (policies.Policy, policies.Policy) {
@@ -344,8 +354,8 @@ func TestREADME_SnippetsRun(t *testing.T) {
 		if err := readmeUse(ctx, rdb); err != nil {
 			t.Errorf("Use: %v", err)
 		}
-		if c := readmeHTTPClient(rdb); c.Transport == nil {
-			t.Error("the HTTP client snippet made no transport")
+		if c, err := readmeHTTPClient(rdb); err != nil || c.Transport == nil {
+			t.Errorf("the HTTP client snippet: %v, %v", c, err)
 		}
 		core, err := throttle.New(rdb, "github-core", policies.PerKey{Policy: policies.SlidingLog{Limit: 5000, Window: time.Hour}})
 		if err != nil {

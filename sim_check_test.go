@@ -37,7 +37,7 @@ func check(s schedule, o outcome) []string {
 // cuts some off (a cut, or a stall that makes a replica's round trips
 // longer than RedisTimeout) while the others still decide in Redis at the
 // whole limit lets the cut ones add their shares, Limit/n each (the
-// README's failure table says so), rounded up here, since each rule of an
+// failure table (docs/FAILURES.md) says so), rounded up here, since each rule of an
 // All or a PerKey is divided on its own.
 func partitioned(s schedule) schedule {
 	if s.OnError != Local {
@@ -57,7 +57,7 @@ func partitioned(s schedule) schedule {
 }
 
 // knownOpen returns what run o of schedule s broke that the README's
-// failure table leaves open, and is reported, not failed: over the cap
+// failure table (docs/FAILURES.md) leaves open, and is reported, not failed: over the cap
 // after a failover to a copy that lagged, when the processes that saw the
 // lost scripts' count called only after the others had made it up (seed
 // 1369 of the 2,000: 77 units where 50 fit, now and then).

@@ -20,15 +20,17 @@ import (
 // The README's OpenAI snippet, compiled and run here against the fake.
 func readmeOpenAI(ctx context.Context, rdb *redis.Client, params openai.ChatCompletionNewParams) (*openai.ChatCompletion, error) {
 	// README openai
-	lim, _ := throttle.New(rdb, "openai", policies.All(
-		policies.PerCall{Policy: policies.SlidingLog{Limit: 500, Window: time.Minute}},
-		policies.SlidingCounter{Limit: 200_000, Window: time.Minute},
+	lim, err := throttle.New(rdb, "openai", policies.All(
+		policies.PerCall{Policy: policies.SlidingLog{Limit: 500, Window: time.Minute}}, // requests
+		policies.SlidingCounter{Limit: 200_000, Window: time.Minute},                   // tokens
 	))
+	if err != nil {
+		return nil, err
+	}
 	client := openai.NewClient(option.WithHTTPClient(&http.Client{Transport: &throttle.Transport{Limiter: lim,
-		Cost: tokens.Cost(tokens.OpenAIChat, tokens.Estimate.Total, 200_000)}})) // the prompt's estimate + max tokens
-	completion, err := client.Chat.Completions.New(ctx, params)
+		Cost: tokens.Cost(tokens.OpenAIChat, tokens.Estimate.Total, 20_000)}})) // the prompt's estimate + max tokens
+	return client.Chat.Completions.New(ctx, params)
 	// README end
-	return completion, err
 }
 
 func TestREADME_OpenAISnippetRuns(t *testing.T) {
