@@ -461,6 +461,7 @@ func (l *Limiter) finishBatch(sc scope, batch []*request, rep acquireReply, stal
 			reason:    c.reason,
 			now:       rep.now,
 			pause:     c.pause,
+			pausedBy:  rep.pausedFor(c.pause),
 			scope:     req.sc,
 			member:    req.member,
 			cost:      req.c.cost,

@@ -103,8 +103,13 @@ type LimitedError struct {
 	RetryAfter time.Duration
 	// Reason says why the call was refused, when the quota being full now
 	// is not the whole story: the slot lay beyond MaxWait or the context's
-	// deadline, or every slot came too late to start in. Empty otherwise.
+	// deadline, or every slot came too late to start in, and why the quota
+	// is paused. Empty otherwise.
 	Reason string
+	// PausedBy says why the quota was paused when it refused the call:
+	// PausedByVendor, PausedByLoss, PausedByPolicy or PausedByClock; "" when
+	// no pause kept the call out.
+	PausedBy string
 }
 
 // Error describes the refusal.
@@ -138,10 +143,28 @@ func (l *Limiter) refused(r result, by string) error {
 		return l.limited(r.wait, "every concurrency slot is taken")
 	case r.reason == reasonShare:
 		return l.limited(r.wait, shareReason)
-	case r.pause > r.now:
-		return l.limited(r.wait, "the vendor asked the fleet to pause")
+	case r.pausedBy != "":
+		return l.pausedError(r, "the quota is paused")
 	}
 	return l.limited(r.wait, "the quota is full now, and "+by+" does not wait")
+}
+
+// pauseCauses say, by Usage.PausedBy's names, why a quota is paused.
+var pauseCauses = map[string]string{
+	PausedByVendor: "the vendor asked the fleet to pause",
+	PausedByLoss:   "Redis lost the quota's data, and every limit counts as full for its window, whose calls the vendor still counts",
+	PausedByPolicy: "a deploy changed a rule's kind or window, and the new rule waits out a window of the old one's calls",
+	PausedByClock:  "Redis's clock stepped back, and the calls admitted before the step count as full for a window",
+}
+
+// pausedError returns the error of the call r, refused while its quota was
+// paused: reason, then the pause's cause.
+func (l *Limiter) pausedError(r result, reason string) error {
+	cause := pauseCauses[r.pausedBy]
+	if cause == "" {
+		cause = "for a reason this version does not know"
+	}
+	return &LimitedError{Quota: l.name, RetryAfter: r.wait, Reason: reason + ": " + cause, PausedBy: r.pausedBy}
 }
 
 // limitName names the field a rule's limit comes from, with its value.

@@ -152,7 +152,7 @@ func (l *Limiter) feedback(ctx context.Context, said vendorSaid, r result, opts 
 		l.noteLowered(rep.now)
 	}
 	if pause > 0 {
-		l.emit(Event{Kind: EventPaused, Duration: pause})
+		l.emit(Event{Kind: EventPaused, Duration: pause, PausedBy: PausedByVendor})
 	}
 	if rep.lowered {
 		l.s.logger.Warn("throttle: the vendor refused a call over its limit; the quota's limit in force is lowered to what the vendor accepted",

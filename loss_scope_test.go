@@ -2,8 +2,13 @@ package throttle
 
 import (
 	"context"
+	"errors"
+	"strings"
+	"sync"
 	"testing"
 	"time"
+
+	"github.com/redis/go-redis/v9"
 
 	"github.com/throttlekit/throttle/internal/redistest"
 	"github.com/throttlekit/throttle/policies"
@@ -65,4 +70,98 @@ func TestDataLoss_FoundByFeedbackPausesForEveryRule(t *testing.T) {
 			})
 		})
 	}
+}
+
+// Every pause names its cause: in the error of a call it refused, and in
+// the Observer's event of that refusal.
+func TestPause_TheRefusalNamesItsCause(t *testing.T) {
+	log := policies.SlidingLog{Limit: 10, Window: time.Second}
+	tests := []struct {
+		cause string
+		words string
+		pause func(t *testing.T, ctx context.Context, rdb redis.UniversalClient, name string, clock *fixedClock) *Limiter
+	}{
+		{PausedByVendor, "the vendor asked", func(t *testing.T, ctx context.Context, rdb redis.UniversalClient, name string, clock *fixedClock) *Limiter {
+			lim := causeLimiter(t, rdb, name, log, clock)
+			if err := lim.Pause(ctx, time.Minute); err != nil {
+				t.Fatal(err)
+			}
+			return lim
+		}},
+		{PausedByLoss, "lost the quota's data", func(t *testing.T, ctx context.Context, rdb redis.UniversalClient, name string, clock *fixedClock) *Limiter {
+			lim := causeLimiter(t, rdb, name, log, clock)
+			if err := rdb.FlushAll(ctx).Err(); err != nil {
+				t.Fatal(err)
+			}
+			return lim
+		}},
+		{PausedByPolicy, "a deploy changed", func(t *testing.T, ctx context.Context, rdb redis.UniversalClient, name string, clock *fixedClock) *Limiter {
+			causeLimiter(t, rdb, name, log, clock)
+			lim, err := New(rdb, name, policies.SlidingCounter{Limit: 10, Window: time.Second}, Options{Mode: FailFast, Logger: quiet(), Observer: observed})
+			if err != nil {
+				t.Fatal(err)
+			}
+			return lim
+		}},
+		{PausedByClock, "clock stepped back", func(t *testing.T, ctx context.Context, rdb redis.UniversalClient, name string, clock *fixedClock) *Limiter {
+			lim := causeLimiter(t, rdb, name, log, clock)
+			clock.Add(-time.Second)
+			return lim
+		}},
+	}
+	for _, tt := range tests {
+		t.Run(tt.cause, func(t *testing.T) {
+			redistest.Each(t, func(t *testing.T, s *redistest.Server) {
+				ctx := context.Background()
+				rdb := s.Client(t)
+				var events []Event
+				var mu sync.Mutex
+				observe = func(e Event) {
+					mu.Lock()
+					defer mu.Unlock()
+					events = append(events, e)
+				}
+				defer func() { observe = nil }()
+				lim := tt.pause(t, ctx, rdb, strings.ReplaceAll(t.Name(), " ", "-"), newClock())
+				_, err := lim.Acquire(ctx)
+				var le *LimitedError
+				if !errors.As(err, &le) || le.PausedBy != tt.cause || !strings.Contains(le.Reason, tt.words) {
+					t.Fatalf("the call while paused: %v (%+v); want refused, PausedBy %q, a reason saying %q", err, le, tt.cause, tt.words)
+				}
+				mu.Lock()
+				defer mu.Unlock()
+				if n := len(events); n == 0 || events[n-1].Kind != EventLimited || events[n-1].PausedBy != tt.cause {
+					t.Errorf("the Observer's last event %+v, want EventLimited with PausedBy %q", events, tt.cause)
+				}
+			})
+		})
+	}
+}
+
+// observe, when set, receives the events of the limiters of
+// TestPause_TheRefusalNamesItsCause.
+var observe func(Event)
+
+func observed(e Event) {
+	if observe != nil {
+		observe(e)
+	}
+}
+
+// causeLimiter returns a FailFast limiter of quota name that has made one
+// call, on clock when not nil.
+func causeLimiter(t *testing.T, rdb redis.UniversalClient, name string, p policies.Policy, clock *fixedClock) *Limiter {
+	t.Helper()
+	o := Options{Mode: FailFast, Logger: quiet(), Observer: observed}
+	if clock != nil {
+		o.Clock = clock.Now
+	}
+	lim, err := New(rdb, name, p, o)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if d, err := lim.Allow(context.Background()); err != nil || !d.OK {
+		t.Fatalf("the first call: %+v, %v", d, err)
+	}
+	return lim
 }

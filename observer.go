@@ -36,7 +36,7 @@ const (
 	// EventVendorLimited: the vendor answered 429 or 503 (Transport).
 	EventVendorLimited EventKind = "vendor_limited"
 	// EventPaused: the quota, or one key of it, was paused for Duration at
-	// the vendor's request.
+	// the vendor's request (PausedBy is PausedByVendor).
 	EventPaused EventKind = "paused"
 	// EventCapLearned: the vendor refused a call over its limit, and the
 	// quota learned its cap: Limit is the lowest limit in force of its rules
@@ -81,6 +81,9 @@ type Event struct {
 	// Shadow reports a call that went ahead although the limiter refused
 	// it, because the limiter is in shadow mode (Options.Shadow).
 	Shadow bool
+	// PausedBy says why the quota was paused, as Usage.PausedBy does: for a
+	// call refused while it was (EventLimited), and for EventPaused.
+	PausedBy string
 	// Err is the failure of a Redis round trip, or why a call was refused.
 	Err error
 }
@@ -108,7 +111,7 @@ func (l *Limiter) emitOutcome(c call, p *Permit, err error, shadow bool) {
 	case errors.Is(err, ErrLimited):
 		e.Kind = EventLimited
 		if le, ok := err.(*LimitedError); ok {
-			e.Wait = le.RetryAfter
+			e.Wait, e.PausedBy = le.RetryAfter, le.PausedBy
 		}
 	case errors.Is(err, ErrQueueFull):
 		e.Kind = EventLimited

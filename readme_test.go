@@ -201,7 +201,8 @@ func readmeWorkers(ctx context.Context, rdb *redis.Client, policy policies.Polic
 		return err
 	}
 	f := throttle.Go(ctx, lim, sendSMS, throttle.Key(tenant), throttle.Priority(10)) // returns at once
-	if err := lim.Close(ctx); err != nil { // stop taking jobs; wait until every job has run
+	// Stop taking jobs; wait until every job has run.
+	if err := lim.Close(ctx); err != nil {
 		return err
 	}
 	if _, err := f.Wait(); err != nil {

@@ -26,7 +26,7 @@ const (
 // The acquire script's reply: a header, then a fixed number of values per
 // call (see lua/acquire.lua).
 const (
-	acquireHeader  = 7
+	acquireHeader  = 9
 	acquirePerCall = 7
 )
 
@@ -40,7 +40,24 @@ type acquireReply struct {
 	margin time.Duration // the smallest guarded margin in force, or 0
 	done   time.Duration // the time the script ended
 	seq    int64         // the quota's count of scripts run
-	calls  []callReply
+	// paused is the time until which the quota itself is paused, or 0, and
+	// pausedBy why (see Usage.PausedBy).
+	paused   time.Duration
+	pausedBy string
+	calls    []callReply
+}
+
+// pausedFor returns why a call paused until pause was refused: the
+// quota's cause, or the vendor's for a pause of the call's key that ends
+// later; "" for no pause in force at now.
+func (rep acquireReply) pausedFor(pause time.Duration) string {
+	switch {
+	case pause <= rep.now:
+		return ""
+	case pause > rep.paused:
+		return PausedByVendor
+	}
+	return rep.pausedBy
 }
 
 // callReply is acquire.lua's decision of one call.
@@ -64,7 +81,7 @@ func decodeAcquire(v []int64, n int) (acquireReply, error) {
 	us := func(x int64) time.Duration { return time.Duration(x) * time.Microsecond }
 	rep := acquireReply{
 		now: us(v[0]), pause: us(v[1]), epoch: v[2], lost: v[3] == 1,
-		margin: us(v[4]), done: us(v[5]), seq: v[6],
+		margin: us(v[4]), done: us(v[5]), seq: v[6], paused: us(v[7]), pausedBy: pausedBy[v[8]],
 		calls: make([]callReply, n),
 	}
 	for i := range n {
@@ -216,6 +233,7 @@ type result struct {
 	now       time.Duration // Redis time since the Unix epoch
 	done      time.Duration // Redis time the script ended
 	pause     time.Duration // Redis time until which the scope is paused, or 0
+	pausedBy  string        // why, as Usage.PausedBy says (see acquireReply.pausedFor)
 	scope     scope
 	member    string
 	cost      int            // the units booked

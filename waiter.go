@@ -133,6 +133,9 @@ func (l *Limiter) notAdmitted(ctx context.Context, r result, maxWait, busy time.
 		return busy, sleep(ctx, r.wait)
 	case reasonBusy:
 	default:
+		if r.pausedBy != "" {
+			return busy, l.pausedError(r, reason+" while the quota is paused")
+		}
 		return busy, l.limited(r.wait, reason)
 	}
 	if maxWait <= busy {

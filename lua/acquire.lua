@@ -43,8 +43,8 @@
 --   slot (see decide); and its class, "<priority>" or "<priority>/<key>"
 --   (see Classes), or "" for a call of no class (ArrivalOrder).
 --
--- Returns {now, pause, epoch, lost, margin, done, seq, then for each call: admitted,
--- wait, remaining, reason, pause, noted, logged}:
+-- Returns {now, pause, epoch, lost, margin, done, seq, paused, paused_by, then
+-- for each call: admitted, wait, remaining, reason, pause, noted, logged}:
 --   now        the time the script used, in microseconds;
 --   pause      the time until which the quota or the first scope's key is
 --              paused, or 0; after each call, the same for the call's scope;
@@ -56,6 +56,9 @@
 --              see LONG_WORK): a call admitted now starts no earlier, and the
 --              caller measures the reply's trip from it;
 --   seq        the quota's count of scripts run, this one included;
+--   paused     the time until which the quota itself is paused, or 0;
+--   paused_by  why (PAUSED_BY_* in lib.lua), or 0: a call's pause that ends
+--              later is its key's, which only the vendor sets;
 --   admitted   1 when the call was admitted (wait 0) or booked (wait > 0), else 0;
 --   wait       microseconds from now until the call's slot; when refused, how long
 --              until it would fit (its retry-after);
@@ -1530,9 +1533,11 @@ load_rules(batch)
 pace_warm_start(batch)
 -- The reply's header (see the top); done, its sixth value, is known only
 -- once the calls are decided and written.
+local quota_paused = batch.meta.pause > now
 batch.out = {
   str(now), str(batch.scopes[1].pause), str(batch.meta.epoch), batch.found and 1 or 0,
   str(batch.margin), 0, str(batch.meta.seq),
+  quota_paused and str(batch.meta.pause) or 0, quota_paused and batch.meta.paused_by or 0,
 }
 for c = 0, batch.ncalls - 1 do
   local err = decide(batch, c)
