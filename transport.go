@@ -63,14 +63,22 @@ const (
 // call to the vendor: after growing, jittered delays, at most MaxRetries
 // times, within MaxRetryTime and the request's context. Only a request
 // that can be sent again is retried: its body is absent or GetBody produces
-// it again (a body is read again only through GetBody), and its method is
-// idempotent (GET, HEAD, OPTIONS, TRACE, PUT, DELETE), it carries an
-// Idempotency-Key, or it has GetBody, by which its caller allows sending it
-// again (the vendor refused the call, so it was not carried out). When the
+// it again (a body is read again only through GetBody), and sending it
+// twice is safe. That is so for an idempotent method (GET, HEAD, OPTIONS,
+// TRACE, PUT, DELETE) and for a request with an Idempotency-Key; any other
+// (a POST, a PATCH) is retried only with RetryAnyMethod. net/http gives
+// most bodies a GetBody, so GetBody alone says nothing of safety. When the
 // retry cannot be made in time (the vendor's pause ends after the budget or
 // the context's deadline, or the limiter refuses it), the vendor's refusal
 // is returned as it came; so it is in FailFast mode, whose caller chose not
 // to wait.
+//
+// An SDK that retries a refusal itself (openai-go twice by default,
+// stripe-go when Stripe-Should-Retry says so) sends each try through the
+// Transport, which may retry each in turn: up to (1 + the SDK's retries) ×
+// (1 + MaxRetries) sends of one call. Each waits for its slot, so the cap
+// holds, but the caller waits longer. Keep one of the two: set MaxRetries
+// to -1, or turn the SDK's retries off.
 //
 // Transport keeps the contract of http.RoundTripper: it does not modify the
 // request (a retry sends a clone); it closes the request's body on every
@@ -163,6 +171,10 @@ type Transport struct {
 	// vendor's first refusal: a refusal whose pause ends later is returned
 	// at once. 0 means a minute.
 	MaxRetryTime time.Duration
+	// RetryAnyMethod retries a refused request of any method, a POST or
+	// a PATCH without an Idempotency-Key too. Set it for a vendor that
+	// documents that a refused call was not carried out (Twilio's 20429).
+	RetryAnyMethod bool
 	// DefaultPause is how long the fleet pauses after a 429 that does not
 	// say when to come back; up to a quarter more is added at random. 0
 	// means a second.
@@ -209,6 +221,7 @@ type transport struct {
 	pool         *keyPool
 	priority     func(*http.Request) int
 	maxRetries   int
+	anyMethod    bool // RetryAnyMethod
 	maxRetryTime time.Duration
 	pause        time.Duration
 	// holds tells the limiters with a policies.Concurrency rule, whose
@@ -226,7 +239,7 @@ type route struct {
 func (t *Transport) compile() *transport {
 	c := &transport{
 		base: t.Base, lim: t.Limiter, key: t.Key, cost: t.Cost, respCost: t.ResponseCost, priority: t.Priority,
-		maxRetries: t.MaxRetries, maxRetryTime: t.MaxRetryTime, pause: t.DefaultPause,
+		maxRetries: t.MaxRetries, anyMethod: t.RetryAnyMethod, maxRetryTime: t.MaxRetryTime, pause: t.DefaultPause,
 	}
 	if c.base == nil {
 		c.base = http.DefaultTransport
@@ -552,7 +565,7 @@ func (t *transport) feedback(ctx context.Context, p *Permit, status int, v vendo
 // slot. It reports false when the request must not or cannot be retried in
 // time.
 func (t *transport) nextAttempt(req *http.Request, lim *Limiter, retries backoff.BackOff, first time.Time, quiet time.Duration) (*http.Request, time.Duration, bool) {
-	if lim.Mode() == FailFast || !replayable(req) {
+	if lim.Mode() == FailFast || !replayable(req, t.anyMethod) {
 		return nil, 0, false
 	}
 	delay := retries.NextBackOff()
@@ -581,9 +594,8 @@ func (t *transport) nextAttempt(req *http.Request, lim *Limiter, retries backoff
 
 // replayable reports whether a request may be sent again after the vendor
 // refused it: its body can be produced again, and sending it twice is safe,
-// by its method or its Idempotency-Key, or because the caller gave GetBody
-// to have it sent again (a refused call was not carried out).
-func replayable(req *http.Request) bool {
+// by its method or its Idempotency-Key, or because anyMethod says so.
+func replayable(req *http.Request, anyMethod bool) bool {
 	if req.Body != nil && req.Body != http.NoBody && req.GetBody == nil {
 		return false
 	}
@@ -591,7 +603,7 @@ func replayable(req *http.Request) bool {
 	case "", http.MethodGet, http.MethodHead, http.MethodOptions, http.MethodTrace, http.MethodPut, http.MethodDelete:
 		return true
 	}
-	return req.GetBody != nil || req.Header.Get("Idempotency-Key") != "" || req.Header.Get("X-Idempotency-Key") != ""
+	return anyMethod || req.Header.Get("Idempotency-Key") != "" || req.Header.Get("X-Idempotency-Key") != ""
 }
 
 // waitRetry waits d before a refused request is retried, or until ctx ends.

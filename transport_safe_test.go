@@ -1,0 +1,51 @@
+package throttle
+
+import (
+	"bytes"
+	"context"
+	"net/http"
+	"strconv"
+	"testing"
+	"time"
+
+	"github.com/throttlekit/throttle/internal/redistest"
+	"github.com/throttlekit/throttle/policies"
+)
+
+// A POST is sent again only when that is safe: with an Idempotency-Key, or
+// when the Transport is told that any method may be retried. A body that
+// GetBody can produce again (net/http sets it for a bytes.Reader) is no
+// such leave: the vendor may have carried out a refused POST in part.
+func TestTransport_RetriesAPostOnlyWithAnIdempotencyKeyOrWhenAsked(t *testing.T) {
+	s := redistest.Mini(t)
+	for i, tt := range []struct {
+		name     string
+		key      string
+		anyKind  bool
+		attempts int
+	}{
+		{"a bytes.Reader body, no Idempotency-Key", "", false, 1},
+		{"an Idempotency-Key", "k-1", false, 2},
+		{"RetryAnyMethod", "", true, 2},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			srv := newVendorServer(t, refuseFirst(1, "Retry-After", "0"))
+			lim := replicaLimiter(t, s, "post-"+strconv.Itoa(i), policies.SlidingLog{Limit: 10, Window: time.Minute})
+			req := mustRequest(t, context.Background(), http.MethodPost, srv.URL, bytes.NewReader([]byte(`{"amount":100}`)))
+			if req.GetBody == nil {
+				t.Fatal("net/http gave a bytes.Reader body no GetBody: the case tests nothing")
+			}
+			if tt.key != "" {
+				req.Header.Set("Idempotency-Key", tt.key)
+			}
+			resp, err := (&Transport{Limiter: lim, RetryAnyMethod: tt.anyKind}).RoundTrip(req)
+			if err != nil {
+				t.Fatal(err)
+			}
+			readAll(t, resp)
+			if n := srv.count(); n != tt.attempts {
+				t.Errorf("the vendor saw the POST %d times, want %d", n, tt.attempts)
+			}
+		})
+	}
+}
