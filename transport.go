@@ -124,10 +124,8 @@ type Transport struct {
 	// most the quota's smallest limit, or the request fails with the
 	// limiter's error. When nil, every request costs 1. It is called once
 	// per try: a client that sends a request again (an SDK's retries) sends
-	// a new one. A request whose context carries call options (WithOptions)
-	// costs what they say, and Cost is not called: an SDK's caller who knows
-	// the call's estimate from its typed parameters sets it once for every
-	// try.
+	// a new one. The options of the request's context (WithOptions) apply
+	// after Key, Cost and Priority: a Cost given there wins over this one.
 	Cost func(*http.Request) int
 	// ResponseCost reads the actual cost of each request from its
 	// response, for a vendor that says what a call cost (a header of
@@ -519,13 +517,14 @@ func (t *transport) callOptions(req *http.Request) []CallOption {
 			opts = append(opts, Key(k))
 		}
 	}
-	given, ok := OptionsFrom(req.Context())
-	if t.cost != nil && !ok {
+	if t.cost != nil {
 		opts = append(opts, Cost(t.cost(req)))
 	}
 	if t.priority != nil {
 		opts = append(opts, Priority(t.priority(req)))
 	}
+	// The request's own options come last: each one it gives wins.
+	given, _ := OptionsFrom(req.Context())
 	return append(opts, given...)
 }
 

@@ -49,3 +49,37 @@ func TestTransport_RetriesAPostOnlyWithAnIdempotencyKeyOrWhenAsked(t *testing.T)
 		})
 	}
 }
+
+// The options a request's context carries (WithOptions) apply on top of
+// what the Transport's Key, Cost and Priority give: a Priority alone leaves
+// Transport.Cost in force, and a Cost given there wins over it.
+func TestTransport_WithOptionsApplyOnTopOfTheTransportsCost(t *testing.T) {
+	s := redistest.Mini(t)
+	srv := newVendorServer(t, answer(http.StatusOK, "ok"))
+	lim := replicaLimiter(t, s, "with-options", policies.SlidingLog{Limit: 100, Window: time.Minute})
+	tr := &Transport{Limiter: lim, Cost: func(*http.Request) int { return 3 }}
+	for _, tt := range []struct {
+		name string
+		opts []CallOption
+		want int
+	}{
+		{"no options", nil, 3},
+		{"a Priority alone", []CallOption{Priority(1)}, 3},
+		{"a Cost", []CallOption{Priority(1), Cost(5)}, 5},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			ctx := context.Background()
+			if tt.opts != nil {
+				ctx = WithOptions(ctx, tt.opts...)
+			}
+			resp, err := tr.RoundTrip(mustRequest(t, ctx, http.MethodGet, srv.URL, nil))
+			if err != nil {
+				t.Fatal(err)
+			}
+			readAll(t, resp)
+			if got := PermitFrom(resp.Request.Context()).Cost(); got != tt.want {
+				t.Errorf("the request cost %d, want %d", got, tt.want)
+			}
+		})
+	}
+}
