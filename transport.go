@@ -117,7 +117,8 @@ type Transport struct {
 
 	// Key gives the Key of each request: the tenant, user or API token it
 	// is for, under policies.PerKey limits. An empty string gives the
-	// request no key.
+	// request no key. Only a limiter with policies.PerKey rules takes it: a
+	// route whose quota has none counts its requests without a key.
 	Key func(*http.Request) string
 	// Cost gives the Cost of each request, in units of the quota (a batch
 	// endpoint, an estimate of LLM tokens). It must be at least 1 and at
@@ -156,8 +157,10 @@ type Transport struct {
 	// so that every key is tried. The request still runs in one script
 	// call: the pick costs Redis nothing, and the limiter decides the call
 	// against the key's own limits whatever this process believed. The
-	// keys are the limiter's Keys, hashed before they reach Redis. Keys
-	// override Key. An empty key, or Keys without SetKey, is invalid.
+	// keys are the limiter's Keys, hashed before they reach Redis; a
+	// limiter without policies.PerKey rules counts the requests of every
+	// key as one, and each still goes with the key picked. Keys override
+	// Key. An empty key, or Keys without SetKey, is invalid.
 	Keys []string
 	// SetKey sets the key Keys picked on the request sent.
 	SetKey func(r *http.Request, key string)
@@ -225,6 +228,9 @@ type transport struct {
 	// holds tells the limiters with a policies.Concurrency rule, whose
 	// slots a request holds until its response's body is closed.
 	holds map[*Limiter]bool
+	// keyed tells the limiters with policies.PerKey rules: only those take
+	// a request's key, which any other refuses.
+	keyed map[*Limiter]bool
 	err   error // the first invalid field: every request fails with it
 }
 
@@ -261,9 +267,10 @@ func (t *Transport) compile() *transport {
 		c.invalid("DefaultPause", "must not be negative, got %v", c.pause)
 	}
 	c.addRoutes(t.Routes)
-	c.holds = map[*Limiter]bool{c.lim: holdsSlots(c.lim)}
-	for _, r := range c.routes {
-		c.holds[r.lim] = holdsSlots(r.lim)
+	c.holds, c.keyed = map[*Limiter]bool{}, map[*Limiter]bool{}
+	for _, lim := range append([]*Limiter{c.lim}, c.routeLimiters()...) {
+		c.holds[lim] = hasRule(lim, func(r policies.Rule) bool { return r.Kind == policies.KindConcurrency })
+		c.keyed[lim] = hasRule(lim, func(r policies.Rule) bool { return r.PerKey })
 	}
 	if t.Keys != nil || t.SetKey != nil {
 		pool, err := newKeyPool(t.Keys, t.SetKey)
@@ -276,6 +283,15 @@ func (t *Transport) compile() *transport {
 		c.invalid("Limiter", "is nil and no Route has a Limiter, so no request would be limited: set Limiter, or Routes with their limiters")
 	}
 	return c
+}
+
+// routeLimiters returns the limiters of the transport's routes.
+func (t *transport) routeLimiters() []*Limiter {
+	lims := make([]*Limiter, len(t.routes))
+	for i, r := range t.routes {
+		lims[i] = r.lim
+	}
+	return lims
 }
 
 // invalid records that field is invalid, unless a field read before it
@@ -383,7 +399,7 @@ func (t *transport) roundTrip(req *http.Request) (*http.Response, error) {
 		return t.base.RoundTrip(req)
 	}
 	ctx := req.Context()
-	opts := t.callOptions(req)
+	opts := t.callOptions(req, lim)
 	var (
 		out     = req           // the request sent by this attempt
 		refusal *http.Response  // the vendor's last refusal, kept while a retry is tried
@@ -438,7 +454,10 @@ func (t *transport) pickKey(ctx context.Context, lim *Limiter, out *http.Request
 	}
 	// Each attempt picks its key: a retry may find another with room.
 	key := t.pool.pick(lim)
-	callOpts := append(opts[:len(opts):len(opts)], Key(t.pool.keys[key].key))
+	callOpts := opts
+	if t.keyed[lim] {
+		callOpts = append(opts[:len(opts):len(opts)], Key(t.pool.keys[key].key))
+	}
 	send := out.Clone(ctx)
 	t.pool.set(send, t.pool.keys[key].key)
 	return send, callOpts, key
@@ -473,7 +492,12 @@ func (t *transport) send(ctx context.Context, lim *Limiter, p *Permit, req *http
 	v := parseVendorLimits(resp.Header, time.Now())
 	quiet, refused := t.feedback(ctx, p, resp.StatusCode, v)
 	if key >= 0 {
-		t.pool.heard(key, p.Remaining(), v.remaining, quiet)
+		// A quota of no per-key rules counts every key's calls as one.
+		count := -1
+		if t.keyed[lim] {
+			count = p.Remaining()
+		}
+		t.pool.heard(key, count, v.remaining, quiet)
 	}
 	if t.respCost != nil && !refused {
 		t.settle(ctx, lim, p, resp)
@@ -510,9 +534,9 @@ func (t *transport) limiterFor(req *http.Request) *Limiter {
 	return t.lim
 }
 
-func (t *transport) callOptions(req *http.Request) []CallOption {
+func (t *transport) callOptions(req *http.Request, lim *Limiter) []CallOption {
 	var opts []CallOption
-	if t.key != nil && t.pool == nil {
+	if t.key != nil && t.pool == nil && t.keyed[lim] {
 		if k := t.key(req); k != "" {
 			opts = append(opts, Key(k))
 		}
@@ -644,18 +668,9 @@ func (t *transport) deliver(resp *http.Response, lim *Limiter, p *Permit) *http.
 	return resp
 }
 
-// holdsSlots reports whether lim has a policies.Concurrency rule, whose
-// slots a call holds until it is released.
-func holdsSlots(lim *Limiter) bool {
-	if lim == nil {
-		return false
-	}
-	for _, r := range lim.Rules() {
-		if r.Kind == policies.KindConcurrency {
-			return true
-		}
-	}
-	return false
+// hasRule reports whether lim has a rule for which is returns true.
+func hasRule(lim *Limiter, is func(policies.Rule) bool) bool {
+	return lim != nil && slices.ContainsFunc(lim.Rules(), is)
 }
 
 // releaseOnClose releases a permit when the response body is closed.

@@ -83,3 +83,52 @@ func TestTransport_WithOptionsApplyOnTopOfTheTransportsCost(t *testing.T) {
 		})
 	}
 }
+
+// Key and Keys reach only the limiters whose policy has per-key rules: a
+// route whose quota is one for all keys takes its requests without a key,
+// where it failed each of them.
+func TestTransport_KeysReachOnlyPerKeyLimiters(t *testing.T) {
+	s := redistest.Mini(t)
+	srv := newVendorServer(t, answer(http.StatusOK, "ok"))
+	perToken := policies.PerKey{Policy: policies.SlidingLog{Limit: 100, Window: time.Minute}}
+	shared := policies.SlidingLog{Limit: 100, Window: time.Minute}
+	for _, tt := range []struct {
+		name string
+		tr   func(core, search *Limiter) *Transport
+	}{
+		{"Key", func(core, search *Limiter) *Transport {
+			return &Transport{Limiter: core, Routes: []Route{{Pattern: "/search/", Limiter: search}},
+				Key: func(r *http.Request) string { return r.Header.Get("X-Token") }}
+		}},
+		{"Keys", func(core, search *Limiter) *Transport {
+			return &Transport{Limiter: core, Routes: []Route{{Pattern: "/search/", Limiter: search}},
+				Keys: []string{"t-1", "t-2"}, SetKey: func(r *http.Request, k string) { r.Header.Set("X-Token", k) }}
+		}},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			core := replicaLimiter(t, s, "keys-core-"+tt.name, perToken)
+			search := replicaLimiter(t, s, "keys-search-"+tt.name, shared)
+			var tokens []string
+			tr := tt.tr(core, search)
+			tr.Base = roundTripFunc(func(r *http.Request) (*http.Response, error) {
+				tokens = append(tokens, r.Header.Get("X-Token"))
+				return http.DefaultTransport.RoundTrip(r)
+			})
+			for _, path := range []string{"/repos", "/search/code"} {
+				req := mustRequest(t, context.Background(), http.MethodGet, srv.URL+path, nil)
+				req.Header.Set("X-Token", "t-1")
+				resp, err := tr.RoundTrip(req)
+				if err != nil {
+					t.Fatalf("%s: %v", path, err)
+				}
+				readAll(t, resp)
+			}
+			if len(tokens) != 2 || tokens[0] == "" || tokens[1] == "" {
+				t.Errorf("the requests sent carried the tokens %q, want one each", tokens)
+			}
+			if u, err := search.Usage(context.Background()); err != nil || u.Rules[0].Used != 1 {
+				t.Errorf("the search quota counts %+v (%v), want the one request", u, err)
+			}
+		})
+	}
+}
