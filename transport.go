@@ -32,6 +32,8 @@ const (
 	// maxKeptBody bounds the body of a refusal kept in memory while the
 	// request is retried, to be returned if the retry cannot be made.
 	maxKeptBody = 64 << 10
+	// maxReasonBody bounds what is read of a refusal's body for its reason.
+	maxReasonBody = 8 << 10
 	// feedbackTimeout bounds the calls to Redis that make a vendor's
 	// answer known, which run even when the request's context has ended.
 	feedbackTimeout = time.Second
@@ -53,8 +55,11 @@ const (
 // sends) pauses the quota until the time the vendor named in Retry-After,
 // X-RateLimit-Reset or the IETF RateLimit header, and for DefaultPause
 // (with jitter) after a 429 that named none; so does any answer that says
-// nothing is left until a reset. A refusal over the quota's cap teaches the
-// quota the cap. An answer that says fewer calls are left than the shared
+// nothing is left until a reset. A refusal teaches the quota a cap only
+// when the vendor says it is about its rate (Answer.AboutRate): a reason it
+// documents, in a header or in the error code of a JSON body (the caller
+// still reads the whole body), or AboutRate; a 429 that gives no reason
+// only pauses. An answer that says fewer calls are left than the shared
 // count believes lowers the count. Durations are rounded up and capped at
 // an hour. The Transport uses nothing but the package's public API: a
 // wrapper of another client can do what it does.
@@ -172,6 +177,14 @@ type Transport struct {
 	// vendor's first refusal: a refusal whose pause ends later is returned
 	// at once. 0 means a minute.
 	MaxRetryTime time.Duration
+	// AboutRate reports whether a refusal that gives none of the reasons
+	// the Transport reads (docs/VENDORS.md) is about the vendor's rate
+	// limit, which teaches the quota a cap (Answer.AboutRate). When nil,
+	// none is: such a refusal pauses the fleet and teaches nothing. Return
+	// true for a vendor whose every 429 is about its rate, to follow a cap
+	// it lowers without warning. It must not read the body.
+	AboutRate func(*http.Response) bool
+
 	// RetryAnyMethod retries a refused request of any method, a POST or
 	// a PATCH without an Idempotency-Key too. Set it for a vendor that
 	// documents that a refused call was not carried out (Twilio's 20429).
@@ -219,6 +232,7 @@ type transport struct {
 	key          func(*http.Request) string
 	cost         func(*http.Request) int
 	respCost     func(*http.Response) int
+	aboutRate    func(*http.Response) bool
 	pool         *keyPool
 	priority     func(*http.Request) int
 	maxRetries   int
@@ -242,7 +256,7 @@ type route struct {
 // compile reads and checks the fields of t.
 func (t *Transport) compile() *transport {
 	c := &transport{
-		base: t.Base, lim: t.Limiter, key: t.Key, cost: t.Cost, respCost: t.ResponseCost, priority: t.Priority,
+		base: t.Base, lim: t.Limiter, key: t.Key, cost: t.Cost, respCost: t.ResponseCost, aboutRate: t.AboutRate, priority: t.Priority,
 		maxRetries: t.MaxRetries, anyMethod: t.RetryAnyMethod, maxRetryTime: t.MaxRetryTime, pause: t.DefaultPause,
 	}
 	if c.base == nil {
@@ -490,7 +504,7 @@ func (t *transport) send(ctx context.Context, lim *Limiter, p *Permit, req *http
 		return nil, 0, false, err
 	}
 	v := parseVendorLimits(resp.Header, time.Now())
-	quiet, refused := t.feedback(ctx, p, resp.StatusCode, v)
+	quiet, refused := t.feedback(ctx, p, resp.StatusCode, v, t.aboutRateOf(resp, v.about))
 	if key >= 0 {
 		// A quota of no per-key rules counts every key's calls as one.
 		count := -1
@@ -557,7 +571,7 @@ func (t *transport) callOptions(req *http.Request, lim *Limiter) []CallOption {
 // it refused the request. It runs even when the request's context has
 // ended, since the fleet needs to know; if Redis cannot be reached the
 // feedback is lost and the answer is returned all the same.
-func (t *transport) feedback(ctx context.Context, p *Permit, status int, v vendorLimits) (quiet time.Duration, refused bool) {
+func (t *transport) feedback(ctx context.Context, p *Permit, status int, v vendorLimits, aboutRate bool) (quiet time.Duration, refused bool) {
 	ctx, stop := context.WithTimeout(context.WithoutCancel(ctx), feedbackTimeout)
 	defer stop()
 	a := Answer{
@@ -565,6 +579,7 @@ func (t *transport) feedback(ctx context.Context, p *Permit, status int, v vendo
 		RetryAfter:    v.retryAfter,
 		HasRetryAfter: v.hasRetryAfter,
 		Shared:        v.scope == "shared",
+		AboutRate:     aboutRate,
 		DefaultPause:  t.pause,
 	}
 	if v.remaining >= 0 {
@@ -581,6 +596,44 @@ func (t *transport) feedback(ctx context.Context, p *Permit, status int, v vendo
 	}
 	quiet, refused, _ = p.Heard(ctx, a)
 	return quiet, refused
+}
+
+// aboutRateOf reports whether resp is a refusal about the vendor's rate:
+// by reason, read from its headers or else from its body, or by AboutRate
+// when it gives none. Only the statuses that may refuse are read.
+func (t *transport) aboutRateOf(resp *http.Response, about refusalAbout) bool {
+	switch resp.StatusCode {
+	case http.StatusTooManyRequests, http.StatusForbidden, http.StatusServiceUnavailable:
+	default:
+		return false
+	}
+	if about == aboutNothingSaid {
+		about = peekAbout(resp)
+	}
+	return about == aboutTheRate || about == aboutNothingSaid && t.aboutRate != nil && t.aboutRate(resp)
+}
+
+// peekAbout reads the reason of a refusal from the start of its JSON
+// body (bodyAbout), and gives the response a body that reads the same as
+// the vendor's: what was read, then the rest, or the error of the read.
+func peekAbout(resp *http.Response) refusalAbout {
+	if resp.Body == nil || resp.Body == http.NoBody || !strings.Contains(resp.Header.Get("Content-Type"), "json") {
+		return aboutNothingSaid
+	}
+	buf, err := io.ReadAll(io.LimitReader(resp.Body, maxReasonBody+1))
+	rest := io.Reader(resp.Body)
+	if err != nil {
+		rest = errReader{err}
+	}
+	resp.Body = struct {
+		io.Reader
+		io.Closer
+	}{io.MultiReader(bytes.NewReader(buf), rest), resp.Body}
+	if err != nil || len(buf) > maxReasonBody {
+		// A body cut short says nothing for certain.
+		return aboutNothingSaid
+	}
+	return bodyAbout(buf)
 }
 
 // nextAttempt prepares the retry of a refused request: a clone of req with
