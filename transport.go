@@ -76,7 +76,8 @@ const (
 // retry cannot be made in time (the vendor's pause ends after the budget or
 // the context's deadline, or the limiter refuses it), the vendor's refusal
 // is returned as it came; so it is in FailFast mode, whose caller chose not
-// to wait.
+// to wait, and in shadow mode (Mode is FailFast), which sends each request
+// once, as no limiter would.
 //
 // An SDK that retries a refusal itself (openai-go twice by default,
 // stripe-go when Stripe-Should-Retry says so) sends each try through the
