@@ -25,14 +25,13 @@ func Cost(n int) CallOption { return func(c *call) { c.cost, c.hasCost = n, true
 // optionsKey is the context key of WithOptions.
 type optionsKey struct{}
 
-// WithOptions returns a context whose requests, sent through a Transport,
-// take opts, on every try an SDK sends: a Transport's request made with it
-// costs what opts say (Cost, CostIn; 1 when they say nothing), and
-// Transport.Cost is not called; opts come after the Transport's Key and
-// Priority, so they win. A caller of an SDK who knows the call's estimate
-// from the parameters it passes (an LLM's max_tokens and prompt) sets it
-// once, where the Transport would read and parse the request's body again
-// on each try. With Track, to settle the call afterwards:
+// WithOptions returns a context whose requests sent through a Transport
+// take opts, on every try an SDK sends. They apply on top of what the
+// Transport's Key, Cost and Priority give: each option given here wins, and
+// the others still come from the Transport. Do, Go, Acquire and Allow do
+// not read it: pass them the options. A caller of an SDK who knows the
+// call's estimate from its parameters (an LLM's max_tokens and prompt) sets
+// it once here, for every try. With Track, to settle the call afterwards:
 //
 //	ctx, call := throttle.Track(throttle.WithOptions(ctx, throttle.Cost(estimate)))
 func WithOptions(ctx context.Context, opts ...CallOption) context.Context {

@@ -162,7 +162,7 @@ func Open(ctx context.Context, rdb redis.UniversalClient, q QuotaName, opts ...O
 	if err != nil {
 		return nil, err
 	}
-	meta := quotaBase(s.prefix, name, group) + "meta"
+	meta := quotaBase(s.keyPrefix(), name, group) + "meta"
 	text, err := rdb.HGet(ctx, meta, "policy").Result()
 	switch {
 	case errors.Is(err, redis.Nil):

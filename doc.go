@@ -28,8 +28,8 @@
 // through the limiter, and what the vendor answers reaches every replica:
 // its remaining counts, in the headers of GitHub, OpenAI, Anthropic,
 // Discord, Shopify, Salesforce, Zendesk, Stripe and the IETF draft; its
-// pauses; and, from its refusals, the cap it really allows, which the
-// quota learns and then probes back up (see Permit.Refused).
+// pauses; and, from its refusals about its rate, the cap it really allows,
+// which the quota learns and then probes back up (see Answer.AboutRate).
 //
 //	client := &http.Client{Transport: &throttle.Transport{Limiter: lim}}
 //

@@ -42,10 +42,11 @@ func (l *Limiter) Pause(ctx context.Context, d time.Duration, opts ...CallOption
 // holds for eight windows without a refusal, then rises back towards the
 // configured limit, step by step, while the fleet fills it.
 //
-// A Transport calls it on every 429 about the quota; call it from Do's fn
-// (see PermitFrom) when the vendor's client reports the refusal itself. Do
-// not call it for a refusal about something else (a limit of one endpoint,
-// a vendor overloaded): Pause alone is right for those.
+// A Transport does so for a refusal the vendor says is about its rate
+// (Answer.AboutRate); call it from Do's fn (see PermitFrom) when the
+// vendor's client reports such a refusal itself. Do not call it for a
+// refusal about something else (a lock, a concurrency limit, a bill, a
+// vendor overloaded): Pause alone is right for those.
 func (p *Permit) Refused(ctx context.Context, retryAfter time.Duration) error {
 	p, err := p.acting("Refused")
 	if err != nil {
@@ -253,11 +254,12 @@ func (p *Permit) opts() []CallOption {
 // a vendor gives through another client (a vendor SDK, a gRPC interceptor:
 // a RESOURCE_EXHAUSTED is a 429).
 type Answer struct {
-	// Status is the answer's HTTP status. A 429 is a refusal over the
-	// vendor's rate limit; so are a 503 with a RetryAfter (an overloaded
-	// vendor: the fleet pauses, but learns no cap from it) and a 403 with a
-	// RetryAfter or with nothing Remaining until a Reset (GitHub's ways of
-	// refusing). Other statuses are not refusals.
+	// Status is the answer's HTTP status. A 429 is a refusal; so are a
+	// 503 with a RetryAfter (an overloaded vendor: the fleet pauses, but
+	// learns no cap from it) and a 403 with a RetryAfter or with nothing
+	// Remaining until a Reset (GitHub's ways of refusing). Other statuses
+	// are not refusals. A refusal teaches a cap only when AboutRate says
+	// so, or a count shows nothing left of a stated limit.
 	Status int
 	// RetryAfter is how long the vendor asked callers to wait, when
 	// HasRetryAfter (the Retry-After header).
@@ -282,6 +284,14 @@ type Answer struct {
 	// others (Discord's X-RateLimit-Scope: shared): the fleet pauses, but
 	// learns no cap from it.
 	Shared bool
+	// AboutRate reports a refusal the vendor said is about its rate limit
+	// (Stripe-Rate-Limited-Reason: global-rate, OpenAI's error code
+	// rate_limit_exceeded): only such a refusal teaches the quota a cap
+	// when it gives no count. A 429 may be about a lock, a concurrency
+	// limit or a bill as well: one that says nothing of why pauses the
+	// fleet and teaches nothing. Transport sets it from each vendor's
+	// documented reasons (docs/VENDORS.md), or from Transport.AboutRate.
+	AboutRate bool
 	// DefaultPause is how long a 429 that names no time (no RetryAfter,
 	// no count with nothing left until a reset) pauses the fleet, with up
 	// to a quarter more at random. 0 means a second.
@@ -329,11 +339,12 @@ func (c *Count) count() vendorCount {
 //     named, or for DefaultPause when it named none; so does any answer that
 //     says nothing is left until a reset, unless the quota's own count had
 //     nothing left after the call either.
-//   - A refusal over the quota's cap teaches the quota the cap, as
-//     Permit.Refused does (not a 503, not a refusal about a shared
-//     resource, not one with Retry-After: 0, which says there is room now),
-//     unless the limiter's Options say WithoutLearning; so does an answer
-//     that says nothing is left of a Limit it states.
+//   - A refusal AboutRate teaches the quota the cap, as Permit.Refused
+//     does (not a 503, not a refusal about a shared resource, not one with
+//     Retry-After: 0, which says there is room now), unless the limiter's
+//     Options say WithoutLearning; so does an answer that says nothing is
+//     left of a Limit it states. A refusal that gives no reason and no
+//     count only pauses.
 //   - A count that says fewer are left than the quota believed right after
 //     it admitted the call lowers the quota's count, as
 //     Limiter.SetRemaining does; calls admitted after this one, on their
@@ -454,14 +465,16 @@ func (a Answer) refusal(requests vendorCount, pause time.Duration) (time.Duratio
 // teaches reports whether the answer, with the counts said, teaches the
 // quota the vendor's cap.
 //
-// A refusal teaches the quota the vendor's cap (Permit.Refused): the
-// limit the vendor states with it, or, when it says nothing of its
-// count, what the fleet admitted before the call. A refusal that gives
-// a count of units left without a limit is heeded through the count:
-// nothing left until the reset is a pause, units left mean a secondary
-// limit or a limit of one endpoint, not the quota's. An overloaded
-// vendor (503) teaches nothing, nor does a refusal that Discord says is
-// about a resource shared with others.
+// A refusal about the vendor's rate (AboutRate) teaches the quota the cap
+// (Permit.Refused): the limit the vendor states with it, or, when it says
+// nothing of its count, what the fleet admitted before the call. A refusal
+// that gives no reason teaches nothing by its status alone: a 429 may be a
+// lock, a concurrency limit or a bill. A refusal that gives a count of
+// units left without a limit is heeded through the count: nothing left
+// until the reset is a pause, units left mean a secondary limit or a limit
+// of one endpoint, not the quota's. An overloaded vendor (503) teaches
+// nothing, nor does a refusal that Discord says is about a resource shared
+// with others.
 //
 // An answer that says nothing is left of a limit it states teaches that
 // limit too, refused or not: the fleet has just used it all. A refusal
@@ -476,7 +489,7 @@ func (a Answer) teaches(said vendorSaid, refused bool) bool {
 	}
 	retryNow := a.HasRetryAfter && a.RetryAfter == 0
 	return a.Status != http.StatusServiceUnavailable && !a.Shared &&
-		(refused && remaining < 0 && !retryNow || remaining == 0 && limit > 0)
+		(refused && a.AboutRate && remaining < 0 && !retryNow || remaining == 0 && limit > 0)
 }
 
 // tell makes known to the fleet what the vendor's answer said, and the

@@ -59,9 +59,10 @@ func (q *quietVendor) count(from, to time.Duration) (ok, no int) {
 }
 
 // A vendor halves its cap without a word, and answers 429 with Retry-After
-// and nothing else. The fleet learns the new cap from its refusals: about
-// one 429 per call in flight, then none, at the new cap; and when the
-// vendor raises its cap again, the fleet finds it within a few windows.
+// and nothing else; Transport.AboutRate says its every 429 is about its
+// rate. The fleet learns the new cap from its refusals: about one 429 per
+// call in flight, then none, at the new cap; and when the vendor raises its
+// cap again, the fleet finds it within a few windows.
 func TestFollow_LearnsALoweredCapAndFindsItRaised(t *testing.T) {
 	long(t)
 	const (
@@ -99,7 +100,8 @@ func TestFollow_LearnsALoweredCapAndFindsItRaised(t *testing.T) {
 			t.Fatal(err)
 		}
 		lims = append(lims, lim)
-		c := &http.Client{Transport: &Transport{Base: &http.Transport{MaxIdleConnsPerHost: workers}, Limiter: lim}}
+		c := &http.Client{Transport: &Transport{Base: &http.Transport{MaxIdleConnsPerHost: workers}, Limiter: lim,
+			AboutRate: func(*http.Response) bool { return true }}}
 		for range workers {
 			wg.Go(func() {
 				for ctx.Err() == nil {

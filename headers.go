@@ -1,6 +1,7 @@
 package throttle
 
 import (
+	"encoding/json"
 	"math"
 	"net/http"
 	"strconv"
@@ -50,6 +51,59 @@ type vendorLimits struct {
 	// X-RateLimit-Scope (user, global, shared), GitHub's
 	// x-ratelimit-resource (core, search, graphql).
 	scope string
+	// about is whether the vendor said a refusal is about its rate:
+	// Stripe-Rate-Limited-Reason, or an error code of the body (bodyAbout).
+	about refusalAbout
+}
+
+// refusalAbout is what a vendor's documented reason says a refusal is
+// about: only one about its rate teaches the quota a cap.
+type refusalAbout int
+
+const (
+	aboutNothingSaid refusalAbout = iota // no reason given, or none the Transport reads
+	aboutTheRate                         // its rate limit
+	aboutOther                           // a lock, a concurrency limit, a billing quota, a secondary limit
+)
+
+// stripeAbout reads Stripe-Rate-Limited-Reason: its rate limiters, global
+// and per endpoint, or one of the others (concurrency, a resource's own).
+// A reason Stripe adds later is taken for one of the others.
+func stripeAbout(s string) refusalAbout {
+	switch strings.ToLower(strings.TrimSpace(s)) {
+	case "":
+		return aboutNothingSaid
+	case "global-rate", "endpoint-rate":
+		return aboutTheRate
+	}
+	return aboutOther
+}
+
+// bodyAbout reads the reason of a refusal from its JSON body: OpenAI's
+// error code rate_limit_exceeded, or insufficient_quota (a bill, in its
+// code or type); Stripe's lock_timeout (an object another request holds);
+// GitHub's message of a secondary rate limit.
+func bodyAbout(body []byte) refusalAbout {
+	var b struct {
+		Error   json.RawMessage `json:"error"`
+		Message string          `json:"message"`
+	}
+	if json.Unmarshal(body, &b) != nil {
+		return aboutNothingSaid
+	}
+	var e struct{ Code, Type any }
+	_ = json.Unmarshal(b.Error, &e)
+	code, _ := e.Code.(string)
+	typ, _ := e.Type.(string)
+	switch {
+	case code == "rate_limit_exceeded":
+		return aboutTheRate
+	case code == "insufficient_quota" || typ == "insufficient_quota" || code == "lock_timeout":
+		return aboutOther
+	case strings.Contains(strings.ToLower(b.Message), "secondary rate limit"):
+		return aboutOther
+	}
+	return aboutNothingSaid
 }
 
 // note keeps the tightest of the limits seen: the fewest units left, and for
@@ -89,7 +143,7 @@ func (v *vendorLimits) noteTokens(remaining int, reset time.Duration) {
 //     output-tokens}-{limit,remaining,reset}, the resets in RFC 3339;
 //   - Shopify's X-Shopify-Shop-Api-Call-Limit ("32/40": used of the
 //     bucket) and Salesforce's Sforce-Limit-Info ("api-usage=18/5000");
-//   - Stripe-Should-Retry;
+//   - Stripe-Should-Retry and Stripe-Rate-Limited-Reason;
 //   - the IETF headers of draft-ietf-httpapi-ratelimit-headers: the
 //     structured RateLimit ("default";r=0;t=30, several limits in a list)
 //     with RateLimit-Policy ("default";q=100;w=60), the dictionary of draft 07
@@ -134,6 +188,7 @@ func parseVendorLimits(h http.Header, now time.Time) vendorLimits {
 		v.noRetry = true
 	}
 	parseRateLimitField(h, &v)
+	v.about = stripeAbout(h.Get("Stripe-Rate-Limited-Reason"))
 	return v
 }
 

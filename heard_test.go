@@ -38,7 +38,7 @@ func TestHeard_MakesTheVendorsAnswerKnown(t *testing.T) {
 			return u.Rules[0].Limit
 		}
 
-		t.Run("a 429 pauses every replica and teaches the cap", func(t *testing.T) {
+		t.Run("a 429 about the rate pauses every replica and teaches the cap", func(t *testing.T) {
 			var rec recorder
 			lim := replicaLimiter(t, s, "heard-429", perMinute, Options{Observer: rec.Observe})
 			other := replicaLimiter(t, s, "heard-429", perMinute)
@@ -46,7 +46,7 @@ func TestHeard_MakesTheVendorsAnswerKnown(t *testing.T) {
 				acquire(t, lim)
 			}
 			p := acquire(t, lim)
-			pause, refused, err := p.Heard(ctx, Answer{Status: http.StatusTooManyRequests, RetryAfter: 2 * time.Second, HasRetryAfter: true})
+			pause, refused, err := p.Heard(ctx, Answer{Status: http.StatusTooManyRequests, RetryAfter: 2 * time.Second, HasRetryAfter: true, AboutRate: true})
 			if err != nil || !refused || pause != 2*time.Second {
 				t.Fatalf("Heard(429, Retry-After 2s) = %v, %v, %v; want 2s, true, nil", pause, refused, err)
 			}

@@ -339,14 +339,15 @@ func TestTransport_LearnsOnlyFromRefusalsAboutTheQuota(t *testing.T) {
 			retryAfter string
 			want       int
 		}{
-			{"a 429 that says nothing of the count", "silent", -1, "1", 50},
-			{"a 429 with units left: a secondary limit", "secondary", 7, "1", 100},
-			{"a 429 that says to retry now", "now", -1, "0", 100},
+			{"a 429 about the rate that says nothing of the count", "silent", -1, "1", 50},
+			{"a 429 about the rate with units left: a secondary limit", "secondary", 7, "1", 100},
+			{"a 429 about the rate that says to retry now", "now", -1, "0", 100},
 		} {
 			remaining.Store(tc.remaining)
 			retryAfter.Store(tc.retryAfter)
 			lim := newLimiter(t, s.Client(t), policies.SlidingLog{Limit: 100, Window: time.Second}, Options{Mode: FailFast, Prefix: tc.prefix})
-			c := &http.Client{Transport: &Transport{Limiter: lim, MaxRetries: -1}}
+			aboutRate := func(*http.Response) bool { return true }
+			c := &http.Client{Transport: &Transport{Limiter: lim, MaxRetries: -1, AboutRate: aboutRate}}
 			resp, err := c.Get(vendor.URL)
 			if err != nil {
 				t.Fatal(err)

@@ -105,10 +105,13 @@ type Options struct {
 	// is slog.Default().
 	Logger *slog.Logger
 	// Shadow puts the limiter in shadow mode: it decides and reports every
-	// call as usual (to its Observer, see Event.Shadow), records the calls
-	// that fit, and lets every call through at once, refused or not. Roll a
-	// limiter out in front of a live vendor this way, and watch what it
-	// would have done.
+	// call as usual (to its Observer, see Event.Shadow), and lets every
+	// call through at once, refused or not. Roll a limiter out in front of
+	// a live vendor this way, and watch what it would have done. It changes
+	// nothing the vendor or a live quota of the same name sees: it keeps
+	// its calls, pauses and learned caps under Prefix + ":shadow" (Usage,
+	// Quotas and the dashboard read them there), and a Transport sends each
+	// request once.
 	Shadow bool
 	// WithoutLearning keeps the configured limits whatever the vendor says:
 	// its refusals pause the fleet, but never teach the quota a lower cap
@@ -205,6 +208,15 @@ func newSettings(name string, opts []Options) (settings, error) {
 		err = validName("Options.Prefix", s.prefix)
 	}
 	return s, err
+}
+
+// keyPrefix starts every key the limiter writes: Prefix, and in shadow
+// mode a keyspace of its own, of which a live quota sees nothing.
+func (s settings) keyPrefix() string {
+	if s.shadow {
+		return s.prefix + ":shadow"
+	}
+	return s.prefix
 }
 
 // validName rejects names that would break the hash tag or bloat every key.

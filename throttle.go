@@ -252,10 +252,10 @@ func (l *Limiter) bases() (shared string) {
 	for _, r := range l.rules {
 		if r.Shared != "" {
 			l.group = r.Shared
-			shared = l.s.prefix + ":{" + r.Shared + "}//"
+			shared = l.s.keyPrefix() + ":{" + r.Shared + "}//"
 		}
 	}
-	l.base = quotaBase(l.s.prefix, l.name, l.group)
+	l.base = quotaBase(l.s.keyPrefix(), l.name, l.group)
 	return shared
 }
 
@@ -293,10 +293,15 @@ func newID() string {
 // Name returns the quota's name.
 func (l *Limiter) Name() string { return l.name }
 
-// Mode returns the limiter's Mode (Block for a nil Limiter).
+// Mode returns how the limiter takes its calls: its Options.Mode, FailFast
+// in shadow mode, which decides every call at once and waits for nothing,
+// and Block for a nil Limiter.
 func (l *Limiter) Mode() Mode {
-	if l.made() != nil {
+	switch {
+	case l.made() != nil:
 		return Block
+	case l.s.shadow:
+		return FailFast
 	}
 	return l.s.mode
 }

@@ -32,6 +32,8 @@ const (
 	// maxKeptBody bounds the body of a refusal kept in memory while the
 	// request is retried, to be returned if the retry cannot be made.
 	maxKeptBody = 64 << 10
+	// maxReasonBody bounds what is read of a refusal's body for its reason.
+	maxReasonBody = 8 << 10
 	// feedbackTimeout bounds the calls to Redis that make a vendor's
 	// answer known, which run even when the request's context has ended.
 	feedbackTimeout = time.Second
@@ -53,8 +55,11 @@ const (
 // sends) pauses the quota until the time the vendor named in Retry-After,
 // X-RateLimit-Reset or the IETF RateLimit header, and for DefaultPause
 // (with jitter) after a 429 that named none; so does any answer that says
-// nothing is left until a reset. A refusal over the quota's cap teaches the
-// quota the cap. An answer that says fewer calls are left than the shared
+// nothing is left until a reset. A refusal teaches the quota a cap only
+// when the vendor says it is about its rate (Answer.AboutRate): a reason it
+// documents, in a header or in the error code of a JSON body (the caller
+// still reads the whole body), or AboutRate; a 429 that gives no reason
+// only pauses. An answer that says fewer calls are left than the shared
 // count believes lowers the count. Durations are rounded up and capped at
 // an hour. The Transport uses nothing but the package's public API: a
 // wrapper of another client can do what it does.
@@ -63,14 +68,23 @@ const (
 // call to the vendor: after growing, jittered delays, at most MaxRetries
 // times, within MaxRetryTime and the request's context. Only a request
 // that can be sent again is retried: its body is absent or GetBody produces
-// it again (a body is read again only through GetBody), and its method is
-// idempotent (GET, HEAD, OPTIONS, TRACE, PUT, DELETE), it carries an
-// Idempotency-Key, or it has GetBody, by which its caller allows sending it
-// again (the vendor refused the call, so it was not carried out). When the
+// it again (a body is read again only through GetBody), and sending it
+// twice is safe. That is so for an idempotent method (GET, HEAD, OPTIONS,
+// TRACE, PUT, DELETE) and for a request with an Idempotency-Key; any other
+// (a POST, a PATCH) is retried only with RetryAnyMethod. net/http gives
+// most bodies a GetBody, so GetBody alone says nothing of safety. When the
 // retry cannot be made in time (the vendor's pause ends after the budget or
 // the context's deadline, or the limiter refuses it), the vendor's refusal
 // is returned as it came; so it is in FailFast mode, whose caller chose not
-// to wait.
+// to wait, and in shadow mode (Mode is FailFast), which sends each request
+// once, as no limiter would.
+//
+// An SDK that retries a refusal itself (openai-go twice by default,
+// stripe-go when Stripe-Should-Retry says so) sends each try through the
+// Transport, which may retry each in turn: up to (1 + the SDK's retries) ×
+// (1 + MaxRetries) sends of one call. Each waits for its slot, so the cap
+// holds, but the caller waits longer. Keep one of the two: set MaxRetries
+// to -1, or turn the SDK's retries off.
 //
 // Transport keeps the contract of http.RoundTripper: it does not modify the
 // request (a retry sends a clone); it closes the request's body on every
@@ -109,17 +123,16 @@ type Transport struct {
 
 	// Key gives the Key of each request: the tenant, user or API token it
 	// is for, under policies.PerKey limits. An empty string gives the
-	// request no key.
+	// request no key. Only a limiter with policies.PerKey rules takes it: a
+	// route whose quota has none counts its requests without a key.
 	Key func(*http.Request) string
 	// Cost gives the Cost of each request, in units of the quota (a batch
 	// endpoint, an estimate of LLM tokens). It must be at least 1 and at
 	// most the quota's smallest limit, or the request fails with the
 	// limiter's error. When nil, every request costs 1. It is called once
 	// per try: a client that sends a request again (an SDK's retries) sends
-	// a new one. A request whose context carries call options (WithOptions)
-	// costs what they say, and Cost is not called: an SDK's caller who knows
-	// the call's estimate from its typed parameters sets it once for every
-	// try.
+	// a new one. The options of the request's context (WithOptions) apply
+	// after Key, Cost and Priority: a Cost given there wins over this one.
 	Cost func(*http.Request) int
 	// ResponseCost reads the actual cost of each request from its
 	// response, for a vendor that says what a call cost (a header of
@@ -150,8 +163,10 @@ type Transport struct {
 	// so that every key is tried. The request still runs in one script
 	// call: the pick costs Redis nothing, and the limiter decides the call
 	// against the key's own limits whatever this process believed. The
-	// keys are the limiter's Keys, hashed before they reach Redis. Keys
-	// override Key. An empty key, or Keys without SetKey, is invalid.
+	// keys are the limiter's Keys, hashed before they reach Redis; a
+	// limiter without policies.PerKey rules counts the requests of every
+	// key as one, and each still goes with the key picked. Keys override
+	// Key. An empty key, or Keys without SetKey, is invalid.
 	Keys []string
 	// SetKey sets the key Keys picked on the request sent.
 	SetKey func(r *http.Request, key string)
@@ -163,6 +178,18 @@ type Transport struct {
 	// vendor's first refusal: a refusal whose pause ends later is returned
 	// at once. 0 means a minute.
 	MaxRetryTime time.Duration
+	// AboutRate reports whether a refusal that gives none of the reasons
+	// the Transport reads (docs/VENDORS.md) is about the vendor's rate
+	// limit, which teaches the quota a cap (Answer.AboutRate). When nil,
+	// none is: such a refusal pauses the fleet and teaches nothing. Return
+	// true for a vendor whose every 429 is about its rate, to follow a cap
+	// it lowers without warning. It must not read the body.
+	AboutRate func(*http.Response) bool
+
+	// RetryAnyMethod retries a refused request of any method, a POST or
+	// a PATCH without an Idempotency-Key too. Set it for a vendor that
+	// documents that a refused call was not carried out (Twilio's 20429).
+	RetryAnyMethod bool
 	// DefaultPause is how long the fleet pauses after a 429 that does not
 	// say when to come back; up to a quarter more is added at random. 0
 	// means a second.
@@ -206,14 +233,19 @@ type transport struct {
 	key          func(*http.Request) string
 	cost         func(*http.Request) int
 	respCost     func(*http.Response) int
+	aboutRate    func(*http.Response) bool
 	pool         *keyPool
 	priority     func(*http.Request) int
 	maxRetries   int
+	anyMethod    bool // RetryAnyMethod
 	maxRetryTime time.Duration
 	pause        time.Duration
 	// holds tells the limiters with a policies.Concurrency rule, whose
 	// slots a request holds until its response's body is closed.
 	holds map[*Limiter]bool
+	// keyed tells the limiters with policies.PerKey rules: only those take
+	// a request's key, which any other refuses.
+	keyed map[*Limiter]bool
 	err   error // the first invalid field: every request fails with it
 }
 
@@ -225,8 +257,8 @@ type route struct {
 // compile reads and checks the fields of t.
 func (t *Transport) compile() *transport {
 	c := &transport{
-		base: t.Base, lim: t.Limiter, key: t.Key, cost: t.Cost, respCost: t.ResponseCost, priority: t.Priority,
-		maxRetries: t.MaxRetries, maxRetryTime: t.MaxRetryTime, pause: t.DefaultPause,
+		base: t.Base, lim: t.Limiter, key: t.Key, cost: t.Cost, respCost: t.ResponseCost, aboutRate: t.AboutRate, priority: t.Priority,
+		maxRetries: t.MaxRetries, anyMethod: t.RetryAnyMethod, maxRetryTime: t.MaxRetryTime, pause: t.DefaultPause,
 	}
 	if c.base == nil {
 		c.base = http.DefaultTransport
@@ -250,9 +282,10 @@ func (t *Transport) compile() *transport {
 		c.invalid("DefaultPause", "must not be negative, got %v", c.pause)
 	}
 	c.addRoutes(t.Routes)
-	c.holds = map[*Limiter]bool{c.lim: holdsSlots(c.lim)}
-	for _, r := range c.routes {
-		c.holds[r.lim] = holdsSlots(r.lim)
+	c.holds, c.keyed = map[*Limiter]bool{}, map[*Limiter]bool{}
+	for _, lim := range append([]*Limiter{c.lim}, c.routeLimiters()...) {
+		c.holds[lim] = hasRule(lim, func(r policies.Rule) bool { return r.Kind == policies.KindConcurrency })
+		c.keyed[lim] = hasRule(lim, func(r policies.Rule) bool { return r.PerKey })
 	}
 	if t.Keys != nil || t.SetKey != nil {
 		pool, err := newKeyPool(t.Keys, t.SetKey)
@@ -265,6 +298,15 @@ func (t *Transport) compile() *transport {
 		c.invalid("Limiter", "is nil and no Route has a Limiter, so no request would be limited: set Limiter, or Routes with their limiters")
 	}
 	return c
+}
+
+// routeLimiters returns the limiters of the transport's routes.
+func (t *transport) routeLimiters() []*Limiter {
+	lims := make([]*Limiter, len(t.routes))
+	for i, r := range t.routes {
+		lims[i] = r.lim
+	}
+	return lims
 }
 
 // invalid records that field is invalid, unless a field read before it
@@ -372,7 +414,7 @@ func (t *transport) roundTrip(req *http.Request) (*http.Response, error) {
 		return t.base.RoundTrip(req)
 	}
 	ctx := req.Context()
-	opts := t.callOptions(req)
+	opts := t.callOptions(req, lim)
 	var (
 		out     = req           // the request sent by this attempt
 		refusal *http.Response  // the vendor's last refusal, kept while a retry is tried
@@ -427,7 +469,10 @@ func (t *transport) pickKey(ctx context.Context, lim *Limiter, out *http.Request
 	}
 	// Each attempt picks its key: a retry may find another with room.
 	key := t.pool.pick(lim)
-	callOpts := append(opts[:len(opts):len(opts)], Key(t.pool.keys[key].key))
+	callOpts := opts
+	if t.keyed[lim] {
+		callOpts = append(opts[:len(opts):len(opts)], Key(t.pool.keys[key].key))
+	}
 	send := out.Clone(ctx)
 	t.pool.set(send, t.pool.keys[key].key)
 	return send, callOpts, key
@@ -460,9 +505,14 @@ func (t *transport) send(ctx context.Context, lim *Limiter, p *Permit, req *http
 		return nil, 0, false, err
 	}
 	v := parseVendorLimits(resp.Header, time.Now())
-	quiet, refused := t.feedback(ctx, p, resp.StatusCode, v)
+	quiet, refused := t.feedback(ctx, p, resp.StatusCode, v, t.aboutRateOf(resp, v.about))
 	if key >= 0 {
-		t.pool.heard(key, p.Remaining(), v.remaining, quiet)
+		// A quota of no per-key rules counts every key's calls as one.
+		count := -1
+		if t.keyed[lim] {
+			count = p.Remaining()
+		}
+		t.pool.heard(key, count, v.remaining, quiet)
 	}
 	if t.respCost != nil && !refused {
 		t.settle(ctx, lim, p, resp)
@@ -499,20 +549,21 @@ func (t *transport) limiterFor(req *http.Request) *Limiter {
 	return t.lim
 }
 
-func (t *transport) callOptions(req *http.Request) []CallOption {
+func (t *transport) callOptions(req *http.Request, lim *Limiter) []CallOption {
 	var opts []CallOption
-	if t.key != nil && t.pool == nil {
+	if t.key != nil && t.pool == nil && t.keyed[lim] {
 		if k := t.key(req); k != "" {
 			opts = append(opts, Key(k))
 		}
 	}
-	given, ok := OptionsFrom(req.Context())
-	if t.cost != nil && !ok {
+	if t.cost != nil {
 		opts = append(opts, Cost(t.cost(req)))
 	}
 	if t.priority != nil {
 		opts = append(opts, Priority(t.priority(req)))
 	}
+	// The request's own options come last: each one it gives wins.
+	given, _ := OptionsFrom(req.Context())
 	return append(opts, given...)
 }
 
@@ -521,7 +572,7 @@ func (t *transport) callOptions(req *http.Request) []CallOption {
 // it refused the request. It runs even when the request's context has
 // ended, since the fleet needs to know; if Redis cannot be reached the
 // feedback is lost and the answer is returned all the same.
-func (t *transport) feedback(ctx context.Context, p *Permit, status int, v vendorLimits) (quiet time.Duration, refused bool) {
+func (t *transport) feedback(ctx context.Context, p *Permit, status int, v vendorLimits, aboutRate bool) (quiet time.Duration, refused bool) {
 	ctx, stop := context.WithTimeout(context.WithoutCancel(ctx), feedbackTimeout)
 	defer stop()
 	a := Answer{
@@ -529,6 +580,7 @@ func (t *transport) feedback(ctx context.Context, p *Permit, status int, v vendo
 		RetryAfter:    v.retryAfter,
 		HasRetryAfter: v.hasRetryAfter,
 		Shared:        v.scope == "shared",
+		AboutRate:     aboutRate,
 		DefaultPause:  t.pause,
 	}
 	if v.remaining >= 0 {
@@ -547,12 +599,50 @@ func (t *transport) feedback(ctx context.Context, p *Permit, status int, v vendo
 	return quiet, refused
 }
 
+// aboutRateOf reports whether resp is a refusal about the vendor's rate:
+// by reason, read from its headers or else from its body, or by AboutRate
+// when it gives none. Only the statuses that may refuse are read.
+func (t *transport) aboutRateOf(resp *http.Response, about refusalAbout) bool {
+	switch resp.StatusCode {
+	case http.StatusTooManyRequests, http.StatusForbidden, http.StatusServiceUnavailable:
+	default:
+		return false
+	}
+	if about == aboutNothingSaid {
+		about = peekAbout(resp)
+	}
+	return about == aboutTheRate || about == aboutNothingSaid && t.aboutRate != nil && t.aboutRate(resp)
+}
+
+// peekAbout reads the reason of a refusal from the start of its JSON
+// body (bodyAbout), and gives the response a body that reads the same as
+// the vendor's: what was read, then the rest, or the error of the read.
+func peekAbout(resp *http.Response) refusalAbout {
+	if resp.Body == nil || resp.Body == http.NoBody || !strings.Contains(resp.Header.Get("Content-Type"), "json") {
+		return aboutNothingSaid
+	}
+	buf, err := io.ReadAll(io.LimitReader(resp.Body, maxReasonBody+1))
+	rest := io.Reader(resp.Body)
+	if err != nil {
+		rest = errReader{err}
+	}
+	resp.Body = struct {
+		io.Reader
+		io.Closer
+	}{io.MultiReader(bytes.NewReader(buf), rest), resp.Body}
+	if err != nil || len(buf) > maxReasonBody {
+		// A body cut short says nothing for certain.
+		return aboutNothingSaid
+	}
+	return bodyAbout(buf)
+}
+
 // nextAttempt prepares the retry of a refused request: a clone of req with
 // its body produced again, and the delay before it asks the limiter for a
 // slot. It reports false when the request must not or cannot be retried in
 // time.
 func (t *transport) nextAttempt(req *http.Request, lim *Limiter, retries backoff.BackOff, first time.Time, quiet time.Duration) (*http.Request, time.Duration, bool) {
-	if lim.Mode() == FailFast || !replayable(req) {
+	if lim.Mode() == FailFast || !replayable(req, t.anyMethod) {
 		return nil, 0, false
 	}
 	delay := retries.NextBackOff()
@@ -581,9 +671,8 @@ func (t *transport) nextAttempt(req *http.Request, lim *Limiter, retries backoff
 
 // replayable reports whether a request may be sent again after the vendor
 // refused it: its body can be produced again, and sending it twice is safe,
-// by its method or its Idempotency-Key, or because the caller gave GetBody
-// to have it sent again (a refused call was not carried out).
-func replayable(req *http.Request) bool {
+// by its method or its Idempotency-Key, or because anyMethod says so.
+func replayable(req *http.Request, anyMethod bool) bool {
 	if req.Body != nil && req.Body != http.NoBody && req.GetBody == nil {
 		return false
 	}
@@ -591,7 +680,7 @@ func replayable(req *http.Request) bool {
 	case "", http.MethodGet, http.MethodHead, http.MethodOptions, http.MethodTrace, http.MethodPut, http.MethodDelete:
 		return true
 	}
-	return req.GetBody != nil || req.Header.Get("Idempotency-Key") != "" || req.Header.Get("X-Idempotency-Key") != ""
+	return anyMethod || req.Header.Get("Idempotency-Key") != "" || req.Header.Get("X-Idempotency-Key") != ""
 }
 
 // waitRetry waits d before a refused request is retried, or until ctx ends.
@@ -633,18 +722,9 @@ func (t *transport) deliver(resp *http.Response, lim *Limiter, p *Permit) *http.
 	return resp
 }
 
-// holdsSlots reports whether lim has a policies.Concurrency rule, whose
-// slots a call holds until it is released.
-func holdsSlots(lim *Limiter) bool {
-	if lim == nil {
-		return false
-	}
-	for _, r := range lim.Rules() {
-		if r.Kind == policies.KindConcurrency {
-			return true
-		}
-	}
-	return false
+// hasRule reports whether lim has a rule for which is returns true.
+func hasRule(lim *Limiter, is func(policies.Rule) bool) bool {
+	return lim != nil && slices.ContainsFunc(lim.Rules(), is)
 }
 
 // releaseOnClose releases a permit when the response body is closed.

@@ -431,15 +431,18 @@ func timeline(start time.Time, log []arrival, step time.Duration) string {
 	return b.String()
 }
 
-// A refused POST whose body GetBody can produce again is retried, through
-// the limiter, and the vendor sees the same body on every attempt.
+// A refused POST with an Idempotency-Key, whose body GetBody can produce
+// again, is retried, through the limiter, and the vendor sees the same body
+// on every attempt.
 func TestTransport_RetryReplaysTheBody(t *testing.T) {
 	redistest.Each(t, func(t *testing.T, s *redistest.Server) {
 		srv := newVendorServer(t, refuseFirst(2, "Retry-After", "0"))
 		lim := replicaLimiter(t, s, "replay", policies.SlidingLog{Limit: 3, Window: time.Minute})
 		client := &http.Client{Transport: &Transport{Limiter: lim}}
 		const body = `{"to":"+15550100","text":"hello"}`
-		resp, err := client.Post(srv.URL, "application/json", strings.NewReader(body))
+		req := mustRequest(t, context.Background(), http.MethodPost, srv.URL, strings.NewReader(body))
+		req.Header.Set("Idempotency-Key", "sms-1")
+		resp, err := client.Do(req)
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -477,6 +480,11 @@ func TestTransport_RetriesOnlyWhatCanBeSentAgain(t *testing.T) {
 		}, 2},
 		{"POST with GetBody", func(url string) *http.Request {
 			return mustRequest(t, context.Background(), http.MethodPost, url, strings.NewReader("x"))
+		}, 1},
+		{"POST with GetBody and an Idempotency-Key", func(url string) *http.Request {
+			r := mustRequest(t, context.Background(), http.MethodPost, url, strings.NewReader("x"))
+			r.Header.Set("Idempotency-Key", "k-1")
+			return r
 		}, 2},
 		{"POST without GetBody", func(url string) *http.Request {
 			return mustRequest(t, context.Background(), http.MethodPost, url, newBodyRecorder("x"))
@@ -526,6 +534,7 @@ func TestTransport_DoesNotModifyTheRequest(t *testing.T) {
 	lim := replicaLimiter(t, s, "untouched", policies.PerKey{Policy: policies.SlidingLog{Limit: 10, Window: time.Minute}})
 	tr := &Transport{Limiter: lim, Key: func(r *http.Request) string { return r.Header.Get("X-Tenant") }}
 	req := mustRequest(t, context.Background(), http.MethodPost, srv.URL+"/v1/messages?x=1", strings.NewReader("hello"))
+	req.Header.Set("Idempotency-Key", "m-1")
 	req.Header.Set("X-Tenant", "t-1")
 	req.Header.Set("Authorization", "Bearer secret")
 	type snapshot struct {
