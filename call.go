@@ -4,7 +4,6 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"slices"
 	"strings"
 	"time"
 )
@@ -22,25 +21,12 @@ func Key(k string) CallOption { return func(c *call) { c.key, c.hasKey = k, true
 // The default is 1; n must be between 1 and the smallest Limit of the quota.
 func Cost(n int) CallOption { return func(c *call) { c.cost, c.hasCost = n, true } }
 
-// optionsKey is the context key of WithOptions.
+// optionsKey is the context key of the options Track gives a context.
 type optionsKey struct{}
 
-// WithOptions returns a context whose requests sent through a Transport
-// take opts, on every try an SDK sends. They apply on top of what the
-// Transport's Key, Cost and Priority give: each option given here wins, and
-// the others still come from the Transport. Do, Go, Acquire and Allow do
-// not read it: pass them the options. A caller of an SDK who knows the
-// call's estimate from its parameters (an LLM's max_tokens and prompt) sets
-// it once here, for every try. With Track, to settle the call afterwards:
-//
-//	ctx, call := throttle.Track(throttle.WithOptions(ctx, throttle.Cost(estimate)))
-func WithOptions(ctx context.Context, opts ...CallOption) context.Context {
-	return context.WithValue(ctx, optionsKey{}, slices.Clone(opts))
-}
-
-// OptionsFrom returns the options WithOptions put in ctx, and whether
+// optionsFrom returns the options Track gave ctx, and whether
 // there are any.
-func OptionsFrom(ctx context.Context) ([]CallOption, bool) {
+func optionsFrom(ctx context.Context) ([]CallOption, bool) {
 	opts, ok := ctx.Value(optionsKey{}).([]CallOption)
 	return opts, ok
 }

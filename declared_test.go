@@ -214,7 +214,7 @@ func driveLearnedCap(t *testing.T, s *redistest.Server) {
 	lim := declaredLimiter(t, s.Client(t), "cap", policies.SlidingLog{Limit: 100, Window: time.Second, Margin: time.Millisecond},
 		Options{Mode: FailFast, Clock: clock.Now})
 	ps := admit(t, lim, clock, 10, time.Millisecond)
-	if err := ps[9].Refused(context.Background(), 0); err != nil {
+	if err := ps[9].refused(context.Background(), 0); err != nil {
 		t.Fatal(err)
 	}
 	if got := limitInForce(t, lim); got[0] != 50 {
@@ -320,7 +320,7 @@ func driveSettle(t *testing.T, s *redistest.Server) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if err := p.Refused(ctx, 0); err != nil {
+	if err := p.refused(ctx, 0); err != nil {
 		t.Fatal(err)
 	}
 	p.Release()
@@ -417,7 +417,7 @@ func driveShared(t *testing.T, s *redistest.Server) {
 		lim := declaredLimiter(t, s.Client(t), name, policies.All(policies.SlidingLog{Limit: 20, Window: time.Second}, shared),
 			Options{Mode: FailFast, Clock: clock.Now})
 		ps := admit(t, lim, clock, 3, time.Millisecond, Priority(1))
-		if err := ps[2].Refused(ctx, 0); err != nil {
+		if err := ps[2].refused(ctx, 0); err != nil {
 			t.Fatal(err)
 		}
 		if err := lim.SetRemaining(ctx, 10, time.Second); err != nil {

@@ -89,9 +89,9 @@ func ExampleLimiter_Acquire() {
 	defer p.Release()
 	<-conns // the connection is ours
 	p.Start()
-	fmt.Println("sent", p.Remaining())
+	fmt.Println("sent")
 	conns <- struct{}{}
-	// Output: sent 99
+	// Output: sent
 }
 
 // A vendor allows 100 calls per second in all, and each tenant 10 of them.
@@ -183,8 +183,10 @@ func ExamplePermitFrom() {
 	fmt.Println(used, err)
 
 	_, err = throttle.Do(ctx, lim, func(ctx context.Context) (int, error) {
-		// The vendor answered 429: the fleet pauses, and learns its cap.
-		return 0, throttle.PermitFrom(ctx).Refused(ctx, time.Second)
+		// The vendor answered 429 for its rate: the fleet pauses, and learns its cap.
+		_, _, err := throttle.PermitFrom(ctx).Heard(ctx, throttle.Answer{
+			Status: http.StatusTooManyRequests, RetryAfter: time.Second, HasRetryAfter: true, AboutRate: true})
+		return 0, err
 	}, throttle.Cost(10))
 	u, _ := lim.Usage(ctx)
 	fmt.Println(err, u.Rules[0].Limit, u.Paused > 0)

@@ -42,7 +42,7 @@ func ExampleTransport() {
 		fmt.Println(err)
 		return
 	}
-	client := &http.Client{Transport: throttle.NewTransport(http.DefaultTransport, lim)}
+	client := &http.Client{Transport: &throttle.Transport{Limiter: lim}}
 
 	for range 3 {
 		resp, err := client.Get(vendor.URL)

@@ -32,7 +32,7 @@ func (l *Limiter) Pause(ctx context.Context, d time.Duration, opts ...CallOption
 	return l.feedback(ctx, vendorSaid{pause: min(d, maxPause), units: unknownCount, calls: unknownCount}, result{}, opts)
 }
 
-// Refused tells the quota that the vendor refused the permit's call for
+// refused tells the quota that the vendor refused the permit's call for
 // being over its rate limit (a 429): every replica pauses for retryAfter
 // (none when it is 0; at most an hour), and, unless the limiter's
 // Options say WithoutLearning, the quota learns the vendor's cap from the
@@ -47,7 +47,7 @@ func (l *Limiter) Pause(ctx context.Context, d time.Duration, opts ...CallOption
 // vendor's client reports such a refusal itself. Do not call it for a
 // refusal about something else (a lock, a concurrency limit, a bill, a
 // vendor overloaded): Pause alone is right for those.
-func (p *Permit) Refused(ctx context.Context, retryAfter time.Duration) error {
+func (p *Permit) refused(ctx context.Context, retryAfter time.Duration) error {
 	p, err := p.acting("Refused")
 	if err != nil {
 		return err
@@ -339,12 +339,15 @@ func (c *Count) count() vendorCount {
 //     named, or for DefaultPause when it named none; so does any answer that
 //     says nothing is left until a reset, unless the quota's own count had
 //     nothing left after the call either.
-//   - A refusal AboutRate teaches the quota the cap, as Permit.Refused
-//     does (not a 503, not a refusal about a shared resource, not one with
-//     Retry-After: 0, which says there is room now), unless the limiter's
-//     Options say WithoutLearning; so does an answer that says nothing is
-//     left of a Limit it states. A refusal that gives no reason and no
-//     count only pauses.
+//   - A refusal AboutRate teaches the quota the vendor's cap, unless the
+//     limiter's Options say WithoutLearning: the Limit it states, or what
+//     the fleet admitted in the window before the call, which the vendor
+//     accepted (half the limit at most, per refusal). The cap holds for
+//     eight windows without a refusal, then rises back while the fleet
+//     fills it. A 503, a refusal about a resource shared with others and
+//     one with Retry-After: 0 (room now) teach nothing; so does a refusal
+//     that gives no reason and no count, which only pauses. An answer that
+//     says nothing is left of a Limit it states teaches that Limit.
 //   - A count that says fewer are left than the quota believed right after
 //     it admitted the call lowers the quota's count, as
 //     Limiter.SetRemaining does; calls admitted after this one, on their
@@ -466,7 +469,7 @@ func (a Answer) refusal(requests vendorCount, pause time.Duration) (time.Duratio
 // quota the vendor's cap.
 //
 // A refusal about the vendor's rate (AboutRate) teaches the quota the cap
-// (Permit.Refused): the limit the vendor states with it, or, when it says
+// (learn_cap in lib.lua): the limit the vendor states with it, or, when it says
 // nothing of its count, what the fleet admitted before the call. A refusal
 // that gives no reason teaches nothing by its status alone: a 429 may be a
 // lock, a concurrency limit or a bill. A refusal that gives a count of

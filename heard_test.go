@@ -109,8 +109,8 @@ func TestHeard_MakesTheVendorsAnswerKnown(t *testing.T) {
 			}
 			other := replicaLimiter(t, s, "heard-count", perMinute)
 			p := acquire(t, lim)
-			if p.Remaining() != 9 {
-				t.Errorf("Remaining() = %d after the first call of 10, want 9", p.Remaining())
+			if p.remaining() != 9 {
+				t.Errorf("Remaining() = %d after the first call of 10, want 9", p.remaining())
 			}
 			before := scripts.Load()
 			if _, refused, err := p.Heard(ctx, Answer{Status: http.StatusOK, Requests: &Count{Remaining: 50}}); err != nil || refused {
@@ -211,8 +211,8 @@ func TestLimiter_TellsAWrapperWhatItNeeds(t *testing.T) {
 	ctx := context.Background()
 	policy := policies.All(policies.SlidingLog{Limit: 10, Window: time.Second}, policies.Concurrency{Max: 2, Lease: time.Minute})
 	lim := replicaLimiter(t, s, "accessors", policy, Options{Mode: FailFast})
-	if lim.Mode() != FailFast {
-		t.Errorf("Mode() = %v", lim.Mode())
+	if lim.mode() != FailFast {
+		t.Errorf("Mode() = %v", lim.mode())
 	}
 	rules := lim.Rules()
 	if len(rules) != 2 || rules[1].Kind != policies.KindConcurrency {
@@ -222,15 +222,15 @@ func TestLimiter_TellsAWrapperWhatItNeeds(t *testing.T) {
 	if lim.Rules()[0].Limit != 10 {
 		t.Error("changing the slice Rules returned changed the limiter's rules")
 	}
-	if lim.Logger() != slog.Default() {
+	if lim.logger() != slog.Default() {
 		t.Error("Logger() is not slog.Default() when Options.Logger is nil")
 	}
 	logger := slog.New(slog.DiscardHandler)
-	if replicaLimiter(t, s, "accessors-logger", policy, Options{Logger: logger}).Logger() != logger {
+	if replicaLimiter(t, s, "accessors-logger", policy, Options{Logger: logger}).logger() != logger {
 		t.Error("Logger() is not Options.Logger")
 	}
 	var none *Limiter
-	if none.Mode() != Block || none.Rules() != nil || none.Logger() != slog.Default() || none.paused() != 0 {
+	if none.mode() != Block || none.Rules() != nil || none.logger() != slog.Default() || none.paused() != 0 {
 		t.Error("a nil Limiter's accessors do not give their zero answers")
 	}
 	p, err := lim.Acquire(ctx)
@@ -238,8 +238,8 @@ func TestLimiter_TellsAWrapperWhatItNeeds(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer p.Release()
-	if PermitFrom(WithPermit(ctx, p)) != p || PermitFrom(ctx) != nil {
-		t.Error("PermitFrom does not find what WithPermit put in a context, or finds a permit in one without")
+	if PermitFrom(withPermit(ctx, p)) != p || PermitFrom(ctx) != nil {
+		t.Error("PermitFrom does not find what withPermit put in a context, or finds a permit in one without")
 	}
 	keyed := replicaLimiter(t, s, "accessors-keyed", policies.PerKey{Policy: policies.SlidingLog{Limit: 10, Window: time.Second}})
 	if err := keyed.Pause(ctx, time.Minute, Key("a")); err != nil {

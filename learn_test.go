@@ -74,7 +74,7 @@ func TestRefused_LearnsWhatTheVendorAccepted(t *testing.T) {
 		// A first refusal halves the limit: the calls before it may have
 		// been counted under a cap the vendor has just lowered.
 		ps := admit(t, lim, clock, 70, 5*time.Millisecond)
-		if err := ps[69].Refused(ctx, 0); err != nil {
+		if err := ps[69].refused(ctx, 0); err != nil {
 			t.Fatal(err)
 		}
 		if got := limitInForce(t, lim); got[0] != 50 {
@@ -83,7 +83,7 @@ func TestRefused_LearnsWhatTheVendorAccepted(t *testing.T) {
 		// The refusals of the other calls in flight then do not halve it
 		// again, nor lower it below what the vendor accepted before them.
 		for _, i := range []int{65, 60, 62} {
-			if err := ps[i].Refused(ctx, 0); err != nil {
+			if err := ps[i].refused(ctx, 0); err != nil {
 				t.Fatal(err)
 			}
 		}
@@ -96,7 +96,7 @@ func TestRefused_LearnsWhatTheVendorAccepted(t *testing.T) {
 		clock.Add(2 * time.Second)
 		ps = admit(t, lim, clock, 46, 5*time.Millisecond)
 		for _, i := range []int{45, 42, 40, 43, 41} {
-			if err := ps[i].Refused(ctx, 0); err != nil {
+			if err := ps[i].refused(ctx, 0); err != nil {
 				t.Fatal(err)
 			}
 		}
@@ -123,7 +123,7 @@ func TestRefused_DropsByHalfAtMost(t *testing.T) {
 		// A refusal about something else, after 3 calls: the quota does not
 		// fall to 3, only by half.
 		ps := admit(t, lim, clock, 4, time.Millisecond)
-		if err := ps[3].Refused(ctx, 0); err != nil {
+		if err := ps[3].refused(ctx, 0); err != nil {
 			t.Fatal(err)
 		}
 		if got := limitInForce(t, lim); got[0] != 50 {
@@ -131,7 +131,7 @@ func TestRefused_DropsByHalfAtMost(t *testing.T) {
 		}
 		// The refusal of another call in flight at that drop halves nothing
 		// again: it drops from the limit before the drop.
-		if err := ps[2].Refused(ctx, 0); err != nil {
+		if err := ps[2].refused(ctx, 0); err != nil {
 			t.Fatal(err)
 		}
 		if got := limitInForce(t, lim); got[0] != 50 {
@@ -140,7 +140,7 @@ func TestRefused_DropsByHalfAtMost(t *testing.T) {
 		// A refusal of a call decided under the new cap halves it again.
 		clock.Add(2 * time.Second)
 		ps = admit(t, lim, clock, 2, time.Millisecond)
-		if err := ps[1].Refused(ctx, 0); err != nil {
+		if err := ps[1].refused(ctx, 0); err != nil {
 			t.Fatal(err)
 		}
 		if got := limitInForce(t, lim); got[0] != 25 {
@@ -159,7 +159,7 @@ func TestRefused_CapRisesBackAfterItsHold(t *testing.T) {
 			Options{Mode: FailFast, Clock: clock.Now})
 		ctx := context.Background()
 		ps := admit(t, lim, clock, 51, time.Millisecond)
-		if err := ps[50].Refused(ctx, 0); err != nil {
+		if err := ps[50].refused(ctx, 0); err != nil {
 			t.Fatal(err)
 		}
 		// Through the hold, a fleet that fills the cap stays at it.
@@ -182,7 +182,7 @@ func TestRefused_CapRisesBackAfterItsHold(t *testing.T) {
 		// A refusal during a rise drops the cap to what the vendor accepted.
 		clock.Add(2 * time.Second)
 		ps = admit(t, lim, clock, 61, 5*time.Millisecond)
-		if err := ps[60].Refused(ctx, 0); err != nil {
+		if err := ps[60].refused(ctx, 0); err != nil {
 			t.Fatal(err)
 		}
 		if got := limitInForce(t, lim); got[0] != 60 {
@@ -207,7 +207,7 @@ func TestRefused_CapDoesNotRiseWithoutDemand(t *testing.T) {
 		lim := newLimiter(t, s.Client(t), policies.SlidingLog{Limit: 100, Window: time.Second, Margin: time.Millisecond},
 			Options{Mode: FailFast, Clock: clock.Now})
 		ps := admit(t, lim, clock, 51, time.Millisecond)
-		if err := ps[50].Refused(context.Background(), 0); err != nil {
+		if err := ps[50].refused(context.Background(), 0); err != nil {
 			t.Fatal(err)
 		}
 		// A fleet that calls at 10 a window learns nothing by a higher cap.
@@ -231,7 +231,7 @@ func TestRefused_EveryCountingPolicy(t *testing.T) {
 			policies.Concurrency{Max: 1000, Lease: time.Minute},
 		), Options{Mode: FailFast, Clock: clock.Now})
 		ps := admit(t, lim, clock, 81, 10*time.Millisecond)
-		if err := ps[80].Refused(context.Background(), 0); err != nil {
+		if err := ps[80].refused(context.Background(), 0); err != nil {
 			t.Fatal(err)
 		}
 		// A first refusal halves every rule that counts calls over time; a
@@ -244,7 +244,7 @@ func TestRefused_EveryCountingPolicy(t *testing.T) {
 		// keeps no history, and halves again.
 		clock.Add(2 * time.Second)
 		ps = admit(t, lim, clock, 41, 20*time.Millisecond)
-		if err := ps[40].Refused(context.Background(), 0); err != nil {
+		if err := ps[40].refused(context.Background(), 0); err != nil {
 			t.Fatal(err)
 		}
 		if got := limitInForce(t, lim); got[0] < 38 || got[0] > 40 || got[1] != 25 {
@@ -254,7 +254,7 @@ func TestRefused_EveryCountingPolicy(t *testing.T) {
 		clock.Add(5 * time.Second)
 		lim2 := newLimiter(t, s.Client(t), policies.TokenBucket{Rate: 100, Per: time.Second, Burst: 100}, Options{Mode: FailFast, Clock: clock.Now, Prefix: "alone"})
 		ps = admit(t, lim2, clock, 1, time.Millisecond)
-		if err := ps[0].Refused(context.Background(), 0); err != nil {
+		if err := ps[0].refused(context.Background(), 0); err != nil {
 			t.Fatal(err)
 		}
 		clock.Add(5 * time.Second)
@@ -271,7 +271,7 @@ func TestRefused_PerKeyCapsAreTheKeysOwn(t *testing.T) {
 			Options{Mode: FailFast, Clock: clock.Now})
 		a, b := Key("token-a"), Key("token-b")
 		ps := admit(t, lim, clock, 9, time.Millisecond, a)
-		if err := ps[8].Refused(context.Background(), 0); err != nil {
+		if err := ps[8].refused(context.Background(), 0); err != nil {
 			t.Fatal(err)
 		}
 		if got := limitInForce(t, lim, a); got[0] != 5 {
@@ -289,7 +289,7 @@ func TestRefused_CostAboveTheCapIsRefusedNotAnError(t *testing.T) {
 		lim := newLimiter(t, s.Client(t), policies.SlidingLog{Limit: 100, Window: time.Second, Margin: time.Millisecond},
 			Options{Mode: FailFast, Clock: clock.Now})
 		ps := admit(t, lim, clock, 31, time.Millisecond)
-		if err := ps[30].Refused(context.Background(), 0); err != nil {
+		if err := ps[30].refused(context.Background(), 0); err != nil {
 			t.Fatal(err)
 		}
 		clock.Add(2 * time.Second)
@@ -307,7 +307,7 @@ func TestWithoutLearning_RefusalsOnlyPause(t *testing.T) {
 		lim := newLimiter(t, s.Client(t), policies.SlidingLog{Limit: 100, Window: time.Second, Margin: time.Millisecond},
 			Options{Mode: FailFast, Clock: clock.Now, WithoutLearning: true})
 		ps := admit(t, lim, clock, 51, time.Millisecond)
-		if err := ps[50].Refused(context.Background(), time.Second); err != nil {
+		if err := ps[50].refused(context.Background(), time.Second); err != nil {
 			t.Fatal(err)
 		}
 		u, err := lim.Usage(context.Background())
@@ -406,7 +406,7 @@ func TestDo_HandsFnItsPermit(t *testing.T) {
 		// the 120 it used.
 		_, err := Do(ctx, lim, func(ctx context.Context) (int, error) {
 			p := PermitFrom(ctx)
-			if p == nil || p.Cost() != 500 {
+			if p == nil || p.cost() != 500 {
 				t.Fatalf("fn's permit %+v, want the call's, of cost 500", p)
 			}
 			return 0, p.Settle(ctx, Cost(120))
@@ -414,7 +414,7 @@ func TestDo_HandsFnItsPermit(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		f := Go(ctx, lim, func(ctx context.Context) (int, error) { return PermitFrom(ctx).Cost(), nil }, Cost(7))
+		f := Go(ctx, lim, func(ctx context.Context) (int, error) { return PermitFrom(ctx).cost(), nil }, Cost(7))
 		if n, err := f.Wait(); err != nil || n != 7 {
 			t.Fatalf("Go's fn saw a permit of cost %d (%v), want 7", n, err)
 		}
@@ -428,7 +428,7 @@ func TestDo_HandsFnItsPermit(t *testing.T) {
 		// A nil permit's methods fail or do nothing; they never panic.
 		var p *Permit
 		p.Release()
-		if p.Settle(ctx, Cost(1)) == nil || p.Refused(ctx, 0) == nil || p.Extend(ctx, time.Second) == nil {
+		if p.Settle(ctx, Cost(1)) == nil || p.refused(ctx, 0) == nil || p.Extend(ctx, time.Second) == nil {
 			t.Error("a nil permit's methods succeeded")
 		}
 		(&Permit{}).Release()

@@ -36,9 +36,9 @@ func TestDataLoss_FoundByFeedbackPausesForEveryRule(t *testing.T) {
 		{"per-key, Pause", minute, []CallOption{Key("a"), Cost(10)},
 			func(ctx context.Context, lim *Limiter, _ *Permit) error { return lim.Pause(ctx, 50*time.Millisecond) }},
 		{"per-key, Refused", minute, []CallOption{Key("a"), Cost(10)},
-			func(ctx context.Context, _ *Limiter, p *Permit) error { return p.Refused(ctx, 50*time.Millisecond) }},
+			func(ctx context.Context, _ *Limiter, p *Permit) error { return p.refused(ctx, 50*time.Millisecond) }},
 		{"daily unit, Refused", daily, []CallOption{CostIn("tokens", 10)},
-			func(ctx context.Context, _ *Limiter, p *Permit) error { return p.Refused(ctx, 50*time.Millisecond) }},
+			func(ctx context.Context, _ *Limiter, p *Permit) error { return p.refused(ctx, 50*time.Millisecond) }},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {

@@ -72,7 +72,7 @@ func testBookedBeforeADrop(t *testing.T, cancel bool) {
 			time.Sleep(5 * time.Millisecond)
 		}
 		// The vendor refuses a call of the first ten: the cap drops to 5.
-		if err := first[9].Refused(ctx, 0); err != nil {
+		if err := first[9].refused(ctx, 0); err != nil {
 			t.Fatal(err)
 		}
 		if got := limitInForce(t, lim); got[0] != 5 {

@@ -40,7 +40,7 @@ const (
 	EventPaused EventKind = "paused"
 	// EventCapLearned: the vendor refused a call over its limit, and the
 	// quota learned its cap: Limit is the lowest limit in force of its rules
-	// (see Permit.Refused).
+	// (see Permit.Heard).
 	EventCapLearned EventKind = "cap_learned"
 	// EventOthers: the units the quota leaves other consumers of the
 	// vendor's key changed: Others is the most a rule of it leaves them,

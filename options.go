@@ -115,7 +115,7 @@ type Options struct {
 	Shadow bool
 	// WithoutLearning keeps the configured limits whatever the vendor says:
 	// its refusals pause the fleet, but never teach the quota a lower cap
-	// (see Permit.Refused). Its remaining counts are still heeded.
+	// (see Permit.Heard). Its remaining counts are still heeded.
 	WithoutLearning bool
 	// ArrivalOrder serves the quota first come, first served across the
 	// fleet: the limiter's calls book the earliest free slot, and hold no

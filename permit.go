@@ -6,17 +6,18 @@ import (
 	"fmt"
 	"maps"
 	"math"
+	"slices"
 	"sync/atomic"
 	"time"
 )
 
 type permitKey struct{}
 
-// WithPermit returns a copy of ctx that carries p, for PermitFrom: Do and
+// withPermit returns a copy of ctx that carries p, for PermitFrom: Do and
 // Go give their fn such a context, and Transport sends each request with
 // one. Use it in a wrapper of your own that takes calls through Acquire.
 // When ctx carries a permit of Track, that permit stands for p from now on.
-func WithPermit(ctx context.Context, p *Permit) context.Context {
+func withPermit(ctx context.Context, p *Permit) context.Context {
 	if t := PermitFrom(ctx); t != nil && t.tracking && p != nil && !p.tracking {
 		t.sent.Store(p)
 	}
@@ -27,20 +28,29 @@ func WithPermit(ctx context.Context, p *Permit) context.Context {
 // with it: the permit a Transport sends a request of that context with (of
 // the last request, when the request is sent again), or that Do or Go runs
 // fn with. Code that calls a vendor through an SDK settles the call from
-// the SDK's typed result so, without the raw response:
+// the SDK's typed result so, without the raw response.
 //
-//	ctx, call := throttle.Track(ctx)
-//	resp, err := client.Chat.Completions.New(ctx, params) // over a throttle.Transport
+// opts apply to every request sent with the context through a Transport,
+// on every try the SDK makes, on top of the Transport's Key, Cost and
+// Priority: each given here wins. A caller who knows a call's estimate from
+// the parameters it gives the SDK (an LLM's max_tokens and prompt) sets it
+// once here. Do, Go, Acquire and Allow take their options as arguments.
+//
+//	ctx, call := throttle.Track(ctx, throttle.CostIn("output_tokens", int(params.MaxTokens)))
+//	msg, err := client.Messages.New(ctx, params) // over a throttle.Transport
 //	if err == nil {
-//		err = call.Settle(ctx, throttle.Cost(int(resp.Usage.TotalTokens)))
+//		err = call.Settle(ctx, throttle.CostIn("output_tokens", int(msg.Usage.OutputTokens)))
 //	}
 //
 // Before a call is made, the permit's methods that tell the quota
-// something (Settle, Cancel, Extend, Refused, Heard) fail with an error
-// that says so, and the others do nothing. Track one call at a time with
-// each context it returns: of calls made at once, it stands for the last
-// to leave.
-func Track(ctx context.Context) (context.Context, *Permit) {
+// something (Settle, Cancel, Extend, Heard) fail with an error that says
+// so, and the others do nothing. Track one call at a time with each
+// context it returns: of calls made at once, it stands for the last to
+// leave.
+func Track(ctx context.Context, opts ...CallOption) (context.Context, *Permit) {
+	if len(opts) > 0 {
+		ctx = context.WithValue(ctx, optionsKey{}, slices.Clone(opts))
+	}
 	p := &Permit{tracking: true}
 	return context.WithValue(ctx, permitKey{}, p), p
 }
@@ -70,7 +80,7 @@ func (p *Permit) target() *Permit {
 }
 
 // PermitFrom returns the permit of the call that Do or Go runs with ctx, or
-// that a Transport sends a request with, or that WithPermit put in ctx; nil
+// that a Transport sends a request with, or that Track stands for; nil
 // for any other context.
 //
 //	reply, err := throttle.Do(ctx, lim, func(ctx context.Context) (*Reply, error) {
@@ -98,7 +108,7 @@ type Permit struct {
 	// known.
 	late atomic.Int64
 	// A permit of Track stands for sent, the permit of the last call made
-	// with its context (see WithPermit).
+	// with its context (see withPermit).
 	tracking bool
 	sent     atomic.Pointer[Permit]
 }
@@ -112,18 +122,18 @@ func (l *Limiter) permit(c call, r result, waited time.Duration) *Permit {
 	return p
 }
 
-// Cost returns the units the call counts for: its Cost, or what Settle set.
-func (p *Permit) Cost() int {
+// cost returns the units the call counts for: its Cost, or what Settle set.
+func (p *Permit) cost() int {
 	if p = p.target(); p == nil {
 		return 0
 	}
 	return p.call.cost
 }
 
-// Remaining returns how many units the quota had free now under its
+// remaining returns how many units the quota had free now under its
 // tightest limit right after it admitted the call, as Decision.Remaining
 // says, or -1 when unknown (a call admitted without Redis).
-func (p *Permit) Remaining() int {
+func (p *Permit) remaining() int {
 	if p = p.target(); p == nil || p.r.local || !p.r.admitted {
 		return -1
 	}

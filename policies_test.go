@@ -36,8 +36,8 @@ func TestSettle_RefundsAndChargesInTheSameWindow(t *testing.T) {
 				if err := permit.Settle(ctx, Cost(9)); err != nil {
 					t.Fatal(err)
 				}
-				if got := rdbUnits(t, lim); got != 9 || permit.Cost() != 9 {
-					t.Errorf("after a charge to 9, the quota holds %d units, the permit %d", got, permit.Cost())
+				if got := rdbUnits(t, lim); got != 9 || permit.cost() != 9 {
+					t.Errorf("after a charge to 9, the quota holds %d units, the permit %d", got, permit.cost())
 				}
 				if d, _ := lim.Allow(ctx, Cost(2)); d.OK {
 					t.Errorf("2 units admitted after a charge to 9 of 10")
@@ -49,8 +49,8 @@ func TestSettle_RefundsAndChargesInTheSameWindow(t *testing.T) {
 				if err := permit.Settle(ctx, Cost(11)); err != nil {
 					t.Fatal(err)
 				}
-				if got := rdbUnits(t, lim); got != 10 || permit.Cost() != 10 {
-					t.Errorf("after a charge to 11 on a limit of 10, the quota holds %d units, the permit %d", got, permit.Cost())
+				if got := rdbUnits(t, lim); got != 10 || permit.cost() != 10 {
+					t.Errorf("after a charge to 11 on a limit of 10, the quota holds %d units, the permit %d", got, permit.cost())
 				}
 				// The charge leaves with the call's window.
 				clock.Add(2 * time.Second)

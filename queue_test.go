@@ -32,7 +32,7 @@ func hold(t *testing.T, lim *Limiter) (release func()) {
 	}, "the held call's dispatch")
 	return func() {
 		cancel()
-		<-f.Done()
+		<-f.done
 	}
 }
 
@@ -111,7 +111,7 @@ func TestQueue_FullQueueTurnsAwayPerOverflow(t *testing.T) {
 			calls["c"] = Go(ctx, lim, noop, Priority(tt.newPrio))
 			away := calls[tt.wantAway]
 			select {
-			case <-away.Done():
+			case <-away.done:
 			case <-time.After(10 * time.Second):
 				t.Fatalf("call %s was not turned away", tt.wantAway)
 			}
@@ -150,7 +150,7 @@ func TestQueue_QueuedCallsCostNoRedisCall(t *testing.T) {
 	t.Logf("%d script calls admitted 10 calls and booked 10 of 1000", scripts.Load())
 	cancel()
 	for _, f := range futures {
-		<-f.Done()
+		<-f.done
 	}
 }
 

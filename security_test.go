@@ -122,8 +122,8 @@ func securityPaths(t *testing.T, rdb redis.UniversalClient) {
 	if err != nil {
 		t.Fatalf("Acquire of cost 2: %v", err)
 	}
-	if err := p.Settle(ctx, Cost(1)); err != nil || p.Cost() != 1 {
-		t.Errorf("Settle to 1: cost %d, %v", p.Cost(), err)
+	if err := p.Settle(ctx, Cost(1)); err != nil || p.cost() != 1 {
+		t.Errorf("Settle to 1: cost %d, %v", p.cost(), err)
 	}
 	p.Release()
 

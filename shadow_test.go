@@ -148,7 +148,7 @@ func TestShadow_ChangesNothingTheVendorOrTheLiveQuotaSees(t *testing.T) {
 				_, _, err := p.Heard(ctx, Answer{Status: http.StatusOK, Requests: &Count{Remaining: 0, Reset: time.Minute, Limit: 4}})
 				return err
 			}},
-			{"Refused", func() error { return p.Refused(ctx, time.Second) }},
+			{"Refused", func() error { return p.refused(ctx, time.Second) }},
 			{"Settle", func() error { return p.Settle(ctx, Cost(1)) }},
 			{"Pause", func() error { return shadow.Pause(ctx, time.Second) }},
 			{"SetRemaining", func() error { return shadow.SetRemaining(ctx, 0, time.Minute) }},

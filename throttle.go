@@ -293,10 +293,10 @@ func newID() string {
 // Name returns the quota's name.
 func (l *Limiter) Name() string { return l.name }
 
-// Mode returns how the limiter takes its calls: its Options.Mode, FailFast
+// mode returns how the limiter takes its calls: its Options.Mode, FailFast
 // in shadow mode, which decides every call at once and waits for nothing,
 // and Block for a nil Limiter.
-func (l *Limiter) Mode() Mode {
+func (l *Limiter) mode() Mode {
 	switch {
 	case l.made() != nil:
 		return Block
@@ -317,9 +317,9 @@ func (l *Limiter) Rules() []policies.Rule {
 	return slices.Clone(l.rules)
 }
 
-// Logger returns where the limiter logs what it cannot return: its
+// logger returns where the limiter logs what it cannot return: its
 // Options.Logger, or slog.Default().
-func (l *Limiter) Logger() *slog.Logger {
+func (l *Limiter) logger() *slog.Logger {
 	if l.made() != nil || l.s.logger == nil {
 		return slog.Default()
 	}
@@ -441,7 +441,7 @@ func Do[T any](ctx context.Context, l *Limiter, fn func(context.Context) (T, err
 	}
 	defer p.releaseWithin(ctx)
 	p.Start()
-	return fn(WithPermit(ctx, p))
+	return fn(withPermit(ctx, p))
 }
 
 // Future is the outcome of a call submitted with Go.
@@ -450,9 +450,6 @@ type Future[T any] struct {
 	v    T
 	err  error
 }
-
-// Done is closed when the call has run or failed.
-func (f *Future[T]) Done() <-chan struct{} { return f.done }
 
 // Wait waits for the call and returns fn's result, or the error that kept fn
 // from running (ErrQueueFull, ErrLimited, the context's error, ...).
@@ -499,7 +496,7 @@ func Go[T any](ctx context.Context, l *Limiter, fn func(context.Context) (T, err
 		}
 		defer p.releaseWithin(ctx)
 		p.Start()
-		f.v, f.err = fn(WithPermit(ctx, p))
+		f.v, f.err = fn(withPermit(ctx, p))
 	}()
 	return f
 }

@@ -551,7 +551,7 @@ func TestTTL_EveryKeyExpires(t *testing.T) {
 				t.Fatal(err)
 			}
 		}
-		if err := permits[0].Refused(ctx, time.Second); err != nil {
+		if err := permits[0].refused(ctx, time.Second); err != nil {
 			t.Fatal(err)
 		}
 		if err := lim.Pause(ctx, time.Second, Key("tenant")); err != nil {
@@ -710,7 +710,7 @@ func TestNew_TakesOneOptions(t *testing.T) {
 		t.Errorf("one Options: %v, %+v; want each field as set", err, lim.s)
 	}
 	lim, err = New(rdb, "q", policies.SlidingLog{Limit: 10, Window: time.Second})
-	if err != nil || lim.Mode() != Block || lim.s.onRedisError != FailClosed || lim.s.overflow != RejectNew {
-		t.Errorf("no Options: %v, %v, %v, %v; want Block, FailClosed, RejectNew", err, lim.Mode(), lim.s.onRedisError, lim.s.overflow)
+	if err != nil || lim.mode() != Block || lim.s.onRedisError != FailClosed || lim.s.overflow != RejectNew {
+		t.Errorf("no Options: %v, %v, %v, %v; want Block, FailClosed, RejectNew", err, lim.mode(), lim.s.onRedisError, lim.s.overflow)
 	}
 }

@@ -52,8 +52,8 @@ func TestTrack_SettlesTheCallATransportSent(t *testing.T) {
 			io.Copy(io.Discard, resp.Body)
 			resp.Body.Close()
 		}
-		if call.Cost() != 30 {
-			t.Fatalf("the tracked permit costs %d, want 30: the last request's", call.Cost())
+		if call.cost() != 30 {
+			t.Fatalf("the tracked permit costs %d, want 30: the last request's", call.cost())
 		}
 		if err := call.Settle(ctx, Cost(4)); err != nil {
 			t.Fatal(err)
@@ -61,8 +61,8 @@ func TestTrack_SettlesTheCallATransportSent(t *testing.T) {
 		if got := ruleUsed(t, lim); got != 10+4 {
 			t.Errorf("used %d after settling the second call at 4, want 14 (the first call's 10 and 4)", got)
 		}
-		if call.Cost() != 4 {
-			t.Errorf("the tracked permit costs %d after Settle, want 4", call.Cost())
+		if call.cost() != 4 {
+			t.Errorf("the tracked permit costs %d after Settle, want 4", call.cost())
 		}
 	})
 }
@@ -89,7 +89,7 @@ func TestTrack_BeforeTheCallThePermitSaysNoneWasMade(t *testing.T) {
 		"Settle":  call.Settle(ctx, Cost(1)),
 		"Cancel":  call.Cancel(ctx),
 		"Extend":  call.Extend(ctx, time.Second),
-		"Refused": call.Refused(ctx, time.Second),
+		"Refused": call.refused(ctx, time.Second),
 	}
 	_, _, checks["Heard"] = call.Heard(ctx, Answer{})
 	for method, err := range checks {
@@ -99,8 +99,8 @@ func TestTrack_BeforeTheCallThePermitSaysNoneWasMade(t *testing.T) {
 	}
 	call.Start()
 	call.Release()
-	if call.Cost() != 0 || call.Remaining() != -1 {
-		t.Errorf("Cost %d, Remaining %d before any call; want 0 and -1", call.Cost(), call.Remaining())
+	if call.cost() != 0 || call.remaining() != -1 {
+		t.Errorf("Cost %d, Remaining %d before any call; want 0 and -1", call.cost(), call.remaining())
 	}
 	if PermitFrom(ctx) != call {
 		t.Error("PermitFrom of the tracked context is not the tracked permit")
@@ -109,13 +109,13 @@ func TestTrack_BeforeTheCallThePermitSaysNoneWasMade(t *testing.T) {
 
 // Options put in the context are every try's, and their Cost wins over the
 // Transport's: an SDK's caller estimates once, from its parameters.
-func TestWithOptions_AreEveryTrysAndTheirCostWins(t *testing.T) {
+func TestTrack_OptionsAreEveryTrysAndTheirCostWins(t *testing.T) {
 	redistest.Each(t, func(t *testing.T, s *redistest.Server) {
 		lim := newLimiter(t, s.Client(t), policies.SlidingLog{Limit: 1000, Window: time.Minute})
 		vendor := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {}))
 		defer vendor.Close()
 		client := &http.Client{Transport: &Transport{Limiter: lim, Cost: func(*http.Request) int { return 1 }}}
-		ctx, call := Track(WithOptions(context.Background(), Cost(70)))
+		ctx, call := Track(context.Background(), Cost(70))
 		for range 2 {
 			req, _ := http.NewRequestWithContext(ctx, http.MethodPost, vendor.URL, strings.NewReader("{}"))
 			resp, err := client.Do(req)
@@ -124,11 +124,11 @@ func TestWithOptions_AreEveryTrysAndTheirCostWins(t *testing.T) {
 			}
 			resp.Body.Close()
 		}
-		if call.Cost() != 70 || ruleUsed(t, lim) != 140 {
-			t.Fatalf("the last try cost %d, the window holds %d; want 70 and 140", call.Cost(), ruleUsed(t, lim))
+		if call.cost() != 70 || ruleUsed(t, lim) != 140 {
+			t.Fatalf("the last try cost %d, the window holds %d; want 70 and 140", call.cost(), ruleUsed(t, lim))
 		}
-		if _, ok := OptionsFrom(context.Background()); ok {
-			t.Fatal("OptionsFrom of a context without options says it has some")
+		if _, ok := optionsFrom(context.Background()); ok {
+			t.Fatal("optionsFrom of a context without options says it has some")
 		}
 	})
 }

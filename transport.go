@@ -61,8 +61,8 @@ const (
 // still reads the whole body), or AboutRate; a 429 that gives no reason
 // only pauses. An answer that says fewer calls are left than the shared
 // count believes lowers the count. Durations are rounded up and capped at
-// an hour. The Transport uses nothing but the package's public API: a
-// wrapper of another client can do what it does.
+// an hour. A wrapper of another client (a vendor's SDK, a gRPC stub) does
+// the same with Acquire, Permit.Heard and Permit.Settle.
 //
 // A refused request is then retried, through the limiter again, as a new
 // call to the vendor: after growing, jittered delays, at most MaxRetries
@@ -131,7 +131,7 @@ type Transport struct {
 	// most the quota's smallest limit, or the request fails with the
 	// limiter's error. When nil, every request costs 1. It is called once
 	// per try: a client that sends a request again (an SDK's retries) sends
-	// a new one. The options of the request's context (WithOptions) apply
+	// a new one. The options of the request's context (Track) apply
 	// after Key, Cost and Priority: a Cost given there wins over this one.
 	Cost func(*http.Request) int
 	// ResponseCost reads the actual cost of each request from its
@@ -197,14 +197,6 @@ type Transport struct {
 
 	once sync.Once
 	t    *transport
-}
-
-// NewTransport returns a Transport that takes every request through lim
-// and sends it with base (http.DefaultTransport when nil): the plain
-// Transport, for one vendor's client. Set its other fields, or build a
-// Transport yourself, for routes, keys and costs.
-func NewTransport(base http.RoundTripper, lim *Limiter) *Transport {
-	return &Transport{Base: base, Limiter: lim}
 }
 
 // A Route sends the requests that match it through Limiter instead of the
@@ -342,13 +334,13 @@ func (t *transport) addRoutes(routes []Route) {
 // response states. A failure to reach Redis leaves the admitted cost.
 func (t *transport) settle(ctx context.Context, lim *Limiter, p *Permit, resp *http.Response) {
 	n := t.respCost(resp)
-	if n < 0 || n == p.Cost() {
+	if n < 0 || n == p.cost() {
 		return
 	}
 	ctx, stop := context.WithTimeout(context.WithoutCancel(ctx), feedbackTimeout)
 	defer stop()
 	if err := p.Settle(ctx, Cost(n)); err != nil {
-		lim.Logger().Warn("throttle: could not settle a request's cost from its response", "quota", lim.Name(), "err", err)
+		lim.logger().Warn("throttle: could not settle a request's cost from its response", "quota", lim.Name(), "err", err)
 	}
 }
 
@@ -499,7 +491,7 @@ func (t *transport) send(ctx context.Context, lim *Limiter, p *Permit, req *http
 	// The request sent carries its permit, which the caller finds with
 	// PermitFrom(resp.Request.Context()): to settle the call's cost
 	// from the body, once read.
-	resp, err := t.base.RoundTrip(req.WithContext(WithPermit(traceStart(req.Context(), p), p)))
+	resp, err := t.base.RoundTrip(req.WithContext(withPermit(traceStart(req.Context(), p), p)))
 	if err != nil {
 		p.Release()
 		return nil, 0, false, err
@@ -510,7 +502,7 @@ func (t *transport) send(ctx context.Context, lim *Limiter, p *Permit, req *http
 		// A quota of no per-key rules counts every key's calls as one.
 		count := -1
 		if t.keyed[lim] {
-			count = p.Remaining()
+			count = p.remaining()
 		}
 		t.pool.heard(key, count, v.remaining, quiet)
 	}
@@ -563,7 +555,7 @@ func (t *transport) callOptions(req *http.Request, lim *Limiter) []CallOption {
 		opts = append(opts, Priority(t.priority(req)))
 	}
 	// The request's own options come last: each one it gives wins.
-	given, _ := OptionsFrom(req.Context())
+	given, _ := optionsFrom(req.Context())
 	return append(opts, given...)
 }
 
@@ -642,7 +634,7 @@ func peekAbout(resp *http.Response) refusalAbout {
 // slot. It reports false when the request must not or cannot be retried in
 // time.
 func (t *transport) nextAttempt(req *http.Request, lim *Limiter, retries backoff.BackOff, first time.Time, quiet time.Duration) (*http.Request, time.Duration, bool) {
-	if lim.Mode() == FailFast || !replayable(req, t.anyMethod) {
+	if lim.mode() == FailFast || !replayable(req, t.anyMethod) {
 		return nil, 0, false
 	}
 	delay := retries.NextBackOff()

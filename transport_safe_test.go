@@ -50,10 +50,10 @@ func TestTransport_RetriesAPostOnlyWithAnIdempotencyKeyOrWhenAsked(t *testing.T)
 	}
 }
 
-// The options a request's context carries (WithOptions) apply on top of
+// The options a request's context carries (Track) apply on top of
 // what the Transport's Key, Cost and Priority give: a Priority alone leaves
 // Transport.Cost in force, and a Cost given there wins over it.
-func TestTransport_WithOptionsApplyOnTopOfTheTransportsCost(t *testing.T) {
+func TestTransport_TracksOptionsApplyOnTopOfTheTransportsCost(t *testing.T) {
 	s := redistest.Mini(t)
 	srv := newVendorServer(t, answer(http.StatusOK, "ok"))
 	lim := replicaLimiter(t, s, "with-options", policies.SlidingLog{Limit: 100, Window: time.Minute})
@@ -70,14 +70,14 @@ func TestTransport_WithOptionsApplyOnTopOfTheTransportsCost(t *testing.T) {
 		t.Run(tt.name, func(t *testing.T) {
 			ctx := context.Background()
 			if tt.opts != nil {
-				ctx = WithOptions(ctx, tt.opts...)
+				ctx, _ = Track(ctx, tt.opts...)
 			}
 			resp, err := tr.RoundTrip(mustRequest(t, ctx, http.MethodGet, srv.URL, nil))
 			if err != nil {
 				t.Fatal(err)
 			}
 			readAll(t, resp)
-			if got := PermitFrom(resp.Request.Context()).Cost(); got != tt.want {
+			if got := PermitFrom(resp.Request.Context()).cost(); got != tt.want {
 				t.Errorf("the request cost %d, want %d", got, tt.want)
 			}
 		})

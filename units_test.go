@@ -146,7 +146,7 @@ func TestUnits_EachFollowsItsOwnVendorCount(t *testing.T) {
 		}))
 		defer vendor.Close()
 		client := &http.Client{Transport: &Transport{Limiter: lim}}
-		ctx := WithOptions(context.Background(), CostIn("input_tokens", 10), CostIn("output_tokens", 10))
+		ctx, _ := Track(context.Background(), CostIn("input_tokens", 10), CostIn("output_tokens", 10))
 		req, _ := http.NewRequestWithContext(ctx, http.MethodPost, vendor.URL, nil)
 		resp, err := client.Do(req)
 		if err != nil {
@@ -178,10 +178,10 @@ func TestSettle_TakesCostsOnly(t *testing.T) {
 	if err := p.Settle(ctx, Key("a")); err == nil || !strings.Contains(err.Error(), "Cost and CostIn only") {
 		t.Errorf("Settle with a Key: %v, want refused", err)
 	}
-	if err := p.Settle(ctx, Cost(2)); err != nil || p.Cost() != 2 {
-		t.Errorf("Settle(Cost(2)): %v, cost %d", err, p.Cost())
+	if err := p.Settle(ctx, Cost(2)); err != nil || p.cost() != 2 {
+		t.Errorf("Settle(Cost(2)): %v, cost %d", err, p.cost())
 	}
-	if err := p.Settle(ctx); err != nil || p.Cost() != 2 {
-		t.Errorf("Settle with nothing: %v, cost %d; want the cost kept", err, p.Cost())
+	if err := p.Settle(ctx); err != nil || p.cost() != 2 {
+		t.Errorf("Settle with nothing: %v, cost %d; want the cost kept", err, p.cost())
 	}
 }

@@ -39,7 +39,7 @@ type Usage struct {
 
 // The causes of a pause, as Usage.PausedBy names them.
 const (
-	// PausedByVendor: the vendor refused a call (Permit.Refused, a
+	// PausedByVendor: the vendor refused a call (Permit.Heard, a
 	// Transport's 429), or someone called Pause.
 	PausedByVendor = "vendor"
 	// PausedByLoss: Redis lost the quota's data; the quota waits out a
@@ -85,7 +85,7 @@ type RuleUsage struct {
 	// it. The rule counts a window of Rule.Window - Rule.Margin + Margin.
 	Margin time.Duration
 	// Limit is the limit in force: Rule.Limit, or lower while a cap learned
-	// from the vendor's refusals holds (see Permit.Refused). For a
+	// from the vendor's refusals holds (see Permit.Heard). For a
 	// TokenBucket, the units of a burst's span, whose rate falls with it.
 	// It also leaves Others their share.
 	Limit int

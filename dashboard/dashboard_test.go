@@ -95,7 +95,7 @@ func learnCap(t *testing.T, lim *throttle.Limiter) int {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if err := p.Refused(ctx, 0); err != nil {
+	if _, _, err := p.Heard(ctx, throttle.Answer{Status: http.StatusTooManyRequests, RetryAfter: time.Millisecond, HasRetryAfter: true, AboutRate: true}); err != nil {
 		t.Fatal(err)
 	}
 	p.Release()

@@ -18,7 +18,7 @@ import (
 //
 // One script decides every rule of the quota, each counting its own unit:
 // a call is admitted when each of its units fits. A call of a quota that
-// counts a unit must say what it costs in it; Permit.SettleUnits settles
+// counts a unit must say what it costs in it; Permit.Settle, with CostIn, settles
 // each unit from what the vendor reports. A vendor's counts reach the
 // rules of the call's Cost and the PerCall ones only (see
 // throttle.Transport), not the ones of a Unit.

@@ -12,7 +12,7 @@
 // Each function reads one body: Transport.Cost calls its function once per
 // try of a request (an SDK's retries are new requests, whose bodies are
 // read again). A caller who knows the estimate from the typed parameters
-// it gives the SDK sets it once with throttle.WithOptions instead.
+// it gives the SDK sets it once with throttle.Track instead.
 package tokens
 
 import (

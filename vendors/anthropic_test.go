@@ -186,8 +186,8 @@ func anthropicFleet(t *testing.T, s *redistest.Server, name, baseURL string, run
 	prompt := strings.Repeat("tell me more ", 31) // 100 tokens as the fake counts
 	const maxTokens = 200
 	runEach(run.replicas, run.workers, run.d, func(i int) {
-		ctx, call := throttle.Track(throttle.WithOptions(context.Background(),
-			throttle.CostIn("input_tokens", promptTokens(prompt)), throttle.CostIn("output_tokens", maxTokens)))
+		ctx, call := throttle.Track(context.Background(),
+			throttle.CostIn("input_tokens", promptTokens(prompt)), throttle.CostIn("output_tokens", maxTokens))
 		msg, err := clients[i].Messages.New(ctx, anthropic.MessageNewParams{
 			Model:     "claude-sonnet-4-5",
 			MaxTokens: maxTokens,

@@ -28,8 +28,8 @@ func readmeAnthropic(ctx context.Context, rdb *redis.Client, params anthropic.Me
 	))
 	client := anthropic.NewClient(option.WithHTTPClient(&http.Client{Transport: &throttle.Transport{Limiter: lim}}))
 	// Each estimate set once, for every try the SDK sends; settled from the typed result.
-	ctx, call := throttle.Track(throttle.WithOptions(ctx,
-		throttle.CostIn("input_tokens", prompt), throttle.CostIn("output_tokens", int(params.MaxTokens))))
+	ctx, call := throttle.Track(ctx,
+		throttle.CostIn("input_tokens", prompt), throttle.CostIn("output_tokens", int(params.MaxTokens)))
 	msg, err := client.Messages.New(ctx, params)
 	if err == nil {
 		err = call.Settle(ctx, throttle.CostIn("input_tokens", int(msg.Usage.InputTokens)), throttle.CostIn("output_tokens", int(msg.Usage.OutputTokens)))
