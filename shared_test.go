@@ -222,6 +222,104 @@ func usageOf(t *testing.T, lim *Limiter, opts ...CallOption) Usage {
 	return u
 }
 
+// A quota of a group whose calls reach the vendor late widens the shared
+// log's margin for every quota of the group: each searches the log with
+// the same window, so that a quota whose own calls are on time does not
+// book beside the late ones' window. a's calls start 40ms late (a spread
+// of 45ms), or its process is 40ms further from Redis than b's (calls
+// start later by that much); a fills the shared log of 10, and b's call
+// 1.05 s later would reach the vendor in the window of a's last calls.
+func TestShared_ALateQuotaWidensTheMarginOfEveryQuota(t *testing.T) {
+	for _, tc := range []struct {
+		name string
+		late func(t *testing.T, a, b *Limiter)
+	}{
+		{"its calls start late", func(t *testing.T, a, _ *Limiter) { reportLates(t, a, 60, 40*ms) }},
+		{"its process is further from Redis", func(t *testing.T, a, b *Limiter) {
+			setUsualDelay(a, 40*ms)
+			reportLates(t, a, 50, 0) // enough calls for the period to count
+			setUsualDelay(b, 0)
+			reportLates(t, b, 0, 0)
+		}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			redistest.Each(t, func(t *testing.T, s *redistest.Server) {
+				clock := newClock()
+				a, b := sharedLog(t, s, clock, 10, Options{})
+				warmUp(t, clock, 2*time.Second, a, b)
+				tc.late(t, a, b)
+				clock.Add(2 * time.Second) // the period after carries the spread
+				if n := fillUp(t, a, 11); n > 10 {
+					t.Fatalf("a admitted %d calls in the shared log of 10", n)
+				}
+				ua, ub := usageOf(t, a), usageOf(t, b)
+				if ua.Rules[0].Margin < 80*ms || ub.Rules[0].Margin != ua.Rules[0].Margin {
+					t.Errorf("margins in force: a %v, b %v; want both a's, 80ms or more", ua.Rules[0].Margin, ub.Rules[0].Margin)
+				}
+				clock.Add(time.Second + 50*ms)
+				if d := mustAllow(t, b); d.OK {
+					t.Errorf("b's call 1.05 s after a's 10, which may reach the vendor 80ms late, admitted: %+v", d)
+				}
+			})
+		})
+	}
+}
+
+// The calls a late quota of a group booked ahead keep their margin in
+// every quota of the group while they may start, as they keep it in their
+// own (see TestMargin_FollowsTheFleetsSpread): here once the group's spread
+// is forgotten (no call for two timing periods) and a's calls, booked a
+// window apart up to 3.3 s ahead with a margin of 90ms, are still ahead.
+func TestShared_ALateQuotasBookingsKeepTheirMarginInEveryQuota(t *testing.T) {
+	redistest.Each(t, func(t *testing.T, s *redistest.Server) {
+		ctx := context.Background()
+		clock := newClock()
+		a, b := sharedLog(t, s, clock, 10, Options{})
+		warmUp(t, clock, 2*time.Second, a, b)
+		reportLates(t, a, 60, 40*ms)
+		clock.Add(2 * time.Second)
+		var last result
+		for range 4 {
+			r, err := a.acquire(ctx, call{cost: 10}, 10*time.Second, nil)
+			if err != nil || !r.admitted {
+				t.Fatalf("a's booking of the whole log: %+v, %v", r, err)
+			}
+			last = r
+		}
+		clock.Add(last.slot() - time.Duration(clock.Now().UnixMicro())*time.Microsecond - 100*ms)
+		// The held spread alone: half the wide margin, half the own one.
+		ua, ub := usageOf(t, a), usageOf(t, b)
+		if m := ua.Rules[0].Margin; m <= 50*ms || m >= 90*ms || ub.Rules[0].Margin != m {
+			t.Errorf("100ms before a's last booking: margins in force a %v, b %v; want both a's, over 50ms and under 90ms",
+				ua.Rules[0].Margin, ub.Rules[0].Margin)
+		}
+		clock.Add(100*ms + time.Second + 45*ms)
+		if d := mustAllow(t, b); d.OK {
+			t.Errorf("b's call 1.045 s after a's last booking, which may start 45ms late, admitted: %+v", d)
+		}
+	})
+}
+
+// A quota that joins a group warms up: its first calls, admitted at once,
+// may reach the vendor late (each opens a connection), and every quota of
+// the group keeps the warm-up's margin from them in the shared log.
+func TestShared_AQuotaWarmingUpWidensTheMarginOfEveryQuota(t *testing.T) {
+	redistest.Each(t, func(t *testing.T, s *redistest.Server) {
+		clock := newClock()
+		a, b := sharedLog(t, s, clock, 10, Options{})
+		warmUp(t, clock, 2*time.Second, b)
+		if u := usageOf(t, b); u.Rules[0].Margin != policies.DefaultMargin {
+			t.Fatalf("b, warm, alone: margin in force %v, want %v", u.Rules[0].Margin, policies.DefaultMargin)
+		}
+		mustAllow(t, a) // a's first call: a new quota warms up
+		ua, ub := usageOf(t, a), usageOf(t, b)
+		if ua.Rules[0].Margin <= policies.DefaultMargin || ub.Rules[0].Margin != ua.Rules[0].Margin {
+			t.Errorf("margins in force: a %v, b %v; want both a's warm-up margin, over %v",
+				ua.Rules[0].Margin, ub.Rules[0].Margin, policies.DefaultMargin)
+		}
+	})
+}
+
 // A cap one quota of a group learns reaches the calls another quota
 // booked ahead in the shared rule: they book again when they wake, and
 // at most the cap of them start in the window after a's calls.

@@ -273,7 +273,10 @@ end
 -- Groups. The quotas that declare a policies.Shared rule form a group,
 -- named by its Name. Each keeps its meta key, but the state of what they
 -- share is kept on one key of the group, which every quota of it reads and
--- writes: the fields of GROUP_FIELDS. Every quota reads a shared rule's
+-- writes: the fields of GROUP_FIELDS. The group's processes are one fleet
+-- at the vendor: the spread of their calls sets the margin every quota
+-- searches a shared log with, and the holds keep the margins that calls
+-- of any quota were booked with. And every quota reads a shared rule's
 -- learned cap, others' share and classes while any quota may have them.
 -- The group's key is "P:{Name}//group", built from the meta key,
 -- "P:{Name}/<quota>:meta" (a quota of no group has "P:{<quota>}:meta"):
@@ -283,7 +286,11 @@ local GROUP = not OFF.groups and KEYS[1] and string.match(KEYS[1], '^[^}]*}/')
 if GROUP then
   GROUP = GROUP .. '/group'
 end
-local GROUP_FIELDS = { caps_until = true, classes_until = true }
+local GROUP_FIELDS = {
+  period = true, spread = true, lates = true, delay_max = true, delay_min = true,
+  prev_delay_max = true, prev_delay_min = true, hold = true, hold_until = true,
+  next_hold = true, next_until = true, warm_held = true, caps_until = true, classes_until = true,
+}
 
 -- group_raw holds the group key's fields as read_meta read them, or nil.
 local group_raw
