@@ -956,12 +956,13 @@ func classless(suffix string) string {
 
 // builtKeys match the keys the scripts build from a rule's key: a log's
 // hint, a learned cap (and the others' share), charges, refunds, refused
-// calls, classes, a class's log and its hint. A path that reaches each
-// must still run, or an undeclared key there would pass unseen.
+// calls, classes, a class's log and its hint; and the group's key, built
+// from the meta key. A path that reaches each must still run, or an
+// undeclared key there would pass unseen.
 var builtKeys = []*regexp.Regexp{
 	regexp.MustCompile(`:next$`), regexp.MustCompile(`:cap$`), regexp.MustCompile(`:ch$`),
 	regexp.MustCompile(`:rf$`), regexp.MustCompile(`:rj$`), regexp.MustCompile(`:cl$`),
-	regexp.MustCompile(`:c:[^:]+$`), regexp.MustCompile(`:c:[^:]+:next$`),
+	regexp.MustCompile(`:c:[^:]+$`), regexp.MustCompile(`:c:[^:]+:next$`), regexp.MustCompile(`}//group$`),
 }
 
 // checkCoverage checks that the paths ran every script, touched every

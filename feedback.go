@@ -139,7 +139,7 @@ func (l *Limiter) feedback(ctx context.Context, said vendorSaid, r result, opts 
 		max(said.late, 0).Microseconds(), refusedCost(said, r, rules), len(named)/3)
 	args = append(args, named...)
 	args = append(args, policySpan(l.rules).Microseconds())
-	v, err := scripts.feedback.Run(ctx, l.rdb, declared(scripts.feedback, keys, rules), args...).Int64Slice()
+	v, err := scripts.feedback.Run(ctx, l.rdb, declared(scripts.feedback, keys, rules, l.groupKey), args...).Int64Slice()
 	if err != nil {
 		return l.unavailable(err)
 	}

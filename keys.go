@@ -57,8 +57,9 @@ func (l *Limiter) newMember() string {
 // calls' classes (declareClasses). Each script declares only what it may
 // touch, by the rule's kind: every key declared costs the call's bytes,
 // and, while a Cluster slot migrates, a declared key absent from the source
-// makes Redis answer TRYAGAIN. TestScripts_TouchOnlyDeclaredKeys holds
-// these lists to what the scripts touch.
+// makes Redis answer TRYAGAIN. The scripts that read the meta's state of
+// a group (readsGroup) declare the group's key too. TestScripts_TouchOnlyDeclaredKeys
+// holds these lists to what the scripts touch.
 var (
 	logOrCounter = []policies.Kind{policies.KindSlidingLog, policies.KindSlidingCounter}
 	suffixes     = map[*redis.Script]map[policies.Kind][]string{
@@ -84,16 +85,23 @@ var (
 			policies.KindTokenBucket:    {":cap"},
 		},
 	}
+	readsGroup = map[*redis.Script]bool{scripts.acquire: true, scripts.feedback: true, scripts.usage: true}
 )
 
 // declared returns keys, the KEYS script s reads by place for rules (the
 // meta, the pause, then rule i's at 2+i), followed by the keys it may
-// build from them.
-func declared(s *redis.Script, keys []string, rules []policies.Rule) []string {
+// build from them, and the key of the quota's group, if any (lib.lua's
+// Groups), for a script that reads it.
+func declared(s *redis.Script, keys []string, rules []policies.Rule, group string) []string {
 	by := suffixes[s]
 	n := len(keys)
 	for _, r := range rules {
 		n += len(by[r.Kind])
+	}
+	if group != "" && readsGroup[s] {
+		n++
+	} else {
+		group = ""
 	}
 	if n == len(keys) {
 		return keys
@@ -104,6 +112,9 @@ func declared(s *redis.Script, keys []string, rules []policies.Rule) []string {
 		for _, suffix := range by[r.Kind] {
 			out = append(out, keys[2+i]+suffix)
 		}
+	}
+	if group != "" {
+		out = append(out, group)
 	}
 	return out
 }
@@ -116,7 +127,7 @@ func (l *Limiter) declaredFor(s *redis.Script, sc scope) []string {
 			return keys
 		}
 	}
-	return declared(s, sc.keys, l.rules)
+	return declared(s, sc.keys, l.rules, l.groupKey)
 }
 
 // declareClasses appends to keys the class logs the acquire script may

@@ -189,7 +189,12 @@ func TestMove_RefundsHeardTogetherMoveOnce(t *testing.T) {
 // are subscribed to lim's quota's channel.
 func waitSubscribed(t *testing.T, rdb redis.UniversalClient, lim *Limiter, n int) {
 	t.Helper()
-	channel := lim.shared[0]
+	waitSubscribedTo(t, rdb, lim.shared[0], n)
+}
+
+// waitSubscribedTo waits until n clients subscribe to channel.
+func waitSubscribedTo(t *testing.T, rdb redis.UniversalClient, channel string, n int) {
+	t.Helper()
 	waitFor(t, func() bool {
 		subs, err := rdb.PubSubNumSub(context.Background(), channel).Result()
 		return err == nil && subs[channel] >= int64(n)

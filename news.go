@@ -26,6 +26,11 @@ import (
 //	q <epoch> <pause until> <now>    the quota's epoch and pause, after a loss or a pause
 //	k <pause key> <until> <now>      the pause of one key of a quota
 //	f <epoch> <until> <now>          units given back left room until then (move.go)
+//	l <epoch> <at> <now>             a limit in force dropped at: calls decided before book again (view.go)
+//
+// A quota of a group (policies.Shared) listens to the group's channel too,
+// named as the group's key: the l and f of a shared rule go there, told by
+// any quota of the group, whatever its epoch (see Groups in lua/lib.lua).
 
 // A process that cannot hear the news cannot trust its bookings: while the
 // subscription is cut, a pause or a loss may be published unheard, and a
@@ -91,11 +96,12 @@ func (h *hub) add(l *Limiter) bool {
 	if h.closing {
 		return false
 	}
-	channel := l.shared[0]
-	h.subs[channel] = append(live(h.subs[channel], nil), weak.Make(l))
-	if len(h.subs[channel]) == 1 {
-		h.join = append(h.join, channel)
-		h.leave = slices.DeleteFunc(h.leave, func(c string) bool { return c == channel })
+	for _, channel := range l.channels() {
+		h.subs[channel] = append(live(h.subs[channel], nil), weak.Make(l))
+		if len(h.subs[channel]) == 1 {
+			h.join = append(h.join, channel)
+			h.leave = slices.DeleteFunc(h.leave, func(c string) bool { return c == channel })
+		}
 	}
 	if h.ps == nil {
 		// No channel yet: go-redis makes the PubSub without a connection.
@@ -114,19 +120,28 @@ func (l *Limiter) unlisten() {
 	h := v.(*hub)
 	h.mu.Lock()
 	defer h.mu.Unlock()
-	channel := l.shared[0]
-	subs := live(h.subs[channel], l)
-	if len(subs) > 0 {
-		h.subs[channel] = subs
-		return
+	for _, channel := range l.channels() {
+		if subs := live(h.subs[channel], l); len(subs) > 0 {
+			h.subs[channel] = subs
+			continue
+		}
+		delete(h.subs, channel)
+		h.join = slices.DeleteFunc(h.join, func(c string) bool { return c == channel })
+		h.leave = append(h.leave, channel)
 	}
-	delete(h.subs, channel)
-	h.join = slices.DeleteFunc(h.join, func(c string) bool { return c == channel })
-	h.leave = append(h.leave, channel)
 	if len(h.subs) == 0 {
 		h.closing = true
 		hubs.CompareAndDelete(l.rdb, h)
 	}
+}
+
+// channels returns the channels l listens to: its quota's, named as its
+// meta key, and its group's, if any.
+func (l *Limiter) channels() []string {
+	if l.groupKey == "" {
+		return l.shared[:1]
+	}
+	return []string{l.shared[0], l.groupKey}
 }
 
 // chores takes what listen and unlisten asked of serve.
@@ -236,7 +251,7 @@ func (h *hub) deliver(msg *redis.Message) {
 	h.mu.Unlock()
 	for _, p := range subs {
 		if l := p.Value(); l != nil {
-			l.news(msg.Payload)
+			l.news(msg.Channel, msg.Payload)
 		}
 	}
 }
@@ -304,10 +319,15 @@ func live(subs []weak.Pointer[Limiter], drop *Limiter) []weak.Pointer[Limiter] {
 	return out
 }
 
-// news applies a message of the quota's channel.
-func (l *Limiter) news(payload string) {
+// news applies a message of the quota's channel, or of its group's.
+func (l *Limiter) news(channel, payload string) {
 	f := strings.Fields(payload)
 	if len(f) != 4 {
+		return
+	}
+	// The group's news is of any quota's epoch: it only makes calls ask again.
+	ofGroup := l.groupKey != "" && channel == l.groupKey
+	if ofGroup && f[0] != "l" && f[0] != "f" {
 		return
 	}
 	a, err1 := strconv.ParseInt(f[2], 10, 64)
@@ -329,11 +349,11 @@ func (l *Limiter) news(payload string) {
 	case "k":
 		l.notePause(scope{keys: []string{l.shared[0], f[1]}}, us(now), us(a))
 	case "l":
-		if epoch, err := strconv.ParseInt(f[1], 10, 64); err == nil && epoch == l.epoch.Load() {
+		if epoch, err := strconv.ParseInt(f[1], 10, 64); ofGroup || err == nil && epoch == l.epoch.Load() {
 			l.noteLowered(us(a))
 		}
 	case "f":
-		if epoch, err := strconv.ParseInt(f[1], 10, 64); err == nil && epoch == l.epoch.Load() {
+		if epoch, err := strconv.ParseInt(f[1], 10, 64); ofGroup || err == nil && epoch == l.epoch.Load() {
 			l.signalRoom()
 		}
 	}

@@ -33,14 +33,15 @@ func TestProtocol_GoAndLuaConstantsAgree(t *testing.T) {
 		{"REFUSED_TOO_FAR", "reasonTooFar", int64(reasonTooFar)},
 		{"REFUSED_BUSY", "reasonBusy", int64(reasonBusy)},
 		{"REFUSED_SHARE", "reasonShare", int64(reasonShare)},
-		// The kinds of rule, and the flags of a rule that counts calls and
-		// of a rule per key (ruleArgs).
+		// The kinds of rule, and the flags of a rule that counts calls, of
+		// a rule per key and of a shared rule (ruleArgs).
 		{"LOG", "policies.KindSlidingLog", int64(policies.KindSlidingLog)},
 		{"COUNTER", "policies.KindSlidingCounter", int64(policies.KindSlidingCounter)},
 		{"BUCKET", "policies.KindTokenBucket", int64(policies.KindTokenBucket)},
 		{"CONCURRENCY", "policies.KindConcurrency", int64(policies.KindConcurrency)},
 		{"PER_CALL", "perCallFlag", perCallFlag},
 		{"PER_KEY", "perKeyFlag", perKeyFlag},
+		{"SHARED", "sharedFlag", sharedFlag},
 		// The buckets of lateness a process reports (lates.report).
 		{"LATE_BUCKETS", "lateBuckets", lateBuckets},
 		// The least margin that is guarded: under it a call that starts

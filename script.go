@@ -196,11 +196,12 @@ func argsFor(clock func() time.Time, id string, cost, a, b, c any, rules []polic
 }
 
 // perCallFlag is added to the kind of a rule that counts each call once,
-// perKeyFlag to the kind of a rule that applies to each key separately
-// (see lua/lib.lua).
+// perKeyFlag to the kind of a rule that applies to each key separately,
+// sharedFlag to the kind of a policies.Shared rule (see lua/lib.lua).
 const (
 	perCallFlag = 16
 	perKeyFlag  = 32
+	sharedFlag  = 64
 )
 
 // ruleArgs encodes rule r as the script reads it: the kind and four
@@ -213,6 +214,9 @@ func ruleArgs(r policies.Rule) [5]int64 {
 	}
 	if r.PerKey {
 		kind += perKeyFlag
+	}
+	if r.Shared != "" {
+		kind += sharedFlag
 	}
 	switch r.Kind {
 	case policies.KindSlidingCounter:

@@ -3,7 +3,10 @@ package throttle
 import (
 	"context"
 	"errors"
+	"net/http"
+	"slices"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
@@ -124,4 +127,310 @@ func TestShared_BadConfigurationsAreErrors(t *testing.T) {
 			t.Errorf("%s: New = %v, want an error naming %s", tc.name, err, tc.want)
 		}
 	}
+}
+
+// sharedLog returns the quotas a and b of a group that shares a log of
+// limit a second, each FailFast on clock.
+func sharedLog(t *testing.T, s *redistest.Server, clock *fixedClock, limit int, opts Options) (a, b *Limiter) {
+	t.Helper()
+	p := policies.Shared{Name: "v", Policy: policies.SlidingLog{Limit: limit, Window: time.Second}}
+	opts.Mode, opts.Clock = FailFast, clock.Now
+	return newRoute(t, s.Client(t), "a", p, opts), newRoute(t, s.Client(t), "b", p, opts)
+}
+
+// A cap that one quota of a group learns from a refusal is the limit in
+// force of the shared rule in every quota of the group: the other quota
+// admits no more than it in a window, and a refusal of the other quota's
+// lowers it from there, as a refusal of the first quota's would.
+func TestShared_ACapLearnedHoldsInEveryQuota(t *testing.T) {
+	redistest.Each(t, func(t *testing.T, s *redistest.Server) {
+		ctx := context.Background()
+		clock := newClock()
+		a, b := sharedLog(t, s, clock, 40, Options{})
+		ps := admit(t, a, clock, 10, 10*time.Millisecond)
+		for _, p := range ps[8:] {
+			if err := p.refused(ctx, 0); err != nil {
+				t.Fatal(err)
+			}
+		}
+		if got, want := limitInForce(t, a), []int{20}; !slices.Equal(got, want) {
+			t.Fatalf("a's limit in force %v after two refusals, want %v: a first refusal halves it", got, want)
+		}
+		if got, want := limitInForce(t, b), []int{20}; !slices.Equal(got, want) {
+			t.Errorf("b's limit in force %v, want a's %v: the rule is one for both", got, want)
+		}
+		clock.Add(2 * time.Second)
+		if n := admittedIn(b, clock, time.Second, 10*time.Millisecond); n > 20 {
+			t.Errorf("b admitted %d calls in a window of the shared rule whose cap is 20", n)
+		}
+		// b's 12th call of the next window is refused: the cap drops to
+		// the 11 the vendor accepted before it, in both quotas.
+		clock.Add(2 * time.Second)
+		ps = admit(t, b, clock, 12, 10*time.Millisecond)
+		if err := ps[11].refused(ctx, 0); err != nil {
+			t.Fatal(err)
+		}
+		for _, lim := range []*Limiter{a, b} {
+			if got, want := limitInForce(t, lim), []int{11}; !slices.Equal(got, want) {
+				t.Errorf("%s's limit in force %v after b's refusal, want %v: what the vendor accepted before it", lim.Name(), got, want)
+			}
+		}
+	})
+}
+
+// The share of the vendor's key that other consumers spend, as one quota
+// of a group measured it, is left to them by every quota of the group;
+// and a later count the other quota gives, which measures them lower in
+// the same period, keeps the largest measure, as it does within a quota.
+func TestShared_OthersShareKeptAcrossTheGroup(t *testing.T) {
+	redistest.Each(t, func(t *testing.T, s *redistest.Server) {
+		ctx := context.Background()
+		clock := newClock()
+		a, b := sharedLog(t, s, clock, 10, Options{WithoutLearning: true})
+		ps := admit(t, a, clock, 4, time.Millisecond)
+		a.dropAllSpares(ctx) // a's 4 calls alone in the log
+		// The vendor counted a's 4 and 2 of another consumer's.
+		if _, _, err := ps[3].Heard(ctx, Answer{Status: http.StatusOK, Requests: &Count{Remaining: 4, Limit: 10}}); err != nil {
+			t.Fatal(err)
+		}
+		// 2 units, and the spare of one (others_reserve).
+		for _, lim := range []*Limiter{a, b} {
+			if u := usageOf(t, lim); u.Rules[0].Others != 3 || u.Rules[0].Limit != 7 {
+				t.Errorf("%s leaves others %d, limit in force %d; want 3 and 7", lim.Name(), u.Rules[0].Others, u.Rules[0].Limit)
+			}
+		}
+		// b's call, and a count that measures the others at 1: the
+		// largest measure of the period stays.
+		p := admit(t, b, clock, 1, time.Millisecond)[0]
+		if _, _, err := p.Heard(ctx, Answer{Status: http.StatusOK, Requests: &Count{Remaining: 4, Limit: 10}}); err != nil {
+			t.Fatal(err)
+		}
+		for _, lim := range []*Limiter{a, b} {
+			if u := usageOf(t, lim); u.Rules[0].Others != 3 {
+				t.Errorf("after b's count, %s leaves others %d, want 3: the largest measure of the period", lim.Name(), u.Rules[0].Others)
+			}
+		}
+	})
+}
+
+func usageOf(t *testing.T, lim *Limiter, opts ...CallOption) Usage {
+	t.Helper()
+	u, err := lim.Usage(context.Background(), opts...)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return u
+}
+
+// A quota of a group whose calls reach the vendor late widens the shared
+// log's margin for every quota of the group: each searches the log with
+// the same window, so that a quota whose own calls are on time does not
+// book beside the late ones' window. a's calls start 40ms late (a spread
+// of 45ms), or its process is 40ms further from Redis than b's (calls
+// start later by that much); a fills the shared log of 10, and b's call
+// 1.05 s later would reach the vendor in the window of a's last calls.
+func TestShared_ALateQuotaWidensTheMarginOfEveryQuota(t *testing.T) {
+	for _, tc := range []struct {
+		name string
+		late func(t *testing.T, a, b *Limiter)
+	}{
+		{"its calls start late", func(t *testing.T, a, _ *Limiter) { reportLates(t, a, 60, 40*ms) }},
+		{"its process is further from Redis", func(t *testing.T, a, b *Limiter) {
+			setUsualDelay(a, 40*ms)
+			reportLates(t, a, 50, 0) // enough calls for the period to count
+			setUsualDelay(b, 0)
+			reportLates(t, b, 0, 0)
+		}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			redistest.Each(t, func(t *testing.T, s *redistest.Server) {
+				clock := newClock()
+				a, b := sharedLog(t, s, clock, 10, Options{})
+				warmUp(t, clock, 2*time.Second, a, b)
+				tc.late(t, a, b)
+				clock.Add(2 * time.Second) // the period after carries the spread
+				if n := fillUp(t, a, 11); n > 10 {
+					t.Fatalf("a admitted %d calls in the shared log of 10", n)
+				}
+				ua, ub := usageOf(t, a), usageOf(t, b)
+				if ua.Rules[0].Margin < 80*ms || ub.Rules[0].Margin != ua.Rules[0].Margin {
+					t.Errorf("margins in force: a %v, b %v; want both a's, 80ms or more", ua.Rules[0].Margin, ub.Rules[0].Margin)
+				}
+				clock.Add(time.Second + 50*ms)
+				if d := mustAllow(t, b); d.OK {
+					t.Errorf("b's call 1.05 s after a's 10, which may reach the vendor 80ms late, admitted: %+v", d)
+				}
+			})
+		})
+	}
+}
+
+// The calls a late quota of a group booked ahead keep their margin in
+// every quota of the group while they may start, as they keep it in their
+// own (see TestMargin_FollowsTheFleetsSpread): here once the group's spread
+// is forgotten (no call for two timing periods) and a's calls, booked a
+// window apart up to 3.3 s ahead with a margin of 90ms, are still ahead.
+func TestShared_ALateQuotasBookingsKeepTheirMarginInEveryQuota(t *testing.T) {
+	redistest.Each(t, func(t *testing.T, s *redistest.Server) {
+		ctx := context.Background()
+		clock := newClock()
+		a, b := sharedLog(t, s, clock, 10, Options{})
+		warmUp(t, clock, 2*time.Second, a, b)
+		reportLates(t, a, 60, 40*ms)
+		clock.Add(2 * time.Second)
+		var last result
+		for range 4 {
+			r, err := a.acquire(ctx, call{cost: 10}, 10*time.Second, nil)
+			if err != nil || !r.admitted {
+				t.Fatalf("a's booking of the whole log: %+v, %v", r, err)
+			}
+			last = r
+		}
+		clock.Add(last.slot() - time.Duration(clock.Now().UnixMicro())*time.Microsecond - 100*ms)
+		// The held spread alone: half the wide margin, half the own one.
+		ua, ub := usageOf(t, a), usageOf(t, b)
+		if m := ua.Rules[0].Margin; m <= 50*ms || m >= 90*ms || ub.Rules[0].Margin != m {
+			t.Errorf("100ms before a's last booking: margins in force a %v, b %v; want both a's, over 50ms and under 90ms",
+				ua.Rules[0].Margin, ub.Rules[0].Margin)
+		}
+		clock.Add(100*ms + time.Second + 45*ms)
+		if d := mustAllow(t, b); d.OK {
+			t.Errorf("b's call 1.045 s after a's last booking, which may start 45ms late, admitted: %+v", d)
+		}
+	})
+}
+
+// A quota that joins a group warms up: its first calls, admitted at once,
+// may reach the vendor late (each opens a connection), and every quota of
+// the group keeps the warm-up's margin from them in the shared log.
+func TestShared_AQuotaWarmingUpWidensTheMarginOfEveryQuota(t *testing.T) {
+	redistest.Each(t, func(t *testing.T, s *redistest.Server) {
+		clock := newClock()
+		a, b := sharedLog(t, s, clock, 10, Options{})
+		warmUp(t, clock, 2*time.Second, b)
+		if u := usageOf(t, b); u.Rules[0].Margin != policies.DefaultMargin {
+			t.Fatalf("b, warm, alone: margin in force %v, want %v", u.Rules[0].Margin, policies.DefaultMargin)
+		}
+		mustAllow(t, a) // a's first call: a new quota warms up
+		ua, ub := usageOf(t, a), usageOf(t, b)
+		if ua.Rules[0].Margin <= policies.DefaultMargin || ub.Rules[0].Margin != ua.Rules[0].Margin {
+			t.Errorf("margins in force: a %v, b %v; want both a's warm-up margin, over %v",
+				ua.Rules[0].Margin, ub.Rules[0].Margin, policies.DefaultMargin)
+		}
+	})
+}
+
+// A cap one quota of a group learns reaches the calls another quota
+// booked ahead in the shared rule: they book again when they wake, and
+// at most the cap of them start in the window after a's calls.
+func TestShared_CallsOfEveryQuotaBookedBeforeADropBookAgain(t *testing.T) {
+	redistest.Each(t, func(t *testing.T, s *redistest.Server) {
+		ctx := context.Background()
+		const window = 500 * time.Millisecond
+		p := policies.Shared{Name: "v", Policy: policies.SlidingLog{Limit: 10, Window: window}}
+		a := newRoute(t, s.Client(t), "a", p, Options{MaxWait: 10 * window})
+		b := newRoute(t, s.Client(t), "b", p, Options{MaxWait: 10 * window})
+		start := time.Now()
+		first := make([]*Permit, 10)
+		for i := range first {
+			var err error
+			if first[i], err = a.Acquire(ctx); err != nil {
+				t.Fatal(err)
+			}
+		}
+		var wg sync.WaitGroup
+		var mu sync.Mutex
+		var starts []time.Duration
+		for range 10 {
+			wg.Go(func() {
+				p, err := b.Acquire(ctx)
+				if err != nil {
+					t.Error(err)
+					return
+				}
+				mu.Lock()
+				starts = append(starts, time.Since(start))
+				mu.Unlock()
+				p.Release()
+			})
+		}
+		waitBooked(t, b, 20)
+		waitSubscribedTo(t, s.Client(t), b.groupKey, 2) // a's client and b's
+		if err := first[9].refused(ctx, 0); err != nil {
+			t.Fatal(err)
+		}
+		wg.Wait()
+		early := 0
+		for _, at := range starts {
+			if at < window*17/10 {
+				early++
+			}
+		}
+		if early > 5 {
+			t.Errorf("%d of b's calls booked before a's refusal started within the window after a's ten (at %v), want 5 at most", early, starts)
+		}
+	})
+}
+
+// Units one quota of a group gives back move the calls another quota
+// booked behind them in the shared rule: the window is 30 s, so without
+// the move b's call sleeps 30 s, and the test's bound of 15 s is far
+// from both.
+func TestShared_RoomGivenBackMovesTheCallsOfEveryQuota(t *testing.T) {
+	redistest.Each(t, func(t *testing.T, s *redistest.Server) {
+		ctx := context.Background()
+		p := policies.Shared{Name: "v", Policy: policies.SlidingLog{Limit: 100, Window: 30 * time.Second}}
+		a := newRoute(t, s.Client(t), "a", p)
+		b := newRoute(t, s.Client(t), "b", p)
+		first, err := a.Acquire(ctx, Cost(80))
+		if err != nil {
+			t.Fatal(err)
+		}
+		waited := make(chan time.Duration, 1)
+		bctx, stop := context.WithCancel(ctx)
+		defer func() { stop(); <-waited }()
+		go func() {
+			start := time.Now()
+			if p, err := b.Acquire(bctx, Cost(50)); err == nil {
+				p.Release()
+			}
+			waited <- time.Since(start)
+		}()
+		waitBooked(t, a, 130)
+		waitSubscribedTo(t, s.Client(t), b.groupKey, 2)
+		if err := first.Settle(ctx, Cost(30)); err != nil {
+			t.Fatal(err)
+		}
+		select {
+		case d := <-waited:
+			waited <- d
+			t.Logf("b's call went after %v", d.Round(time.Millisecond))
+		case <-time.After(15 * time.Second):
+			t.Fatal("b's call, booked 30 s ahead, still waits 15 s after a's refund made room for it")
+		}
+	})
+}
+
+// A class of one quota of a group finds its share of the shared rule held
+// against the calls of another quota: a's interactive calls, one at each
+// step of 100ms, beside b's batch, which fills the shared log at every
+// step, are all admitted from the second window on.
+func TestShared_AClassOfOneQuotaFindsItsShareAgainstAnother(t *testing.T) {
+	redistest.Each(t, func(t *testing.T, s *redistest.Server) {
+		clock := newClock()
+		a, b := sharedLog(t, s, clock, 100, Options{})
+		ca, cb := &classRun{t: t, lim: a, clock: clock}, &classRun{t: t, lim: b, clock: clock}
+		refused := 0
+		for step := range 31 {
+			if !ca.try(Priority(10)) && step > 10 {
+				t.Logf("step %d: a's interactive call refused", step)
+				refused++
+			}
+			cb.fill()
+			clock.Add(100 * time.Millisecond)
+		}
+		if refused > 0 {
+			t.Errorf("%d of a's interactive calls refused after the first window, want none", refused)
+		}
+	})
 }

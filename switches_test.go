@@ -176,6 +176,7 @@ var switchBreaks = map[mechanism][]string{
 	"class_give_back": {"^TestClasses_ABookingGivenBackLeavesItsClass$"},
 	"class_logs":      {"^TestClasses_AClassThatCallsMidWindowFindsItsShareInIt$"},
 	"class_backlog":   {"^TestClasses_ABacklogServedLeavesItsClassesDemand$"},
+	"groups":          {"^TestShared_ACapLearnedHoldsInEveryQuota$"},
 }
 
 // TestSwitches_EachBreaksItsTest runs, for each switch of switchBreaks,

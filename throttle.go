@@ -105,6 +105,7 @@ type compiled struct {
 	maxCost     int
 	maxCostIs   string         // the limit maxCost comes from, as the user set it
 	group       string         // the Name of the quota's policies.Shared rules, or ""
+	groupKey    string         // the key, and the channel, of the group's state (lua/lib.lua, Groups), or ""
 	longest     time.Duration  // the longest window of the rules, at least a second
 	units       []string       // the named units the rules count (policies.Unit), in their order
 	unitMax     map[string]int // the smallest limit of each named unit's rules
@@ -215,7 +216,7 @@ func (l *Limiter) compile() {
 	l.description = l.describe()
 	l.sharedAll = map[*redis.Script][]string{}
 	for s := range suffixes {
-		l.sharedAll[s] = declared(s, l.shared, l.rules)
+		l.sharedAll[s] = declared(s, l.shared, l.rules, l.groupKey)
 	}
 	l.minMargin = policies.DefaultMargin
 	l.longest = time.Second
@@ -253,6 +254,7 @@ func (l *Limiter) bases() (shared string) {
 		if r.Shared != "" {
 			l.group = r.Shared
 			shared = l.s.keyPrefix() + ":{" + r.Shared + "}//"
+			l.groupKey = shared + "group"
 		}
 	}
 	l.base = quotaBase(l.s.keyPrefix(), l.name, l.group)

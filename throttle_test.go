@@ -546,6 +546,14 @@ func TestTTL_EveryKeyExpires(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
+		// A quota of a group, whose group keeps a key of its own.
+		grouped, err := New(rdb, "grouped", policies.Shared{Name: lim.name + "-group", Policy: policies.SlidingLog{Limit: 2, Window: time.Second}})
+		if err != nil {
+			t.Fatal(err)
+		}
+		if _, err := grouped.Allow(ctx); err != nil {
+			t.Fatal(err)
+		}
 		for range 2 {
 			if _, err := longLim.acquire(ctx, call{cost: 1100}, 5*time.Second, nil); err != nil {
 				t.Fatal(err)
@@ -563,7 +571,7 @@ func TestTTL_EveryKeyExpires(t *testing.T) {
 		}
 		kinds := map[string]bool{}
 		for _, k := range keys {
-			for _, kind := range []string{"log", "counter", "bucket", "concurrency", ":next", ":cap", ":meta"} {
+			for _, kind := range []string{"log", "counter", "bucket", "concurrency", ":next", ":cap", ":meta", "//group"} {
 				if strings.Contains(k, kind) {
 					kinds[kind] = true
 				}
@@ -572,7 +580,7 @@ func TestTTL_EveryKeyExpires(t *testing.T) {
 				t.Errorf("key %s has no TTL (PTTL %v)", k, ttl)
 			}
 		}
-		for _, kind := range []string{"log", "counter", "bucket", "concurrency", ":next", ":cap", ":meta"} {
+		for _, kind := range []string{"log", "counter", "bucket", "concurrency", ":next", ":cap", ":meta", "//group"} {
 			if !kinds[kind] {
 				t.Errorf("no %q key among %v: the test no longer covers it", kind, keys)
 			}

@@ -113,6 +113,15 @@ func reportLates(t *testing.T, l *Limiter, n int, late time.Duration) {
 	}
 }
 
+// setUsualDelay sets the usual one-way delay from Redis that l's process
+// reports with its next script call.
+func setUsualDelay(l *Limiter, d time.Duration) {
+	l.timing.mu.Lock()
+	l.timing.trip = [2]minimum{{v: 2 * d, set: true}}
+	l.timing.readings = minReadings
+	l.timing.mu.Unlock()
+}
+
 // The margin in force follows the spread of the fleet's calls, from the
 // configured margin up to a tenth of the window, and narrows once the calls
 // start on time again. A counter's margin, and a margin set under 2ms, stay
@@ -227,13 +236,6 @@ func TestMargin_ForgetsTheDelaysOfAWarmUp(t *testing.T) {
 		}
 		t.Cleanup(func() { _ = b.Close(context.Background()) })
 		ctx := context.Background()
-		// delay sets the usual one-way delay a process reports.
-		delay := func(l *Limiter, d time.Duration) {
-			l.timing.mu.Lock()
-			l.timing.trip = [2]minimum{{v: 2 * d, set: true}}
-			l.timing.readings = minReadings
-			l.timing.mu.Unlock()
-		}
 		check := func(what string, want time.Duration) {
 			t.Helper()
 			u, err := a.Usage(ctx)
@@ -245,13 +247,13 @@ func TestMargin_ForgetsTheDelaysOfAWarmUp(t *testing.T) {
 			}
 		}
 		reportLates(t, b, 0, 0) // the quota's first call: it warms up
-		delay(a, 40*ms)
-		delay(b, 0)
+		setUsualDelay(a, 40*ms)
+		setUsualDelay(b, 0)
 		reportLates(t, a, 0, 0)
 		reportLates(t, b, 0, 0)
 		check("warming up", 40*ms)
 		clock.Add(2 * time.Second)
-		delay(a, ms)
+		setUsualDelay(a, ms)
 		reportLates(t, b, 0, 0)
 		reportLates(t, a, 50, 0) // enough calls for the period to count
 		check("the period after the warm-up", ms)

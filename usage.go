@@ -28,7 +28,8 @@ type Usage struct {
 	// Spread is how much later after its slot one call of the fleet may
 	// start than another, as the fleet's processes measure it and report it
 	// with their calls. The windows' margins follow it (see
-	// policies.SlidingLog.Margin).
+	// policies.SlidingLog.Margin). The fleet of a quota with a
+	// policies.Shared rule is its whole group's.
 	Spread time.Duration
 	// Remaining is the units a call could take now under every rule: the
 	// least of the rules' Remaining.

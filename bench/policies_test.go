@@ -60,6 +60,9 @@ func BenchmarkPolicyDecisions(b *testing.B) {
 		{name: "PerKey", policy: policies.PerKey{Policy: logNeverBinds}, keys: decisionKeys},
 		// Each key a class of the global log (docs/PROTOCOL.md 3.13).
 		{name: "PerKeyUnderGlobal", policy: policies.All(logNeverBinds, policies.PerKey{Policy: logNeverBinds}), keys: decisionKeys},
+		// A log shared by a group of quotas, whose state the group's key
+		// keeps (docs/PROTOCOL.md 3.12).
+		{name: "Shared", policy: policies.Shared{Name: "decisions", Policy: logNeverBinds}},
 	}
 	for _, c := range cases {
 		rdb := s.Client(b)

@@ -661,7 +661,7 @@ end
 -- spread it sets the margins in force of every rule (see margins in
 -- lib.lua), and whether the quota warms up.
 local function read_fleet(batch)
-  local meta = read_meta()
+  local meta = read_meta(true)
   if meta and now - meta.refreshed > META_REFRESH then
     meta.refreshed = now
   end
@@ -1088,7 +1088,7 @@ local function announce_class(batch, r, name)
   end
   r.cls_told = cur
   redis.call('HSET', r.key .. ':cl', CLASS_TOLD, cur)
-  announce_lowered(batch.meta, now)
+  announce_lowered(batch.meta, now, r.shared)
 end
 
 -- A class's calls are logged in its own log from its first (with nothing

@@ -50,8 +50,8 @@
 -- the time and the pause first as in every script's reply that has them:
 -- lowered is 1 when a rule's cap dropped; cap the lowest limit in force of
 -- a capped rule, or -1 when no rule is capped; others the most units a rule
--- leaves other consumers of the key (others_reserve), or 0; measuring 1
--- dropped 1 when a rule's limit in force dropped; measuring 1
+-- leaves other consumers of the key (others_reserve), or 0; dropped 1
+-- when a rule's limit in force dropped; measuring 1
 -- while a rule keeps a share, which every count the vendor gives should
 -- measure, not only those that say fewer are left than the fleet believed.
 
@@ -81,7 +81,7 @@ if as_of <= 0 or as_of > now then
 end
 
 local rs = rules()
-local meta = read_meta()
+local meta = read_meta(true)
 margins(rs, fleet_spread(meta, now), held_spread(meta, now), meta and meta.warm_held > now)
 local known = arg.known
 local learn = arg.refused and arg.as_of > 0
@@ -90,13 +90,15 @@ if meta or learn or pause > 0 and KEYS[2] == KEYS[1] then
   meta, dirty, found = check_loss(meta, now, known, rs, policy_span)
 end
 read_caps(rs, meta, now)
-local lowered, dropped = 0, 0
+-- dropped_shared: a shared rule's limit in force dropped, which the
+-- group hears (see announce_lowered).
+local lowered, dropped, dropped_shared = 0, 0, false
 if learn then
   local cu = meta.caps_until
   for _, r in ipairs(rs) do
     local vlimit = r.per_call and arg.calls_limit or arg.limit
     if r.kind ~= CONCURRENCY and learn_cap(r, as_of, meta, now, vlimit) then
-      lowered, dropped = 1, 1
+      lowered, dropped, dropped_shared = 1, 1, dropped_shared or r.shared
     end
   end
   dirty = dirty or meta.caps_until ~= cu
@@ -229,7 +231,7 @@ if meta and not learn then
     if left >= 0 and note_others(r, left, vlimit) then
       write_limits(r, meta, now)
       if r.limit < limit then
-        dropped = 1
+        dropped, dropped_shared = 1, dropped_shared or r.shared
       elseif r.limit > limit then
         -- Room the share gave back: a log's hint may say nothing fits there.
         redis.call('DEL', r.key .. ':next')
@@ -259,7 +261,7 @@ if announce then
   announce_quota(meta, now)
 end
 if dropped == 1 then
-  announce_lowered(meta, now)
+  announce_lowered(meta, now, dropped_shared)
 end
 
 -- charged_after returns the units charged to rule r that sit after time t

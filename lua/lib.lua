@@ -11,9 +11,10 @@
 --                of that key is admitted; or KEYS[1] again.
 -- KEYS[2+i]      the key of rule i, for n rules;
 -- KEYS[3+n] ..   every other key the script may touch, declared (a rule's
---                hint, cap, charges, refunds, refusals and classes, the keys
---                of a batch's other scopes: see declared in script.go); a
---                script reaches them by name, and touches no key not in KEYS.
+--                hint, cap, charges, refunds, refusals and classes, the
+--                group's key, the keys of a batch's other scopes: see
+--                declared in keys.go); a script reaches them by name, and
+--                touches no key not in KEYS.
 -- ARGV[1]        now in microseconds, or "0" to read Redis TIME (the default, so
 --                that the whole fleet shares one clock).
 -- ARGV[2]        the call's id, unique across the fleet.
@@ -22,8 +23,9 @@
 -- ARGV[7]        n, the number of rules.
 -- ARGV[3+5i]     rule i's kind: 1 sliding log, 2 sliding counter, 3 token bucket
 --                (GCRA), 4 concurrency; plus PER_CALL for a rule that counts
---                each call once, whatever its cost (see units), and PER_KEY
---                for a rule that applies to each key separately;
+--                each call once, whatever its cost (see units), PER_KEY
+--                for a rule that applies to each key separately, and SHARED
+--                for a rule of the quota's group (see Groups);
 -- ARGV[4+5i] .. ARGV[7+5i]  its four parameters, by kind (read by name: see rules):
 --                log:         limit, window (µs), unused, margin (µs)
 --                counter:     limit, window (µs), bucket width (µs), margin (µs)
@@ -61,6 +63,7 @@ end
 
 local PER_CALL = 16
 local PER_KEY = 32
+local SHARED = 64
 
 -- rules returns the rules of the call, each with its key, kind and
 -- parameters by name:
@@ -70,7 +73,8 @@ local PER_KEY = 32
 --   width     a counter's bucket width;
 --   interval  a bucket's emission interval per unit;
 --   lease     a concurrency rule's lease;
---   margin    a log's or counter's configured margin, a bucket's own.
+--   margin    a log's or counter's configured margin, a bucket's own;
+--   shared    true for a rule every quota of the group shares.
 -- All times are in microseconds.
 local function rules()
   local rs = {}
@@ -82,7 +86,8 @@ local function rules()
       key = KEYS[2 + i],
       kind = kind % PER_CALL,
       per_call = kind % PER_KEY >= PER_CALL,
-      per_key = kind >= PER_KEY,
+      per_key = kind % SHARED >= PER_KEY,
+      shared = kind >= SHARED,
       limit = tonumber(ARGV[a + 1]),
       margin = tonumber(ARGV[a + 4]),
     }
@@ -265,32 +270,82 @@ local function pause_for(m, until_, why)
   end
 end
 
--- read_meta returns the meta as a table, its numbers by name (each
--- missing one as in META_FIELDS), or nil when the key is missing. The
--- fields as read are kept in raw, so that write_meta writes only those
--- that changed; lates is kept as text (lates_text) until a report needs
--- it.
-local function read_meta()
-  local v = redis.call('HGETALL', KEYS[1])
+-- Groups. The quotas that declare a policies.Shared rule form a group,
+-- named by its Name. Each keeps its meta key, but the state of what they
+-- share is kept on one key of the group, which every quota of it reads and
+-- writes: the fields of GROUP_FIELDS. The group's processes are one fleet
+-- at the vendor: the spread of their calls sets the margin every quota
+-- searches a shared log with, and the holds keep the margins that calls
+-- of any quota were booked with. And every quota reads a shared rule's
+-- learned cap, others' share and classes while any quota may have them.
+-- The group's key is "P:{Name}//group", built from the meta key,
+-- "P:{Name}/<quota>:meta" (a quota of no group has "P:{<quota>}:meta"):
+-- after the tag, "/" marks a group. News about a shared rule goes to the
+-- channel named as the group's key, which every quota of it listens to.
+local GROUP = not OFF.groups and KEYS[1] and string.match(KEYS[1], '^[^}]*}/')
+if GROUP then
+  GROUP = GROUP .. '/group'
+end
+local GROUP_FIELDS = {
+  period = true, spread = true, lates = true, delay_max = true, delay_min = true,
+  prev_delay_max = true, prev_delay_min = true, hold = true, hold_until = true,
+  next_hold = true, next_until = true, warm_held = true, caps_until = true, classes_until = true,
+}
+
+-- group_raw holds the group key's fields as read_meta read them, or nil.
+local group_raw
+
+-- hash returns the fields of the hash at key, by name.
+local function hash(key)
+  local v = redis.call('HGETALL', key)
   local raw = {}
   for k = 1, #v, 2 do
     raw[v[k]] = v[k + 1]
   end
-  local m = { raw = raw, policies = raw.policies or '', lates_text = raw.lates or '', policy = raw.policy or '' }
-  for f, default in pairs(META_FIELDS) do
-    m[f] = tonumber(raw[f]) or default
+  return raw
+end
+
+-- home returns the fields, as read, of the key meta m keeps field f on:
+-- the group's for a field of GROUP_FIELDS when the group was read.
+local function home(m, f)
+  if m.graw and GROUP_FIELDS[f] then
+    return m.graw
   end
+  return m.raw
+end
+
+-- meta_from sets the numbers of meta m, and its lates as text, from its
+-- keys as read.
+local function meta_from(m)
+  for f, default in pairs(META_FIELDS) do
+    m[f] = tonumber(home(m, f)[f]) or default
+  end
+  m.lates_text = home(m, 'lates').lates or ''
+  return m
+end
+
+-- read_meta returns the meta as a table, its numbers by name (each
+-- missing one as in META_FIELDS), or nil when the key is missing. The
+-- fields as read are kept in raw (the group's in graw), so that
+-- write_meta writes only those that changed; lates is kept as text
+-- (lates_text) until a report needs it. With group, a quota of a group
+-- takes the fields of GROUP_FIELDS from the group's key; a script that
+-- reads none of them (cancel, settle, handback) spares the read.
+local function read_meta(group)
+  if group and GROUP and not group_raw then
+    group_raw = hash(GROUP)
+  end
+  local raw = hash(KEYS[1])
+  local m = meta_from({ raw = raw, graw = group_raw, policies = raw.policies or '', policy = raw.policy or '' })
   if not tonumber(raw.epoch) then
     return nil
   end
   return m
 end
 
+-- new_meta returns a new meta of the quota, the group's state kept.
 local function new_meta(now)
-  local m = { raw = {}, policies = '', lates_text = '', policy = '' }
-  for f, default in pairs(META_FIELDS) do
-    m[f] = default
-  end
+  local m = meta_from({ raw = {}, graw = group_raw, policies = '', policy = '' })
   m.epoch, m.refreshed = now, now
   return m
 end
@@ -307,38 +362,53 @@ local function histogram(m)
 end
 
 -- write_meta writes the fields of the meta m that changed since it was
--- read; its expiry is pushed back when the key is new or refreshed (see
--- META_TTL), for the longest window of rules rs.
+-- read, each to its key (see Groups); an expiry is pushed back when the
+-- meta or the group's key is new, or the meta refreshed (see META_TTL),
+-- for the longest window of rules rs.
 local function write_meta(m, rs)
-  local raw, args = m.raw, {}
+  local args, gargs = {}, {}
+  local function put(f, v)
+    local a = home(m, f) == m.raw and args or gargs
+    a[#a + 1], a[#a + 2] = f, v
+  end
   for f in pairs(META_FIELDS) do
-    if tonumber(raw[f]) ~= m[f] then
-      args[#args + 1], args[#args + 2] = f, str(m[f])
+    if tonumber(home(m, f)[f]) ~= m[f] then
+      put(f, str(m[f]))
     end
   end
-  if m.policies ~= (raw.policies or '') then
-    args[#args + 1], args[#args + 2] = 'policies', m.policies
+  if m.policies ~= (m.raw.policies or '') then
+    put('policies', m.policies)
   end
-  if m.policy ~= (raw.policy or '') then
-    args[#args + 1], args[#args + 2] = 'policy', m.policy
+  if m.policy ~= (m.raw.policy or '') then
+    put('policy', m.policy)
   end
   if m.lates then
     local text = table.concat(m.lates, ',')
-    if text ~= (raw.lates or '') then
-      args[#args + 1], args[#args + 2] = 'lates', text
+    if text ~= (home(m, 'lates').lates or '') then
+      put('lates', text)
     end
   end
   if #args > 0 then
     redis.call('HSET', KEYS[1], unpack(args))
   end
-  if raw.refreshed == nil or tonumber(raw.refreshed) ~= m.refreshed then
+  if #gargs > 0 then
+    redis.call('HSET', GROUP, unpack(gargs))
+  end
+  local refreshed = m.raw.refreshed == nil or tonumber(m.raw.refreshed) ~= m.refreshed
+  local group_new = #gargs > 0 and next(m.graw) == nil
+  if refreshed or group_new then
     local ttl = META_TTL
     for _, r in ipairs(rs) do
       if r.kind == LOG or r.kind == COUNTER then
         ttl = math.max(ttl, 2 * r.window / 1000)
       end
     end
-    redis.call('PEXPIRE', KEYS[1], math.ceil(ttl))
+    if refreshed then
+      redis.call('PEXPIRE', KEYS[1], math.ceil(ttl))
+    end
+    if m.graw then
+      redis.call('PEXPIRE', GROUP, math.ceil(ttl))
+    end
   end
 end
 
@@ -801,10 +871,21 @@ end
 -- ahead of now: each process with calls sleeping towards their slots then
 -- asks, in one script call, to move them to the earliest slots that fit
 -- (see Limiter.moveEarlier in Go). Room that no window from now on holds,
--- or that no booking waits for, is told to no one.
+-- or that no booking waits for, is told to no one. Room in a shared rule
+-- that holds bookings ahead is told to the group (see Groups), whose
+-- every quota may have booked them.
 local function announce_room(m, rs, until_, now)
-  if until_ > now and m and booked_ahead(rs, now) then
-    redis.call('PUBLISH', KEYS[1], 'f ' .. str(m.epoch) .. ' ' .. str(until_) .. ' ' .. str(now))
+  if until_ <= now or not m then
+    return
+  end
+  local own, shared = {}, {}
+  for _, r in ipairs(rs) do
+    local list = GROUP and r.shared and shared or own
+    list[#list + 1] = r
+  end
+  local channel = booked_ahead(shared, now) and GROUP or booked_ahead(own, now) and KEYS[1]
+  if channel then
+    redis.call('PUBLISH', channel, 'f ' .. str(m.epoch) .. ' ' .. str(until_) .. ' ' .. str(now))
   end
 end
 
@@ -812,9 +893,12 @@ end
 -- dropped now (a cap learned, a larger share left to other consumers of
 -- the key): each process's calls booked before it, against the limit
 -- before, book again when they wake at their slots (see overtaken in Go).
-local function announce_lowered(m, now)
+-- A shared rule's drop is told to the group, whose every quota books in
+-- it (see Groups).
+local function announce_lowered(m, now, shared)
   if m then
-    redis.call('PUBLISH', KEYS[1], 'l ' .. str(m.epoch) .. ' ' .. str(now) .. ' ' .. str(now))
+    local channel = shared and GROUP or KEYS[1]
+    redis.call('PUBLISH', channel, 'l ' .. str(m.epoch) .. ' ' .. str(now) .. ' ' .. str(now))
   end
 end
 

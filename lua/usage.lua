@@ -22,11 +22,14 @@
 --              the vendor's key (see others_reserve in lib.lua).
 
 local now = clock()
-local meta = read_meta()
-local spread = spread_in_force(meta, now)
+local meta = read_meta(true)
+-- A quota of a group that made no call yet has the group's state (see
+-- Groups in lib.lua); a new meta holds nothing else.
+local state = meta or new_meta(now)
+local spread = spread_in_force(state, now)
 local rs = rules()
-margins(rs, fleet_spread(meta, now), held_spread(meta, now), meta and meta.warm_held > now)
-read_caps(rs, meta, now)
+margins(rs, fleet_spread(state, now), held_spread(state, now), state.warm_held > now)
+read_caps(rs, state, now)
 local quota_pause = meta and meta.pause or 0
 local pause = pause_until(quota_pause)
 local paused_by = 0

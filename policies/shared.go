@@ -24,6 +24,12 @@ import (
 // policy's limit may differ between them, as a rule's may across a
 // deploy, but should not); declare it once, as a variable, and give it to
 // each. A quota's Shared policies must all have the same Name.
+//
+// The quotas that share a Name are a group, and decide the shared rules as
+// one: a cap that one of them learns from the vendor, and the share it
+// leaves other consumers, hold in all; the margin follows the spread of
+// all their calls; and a limit lowered, or room given back, reaches all
+// their waiting calls (docs/PROTOCOL.md, 3.12).
 type Shared struct {
 	// Name names what the quotas share: letters, digits, '.', '_' and
 	// '-', 64 bytes at most.
