@@ -758,6 +758,9 @@ end
 local function drop_ahead(r)
   if r.kind == LOG or r.kind == CONCURRENCY then
     redis.call('ZREMRANGEBYSCORE', r.key, '(' .. str(now), '+inf')
+  end
+  if r.kind == LOG then
+    -- Only a log keeps a hint, and its caller declares no other rule's.
     redis.call('DEL', r.key .. ':next')
   elseif r.kind == COUNTER then
     local current = bucket_of(now, r.width)

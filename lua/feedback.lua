@@ -230,8 +230,9 @@ if meta and not learn then
       write_limits(r, meta, now)
       if r.limit < limit then
         dropped = 1
-      elseif r.limit > limit then
+      elseif r.limit > limit and r.kind == LOG then
         -- Room the share gave back: a log's hint may say nothing fits there.
+        -- A counter keeps no hint, and its caller declares none.
         redis.call('DEL', r.key .. ':next')
       end
     end
