@@ -588,3 +588,55 @@ func TestClasses_TheTransportsPriorityIsItsRequestsClass(t *testing.T) {
 		}
 	})
 }
+
+// Thousands of classes leaving a rule's classes in one period (each key
+// its own class under a rule every key shares) are dropped in one script
+// call: 9,000 keys that called in one period, two windows later, leave
+// the next call admitted and the classes' hash holding its key's class
+// alone. Deleted in one command, their names overflowed the stack of
+// Redis's Lua ("too many results to unpack"): the call failed, whatever
+// OnRedisError said, and so did every call that read the classes until
+// the hash expired.
+func TestClasses_ThousandsOfClassesLeaveInOneScriptCall(t *testing.T) {
+	t.Parallel() // a given clock: nothing in it depends on the machine's load
+	redistest.Each(t, func(t *testing.T, s *redistest.Server) {
+		ctx := context.Background()
+		c := newClassRun(t, s, policies.All(
+			policies.SlidingLog{Limit: 100, Window: time.Second},
+			policies.PerKey{Policy: policies.SlidingLog{Limit: 10, Window: time.Second}},
+		), Options{})
+		if !c.try(Key("first")) {
+			t.Fatal("the first call of an empty quota refused")
+		}
+		rdb, classes := s.Client(t), c.lim.shared[2]+":cl"
+		fields, err := rdb.HGetAll(ctx, classes).Result()
+		if err != nil || len(fields) != 1 {
+			t.Fatalf("the shared log's classes after one call: %v, %v; want its key's class alone", fields, err)
+		}
+		var name, value string
+		for k, v := range fields {
+			name, value = k, v
+		}
+		// The other keys' classes, each as the first one's, of the same period.
+		const keys = 9000
+		for i := 0; i < keys; i += 1000 {
+			args := make([]any, 0, 2000)
+			for j := i; j < i+1000; j++ {
+				args = append(args, name+"-"+strconv.Itoa(j), value)
+			}
+			if err := rdb.HSet(ctx, classes, args...).Err(); err != nil {
+				t.Fatal(err)
+			}
+		}
+		c.clock.Add(2 * time.Second)
+		if !c.try(Key("later")) {
+			t.Fatalf("a call two windows after %d keys called refused", keys)
+		}
+		if n, err := rdb.HLen(ctx, classes).Result(); err != nil || n != 1 {
+			t.Errorf("the shared log's classes hold %d fields (%v), want the last call's class alone", n, err)
+		}
+		if !c.try(Key("later")) {
+			t.Error("the call after refused")
+		}
+	})
+}

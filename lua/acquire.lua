@@ -1231,8 +1231,9 @@ local function write_classes(r)
   if not r.cls_add then
     return
   end
-  if #r.cls_gone > 0 then
-    redis.call('HDEL', r.key .. ':cl', unpack(r.cls_gone))
+  -- In chunks, as zadd in lib.lua: thousands of keys' classes may leave in one period.
+  for i = 1, #r.cls_gone, 1000 do
+    redis.call('HDEL', r.key .. ':cl', unpack(r.cls_gone, i, math.min(i + 999, #r.cls_gone)))
   end
   local oldest, latest = class_period(r, now) - CLASS_KEPT, nil
   for name, add in pairs(r.cls_add) do
