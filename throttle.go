@@ -325,7 +325,8 @@ type Decision struct {
 	OK bool
 	// RetryAfter is how long until the call would fit, when it was not admitted.
 	RetryAfter time.Duration
-	// Remaining is how many units are still free now under the tightest limit.
+	// Remaining is how many units are still free now under the tightest limit,
+	// for calls of the call's class: a share held for other classes is not free.
 	Remaining int
 }
 

@@ -44,7 +44,7 @@
 --   (see Classes), or "" for a call of no class (ArrivalOrder).
 --
 -- Returns {now, pause, epoch, lost, margin, done, seq, then for each call: admitted,
--- wait, remaining, reason, pause, noted, logged}:
+-- wait, remaining, reason, pause, noted, logged, room}:
 --   now        the time the script used, in microseconds;
 --   pause      the time until which the quota or the first scope's key is
 --              paused, or 0; after each call, the same for the call's scope;
@@ -59,7 +59,8 @@
 --   admitted   1 when the call was admitted (wait 0) or booked (wait > 0), else 0;
 --   wait       microseconds from now until the call's slot; when refused, how long
 --              until it would fit (its retry-after);
---   remaining  units still free now under the tightest rule, after the call;
+--   remaining  units still free now under the tightest rule, after the call,
+--              its class's own log included (see Classes);
 --   reason     ADMITTED (0) admitted; REFUSED_TOO_FAR (1) refused: the slot
 --              lies beyond the wait accepted; REFUSED_BUSY (2) refused: a
 --              concurrency rule is full (no slot can be booked, since no one
@@ -69,7 +70,9 @@
 --              (wait: until the reserve ends);
 --   noted      for a call admitted or booked, the rules whose class demand
 --              counts it, rule i as the bit 2^(i-1) (see Classes); else 0;
---   logged     the same for the rules whose class's own log holds it.
+--   logged     the same for the rules whose class's own log holds it;
+--   room       as remaining, under the rules alone: a class's own log, which
+--              narrows what its calls take, is no count a vendor keeps.
 
 -- The reasons of a call's answer, as script.go reads them (see reason).
 local ADMITTED = 0
@@ -627,6 +630,7 @@ local function call_args(batch, c)
   return {
     id = ARGV[a], cost = read_cost(ARGV[a + 1]), maxwait = tonumber(ARGV[a + 2]), lead = tonumber(ARGV[a + 3]),
     scope = sc, rs = sc.rs, pause = sc.pause, remaining = NEVER, after = NEVER, too_big = false,
+    room = NEVER, room_after = NEVER,
     moves = batch.given[tonumber(ARGV[a + 5])],
     class = class, prio = tonumber(string.match(class, '^(%-?%d+)') or '0'),
   }
@@ -1275,9 +1279,10 @@ local function leave_classes(batch)
 end
 
 -- read_call reads call c of the batch, with the units still free under the
--- tightest rule of its scope, now (remaining) and once it is in (after).
--- It returns, instead, an error reply for a call that costs more than a
--- rule's configured limit.
+-- tightest rule of its scope, now (remaining) and once it is in (after),
+-- its class's own log included, and the same of the rules alone (room,
+-- room_after). It returns, instead, an error reply for a call that costs
+-- more than a rule's configured limit.
 local function read_call(batch, c)
   local call = call_args(batch, c)
   class_rules(batch, call)
@@ -1293,10 +1298,15 @@ local function read_call(batch, c)
     local f = free(r)
     call.remaining = math.min(call.remaining, math.max(f, 0))
     call.after = math.min(call.after, math.max(f - u, 0))
+    if not r.class_of then
+      -- The rule's own room, which a vendor's count is read against.
+      call.room = math.min(call.room, math.max(f, 0))
+      call.room_after = math.min(call.room_after, math.max(f - u, 0))
+    end
   end
   if call.pause > now then
     -- Nothing is free while the vendor asked for quiet.
-    call.remaining, call.after = 0, 0
+    call.remaining, call.after, call.room, call.room_after = 0, 0, 0, 0
   end
   return call
 end
@@ -1405,13 +1415,14 @@ local function busy_for(rs, cost)
   return hint
 end
 
--- answer appends a call's answer to the reply (see the header).
-local function answer(batch, call, admitted, wait, remaining, reason)
+-- answer appends a call's answer to the reply (see the header), with the
+-- units free its call.remaining and call.room say.
+local function answer(batch, call, admitted, wait, reason)
   local out = batch.out
   local n = #out
   out[n + 1] = admitted
   out[n + 2] = wait == 0 and 0 or str(wait)
-  out[n + 3] = remaining
+  out[n + 3] = call.remaining
   out[n + 4] = reason
   out[n + 5] = call.pause == 0 and 0 or str(call.pause)
   local noted, logged = 0, 0
@@ -1421,7 +1432,7 @@ local function answer(batch, call, admitted, wait, remaining, reason)
       logged = logged + (cc.logged and 2 ^ (cc.r.i - 1) or 0)
     end
   end
-  out[n + 6], out[n + 7] = noted, logged
+  out[n + 6], out[n + 7], out[n + 8] = noted, logged, call.room
 end
 
 -- decide decides call c of the batch and appends its answer to the reply:
@@ -1446,11 +1457,11 @@ local function decide(batch, c)
     note_classes(batch, call, nil)
   end
   if call.reserved_until and refused then
-    answer(batch, call, 0, call.reserved_until - now, call.remaining, REFUSED_SHARE)
+    answer(batch, call, 0, call.reserved_until - now, REFUSED_SHARE)
   elseif t == NEVER then
-    answer(batch, call, 0, busy_for(call.rs, call.cost), call.remaining, REFUSED_BUSY)
+    answer(batch, call, 0, busy_for(call.rs, call.cost), REFUSED_BUSY)
   elseif refused then
-    answer(batch, call, 0, t - now, call.remaining, REFUSED_TOO_FAR)
+    answer(batch, call, 0, t - now, REFUSED_TOO_FAR)
   else
     for _, r in ipairs(call.rs) do
       record(r, t, call.id, units(r, call.cost))
@@ -1460,16 +1471,14 @@ local function decide(batch, c)
     end
     note_classes(batch, call, t)
     batch.units = batch.units + call.cost.total
-    local remaining = call.after
-    if t > now then
-      remaining = 0
-    else
+    call.remaining, call.room = call.after, call.room_after
+    if t > now or call.moves and call.moves.kept then
+      call.remaining, call.room = 0, 0
+    end
+    if t <= now then
       batch.at_once = true
     end
-    if call.moves and call.moves.kept then
-      remaining = 0
-    end
-    answer(batch, call, 1, t - now, remaining, ADMITTED)
+    answer(batch, call, 1, t - now, ADMITTED)
   end
 end
 
