@@ -16,7 +16,8 @@
 --   bucket k (see note_timing in lib.lua), or "" for none;
 --   that usual delay, one way, in microseconds, or -1 when unknown;
 --   the id of the caller's policy (see check_policy in lib.lua);
---   the caller's policy described (the meta's policy field), or "" when
+--   the caller's policy described (the meta's policy field), after the
+--   caller's age in microseconds and a space (see describe), or "" when
 --   the caller knows the meta holds it already;
 --   when the caller saw Redis's clock step forward by more than the margin
 --   since it last said so, the least time (by the new clock, microseconds)
@@ -678,6 +679,18 @@ local function read_fleet(batch)
   return meta
 end
 
+-- describe keeps in meta m the policy a limiter described, sent as its
+-- age in microseconds, a space and its description: the newest limiter's,
+-- made last by the script's clock (now less its age), whatever order the
+-- fleet describes in. An old version's limiter may describe last: its
+-- first call came late, or a loss made every limiter describe again.
+local function describe(m, arg)
+  local age, text = string.match(arg, '^(%d+) (.+)$')
+  if age and now - tonumber(age) >= m.policy_made then
+    m.policy, m.policy_made = text, now - tonumber(age)
+  end
+end
+
 -- check_meta finds whether Redis lost the quota's data (see Losses in
 -- lib.lua): a missing or changed meta key may mean that it did (see
 -- check_loss), and so do a count of scripts run behind the caller's, a
@@ -695,12 +708,12 @@ local function check_meta(batch, meta)
   local step = meta.last_acquire - now
   if not found and not created and check_clock(meta, now, batch.rs) then
     found, batch.back = true, step
+    -- The description's time is by the clock that went back; all describe again.
+    meta.policy_made = 0
   end
   meta.seq = meta.seq + 1
   check_policy(meta, now, batch.policy, batch.rs, created)
-  if batch.described ~= '' then
-    meta.policy = batch.described
-  end
+  describe(meta, batch.described)
   if not found and meta.loss < batch.stepped then
     lose(meta, now, batch.rs)
     found = true
