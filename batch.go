@@ -458,6 +458,7 @@ func (l *Limiter) finishBatch(sc scope, batch []*request, rep acquireReply, stal
 			admitted:  c.admitted,
 			wait:      c.wait,
 			remaining: c.remaining,
+			room:      c.room,
 			reason:    c.reason,
 			now:       rep.now,
 			pause:     c.pause,

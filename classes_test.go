@@ -588,3 +588,114 @@ func TestClasses_TheTransportsPriorityIsItsRequestsClass(t *testing.T) {
 		}
 	})
 }
+
+// Thousands of classes leaving a rule's classes in one period (each key
+// its own class under a rule every key shares) are dropped in one script
+// call: 9,000 keys that called in one period, two windows later, leave
+// the next call admitted and the classes' hash holding its key's class
+// alone. Deleted in one command, their names overflowed the stack of
+// Redis's Lua ("too many results to unpack"): the call failed, whatever
+// OnRedisError said, and so did every call that read the classes until
+// the hash expired.
+func TestClasses_ThousandsOfClassesLeaveInOneScriptCall(t *testing.T) {
+	t.Parallel() // a given clock: nothing in it depends on the machine's load
+	redistest.Each(t, func(t *testing.T, s *redistest.Server) {
+		ctx := context.Background()
+		c := newClassRun(t, s, policies.All(
+			policies.SlidingLog{Limit: 100, Window: time.Second},
+			policies.PerKey{Policy: policies.SlidingLog{Limit: 10, Window: time.Second}},
+		), Options{})
+		if !c.try(Key("first")) {
+			t.Fatal("the first call of an empty quota refused")
+		}
+		rdb, classes := s.Client(t), c.lim.shared[2]+":cl"
+		fields, err := rdb.HGetAll(ctx, classes).Result()
+		if err != nil || len(fields) != 1 {
+			t.Fatalf("the shared log's classes after one call: %v, %v; want its key's class alone", fields, err)
+		}
+		var name, value string
+		for k, v := range fields {
+			name, value = k, v
+		}
+		// The other keys' classes, each as the first one's, of the same period.
+		const keys = 9000
+		for i := 0; i < keys; i += 1000 {
+			args := make([]any, 0, 2000)
+			for j := i; j < i+1000; j++ {
+				args = append(args, name+"-"+strconv.Itoa(j), value)
+			}
+			if err := rdb.HSet(ctx, classes, args...).Err(); err != nil {
+				t.Fatal(err)
+			}
+		}
+		c.clock.Add(2 * time.Second)
+		if !c.try(Key("later")) {
+			t.Fatalf("a call two windows after %d keys called refused", keys)
+		}
+		if n, err := rdb.HLen(ctx, classes).Result(); err != nil || n != 1 {
+			t.Errorf("the shared log's classes hold %d fields (%v), want the last call's class alone", n, err)
+		}
+		if !c.try(Key("later")) {
+			t.Error("the call after refused")
+		}
+	})
+}
+
+// A vendor's count is read against the quota's own count of the rule, not
+// against the room a class hold leaves the call: a batch call that takes
+// the last of its class's room, while the rule holds a share for a higher
+// class, leaves the rule units free. So "none left until the reset" pauses
+// the quota (the next interactive call is not sent), and "3 left" is
+// passed on (the rule then counts 3 free, less the others' spare). Read
+// against the class's room (Remaining 0), the first dropped the pause and
+// the interactive call went out to be refused; the second was not passed.
+func TestClasses_AVendorsCountIsReadAgainstTheRuleNotTheClass(t *testing.T) {
+	t.Parallel() // a given clock: nothing in it depends on the machine's load
+	redistest.Each(t, func(t *testing.T, s *redistest.Server) {
+		ctx := context.Background()
+		// lastOfClass fills the batch class's room beside an interactive
+		// call, and returns the permit of the batch's last call admitted.
+		lastOfClass := func(t *testing.T) (*classRun, *Permit) {
+			c := newClassRun(t, s, policies.SlidingLog{Limit: 100, Window: time.Second}, Options{})
+			if !c.try(Priority(10)) {
+				t.Fatal("an interactive call of an empty quota refused")
+			}
+			var last *Permit
+			for range 200 {
+				p, err := c.lim.Acquire(ctx, Priority(0))
+				if errors.Is(err, ErrLimited) {
+					break
+				}
+				if err != nil {
+					t.Fatal(err)
+				}
+				p.Release()
+				last = p
+			}
+			u, err := c.lim.Usage(ctx)
+			if err != nil || last == nil || last.remaining() != 0 || u.Rules[0].Remaining < 5 {
+				t.Fatalf("the batch's last call: Remaining %d, the rule's %+v (%v); want its class full and the rule not", last.remaining(), u, err)
+			}
+			return c, last
+		}
+		t.Run("none left until the reset pauses", func(t *testing.T) {
+			c, p := lastOfClass(t)
+			pause, refused, err := p.Heard(ctx, Answer{Status: http.StatusOK, Requests: &Count{Remaining: 0, Reset: time.Second}})
+			if err != nil || refused || pause != time.Second {
+				t.Errorf("Heard(200, none left for 1s) = %v, %v, %v; want 1s, false, nil", pause, refused, err)
+			}
+			if c.try(Priority(10)) {
+				t.Error("an interactive call admitted after the vendor said none are left until its reset")
+			}
+		})
+		t.Run("fewer left than the rule counts is passed on", func(t *testing.T) {
+			c, p := lastOfClass(t)
+			if _, _, err := p.Heard(ctx, Answer{Status: http.StatusOK, Requests: &Count{Remaining: 3, Reset: time.Second}}); err != nil {
+				t.Fatal(err)
+			}
+			if u, err := c.lim.Usage(ctx); err != nil || u.Rules[0].Remaining > 3 {
+				t.Errorf("after the vendor said 3 are left, the rule counts %+v (%v) free, want 3 at most", u, err)
+			}
+		})
+	})
+}

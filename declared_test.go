@@ -73,6 +73,7 @@ var declaredPaths = []struct {
 	{"named units", driveUnits},
 	{"a wait given up", driveCancel},
 	{"concurrency", driveConcurrency},
+	{"a clock step back under a concurrency rule", driveConcurrencyStepBack},
 	{"a batch of several keys", driveBatch},
 	{"a rule shared by two quotas", driveShared},
 	{"the Local fallback", driveLocal},
@@ -246,14 +247,17 @@ func driveCharge(t *testing.T, s *redistest.Server) {
 }
 
 // driveOthers calls through a Transport a vendor whose counts show
-// another consumer spending 40 units beside the fleet: the quota leaves
-// them their share. The vendor then states a higher limit, which leaves
-// the fleet more room; once the other stops, a count measures no one, and
-// the share goes.
+// another consumer spending 40 units beside the fleet: the quota's log
+// and counter leave them their share. The vendor then states a higher
+// limit, which leaves the fleet more room (a log's hint goes; a counter
+// has none); once the other stops, a count measures no one, and the share
+// goes.
 func driveOthers(t *testing.T, s *redistest.Server) {
 	clock := newClock()
-	lim := declaredLimiter(t, s.Client(t), "others", policies.SlidingLog{Limit: 100, Window: time.Second},
-		Options{Clock: clock.Now})
+	lim := declaredLimiter(t, s.Client(t), "others", policies.All(
+		policies.SlidingLog{Limit: 100, Window: time.Second},
+		policies.SlidingCounter{Limit: 100, Window: time.Second, Buckets: 10},
+	), Options{Clock: clock.Now})
 	var sent, limit atomic.Int64
 	vendor := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, _ *http.Request) {
 		w.Header().Set("X-RateLimit-Limit", strconv.FormatInt(limit.Load(), 10))
@@ -277,15 +281,15 @@ func driveOthers(t *testing.T, s *redistest.Server) {
 		clock.Add(10 * time.Millisecond)
 	}
 	ctx := context.Background()
-	if got := limitInForce(t, lim); got[0] != 57 {
-		t.Fatalf("limit in force %v, want 57: 100 stated, less 40 and a few units more left to the other consumer", got)
+	if got := limitInForce(t, lim); got[0] != 57 || got[1] >= 100 {
+		t.Fatalf("limits in force %v, want 57 for the log (100 stated, less 40 and a few units more left to the other consumer), and the counter's lowered", got)
 	}
 	clock.Add(3 * time.Second)
 	mustAllow(t, lim)
 	if err := lim.SetRemaining(ctx, 99, time.Second); err != nil {
 		t.Fatal(err)
 	}
-	if u, err := lim.Usage(ctx); err != nil || u.Rules[0].Others != 0 {
+	if u, err := lim.Usage(ctx); err != nil || u.Rules[0].Others != 0 || u.Rules[1].Others != 0 {
 		t.Errorf("Usage %+v, %v: want no share left once the other consumer stopped", u, err)
 	}
 }
@@ -426,6 +430,25 @@ func driveShared(t *testing.T, s *redistest.Server) {
 		if _, err := lim.Usage(ctx); err != nil {
 			t.Fatal(err)
 		}
+	}
+}
+
+// driveConcurrencyStepBack holds a slot of a concurrency rule, then steps
+// Redis's clock back: the script that finds the step drops what the rule
+// holds ahead of the new clock, and counts the rule as taken for a lease.
+// A concurrency rule keeps no hint to drop.
+func driveConcurrencyStepBack(t *testing.T, s *redistest.Server) {
+	clock := newClock()
+	lim := declaredLimiter(t, s.Client(t), "concurrency-step-back", policies.Concurrency{Max: 2, Lease: 10 * time.Second},
+		Options{Mode: FailFast, Clock: clock.Now})
+	p, err := lim.Acquire(context.Background())
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer p.Release()
+	clock.Add(-time.Minute)
+	if d := mustAllow(t, lim); d.OK {
+		t.Errorf("a call admitted right after a step back: %+v; want the rule taken for a lease", d)
 	}
 }
 

@@ -6,8 +6,10 @@ import (
 	"errors"
 	"fmt"
 	"slices"
+	"strconv"
 	"strings"
 	"sync"
+	"time"
 
 	"github.com/redis/go-redis/v9"
 
@@ -43,13 +45,16 @@ func (l *Limiter) describe() string {
 }
 
 // describing returns the description for the next acquire script to store,
-// or "" when the quota's meta holds it already in the epoch this limiter
-// knows (the meta is new after a loss, and only then can lack it).
+// after the limiter's age in µs and a space, or "" when the quota's meta
+// holds it already in the epoch this limiter knows (the meta is new after
+// a loss, and only then can lack it), or the limiter describes nothing.
+// The script keeps the description of the limiter made last: ages tell
+// an old version's limiter from a new one, whichever describes last.
 func (l *Limiter) describing() string {
-	if e := l.epoch.Load(); e != 0 && l.described.Load() == e {
+	if e := l.epoch.Load(); l.description == "" || e != 0 && l.described.Load() == e {
 		return ""
 	}
-	return l.description
+	return strconv.FormatInt(time.Since(l.born).Microseconds(), 10) + " " + l.description
 }
 
 // A QuotaName names a quota a Redis holds, as Quotas finds it.
@@ -149,7 +154,7 @@ var ErrNotDescribed = errors.New("throttle: the quota holds no description of it
 // ErrUnavailable when Redis cannot be read.
 //
 // The Limiter is a full one: its calls count against the quota as the
-// fleet's do.
+// fleet's do. It leaves the quota's description to the fleet's limiters.
 func Open(ctx context.Context, rdb redis.UniversalClient, q QuotaName, opts ...Options) (*Limiter, error) {
 	name, group := q.Name, q.Group
 	if rdb == nil {
@@ -174,5 +179,12 @@ func Open(ctx context.Context, rdb redis.UniversalClient, q QuotaName, opts ...O
 	if err := json.Unmarshal([]byte(text), &d); err != nil || d.Version != descriptionVersion {
 		return nil, fmt.Errorf("throttle: Open: quota %q: the description in %s is not one this version reads (version %d): %v", name, meta, d.Version, err)
 	}
-	return New(rdb, name, policies.FromRules(d.Rules), opts...)
+	l, err := New(rdb, name, policies.FromRules(d.Rules), opts...)
+	if err != nil {
+		return nil, err
+	}
+	// Made after the fleet's limiters, it would pass for the newest: a
+	// description read before a newer one came would replace that one.
+	l.description = ""
+	return l, nil
 }

@@ -5,6 +5,7 @@ import (
 	"errors"
 	"reflect"
 	"slices"
+	"strings"
 	"testing"
 	"time"
 
@@ -170,5 +171,110 @@ func TestOpen_DescribedAgainAfterALoss(t *testing.T) {
 		if u, err = opened.Usage(ctx); err != nil || u.PausedBy != PausedByVendor {
 			t.Errorf("after Pause: paused %v by %q (%v), want %q", u.Paused, u.PausedBy, err, PausedByVendor)
 		}
+	})
+}
+
+// The description a quota keeps is its newest limiter's, the one made
+// last, whatever order the fleet's limiters describe in: an old version's
+// limiter whose first call comes after a new one's, or that describes
+// again after a loss, leaves the new policy; a rollback's limiter, made
+// after both, leaves its own; after Redis's clock goes back an hour, a
+// limiter made then is still the newest; and a limiter Open made
+// describes nothing, though made after the fleet's. Kept from whichever
+// limiter described last, Open rebuilt the old limit in every case but
+// the rollback.
+func TestOpen_ReadsTheNewestLimitersPolicy(t *testing.T) {
+	t.Parallel() // a given clock: nothing in it depends on the machine's load
+	redistest.Each(t, func(t *testing.T, s *redistest.Server) {
+		ctx := context.Background()
+		rdb := s.Client(t)
+		type run struct {
+			name  string
+			clock *fixedClock
+		}
+		newRun := func(t *testing.T) *run {
+			return &run{name: strings.NewReplacer("/", "-", " ", "-").Replace(t.Name()), clock: newClock()}
+		}
+		// deploy makes a limiter of the run's quota, of the given limit, now.
+		deploy := func(t *testing.T, r *run, limit int) *Limiter {
+			return replicaLimiter(t, s, r.name, policies.SlidingLog{Limit: limit, Window: time.Second},
+				Options{Mode: FailFast, Clock: r.clock.Now})
+		}
+		call := func(t *testing.T, lim *Limiter) {
+			t.Helper()
+			if _, err := lim.Allow(ctx); err != nil {
+				t.Fatal(err)
+			}
+		}
+		opened := func(t *testing.T, r *run) int {
+			t.Helper()
+			lim, err := Open(ctx, rdb, QuotaName{Name: r.name})
+			if err != nil {
+				t.Fatal(err)
+			}
+			return lim.rules[0].Limit
+		}
+		t.Run("an old limiter calls after a new one", func(t *testing.T) {
+			r := newRun(t)
+			old := deploy(t, r, 100)
+			young := deploy(t, r, 50)
+			call(t, young)
+			call(t, old)
+			if got := opened(t, r); got != 50 {
+				t.Errorf("Open's limit %d, want the newest limiter's 50", got)
+			}
+			// After a loss each describes again, with its second call.
+			r.clock.Add(10 * time.Millisecond) // a new epoch: another time
+			if err := rdb.Del(ctx, young.shared[0]).Err(); err != nil {
+				t.Fatal(err)
+			}
+			for _, lim := range []*Limiter{young, young, old, old} {
+				call(t, lim)
+			}
+			if got := opened(t, r); got != 50 {
+				t.Errorf("after a loss, Open's limit %d, want the newest limiter's 50", got)
+			}
+		})
+		t.Run("a limiter made after a clock step back is the newest", func(t *testing.T) {
+			r := newRun(t)
+			old := deploy(t, r, 100)
+			call(t, old)
+			r.clock.Add(-time.Hour)
+			young := deploy(t, r, 50)
+			for _, lim := range []*Limiter{young, young, old, old} {
+				call(t, lim)
+			}
+			if got := opened(t, r); got != 50 {
+				t.Errorf("after Redis's clock went back an hour, Open's limit %d, want the newest limiter's 50", got)
+			}
+		})
+		t.Run("a rollback's limiter is the newest", func(t *testing.T) {
+			r := newRun(t)
+			call(t, deploy(t, r, 100))
+			r.clock.Add(time.Second)
+			call(t, deploy(t, r, 50))
+			r.clock.Add(time.Second)
+			call(t, deploy(t, r, 100))
+			if got := opened(t, r); got != 100 {
+				t.Errorf("Open's limit %d, want the rollback's 100", got)
+			}
+		})
+		t.Run("a limiter Open made describes nothing", func(t *testing.T) {
+			r := newRun(t)
+			call(t, deploy(t, r, 100))
+			r.clock.Add(time.Second)
+			young := deploy(t, r, 50)
+			r.clock.Add(time.Second)
+			tool, err := Open(ctx, rdb, QuotaName{Name: r.name}, Options{Mode: FailFast, Clock: r.clock.Now})
+			if err != nil {
+				t.Fatal(err)
+			}
+			call(t, young)
+			r.clock.Add(time.Second)
+			call(t, tool)
+			if got := opened(t, r); got != 50 {
+				t.Errorf("Open's limit %d once a tool's limiter called, want the newest fleet limiter's 50", got)
+			}
+		})
 	})
 }

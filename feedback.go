@@ -370,7 +370,7 @@ func (p *Permit) Heard(ctx context.Context, a Answer) (pause time.Duration, refu
 	requests, tokens := a.Requests.count(), a.Tokens.count()
 	said := p.counts(a, requests, tokens)
 	pause, refused = a.refusal(requests, untilReset(requests, tokens))
-	if !refused && p.r.admitted && !p.r.local && p.r.remaining == 0 {
+	if !refused && p.r.admitted && !p.r.local && p.r.room == 0 {
 		// The fleet's count was as full as the vendor's after this call: it
 		// admits nothing before its own units leave the window, which a
 		// vendor's reset in whole seconds would only delay.
@@ -526,7 +526,7 @@ func (p *Permit) tell(ctx context.Context, said vendorSaid, pause time.Duration,
 		said.units.limit, said.calls.limit = 0, 0
 		return l.feedback(ctx, said, p.r, p.opts())
 	case (said.units.left >= 0 || said.calls.left >= 0) && countsCalls(l) &&
-		(l.hasConc || l.callRules || said.units.left < p.r.remaining || l.measuringOthers()):
+		(l.hasConc || l.callRules || said.units.left < p.r.room || l.measuringOthers()):
 		// The count only ever believes fewer are left after it admitted
 		// this call: when it believed no more than the vendor then, a call
 		// to Redis is saved. A Concurrency rule's free slots take part in

@@ -300,7 +300,7 @@ func moveBookings(t *testing.T, rng *rand.Rand, lim *Limiter, m *model.Model, bo
 		if moved && !want.Admitted {
 			want = m.KeepIn(now, r.member, c.key, c.priority, c.cost, h.r.slot().Microseconds())
 		}
-		got := model.Decision{Admitted: r.admitted, Wait: r.wait.Microseconds(), Remaining: r.remaining, Busy: r.reason == reasonBusy}
+		got := model.Decision{Admitted: r.admitted, Wait: r.wait.Microseconds(), Remaining: r.remaining, Room: r.room, Busy: r.reason == reasonBusy}
 		if got != want {
 			t.Fatalf("%s: moving %v, key %s cost %d maxWait %v (batch of %d): script %+v, model %+v", where, moved, c.key, c.cost, req.maxWait, len(batch), got, want)
 		}
@@ -445,7 +445,7 @@ func checkSeed(t *testing.T, rdb redis.UniversalClient, mini *miniredis.Miniredi
 					t.Fatalf("%s: %v", where(i), req.err)
 				}
 				want := m.AcquireIn(now, max(pauses[""], pauses[c.key]), r.member, c.key, c.priority, c.cost, req.maxWait.Microseconds())
-				got := model.Decision{Admitted: r.admitted, Wait: r.wait.Microseconds(), Remaining: r.remaining, Busy: r.reason == reasonBusy}
+				got := model.Decision{Admitted: r.admitted, Wait: r.wait.Microseconds(), Remaining: r.remaining, Room: r.room, Busy: r.reason == reasonBusy}
 				if got != want {
 					t.Fatalf("%s: key %s priority %d cost %d maxWait %v (batch of %d): script %+v, model %+v", where(i), c.key, c.priority, c.cost, req.maxWait, len(batch), got, want)
 				}

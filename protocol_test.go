@@ -11,8 +11,8 @@ import (
 func TestDecodeAcquire_NamesEveryField(t *testing.T) {
 	v := []int64{
 		1_000, 2_000, 3, 1, 5_000, 6_000, 8, 1_500, 2, // the header
-		1, 9_000, 10, int64(reasonNone), 0, 5, 4, // the first call: booked, noted by rules 1 and 3, logged by 3
-		0, 11_000, 0, int64(reasonBusy), 12_000, 0, 0, // the second: refused, its key paused
+		1, 9_000, 10, int64(reasonNone), 0, 5, 4, 13, // the first call: booked, noted by rules 1 and 3, logged by 3
+		0, 11_000, 0, int64(reasonBusy), 12_000, 0, 0, 0, // the second: refused, its key paused
 	}
 	got, err := decodeAcquire(v, 2)
 	if err != nil {
@@ -23,7 +23,7 @@ func TestDecodeAcquire_NamesEveryField(t *testing.T) {
 		now: 1_000 * us, pause: 2_000 * us, epoch: 3, lost: true, margin: 5_000 * us,
 		done: 6_000 * us, seq: 8, paused: 1_500 * us, pausedBy: PausedByLoss,
 		calls: []callReply{
-			{admitted: true, wait: 9_000 * us, remaining: 10, reason: reasonNone, noted: 5, logged: 4},
+			{admitted: true, wait: 9_000 * us, remaining: 10, reason: reasonNone, noted: 5, logged: 4, room: 13},
 			{admitted: false, wait: 11_000 * us, remaining: 0, reason: reasonBusy, pause: 12_000 * us},
 		},
 	}

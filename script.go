@@ -27,7 +27,7 @@ const (
 // call (see lua/acquire.lua).
 const (
 	acquireHeader  = 9
-	acquirePerCall = 7
+	acquirePerCall = 8
 )
 
 // acquireReply is acquire.lua's reply, field by field, in the order its
@@ -64,12 +64,15 @@ func (rep acquireReply) pausedFor(pause time.Duration) string {
 type callReply struct {
 	admitted  bool          // admitted now, or booked for later
 	wait      time.Duration // until its slot; if refused, until it would fit
-	remaining int           // units free now under the tightest rule, after it
+	remaining int           // units free now under the tightest rule, after it, its class's own log included
 	reason    reason
 	pause     time.Duration // the time until which its scope is paused, or 0
 	// noted and logged are the rules, rule i as bit i, under which its
 	// class's demand counts it, and its class's own log holds it.
 	noted, logged int64
+	// room is remaining under the rules alone: a vendor's count is read
+	// against it, since a class's own log is no count the vendor keeps.
+	room int
 }
 
 // decodeAcquire reads acquire.lua's reply v about n calls, or says what is
@@ -86,7 +89,7 @@ func decodeAcquire(v []int64, n int) (acquireReply, error) {
 	}
 	for i := range n {
 		w := v[acquireHeader+acquirePerCall*i:]
-		rep.calls[i] = callReply{admitted: w[0] == 1, wait: us(w[1]), remaining: int(w[2]), reason: reason(w[3]), pause: us(w[4]), noted: w[5], logged: w[6]}
+		rep.calls[i] = callReply{admitted: w[0] == 1, wait: us(w[1]), remaining: int(w[2]), reason: reason(w[3]), pause: us(w[4]), noted: w[5], logged: w[6], room: int(w[7])}
 	}
 	return rep, nil
 }
@@ -234,6 +237,7 @@ type result struct {
 	reason    reason
 	wait      time.Duration
 	remaining int
+	room      int           // remaining under the rules alone, for a call decided in Redis (see callReply)
 	now       time.Duration // Redis time since the Unix epoch
 	done      time.Duration // Redis time the script ended
 	pause     time.Duration // Redis time until which the scope is paused, or 0

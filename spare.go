@@ -74,6 +74,7 @@ type pool struct {
 	asked     int           // calls of the scope since then
 	margin    time.Duration // the margin in force as the last reply said
 	remaining int           // units free after the last reply's calls
+	room      int           // the same under the rules alone (see callReply.room)
 	used      time.Time     // the last call of the scope
 	contended time.Time     // the last reply that booked or refused a call of the scope
 }
@@ -123,6 +124,7 @@ func (l *Limiter) takeSpare(sc scope, c call) (result, bool) {
 	r.member = p.members[len(p.members)-1]
 	p.members = p.members[:len(p.members)-1]
 	r.remaining = p.remaining + len(p.members)*r.cost
+	r.room = p.room + len(p.members)*r.cost
 	return r, true
 }
 
@@ -229,14 +231,15 @@ func likeCost(sc scope, batch []*request) int {
 // booked or refused one, and the spares it admitted (members, of cost each,
 // after the batch's calls in rep).
 func (l *Limiter) keepSpares(sc scope, batch []*request, rep acquireReply, members []string, cost int, stale bool, gaps uint64) {
-	remaining, seen, contended := 0, false, false
+	var last callReply
+	seen, contended := false, false
 	for i := len(rep.calls) - 1; i >= 0; i-- {
 		if i < len(batch) && batch[i].sc.id != sc.id {
 			continue
 		}
 		c := rep.calls[i]
 		if !seen {
-			remaining, seen = c.remaining, true
+			last, seen = c, true
 		}
 		if !c.admitted || c.wait > 0 {
 			contended = true
@@ -258,15 +261,16 @@ func (l *Limiter) keepSpares(sc scope, batch []*request, rep acquireReply, membe
 			taken = append(taken, m)
 		}
 	}
-	l.fillSpares(sc, rep.margin, remaining, contended, r, taken)
+	l.fillSpares(sc, rep.margin, last, contended, r, taken)
 }
 
 // fillSpares keeps what a script call that decided calls of scope sc said:
-// the margin and the units free after them, whether it booked or refused
-// one (the quota is contended: no spares for spareIdle), and the spares it
-// admitted, r being the first of them. A reply decided by a clock that had
+// the margin and the units free after them (as its last answer of sc,
+// last, says), whether it booked or refused one (the quota is contended:
+// no spares for spareIdle), and the spares it admitted, r being the first
+// of them. A reply decided by a clock that had
 // just stepped gives its spares back.
-func (l *Limiter) fillSpares(sc scope, margin time.Duration, remaining int, contended bool, r result, members []string) {
+func (l *Limiter) fillSpares(sc scope, margin time.Duration, last callReply, contended bool, r result, members []string) {
 	l.spares.mu.Lock()
 	defer l.spares.mu.Unlock()
 	p := l.spares.pools[sc.id]
@@ -277,7 +281,7 @@ func (l *Limiter) fillSpares(sc scope, margin time.Duration, remaining int, cont
 		p = &pool{since: time.Now()}
 		l.spares.pools[sc.id] = p
 	}
-	p.margin, p.remaining = margin, remaining
+	p.margin, p.remaining, p.room = margin, last.remaining, last.room
 	if contended {
 		p.contended = time.Now()
 	}

@@ -63,6 +63,7 @@ type Limiter struct {
 	s    settings
 	id   string        // this limiter's part of the ids of its calls
 	seq  atomic.Uint64 // numbers this limiter's calls
+	born time.Time     // when New made it, on the monotonic clock (see describing)
 
 	compiled // what the rules need of every call; set by New, read only after
 	view     // what this limiter last saw of the quota in Redis
@@ -160,6 +161,7 @@ func New(rdb redis.UniversalClient, name string, policy policies.Policy, opts ..
 	warnIgnoredSwitches(s.logger)
 	l := &Limiter{rdb: rdb, name: name, s: s, id: newID(), room: make(chan struct{}), timing: timingFor(rdb, s.clock)}
 	l.rules, l.brk = rules, newBreaker()
+	l.born = time.Now()
 	// The steps of Redis's clock that the process's other limiters on the
 	// server saw before this one existed are theirs to tell their quotas;
 	// told again by a new limiter, one long past would hold its quota full
@@ -334,7 +336,8 @@ type Decision struct {
 	OK bool
 	// RetryAfter is how long until the call would fit, when it was not admitted.
 	RetryAfter time.Duration
-	// Remaining is how many units are still free now under the tightest limit.
+	// Remaining is how many units are still free now under the tightest limit,
+	// for calls of the call's class: a share held for other classes is not free.
 	Remaining int
 }
 

@@ -16,7 +16,8 @@
 --   bucket k (see note_timing in lib.lua), or "" for none;
 --   that usual delay, one way, in microseconds, or -1 when unknown;
 --   the id of the caller's policy (see check_policy in lib.lua);
---   the caller's policy described (the meta's policy field), or "" when
+--   the caller's policy described (the meta's policy field), after the
+--   caller's age in microseconds and a space (see describe), or "" when
 --   the caller knows the meta holds it already;
 --   when the caller saw Redis's clock step forward by more than the margin
 --   since it last said so, the least time (by the new clock, microseconds)
@@ -44,7 +45,7 @@
 --   (see Classes), or "" for a call of no class (ArrivalOrder).
 --
 -- Returns {now, pause, epoch, lost, margin, done, seq, paused, paused_by, then
--- for each call: admitted, wait, remaining, reason, pause, noted, logged}:
+-- for each call: admitted, wait, remaining, reason, pause, noted, logged, room}:
 --   now        the time the script used, in microseconds;
 --   pause      the time until which the quota or the first scope's key is
 --              paused, or 0; after each call, the same for the call's scope;
@@ -62,7 +63,8 @@
 --   admitted   1 when the call was admitted (wait 0) or booked (wait > 0), else 0;
 --   wait       microseconds from now until the call's slot; when refused, how long
 --              until it would fit (its retry-after);
---   remaining  units still free now under the tightest rule, after the call;
+--   remaining  units still free now under the tightest rule, after the call,
+--              its class's own log included (see Classes);
 --   reason     ADMITTED (0) admitted; REFUSED_TOO_FAR (1) refused: the slot
 --              lies beyond the wait accepted; REFUSED_BUSY (2) refused: a
 --              concurrency rule is full (no slot can be booked, since no one
@@ -72,7 +74,9 @@
 --              (wait: until the reserve ends);
 --   noted      for a call admitted or booked, the rules whose class demand
 --              counts it, rule i as the bit 2^(i-1) (see Classes); else 0;
---   logged     the same for the rules whose class's own log holds it.
+--   logged     the same for the rules whose class's own log holds it;
+--   room       as remaining, under the rules alone: a class's own log, which
+--              narrows what its calls take, is no count a vendor keeps.
 
 -- The reasons of a call's answer, as script.go reads them (see reason).
 local ADMITTED = 0
@@ -630,6 +634,7 @@ local function call_args(batch, c)
   return {
     id = ARGV[a], cost = read_cost(ARGV[a + 1]), maxwait = tonumber(ARGV[a + 2]), lead = tonumber(ARGV[a + 3]),
     scope = sc, rs = sc.rs, pause = sc.pause, remaining = NEVER, after = NEVER, too_big = false,
+    room = NEVER, room_after = NEVER,
     moves = batch.given[tonumber(ARGV[a + 5])],
     class = class, prio = tonumber(string.match(class, '^(%-?%d+)') or '0'),
   }
@@ -677,6 +682,18 @@ local function read_fleet(batch)
   return meta
 end
 
+-- describe keeps in meta m the policy a limiter described, sent as its
+-- age in microseconds, a space and its description: the newest limiter's,
+-- made last by the script's clock (now less its age), whatever order the
+-- fleet describes in. An old version's limiter may describe last: its
+-- first call came late, or a loss made every limiter describe again.
+local function describe(m, arg)
+  local age, text = string.match(arg, '^(%d+) (.+)$')
+  if age and now - tonumber(age) >= m.policy_made then
+    m.policy, m.policy_made = text, now - tonumber(age)
+  end
+end
+
 -- check_meta finds whether Redis lost the quota's data (see Losses in
 -- lib.lua): a missing or changed meta key may mean that it did (see
 -- check_loss), and so do a count of scripts run behind the caller's, a
@@ -694,12 +711,12 @@ local function check_meta(batch, meta)
   local step = meta.last_acquire - now
   if not found and not created and check_clock(meta, now, batch.rs) then
     found, batch.back = true, step
+    -- The description's time is by the clock that went back; all describe again.
+    meta.policy_made = 0
   end
   meta.seq = meta.seq + 1
   check_policy(meta, now, batch.policy, batch.rs, created)
-  if batch.described ~= '' then
-    meta.policy = batch.described
-  end
+  describe(meta, batch.described)
   if not found and meta.loss < batch.stepped then
     lose(meta, now, batch.rs)
     found = true
@@ -761,6 +778,9 @@ end
 local function drop_ahead(r)
   if r.kind == LOG or r.kind == CONCURRENCY then
     redis.call('ZREMRANGEBYSCORE', r.key, '(' .. str(now), '+inf')
+  end
+  if r.kind == LOG then
+    -- Only a log keeps a hint, and its caller declares no other rule's.
     redis.call('DEL', r.key .. ':next')
   elseif r.kind == COUNTER then
     local current = bucket_of(now, r.width)
@@ -1231,8 +1251,9 @@ local function write_classes(r)
   if not r.cls_add then
     return
   end
-  if #r.cls_gone > 0 then
-    redis.call('HDEL', r.key .. ':cl', unpack(r.cls_gone))
+  -- In chunks, as zadd in lib.lua: thousands of keys' classes may leave in one period.
+  for i = 1, #r.cls_gone, 1000 do
+    redis.call('HDEL', r.key .. ':cl', unpack(r.cls_gone, i, math.min(i + 999, #r.cls_gone)))
   end
   local oldest, latest = class_period(r, now) - CLASS_KEPT, nil
   for name, add in pairs(r.cls_add) do
@@ -1274,9 +1295,10 @@ local function leave_classes(batch)
 end
 
 -- read_call reads call c of the batch, with the units still free under the
--- tightest rule of its scope, now (remaining) and once it is in (after).
--- It returns, instead, an error reply for a call that costs more than a
--- rule's configured limit.
+-- tightest rule of its scope, now (remaining) and once it is in (after),
+-- its class's own log included, and the same of the rules alone (room,
+-- room_after). It returns, instead, an error reply for a call that costs
+-- more than a rule's configured limit.
 local function read_call(batch, c)
   local call = call_args(batch, c)
   class_rules(batch, call)
@@ -1292,10 +1314,15 @@ local function read_call(batch, c)
     local f = free(r)
     call.remaining = math.min(call.remaining, math.max(f, 0))
     call.after = math.min(call.after, math.max(f - u, 0))
+    if not r.class_of then
+      -- The rule's own room, which a vendor's count is read against.
+      call.room = math.min(call.room, math.max(f, 0))
+      call.room_after = math.min(call.room_after, math.max(f - u, 0))
+    end
   end
   if call.pause > now then
     -- Nothing is free while the vendor asked for quiet.
-    call.remaining, call.after = 0, 0
+    call.remaining, call.after, call.room, call.room_after = 0, 0, 0, 0
   end
   return call
 end
@@ -1404,13 +1431,14 @@ local function busy_for(rs, cost)
   return hint
 end
 
--- answer appends a call's answer to the reply (see the header).
-local function answer(batch, call, admitted, wait, remaining, reason)
+-- answer appends a call's answer to the reply (see the header), with the
+-- units free its call.remaining and call.room say.
+local function answer(batch, call, admitted, wait, reason)
   local out = batch.out
   local n = #out
   out[n + 1] = admitted
   out[n + 2] = wait == 0 and 0 or str(wait)
-  out[n + 3] = remaining
+  out[n + 3] = call.remaining
   out[n + 4] = reason
   out[n + 5] = call.pause == 0 and 0 or str(call.pause)
   local noted, logged = 0, 0
@@ -1420,7 +1448,7 @@ local function answer(batch, call, admitted, wait, remaining, reason)
       logged = logged + (cc.logged and 2 ^ (cc.r.i - 1) or 0)
     end
   end
-  out[n + 6], out[n + 7] = noted, logged
+  out[n + 6], out[n + 7], out[n + 8] = noted, logged, call.room
 end
 
 -- decide decides call c of the batch and appends its answer to the reply:
@@ -1445,11 +1473,11 @@ local function decide(batch, c)
     note_classes(batch, call, nil)
   end
   if call.reserved_until and refused then
-    answer(batch, call, 0, call.reserved_until - now, call.remaining, REFUSED_SHARE)
+    answer(batch, call, 0, call.reserved_until - now, REFUSED_SHARE)
   elseif t == NEVER then
-    answer(batch, call, 0, busy_for(call.rs, call.cost), call.remaining, REFUSED_BUSY)
+    answer(batch, call, 0, busy_for(call.rs, call.cost), REFUSED_BUSY)
   elseif refused then
-    answer(batch, call, 0, t - now, call.remaining, REFUSED_TOO_FAR)
+    answer(batch, call, 0, t - now, REFUSED_TOO_FAR)
   else
     for _, r in ipairs(call.rs) do
       record(r, t, call.id, units(r, call.cost))
@@ -1459,16 +1487,14 @@ local function decide(batch, c)
     end
     note_classes(batch, call, t)
     batch.units = batch.units + call.cost.total
-    local remaining = call.after
-    if t > now then
-      remaining = 0
-    else
+    call.remaining, call.room = call.after, call.room_after
+    if t > now or call.moves and call.moves.kept then
+      call.remaining, call.room = 0, 0
+    end
+    if t <= now then
       batch.at_once = true
     end
-    if call.moves and call.moves.kept then
-      remaining = 0
-    end
-    answer(batch, call, 1, t - now, remaining, ADMITTED)
+    answer(batch, call, 1, t - now, ADMITTED)
   end
 end
 

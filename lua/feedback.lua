@@ -232,8 +232,9 @@ if meta and not learn then
       write_limits(r, meta, now)
       if r.limit < limit then
         dropped, dropped_shared = 1, dropped_shared or r.shared
-      elseif r.limit > limit then
+      elseif r.limit > limit and r.kind == LOG then
         -- Room the share gave back: a log's hint may say nothing fits there.
+        -- A counter keeps no hint, and its caller declares none.
         redis.call('DEL', r.key .. ':next')
       end
     end

@@ -245,6 +245,9 @@ local META_REFRESH = 24 * 3600 * 1000000
 --                   runs it sent it (JSON: see description in describe.go),
 --                   so that a tool reads the quota without being told its
 --                   policy;
+--   policy_made     when the limiter that described it was made (see
+--                   describe in acquire.lua): an older one's does not
+--                   replace it;
 --   last_acquire    when the last acquire script of the quota ran.
 local META_FIELDS = {
   epoch = 0, pause = 0, refreshed = 0, period = -1, spread = 0,
@@ -252,7 +255,7 @@ local META_FIELDS = {
   loss = 0, seq = 0, reserved_until = 0, reserved_share = 1,
   hold = 0, hold_until = 0, next_hold = 0, next_until = 0,
   caps_until = 0, warm_until = 0, warm_held = 0, last_acquire = 0,
-  classes_until = 0, paused_by = 0,
+  classes_until = 0, paused_by = 0, policy_made = 0,
 }
 
 -- Why the quota's pause was last set (the meta's paused_by; see Usage in

@@ -174,6 +174,7 @@ type Decision struct {
 	Admitted  bool
 	Wait      int64 // until the call's slot; when refused, until it would fit
 	Remaining int
+	Room      int  // as Remaining, under the rules alone: the classes' logs aside
 	Busy      bool // refused because a Concurrency rule is full
 }
 
@@ -328,46 +329,48 @@ func (m *Model) Acquire(now, pause int64, id, key string, cost int, maxWait int6
 // records it under id when it is admitted.
 func (m *Model) AcquireIn(now, pause int64, id, key string, prio, cost int, maxWait int64) Decision {
 	cls := m.callClasses(key, prio, cost)
-	remaining := m.remaining(key, cls, now)
+	remaining, room := m.remaining(key, cls, now)
 	if pause > now {
 		// Nothing is free while the vendor asked for quiet.
-		remaining = 0
+		remaining, room = 0, 0
 	}
 	if busy, hint := m.busy(key, cost, now); busy {
 		m.noteRefused(cls, cost)
-		return Decision{Wait: hint, Remaining: remaining, Busy: true}
+		return Decision{Wait: hint, Remaining: remaining, Room: room, Busy: true}
 	}
 	t := m.earliest(key, cls, max(now, pause), now, cost)
 	wait := t - now
 	if wait > maxWait {
 		m.noteRefused(cls, cost)
-		return Decision{Wait: wait, Remaining: remaining}
+		return Decision{Wait: wait, Remaining: remaining, Room: room}
 	}
 	m.record(now, id, key, cost, t)
 	m.noteClasses(cls, id, cost, t)
-	remaining -= cost
-	if remaining < 0 || wait > 0 {
-		remaining = 0
+	remaining, room = remaining-cost, room-cost
+	if wait > 0 {
+		remaining, room = 0, 0
 	}
 	if wait == 0 {
 		m.atOnce = true
 	}
-	return Decision{Admitted: true, Wait: wait, Remaining: remaining}
+	return Decision{Admitted: true, Wait: wait, Remaining: max(remaining, 0), Room: max(room, 0)}
 }
 
 // remaining is the units free at now under the tightest rule for key and
-// the logs of classes cls, bookings ahead counted.
-func (m *Model) remaining(key string, cls []callClass, now int64) int {
-	remaining := math.MaxInt
+// the logs of classes cls, bookings ahead counted, and room the same
+// under the rules alone.
+func (m *Model) remaining(key string, cls []callClass, now int64) (remaining, room int) {
+	room = math.MaxInt
 	for i := range m.rules {
-		remaining = min(remaining, m.free(i, key, now))
+		room = min(room, m.free(i, key, now))
 	}
+	remaining = room
 	for _, c := range cls {
 		if c.limit > 0 {
 			remaining = min(remaining, c.limit-m.used(m.rules[c.i], m.classLogs[c.log], now))
 		}
 	}
-	return max(remaining, 0)
+	return max(remaining, 0), max(room, 0)
 }
 
 // busy reports whether a full concurrency rule refuses a call of cost for
