@@ -51,6 +51,9 @@ type vendorLimits struct {
 	// X-RateLimit-Scope (user, global, shared), GitHub's
 	// x-ratelimit-resource (core, search, graphql).
 	scope string
+	// resource is GitHub's x-ratelimit-resource, in lower case: the limit
+	// the answer's counts are about (core, search, code_search, graphql).
+	resource string
 	// about is whether the vendor said a refusal is about its rate:
 	// Stripe-Rate-Limited-Reason, or an error code of the body (bodyAbout).
 	about refusalAbout
@@ -182,6 +185,7 @@ func parseVendorLimits(h http.Header, now time.Time) vendorLimits {
 			v.scope = s
 		}
 	}
+	v.resource = strings.ToLower(strings.TrimSpace(h.Get("X-RateLimit-Resource")))
 	parseTwoKinds(h, &v, now)
 	parseUsedOf(h, &v)
 	if s := strings.ToLower(strings.TrimSpace(h.Get("Stripe-Should-Retry"))); s == "false" {
