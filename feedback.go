@@ -292,6 +292,13 @@ type Answer struct {
 	// fleet and teaches nothing. Transport sets it from each vendor's
 	// documented reasons (docs/VENDORS.md), or from Transport.AboutRate.
 	AboutRate bool
+	// AboutConcurrency reports a refusal the vendor said is about its
+	// calls in flight (Stripe-Rate-Limited-Reason: global-concurrency or
+	// endpoint-concurrency, Twilio's 20429). A quota with a
+	// policies.Concurrency rule takes it as that rule's: the fleet is not
+	// paused, learns no cap, and the call's retry waits for a free slot.
+	// A quota without one pauses, as for a refusal that gives no reason.
+	AboutConcurrency bool
 	// DefaultPause is how long a 429 that names no time (no RetryAfter,
 	// no count with nothing left until a reset) pauses the fleet, with up
 	// to a quarter more at random. 0 means a second.
@@ -370,6 +377,11 @@ func (p *Permit) Heard(ctx context.Context, a Answer) (pause time.Duration, refu
 	requests, tokens := a.Requests.count(), a.Tokens.count()
 	said := p.counts(a, requests, tokens)
 	pause, refused = a.refusal(requests, untilReset(requests, tokens))
+	if refused && a.AboutConcurrency && l.hasConc {
+		// The Concurrency rule's slots, not a pause, hold the calls back.
+		l.emit(Event{Kind: EventVendorLimited})
+		return 0, true, nil
+	}
 	if !refused && p.r.admitted && !p.r.local && p.r.room == 0 {
 		// The fleet's count was as full as the vendor's after this call: it
 		// admits nothing before its own units leave the window, which a

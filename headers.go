@@ -66,6 +66,7 @@ type refusalAbout int
 const (
 	aboutNothingSaid refusalAbout = iota // no reason given, or none the Transport reads
 	aboutTheRate                         // its rate limit
+	aboutConcurrency                     // its limit of calls in flight
 	aboutOther                           // a lock, a concurrency limit, a billing quota, a secondary limit
 )
 
@@ -78,6 +79,8 @@ func stripeAbout(s string) refusalAbout {
 		return aboutNothingSaid
 	case "global-rate", "endpoint-rate":
 		return aboutTheRate
+	case "global-concurrency", "endpoint-concurrency":
+		return aboutConcurrency
 	}
 	return aboutOther
 }
@@ -85,14 +88,18 @@ func stripeAbout(s string) refusalAbout {
 // bodyAbout reads the reason of a refusal from its JSON body: OpenAI's
 // error code rate_limit_exceeded, or insufficient_quota (a bill, in its
 // code or type); Stripe's lock_timeout (an object another request holds);
-// GitHub's message of a secondary rate limit.
+// GitHub's message of a secondary rate limit; Twilio's code 20429.
 func bodyAbout(body []byte) refusalAbout {
 	var b struct {
 		Error   json.RawMessage `json:"error"`
 		Message string          `json:"message"`
+		Code    any             `json:"code"`
 	}
 	if json.Unmarshal(body, &b) != nil {
 		return aboutNothingSaid
+	}
+	if b.Code == float64(20429) {
+		return aboutConcurrency // Twilio's: over the account's calls in flight
 	}
 	var e struct{ Code, Type any }
 	_ = json.Unmarshal(b.Error, &e)

@@ -520,7 +520,7 @@ func (t *transport) send(ctx context.Context, rt route, p *Permit, req *http.Req
 		return nil, 0, false, err
 	}
 	v := parseVendorLimits(resp.Header, time.Now())
-	a := t.answerOf(resp.StatusCode, v, t.aboutRateOf(resp, v.about))
+	a := t.answerOf(resp.StatusCode, v, t.aboutOf(resp, v.about))
 	cost := rt.readBody(resp, &a, v)
 	quiet, refused := t.feedback(ctx, p, a)
 	if key >= 0 {
@@ -605,15 +605,17 @@ func (t *transport) feedback(ctx context.Context, p *Permit, a Answer) (quiet ti
 	return quiet, refused
 }
 
-// answerOf returns the Answer that a response's status and headers give.
-func (t *transport) answerOf(status int, v vendorLimits, aboutRate bool) Answer {
+// answerOf returns the Answer that a response's status and headers give,
+// about being what the refusal is about.
+func (t *transport) answerOf(status int, v vendorLimits, about refusalAbout) Answer {
 	a := Answer{
-		Status:        status,
-		RetryAfter:    v.retryAfter,
-		HasRetryAfter: v.hasRetryAfter,
-		Shared:        v.scope == "shared",
-		AboutRate:     aboutRate,
-		DefaultPause:  t.pause,
+		Status:           status,
+		RetryAfter:       v.retryAfter,
+		HasRetryAfter:    v.hasRetryAfter,
+		Shared:           v.scope == "shared",
+		AboutRate:        about == aboutTheRate,
+		AboutConcurrency: about == aboutConcurrency,
+		DefaultPause:     t.pause,
 	}
 	if v.remaining >= 0 {
 		a.Requests = &Count{Remaining: v.remaining, Reset: v.reset, Limit: v.limit}
@@ -630,19 +632,22 @@ func (t *transport) answerOf(status int, v vendorLimits, aboutRate bool) Answer 
 	return a
 }
 
-// aboutRateOf reports whether resp is a refusal about the vendor's rate:
-// by reason, read from its headers or else from its body, or by AboutRate
-// when it gives none. Only the statuses that may refuse are read.
-func (t *transport) aboutRateOf(resp *http.Response, about refusalAbout) bool {
+// aboutOf returns what resp refuses the call about: its reason, read from
+// its headers or else from its body, or the rate when it gives none and
+// AboutRate says so. Only the statuses that may refuse are read.
+func (t *transport) aboutOf(resp *http.Response, about refusalAbout) refusalAbout {
 	switch resp.StatusCode {
 	case http.StatusTooManyRequests, http.StatusForbidden, http.StatusServiceUnavailable:
 	default:
-		return false
+		return aboutNothingSaid
 	}
 	if about == aboutNothingSaid {
 		about = peekAbout(resp)
 	}
-	return about == aboutTheRate || about == aboutNothingSaid && t.aboutRate != nil && t.aboutRate(resp)
+	if about == aboutNothingSaid && t.aboutRate != nil && t.aboutRate(resp) {
+		return aboutTheRate
+	}
+	return about
 }
 
 // peekAbout reads the reason of a refusal from the start of its JSON

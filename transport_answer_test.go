@@ -8,6 +8,7 @@ import (
 	"net/http/httptest"
 	"strconv"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
@@ -156,4 +157,77 @@ func TestTransport_AnAnswerAboutAnotherResourceLeavesTheQuota(t *testing.T) {
 			})
 		}
 	})
+}
+
+// A refusal about calls in flight (Stripe's concurrency reasons, Twilio's
+// 20429) is the Concurrency rule's: on a quota that has one it pauses
+// nothing and teaches no cap, and the request is retried when its slot
+// frees. On a quota without one it pauses the fleet, as any refusal.
+func TestTransport_AConcurrencyRefusalGoesToTheConcurrencyRule(t *testing.T) {
+	json := []string{"Content-Type", "application/json"}
+	tests := []struct {
+		name   string
+		header []string
+		body   string
+		conc   bool
+		paused bool
+	}{
+		{"Stripe endpoint-concurrency, with a Concurrency rule", append([]string{"Stripe-Rate-Limited-Reason", "endpoint-concurrency"}, json...), stripeRateLimit, true, false},
+		{"Stripe global-concurrency, with a Concurrency rule", append([]string{"Stripe-Rate-Limited-Reason", "global-concurrency"}, json...), stripeRateLimit, true, false},
+		{"Twilio 20429, with a Concurrency rule", json, twilioTooMany, true, false},
+		{"Stripe endpoint-concurrency, no Concurrency rule", append([]string{"Stripe-Rate-Limited-Reason", "endpoint-concurrency"}, json...), stripeRateLimit, false, true},
+		{"Stripe global-rate, with a Concurrency rule", append([]string{"Stripe-Rate-Limited-Reason", "global-rate"}, json...), stripeRateLimit, true, true},
+	}
+	redistest.Each(t, func(t *testing.T, s *redistest.Server) {
+		for i, tt := range tests {
+			t.Run(tt.name, func(t *testing.T) {
+				vendor := httptest.NewServer(refuseFirstWith(1, tt.body, tt.header...))
+				defer vendor.Close()
+				var p policies.Policy = policies.SlidingLog{Limit: 100, Window: time.Second}
+				if tt.conc {
+					p = policies.All(p, policies.Concurrency{Max: 10})
+				}
+				lim := newLimiter(t, s.Client(t), p, Options{Prefix: "conc" + strconv.Itoa(i)})
+				c := &http.Client{Transport: &Transport{Limiter: lim, RetryAnyMethod: true}}
+				start := time.Now()
+				resp, err := c.Post(vendor.URL, "application/x-www-form-urlencoded", strings.NewReader("amount=100"))
+				if err != nil {
+					t.Fatal(err)
+				}
+				resp.Body.Close()
+				took := time.Since(start)
+				if resp.StatusCode != http.StatusOK {
+					t.Errorf("status %d, want the retry's 200", resp.StatusCode)
+				}
+				if got := limitInForce(t, lim); got[0] != 100 && !strings.Contains(tt.name, "global-rate") {
+					t.Errorf("limit in force %v, want 100", got)
+				}
+				if paused := took >= time.Second; paused != tt.paused {
+					t.Errorf("the retry came after %v; want a pause of the fleet %v", took, tt.paused)
+				}
+			})
+		}
+	})
+}
+
+// twilioTooMany is Twilio's refusal of a call over its concurrency limit
+// (https://www.twilio.com/docs/api/errors/20429).
+const twilioTooMany = `{"code":20429,"message":"Too Many Requests","more_info":"https://www.twilio.com/docs/errors/20429","status":429}`
+
+// refuseFirstWith answers the first n requests with a 429 of body and
+// headers, and the rest with 200 "ok".
+func refuseFirstWith(n int, body string, header ...string) http.HandlerFunc {
+	var mu sync.Mutex
+	seen := 0
+	return func(w http.ResponseWriter, r *http.Request) {
+		mu.Lock()
+		seen++
+		refuse := seen <= n
+		mu.Unlock()
+		if refuse {
+			answer(http.StatusTooManyRequests, body, header...)(w, r)
+			return
+		}
+		answer(http.StatusOK, "ok")(w, r)
+	}
 }
