@@ -201,3 +201,25 @@ func FromRequest(req *http.Request, estimate func([]byte) (Estimate, error)) (Es
 	}
 	return estimate(body)
 }
+
+// Model returns a Route.Match for the requests whose body names model, as
+// OpenAI's and Anthropic's do in their "model" field: each model has
+// limits of its own, kept by a quota of its own. The body is read through
+// GetBody; a request whose body cannot be read twice matches no model.
+func Model(model string) func(*http.Request) bool {
+	return func(req *http.Request) bool {
+		if req.Body == nil || req.Body == http.NoBody {
+			return false
+		}
+		var named string
+		_, err := FromRequest(req, func(body []byte) (Estimate, error) {
+			var b struct {
+				Model string `json:"model"`
+			}
+			err := json.Unmarshal(body, &b)
+			named = b.Model
+			return Estimate{}, err
+		})
+		return err == nil && named == model
+	}
+}
