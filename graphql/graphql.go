@@ -69,10 +69,14 @@ func restore(points, rate float64) time.Duration {
 
 // GitHub reads an answer of GitHub's GraphQL API: the query's cost in
 // points, data.rateLimit.cost, when the query asks for rateLimit { cost }.
-// GitHub's x-ratelimit-* headers give the count of points left, which the
-// Transport reads itself. An error of type RATE_LIMITED is a refusal about
+// GitHub's x-ratelimit-* headers count points on GraphQL, not requests:
+// their count becomes the Answer's Tokens, which the rules of the units
+// the calls cost follow. An error of type RATE_LIMITED is a refusal about
 // the rate. It returns -1 for an answer that states no cost.
 func GitHub(body []byte, a *throttle.Answer) int {
+	if a.Requests != nil && a.Tokens == nil {
+		a.Tokens, a.Requests = a.Requests, nil
+	}
 	var b struct {
 		Data struct {
 			RateLimit *struct{ Cost *int }

@@ -2,6 +2,7 @@ package graphql
 
 import (
 	"net/http"
+	"strings"
 	"testing"
 	"time"
 
@@ -31,11 +32,15 @@ func TestReaders_ReadTheDocumentedFields(t *testing.T) {
 		{"GitHub, cost asked", GitHub, `{"data":{"viewer":{"login":"octocat"},"rateLimit":{"cost":3,"remaining":4990,"resetAt":"2026-01-01T00:00:00Z"}}}`,
 			3, -1, 200, 0},
 		{"GitHub, cost not asked", GitHub, `{"data":{"viewer":{"login":"octocat"}}}`, -1, -1, 200, 0},
+		{"GitHub, the headers' count of points", GitHub, `{"data":{}}`, -1, 4990, 200, 0},
 		{"GitHub, rate limited", GitHub, `{"errors":[{"type":"RATE_LIMITED","message":"API rate limit exceeded for user ID 1."}]}`,
 			-1, -1, http.StatusTooManyRequests, 0},
 	}
 	for _, tt := range tests {
 		a := throttle.Answer{Status: 200}
+		if strings.Contains(tt.name, "headers") {
+			a.Requests = &throttle.Count{Remaining: 4990, Limit: 5000}
+		}
 		cost := tt.read([]byte(tt.body), &a)
 		remaining := -1
 		if a.Tokens != nil {
