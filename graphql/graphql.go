@@ -19,7 +19,7 @@ import (
 // Shopify reads an answer of Shopify's GraphQL Admin API. Its
 // extensions.cost holds the query's actualQueryCost, which Shopify charged
 // after running it, and the app's bucket (throttleStatus), which becomes
-// the Answer's count of units: currentlyAvailable of maximumAvailable.
+// the Answer's count of units: currentlyAvailable.
 // A THROTTLED error, which Shopify sends with a status of 200, is a
 // refusal about the rate: the fleet waits until the bucket has restored
 // the query's requestedQueryCost, at restoreRate points a second.
@@ -44,6 +44,7 @@ func Shopify(body []byte, a *throttle.Answer) int {
 	}
 	c := b.Extensions.Cost
 	if s := c.ThrottleStatus; s != nil && s.CurrentlyAvailable >= 0 {
+		// A bucket restores all the time: no reset to wait for.
 		a.Tokens = &throttle.Count{Remaining: int(s.CurrentlyAvailable)}
 		for _, e := range b.Errors {
 			if e.Extensions.Code == "THROTTLED" {
