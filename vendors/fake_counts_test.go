@@ -83,9 +83,10 @@ func (c *counts) state(now time.Time, name string, l limit) (left int, reset tim
 	return k.limit - k.n, c.start.Add(time.Duration(k.k+1) * k.window)
 }
 
-// share returns the units served of name in its windows after the first,
-// up to the run's end d, as a share of what the limit allows in them.
-func (c *counts) share(name string, d time.Duration) (float64, []int) {
+// share returns the units served of name in its windows that start at
+// skip or later (one window at least) and end by the run's end d, as a
+// share of what the limit allows in them.
+func (c *counts) share(name string, d, skip time.Duration) (float64, []int) {
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	k := c.c[name]
@@ -93,15 +94,16 @@ func (c *counts) share(name string, d time.Duration) (float64, []int) {
 		return 0, nil
 	}
 	windows := int(d / k.window)
+	first := max(int((skip+k.window-1)/k.window), 1)
 	served := append([]int(nil), k.served...)
 	for len(served) < windows {
 		served = append(served, 0)
 	}
 	sum := 0
-	for _, n := range served[1:windows] {
+	for _, n := range served[first:windows] {
 		sum += n
 	}
-	return float64(sum) / float64(k.limit*(windows-1)), served
+	return float64(sum) / float64(k.limit*(windows-first)), served
 }
 
 // limit is n units per window of per.

@@ -75,7 +75,7 @@ func TestStripe_FleetKeepsTheRateAndTheConcurrencyLimiters(t *testing.T) {
 			time.Sleep(10 * time.Millisecond)
 		}
 	})
-	share, per := v.counts.share("global", d)
+	share, per := v.counts.share("global", d, time.Second)
 	v.mu.Lock()
 	defer v.mu.Unlock()
 	t.Logf("stripe-go: %.3f of 100 a second; per second %v; most in flight %d of %d; %d refusals in the first 2 s, after them %v",
