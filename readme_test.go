@@ -254,7 +254,8 @@ func readmeLLM(ctx context.Context, rdb *redis.Client) (*Reply, error) {
 // readmeRegionFiles hold the regions: this file, and, for the snippets
 // that call the vendors' SDKs, the vendors module's tests, which compile
 // and run them (the SDKs are no dependency of this module).
-var readmeRegionFiles = []string{"readme_test.go", "vendors/readme_openai_test.go", "vendors/readme_anthropic_test.go"}
+var readmeRegionFiles = []string{"readme_test.go", "vendors/readme_openai_test.go", "vendors/readme_anthropic_test.go",
+	"observe/prometheus/readme_test.go", "observe/otel/readme_test.go"}
 
 func readmeRegions(t *testing.T) map[string]string {
 	t.Helper()
@@ -283,8 +284,8 @@ func readmeRegions(t *testing.T) map[string]string {
 }
 
 // readmeDocs are the documents whose Go snippets readme_test.go compiles:
-// the README, and the page it sends vendors' configurations to.
-var readmeDocs = []string{"README.md", "docs/VENDORS.md"}
+// the README, the page it sends vendors' configurations to, and observe's.
+var readmeDocs = []string{"README.md", "docs/VENDORS.md", "observe/README.md"}
 
 // readmeSnippets returns the Go code blocks of readmeDocs, with the
 // indentation of a block inside a list item taken off.
