@@ -228,7 +228,8 @@ func readmeLLM(ctx context.Context, rdb *redis.Client) (*Reply, error) {
 // and run them (the SDKs are no dependency of this module).
 var readmeRegionFiles = []string{"readme_test.go", "vendors/readme_openai_test.go",
 	"vendors/readme_github_test.go", "vendors/readme_shopify_test.go", "vendors/readme_stripe_test.go",
-	"vendors/readme_openai_models_test.go", "vendors/readme_anthropic_cache_test.go", "vendors/readme_twilio_test.go"}
+	"vendors/readme_openai_models_test.go", "vendors/readme_anthropic_cache_test.go", "vendors/readme_twilio_test.go",
+	"observe/prometheus/readme_test.go", "observe/otel/readme_test.go"}
 
 func readmeRegions(t *testing.T) map[string]string {
 	t.Helper()
@@ -257,8 +258,8 @@ func readmeRegions(t *testing.T) map[string]string {
 }
 
 // readmeDocs are the documents whose Go snippets readme_test.go compiles:
-// the README, and the page it sends vendors' configurations to.
-var readmeDocs = []string{"README.md", "docs/VENDORS.md"}
+// the README, the page it sends vendors' configurations to, and observe's.
+var readmeDocs = []string{"README.md", "docs/VENDORS.md", "observe/README.md"}
 
 // readmeSnippets returns the Go code blocks of readmeDocs, with the
 // indentation of a block inside a list item taken off.

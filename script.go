@@ -286,16 +286,16 @@ func (r result) startsAt() time.Duration { return max(r.slot(), r.done) }
 // leaveWithin after ctx ends at most: the call returns by its deadline
 // even when Redis is slow or gone, and f goes on without it. On a Redis
 // that answers in time, f is done when the call returns.
-func within(ctx context.Context, f func()) {
+func (l *Limiter) within(ctx context.Context, f func()) {
 	if ctx.Done() == nil {
 		f()
 		return
 	}
 	done := make(chan struct{})
-	go func() {
+	l.work.start(func() {
 		defer close(done)
 		f()
-	}()
+	})
 	select {
 	case <-done:
 		return
