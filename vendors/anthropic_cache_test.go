@@ -81,10 +81,11 @@ func anthropicCacheClient(t *testing.T, rdb *redis.Client, baseURL string, reque
 
 // A fleet of 3 × 10 anthropic-sdk-go clients through the recipe, each
 // message a cached system prompt of 2,000 tokens and a question of 100,
-// against a fake counting as Anthropic documents (2 s windows, 200
-// requests and 6,000 input tokens): each call estimated at its question,
+// against a fake counting as Anthropic documents (token buckets of 200
+// requests and 6,000 input tokens refilled every 2 s): each call estimated at its question,
 // settled to what Anthropic counted (the first calls' cache writes in,
 // every later call's cache read out). After the first window no 429, and
+// after the first two (the cold cache's writes and their refusals settle)
 // the input tokens at 0.9 or more of their cap.
 func TestAnthropic_CacheReadsAreNotCountedAsInput(t *testing.T) {
 	const requests, input, window = 200, 6000, 2 * time.Second

@@ -11,10 +11,33 @@ import (
 	"time"
 )
 
+// tokenBucket holds up to limit units, refilled continuously at limit a
+// window, as Anthropic documents its limits.
+type tokenBucket struct {
+	limit, level float64
+	window       time.Duration
+	at           time.Time
+}
+
+func newTokenBucket(limit int, window time.Duration) *tokenBucket {
+	return &tokenBucket{limit: float64(limit), level: float64(limit), window: window, at: time.Now()}
+}
+
+// refill fills the bucket up to now.
+func (b *tokenBucket) refill(now time.Time) {
+	b.level = min(b.limit, b.level+b.limit*float64(now.Sub(b.at))/float64(b.window))
+	b.at = now
+}
+
+// full returns when the bucket is full again.
+func (b *tokenBucket) full(now time.Time) time.Time {
+	return now.Add(time.Duration((b.limit - b.level) / b.limit * float64(b.window)))
+}
+
 // anthropicCacheFake answers POST /v1/messages as Anthropic documents its
 // limits with prompt caching (docs/VENDORS.md has the sources): requests
-// and input tokens a window, counted when a request arrives; the input
-// tokens limit counts the tokens after the cache breakpoint
+// and input tokens in token buckets, counted when a request arrives; the
+// input tokens limit counts the tokens after the cache breakpoint
 // (usage.input_tokens) and those written to the cache
 // (cache_creation_input_tokens), not those read from it
 // (cache_read_input_tokens). A prefix is in the cache once a request that
@@ -24,8 +47,8 @@ type anthropicCacheFake struct {
 	start           time.Time
 
 	mu       sync.Mutex
-	requests strictLog
-	input    strictLog
+	requests *tokenBucket
+	input    *tokenBucket
 	cached   map[string]bool
 	counted  []int // input tokens counted, per window of the run
 	refused  int   // after the first window
@@ -36,7 +59,7 @@ type anthropicCacheFake struct {
 
 func newAnthropicCacheFake(requests, input int, window, latency time.Duration) *anthropicCacheFake {
 	return &anthropicCacheFake{window: window, latency: latency, start: time.Now(), cached: map[string]bool{},
-		requests: strictLog{limit: requests, window: window}, input: strictLog{limit: input, window: window}}
+		requests: newTokenBucket(requests, window), input: newTokenBucket(input, window)}
 }
 
 func (v *anthropicCacheFake) ServeHTTP(w http.ResponseWriter, r *http.Request) {
@@ -79,26 +102,28 @@ func (v *anthropicCacheFake) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 		creation, cacheRead = 0, prefixTokens
 	}
 	counted := uncached + creation // cache reads are not counted
-	ok := v.requests.fits(now, 1) && v.input.fits(now, counted)
+	v.requests.refill(now)
+	v.input.refill(now)
+	ok := v.requests.level >= 1 && v.input.level >= float64(counted)
 	h := w.Header()
 	h.Set("Content-Type", "application/json")
-	h.Set("anthropic-ratelimit-input-tokens-limit", strconv.Itoa(v.input.limit))
-	h.Set("anthropic-ratelimit-input-tokens-reset", now.Add(v.window).UTC().Format(time.RFC3339))
+	h.Set("anthropic-ratelimit-input-tokens-limit", strconv.Itoa(int(v.input.limit)))
 	if !ok {
 		if now.Sub(v.start) >= v.window {
 			v.refused++
 		} else {
 			v.early++
 		}
-		h.Set("anthropic-ratelimit-input-tokens-remaining", strconv.Itoa(max(v.input.limit-v.input.sum, 0)))
+		h.Set("anthropic-ratelimit-input-tokens-remaining", strconv.Itoa(int(v.input.level)))
+		h.Set("anthropic-ratelimit-input-tokens-reset", v.input.full(now).UTC().Format(time.RFC3339))
 		v.mu.Unlock()
 		h.Set("retry-after", "1")
 		w.WriteHeader(http.StatusTooManyRequests)
 		fmt.Fprint(w, `{"type":"error","error":{"type":"rate_limit_error","message":"This request would exceed the rate limit for your organization of input tokens per minute."}}`)
 		return
 	}
-	v.requests.add(now, 1)
-	v.input.add(now, counted)
+	v.requests.level--
+	v.input.level -= float64(counted)
 	k := int(now.Sub(v.start) / v.window)
 	for len(v.counted) <= k {
 		v.counted = append(v.counted, 0)
@@ -109,7 +134,8 @@ func (v *anthropicCacheFake) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	} else if prefix != "" {
 		v.writes++
 	}
-	h.Set("anthropic-ratelimit-input-tokens-remaining", strconv.Itoa(v.input.limit-v.input.sum))
+	h.Set("anthropic-ratelimit-input-tokens-remaining", strconv.Itoa(int(v.input.level)))
+	h.Set("anthropic-ratelimit-input-tokens-reset", v.input.full(now).UTC().Format(time.RFC3339))
 	v.mu.Unlock()
 	time.Sleep(v.latency)
 	if prefix != "" {
