@@ -51,17 +51,6 @@ func (c *counts) take(now time.Time, n map[string]int, limits map[string]limit) 
 	return ""
 }
 
-// give gives back n units of name in the window they were taken in.
-func (c *counts) give(now time.Time, name string, n int, l limit) {
-	c.mu.Lock()
-	defer c.mu.Unlock()
-	k := c.at(now, name, l)
-	k.n = max(k.n-n, 0)
-	if int64(len(k.served)) > k.k {
-		k.served[k.k] -= n
-	}
-}
-
 // at returns the count of name as of now, its window rolled over.
 func (c *counts) at(now time.Time, name string, l limit) *count {
 	k := c.c[name]
