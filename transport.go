@@ -50,7 +50,9 @@ const (
 // in Queue mode it takes its place in the limiter's queue.
 //
 // The vendor's answer is feedback for every replica: the Transport reads
-// its status and headers into an Answer for Permit.Heard. A refusal (a 429,
+// its status and headers into an Answer for Permit.Heard, and its body too
+// on a Route with FromBody; a Route with a Resource takes only the answers
+// about it. A refusal (a 429,
 // a 503 with Retry-After, or a 403 that says nothing is left, as GitHub
 // sends) pauses the quota until the time the vendor named in Retry-After,
 // X-RateLimit-Reset or the IETF RateLimit header, and for DefaultPause
@@ -139,9 +141,9 @@ type Transport struct {
 	// tokens or points used): a value of 0 or more settles the call's cost
 	// with Permit.Settle before the response is returned, up to the quota's
 	// smallest limit; a negative value leaves the cost as it was admitted.
-	// It must not read the body. For a cost the body tells (an LLM's
-	// usage), read the body, then settle the permit that
-	// PermitFrom(resp.Request.Context()) returns.
+	// It must not read the body. For a cost the body tells, give the
+	// route a FromBody (GraphQL points), or read the body, then settle the
+	// permit that PermitFrom(resp.Request.Context()) returns (an LLM's usage).
 	ResponseCost func(*http.Response) int
 	// Priority gives each request's Priority: its class, whose share of a
 	// full quota every replica holds for it (see Priority), and its place
