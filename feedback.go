@@ -377,7 +377,7 @@ func (p *Permit) Heard(ctx context.Context, a Answer) (pause time.Duration, refu
 	requests, tokens := a.Requests.count(), a.Tokens.count()
 	said := p.counts(a, requests, tokens)
 	pause, refused = a.refusal(requests, untilReset(requests, tokens))
-	if refused && a.AboutConcurrency && l.hasConc && !isOff(offConcurrencyRefusals) {
+	if refused && a.AboutConcurrency && l.hasConc && !isOff(offConcRefusals) {
 		// The Concurrency rule's slots, not a pause, hold the calls back.
 		l.emit(Event{Kind: EventVendorLimited})
 		return 0, true, nil

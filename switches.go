@@ -44,8 +44,7 @@ const (
 	offForwardSteps   mechanism = "forward_steps"   // batch.go newStep: a forward step is not told to the script
 	offMoves          mechanism = "moves"           // move.go movable: room given back moves no sleeping call
 	offRebookLowered  mechanism = "rebook_lowered"  // view.go overtaken: a call booked before a limit dropped keeps its slot
-	// feedback.go Heard: a refusal about calls in flight pauses the quota, as any other.
-	offConcurrencyRefusals mechanism = "concurrency_refusals"
+	offConcRefusals   mechanism = "concurrency_refusals" // feedback.go Heard: a refusal about calls in flight pauses, as any other
 )
 
 // luaMechanisms are the mechanisms decided in the scripts, by the names
@@ -84,7 +83,7 @@ var luaMechanisms = []mechanism{
 var goMechanisms = []mechanism{
 	offSleepToSlot, offGuard, offDoubt, offLeads, offSpares, offBatches, offAbandon,
 	offNews, offBreaker, offAskTimeout, offQueuedFailures, offHandBack, offForwardSteps, offMoves, offRebookLowered,
-	offConcurrencyRefusals,
+	offConcRefusals,
 }
 
 // switchedOff holds the mechanisms THROTTLE_OFF turns off, offErr what is
