@@ -44,7 +44,9 @@ const (
 	offForwardSteps   mechanism = "forward_steps"   // batch.go newStep: a forward step is not told to the script
 	offMoves          mechanism = "moves"           // move.go movable: room given back moves no sleeping call
 	offRebookLowered  mechanism = "rebook_lowered"  // view.go overtaken: a call booked before a limit dropped keeps its slot
-	offConcRefusals   mechanism = "concurrency_refusals" // feedback.go Heard: a refusal about calls in flight pauses, as any other
+
+	// feedback.go Heard: a refusal about calls in flight pauses, as any other.
+	offConcRefusals mechanism = "concurrency_refusals"
 )
 
 // luaMechanisms are the mechanisms decided in the scripts, by the names
