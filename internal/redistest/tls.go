@@ -164,45 +164,11 @@ func waitReadyTLS(p *proc, addr string, cfg *tls.Config, timeout time.Duration) 
 // holding the CA alone.
 func writeTestCerts(dir string) (*x509.CertPool, error) {
 	now := time.Now()
-	caKey, err := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
+	ca, caKey, err := newTestCA(now)
 	if err != nil {
 		return nil, err
 	}
-	caTmpl := &x509.Certificate{
-		SerialNumber:          serial(),
-		Subject:               pkix.Name{CommonName: "redistest CA"},
-		NotBefore:             now.Add(-time.Hour),
-		NotAfter:              now.Add(24 * time.Hour),
-		IsCA:                  true,
-		BasicConstraintsValid: true,
-		KeyUsage:              x509.KeyUsageCertSign | x509.KeyUsageCRLSign,
-	}
-	caDER, err := x509.CreateCertificate(rand.Reader, caTmpl, caTmpl, &caKey.PublicKey, caKey)
-	if err != nil {
-		return nil, err
-	}
-	ca, err := x509.ParseCertificate(caDER)
-	if err != nil {
-		return nil, err
-	}
-	key, err := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
-	if err != nil {
-		return nil, err
-	}
-	tmpl := &x509.Certificate{
-		SerialNumber: serial(),
-		Subject:      pkix.Name{CommonName: "127.0.0.1"},
-		IPAddresses:  []net.IP{net.IPv4(127, 0, 0, 1)},
-		NotBefore:    now.Add(-time.Hour),
-		NotAfter:     now.Add(24 * time.Hour),
-		KeyUsage:     x509.KeyUsageDigitalSignature,
-		ExtKeyUsage:  []x509.ExtKeyUsage{x509.ExtKeyUsageServerAuth},
-	}
-	der, err := x509.CreateCertificate(rand.Reader, tmpl, ca, &key.PublicKey, caKey)
-	if err != nil {
-		return nil, err
-	}
-	keyDER, err := x509.MarshalPKCS8PrivateKey(key)
+	der, keyDER, err := newServerCert(now, ca, caKey)
 	if err != nil {
 		return nil, err
 	}
@@ -211,7 +177,7 @@ func writeTestCerts(dir string) (*x509.CertPool, error) {
 		der        []byte
 		perm       os.FileMode
 	}{
-		{"ca.crt", "CERTIFICATE", caDER, 0o644},
+		{"ca.crt", "CERTIFICATE", ca.Raw, 0o644},
 		{"redis.crt", "CERTIFICATE", der, 0o644},
 		{"redis.key", "PRIVATE KEY", keyDER, 0o600},
 	} {
@@ -223,6 +189,58 @@ func writeTestCerts(dir string) (*x509.CertPool, error) {
 	roots := x509.NewCertPool()
 	roots.AddCert(ca)
 	return roots, nil
+}
+
+// newTestCA makes a self-signed CA valid from an hour before now to a day
+// after it.
+func newTestCA(now time.Time) (*x509.Certificate, *ecdsa.PrivateKey, error) {
+	key, err := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
+	if err != nil {
+		return nil, nil, err
+	}
+	tmpl := &x509.Certificate{
+		SerialNumber:          serial(),
+		Subject:               pkix.Name{CommonName: "redistest CA"},
+		NotBefore:             now.Add(-time.Hour),
+		NotAfter:              now.Add(24 * time.Hour),
+		IsCA:                  true,
+		BasicConstraintsValid: true,
+		KeyUsage:              x509.KeyUsageCertSign | x509.KeyUsageCRLSign,
+	}
+	der, err := x509.CreateCertificate(rand.Reader, tmpl, tmpl, &key.PublicKey, key)
+	if err != nil {
+		return nil, nil, err
+	}
+	ca, err := x509.ParseCertificate(der)
+	if err != nil {
+		return nil, nil, err
+	}
+	return ca, key, nil
+}
+
+// newServerCert makes a server certificate for 127.0.0.1 that ca signed,
+// and its key, both in DER.
+func newServerCert(now time.Time, ca *x509.Certificate, caKey *ecdsa.PrivateKey) (der, keyDER []byte, err error) {
+	key, err := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
+	if err != nil {
+		return nil, nil, err
+	}
+	tmpl := &x509.Certificate{
+		SerialNumber: serial(),
+		Subject:      pkix.Name{CommonName: "127.0.0.1"},
+		IPAddresses:  []net.IP{net.IPv4(127, 0, 0, 1)},
+		NotBefore:    now.Add(-time.Hour),
+		NotAfter:     now.Add(24 * time.Hour),
+		KeyUsage:     x509.KeyUsageDigitalSignature,
+		ExtKeyUsage:  []x509.ExtKeyUsage{x509.ExtKeyUsageServerAuth},
+	}
+	if der, err = x509.CreateCertificate(rand.Reader, tmpl, ca, &key.PublicKey, caKey); err != nil {
+		return nil, nil, err
+	}
+	if keyDER, err = x509.MarshalPKCS8PrivateKey(key); err != nil {
+		return nil, nil, err
+	}
+	return der, keyDER, nil
 }
 
 // serial returns a random certificate serial number.
