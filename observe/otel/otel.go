@@ -115,66 +115,105 @@ func New(meter metric.Meter) (*Observer, error) {
 	if meter == nil {
 		return nil, errors.New("throttle/observe/otel: New: meter is nil")
 	}
+	m := &maker{meter: meter}
 	o := &Observer{}
-	var errs []error
-	try := func(err error) { errs = append(errs, err) }
-	counter := func(name, unit, desc string) metric.Int64Counter {
-		c, err := meter.Int64Counter(name, metric.WithUnit(unit), metric.WithDescription(desc))
-		try(err)
-		return c
-	}
-	histogram := func(name, desc string, bounds []float64) metric.Float64Histogram {
-		h, err := meter.Float64Histogram(name, metric.WithUnit("s"), metric.WithDescription(desc), metric.WithExplicitBucketBoundaries(bounds...))
-		try(err)
-		return h
-	}
-	gauge := func(name, unit, desc string) metric.Int64Gauge {
-		g, err := meter.Int64Gauge(name, metric.WithUnit(unit), metric.WithDescription(desc))
-		try(err)
-		return g
-	}
-	o.calls = counter("throttle.calls", "{call}",
-		"Calls that asked for a permit, by outcome; throttle.shadow marks refused calls that a limiter in shadow mode let through.")
-	o.units = counter("throttle.units", "{unit}", "Units (the sum of the calls' Cost) admitted.")
-	o.wait = histogram("throttle.wait.duration", "How long admitted calls waited for their slot.", WaitBoundaries)
-	o.fallbackAdmitted = counter("throttle.fallback.admitted", "{call}",
-		"Calls admitted without Redis, by the fallback that Options.OnRedisError chose.")
-	o.roundTrip = histogram("throttle.redis.round_trip.duration",
-		"Round trips of the scripts that decide calls, failed ones included.", RoundTripBoundaries)
-	o.redisErrors = counter("throttle.redis.errors", "{error}",
-		"Script calls that failed: Redis errors, timeouts, unreachable Redis.")
-	var err error
-	o.callsPerScript, err = meter.Int64Histogram("throttle.redis.calls_per_script", metric.WithUnit("{call}"),
-		metric.WithDescription("Calls decided by one script call; concurrent calls of a process share one."),
-		metric.WithExplicitBucketBoundaries(CallsPerScriptBoundaries...))
-	try(err)
-	o.fallbackActive = gauge("throttle.fallback.active", "1",
-		"1 while calls are decided without Redis, after Redis kept failing; 0 once it answers again.")
-	o.fallbackSwitches = counter("throttle.fallback.switches", "{switch}",
-		"Switches to the fallback (throttle.to=fallback) and back to Redis (throttle.to=redis).")
-	o.dataLost = counter("throttle.data_lost", "{event}",
-		"Times Redis lost the quota's data; every limit then counts as full for one window.")
-	o.vendorLimited = counter("throttle.vendor.limited", "{response}",
-		"Vendor answers of 429, or 503 with Retry-After, seen by a Transport.")
-	o.pauses = counter("throttle.pauses", "{pause}", "Pauses of the quota, or of one of its keys, at the vendor's request.")
-	o.pauseTime, err = meter.Float64Counter("throttle.pause.time", metric.WithUnit("s"),
-		metric.WithDescription("The pauses' requested lengths, added up."))
-	try(err)
-	o.queueDepth = gauge("throttle.queue.depth", "{call}",
-		"Calls waiting in the local queue of a limiter in Queue mode, as of its latest event.")
-	o.margin, err = meter.Float64Gauge("throttle.margin", metric.WithUnit("s"),
-		metric.WithDescription("The smallest margin in force of the quota's windows: the configured Margin, or wider while the fleet's calls start late after their slots."))
-	try(err)
-	o.capsLearned = counter("throttle.caps_learned", "{cap}",
-		"Times a vendor's refusal lowered the quota's limit in force to a cap learned from it.")
-	o.learnedLimit = gauge("throttle.learned_limit", "{unit}",
-		"The lowest limit in force of the quota's rules after the latest cap learned from the vendor; Limiter.Usage says when it rose back.")
-	o.others = gauge("throttle.others", "{unit}",
-		"The units per window the quota leaves other consumers of the vendor's key, as the vendor's counts measure them; 0 when no one else spends it.")
-	if err := errors.Join(errs...); err != nil {
+	o.makeCallInstruments(m)
+	o.makeRedisInstruments(m)
+	o.makeQuotaInstruments(m)
+	if err := errors.Join(m.errs...); err != nil {
 		return nil, err
 	}
 	return o, nil
+}
+
+// makeCallInstruments makes the instruments of the calls a limiter decides.
+func (o *Observer) makeCallInstruments(m *maker) {
+	o.calls = m.counter("throttle.calls", "{call}",
+		"Calls that asked for a permit, by outcome; throttle.shadow marks refused calls that a limiter in shadow mode let through.")
+	o.units = m.counter("throttle.units", "{unit}", "Units (the sum of the calls' Cost) admitted.")
+	o.wait = m.histogram("throttle.wait.duration", "How long admitted calls waited for their slot.", WaitBoundaries)
+	o.fallbackAdmitted = m.counter("throttle.fallback.admitted", "{call}",
+		"Calls admitted without Redis, by the fallback that Options.OnRedisError chose.")
+}
+
+// makeRedisInstruments makes the instruments of the scripts' round trips
+// and of the fallback when Redis fails.
+func (o *Observer) makeRedisInstruments(m *maker) {
+	o.roundTrip = m.histogram("throttle.redis.round_trip.duration",
+		"Round trips of the scripts that decide calls, failed ones included.", RoundTripBoundaries)
+	o.redisErrors = m.counter("throttle.redis.errors", "{error}",
+		"Script calls that failed: Redis errors, timeouts, unreachable Redis.")
+	o.callsPerScript = m.intHistogram("throttle.redis.calls_per_script", "{call}",
+		"Calls decided by one script call; concurrent calls of a process share one.", CallsPerScriptBoundaries)
+	o.fallbackActive = m.gauge("throttle.fallback.active", "1",
+		"1 while calls are decided without Redis, after Redis kept failing; 0 once it answers again.")
+	o.fallbackSwitches = m.counter("throttle.fallback.switches", "{switch}",
+		"Switches to the fallback (throttle.to=fallback) and back to Redis (throttle.to=redis).")
+	o.dataLost = m.counter("throttle.data_lost", "{event}",
+		"Times Redis lost the quota's data; every limit then counts as full for one window.")
+}
+
+// makeQuotaInstruments makes the instruments of what the vendor said and of
+// the quota's state: pauses, queue, margin, learned caps, others' share.
+func (o *Observer) makeQuotaInstruments(m *maker) {
+	o.vendorLimited = m.counter("throttle.vendor.limited", "{response}",
+		"Vendor answers of 429, or 503 with Retry-After, seen by a Transport.")
+	o.pauses = m.counter("throttle.pauses", "{pause}", "Pauses of the quota, or of one of its keys, at the vendor's request.")
+	o.pauseTime = m.floatCounter("throttle.pause.time", "s", "The pauses' requested lengths, added up.")
+	o.queueDepth = m.gauge("throttle.queue.depth", "{call}",
+		"Calls waiting in the local queue of a limiter in Queue mode, as of its latest event.")
+	o.margin = m.floatGauge("throttle.margin", "s",
+		"The smallest margin in force of the quota's windows: the configured Margin, or wider while the fleet's calls start late after their slots.")
+	o.capsLearned = m.counter("throttle.caps_learned", "{cap}",
+		"Times a vendor's refusal lowered the quota's limit in force to a cap learned from it.")
+	o.learnedLimit = m.gauge("throttle.learned_limit", "{unit}",
+		"The lowest limit in force of the quota's rules after the latest cap learned from the vendor; Limiter.Usage says when it rose back.")
+	o.others = m.gauge("throttle.others", "{unit}",
+		"The units per window the quota leaves other consumers of the vendor's key, as the vendor's counts measure them; 0 when no one else spends it.")
+}
+
+// maker creates instruments on one meter and keeps every refusal, so that
+// New reports them all at once.
+type maker struct {
+	meter metric.Meter
+	errs  []error
+}
+
+func (m *maker) counter(name, unit, desc string) metric.Int64Counter {
+	c, err := m.meter.Int64Counter(name, metric.WithUnit(unit), metric.WithDescription(desc))
+	m.errs = append(m.errs, err)
+	return c
+}
+
+func (m *maker) floatCounter(name, unit, desc string) metric.Float64Counter {
+	c, err := m.meter.Float64Counter(name, metric.WithUnit(unit), metric.WithDescription(desc))
+	m.errs = append(m.errs, err)
+	return c
+}
+
+// histogram makes a histogram of durations, in seconds.
+func (m *maker) histogram(name, desc string, bounds []float64) metric.Float64Histogram {
+	h, err := m.meter.Float64Histogram(name, metric.WithUnit("s"), metric.WithDescription(desc), metric.WithExplicitBucketBoundaries(bounds...))
+	m.errs = append(m.errs, err)
+	return h
+}
+
+func (m *maker) intHistogram(name, unit, desc string, bounds []float64) metric.Int64Histogram {
+	h, err := m.meter.Int64Histogram(name, metric.WithUnit(unit), metric.WithDescription(desc), metric.WithExplicitBucketBoundaries(bounds...))
+	m.errs = append(m.errs, err)
+	return h
+}
+
+func (m *maker) gauge(name, unit, desc string) metric.Int64Gauge {
+	g, err := m.meter.Int64Gauge(name, metric.WithUnit(unit), metric.WithDescription(desc))
+	m.errs = append(m.errs, err)
+	return g
+}
+
+func (m *maker) floatGauge(name, unit, desc string) metric.Float64Gauge {
+	g, err := m.meter.Float64Gauge(name, metric.WithUnit(unit), metric.WithDescription(desc))
+	m.errs = append(m.errs, err)
+	return g
 }
 
 // Observe records one event: pass it as throttle.Options.Observer.
