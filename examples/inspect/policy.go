@@ -47,6 +47,8 @@ func parsePolicy(s string) (policies.Policy, error) {
 	return policies.All(ps...), nil
 }
 
+// parseTerm reads one term of -policy: a kind, its first field, its
+// options, and key: before them for a per-key limit.
 func parseTerm(term string) (policies.Policy, error) {
 	perKey := false
 	if rest, ok := strings.CutPrefix(term, "key:"); ok {
@@ -61,53 +63,13 @@ func parseTerm(term string) (policies.Policy, error) {
 	if err != nil {
 		return nil, err
 	}
-	var p policies.Policy
-	switch kind {
-	case "log":
-		limit, window, err := perWindow(fields[0], "LIMIT/WINDOW")
-		if err != nil {
-			return nil, err
-		}
-		sl := policies.SlidingLog{Limit: limit, Window: window}
-		if sl.Margin, err = opts.duration("margin"); err != nil {
-			return nil, err
-		}
-		p = sl
-	case "counter":
-		limit, window, err := perWindow(fields[0], "LIMIT/WINDOW")
-		if err != nil {
-			return nil, err
-		}
-		sc := policies.SlidingCounter{Limit: limit, Window: window}
-		if sc.Margin, err = opts.duration("margin"); err != nil {
-			return nil, err
-		}
-		if sc.Buckets, err = opts.int("buckets"); err != nil {
-			return nil, err
-		}
-		p = sc
-	case "bucket":
-		rate, per, err := perWindow(fields[0], "RATE/PER")
-		if err != nil {
-			return nil, err
-		}
-		tb := policies.TokenBucket{Rate: rate, Per: per}
-		if tb.Burst, err = opts.int("burst"); err != nil {
-			return nil, err
-		}
-		p = tb
-	case "concurrency":
-		n, err := wholeNumber("MAX", fields[0])
-		if err != nil {
-			return nil, err
-		}
-		c := policies.Concurrency{Max: n}
-		if c.Lease, err = opts.duration("lease"); err != nil {
-			return nil, err
-		}
-		p = c
-	default:
+	parse, ok := termKinds[kind]
+	if !ok {
 		return nil, fmt.Errorf("unknown kind %q; want log, counter, bucket or concurrency", kind)
+	}
+	p, err := parse(fields[0], opts)
+	if err != nil {
+		return nil, err
 	}
 	if err := opts.unused(); err != nil {
 		return nil, err
@@ -116,6 +78,70 @@ func parseTerm(term string) (policies.Policy, error) {
 		p = policies.PerKey{Policy: p}
 	}
 	return p, nil
+}
+
+// termKinds reads a term of each kind from its first field and its options.
+// Each takes the options it knows from opts, so that unused finds the others.
+var termKinds = map[string]func(first string, opts options) (policies.Policy, error){
+	"log":         parseLog,
+	"counter":     parseCounter,
+	"bucket":      parseBucket,
+	"concurrency": parseConcurrency,
+}
+
+// parseLog reads log:LIMIT/WINDOW[,margin=D].
+func parseLog(first string, opts options) (policies.Policy, error) {
+	limit, window, err := perWindow(first, "LIMIT/WINDOW")
+	if err != nil {
+		return nil, err
+	}
+	sl := policies.SlidingLog{Limit: limit, Window: window}
+	if sl.Margin, err = opts.duration("margin"); err != nil {
+		return nil, err
+	}
+	return sl, nil
+}
+
+// parseCounter reads counter:LIMIT/WINDOW[,buckets=N][,margin=D].
+func parseCounter(first string, opts options) (policies.Policy, error) {
+	limit, window, err := perWindow(first, "LIMIT/WINDOW")
+	if err != nil {
+		return nil, err
+	}
+	sc := policies.SlidingCounter{Limit: limit, Window: window}
+	if sc.Margin, err = opts.duration("margin"); err != nil {
+		return nil, err
+	}
+	if sc.Buckets, err = opts.int("buckets"); err != nil {
+		return nil, err
+	}
+	return sc, nil
+}
+
+// parseBucket reads bucket:RATE/PER[,burst=N].
+func parseBucket(first string, opts options) (policies.Policy, error) {
+	rate, per, err := perWindow(first, "RATE/PER")
+	if err != nil {
+		return nil, err
+	}
+	tb := policies.TokenBucket{Rate: rate, Per: per}
+	if tb.Burst, err = opts.int("burst"); err != nil {
+		return nil, err
+	}
+	return tb, nil
+}
+
+// parseConcurrency reads concurrency:MAX[,lease=D].
+func parseConcurrency(first string, opts options) (policies.Policy, error) {
+	n, err := wholeNumber("MAX", first)
+	if err != nil {
+		return nil, err
+	}
+	c := policies.Concurrency{Max: n}
+	if c.Lease, err = opts.duration("lease"); err != nil {
+		return nil, err
+	}
+	return c, nil
 }
 
 // perWindow reads "100/1s", and "100/s" as one of the unit.
