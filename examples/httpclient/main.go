@@ -21,6 +21,7 @@ import (
 	"flag"
 	"fmt"
 	"io"
+	"maps"
 	"net/http"
 	"net/http/httptest"
 	"os"
@@ -80,86 +81,126 @@ type result struct {
 	Errors        int // requests that ended in an error: cut short by the end of the run
 }
 
+// run runs the fleet against the vendor for cfg.Duration, prints the
+// vendor's arrivals over time and the summary to out, and returns it.
 func run(ctx context.Context, cfg config, out io.Writer) (result, error) {
-	if cfg.Replicas < 1 || cfg.Workers < 1 || cfg.Limit < 1 || cfg.Lowered < 0 || cfg.Window <= 0 || cfg.Duration <= 0 || cfg.Step <= 0 {
-		return result{}, errors.New("every flag must be positive (-lowered may be 0)")
+	if err := cfg.validate(); err != nil {
+		return result{}, err
 	}
-	addr := cfg.Redis
-	where := "Redis at " + addr
-	if addr == "" {
-		mr, err := miniredis.Run()
-		if err != nil {
-			return result{}, err
-		}
-		defer mr.Close()
-		addr, where = mr.Addr(), "an embedded miniredis"
+	addr, where, stopRedis, err := startRedis(cfg.Redis)
+	if err != nil {
+		return result{}, err
 	}
+	defer stopRedis()
 
 	vendor := fakeapi.New(fakeapi.Config{Limit: cfg.Limit, Window: cfg.Window, RetryAfter: true})
 	var rec recorder
 	srv := httptest.NewServer(rec.wrap(vendor))
 	defer srv.Close()
+	printSetup(out, cfg, where)
 
+	var t tally
+	start, err := runFleet(ctx, cfg, addr, srv.URL, vendor, &t)
+	if err != nil {
+		return result{}, err
+	}
+	res := rec.report(out, start, cfg)
+	res.OK, res.Gave429, res.Errors = int(t.ok.Load()), int(t.gave429.Load()), int(t.failed.Load())
+	fmt.Fprintf(out, "\nvendor: %d over its cap before it lowered it; then %d answered 429 in %d pauses, %d arrivals during a pause\n",
+		res.BeforeOverCap, res.Refused, res.Pauses, res.InPause)
+	fmt.Fprintf(out, "clients: %d ok, %d got the vendor's 429 back (retries spent, or the run ending first), %d cut short by the end of the run\n",
+		res.OK, res.Gave429, res.Errors)
+	return res, nil
+}
+
+func (cfg config) validate() error {
+	if cfg.Replicas < 1 || cfg.Workers < 1 || cfg.Limit < 1 || cfg.Lowered < 0 || cfg.Window <= 0 || cfg.Duration <= 0 || cfg.Step <= 0 {
+		return errors.New("every flag must be positive (-lowered may be 0)")
+	}
+	return nil
+}
+
+// startRedis returns the address of the Redis at addr, or of an embedded
+// one when addr is empty, with words for the header and a stop.
+func startRedis(addr string) (at, where string, stop func(), err error) {
+	if addr != "" {
+		return addr, "Redis at " + addr, func() {}, nil
+	}
+	mr, err := miniredis.Run()
+	if err != nil {
+		return "", "", nil, err
+	}
+	return mr.Addr(), "an embedded miniredis", mr.Close, nil
+}
+
+func printSetup(out io.Writer, cfg config, where string) {
 	fmt.Fprintf(out, "vendor: %d requests per %v, answering 429 with Retry-After past it", cfg.Limit, cfg.Window)
 	if cfg.Lowered > 0 {
 		fmt.Fprintf(out, "; lowers its cap to %d at %v", cfg.Lowered, cfg.LowerAt)
 	}
 	fmt.Fprintf(out, "\nfleet: %d replicas × %d workers, one quota of %d per %v on %s\n\n",
 		cfg.Replicas, cfg.Workers, cfg.Limit, cfg.Window, where)
+}
 
+// tally counts how the clients' requests ended.
+type tally struct {
+	ok, gave429, failed atomic.Int64
+}
+
+// runFleet runs every replica's workers against url until cfg.Duration has
+// passed, lowering the vendor's cap on the way, and returns their start.
+func runFleet(ctx context.Context, cfg config, addr, url string, vendor *fakeapi.Vendor, t *tally) (time.Time, error) {
 	// A fresh quota name per run, so that a shared Redis holds nothing from
 	// an earlier run.
 	quota := "httpclient-" + strconv.FormatInt(time.Now().UnixNano(), 36)
 	runCtx, cancel := context.WithTimeout(ctx, cfg.Duration)
 	defer cancel()
-	var ok, gave429, failed atomic.Int64
 	var wg sync.WaitGroup
 	for i := range cfg.Replicas {
 		rdb := redis.NewClient(&redis.Options{Addr: addr})
 		defer rdb.Close()
 		lim, err := throttle.New(rdb, quota, policies.SlidingLog{Limit: cfg.Limit, Window: cfg.Window})
 		if err != nil {
-			return result{}, err
+			return time.Time{}, err
 		}
 		client := replicaClient("r"+strconv.Itoa(i+1), lim)
 		defer client.CloseIdleConnections()
 		for range cfg.Workers {
-			wg.Go(func() {
-				for runCtx.Err() == nil {
-					switch status, err := get(runCtx, client, srv.URL); {
-					case err != nil:
-						failed.Add(1)
-						return // the run ended while the request waited for its slot
-					case status == http.StatusTooManyRequests:
-						gave429.Add(1)
-					default:
-						ok.Add(1)
-					}
-				}
-			})
+			wg.Go(func() { t.work(runCtx, client, url) })
 		}
 	}
 	start := time.Now()
 	if cfg.Lowered > 0 {
-		go func() {
-			t := time.NewTimer(cfg.LowerAt)
-			defer t.Stop()
-			select {
-			case <-t.C:
-				vendor.SetLimit(cfg.Lowered)
-			case <-runCtx.Done():
-			}
-		}()
+		go lowerCap(runCtx, vendor, cfg.Lowered, cfg.LowerAt)
 	}
 	wg.Wait()
+	return start, nil
+}
 
-	res := rec.report(out, start, cfg)
-	res.OK, res.Gave429, res.Errors = int(ok.Load()), int(gave429.Load()), int(failed.Load())
-	fmt.Fprintf(out, "\nvendor: %d over its cap before it lowered it; then %d answered 429 in %d pauses, %d arrivals during a pause\n",
-		res.BeforeOverCap, res.Refused, res.Pauses, res.InPause)
-	fmt.Fprintf(out, "clients: %d ok, %d got the vendor's 429 back (retries spent, or the run ending first), %d cut short by the end of the run\n",
-		res.OK, res.Gave429, res.Errors)
-	return res, nil
+// work is one worker: it sends a request after another until ctx ends.
+func (t *tally) work(ctx context.Context, client *http.Client, url string) {
+	for ctx.Err() == nil {
+		switch status, err := get(ctx, client, url); {
+		case err != nil:
+			t.failed.Add(1)
+			return // the run ended while the request waited for its slot
+		case status == http.StatusTooManyRequests:
+			t.gave429.Add(1)
+		default:
+			t.ok.Add(1)
+		}
+	}
+}
+
+// lowerCap lowers the vendor's cap to limit after d, unless ctx ends first.
+func lowerCap(ctx context.Context, vendor *fakeapi.Vendor, limit int, d time.Duration) {
+	t := time.NewTimer(d)
+	defer t.Stop()
+	select {
+	case <-t.C:
+		vendor.SetLimit(limit)
+	case <-ctx.Done():
+	}
 }
 
 // replicaClient is one replica's http.Client. Its base RoundTripper tags
@@ -239,14 +280,29 @@ func (rc *recorder) report(out io.Writer, start time.Time, cfg config) result {
 	rc.mu.Unlock()
 	slices.SortFunc(log, func(x, y arrival) int { return x.at.Compare(y.at) })
 
+	res, pauses := refusals(log, cfg.Limit)
+	res.InPause = inPause(log, pauses)
+	fmt.Fprintf(out, "%7s %5s %5s %5s  %s\n", "time", "sent", "ok", "429", "from")
+	end := start.Add(cfg.Duration)
+	for t := start; t.Before(end); t = t.Add(cfg.Step) {
+		printStep(out, log, pauses, start, t, t.Add(cfg.Step))
+	}
+	return res
+}
+
+// span is a stretch of time, from its start up to its end.
+type span struct{ from, to time.Time }
+
+// refusals counts the 429s of log, those before the vendor lowered its cap
+// from limit apart, and returns the pauses they started.
+func refusals(log []arrival, limit int) (result, []span) {
 	var res result
-	type span struct{ from, to time.Time }
 	var pauses []span
 	for _, a := range log {
 		if a.status != http.StatusTooManyRequests {
 			continue
 		}
-		if a.limit == cfg.Limit {
+		if a.limit == limit {
 			res.BeforeOverCap++
 		}
 		res.Refused++
@@ -255,45 +311,46 @@ func (rc *recorder) report(out io.Writer, start time.Time, cfg config) result {
 		}
 	}
 	res.Pauses = len(pauses)
+	return res, pauses
+}
+
+// inPause counts the arrivals during a pause, after the 429 that started it.
+func inPause(log []arrival, pauses []span) int {
 	// Requests already on their way when the 429 came back are not counted.
 	const inFlight = 100 * time.Millisecond
+	n := 0
 	for _, a := range log {
 		for _, p := range pauses {
 			if a.at.After(p.from.Add(inFlight)) && a.at.Before(p.to) {
-				res.InPause++
+				n++
 			}
 		}
 	}
+	return n
+}
 
-	fmt.Fprintf(out, "%7s %5s %5s %5s  %s\n", "time", "sent", "ok", "429", "from")
-	end := start.Add(cfg.Duration)
-	for t := start; t.Before(end); t = t.Add(cfg.Step) {
-		var sent, okN, refused int
-		from := map[string]bool{}
-		for _, a := range log {
-			if a.at.Before(t) || !a.at.Before(t.Add(cfg.Step)) {
-				continue
-			}
-			sent++
-			from[a.replica] = true
-			if a.status == http.StatusTooManyRequests {
-				refused++
-			} else {
-				okN++
-			}
+// printStep prints one line of the timeline: the arrivals from t up to
+// next, and the replicas that sent them or the pause that stopped them.
+func printStep(out io.Writer, log []arrival, pauses []span, start, t, next time.Time) {
+	var sent, okN, refused int
+	from := map[string]bool{}
+	for _, a := range log {
+		if a.at.Before(t) || !a.at.Before(next) {
+			continue
 		}
-		names := make([]string, 0, len(from))
-		for r := range from {
-			names = append(names, r)
+		sent++
+		from[a.replica] = true
+		if a.status == http.StatusTooManyRequests {
+			refused++
+		} else {
+			okN++
 		}
-		slices.Sort(names)
-		note := strings.Join(names, " ")
-		for _, p := range pauses {
-			if sent == 0 && !t.Before(p.from) && t.Before(p.to) {
-				note = "(fleet paused until the vendor's Retry-After)"
-			}
-		}
-		fmt.Fprintf(out, "%6.2fs %5d %5d %5d  %s\n", t.Sub(start).Seconds(), sent, okN, refused, note)
 	}
-	return res
+	note := strings.Join(slices.Sorted(maps.Keys(from)), " ")
+	for _, p := range pauses {
+		if sent == 0 && !t.Before(p.from) && t.Before(p.to) {
+			note = "(fleet paused until the vendor's Retry-After)"
+		}
+	}
+	fmt.Fprintf(out, "%6.2fs %5d %5d %5d  %s\n", t.Sub(start).Seconds(), sent, okN, refused, note)
 }
