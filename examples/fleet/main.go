@@ -237,33 +237,20 @@ func run(ctx context.Context, cfg config, stdout, stderr io.Writer) (Report, err
 	if err := cfg.validate(); err != nil {
 		return rep, err
 	}
-	exe := cfg.exe
-	if exe == "" {
-		var err error
-		if exe, err = os.Executable(); err != nil {
-			return rep, fmt.Errorf("find this program to start the replicas: %w", err)
-		}
+	exe, err := cfg.executable()
+	if err != nil {
+		return rep, err
 	}
-
-	spec, cluster, where := cfg.Redis, cfg.Cluster, ""
-	if spec == "" {
-		mr, err := miniredis.Run()
-		if err != nil {
-			return rep, fmt.Errorf("start embedded Redis: %w", err)
-		}
-		defer mr.Close()
-		spec, where = mr.Addr(), "embedded miniredis at "+mr.Addr()
-	} else {
-		where = spec
-		if cluster || strings.Contains(spec, ",") {
-			where += " (cluster)"
-		}
+	spec, where, stopRedis, err := cfg.startRedis()
+	if err != nil {
+		return rep, err
 	}
-	if err := pingRedis(ctx, spec, cluster); err != nil {
+	defer stopRedis()
+	if err := pingRedis(ctx, spec, cfg.Cluster); err != nil {
 		return rep, err
 	}
 
-	env := fleetEnv{exe: exe, redis: spec, cluster: cluster}
+	env := fleetEnv{exe: exe, redis: spec, cluster: cfg.Cluster}
 	if cfg.Metrics != "" {
 		env.metrics = &fleetMetrics{}
 		url, stop, err := serveMetrics(cfg.Metrics, env.metrics)
@@ -275,23 +262,9 @@ func run(ctx context.Context, cfg config, stdout, stderr io.Writer) (Report, err
 	}
 
 	printHeader(stdout, cfg, where)
-	variants := []variant{shared}
-	if cfg.Compare {
-		variants = append(variants, split, naive)
-	}
-	for _, v := range variants {
-		res, err := runFleet(ctx, cfg, v, env, stderr)
-		if err != nil {
-			return rep, fmt.Errorf("%s run: %w", v, err)
-		}
-		rep.Runs = append(rep.Runs, res)
-		printResult(stdout, res)
-		if ctx.Err() != nil {
-			break
-		}
-	}
-	if len(rep.Runs) > 1 {
-		printComparison(stdout, rep.Runs)
+	rep.Runs, err = runVariants(ctx, cfg, env, stdout, stderr)
+	if err != nil {
+		return rep, err
 	}
 	if cfg.Chart != "" {
 		if err := writeChart(cfg.Chart, rep.Runs); err != nil {
@@ -301,4 +274,60 @@ func run(ctx context.Context, cfg config, stdout, stderr io.Writer) (Report, err
 		fmt.Fprintf(stdout, "chart: %s\n", cfg.Chart)
 	}
 	return rep, ctx.Err()
+}
+
+// executable is the program the replicas run: this one, unless a test
+// named its own binary.
+func (c config) executable() (string, error) {
+	if c.exe != "" {
+		return c.exe, nil
+	}
+	exe, err := os.Executable()
+	if err != nil {
+		return "", fmt.Errorf("find this program to start the replicas: %w", err)
+	}
+	return exe, nil
+}
+
+// startRedis returns the Redis the replicas share, as -redis names it, or
+// an embedded one; where says which for the header, and stop ends it.
+func (c config) startRedis() (spec, where string, stop func(), err error) {
+	if c.Redis != "" {
+		where = c.Redis
+		if c.Cluster || strings.Contains(c.Redis, ",") {
+			where += " (cluster)"
+		}
+		return c.Redis, where, func() {}, nil
+	}
+	mr, err := miniredis.Run()
+	if err != nil {
+		return "", "", nil, fmt.Errorf("start embedded Redis: %w", err)
+	}
+	return mr.Addr(), "embedded miniredis at " + mr.Addr(), mr.Close, nil
+}
+
+// runVariants runs the fleet once (three times with Compare), printing each
+// table as it ends and the runs side by side after, and returns the runs.
+// A run that fails ends them, the runs before it returned with the error.
+func runVariants(ctx context.Context, cfg config, env fleetEnv, stdout, stderr io.Writer) ([]Result, error) {
+	variants := []variant{shared}
+	if cfg.Compare {
+		variants = append(variants, split, naive)
+	}
+	var runs []Result
+	for _, v := range variants {
+		res, err := runFleet(ctx, cfg, v, env, stderr)
+		if err != nil {
+			return runs, fmt.Errorf("%s run: %w", v, err)
+		}
+		runs = append(runs, res)
+		printResult(stdout, res)
+		if ctx.Err() != nil {
+			break
+		}
+	}
+	if len(runs) > 1 {
+		printComparison(stdout, runs)
+	}
+	return runs, nil
 }
