@@ -103,36 +103,17 @@ type fleetEnv struct {
 func runFleet(ctx context.Context, cfg config, v variant, env fleetEnv, stderr io.Writer) (Result, error) {
 	vendor := fakeapi.New(fakeapi.Config{Limit: cfg.Limit, Window: cfg.Window, Work: vendorWork})
 	rec := &recorder{vendor: vendor}
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	url, stopVendor, err := serveVendor(rec)
 	if err != nil {
-		return Result{}, fmt.Errorf("vendor: %w", err)
+		return Result{}, err
 	}
-	srv := &http.Server{Handler: rec, ReadHeaderTimeout: callTimeout}
-	go func() { _ = srv.Serve(ln) }()
-	defer srv.Close()
+	defer stopVendor()
 
 	quota := "fleet-demo-" + randomHex(6) // a fresh quota, whatever earlier runs left in Redis
 	children := make([]*child, cfg.Procs)
-	defer func() {
-		for _, c := range children {
-			if c != nil {
-				c.kill()
-			}
-		}
-	}()
-	for i := range children {
-		rc := replicaConfig{
-			ID: i, Gate: v, Vendor: "http://" + ln.Addr().String() + "/call",
-			Redis: env.redis, Cluster: env.cluster, Quota: quota,
-			Limit: cfg.Limit, LocalLimit: v.localLimit(cfg), Window: cfg.Window, Margin: cfg.Margin,
-			Mode: cfg.Mode, Workers: cfg.Workers, Tenants: cfg.Tenants, TenantLimit: cfg.TenantLimit,
-			Rate: cfg.replicaRate(i),
-		}
-		c, err := startChild(env.exe, i, rc.args())
-		if err != nil {
-			return Result{}, err
-		}
-		children[i] = c
+	defer killAll(children)
+	if err := startReplicas(children, cfg, v, env, url, quota); err != nil {
+		return Result{}, err
 	}
 	if err := awaitReady(ctx, children); err != nil {
 		return Result{}, err
@@ -143,13 +124,64 @@ func runFleet(ctx context.Context, cfg config, v variant, env fleetEnv, stderr i
 
 	start := time.Now()
 	rec.begin(start)
-	for _, c := range children {
-		if _, err := io.WriteString(c.stdin, "go\n"); err != nil {
-			return Result{}, fmt.Errorf("start replica %d: %w", c.id, err)
-		}
+	if err := tellGo(children); err != nil {
+		return Result{}, err
 	}
 	showProgress(ctx, cfg, v, start, vendor, children, stderr)
 	ran := time.Since(start)
+	reports, err := stopReplicas(children)
+	if err != nil {
+		return Result{}, err
+	}
+	stopVendor()
+	return summarize(cfg, v, ran, vendor.Stats(), rec.snapshot(), reports), nil
+}
+
+// serveVendor serves rec on a free local port and returns the URL of its
+// calls, and a stop that may be called again.
+func serveVendor(rec *recorder) (url string, stop func(), err error) {
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		return "", nil, fmt.Errorf("vendor: %w", err)
+	}
+	srv := &http.Server{Handler: rec, ReadHeaderTimeout: callTimeout}
+	go func() { _ = srv.Serve(ln) }()
+	return "http://" + ln.Addr().String() + "/call", func() { _ = srv.Close() }, nil
+}
+
+// startReplicas starts a replica process in each place of children, each
+// calling the vendor at url under quota as cfg and v ask.
+func startReplicas(children []*child, cfg config, v variant, env fleetEnv, url, quota string) error {
+	for i := range children {
+		rc := replicaConfig{
+			ID: i, Gate: v, Vendor: url,
+			Redis: env.redis, Cluster: env.cluster, Quota: quota,
+			Limit: cfg.Limit, LocalLimit: v.localLimit(cfg), Window: cfg.Window, Margin: cfg.Margin,
+			Mode: cfg.Mode, Workers: cfg.Workers, Tenants: cfg.Tenants, TenantLimit: cfg.TenantLimit,
+			Rate: cfg.replicaRate(i),
+		}
+		c, err := startChild(env.exe, i, rc.args())
+		if err != nil {
+			return err
+		}
+		children[i] = c
+	}
+	return nil
+}
+
+// tellGo tells every replica to start its calls.
+func tellGo(children []*child) error {
+	for _, c := range children {
+		if _, err := io.WriteString(c.stdin, "go\n"); err != nil {
+			return fmt.Errorf("start replica %d: %w", c.id, err)
+		}
+	}
+	return nil
+}
+
+// stopReplicas tells every replica to stop, and returns their reports once
+// all have exited.
+func stopReplicas(children []*child) ([]replicaReport, error) {
 	for _, c := range children {
 		c.stdin.Close()
 	}
@@ -160,11 +192,16 @@ func runFleet(ctx context.Context, cfg config, v variant, env fleetEnv, stderr i
 		reports[i] = rep
 		errs = append(errs, err)
 	}
-	if err := errors.Join(errs...); err != nil {
-		return Result{}, err
+	return reports, errors.Join(errs...)
+}
+
+// killAll ends the replicas that a failed run left behind.
+func killAll(children []*child) {
+	for _, c := range children {
+		if c != nil {
+			c.kill()
+		}
 	}
-	srv.Close()
-	return summarize(cfg, v, ran, vendor.Stats(), rec.snapshot(), reports), nil
 }
 
 // showProgress rewrites one line on stderr until the run's time is up or
