@@ -91,11 +91,31 @@ func summarize(cfg config, v variant, ran time.Duration, st fakeapi.Stats, arriv
 		Ran:         ran,
 		OverCap:     st.OverCap,
 		MaxInWindow: st.MaxInWindow,
+		Seconds:     perSecond(arrivals),
 	}
 	windows := max(1, int(ran/cfg.Window))
 	counted := time.Duration(windows) * cfg.Window
 	allowance := float64(windows * cfg.Limit)
 
+	rows, allWaits := replicaRows(reports)
+	inWindows, tenantTimes := tallyArrivals(rows, arrivals, counted)
+	for i := range rows {
+		rows[i].Utilization = float64(inWindows[i]) / allowance
+	}
+	res.Replicas, res.Fleet = rows, fleetRow(rows, inWindows, allowance, allWaits)
+
+	if cfg.Tenants > 0 && v == shared {
+		res.TenantLimit = cfg.TenantLimit
+		for _, ts := range tenantTimes {
+			res.TenantMaxInWindow = max(res.TenantMaxInWindow, maxInWindow(ts, cfg.Window))
+		}
+	}
+	return res
+}
+
+// replicaRows returns a row for each replica's report, and the waits of
+// them all.
+func replicaRows(reports []replicaReport) ([]Row, []int64) {
 	rows := make([]Row, len(reports))
 	var allWaits []int64
 	for i, rep := range reports {
@@ -110,20 +130,36 @@ func summarize(cfg config, v variant, ran time.Duration, st fakeapi.Stats, arriv
 		rows[i].P50, rows[i].P99 = percentiles(rep.WaitsMicros)
 		allWaits = append(allWaits, rep.WaitsMicros...)
 	}
+	return rows, allWaits
+}
+
+// perSecond returns the vendor's answers in each second since the start.
+func perSecond(arrivals []arrival) []second {
+	var seconds []second
+	for _, a := range arrivals {
+		if a.at < 0 {
+			continue
+		}
+		s := int(a.at / time.Second)
+		if s >= len(seconds) {
+			seconds = append(seconds, make([]second, s+1-len(seconds))...)
+		}
+		if a.ok {
+			seconds[s].Accepted++
+		} else {
+			seconds[s].Rejected++
+		}
+	}
+	return seconds
+}
+
+// tallyArrivals adds the vendor's answers to each replica's row. It returns
+// the calls each replica had accepted before counted, and when the vendor
+// accepted each tenant's calls.
+func tallyArrivals(rows []Row, arrivals []arrival, counted time.Duration) ([]int, map[int][]time.Duration) {
 	inWindows := make([]int, len(rows))
 	tenantTimes := map[int][]time.Duration{}
 	for _, a := range arrivals {
-		if a.at >= 0 {
-			s := int(a.at / time.Second)
-			if s >= len(res.Seconds) {
-				res.Seconds = append(res.Seconds, make([]second, s+1-len(res.Seconds))...)
-			}
-			if a.ok {
-				res.Seconds[s].Accepted++
-			} else {
-				res.Seconds[s].Rejected++
-			}
-		}
 		if a.replica < 0 || a.replica >= len(rows) {
 			continue
 		}
@@ -140,12 +176,14 @@ func summarize(cfg config, v variant, ran time.Duration, st fakeapi.Stats, arriv
 			tenantTimes[a.tenant] = append(tenantTimes[a.tenant], a.at)
 		}
 	}
+	return inWindows, tenantTimes
+}
 
+// fleetRow adds up the replicas' rows.
+func fleetRow(rows []Row, inWindows []int, allowance float64, allWaits []int64) Row {
 	fleet := Row{Name: "fleet"}
 	fleetInWindows := 0
-	for i := range rows {
-		r := &rows[i]
-		r.Utilization = float64(inWindows[i]) / allowance
+	for i, r := range rows {
 		fleetInWindows += inWindows[i]
 		fleet.Admitted += r.Admitted
 		fleet.Accepted += r.Accepted
@@ -159,15 +197,7 @@ func summarize(cfg config, v variant, ran time.Duration, st fakeapi.Stats, arriv
 	}
 	fleet.Utilization = float64(fleetInWindows) / allowance
 	fleet.P50, fleet.P99 = percentiles(allWaits)
-	res.Replicas, res.Fleet = rows, fleet
-
-	if cfg.Tenants > 0 && v == shared {
-		res.TenantLimit = cfg.TenantLimit
-		for _, ts := range tenantTimes {
-			res.TenantMaxInWindow = max(res.TenantMaxInWindow, maxInWindow(ts, cfg.Window))
-		}
-	}
-	return res
+	return fleet
 }
 
 // percentiles returns the median and the 99th percentile, by nearest rank.
