@@ -91,22 +91,31 @@ type replicaSample struct {
 	wait   int64
 }
 
+// runSample is one run's counts, with the labels of its series.
+type runSample struct {
+	labels   []string
+	st       fakeapi.Stats
+	limit    int
+	window   time.Duration
+	inWindow int
+	replicas []replicaSample
+}
+
 // write writes every metric, one family after another as the format
 // requires.
 func (m *fleetMetrics) write(out io.Writer) error {
+	samples := m.readCounts()
+	e := newExpo(out)
+	writeReplicaFamilies(e, samples)
+	writeVendorFamilies(e, samples)
+	return e.flush()
+}
+
+// readCounts reads every count once, so that the families of one scrape agree.
+func (m *fleetMetrics) readCounts() []runSample {
 	m.mu.Lock()
 	runs := slices.Clone(m.runs)
 	m.mu.Unlock()
-
-	// Read every count once, so that the families of one scrape agree.
-	type runSample struct {
-		labels   []string
-		st       fakeapi.Stats
-		limit    int
-		window   time.Duration
-		inWindow int
-		replicas []replicaSample
-	}
 	var samples []runSample
 	for _, r := range runs {
 		rs := runSample{
@@ -122,60 +131,72 @@ func (m *fleetMetrics) write(out io.Writer) error {
 		}
 		samples = append(samples, rs)
 	}
-	eachReplica := func(f func(replicaSample)) {
-		for _, rs := range samples {
-			for _, r := range rs.replicas {
-				f(r)
-			}
-		}
-	}
+	return samples
+}
 
-	e := newExpo(out)
+// writeReplicaFamilies writes the families of what each replica reported.
+func writeReplicaFamilies(e *expo, samples []runSample) {
 	e.family("throttle_calls_total", "counter",
 		`Calls that asked the replica's gate for a slot, by outcome: admitted, or limited (refused, retried after RetryAfter).`)
-	eachReplica(func(r replicaSample) {
+	eachReplica(samples, func(r replicaSample) {
 		e.sample("throttle_calls_total", float64(r.t.Admitted), with(r.labels, "outcome", "admitted")...)
 		e.sample("throttle_calls_total", float64(r.t.Limited), with(r.labels, "outcome", "limited")...)
 	})
 	e.family("throttle_wait_seconds", "histogram", "How long admitted calls waited for their slot.")
-	eachReplica(func(r replicaSample) {
+	eachReplica(samples, func(r replicaSample) {
 		e.histogram("throttle_wait_seconds", waitBounds, r.t.Waits, r.t.WaitSum, r.labels...)
 	})
-	e.family("throttle_vendor_limited_total", "counter", "Calls the vendor answered 429, as the replica saw them.")
-	eachReplica(func(r replicaSample) { e.sample("throttle_vendor_limited_total", float64(r.t.Rejected), r.labels...) })
-	e.family("fleet_calls_failed_total", "counter", "Calls lost to Redis or network errors.")
-	eachReplica(func(r replicaSample) { e.sample("fleet_calls_failed_total", float64(r.t.Failed), r.labels...) })
-	e.family("fleet_calls_waiting", "gauge", "Calls that want to go to the vendor and have not been admitted yet.")
-	eachReplica(func(r replicaSample) { e.sample("fleet_calls_waiting", float64(r.wait), r.labels...) })
-	e.family("fleet_redis_scripts_total", "counter", "Redis scripts the replica ran (EVALSHA, EVAL): the limiter's cost in round trips.")
-	eachReplica(func(r replicaSample) { e.sample("fleet_redis_scripts_total", float64(r.t.ScriptCalls), r.labels...) })
+	e.perReplica(samples, "throttle_vendor_limited_total", "counter", "Calls the vendor answered 429, as the replica saw them.",
+		func(r replicaSample) float64 { return float64(r.t.Rejected) })
+	e.perReplica(samples, "fleet_calls_failed_total", "counter", "Calls lost to Redis or network errors.",
+		func(r replicaSample) float64 { return float64(r.t.Failed) })
+	e.perReplica(samples, "fleet_calls_waiting", "gauge", "Calls that want to go to the vendor and have not been admitted yet.",
+		func(r replicaSample) float64 { return float64(r.wait) })
+	e.perReplica(samples, "fleet_redis_scripts_total", "counter", "Redis scripts the replica ran (EVALSHA, EVAL): the limiter's cost in round trips.",
+		func(r replicaSample) float64 { return float64(r.t.ScriptCalls) })
+}
 
+// writeVendorFamilies writes the families of what the vendor counted in
+// each run.
+func writeVendorFamilies(e *expo, samples []runSample) {
 	e.family("fleet_vendor_requests_total", "counter", "Calls the vendor answered, by status code: 200 within its cap, 429 past it.")
 	for _, rs := range samples {
 		e.sample("fleet_vendor_requests_total", float64(rs.st.Accepted), with(rs.labels, "code", "200")...)
 		e.sample("fleet_vendor_requests_total", float64(rs.st.OverCap), with(rs.labels, "code", "429")...)
 	}
-	e.family("fleet_vendor_limit", "gauge", "The vendor's cap: calls per window.")
+	e.perRun(samples, "fleet_vendor_limit", "The vendor's cap: calls per window.",
+		func(rs runSample) float64 { return float64(rs.limit) })
+	e.perRun(samples, "fleet_vendor_window_seconds", "The length of the vendor's sliding window.",
+		func(rs runSample) float64 { return rs.window.Seconds() })
+	e.perRun(samples, "fleet_vendor_window_calls", "Calls the vendor counts in its window ending now.",
+		func(rs runSample) float64 { return float64(rs.inWindow) })
+	e.perRun(samples, "fleet_vendor_cap_used_ratio", "Share of the vendor's cap used in its window ending now: window calls over the limit.",
+		func(rs runSample) float64 { return ratio(rs.inWindow, rs.limit) })
+	e.perRun(samples, "fleet_vendor_max_window_calls", "The most calls the vendor saw in any one window, 429s included; at most the limit when the fleet kept under the cap.",
+		func(rs runSample) float64 { return float64(rs.st.MaxInWindow) })
+}
+
+// eachReplica calls f with every replica of every run, in order.
+func eachReplica(samples []runSample, f func(replicaSample)) {
 	for _, rs := range samples {
-		e.sample("fleet_vendor_limit", float64(rs.limit), rs.labels...)
+		for _, r := range rs.replicas {
+			f(r)
+		}
 	}
-	e.family("fleet_vendor_window_seconds", "gauge", "The length of the vendor's sliding window.")
+}
+
+// perReplica writes a family of one sample per replica.
+func (e *expo) perReplica(samples []runSample, name, typ, help string, value func(replicaSample) float64) {
+	e.family(name, typ, help)
+	eachReplica(samples, func(r replicaSample) { e.sample(name, value(r), r.labels...) })
+}
+
+// perRun writes a gauge family of one sample per run.
+func (e *expo) perRun(samples []runSample, name, help string, value func(runSample) float64) {
+	e.family(name, "gauge", help)
 	for _, rs := range samples {
-		e.sample("fleet_vendor_window_seconds", rs.window.Seconds(), rs.labels...)
+		e.sample(name, value(rs), rs.labels...)
 	}
-	e.family("fleet_vendor_window_calls", "gauge", "Calls the vendor counts in its window ending now.")
-	for _, rs := range samples {
-		e.sample("fleet_vendor_window_calls", float64(rs.inWindow), rs.labels...)
-	}
-	e.family("fleet_vendor_cap_used_ratio", "gauge", "Share of the vendor's cap used in its window ending now: window calls over the limit.")
-	for _, rs := range samples {
-		e.sample("fleet_vendor_cap_used_ratio", ratio(rs.inWindow, rs.limit), rs.labels...)
-	}
-	e.family("fleet_vendor_max_window_calls", "gauge", "The most calls the vendor saw in any one window, 429s included; at most the limit when the fleet kept under the cap.")
-	for _, rs := range samples {
-		e.sample("fleet_vendor_max_window_calls", float64(rs.st.MaxInWindow), rs.labels...)
-	}
-	return e.flush()
 }
 
 func ratio(n, d int) float64 {
