@@ -301,27 +301,10 @@ func runReplica(ctx context.Context, rc replicaConfig, in io.Reader, out io.Writ
 		return err
 	}
 	defer release()
-	r := &replica{
-		rc:      rc,
-		gate:    g,
-		scripts: scripts,
-		waits:   make([]int64, len(waitBounds)+1),
-		client: &http.Client{
-			Timeout: callTimeout,
-			// Keep one connection per worker, rather than the default
-			// two, so that calls do not queue for new connections.
-			Transport: &http.Transport{MaxIdleConnsPerHost: rc.Workers},
-		},
-	}
+	r := newReplica(rc, g, scripts)
 	defer r.client.CloseIdleConnections()
 
-	var outMu sync.Mutex
-	enc := json.NewEncoder(out)
-	send := func(m message) error {
-		outMu.Lock()
-		defer outMu.Unlock()
-		return enc.Encode(m)
-	}
+	send := messenger(out)
 	if err := send(message{Kind: "ready"}); err != nil {
 		return err
 	}
@@ -336,10 +319,43 @@ func runReplica(ctx context.Context, rc replicaConfig, in io.Reader, out io.Writ
 		_, _ = io.Copy(io.Discard, stdin)
 		stop()
 	}()
+	r.runWorkers(ctx, stop, send)
+	return send(r.done())
+}
 
+func newReplica(rc replicaConfig, g gate, scripts *scriptCounter) *replica {
+	return &replica{
+		rc:      rc,
+		gate:    g,
+		scripts: scripts,
+		waits:   make([]int64, len(waitBounds)+1),
+		client: &http.Client{
+			Timeout: callTimeout,
+			// Keep one connection per worker, rather than the default
+			// two, so that calls do not queue for new connections.
+			Transport: &http.Transport{MaxIdleConnsPerHost: rc.Workers},
+		},
+	}
+}
+
+// messenger returns a send that writes one message a line on out; the
+// workers' progress and the end may be sent at once.
+func messenger(out io.Writer) func(message) error {
+	var mu sync.Mutex
+	enc := json.NewEncoder(out)
+	return func(m message) error {
+		mu.Lock()
+		defer mu.Unlock()
+		return enc.Encode(m)
+	}
+}
+
+// runWorkers runs the workers until ctx ends, and sends the replica's
+// progress meanwhile. A parent that no longer reads stops them.
+func (r *replica) runWorkers(ctx context.Context, stop func(), send func(message) error) {
 	var wg sync.WaitGroup
-	for w := range rc.Workers {
-		wg.Go(func() { r.work(ctx, uint64(rc.ID)<<32|uint64(w)) })
+	for w := range r.rc.Workers {
+		wg.Go(func() { r.work(ctx, uint64(r.rc.ID)<<32|uint64(w)) })
 	}
 	tick := time.NewTicker(progressEvery)
 	defer tick.Stop()
@@ -354,12 +370,15 @@ func runReplica(ctx context.Context, rc replicaConfig, in io.Reader, out io.Writ
 		}
 	}
 	wg.Wait()
+}
 
+// done is the replica's last message: its report and its counts.
+func (r *replica) done() message {
 	r.mu.Lock()
 	rep := r.rep
 	r.mu.Unlock()
 	rep.ScriptCalls = r.scripts.n.Load()
-	return send(message{Kind: "done", Report: &rep, Totals: r.totals()})
+	return message{Kind: "done", Report: &rep, Totals: r.totals()}
 }
 
 // work is one worker: it makes a call every Workers/Rate seconds, or one
