@@ -100,123 +100,216 @@ type env struct {
 func runScenario(ctx context.Context, e env, sc scenario, duration time.Duration) (result, error) {
 	admin := redis.NewClient(&redis.Options{Addr: e.redis})
 	defer admin.Close()
-	// An empty Redis, and its command statistics from zero.
-	if err := admin.FlushAll(ctx).Err(); err != nil {
-		return result{}, fmt.Errorf("FLUSHALL: %w", err)
-	}
-	if err := admin.ConfigResetStat(ctx).Err(); err != nil {
-		return result{}, fmt.Errorf("CONFIG RESETSTAT: %w", err)
-	}
-	cpuBefore, err := redisCPU(ctx, admin)
+	cpuBefore, err := resetRedis(ctx, admin)
 	if err != nil {
 		return result{}, err
 	}
-	vendor := fakevendor.NewInProcess(fakevendor.Config{Limit: sc.limit, Window: window, Work: vendorWork})
-	var arrivals arrivalLog
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	r := &scenarioRun{env: e, sc: sc, admin: admin, quota: "conditions-" + sc.name + "-" + randomHex(4)}
+	stopVendor, err := r.serveVendor()
 	if err != nil {
-		return result{}, fmt.Errorf("vendor: %w", err)
+		return result{}, err
 	}
-	srv := &http.Server{Handler: arrivals.record(vendor.Handler()), ReadHeaderTimeout: callTimeout}
-	go func() { _ = srv.Serve(ln) }()
-	defer srv.Close()
+	defer stopVendor()
+	redisAddr, closeProxy, err := r.redisAddr()
+	if err != nil {
+		return result{}, err
+	}
+	defer closeProxy()
 
-	redisAddr := e.redis
-	if sc.proxy {
-		p, err := delayproxy.New(e.redis, delayproxy.WithLatency(sc.latency), delayproxy.WithJitter(sc.jitter))
-		if err != nil {
-			return result{}, err
-		}
-		defer p.Close()
-		redisAddr = p.Addr()
+	defer r.killAll()
+	if err := r.start(redisAddr); err != nil {
+		return result{}, err
 	}
-
-	var procs []*child
-	defer func() {
-		for _, c := range procs {
-			c.kill()
-		}
-	}()
-	for range sc.spinners {
-		c, err := startChild(e.exe, "spinner", []string{spinFlag})
-		if err != nil {
-			return result{}, err
-		}
-		procs = append(procs, c)
+	if err := r.awaitReady(ctx); err != nil {
+		return result{}, err
 	}
-	quota := "conditions-" + sc.name + "-" + randomHex(4)
-	var replicas []*child
-	for i := range sc.procs {
-		rc := replicaConfig{
-			ID: i, Redis: redisAddr, Vendor: "http://" + ln.Addr().String() + "/call", Quota: quota,
-			Limit: sc.limit, Window: window, Limiters: sc.limiters, Workers: sc.workers, Pool: sc.pool, Margin: e.margin,
-			Dial: sc.dial,
-		}
-		c, err := startChild(e.exe, fmt.Sprintf("replica %d", i), rc.args())
-		if err != nil {
-			return result{}, err
-		}
-		procs = append(procs, c)
-		replicas = append(replicas, c)
-	}
-	readyBy := time.Now().Add(readyTimeout)
-	for _, c := range replicas {
-		if _, err := c.await(ctx, readyBy, func(m message) bool { return m.Ready }); err != nil {
-			return result{}, err
-		}
-	}
-
 	began := time.Now()
 	end := began.Add(duration)
-	for _, c := range replicas {
-		if _, err := fmt.Fprintf(c.stdin, "go %d\n", end.UnixNano()); err != nil {
-			return result{}, fmt.Errorf("%s: %w", c.name, err)
+	if err := r.tellGo(end); err != nil {
+		return result{}, err
+	}
+	samples := r.sampleUsage(ctx, began, end)
+	reps, stderr, err := r.collect(ctx, end)
+	if err != nil {
+		return result{}, err
+	}
+	// Every admitted call has completed: the replicas reported after it.
+	res, err := r.measure(ctx, reps, cpuBefore)
+	if err != nil {
+		return result{}, err
+	}
+	res.Stderr = distinctLines(stderr)
+	if e.timeline > 0 {
+		res.Timeline = r.arrivals.timeline(began, end, e.timeline, window, samples())
+	}
+	return res, nil
+}
+
+// scenarioRun is one scenario under way: its vendor, its quota and the
+// processes it started.
+type scenarioRun struct {
+	env      env
+	sc       scenario
+	admin    *redis.Client
+	quota    string
+	vendor   *fakevendor.Vendor
+	arrivals arrivalLog
+	url      string   // where the replicas call the vendor
+	procs    []*child // every process started, spinners included
+	replicas []*child
+}
+
+// resetRedis empties Redis and its command statistics, and returns the CPU
+// time Redis has used so far.
+func resetRedis(ctx context.Context, admin *redis.Client) (time.Duration, error) {
+	if err := admin.FlushAll(ctx).Err(); err != nil {
+		return 0, fmt.Errorf("FLUSHALL: %w", err)
+	}
+	if err := admin.ConfigResetStat(ctx).Err(); err != nil {
+		return 0, fmt.Errorf("CONFIG RESETSTAT: %w", err)
+	}
+	return redisCPU(ctx, admin)
+}
+
+// serveVendor serves a fresh vendor at the scenario's cap on a free local
+// port, noting every arrival, until the returned stop.
+func (r *scenarioRun) serveVendor() (stop func(), err error) {
+	r.vendor = fakevendor.NewInProcess(fakevendor.Config{Limit: r.sc.limit, Window: window, Work: vendorWork})
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		return nil, fmt.Errorf("vendor: %w", err)
+	}
+	srv := &http.Server{Handler: r.arrivals.record(r.vendor.Handler()), ReadHeaderTimeout: callTimeout}
+	go func() { _ = srv.Serve(ln) }()
+	r.url = "http://" + ln.Addr().String() + "/call"
+	return func() { _ = srv.Close() }, nil
+}
+
+// redisAddr is where the replicas reach Redis: directly, or through a proxy
+// that delays each way when the scenario asks for one.
+func (r *scenarioRun) redisAddr() (addr string, closeProxy func(), err error) {
+	if !r.sc.proxy {
+		return r.env.redis, func() {}, nil
+	}
+	p, err := delayproxy.New(r.env.redis, delayproxy.WithLatency(r.sc.latency), delayproxy.WithJitter(r.sc.jitter))
+	if err != nil {
+		return "", nil, err
+	}
+	return p.Addr(), func() { p.Close() }, nil
+}
+
+// start starts the scenario's spinners, then its replicas on redisAddr.
+func (r *scenarioRun) start(redisAddr string) error {
+	for range r.sc.spinners {
+		c, err := startChild(r.env.exe, "spinner", []string{spinFlag})
+		if err != nil {
+			return err
 		}
+		r.procs = append(r.procs, c)
+	}
+	sc := r.sc
+	for i := range sc.procs {
+		rc := replicaConfig{
+			ID: i, Redis: redisAddr, Vendor: r.url, Quota: r.quota,
+			Limit: sc.limit, Window: window, Limiters: sc.limiters, Workers: sc.workers, Pool: sc.pool, Margin: r.env.margin,
+			Dial: sc.dial,
+		}
+		c, err := startChild(r.env.exe, fmt.Sprintf("replica %d", i), rc.args())
+		if err != nil {
+			return err
+		}
+		r.procs = append(r.procs, c)
+		r.replicas = append(r.replicas, c)
+	}
+	return nil
+}
+
+// killAll ends every process the run started that is still running.
+func (r *scenarioRun) killAll() {
+	for _, c := range r.procs {
+		c.kill()
+	}
+}
+
+// awaitReady waits until every replica has made its limiters and opened
+// its pools.
+func (r *scenarioRun) awaitReady(ctx context.Context) error {
+	readyBy := time.Now().Add(readyTimeout)
+	for _, c := range r.replicas {
+		if _, err := c.await(ctx, readyBy, func(m message) bool { return m.Ready }); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// tellGo starts every replica's workers, to run until end.
+func (r *scenarioRun) tellGo(end time.Time) error {
+	for _, c := range r.replicas {
+		if _, err := fmt.Fprintf(c.stdin, "go %d\n", end.UnixNano()); err != nil {
+			return fmt.Errorf("%s: %w", c.name, err)
+		}
+	}
+	return nil
+}
+
+// sampleUsage reads the quota's usage every env.timeline until end, when a
+// timeline is asked for. The returned func waits for the samples.
+func (r *scenarioRun) sampleUsage(ctx context.Context, began, end time.Time) func() []sample {
+	if r.env.timeline <= 0 {
+		return func() []sample { return nil }
 	}
 	var samples []sample
 	sampled := make(chan struct{})
-	if e.timeline > 0 {
-		go func() {
-			defer close(sampled)
-			samples = sampleUsage(ctx, admin, quota, sc.limit, window, e.margin, began, end, e.timeline)
-		}()
+	go func() {
+		defer close(sampled)
+		samples = sampleUsage(ctx, r.admin, r.quota, r.sc.limit, window, r.env.margin, began, end, r.env.timeline)
+	}()
+	return func() []sample {
+		<-sampled
+		return samples
 	}
+}
+
+// collect waits for every replica's report, then for its exit, and returns
+// the reports and what the replicas wrote on stderr.
+func (r *scenarioRun) collect(ctx context.Context, end time.Time) ([]report, string, error) {
 	var reps []report
-	for _, c := range replicas {
+	for _, c := range r.replicas {
 		m, err := c.await(ctx, end.Add(reportTimeout), func(m message) bool { return m.Report != nil })
 		if err != nil {
-			return result{}, err
+			return nil, "", err
 		}
 		reps = append(reps, *m.Report)
 	}
 	var stderr strings.Builder
-	for _, c := range replicas {
+	for _, c := range r.replicas {
 		if err := c.finish(); err != nil {
-			return result{}, err
+			return nil, "", err
 		}
 		stderr.WriteString(c.stderr.String())
 	}
-	// Every admitted call has completed: the replicas reported after it.
-	st := vendor.Stats()
-	res := summarize(sc, reps)
+	return reps, stderr.String(), nil
+}
+
+// measure adds up the reports, the vendor's counts and Redis's costs.
+func (r *scenarioRun) measure(ctx context.Context, reps []report, cpuBefore time.Duration) (result, error) {
+	st := r.vendor.Stats()
+	res := summarize(r.sc, reps)
 	res.OverCap, res.MaxInWindow = st.OverCap, st.MaxInWindow
-	res.Utilization = arrivals.utilization(sc.limit, window)
-	res.WayToVendor = newSpread(arrivals.waysToVendor())
-	res.MaxStartedInWindow = arrivals.maxStartedInWindow(window)
+	res.Utilization = r.arrivals.utilization(r.sc.limit, window)
+	res.WayToVendor = newSpread(r.arrivals.waysToVendor())
+	res.MaxStartedInWindow = r.arrivals.maxStartedInWindow(window)
 	res.Load = loadAverage()
-	if res.ScriptMicros, err = scriptMicros(ctx, admin); err != nil {
+	var err error
+	if res.ScriptMicros, err = scriptMicros(ctx, r.admin); err != nil {
 		return result{}, err
 	}
-	cpuAfter, err := redisCPU(ctx, admin)
+	cpuAfter, err := redisCPU(ctx, r.admin)
 	if err != nil {
 		return result{}, err
 	}
 	res.RedisCPU = cpuAfter - cpuBefore
-	res.Stderr = distinctLines(stderr.String())
-	if e.timeline > 0 {
-		<-sampled
-		res.Timeline = arrivals.timeline(began, end, e.timeline, window, samples)
-	}
 	return res, nil
 }
 
