@@ -173,48 +173,81 @@ func replicaMain(args []string) int {
 func runReplica(rc replicaConfig, stdin io.Reader, stdout io.Writer) (report, error) {
 	var scripts atomic.Int64
 	var t tally
+	lims, closeClients, err := newLimiters(rc, &t, &scripts)
+	if err != nil {
+		return report{}, err
+	}
+	defer closeClients()
+	if err := json.NewEncoder(stdout).Encode(message{Ready: true}); err != nil {
+		return report{}, err
+	}
+	ctx, cancel, err := awaitGo(stdin)
+	if err != nil {
+		return report{}, err
+	}
+	defer cancel()
+	runWorkers(ctx, rc, lims, &t)
+
+	rep := t.report()
+	// Read before Usage, whose own script call is not the fleet's.
+	rep.ScriptCalls = scripts.Load()
+	noteUsage(&rep, lims[0])
+	return rep, nil
+}
+
+// newLimiters makes rc.Limiters limiters of the quota, each with a client of
+// its own that counts its scripts, and opens their pools. closeClients
+// closes the clients; on an error they are closed already.
+func newLimiters(rc replicaConfig, t *tally, scripts *atomic.Int64) (lims []*throttle.Limiter, closeClients func(), err error) {
 	clients := make([]*redis.Client, rc.Limiters)
-	lims := make([]*throttle.Limiter, rc.Limiters)
-	defer func() {
+	closeClients = func() {
 		for _, c := range clients {
 			if c != nil {
 				_ = c.Close()
 			}
 		}
-	}()
+	}
+	lims = make([]*throttle.Limiter, rc.Limiters)
 	for i := range clients {
 		clients[i] = redis.NewClient(&redis.Options{Addr: rc.Redis, ContextTimeoutEnabled: true, PoolSize: rc.Pool})
-		clients[i].AddHook(scriptHook{&scripts})
-		var err error
+		clients[i].AddHook(scriptHook{scripts})
 		lims[i], err = throttle.New(clients[i], rc.Quota, policies.SlidingLog{Limit: rc.Limit, Window: rc.Window, Margin: rc.Margin},
 			throttle.Options{Observer: t.observe, RedisTimeout: redisTimeout})
 		if err != nil {
-			return report{}, err
+			closeClients()
+			return nil, nil, err
 		}
 	}
 	if err := openPools(clients, min(rc.Pool, rc.Workers)); err != nil {
-		return report{}, err
+		closeClients()
+		return nil, nil, err
 	}
-	if err := json.NewEncoder(stdout).Encode(message{Ready: true}); err != nil {
-		return report{}, err
-	}
+	return lims, closeClients, nil
+}
 
+// awaitGo reads the word to go from stdin and returns a context that ends
+// at the end of the run it names, or when stdin closes: the parent is gone.
+func awaitGo(stdin io.Reader) (context.Context, context.CancelFunc, error) {
 	in := bufio.NewReader(stdin)
 	line, err := in.ReadString('\n')
 	if err != nil {
-		return report{}, fmt.Errorf("waiting for the word to go: %w", err)
+		return nil, nil, fmt.Errorf("waiting for the word to go: %w", err)
 	}
 	ns, err := strconv.ParseInt(strings.TrimSpace(strings.TrimPrefix(line, "go")), 10, 64)
 	if err != nil {
-		return report{}, fmt.Errorf("bad word to go %q", line)
+		return nil, nil, fmt.Errorf("bad word to go %q", line)
 	}
 	ctx, cancel := context.WithDeadline(context.Background(), time.Unix(0, ns))
-	defer cancel()
 	go func() {
 		_, _ = io.Copy(io.Discard, in)
-		cancel() // the parent is gone
+		cancel()
 	}()
+	return ctx, cancel, nil
+}
 
+// runWorkers runs rc.Workers workers on each limiter until ctx ends: through
+// Do, or through a throttle.Transport over slow dials when rc.Dial is set.
+func runWorkers(ctx context.Context, rc replicaConfig, lims []*throttle.Limiter, t *tally) {
 	httpc := &http.Client{Transport: &http.Transport{
 		MaxIdleConns:        rc.Limiters * rc.Workers,
 		MaxIdleConnsPerHost: rc.Limiters * rc.Workers,
@@ -227,22 +260,23 @@ func runReplica(rc replicaConfig, stdin io.Reader, stdout io.Writer) (report, er
 			defer base.CloseIdleConnections()
 			c := &http.Client{Transport: &throttle.Transport{Limiter: lim, Base: stamper{base}}}
 			for range rc.Workers {
-				wg.Go(func() { work(ctx, &t, viaTransport(ctx, c, rc.Vendor)) })
+				wg.Go(func() { work(ctx, t, viaTransport(ctx, c, rc.Vendor)) })
 			}
 			continue
 		}
 		for range rc.Workers {
-			wg.Go(func() { work(ctx, &t, viaDo(ctx, lim, httpc, rc.Vendor)) })
+			wg.Go(func() { work(ctx, t, viaDo(ctx, lim, httpc, rc.Vendor)) })
 		}
 	}
 	wg.Wait()
+}
 
-	rep := t.report()
-	// Read before Usage, whose own script call is not the fleet's.
-	rep.ScriptCalls = scripts.Load()
-	uctx, ucancel := context.WithTimeout(context.Background(), usageTimeout)
-	defer ucancel()
-	u, err := lims[0].Usage(uctx)
+// noteUsage reads the quota's Usage into rep: the fleet's spread, and the
+// widest margin in force of its rules.
+func noteUsage(rep *report, lim *throttle.Limiter) {
+	ctx, cancel := context.WithTimeout(context.Background(), usageTimeout)
+	defer cancel()
+	u, err := lim.Usage(ctx)
 	if err != nil {
 		rep.UsageError = err.Error()
 	}
@@ -250,7 +284,6 @@ func runReplica(rc replicaConfig, stdin io.Reader, stdout io.Writer) (report, er
 	for _, r := range u.Rules {
 		rep.MarginMicros = max(rep.MarginMicros, r.Margin.Microseconds())
 	}
-	return rep, nil
 }
 
 // openPools opens n connections on each client, as on a replica that has
