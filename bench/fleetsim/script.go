@@ -101,25 +101,7 @@ type scriptReply struct {
 // gives, and folding report (the calling limiter's latenesses since its
 // last report, by bucket) into the fleet's spread.
 func (q *quota) acquire(now int64, report *[lateBuckets]int, gives []booking, calls []scriptCall) scriptReply {
-	span := q.window + q.margin // longest_window: the window as configured, margin included
-	start := !q.created || now-q.la > max(span, warmIdle)
-	warming := start || q.wu > now
-	held, warm := int64(0), false
-	if q.created {
-		q.noteTiming(now, report)
-		q.rollHold(now)
-		held, warm = q.heldSpread(now), q.wh > now
-	}
-	spread := q.fleetSpread(now)
-	m := q.margins(spread, held, warm)
-	if !q.created {
-		q.created, q.jp = true, -1
-	}
-	if start {
-		q.wu = now + span
-	}
-	q.la = now
-
+	m, spread, warming := q.begin(now, report)
 	rep := scriptReply{now: now, margin: m.own, paced: m.pace > 0}
 	for _, g := range gives {
 		q.giveBack(g, now, m)
@@ -127,64 +109,15 @@ func (q *quota) acquire(now int64, report *[lateBuckets]int, gives []booking, ca
 	q.log.dropUpTo(now - m.keep)
 	n := len(q.log.e) - q.log.upTo(now-m.window)
 	if warming && len(calls) == 1 && m.inUse >= guarded && m.pace == 0 {
-		// Warm-up pacing: the lone calls of many replicas.
-		pace := q.window / int64(q.limit)
-		if e := q.log.e; len(e) >= warmPacers && e[len(e)-1].at > now-pace {
-			others := map[int]bool{}
-			for _, x := range e[len(e)-warmPacers:] {
-				if x.lim != calls[0].lim {
-					others[x.lim] = true
-				}
-			}
-			if len(others) == warmPacers {
-				m.pace = pace
-			}
-		}
+		m.pace = q.warmPace(now, calls[0].lim)
 		rep.read += min(len(q.log.e), warmPacers)
 	}
 	atOnce := false
 	latest := int64(0)
 	s := search{q: q, m: m, n: n, now: now}
 	for _, c := range calls {
-		t := now + c.lead
-		budget := scanBudget
-		rounds := 0
-		moved, paces := true, 0
-		if c.maxWait > 0 {
-			paces = 2
-		}
-		unpaced, hasUnpaced := int64(0), false
-		for moved {
-			moved = false
-			if rounds++; rounds > maxRounds {
-				budget = 0
-			}
-			if u := s.earliest(t, &budget); u > t {
-				t, moved = u, true
-			}
-			if !moved && paces > 0 {
-				paces--
-				p := t
-				if m.pace > 0 {
-					var read int
-					p, read = q.log.paced(t, m.pace)
-					p = max(p, t)
-					rep.read += read
-				}
-				if p > t && p-now <= c.maxWait {
-					if !hasUnpaced {
-						unpaced, hasUnpaced = t, true
-					}
-					t, moved = p, true
-					budget = min(budget, pacedScan)
-				}
-			}
-		}
-		rep.read += scanBudget - budget
-		if hasUnpaced && t-now > c.maxWait {
-			// Pacing is a preference: it never refuses a call that fits.
-			t = unpaced
-		}
+		t, read := s.slot(c)
+		rep.read += read
 		if t-now > c.maxWait {
 			rep.calls = append(rep.calls, decision{wait: t - now})
 			continue
@@ -205,6 +138,102 @@ func (q *quota) acquire(now int64, report *[lateBuckets]int, gives []booking, ca
 		q.holdSpread(now, spread, latest, m)
 	}
 	return rep
+}
+
+// begin is the script's start for one log: it folds report into the fleet's
+// spread and rolls the holds, and returns the margins the calls are held
+// to, the spread, and whether the quota warms up.
+func (q *quota) begin(now int64, report *[lateBuckets]int) (m margin, spread int64, warming bool) {
+	span := q.window + q.margin // longest_window: the window as configured, margin included
+	start := !q.created || now-q.la > max(span, warmIdle)
+	warming = start || q.wu > now
+	held, warm := int64(0), false
+	if q.created {
+		q.noteTiming(now, report)
+		q.rollHold(now)
+		held, warm = q.heldSpread(now), q.wh > now
+	}
+	spread = q.fleetSpread(now)
+	m = q.margins(spread, held, warm)
+	if !q.created {
+		q.created, q.jp = true, -1
+	}
+	if start {
+		q.wu = now + span
+	}
+	q.la = now
+	return m, spread, warming
+}
+
+// warmPace is the gap at which a lone call of limiter lim is paced while
+// the quota warms up, or 0. It paces when the log's latest warmPacers
+// entries are the lone calls of as many other limiters.
+func (q *quota) warmPace(now int64, lim int) int64 {
+	pace := q.window / int64(q.limit)
+	e := q.log.e
+	if len(e) < warmPacers || e[len(e)-1].at <= now-pace {
+		return 0
+	}
+	others := map[int]bool{}
+	for _, x := range e[len(e)-warmPacers:] {
+		if x.lim != lim {
+			others[x.lim] = true
+		}
+	}
+	if len(others) == warmPacers {
+		return pace
+	}
+	return 0
+}
+
+// slot is the earliest time at which call c fits, and the log entries its
+// search read. Pacing moves the call at most twice, and never refuses a
+// call that fits unpaced.
+func (s *search) slot(c scriptCall) (t int64, read int) {
+	t = s.now + c.lead
+	budget := scanBudget
+	rounds := 0
+	moved, paces := true, 0
+	if c.maxWait > 0 {
+		paces = 2
+	}
+	unpaced, hasUnpaced := int64(0), false
+	for moved {
+		moved = false
+		if rounds++; rounds > maxRounds {
+			budget = 0
+		}
+		if u := s.earliest(t, &budget); u > t {
+			t, moved = u, true
+		}
+		if !moved && paces > 0 {
+			paces--
+			p, r := s.paced(t)
+			read += r
+			if p > t && p-s.now <= c.maxWait {
+				if !hasUnpaced {
+					unpaced, hasUnpaced = t, true
+				}
+				t, moved = p, true
+				budget = min(budget, pacedScan)
+			}
+		}
+	}
+	read += scanBudget - budget
+	if hasUnpaced && t-s.now > c.maxWait {
+		t = unpaced
+	}
+	return t, read
+}
+
+// paced is t moved to keep the pacing gap from every entry of the log, and
+// the entries read to find it; t itself when the log is not paced.
+func (s *search) paced(t int64) (int64, int) {
+	if s.m.pace <= 0 {
+		return t, 0
+	}
+	p, read := s.q.log.paced(t, s.m.pace)
+	return max(p, t), read
 }
 
 // margin is what margins gives one log.
