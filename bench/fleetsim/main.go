@@ -256,6 +256,8 @@ func (o options) fleet(f Fleet, limit int) Fleet {
 	return f
 }
 
+// run prints the accuracy of the simulation against the conditions
+// program's runs, when there are any, then the simulated fleets.
 func run(ctx context.Context, opts options, out, progress io.Writer) error {
 	began := time.Now()
 	costs := costs(opts.scale)
@@ -263,52 +265,11 @@ func run(ctx context.Context, opts options, out, progress io.Writer) error {
 	fmt.Fprintf(out, "fleetsim: SlidingLog{Limit: %d, Window: 1s}, default margin, Block mode, %v per run, each simulated figure the mean of %d seeds; Redis's work per script scaled by %g; %g cores\n\n",
 		opts.limit, opts.duration, opts.seeds, opts.scale, opts.cores)
 
-	var runs []map[string]*Measured
-	switch {
-	case len(opts.measured) > 0:
-		for _, name := range opts.measured {
-			b, err := os.ReadFile(name)
-			if err != nil {
-				return err
-			}
-			rows, err := parseConditions(string(b))
-			if err != nil {
-				return fmt.Errorf("%s: %w", name, err)
-			}
-			runs = append(runs, rows...)
-		}
-	case opts.measure:
-		var names []string
-		for _, f := range measuredScenarios {
-			names = append(names, f.Name)
-		}
-		for i := range opts.runs {
-			fmt.Fprintf(out, "The conditions program's run %d of %d:\n\n", i+1, opts.runs)
-			text, err := measure(ctx, benchDir(), names, opts.duration.String(), out, progress)
-			if err != nil {
-				return err
-			}
-			fmt.Fprintln(out)
-			rows, err := parseConditions(text)
-			if err != nil {
-				return err
-			}
-			runs = append(runs, rows...)
-		}
+	runs, err := measuredRuns(ctx, opts, out, progress)
+	if err != nil {
+		return err
 	}
-
-	var checked []check
-	for _, f := range measuredScenarios {
-		var ms []Measured
-		for _, rows := range runs {
-			if m, ok := rows[f.Name]; ok {
-				ms = append(ms, *m)
-			}
-		}
-		if len(ms) > 0 {
-			checked = append(checked, check{m: mean(ms), runs: ms, sim: simulate(opts.fleet(f, 1000), costs, opts.seeds)})
-		}
-	}
+	checked := checkAgainst(runs, opts, costs)
 	if len(checked) > 0 {
 		fmt.Fprintf(out, "Accuracy: measured (m, the mean of %d runs of the conditions program; the runs' range in brackets) against simulated (s), and the simulation's difference\n\n", len(runs))
 		writeAccuracy(out, checked)
@@ -331,4 +292,62 @@ func run(ctx context.Context, opts options, out, progress io.Writer) error {
 	}
 	fmt.Fprintf(out, "\ntook %.0fs\n", time.Since(began).Seconds())
 	return nil
+}
+
+// measuredRuns returns the conditions program's rows, by scenario, of each
+// run: read from the saved outputs -measured names, or run now with
+// -measure; none without either.
+func measuredRuns(ctx context.Context, opts options, out, progress io.Writer) ([]map[string]*Measured, error) {
+	var runs []map[string]*Measured
+	switch {
+	case len(opts.measured) > 0:
+		for _, name := range opts.measured {
+			b, err := os.ReadFile(name)
+			if err != nil {
+				return nil, err
+			}
+			rows, err := parseConditions(string(b))
+			if err != nil {
+				return nil, fmt.Errorf("%s: %w", name, err)
+			}
+			runs = append(runs, rows...)
+		}
+	case opts.measure:
+		var names []string
+		for _, f := range measuredScenarios {
+			names = append(names, f.Name)
+		}
+		for i := range opts.runs {
+			fmt.Fprintf(out, "The conditions program's run %d of %d:\n\n", i+1, opts.runs)
+			text, err := measure(ctx, benchDir(), names, opts.duration.String(), out, progress)
+			if err != nil {
+				return nil, err
+			}
+			fmt.Fprintln(out)
+			rows, err := parseConditions(text)
+			if err != nil {
+				return nil, err
+			}
+			runs = append(runs, rows...)
+		}
+	}
+	return runs, nil
+}
+
+// checkAgainst simulates each measured scenario that the runs hold, and
+// pairs it with the mean of the runs.
+func checkAgainst(runs []map[string]*Measured, opts options, costs Costs) []check {
+	var checked []check
+	for _, f := range measuredScenarios {
+		var ms []Measured
+		for _, rows := range runs {
+			if m, ok := rows[f.Name]; ok {
+				ms = append(ms, *m)
+			}
+		}
+		if len(ms) > 0 {
+			checked = append(checked, check{m: mean(ms), runs: ms, sim: simulate(opts.fleet(f, 1000), costs, opts.seeds)})
+		}
+	}
+	return checked
 }
