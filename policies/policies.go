@@ -203,7 +203,7 @@ func (a all) rules(perKey bool) []Rule {
 // (one per API token); inside All beside a shared policy, it gives per-key
 // sub-limits under the shared quota (each tenant 10/s of a vendor's 100/s).
 type PerKey struct {
-	Policy Policy
+	Policy Policy // what each key may spend of its own quota
 }
 
 // Validate reports whether the wrapped policy is usable.
@@ -236,7 +236,7 @@ func (p PerKey) rules(bool) []Rule { return p.Policy.rules(true) }
 // vendor's counts of requests (OpenAI's x-ratelimit-*-requests) speak of
 // the PerCall policies, its counts of tokens of the others.
 type PerCall struct {
-	Policy Policy
+	Policy Policy // the limits on calls, each counted once
 }
 
 // Validate reports whether the wrapped policy is usable.
@@ -330,7 +330,7 @@ func (k Kind) String() string {
 // throttle.Usage reports how full each one is. How a rule is encoded for the
 // script is the throttle package's own business.
 type Rule struct {
-	Kind    Kind
+	Kind    Kind          // the algorithm the script applies
 	PerKey  bool          // the rule applies to each key separately
 	PerCall bool          // the rule counts each call once, whatever its cost
 	Limit   int           // units per window, burst, or calls in flight

@@ -16,14 +16,14 @@ import (
 
 // Measured is one scenario's row as the conditions program printed it.
 type Measured struct {
-	Name               string
-	Admitted           int
-	Utilization        float64
-	ScriptsPerAdmitted float64
+	Name               string  // the scenario, as replicas-1000
+	Admitted           int     // calls the limiters let through
+	Utilization        float64 // the vendor's window count over its cap, averaged
+	ScriptsPerAdmitted float64 // script calls per admitted call
 	WaitP50, WaitP99   float64 // ms
-	LateStarts         int
+	LateStarts         int     // calls refused because every slot came too late to start in
 	RoundTripP50       float64 // ms, script calls as the limiters saw them
-	RoundTripP99       float64
+	RoundTripP99       float64 // ms, likewise
 	WayP50, WayP99     float64 // ms, from fn's start to the vendor
 	RedisMicros        float64 // Redis's mean time per EVALSHA
 }

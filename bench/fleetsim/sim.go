@@ -9,14 +9,14 @@ import (
 // Fleet is what one simulated run puts on the quota: processes of limiters
 // of workers, as a conditions scenario does, and the quota's policy.
 type Fleet struct {
-	Name      string
-	Processes int // processes; the limiters of one share its timing
-	Limiters  int // limiters per process, each with its own Redis client
-	Workers   int // workers per limiter, each calling Do in a loop
-	Limit     int
-	Window    int64 // µs
-	Margin    int64 // µs, the configured margin
-	Duration  int64 // µs the workers run
+	Name      string // the row's name: a scenario's, or the number of limiters
+	Processes int    // processes; the limiters of one share its timing
+	Limiters  int    // limiters per process, each with its own Redis client
+	Workers   int    // workers per limiter, each calling Do in a loop
+	Limit     int    // the quota's limit per window
+	Window    int64  // µs
+	Margin    int64  // µs, the configured margin
+	Duration  int64  // µs the workers run
 }
 
 // replicas returns how many limiters the fleet has in all.
@@ -53,14 +53,14 @@ const (
 // Result is what one simulated run measured, as the conditions program
 // measures it.
 type Result struct {
-	Fleet       Fleet
-	Admitted    int
-	Utilization float64
-	Scripts     int // script calls, cancels included
-	WaitP50     int64
-	WaitP99     int64
-	LateFails   int // calls that failed for starting too late, three times
-	MaxInWindow int
+	Fleet       Fleet   // what ran
+	Admitted    int     // calls the limiters let through
+	Utilization float64 // the vendor's window count over its cap, averaged
+	Scripts     int     // script calls, cancels included
+	WaitP50     int64   // µs from asking Do to fn's start
+	WaitP99     int64   // µs, likewise
+	LateFails   int     // calls that failed for starting too late, three times
+	MaxInWindow int     // the most calls the vendor saw in one window
 
 	RoundTripP50, RoundTripP99 int64   // of script calls, as the limiters see them
 	WayP50, WayP99             int64   // from fn's start to the vendor
@@ -81,9 +81,9 @@ const timeSlice = 250_000
 
 // Slice is a quarter second of a run.
 type Slice struct {
-	Arrivals, Scripts, Rebooks int
+	Arrivals, Scripts, Rebooks int   // calls at the vendor, script calls, calls booked again
 	Margin                     int64 // the margin a script of the slice last gave its calls
-	Paced                      bool
+	Paced                      bool  // the slice's last script paced the log
 }
 
 // ScriptsPerAdmitted is the script calls per admitted call.

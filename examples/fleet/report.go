@@ -15,15 +15,15 @@ import (
 
 // Result is one fleet run as the vendor and the replicas saw it.
 type Result struct {
-	Variant variant
-	Title   string
-	Short   string // the title in the side-by-side table
-	Limit   int
-	Window  time.Duration
+	Variant variant       // how the replicas limited themselves
+	Title   string        // the run's name in its table and on the chart
+	Short   string        // the title in the side-by-side table
+	Limit   int           // the vendor's cap: calls per window
+	Window  time.Duration // the vendor's window
 	// Ran is the time from the start signal to the stop signal.
 	Ran      time.Duration
-	Replicas []Row
-	Fleet    Row
+	Replicas []Row // a row per replica, in order
+	Fleet    Row   // the replicas' rows added up
 	// OverCap is the calls the vendor answered 429, fleet-wide. The
 	// promise of throttle is that it stays 0.
 	OverCap int
@@ -36,7 +36,7 @@ type Result struct {
 	// limit and the most calls the vendor accepted for one tenant in any
 	// window.
 	TenantLimit       int
-	TenantMaxInWindow int
+	TenantMaxInWindow int // see TenantLimit
 }
 
 // second is what the vendor answered in one second of a run.
@@ -46,7 +46,7 @@ type second struct {
 
 // Row is one line of a results table: a replica or the whole fleet.
 type Row struct {
-	Name string
+	Name string // the replica's number, or "fleet"
 	// Admitted is the calls the limiter let go to the vendor.
 	Admitted int
 	// Accepted and OverCap are the vendor's answers: 200 and 429.

@@ -30,19 +30,19 @@ const (
 //	Concurrency: at most Limit units held; a hold lasts until released or
 //	             for Lease.
 type Rule struct {
-	Kind   Kind
-	Limit  int
-	Window int64
-	Width  int64
-	Every  int64
-	Lease  int64
-	PerKey bool
+	Kind   Kind  // the algorithm
+	Limit  int   // units per window, burst, or units held at once
+	Window int64 // Log and Counter: the window, margin included
+	Width  int64 // Counter: the width of a bucket
+	Every  int64 // Bucket: the emission interval, one unit per Every
+	Lease  int64 // Concurrency: how long a hold lasts unless released
+	PerKey bool  // the rule counts each key apart
 	// Log and Counter rules: how long their entries may count (the window
 	// without its margin, and the widest margin it may take), and for a
 	// Log rule how much wider its window is while the calls a warming quota
 	// admitted at once are held (see Script).
 	Keep int64
-	Warm int64
+	Warm int64 // see Keep
 	// Log and Counter rules: the window the vendor counts, without the
 	// margin, which the classes' periods divide (see Classes).
 	Span int64
@@ -171,11 +171,11 @@ func (m *Model) window(r Rule) int64 {
 
 // Decision is what the model decides for one call.
 type Decision struct {
-	Admitted  bool
+	Admitted  bool  // the call was booked
 	Wait      int64 // until the call's slot; when refused, until it would fit
-	Remaining int
-	Room      int  // as Remaining, under the rules alone: the classes' logs aside
-	Busy      bool // refused because a Concurrency rule is full
+	Remaining int   // units free now under the tightest rule, the call counted if admitted; 0 when it waits
+	Room      int   // as Remaining, under the rules alone: the classes' logs aside
+	Busy      bool  // refused because a Concurrency rule is full
 }
 
 func (m *Model) name(i int, key string) string {

@@ -207,8 +207,8 @@ func WaitOwner(ctx context.Context, nodes []*Server, slot int, old *Server) (*Se
 // them all; after Finish the target owns the slot and the others answer
 // MOVED.
 type Migration struct {
-	Slot     int
-	From, To *Server
+	Slot     int     // the slot that moves
+	From, To *Server // the master that owns it, and the one it moves to
 	nodes    []*Server
 	fromID   string
 	toID     string
