@@ -143,8 +143,11 @@ func (o *Observer) makeRedisInstruments(m *maker) {
 		"Round trips of the scripts that decide calls, failed ones included.", RoundTripBoundaries)
 	o.redisErrors = m.counter("throttle.redis.errors", "{error}",
 		"Script calls that failed: Redis errors, timeouts, unreachable Redis.")
-	o.callsPerScript = m.intHistogram("throttle.redis.calls_per_script", "{call}",
-		"Calls decided by one script call; concurrent calls of a process share one.", CallsPerScriptBoundaries)
+	var err error
+	o.callsPerScript, err = m.meter.Int64Histogram("throttle.redis.calls_per_script", metric.WithUnit("{call}"),
+		metric.WithDescription("Calls decided by one script call; concurrent calls of a process share one."),
+		metric.WithExplicitBucketBoundaries(CallsPerScriptBoundaries...))
+	m.keep(err)
 	o.fallbackActive = m.gauge("throttle.fallback.active", "1",
 		"1 while calls are decided without Redis, after Redis kept failing; 0 once it answers again.")
 	o.fallbackSwitches = m.counter("throttle.fallback.switches", "{switch}",
@@ -159,11 +162,15 @@ func (o *Observer) makeQuotaInstruments(m *maker) {
 	o.vendorLimited = m.counter("throttle.vendor.limited", "{response}",
 		"Vendor answers of 429, or 503 with Retry-After, seen by a Transport.")
 	o.pauses = m.counter("throttle.pauses", "{pause}", "Pauses of the quota, or of one of its keys, at the vendor's request.")
-	o.pauseTime = m.floatCounter("throttle.pause.time", "s", "The pauses' requested lengths, added up.")
+	var err error
+	o.pauseTime, err = m.meter.Float64Counter("throttle.pause.time", metric.WithUnit("s"),
+		metric.WithDescription("The pauses' requested lengths, added up."))
+	m.keep(err)
 	o.queueDepth = m.gauge("throttle.queue.depth", "{call}",
 		"Calls waiting in the local queue of a limiter in Queue mode, as of its latest event.")
-	o.margin = m.floatGauge("throttle.margin", "s",
-		"The smallest margin in force of the quota's windows: the configured Margin, or wider while the fleet's calls start late after their slots.")
+	o.margin, err = m.meter.Float64Gauge("throttle.margin", metric.WithUnit("s"),
+		metric.WithDescription("The smallest margin in force of the quota's windows: the configured Margin, or wider while the fleet's calls start late after their slots."))
+	m.keep(err)
 	o.capsLearned = m.counter("throttle.caps_learned", "{cap}",
 		"Times a vendor's refusal lowered the quota's limit in force to a cap learned from it.")
 	o.learnedLimit = m.gauge("throttle.learned_limit", "{unit}",
@@ -179,40 +186,27 @@ type maker struct {
 	errs  []error
 }
 
+// keep notes an instrument's error for New.
+func (m *maker) keep(err error) { m.errs = append(m.errs, err) }
+
+// counter makes the most common instrument: a count of events.
 func (m *maker) counter(name, unit, desc string) metric.Int64Counter {
 	c, err := m.meter.Int64Counter(name, metric.WithUnit(unit), metric.WithDescription(desc))
-	m.errs = append(m.errs, err)
-	return c
-}
-
-func (m *maker) floatCounter(name, unit, desc string) metric.Float64Counter {
-	c, err := m.meter.Float64Counter(name, metric.WithUnit(unit), metric.WithDescription(desc))
-	m.errs = append(m.errs, err)
+	m.keep(err)
 	return c
 }
 
 // histogram makes a histogram of durations, in seconds.
 func (m *maker) histogram(name, desc string, bounds []float64) metric.Float64Histogram {
 	h, err := m.meter.Float64Histogram(name, metric.WithUnit("s"), metric.WithDescription(desc), metric.WithExplicitBucketBoundaries(bounds...))
-	m.errs = append(m.errs, err)
+	m.keep(err)
 	return h
 }
 
-func (m *maker) intHistogram(name, unit, desc string, bounds []float64) metric.Int64Histogram {
-	h, err := m.meter.Int64Histogram(name, metric.WithUnit(unit), metric.WithDescription(desc), metric.WithExplicitBucketBoundaries(bounds...))
-	m.errs = append(m.errs, err)
-	return h
-}
-
+// gauge makes a gauge of a count or of a state (1 or 0).
 func (m *maker) gauge(name, unit, desc string) metric.Int64Gauge {
 	g, err := m.meter.Int64Gauge(name, metric.WithUnit(unit), metric.WithDescription(desc))
-	m.errs = append(m.errs, err)
-	return g
-}
-
-func (m *maker) floatGauge(name, unit, desc string) metric.Float64Gauge {
-	g, err := m.meter.Float64Gauge(name, metric.WithUnit(unit), metric.WithDescription(desc))
-	m.errs = append(m.errs, err)
+	m.keep(err)
 	return g
 }
 
