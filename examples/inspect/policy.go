@@ -63,13 +63,14 @@ func parseTerm(term string) (policies.Policy, error) {
 	if err != nil {
 		return nil, err
 	}
-	parse, ok := termKinds[kind]
+	read, ok := termKinds[kind]
 	if !ok {
 		return nil, fmt.Errorf("unknown kind %q; want log, counter, bucket or concurrency", kind)
 	}
-	p, err := parse(fields[0], opts)
-	if err != nil {
-		return nil, err
+	r := &termReader{opts: opts}
+	p := read(fields[0], r)
+	if r.err != nil {
+		return nil, r.err
 	}
 	if err := opts.unused(); err != nil {
 		return nil, err
@@ -80,68 +81,63 @@ func parseTerm(term string) (policies.Policy, error) {
 	return p, nil
 }
 
-// termKinds reads a term of each kind from its first field and its options.
-// Each takes the options it knows from opts, so that unused finds the others.
-var termKinds = map[string]func(first string, opts options) (policies.Policy, error){
-	"log":         parseLog,
-	"counter":     parseCounter,
-	"bucket":      parseBucket,
-	"concurrency": parseConcurrency,
+// termKinds reads a term of each kind from its first field and its options,
+// in the order of the error messages: the first field, then each option.
+var termKinds = map[string]func(first string, r *termReader) policies.Policy{
+	"log": func(first string, r *termReader) policies.Policy {
+		limit, window := r.perWindow(first, "LIMIT/WINDOW")
+		return policies.SlidingLog{Limit: limit, Window: window, Margin: option(r, "margin", duration)}
+	},
+	"counter": func(first string, r *termReader) policies.Policy {
+		limit, window := r.perWindow(first, "LIMIT/WINDOW")
+		return policies.SlidingCounter{Limit: limit, Window: window,
+			Margin: option(r, "margin", duration), Buckets: option(r, "buckets", wholeNumber)}
+	},
+	"bucket": func(first string, r *termReader) policies.Policy {
+		rate, per := r.perWindow(first, "RATE/PER")
+		return policies.TokenBucket{Rate: rate, Per: per, Burst: option(r, "burst", wholeNumber)}
+	},
+	"concurrency": func(first string, r *termReader) policies.Policy {
+		return policies.Concurrency{Max: read(r, "MAX", first, wholeNumber), Lease: option(r, "lease", duration)}
+	},
 }
 
-// parseLog reads log:LIMIT/WINDOW[,margin=D].
-func parseLog(first string, opts options) (policies.Policy, error) {
-	limit, window, err := perWindow(first, "LIMIT/WINDOW")
-	if err != nil {
-		return nil, err
-	}
-	sl := policies.SlidingLog{Limit: limit, Window: window}
-	if sl.Margin, err = opts.duration("margin"); err != nil {
-		return nil, err
-	}
-	return sl, nil
+// termReader reads the fields of one term and keeps the first error, so
+// that each kind reads as the policy it makes. Past an error it reads
+// nothing more.
+type termReader struct {
+	opts options
+	err  error
 }
 
-// parseCounter reads counter:LIMIT/WINDOW[,buckets=N][,margin=D].
-func parseCounter(first string, opts options) (policies.Policy, error) {
-	limit, window, err := perWindow(first, "LIMIT/WINDOW")
-	if err != nil {
-		return nil, err
+func (r *termReader) perWindow(s, form string) (int, time.Duration) {
+	if r.err != nil {
+		return 0, 0
 	}
-	sc := policies.SlidingCounter{Limit: limit, Window: window}
-	if sc.Margin, err = opts.duration("margin"); err != nil {
-		return nil, err
-	}
-	if sc.Buckets, err = opts.int("buckets"); err != nil {
-		return nil, err
-	}
-	return sc, nil
+	n, d, err := perWindow(s, form)
+	r.err = err
+	return n, d
 }
 
-// parseBucket reads bucket:RATE/PER[,burst=N].
-func parseBucket(first string, opts options) (policies.Policy, error) {
-	rate, per, err := perWindow(first, "RATE/PER")
-	if err != nil {
-		return nil, err
+// read parses the field name of value s with parse.
+func read[T any](r *termReader, name, s string, parse func(name, s string) (T, error)) T {
+	var v T
+	if r.err == nil {
+		v, r.err = parse(name, s)
 	}
-	tb := policies.TokenBucket{Rate: rate, Per: per}
-	if tb.Burst, err = opts.int("burst"); err != nil {
-		return nil, err
-	}
-	return tb, nil
+	return v
 }
 
-// parseConcurrency reads concurrency:MAX[,lease=D].
-func parseConcurrency(first string, opts options) (policies.Policy, error) {
-	n, err := wholeNumber("MAX", first)
-	if err != nil {
-		return nil, err
+// option reads the option name with parse, and takes it from the options
+// left unused; it is T's zero when the term leaves it out.
+func option[T any](r *termReader, name string, parse func(name, s string) (T, error)) T {
+	s, ok := r.opts[name]
+	if !ok {
+		var zero T
+		return zero
 	}
-	c := policies.Concurrency{Max: n}
-	if c.Lease, err = opts.duration("lease"); err != nil {
-		return nil, err
-	}
-	return c, nil
+	delete(r.opts, name)
+	return read(r, name, s, parse)
 }
 
 // perWindow reads "100/1s", and "100/s" as one of the unit.
@@ -196,24 +192,6 @@ func parseOptions(fields []string) (options, error) {
 		opts[name] = value
 	}
 	return opts, nil
-}
-
-func (o options) int(name string) (int, error) {
-	v, ok := o[name]
-	if !ok {
-		return 0, nil
-	}
-	delete(o, name)
-	return wholeNumber(name, v)
-}
-
-func (o options) duration(name string) (time.Duration, error) {
-	v, ok := o[name]
-	if !ok {
-		return 0, nil
-	}
-	delete(o, name)
-	return duration(name, v)
 }
 
 // unused reports an option that the term's kind does not take.
