@@ -1,6 +1,7 @@
 package throttle
 
 import (
+	"cmp"
 	"context"
 	"errors"
 	"fmt"
@@ -462,7 +463,7 @@ func (l *Limiter) finishBatch(sc scope, batch []*request, rep acquireReply, stal
 			reason:    c.reason,
 			now:       rep.now,
 			pause:     c.pause,
-			pausedBy:  rep.pausedFor(c.pause),
+			pausedBy:  cmp.Or(rep.pausedFor(c.pause), c.blindBy),
 			scope:     req.sc,
 			member:    req.member,
 			cost:      req.c.cost,

@@ -23,6 +23,10 @@ const (
 	reasonLate          // every admission came too late to start in (decided here, not by the script)
 )
 
+// blindCause is what acquire adds to a reason, times why, when a blind
+// rule refused the call (BLIND_CAUSE in lua/acquire.lua).
+const blindCause = 16
+
 // The acquire script's reply: a header, then a fixed number of values per
 // call (see lua/acquire.lua).
 const (
@@ -66,6 +70,7 @@ type callReply struct {
 	wait      time.Duration // until its slot; if refused, until it would fit
 	remaining int           // units free now under the tightest rule, after it, its class's own log included
 	reason    reason
+	blindBy   string        // why a blind rule refused it (see Usage.PausedBy), or ""
 	pause     time.Duration // the time until which its scope is paused, or 0
 	// noted and logged are the rules, rule i as bit i, under which its
 	// class's demand counts it, and its class's own log holds it.
@@ -89,7 +94,8 @@ func decodeAcquire(v []int64, n int) (acquireReply, error) {
 	}
 	for i := range n {
 		w := v[acquireHeader+acquirePerCall*i:]
-		rep.calls[i] = callReply{admitted: w[0] == 1, wait: us(w[1]), remaining: int(w[2]), reason: reason(w[3]), pause: us(w[4]), noted: w[5], logged: w[6], room: int(w[7])}
+		rep.calls[i] = callReply{admitted: w[0] == 1, wait: us(w[1]), remaining: int(w[2]), reason: reason(w[3] % blindCause),
+			blindBy: pausedBy[w[3]/blindCause], pause: us(w[4]), noted: w[5], logged: w[6], room: int(w[7])}
 	}
 	return rep, nil
 }

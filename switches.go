@@ -66,6 +66,7 @@ var luaMechanisms = []mechanism{
 	"seq",             // lib.lua check_seq: a Redis gone back in time is not found
 	"back_steps",      // lib.lua check_clock: a clock gone back is not found
 	"policy_ids",      // lib.lua check_policy: a changed policy starts at once
+	"blind_rules",     // lib.lua blind.read, blind.lost, check_policy: a loss or a new rule pauses the whole quota for its longest window
 	"learned_caps",    // feedback.lua: a vendor's refusal teaches no cap
 	"charges",         // feedback.lua charged_after: every answer charges its whole gap
 	"reserve",         // acquire.lua reserve: back from Local, Redis admits the whole limit

@@ -167,6 +167,7 @@ var switchBreaks = map[mechanism][]string{
 	"seq":             {"^TestDataLoss_NoticedWhenRedisGoesBackInTime$"},
 	"back_steps":      {"^TestClockStep_BackwardStepCountsAsALoss$"},
 	"policy_ids":      {"^TestDeploy_ChangedPolicyTakesOverCleanly$"},
+	"blind_rules":     {"^TestDeploy_ANewRuleStartsBlindAlone$"},
 	"learned_caps":    {"^TestRefused_DropsByHalfAtMost$"},
 	"charges":         {"^TestSetRemaining_AnswersOfCallsInFlightChargeTheGapOnce$", "+off=others"},
 	"others":          {"^TestOthers_RefusedCallsAreNotTheFleets$"},

@@ -71,7 +71,9 @@
 --              knows when a holder will finish; wait is then the time until the
 --              first lease runs out); REFUSED_SHARE (3) refused: the call is
 --              larger than the quota's share reserved after a Local outage
---              (wait: until the reserve ends);
+--              (wait: until the reserve ends); plus blind.CAUSE (16) times
+--              why (PAUSED_BY_* in lib.lua) when a blind rule refused it
+--              (see Blind rules in lib.lua);
 --   noted      for a call admitted or booked, the rules whose class demand
 --              counts it, rule i as the bit 2^(i-1) (see Classes); else 0;
 --   logged     the same for the rules whose class's own log holds it;
@@ -83,6 +85,8 @@ local ADMITTED = 0
 local REFUSED_TOO_FAR = 1
 local REFUSED_BUSY = 2
 local REFUSED_SHARE = 3
+-- A refusal by a blind rule adds blind.CAUSE times why it is blind.
+blind.CAUSE = 16
 
 -- The arguments of each booking to give back (see the header).
 local BOOKING_ARGS = 6
@@ -137,14 +141,14 @@ local function load(r)
     table.sort(r.bs)
   elseif r.kind == BUCKET then
     r.tat = tat_of(r.key)
-    if r.loss > 0 then
-      r.tat = math.max(r.tat, r.loss + r.limit * r.interval)
+    if r.since > 0 then
+      r.tat = math.max(r.tat, r.since + r.limit * r.interval)
     end
   elseif r.kind == CONCURRENCY then
     redis.call('ZREMRANGEBYSCORE', r.key, '-inf', str(now))
     r.n = redis.call('ZCARD', r.key)
-    if now < r.loss + r.lease then
-      r.n, r.lost_until = r.limit, r.loss + r.lease
+    if now < r.since + r.lease then
+      r.n, r.lost_until = r.limit, r.since + r.lease
     end
   else
     error('unknown rule kind ' .. tostring(r.kind))
@@ -152,12 +156,21 @@ local function load(r)
   r.tmax = now
 end
 
--- free is the units the rule has free now, bookings ahead counted.
+-- free is the units the rule has free now, bookings ahead counted: none
+-- in a blind log or counter (see Blind rules in lib.lua).
 local function free(r)
   if r.kind == BUCKET then
     return bucket_free(r, r.tat, now)
+  elseif r.blind and r.kind ~= CONCURRENCY then
+    return 0
   end
   return r.limit - r.n
+end
+
+-- blind.floor returns the earliest time a blind log or counter r admits a
+-- call at: the end of its blindness.
+function blind.floor(r)
+  return r.blind_until
 end
 
 -- A log's entries after the first time a search needs, read once per
@@ -554,6 +567,9 @@ end
 -- units; NEVER for a full concurrency rule, since no one knows when a
 -- holder will finish.
 local function earliest(r, t, cost, budget)
+  if r.blind and (r.kind == LOG or r.kind == COUNTER) then
+    t = math.max(t, blind.floor(r))
+  end
   if r.kind == LOG then
     return earliest_in_log(r, t, cost, budget)
   elseif r.kind == COUNTER then
@@ -716,6 +732,10 @@ local function check_meta(batch, meta)
   end
   meta.seq = meta.seq + 1
   check_policy(meta, now, batch.policy, batch.rs, created)
+  if meta.began ~= '' and string.find(meta.policies, batch.policy, 1, true) == 1 then
+    -- The newest policy's calls drop the rules no longer blind.
+    blind.begin(meta, now, batch.rs)
+  end
   describe(meta, batch.described)
   if not found and meta.loss < batch.stepped then
     lose(meta, now, batch.rs)
@@ -811,7 +831,7 @@ end
 -- caps the fleet fills, and reads each scope's pause.
 local function load_rules(batch)
   for _, r in ipairs(batch.objs) do
-    r.loss = batch.meta.loss
+    blind.read(r, batch.meta, now)
     if batch.back then
       drop_ahead(r)
     end
@@ -1431,6 +1451,19 @@ local function busy_for(rs, cost)
   return hint
 end
 
+-- blind.cause returns why a blind rule of the call refused it (PAUSED_BY_*
+-- in lib.lua), or 0: busy, a concurrency rule taken for a lease; else a
+-- log or counter that admits nothing within the wait the call accepts.
+function blind.cause(call, busy)
+  for _, r in ipairs(call.rs) do
+    if r.blind and busy == (r.kind == CONCURRENCY) and
+        (busy or r.kind ~= BUCKET and blind.floor(r) - now > call.maxwait) then
+      return r.blind_by
+    end
+  end
+  return 0
+end
+
 -- answer appends a call's answer to the reply (see the header), with the
 -- units free its call.remaining and call.room say.
 local function answer(batch, call, admitted, wait, reason)
@@ -1475,9 +1508,9 @@ local function decide(batch, c)
   if call.reserved_until and refused then
     answer(batch, call, 0, call.reserved_until - now, REFUSED_SHARE)
   elseif t == NEVER then
-    answer(batch, call, 0, busy_for(call.rs, call.cost), REFUSED_BUSY)
+    answer(batch, call, 0, busy_for(call.rs, call.cost), REFUSED_BUSY + blind.CAUSE * blind.cause(call, true))
   elseif refused then
-    answer(batch, call, 0, t - now, REFUSED_TOO_FAR)
+    answer(batch, call, 0, t - now, REFUSED_TOO_FAR + blind.CAUSE * blind.cause(call, false))
   else
     for _, r in ipairs(call.rs) do
       record(r, t, call.id, units(r, call.cost))
