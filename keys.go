@@ -52,7 +52,8 @@ func (l *Limiter) newMember() string {
 // those it reaches by name (see lib.lua's header), built from a rule's
 // key: a log's hint (:next), a learned cap and the others' share (:cap),
 // the charges to match the vendor's count (:ch), the refunds (:rf), the
-// refused calls (:rj), and the classes (:cl). A class's own log
+// refused calls (:rj), the classes (:cl), and when a vendor's count last
+// rebuilt a blind rule (:rb). A class's own log
 // (:c:<class>) is declared by the acquire script's caller, which knows the
 // calls' classes (declareClasses). Each script declares only what it may
 // touch, by the rule's kind: every key declared costs the call's bytes,
@@ -64,9 +65,9 @@ var (
 	logOrCounter = []policies.Kind{policies.KindSlidingLog, policies.KindSlidingCounter}
 	suffixes     = map[*redis.Script]map[policies.Kind][]string{
 		scripts.acquire: {
-			policies.KindSlidingLog:     {":next", ":cap", ":cl"},
-			policies.KindSlidingCounter: {":cap", ":cl"},
-			policies.KindTokenBucket:    {":cap"},
+			policies.KindSlidingLog:     {":next", ":cap", ":cl", ":rb"},
+			policies.KindSlidingCounter: {":cap", ":cl", ":rb"},
+			policies.KindTokenBucket:    {":cap", ":rb"},
 		},
 		scripts.cancel:   {policies.KindSlidingLog: {":next"}},
 		scripts.handback: {policies.KindSlidingLog: {":next"}},
@@ -75,14 +76,14 @@ var (
 			policies.KindSlidingCounter: {":rf"},
 		},
 		scripts.usage: {
-			policies.KindSlidingLog:     {":cap"},
-			policies.KindSlidingCounter: {":cap"},
-			policies.KindTokenBucket:    {":cap"},
+			policies.KindSlidingLog:     {":cap", ":rb"},
+			policies.KindSlidingCounter: {":cap", ":rb"},
+			policies.KindTokenBucket:    {":cap", ":rb"},
 		},
 		scripts.feedback: {
-			policies.KindSlidingLog:     {":next", ":cap", ":ch", ":rf", ":rj"},
-			policies.KindSlidingCounter: {":cap", ":ch", ":rf", ":rj"},
-			policies.KindTokenBucket:    {":cap"},
+			policies.KindSlidingLog:     {":next", ":cap", ":ch", ":rf", ":rj", ":rb"},
+			policies.KindSlidingCounter: {":cap", ":ch", ":rf", ":rj", ":rb"},
+			policies.KindTokenBucket:    {":cap", ":rb"},
 		},
 	}
 	readsGroup = map[*redis.Script]bool{scripts.acquire: true, scripts.feedback: true, scripts.usage: true}

@@ -76,7 +76,8 @@ type callReply struct {
 	// class's demand counts it, and its class's own log holds it.
 	noted, logged int64
 	// room is remaining under the rules alone: a vendor's count is read
-	// against it, since a class's own log is no count the vendor keeps.
+	// against it, since a class's own log is no count the vendor keeps;
+	// -1 for a probe, whose every count is news (lua/lib.lua, Probes).
 	room int
 }
 
@@ -154,9 +155,14 @@ func (l *Limiter) args(id string, cost, a, b, c any) []any {
 
 // acquireArgs starts the arguments of acquire.lua for n calls, with g
 // bookings to give back first; the calls' and bookings' own arguments
-// follow (see its header).
+// follow (see its header). A limiter the vendor's counts reach says so:
+// its calls may go out as probes.
 func (l *Limiter) acquireArgs(n, g int) []any {
-	return l.args("", int(l.scripts.Load()), int64(n), l.epoch.Load(), int64(g))
+	probes := ""
+	if l.counted.Load() {
+		probes = "1"
+	}
+	return l.args(probes, int(l.scripts.Load()), int64(n), l.epoch.Load(), int64(g))
 }
 
 // releaseArgs are release.lua's: the call member's held units, released

@@ -168,6 +168,7 @@ var switchBreaks = map[mechanism][]string{
 	"back_steps":      {"^TestClockStep_BackwardStepCountsAsALoss$"},
 	"policy_ids":      {"^TestDeploy_ChangedPolicyTakesOverCleanly$"},
 	"blind_rules":     {"^TestDeploy_ANewRuleStartsBlindAlone$"},
+	"rebuild":         {"^TestBlind_AVendorsCountRebuildsALostQuotaInOneRoundTrip$"},
 	"learned_caps":    {"^TestRefused_DropsByHalfAtMost$"},
 	"charges":         {"^TestSetRemaining_AnswersOfCallsInFlightChargeTheGapOnce$", "+off=others"},
 	"others":          {"^TestOthers_RefusedCallsAreNotTheFleets$"},

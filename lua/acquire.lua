@@ -119,13 +119,17 @@ local function load(r)
       r.long = redis.call('ZREMRANGEBYSCORE', r.key, '-inf', str(now - r.keep)) > LONG_WORK
     end
     r.n = redis.call('ZCOUNT', r.key, '(' .. str(now - r.window), '+inf')
+    if r.blind then
+      -- No probe yet: no unit since the rule's data began.
+      r.probe_free = redis.call('ZCOUNT', r.key, str(r.since), '+inf') == 0
+    end
   elseif r.kind == COUNTER then
     -- The oldest bucket a window ending now may touch, as earliest_counter
     -- counts them; older ones are dropped once no margin could count them.
     local oldest = oldest_bucket(r, now)
     local kept = bucket_of(now, r.width) - math.ceil(r.keep / r.width)
     local raw = redis.call('HGETALL', r.key)
-    r.counts, r.bs, r.n = {}, {}, 0
+    r.counts, r.bs, r.n, r.probe_free = {}, {}, 0, r.blind
     for k = 1, #raw, 2 do
       local b, n = tonumber(raw[k]), tonumber(raw[k + 1])
       if b < kept or n <= 0 then
@@ -135,6 +139,9 @@ local function load(r)
         r.bs[#r.bs + 1] = b
         if b >= oldest then
           r.n = r.n + n
+        end
+        if (b + 1) * r.width > r.since then
+          r.probe_free = false
         end
       end
     end
@@ -168,8 +175,12 @@ local function free(r)
 end
 
 -- blind.floor returns the earliest time a blind log or counter r admits a
--- call at: the end of its blindness.
+-- call at: once the calls before its data began have reached the vendor,
+-- for a probe (see Probes in lib.lua), else the end of its blindness.
 function blind.floor(r)
+  if r.probe and r.about and r.probe_free then
+    return blind.settled(r)
+  end
   return r.blind_until
 end
 
@@ -210,6 +221,7 @@ local function record(r, t, id, cost)
   r.tmax = math.max(r.tmax, t)
   r.recorded = true
   r.fits = nil
+  r.probe_free = false
   if r.kind == LOG or r.kind == CONCURRENCY then
     local score = t
     if r.kind == CONCURRENCY then
@@ -664,7 +676,7 @@ local function read_args()
   local arg = after_rules()
   local batch = {
     rs = rules(),
-    ncalls = tonumber(ARGV[4]), ngive = tonumber(ARGV[6]),
+    ncalls = tonumber(ARGV[4]), ngive = tonumber(ARGV[6]), probe = ARGV[2] == '1' and not OFF.rebuild,
     known = tonumber(ARGV[5]), seen = tonumber(ARGV[3]),
     report = ARGV[arg], delay = tonumber(ARGV[arg + 1]), policy = ARGV[arg + 2],
     described = ARGV[arg + 3], stepped = tonumber(ARGV[arg + 4]),
@@ -830,8 +842,14 @@ end
 -- load_rules reads the state every rule decides from, raises the learned
 -- caps the fleet fills, and reads each scope's pause.
 local function load_rules(batch)
+  local shared = false
+  for _, r in ipairs(batch.rs) do
+    shared = shared or not r.per_key
+  end
   for _, r in ipairs(batch.objs) do
     blind.read(r, batch.meta, now)
+    -- A probe goes out only where the vendor's counts reach (rulesAbout in Go).
+    r.probe, r.about = batch.probe, r.kind ~= CONCURRENCY and (not r.per_key or not shared)
     if batch.back then
       drop_ahead(r)
     end
@@ -1464,6 +1482,17 @@ function blind.cause(call, busy)
   return 0
 end
 
+-- blind.probes reports whether the call, admitted at t, is a probe: a blind
+-- log or counter takes it before its blindness ends.
+function blind.probes(call, t)
+  for _, r in ipairs(call.rs) do
+    if r.blind and (r.kind == LOG or r.kind == COUNTER) and t < r.blind_until then
+      return true
+    end
+  end
+  return false
+end
+
 -- answer appends a call's answer to the reply (see the header), with the
 -- units free its call.remaining and call.room say.
 local function answer(batch, call, admitted, wait, reason)
@@ -1512,6 +1541,7 @@ local function decide(batch, c)
   elseif refused then
     answer(batch, call, 0, t - now, REFUSED_TOO_FAR + blind.CAUSE * blind.cause(call, false))
   else
+    local probe = blind.probes(call, t)
     for _, r in ipairs(call.rs) do
       record(r, t, call.id, units(r, call.cost))
     end
@@ -1523,6 +1553,10 @@ local function decide(batch, c)
     call.remaining, call.room = call.after, call.room_after
     if t > now or call.moves and call.moves.kept then
       call.remaining, call.room = 0, 0
+    end
+    if probe then
+      -- Any count the vendor gives of a probe is news (see Probes in lib.lua).
+      call.room = -1
     end
     if t <= now then
       batch.at_once = true

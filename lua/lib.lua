@@ -939,7 +939,18 @@ end
 -- or counter counts as full until since plus its window in force; a token
 -- bucket counts as empty at since, refilling from there; a concurrency
 -- rule counts as taken until since plus a lease. The rules whose data is
--- intact keep deciding.
+-- intact keep deciding. A rule sees again when that time has passed, or
+-- when a vendor's count rebuilds its data for one key (see rebuild in
+-- feedback.lua), which <rule key>:rb notes: the time of the rebuild,
+-- kept until the blindness would have ended.
+--
+-- Probes. While a log or counter is blind for one key, one call may go
+-- out to learn where the vendor stands (a probe): the first of a process
+-- that hears the vendor's counts (ARGV[2] of acquire.lua is 1), under a
+-- rule that such counts reach, for a key that holds no unit since since,
+-- once the calls admitted before since have all reached the vendor
+-- (blind.settled). Its answer rebuilds the rule; a vendor at its cap
+-- refuses it, and tells when it resets.
 
 -- blind.id returns the id of rule r, as compile in throttle.go names its
 -- key: the key without the quota's base (or the group's, for a shared
@@ -970,6 +981,17 @@ function blind.began(m)
     end
   end
   return m.began_t
+end
+
+-- blind.settled returns when the calls admitted before rule r's data
+-- began have all reached the vendor: since plus the widest margin its
+-- window may take (a call starts within half its margin after its slot,
+-- and reaches the vendor within the other half). Read after margins.
+function blind.settled(r)
+  if r.keep then
+    return r.since + r.keep - (r.window - r.margin)
+  end
+  return r.since + r.margin
 end
 
 -- blind.span returns how long rule r stays blind from its since: a log's
@@ -1003,6 +1025,13 @@ function blind.read(r, m, now)
   r.blind_until = r.since + blind.span(r)
   if now >= r.blind_until then
     return
+  end
+  if r.kind ~= CONCURRENCY and not OFF.rebuild then
+    if tonumber(redis.call('GET', r.key .. ':rb') or '0') >= r.since then
+      -- Rebuilt from the vendor's count since its data began.
+      r.since = 0
+      return
+    end
   end
   r.blind = true
 end
