@@ -444,6 +444,7 @@ func (l *Limiter) noteAcquireReply(sc scope, rep acquireReply, n int, sent, recv
 	newEpoch := l.epoch.Load() != rep.epoch
 	l.noteEpoch(rep.epoch, rep.lost)
 	l.noteScripts(newEpoch, rep.seq)
+	l.noteRan(rep.epoch, rep.lost)
 	return stale
 }
 

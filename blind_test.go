@@ -114,3 +114,97 @@ func deployed(t *testing.T, rdb redis.UniversalClient, name string, p policies.P
 	}
 	return lim
 }
+
+// A Redis that went back in time (a failover to a copy that lagged) may
+// lose the scripts of one process while the others' calls make the
+// quota's count of scripts up again: the process whose scripts were lost
+// finds it at its next call, by its own count (count_own in acquire.lua),
+// where the quota's count no longer shows it.
+func TestDataLoss_NoticedByTheProcessWhoseScriptsWereLost(t *testing.T) {
+	redistest.Each(t, func(t *testing.T, s *redistest.Server) {
+		ctx := context.Background()
+		rdb := s.Client(t)
+		clock := newClock()
+		name := "own-" + s.Addr
+		policy := policies.SlidingLog{Limit: 10, Window: time.Minute}
+		a, b := deployed(t, rdb, name, policy, clock), deployed(t, rdb, name, policy, clock)
+		for _, lim := range []*Limiter{a, b} {
+			if d, err := lim.Allow(ctx, Cost(2)); err != nil || !d.OK {
+				t.Fatalf("before: %+v, %v", d, err)
+			}
+		}
+		before := copyQuota(t, rdb, name)
+		if d, err := a.Allow(ctx, Cost(5)); err != nil || !d.OK {
+			t.Fatalf("a's call the copy misses: %+v, %v", d, err)
+		}
+		// The copy takes over: a's 5 units and its script are gone.
+		restoreQuota(t, rdb, before)
+		clock.Add(time.Second)
+		if d, err := b.Allow(ctx); err != nil || !d.OK {
+			t.Fatalf("b's call, which makes the quota's count up again: %+v, %v", d, err)
+		}
+		if d, err := a.Allow(ctx, Cost(5)); err != nil || d.OK {
+			t.Errorf("a after the copy took over: %+v, %v; want refused, its own scripts lost (15 in a window of 10)", d, err)
+		}
+	})
+}
+
+// copied is a key of a quota as Redis held it: a hash, a sorted set or a
+// string.
+type copied struct {
+	hash  map[string]string
+	zset  []redis.Z
+	value string
+}
+
+// copyQuota returns the keys of quota name as Redis holds them now.
+func copyQuota(t *testing.T, rdb redis.UniversalClient, name string) map[string]copied {
+	t.Helper()
+	ctx := context.Background()
+	keys, err := rdb.Keys(ctx, "*{"+name+"}*").Result()
+	if err != nil {
+		t.Fatal(err)
+	}
+	out := map[string]copied{}
+	for _, k := range keys {
+		var c copied
+		switch typ := rdb.Type(ctx, k).Val(); typ {
+		case "hash":
+			c.hash, err = rdb.HGetAll(ctx, k).Result()
+		case "zset":
+			c.zset, err = rdb.ZRangeWithScores(ctx, k, 0, -1).Result()
+		case "string":
+			c.value, err = rdb.Get(ctx, k).Result()
+		default:
+			t.Fatalf("%s: a key of type %s", k, typ)
+		}
+		if err != nil {
+			t.Fatal(err)
+		}
+		out[k] = c
+	}
+	return out
+}
+
+// restoreQuota makes the keys of Redis those of keys, and only those.
+func restoreQuota(t *testing.T, rdb redis.UniversalClient, keys map[string]copied) {
+	t.Helper()
+	ctx := context.Background()
+	if err := rdb.FlushAll(ctx).Err(); err != nil {
+		t.Fatal(err)
+	}
+	for k, c := range keys {
+		var err error
+		switch {
+		case c.hash != nil:
+			err = rdb.HSet(ctx, k, c.hash).Err()
+		case c.zset != nil:
+			err = rdb.ZAdd(ctx, k, c.zset...).Err()
+		default:
+			err = rdb.Set(ctx, k, c.value, 0).Err()
+		}
+		if err != nil {
+			t.Fatal(err)
+		}
+	}
+}

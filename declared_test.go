@@ -1031,7 +1031,7 @@ var builtKeys = []*regexp.Regexp{
 	regexp.MustCompile(`:next$`), regexp.MustCompile(`:cap$`), regexp.MustCompile(`:ch$`),
 	regexp.MustCompile(`:rf$`), regexp.MustCompile(`:rj$`), regexp.MustCompile(`:cl$`),
 	regexp.MustCompile(`:c:[^:]+$`), regexp.MustCompile(`:c:[^:]+:next$`), regexp.MustCompile(`}//group$`),
-	regexp.MustCompile(`:rb$`),
+	regexp.MustCompile(`:rb$`), regexp.MustCompile(`}:ran$`),
 }
 
 // checkCoverage checks that the paths ran every script, touched every

@@ -59,7 +59,8 @@ func (l *Limiter) newMember() string {
 // touch, by the rule's kind: every key declared costs the call's bytes,
 // and, while a Cluster slot migrates, a declared key absent from the source
 // makes Redis answer TRYAGAIN. The scripts that read the meta's state of
-// a group (readsGroup) declare the group's key too. TestScripts_TouchOnlyDeclaredKeys
+// a group (readsGroup) declare the group's key too, and acquire the key of
+// each limiter's own count of scripts (countsOwn). TestScripts_TouchOnlyDeclaredKeys
 // holds these lists to what the scripts touch.
 var (
 	logOrCounter = []policies.Kind{policies.KindSlidingLog, policies.KindSlidingCounter}
@@ -87,6 +88,9 @@ var (
 		},
 	}
 	readsGroup = map[*redis.Script]bool{scripts.acquire: true, scripts.feedback: true, scripts.usage: true}
+	// countsOwn are the scripts that count each limiter's own scripts, in
+	// the quota's key "ran" (count_own in lua/acquire.lua).
+	countsOwn = map[*redis.Script]bool{scripts.acquire: true}
 )
 
 // declared returns keys, the KEYS script s reads by place for rules (the
@@ -104,6 +108,9 @@ func declared(s *redis.Script, keys []string, rules []policies.Rule, group strin
 	} else {
 		group = ""
 	}
+	if countsOwn[s] {
+		n++
+	}
 	if n == len(keys) {
 		return keys
 	}
@@ -116,6 +123,9 @@ func declared(s *redis.Script, keys []string, rules []policies.Rule, group strin
 	}
 	if group != "" {
 		out = append(out, group)
+	}
+	if countsOwn[s] {
+		out = append(out, strings.TrimSuffix(keys[0], "meta")+"ran")
 	}
 	return out
 }

@@ -155,14 +155,16 @@ func (l *Limiter) args(id string, cost, a, b, c any) []any {
 
 // acquireArgs starts the arguments of acquire.lua for n calls, with g
 // bookings to give back first; the calls' and bookings' own arguments
-// follow (see its header). A limiter the vendor's counts reach says so:
-// its calls may go out as probes.
+// follow (see its header). The limiter tells who it is and how many of
+// its scripts Redis answered in the epoch (a Redis behind that count lost
+// them), and, when the vendor's counts reached it, that its calls may go
+// out as probes.
 func (l *Limiter) acquireArgs(n, g int) []any {
-	probes := ""
+	flags := ""
 	if l.counted.Load() {
-		probes = "1"
+		flags = "p"
 	}
-	return l.args(probes, int(l.scripts.Load()), int64(n), l.epoch.Load(), int64(g))
+	return l.args(flags+":"+l.scriptsRanArg(), int(l.scripts.Load()), int64(n), l.epoch.Load(), int64(g))
 }
 
 // releaseArgs are release.lua's: the call member's held units, released

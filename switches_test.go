@@ -165,6 +165,7 @@ var switchBreaks = map[mechanism][]string{
 	"read_budget":     {"^TestScript_LongLogSettlesForItsTail$"},
 	"epochs":          {"^TestDataLoss_CountsTheQuotaFullForOneWindow$"},
 	"seq":             {"^TestDataLoss_NoticedWhenRedisGoesBackInTime$"},
+	"own_seq":         {"^TestDataLoss_NoticedByTheProcessWhoseScriptsWereLost$"},
 	"back_steps":      {"^TestClockStep_BackwardStepCountsAsALoss$"},
 	"policy_ids":      {"^TestDeploy_ChangedPolicyTakesOverCleanly$"},
 	"blind_rules":     {"^TestDeploy_ANewRuleStartsBlindAlone$"},

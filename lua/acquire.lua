@@ -4,7 +4,11 @@
 -- ones before it. A call is recorded only when it is admitted or booked; a
 -- refused call writes nothing but its class's demand (see Classes).
 --
--- KEYS and ARGV as in lib.lua (ARGV[2] unused), with
+-- KEYS and ARGV as in lib.lua, with
+-- ARGV[2]        "<p>:<n>:<e>:<id>": p when the vendor's counts reached the
+--                caller, whose calls may then go out as probes (see Probes
+--                in lib.lua); n the caller's acquire scripts Redis answered
+--                in epoch e, and id the caller's id (see count_own);
 -- ARGV[4]        the number of calls, n;
 -- ARGV[5]        the quota's epoch as the calling process last saw it, or 0;
 -- ARGV[6]        the number of bookings to give back first, g;
@@ -676,7 +680,7 @@ local function read_args()
   local arg = after_rules()
   local batch = {
     rs = rules(),
-    ncalls = tonumber(ARGV[4]), ngive = tonumber(ARGV[6]), probe = ARGV[2] == '1' and not OFF.rebuild,
+    ncalls = tonumber(ARGV[4]), ngive = tonumber(ARGV[6]),
     known = tonumber(ARGV[5]), seen = tonumber(ARGV[3]),
     report = ARGV[arg], delay = tonumber(ARGV[arg + 1]), policy = ARGV[arg + 2],
     described = ARGV[arg + 3], stepped = tonumber(ARGV[arg + 4]),
@@ -684,6 +688,9 @@ local function read_args()
     units = 0, -- the units the calls admitted and booked cost
     given = {}, -- the bookings given back, by their place from 1
   }
+  local flags, ran, ran_in, limiter = string.match(ARGV[2], '^(%a*):(%d+):(%d+):(.+)$')
+  batch.probe = flags == 'p' and not OFF.rebuild
+  batch.ran, batch.ran_in, batch.limiter = tonumber(ran or '0'), tonumber(ran_in or '0'), limiter
   batch.gives = read_scopes(batch, arg + 5)
   batch.first = batch.gives + BOOKING_ARGS * batch.ngive
   return batch
@@ -722,6 +729,15 @@ local function describe(m, arg)
   end
 end
 
+-- Each limiter's own count. The quota's count of scripts run (seq) finds
+-- a Redis gone back in time only if the caller saw a count that Redis
+-- lost, and the other processes' scripts make it up again. So the quota
+-- also counts each limiter's own acquire scripts of the epoch, in the
+-- hash <meta key without meta>ran, by the limiter's id: a limiter never
+-- has more scripts answered than Redis counts for it, unless Redis lost
+-- them (see check_seq in lib.lua). The hash starts again with each
+-- epoch, and lives as long as the meta key.
+
 -- check_meta finds whether Redis lost the quota's data (see Losses in
 -- lib.lua): a missing or changed meta key may mean that it did (see
 -- check_loss), and so do a count of scripts run behind the caller's, a
@@ -729,7 +745,32 @@ end
 -- script among those run: batch.meta is then the meta to write back, and
 -- batch.found true when this script found a loss.
 local function check_meta(batch, meta)
+  -- count_own counts this script in the caller's own count, and reports
+  -- whether the quota's data is lost: found already, or a count behind the
+  -- scripts the caller had answered in this epoch (batch.ran, counted in
+  -- epoch batch.ran_in). epoch is the one the meta had when read.
+  local function count_own(batch, meta, epoch, found)
+    if not batch.limiter or OFF.own_seq then
+      return found
+    end
+    local key = string.sub(KEYS[1], 1, -5) .. 'ran'
+    if meta.epoch ~= epoch then
+      -- A new epoch, a new count.
+      redis.call('DEL', key)
+    end
+    local n = redis.call('HINCRBY', key, batch.limiter, 1)
+    if not found and batch.ran_in == meta.epoch and n <= batch.ran then
+      lose(meta, now, batch.rs)
+      redis.call('DEL', key)
+      n, found = redis.call('HINCRBY', key, batch.limiter, 1), true
+    end
+    if n == 1 or meta.refreshed == now then
+      redis.call('PEXPIRE', key, math.max(META_TTL, 2 * longest_window(batch.rs) / 1000))
+    end
+    return found
+  end
   local created = meta == nil
+  local epoch = meta and meta.epoch
   batch.pause_before = meta and meta.pause or 0
   local _, found
   meta, _, found = check_loss(meta, now, batch.known, batch.rs)
@@ -757,7 +798,7 @@ local function check_meta(batch, meta)
     meta.warm_until = now + batch.span
   end
   meta.last_acquire = now
-  batch.meta, batch.found = meta, found
+  batch.meta, batch.found = meta, count_own(batch, meta, epoch, found)
 end
 
 -- reserve lowers every limit to its reserved share while the quota is
