@@ -77,7 +77,7 @@ func (l *Limiter) decideInRedis(ctx context.Context, sc scope, c call, maxWait t
 	}
 	req.deadline.Store(askDeadline(deadline))
 	if probe {
-		go l.decide(sc, []*request{req})
+		l.work.start(func() { l.decide(sc, []*request{req}) })
 	} else if ln := l.submit(req); ln != nil {
 		// Nothing was on its way: decide this call, and then the calls
 		// that queued meanwhile. A caller that cannot give up decides in
@@ -89,14 +89,14 @@ func (l *Limiter) decideInRedis(ctx context.Context, sc scope, c call, maxWait t
 		lead := func() {
 			l.decide(sc, []*request{req})
 			if batch := l.take(ln); batch != nil {
-				go l.drain(ln, batch)
+				l.work.start(func() { l.drain(ln, batch) })
 			}
 		}
 		if ctx.Done() == nil {
 			lead()
 			return req.res, req.err
 		}
-		go lead()
+		l.work.start(lead)
 	}
 	return l.await(ctx, req)
 }
@@ -504,7 +504,7 @@ func (l *Limiter) abandon(r result) {
 	l.giving = true
 	l.lanesMu.Unlock()
 	if start {
-		go l.giveAbandoned()
+		l.work.start(l.giveAbandoned)
 	}
 }
 

@@ -86,7 +86,7 @@ func (l *Limiter) cancel(ctx context.Context, c call, r result) {
 		}
 		return
 	}
-	within(ctx, func() {
+	l.within(ctx, func() {
 		_ = l.runBooking(context.WithoutCancel(ctx), scripts.cancel, r, l.cancelArgs(r, l.costArg(c.cost, c.named))).Err()
 	})
 }
@@ -117,7 +117,7 @@ func (l *Limiter) fallback(sc scope, c call, maxWait time.Duration, cause error)
 			// again when they wake: the fallback counts them against this
 			// process's share, whatever Redis admitted them at.
 			l.gaps.Add(1)
-			go l.watchForRedis()
+			l.work.start(l.watchForRedis)
 		}
 		r.scope, r.member = sc, member
 		if r.reason == reasonShare {
@@ -247,7 +247,7 @@ func (l *Limiter) awaitHandBack(ctx context.Context) error {
 	if h == nil {
 		h = &handing{done: make(chan struct{})}
 		l.handing = h
-		go func() {
+		l.work.start(func() {
 			h.err = errHandBackBusy
 			for try := 0; try < 3 && errors.Is(h.err, errHandBackBusy); try++ {
 				var complete bool
@@ -259,7 +259,7 @@ func (l *Limiter) awaitHandBack(ctx context.Context) error {
 			l.handing = nil
 			l.handMu.Unlock()
 			close(h.done)
-		}()
+		})
 	}
 	l.handMu.Unlock()
 	select {

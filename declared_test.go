@@ -248,7 +248,7 @@ func driveCharge(t *testing.T, s *redistest.Server) {
 }
 
 // driveRebuild loses a quota's keys, which makes every rule blind: a
-// probe goes out once a bucket has refilled a unit, and its answer, which
+// scout goes out once a bucket has refilled a unit, and its answer, which
 // states the log's limit, rebuilds the log (:rb); acquire, feedback and
 // usage read each rule's :rb.
 func driveRebuild(t *testing.T, s *redistest.Server) {
@@ -279,11 +279,11 @@ func driveRebuild(t *testing.T, s *redistest.Server) {
 		t.Fatal("a call right after the loss was admitted")
 	}
 	clock.Add(40 * time.Second)
-	probe, err := lim.Acquire(ctx)
+	scout, err := lim.Acquire(ctx)
 	if err != nil {
-		t.Fatalf("the probe: %v", err)
+		t.Fatalf("the scout: %v", err)
 	}
-	if _, _, err := probe.Heard(ctx, count); err != nil {
+	if _, _, err := scout.Heard(ctx, count); err != nil {
 		t.Fatal(err)
 	}
 	if u, err := lim.Usage(ctx); err != nil || u.Rules[0].Remaining != 90 {

@@ -21,8 +21,12 @@
 // local queue by priority (Queue). Key and Cost describe a call: who it is
 // for, under policies.PerKey limits, and how many units it counts for
 // (policies.PerCall limits count each call once: requests beside tokens).
-// Do's function finds its Permit with PermitFrom, to Settle the call's
-// actual cost.
+// A cost known only afterwards is admitted at an estimate and settled as
+// the vendor counts it: Do's function finds its Permit with PermitFrom, and
+// Settle replaces the estimate by the actual cost. Settle only what the
+// vendor settles: OpenAI keeps the estimate it counted at arrival, so its
+// calls are charged that estimate and never settled; Anthropic replaces
+// its output estimate by the tokens used (docs/VENDORS.md, per vendor).
 //
 // For HTTP, a Transport wraps an http.RoundTripper: every request goes
 // through the limiter, and what the vendor answers reaches every replica:

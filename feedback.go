@@ -293,6 +293,13 @@ type Answer struct {
 	// fleet and teaches nothing. Transport sets it from each vendor's
 	// documented reasons (docs/VENDORS.md), or from Transport.AboutRate.
 	AboutRate bool
+	// AboutConcurrency reports a refusal the vendor said is about its
+	// calls in flight (Stripe-Rate-Limited-Reason: global-concurrency or
+	// endpoint-concurrency, Twilio's 20429). A quota with a
+	// policies.Concurrency rule takes it as that rule's: the fleet is not
+	// paused, learns no cap, and the call's retry waits for a free slot.
+	// A quota without one pauses, as for a refusal that gives no reason.
+	AboutConcurrency bool
 	// DefaultPause is how long a 429 that names no time (no RetryAfter,
 	// no count with nothing left until a reset) pauses the fleet, with up
 	// to a quarter more at random. 0 means a second.
@@ -358,7 +365,7 @@ func (c *Count) count() vendorCount {
 //     says why). A count of a call decided since rebuilds that rule for
 //     the call's key: the calls after it go at once. Once a count has
 //     reached the limiter, its first call per rule and key goes out alone
-//     to learn it (a probe); a vendor at its cap refuses only that one.
+//     to learn it (a scout); a vendor at its cap refuses only that one.
 //
 // Heard asks Redis only when the answer tells the quota something: an
 // answer that says nothing of a limit, or a count that believes no fewer
@@ -380,6 +387,11 @@ func (p *Permit) Heard(ctx context.Context, a Answer) (pause time.Duration, refu
 		l.counted.Store(true)
 	}
 	pause, refused = a.refusal(requests, untilReset(requests, tokens))
+	if refused && a.AboutConcurrency && l.hasConc && !isOff(offConcRefusals) {
+		// The Concurrency rule's slots, not a pause, hold the calls back.
+		l.emit(Event{Kind: EventVendorLimited})
+		return 0, true, nil
+	}
 	if !refused && p.r.admitted && !p.r.local && p.r.room == 0 {
 		// The fleet's count was as full as the vendor's after this call: it
 		// admits nothing before its own units leave the window, which a
@@ -519,9 +531,9 @@ func (p *Permit) tell(ctx context.Context, said vendorSaid, pause time.Duration,
 		// than the fleet believes (its refused calls are in its record).
 		l.measureOthers()
 	}
-	probe := p.r.room < 0 && (said.units.left >= 0 || said.calls.left >= 0 || len(said.named) > 0)
-	if probe {
-		// A probe's count rebuilds a blind rule (lua/feedback.lua,
+	scout := p.r.room < 0 && (said.units.left >= 0 || said.calls.left >= 0 || len(said.named) > 0)
+	if scout {
+		// A scout's count rebuilds a blind rule (lua/feedback.lua,
 		// rebuild), whatever else the answer asks.
 		counts := vendorSaid{units: said.units, calls: said.calls, named: said.named, late: said.late}
 		if err := l.feedback(ctx, counts, p.r, p.opts()); err != nil {
@@ -539,7 +551,7 @@ func (p *Permit) tell(ctx context.Context, said vendorSaid, pause time.Duration,
 			refused: true}, p.r, p.opts())
 	case pause > 0:
 		return l.Pause(ctx, pause, p.opts()...)
-	case probe:
+	case scout:
 		return nil
 	case len(said.named) > 0:
 		// Counts of named units: the quota keeps no belief of their

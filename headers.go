@@ -51,6 +51,9 @@ type vendorLimits struct {
 	// X-RateLimit-Scope (user, global, shared), GitHub's
 	// x-ratelimit-resource (core, search, graphql).
 	scope string
+	// resource is GitHub's x-ratelimit-resource, in lower case: the limit
+	// the answer's counts are about (core, search, code_search, graphql).
+	resource string
 	// about is whether the vendor said a refusal is about its rate:
 	// Stripe-Rate-Limited-Reason, or an error code of the body (bodyAbout).
 	about refusalAbout
@@ -63,6 +66,7 @@ type refusalAbout int
 const (
 	aboutNothingSaid refusalAbout = iota // no reason given, or none the Transport reads
 	aboutTheRate                         // its rate limit
+	aboutConcurrency                     // its limit of calls in flight
 	aboutOther                           // a lock, a concurrency limit, a billing quota, a secondary limit
 )
 
@@ -75,6 +79,8 @@ func stripeAbout(s string) refusalAbout {
 		return aboutNothingSaid
 	case "global-rate", "endpoint-rate":
 		return aboutTheRate
+	case "global-concurrency", "endpoint-concurrency":
+		return aboutConcurrency
 	}
 	return aboutOther
 }
@@ -82,14 +88,18 @@ func stripeAbout(s string) refusalAbout {
 // bodyAbout reads the reason of a refusal from its JSON body: OpenAI's
 // error code rate_limit_exceeded, or insufficient_quota (a bill, in its
 // code or type); Stripe's lock_timeout (an object another request holds);
-// GitHub's message of a secondary rate limit.
+// GitHub's message of a secondary rate limit; Twilio's code 20429.
 func bodyAbout(body []byte) refusalAbout {
 	var b struct {
 		Error   json.RawMessage `json:"error"`
 		Message string          `json:"message"`
+		Code    any             `json:"code"`
 	}
 	if json.Unmarshal(body, &b) != nil {
 		return aboutNothingSaid
+	}
+	if b.Code == float64(20429) {
+		return aboutConcurrency // Twilio's: over the account's calls in flight
 	}
 	var e struct{ Code, Type any }
 	_ = json.Unmarshal(b.Error, &e)
@@ -182,6 +192,7 @@ func parseVendorLimits(h http.Header, now time.Time) vendorLimits {
 			v.scope = s
 		}
 	}
+	v.resource = strings.ToLower(strings.TrimSpace(h.Get("X-RateLimit-Resource")))
 	parseTwoKinds(h, &v, now)
 	parseUsedOf(h, &v)
 	if s := strings.ToLower(strings.TrimSpace(h.Get("Stripe-Should-Retry"))); s == "false" {

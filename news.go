@@ -69,6 +69,7 @@ type hub struct {
 	join    []string                           // channels to subscribe to, for serve
 	leave   []string                           // channels to unsubscribe from, for serve
 	closing bool                               // the last limiter left: serve closes ps and returns
+	done    chan struct{}                      // closed when serve has returned
 }
 
 var hubs sync.Map // redis.UniversalClient -> *hub
@@ -106,16 +107,19 @@ func (h *hub) add(l *Limiter) bool {
 	if h.ps == nil {
 		// No channel yet: go-redis makes the PubSub without a connection.
 		h.ps = l.rdb.Subscribe(context.Background())
+		h.done = make(chan struct{})
 		go h.serve(h.ps)
 	}
 	return true
 }
 
-// unlisten ends l's subscription; the last limiter of a client closes it.
-func (l *Limiter) unlisten() {
+// unlisten ends l's subscription; the last limiter of a client closes it,
+// and gets a channel that closes once the subscription's goroutine has
+// returned (nil otherwise).
+func (l *Limiter) unlisten() <-chan struct{} {
 	v, ok := hubs.Load(l.rdb)
 	if !ok {
-		return
+		return nil
 	}
 	h := v.(*hub)
 	h.mu.Lock()
@@ -129,10 +133,14 @@ func (l *Limiter) unlisten() {
 		h.join = slices.DeleteFunc(h.join, func(c string) bool { return c == channel })
 		h.leave = append(h.leave, channel)
 	}
-	if len(h.subs) == 0 {
+	if len(h.subs) == 0 && !h.closing {
 		h.closing = true
 		hubs.CompareAndDelete(l.rdb, h)
+		// serve sees it after its read, newsPing at most: closing the
+		// PubSub here would wait for the read's lock anyway.
+		return h.done
 	}
+	return nil
 }
 
 // channels returns the channels l listens to: its quota's, named as its
@@ -160,6 +168,7 @@ func (h *hub) chores() (join, leave []string, closing bool) {
 // sent on a new connection is answered. Between reads it subscribes and
 // unsubscribes what listen and unlisten asked for.
 func (h *hub) serve(ps *redis.PubSub) {
+	defer close(h.done)
 	defer ps.Close()
 	var cut, pinged bool // the connection is cut; a ping is unanswered
 	for {

@@ -115,6 +115,7 @@ func sharedKeyFleet(t *testing.T, s *redistest.Server, k *sharedKey, limit int, 
 // other stops, the fleet takes the whole cap again within four windows
 // (three in the vendors' runs).
 func TestOthers_LeavesAnotherConsumerItsShare(t *testing.T) {
+	long(t) // a fleet of seconds; .ci/run runs it on a quiet machine
 	if raceEnabled {
 		// Under -race beside the package's tests, the fleet's calls start
 		// hundreds of milliseconds late and out of their slots' order, and

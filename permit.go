@@ -186,7 +186,7 @@ func (p *Permit) releaseWithin(ctx context.Context) {
 		p.Release()
 		return
 	}
-	within(ctx, p.Release)
+	p.l.within(ctx, p.Release)
 }
 
 // Cancel gives the call back when it was not made after all (the request

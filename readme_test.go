@@ -1,5 +1,3 @@
-//lint:file-ignore SA4006 the README's snippets show what each call returns, not how to handle every error
-
 package throttle_test
 
 import (
@@ -114,17 +112,6 @@ func readmeHTTPClient(rdb *redis.Client) (*http.Client, error) {
 	return client, nil
 }
 
-func readmeShared(rdb *redis.Client) (*throttle.Limiter, *throttle.Limiter) {
-	// README shared
-	secondary := policies.Shared{Name: "github", Policy: policies.PerKey{Policy: policies.Concurrency{Max: 8}}}
-	core, _ := throttle.New(rdb, "github-core", policies.All(
-		policies.PerKey{Policy: policies.SlidingLog{Limit: 5000, Window: time.Hour}}, secondary))
-	search, _ := throttle.New(rdb, "github-search", policies.All(
-		policies.PerKey{Policy: policies.SlidingLog{Limit: 30, Window: time.Minute}}, secondary))
-	// README end
-	return core, search
-}
-
 func readmeKeyPool(core *throttle.Limiter, tokens []string) *throttle.Transport {
 	// README keypool
 	tr := &throttle.Transport{Limiter: core, Keys: tokens, SetKey: func(r *http.Request, token string) {
@@ -173,25 +160,6 @@ func readmeTrack(ctx context.Context, oai readmeSDK, params string) error {
 	return err
 }
 
-func readmeOpenAI(ctx context.Context, rdb *redis.Client, req *http.Request) error {
-	estimateTokens := func(*http.Request) int { return 1200 }
-	var usage struct{ TotalTokens int }
-	usage.TotalTokens = 900
-	// README raw
-	lim, _ := throttle.New(rdb, "openai", policies.All(
-		policies.PerCall{Policy: policies.SlidingLog{Limit: 500, Window: time.Minute}},
-		policies.SlidingCounter{Limit: 200_000, Window: time.Minute},
-	))
-	client := &http.Client{Transport: &throttle.Transport{Limiter: lim,
-		Cost: estimateTokens}} // prompt tokens + max_tokens
-	resp, err := client.Do(req)
-	// Once the body is read:
-	err = throttle.PermitFrom(resp.Request.Context()).Settle(ctx, throttle.Cost(usage.TotalTokens))
-	// README end
-	resp.Body.Close()
-	return err
-}
-
 func readmeWorkers(ctx context.Context, rdb *redis.Client, policy policies.Policy) error {
 	tenant := "tenant-42"
 	sendSMS := func(ctx context.Context) (*Message, error) { return smsClient{}.Send(ctx, "+15550100", "hello") }
@@ -234,10 +202,14 @@ func readmeLLM(ctx context.Context, rdb *redis.Client) (*Reply, error) {
 		return r, ctx.Err()
 	}
 	// README llm
-	lim, _ := throttle.New(rdb, "openai", policies.All(
+	// A gateway that counts the tokens calls use: each call settled to its usage.
+	lim, err := throttle.New(rdb, "llm-gateway", policies.All(
 		policies.PerCall{Policy: policies.SlidingLog{Limit: 500, Window: time.Minute}}, // requests
 		policies.SlidingCounter{Limit: 200_000, Window: time.Minute},                   // tokens
 	))
+	if err != nil {
+		return nil, err
+	}
 	reply, err := throttle.Do(ctx, lim, func(ctx context.Context) (*Reply, error) {
 		reply, err := complete(ctx, prompt)
 		if err == nil {
@@ -254,7 +226,10 @@ func readmeLLM(ctx context.Context, rdb *redis.Client) (*Reply, error) {
 // readmeRegionFiles hold the regions: this file, and, for the snippets
 // that call the vendors' SDKs, the vendors module's tests, which compile
 // and run them (the SDKs are no dependency of this module).
-var readmeRegionFiles = []string{"readme_test.go", "vendors/readme_openai_test.go", "vendors/readme_anthropic_test.go"}
+var readmeRegionFiles = []string{"readme_test.go", "vendors/readme_openai_test.go",
+	"vendors/readme_github_test.go", "vendors/readme_shopify_test.go", "vendors/readme_stripe_test.go",
+	"vendors/readme_openai_models_test.go", "vendors/readme_anthropic_cache_test.go", "vendors/readme_twilio_test.go",
+	"observe/prometheus/readme_test.go", "observe/otel/readme_test.go"}
 
 func readmeRegions(t *testing.T) map[string]string {
 	t.Helper()
@@ -283,8 +258,8 @@ func readmeRegions(t *testing.T) map[string]string {
 }
 
 // readmeDocs are the documents whose Go snippets readme_test.go compiles:
-// the README, and the page it sends vendors' configurations to.
-var readmeDocs = []string{"README.md", "docs/VENDORS.md"}
+// the README, the page it sends vendors' configurations to, and observe's.
+var readmeDocs = []string{"README.md", "docs/VENDORS.md", "observe/README.md"}
 
 // readmeSnippets returns the Go code blocks of readmeDocs, with the
 // indentation of a block inside a list item taken off.
@@ -383,21 +358,6 @@ func TestREADME_SnippetsRun(t *testing.T) {
 			t.Errorf("key pool: the vendor saw Authorization %q, want a token of the pool", sent)
 		}
 		mu.Unlock()
-		// GitHub's secondary limit: 8 in flight per token, core and search.
-		shCore, shSearch := readmeShared(rdb)
-		for i := range 8 {
-			lim := []*throttle.Limiter{shCore, shSearch}[i%2]
-			if _, err := lim.Allow(ctx, throttle.Key("t1")); err != nil {
-				t.Fatalf("the shared rule's call %d: %v", i, err)
-			}
-		}
-		if d, err := shSearch.Allow(ctx, throttle.Key("t1")); err != nil || d.OK {
-			t.Errorf("a ninth call of t1 across core and search: %+v, %v; want refused", d, err)
-		}
-		req, _ = http.NewRequestWithContext(ctx, http.MethodPost, vendor.URL, strings.NewReader(`{"model":"m"}`))
-		if err := readmeOpenAI(ctx, rdb, req); err != nil {
-			t.Errorf("OpenAI: %v", err)
-		}
 		tracked, err := throttle.New(rdb, "readme-track", policies.SlidingLog{Limit: 100_000, Window: time.Minute})
 		if err != nil {
 			t.Fatal(err)

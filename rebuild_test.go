@@ -110,7 +110,7 @@ var hourlyPerToken = policies.PerKey{Policy: policies.SlidingLog{Limit: 5000, Wi
 
 // After Redis loses an hourly quota's data, the first answer of a vendor
 // that states its counts (GitHub's x-ratelimit-*) ends the blindness: the
-// first call goes out as a probe, its answer rebuilds the rule's data for
+// first call goes out as a scout, its answer rebuilds the rule's data for
 // its key, and the next calls go at once, with the quota counting what the
 // vendor counts. Before, 0 of the next 5 calls reached the vendor, for an
 // hour.
@@ -130,19 +130,19 @@ func TestBlind_AVendorsCountRebuildsALostQuotaInOneRoundTrip(t *testing.T) {
 					}
 				}
 				loseData(t, s, how)
-				// The probe: the first call after the loss that asks Redis (a
+				// The scout: the first call after the loss that asks Redis (a
 				// spare admission taken before the loss may go first).
 				if status, err := get(ctx, "a"); err != nil || status != http.StatusOK {
-					t.Fatalf("the first call after the loss: %d, %v; want it sent, as a probe", status, err)
+					t.Fatalf("the first call after the loss: %d, %v; want it sent, as a scout", status, err)
 				}
 				answered := time.Now()
 				for i := range 5 {
 					if status, err := get(ctx, "a"); err != nil || status != http.StatusOK {
-						t.Fatalf("call %d after the probe's answer: %d, %v; want sent at once", i+1, status, err)
+						t.Fatalf("call %d after the scout's answer: %d, %v; want sent at once", i+1, status, err)
 					}
 				}
 				if d := time.Since(answered); d > time.Second {
-					t.Errorf("the 5 calls after the probe's answer took %v, want no wait", d)
+					t.Errorf("the 5 calls after the scout's answer took %v, want no wait", d)
 				}
 				sent, refused, used := vendor.counts("a")
 				u, err := lim.Usage(ctx, Key("a"))
@@ -160,10 +160,10 @@ func TestBlind_AVendorsCountRebuildsALostQuotaInOneRoundTrip(t *testing.T) {
 	}
 }
 
-// A vendor at its cap refuses the probe of each key, and tells when its
+// A vendor at its cap refuses the scout of each key, and tells when its
 // hour resets: no other call reaches it, the calls wait for that reset,
-// and no key sends a second probe.
-func TestBlind_AVendorAtItsCapRefusesOneProbePerKey(t *testing.T) {
+// and no key sends a second scout.
+func TestBlind_AVendorAtItsCapRefusesOneScoutPerKey(t *testing.T) {
 	redistest.Each(t, func(t *testing.T, s *redistest.Server) {
 		ctx := context.Background()
 		vendor := newGitHub(5)
@@ -197,12 +197,12 @@ func TestBlind_AVendorAtItsCapRefusesOneProbePerKey(t *testing.T) {
 		wg.Wait()
 		for _, token := range tokens {
 			if sent, refused, _ := vendor.counts(token); sent != 6 || refused != 1 {
-				t.Errorf("key %s: the vendor saw %d requests, refused %d; want the 5 before the loss and one probe, refused", token, sent, refused)
+				t.Errorf("key %s: the vendor saw %d requests, refused %d; want the 5 before the loss and one scout, refused", token, sent, refused)
 			}
 		}
 		d, err := lim.Allow(ctx, Key("a"))
 		if err != nil || d.OK || d.RetryAfter < 50*time.Minute || d.RetryAfter > time.Hour+time.Second {
-			t.Errorf("after the refused probe: %+v, %v; want refused until the vendor's reset, about an hour", d, err)
+			t.Errorf("after the refused scout: %+v, %v; want refused until the vendor's reset, about an hour", d, err)
 		}
 	})
 }
@@ -235,11 +235,11 @@ func TestBlind_AVendorWithoutCountsKeepsTheQuotaBlind(t *testing.T) {
 	})
 }
 
-// A blind key lets one call out as a probe, once the calls admitted before
+// A blind key lets one call out as a scout, once the calls admitted before
 // its data began have all reached the vendor (the widest margin after the
 // loss), and only for a process that hears the vendor's counts; the count
-// of a call decided before that rebuilds nothing, the probe's does.
-func TestBlind_OneProbePerKeyOnceTheCallsBeforeTheLossHaveArrived(t *testing.T) {
+// of a call decided before that rebuilds nothing, the scout's does.
+func TestBlind_OneScoutPerKeyOnceTheCallsBeforeTheLossHaveArrived(t *testing.T) {
 	redistest.Each(t, func(t *testing.T, s *redistest.Server) {
 		ctx := context.Background()
 		rdb := s.Client(t)
@@ -270,25 +270,25 @@ func TestBlind_OneProbePerKeyOnceTheCallsBeforeTheLossHaveArrived(t *testing.T) 
 			t.Fatal(err)
 		}
 		if d, err := deaf.Allow(ctx, Key("a")); err != nil || d.OK {
-			t.Fatalf("a process that heard no count: %+v, %v; want refused, no probe", d, err)
+			t.Fatalf("a process that heard no count: %+v, %v; want refused, no scout", d, err)
 		}
-		probe, err := lim.Acquire(ctx, Key("a"))
+		scout, err := lim.Acquire(ctx, Key("a"))
 		if err != nil {
-			t.Fatalf("the probe: %v", err)
+			t.Fatalf("the scout: %v", err)
 		}
 		d, err = lim.Allow(ctx, Key("a"))
 		if err != nil || d.OK || d.RetryAfter < 59*time.Second {
-			t.Fatalf("a second call while the probe is out: %+v, %v; want refused for the window", d, err)
+			t.Fatalf("a second call while the scout is out: %+v, %v; want refused for the window", d, err)
 		}
 		if d, err := lim.Allow(ctx, Key("b")); err != nil || !d.OK {
-			t.Fatalf("key b's probe: %+v, %v; want admitted, its own", d, err)
+			t.Fatalf("key b's scout: %+v, %v; want admitted, its own", d, err)
 		}
-		if _, _, err := probe.Heard(ctx, count); err != nil {
+		if _, _, err := scout.Heard(ctx, count); err != nil {
 			t.Fatal(err)
 		}
 		d, err = lim.Allow(ctx, Key("a"), Cost(8))
 		if err != nil || !d.OK || d.Remaining != 90-8-1 {
-			t.Errorf("after the probe's answer: %+v, %v; want admitted, with the %d the vendor left less the call", d, err, 90-8-1)
+			t.Errorf("after the scout's answer: %+v, %v; want admitted, with the %d the vendor left less the call", d, err, 90-8-1)
 		}
 	})
 }

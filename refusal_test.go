@@ -128,7 +128,11 @@ func TestRefusalReason_ReadsTheDocumentedFields(t *testing.T) {
 	}{
 		{"Stripe global-rate", "global-rate", "", aboutTheRate},
 		{"Stripe endpoint-rate, any case", " Endpoint-Rate ", "", aboutTheRate},
-		{"Stripe global-concurrency", "global-concurrency", "", aboutOther},
+		{"Stripe global-concurrency", "global-concurrency", "", aboutConcurrency},
+		{"Stripe endpoint-concurrency", "endpoint-concurrency", "", aboutConcurrency},
+		{"Stripe resource-specific", "resource-specific", "", aboutOther},
+		{"Twilio 20429", "", `{"code":20429,"message":"Too Many Requests","status":429}`, aboutConcurrency},
+		{"Twilio, another code", "", `{"code":20003,"message":"Authenticate","status":401}`, aboutNothingSaid},
 		{"Stripe, a reason added later", "weekly-volume", "", aboutOther},
 		{"Stripe lock_timeout", "", stripeLockTimeout, aboutOther},
 		{"Stripe rate_limit code alone", "", stripeRateLimit, aboutNothingSaid},

@@ -5,8 +5,9 @@ import (
 	"sync"
 )
 
-// running counts the calls that Do and Go run, so that Close can wait for
-// them: a limiter that drains lets the work it admitted finish.
+// running counts the calls that Do and Go run, and the goroutines the
+// limiter starts, so that Close can wait for them: a limiter that drains
+// lets the work it admitted finish, and leaves nothing running.
 type running struct {
 	mu     sync.Mutex
 	n      int
@@ -25,6 +26,18 @@ func (r *running) enter() bool {
 	return true
 }
 
+// start runs f in a goroutine that close waits for; after close began
+// too, since such work (a booking given back) must still be done.
+func (r *running) start(f func()) {
+	r.mu.Lock()
+	r.n++
+	r.mu.Unlock()
+	go func() {
+		defer r.leave()
+		f()
+	}()
+}
+
 // leave counts a call out.
 func (r *running) leave() {
 	r.mu.Lock()
@@ -41,25 +54,27 @@ func (r *running) settle() {
 	}
 }
 
-// close stops counting calls in, and waits until the calls counted have
-// left, or ctx ends.
+// close stops counting calls in, and waits until the calls and goroutines
+// counted have left, or ctx ends.
 func (r *running) close(ctx context.Context) error {
 	r.mu.Lock()
+	r.closed = true
 	if r.n == 0 {
-		r.closed = true
 		r.mu.Unlock()
 		return nil
 	}
-	if !r.closed {
-		r.closed, r.idle = true, make(chan struct{})
+	if r.idle == nil {
+		r.idle = make(chan struct{})
 	}
 	idle := r.idle
 	r.mu.Unlock()
-	if idle == nil {
-		return nil
-	}
+	return wait(ctx, idle)
+}
+
+// wait waits until done closes, or ctx ends.
+func wait(ctx context.Context, done <-chan struct{}) error {
 	select {
-	case <-idle:
+	case <-done:
 		return nil
 	case <-ctx.Done():
 		return ctx.Err()

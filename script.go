@@ -77,7 +77,7 @@ type callReply struct {
 	noted, logged int64
 	// room is remaining under the rules alone: a vendor's count is read
 	// against it, since a class's own log is no count the vendor keeps;
-	// -1 for a probe, whose every count is news (lua/lib.lua, Probes).
+	// -1 for a scout, whose every count is news (lua/lib.lua, Scouts).
 	room int
 }
 
@@ -158,11 +158,11 @@ func (l *Limiter) args(id string, cost, a, b, c any) []any {
 // follow (see its header). The limiter tells who it is and how many of
 // its scripts Redis answered in the epoch (a Redis behind that count lost
 // them), and, when the vendor's counts reached it, that its calls may go
-// out as probes.
+// out as scouts.
 func (l *Limiter) acquireArgs(n, g int) []any {
 	flags := ""
 	if l.counted.Load() {
-		flags = "p"
+		flags = "s"
 	}
 	return l.args(flags+":"+l.scriptsRanArg(), int(l.scripts.Load()), int64(n), l.epoch.Load(), int64(g))
 }
@@ -300,16 +300,16 @@ func (r result) startsAt() time.Duration { return max(r.slot(), r.done) }
 // leaveWithin after ctx ends at most: the call returns by its deadline
 // even when Redis is slow or gone, and f goes on without it. On a Redis
 // that answers in time, f is done when the call returns.
-func within(ctx context.Context, f func()) {
+func (l *Limiter) within(ctx context.Context, f func()) {
 	if ctx.Done() == nil {
 		f()
 		return
 	}
 	done := make(chan struct{})
-	go func() {
+	l.work.start(func() {
 		defer close(done)
 		f()
-	}()
+	})
 	select {
 	case <-done:
 		return

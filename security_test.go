@@ -521,3 +521,45 @@ type replyError string
 
 func (e replyError) Error() string { return string(e) }
 func (replyError) RedisError()     {}
+
+// aclToolRules are the rights docs/REDIS.md adds for the tools that read
+// quotas without their policy: Quotas, Open, BusiestKeys, the dashboard.
+var aclToolRules = []string{"+scan", "+hget"}
+
+// The tools read every quota with the rights docs/REDIS.md lists for them,
+// and nothing more.
+func TestSecurity_ToolsNeedOnlyWhatTheDocsList(t *testing.T) {
+	s := redistest.Real(t)
+	admin := adminClient(t, s.Addr)
+	ctx := context.Background()
+	setup, err := New(admin, "tools", policies.All(
+		policies.SlidingLog{Limit: 10, Window: time.Second},
+		policies.PerKey{Policy: policies.SlidingLog{Limit: 5, Window: time.Second}}))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := setup.Allow(ctx, Key("a")); err != nil {
+		t.Fatal(err)
+	}
+	rdb := aclUser(t, s, admin, "tools", append(slices.Clone(aclRules), aclToolRules...))
+	if err := admin.ACLLogReset(ctx).Err(); err != nil {
+		t.Fatal(err)
+	}
+	names, err := Quotas(ctx, rdb, "")
+	if err != nil || len(names) != 1 {
+		t.Fatalf("Quotas: %v, %v", names, err)
+	}
+	lim, err := Open(ctx, rdb, names[0])
+	if err != nil {
+		t.Fatalf("Open: %v", err)
+	}
+	if _, err := lim.Usage(ctx, Key("")); err != nil {
+		t.Errorf("Usage: %v", err)
+	}
+	if keys, err := lim.BusiestKeys(ctx, 3); err != nil || len(keys) != 1 {
+		t.Errorf("BusiestKeys: %v, %v", keys, err)
+	}
+	if denied := aclDenials(t, admin); len(denied) > 0 {
+		t.Errorf("Redis refused the tools %d times: %q", len(denied), denied)
+	}
+}

@@ -44,6 +44,9 @@ const (
 	offForwardSteps   mechanism = "forward_steps"   // batch.go newStep: a forward step is not told to the script
 	offMoves          mechanism = "moves"           // move.go movable: room given back moves no sleeping call
 	offRebookLowered  mechanism = "rebook_lowered"  // view.go overtaken: a call booked before a limit dropped keeps its slot
+
+	// feedback.go Heard: a refusal about calls in flight pauses, as any other.
+	offConcRefusals mechanism = "concurrency_refusals"
 )
 
 // luaMechanisms are the mechanisms decided in the scripts, by the names
@@ -68,7 +71,7 @@ var luaMechanisms = []mechanism{
 	"back_steps",      // lib.lua check_clock: a clock gone back is not found
 	"policy_ids",      // lib.lua check_policy: a changed policy starts at once
 	"blind_rules",     // lib.lua blind.read, blind.lost, check_policy: a loss or a new rule pauses the whole quota for its longest window
-	"rebuild",         // acquire.lua blind.floor, feedback.lua rebuild: no probe goes out, and no vendor's count ends a rule's blindness
+	"rebuild",         // acquire.lua blind.floor, feedback.lua rebuild: no scout goes out, and no vendor's count ends a rule's blindness
 	"learned_caps",    // feedback.lua: a vendor's refusal teaches no cap
 	"charges",         // feedback.lua charged_after: every answer charges its whole gap
 	"reserve",         // acquire.lua reserve: back from Local, Redis admits the whole limit
@@ -85,6 +88,7 @@ var luaMechanisms = []mechanism{
 var goMechanisms = []mechanism{
 	offSleepToSlot, offGuard, offDoubt, offLeads, offSpares, offBatches, offAbandon,
 	offNews, offBreaker, offAskTimeout, offQueuedFailures, offHandBack, offForwardSteps, offMoves, offRebookLowered,
+	offConcRefusals,
 }
 
 // switchedOff holds the mechanisms THROTTLE_OFF turns off, offErr what is

@@ -77,7 +77,7 @@ type Limiter struct {
 	spares  spares      // spare admissions taken for the next calls (spare.go); its own lock
 	q       *queue      // the local queue in Queue mode, or nil; its own lock
 	closed  atomic.Bool // Close was called
-	calls   running     // the calls Do and Go run, which Close waits for
+	work    running     // the calls Do and Go run, and the goroutines it starts: Close waits for them
 
 	freed *freed // signals a concurrency slot freed in this process: the limiter's own, or its group's (policies.Shared)
 
@@ -128,7 +128,7 @@ type view struct {
 	described   atomic.Int64  // the epoch whose meta holds this limiter's description, as far as it knows (describe.go)
 
 	ran     atomic.Pointer[scriptsRan] // this limiter's acquire scripts Redis answered, and in which epoch
-	counted atomic.Bool                // the vendor's counts reached this limiter: its calls may probe a blind rule (lua/lib.lua, Probes)
+	counted atomic.Bool                // the vendor's counts reached this limiter: its calls may go out as scouts (lua/lib.lua, Scouts)
 }
 
 // failover is what keeps calls going while Redis cannot decide them.
@@ -403,22 +403,32 @@ func (l *Limiter) acquirePermit(ctx context.Context, opts []CallOption) (*Permit
 // Close returns ctx's error; no call is dropped without an error. It ends
 // the limiter's subscription to its quota's news (what other replicas learn
 // of pauses and losses), which the last limiter on a client closes, and
-// gives back the spare admissions the limiter holds. Close does not close
-// the Redis client, which belongs to the caller.
+// gives back the spare admissions the limiter holds. When it returns nil,
+// no goroutine the limiter started is left. Close does not close the Redis
+// client, which belongs to the caller.
 func (l *Limiter) Close(ctx context.Context) error {
 	if err := l.made(); err != nil {
 		return err
 	}
-	if !l.closed.Swap(true) {
-		defer l.unlisten()
-		defer l.dropAllSpares(ctx)
-	}
+	first := !l.closed.Swap(true)
+	var err error
 	if l.q != nil {
-		if err := l.q.close(ctx, l.name); err != nil {
-			return err
+		err = l.q.close(ctx, l.name)
+	}
+	if err == nil {
+		err = l.work.close(ctx)
+	}
+	if first {
+		l.dropAllSpares(ctx)
+		if done := l.unlisten(); done != nil && err == nil {
+			err = wait(ctx, done)
 		}
 	}
-	return l.calls.close(ctx)
+	if err != nil {
+		return err
+	}
+	// What giving the spares back started.
+	return l.work.close(ctx)
 }
 
 // enter counts a call of Do or Go in, for Close to wait for; it fails
@@ -427,7 +437,7 @@ func (l *Limiter) enter() error {
 	if err := l.made(); err != nil {
 		return err
 	}
-	if !l.calls.enter() {
+	if !l.work.enter() {
 		return quotaErr(l.name, ErrClosed, "limiter closed")
 	}
 	return nil
@@ -442,7 +452,7 @@ func Do[T any](ctx context.Context, l *Limiter, fn func(context.Context) (T, err
 	if err := l.enter(); err != nil {
 		return zero, err
 	}
-	defer l.calls.leave()
+	defer l.work.leave()
 	p, err := l.acquirePermit(ctx, opts)
 	if err != nil {
 		return zero, err
@@ -491,12 +501,12 @@ func Go[T any](ctx context.Context, l *Limiter, fn func(context.Context) (T, err
 	if err != nil {
 		f.err = err
 		close(f.done)
-		l.calls.leave()
+		l.work.leave()
 		return f
 	}
 	go func() {
 		defer close(f.done)
-		defer l.calls.leave()
+		defer l.work.leave()
 		var p *Permit
 		p, f.err = l.dispatch(ctx, c, w)
 		if f.err != nil {

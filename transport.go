@@ -50,7 +50,9 @@ const (
 // in Queue mode it takes its place in the limiter's queue.
 //
 // The vendor's answer is feedback for every replica: the Transport reads
-// its status and headers into an Answer for Permit.Heard. A refusal (a 429,
+// its status and headers into an Answer for Permit.Heard, and its body too
+// on a Route with FromBody; a Route with a Resource takes only the answers
+// about it. A refusal (a 429,
 // a 503 with Retry-After, or a 403 that says nothing is left, as GitHub
 // sends) pauses the quota until the time the vendor named in Retry-After,
 // X-RateLimit-Reset or the IETF RateLimit header, and for DefaultPause
@@ -139,9 +141,9 @@ type Transport struct {
 	// tokens or points used): a value of 0 or more settles the call's cost
 	// with Permit.Settle before the response is returned, up to the quota's
 	// smallest limit; a negative value leaves the cost as it was admitted.
-	// It must not read the body. For a cost the body tells (an LLM's
-	// usage), read the body, then settle the permit that
-	// PermitFrom(resp.Request.Context()) returns.
+	// It must not read the body. For a cost the body tells, give the
+	// route a FromBody (GraphQL points), or read the body, then settle the
+	// permit that PermitFrom(resp.Request.Context()) returns (an LLM's usage).
 	ResponseCost func(*http.Response) int
 	// Priority gives each request's Priority: its class, whose share of a
 	// full quota every replica holds for it (see Priority), and its place
@@ -215,6 +217,26 @@ type Route struct {
 	Pattern string
 	Match   func(*http.Request) bool
 	Limiter *Limiter
+
+	// Resource is the vendor's name for what the route's quota counts, as
+	// its answers name it (GitHub's x-ratelimit-resource: core, search,
+	// code_search, graphql). An answer that names another resource tells
+	// this quota nothing: neither its counts nor its refusal move it. Empty
+	// takes every answer as this quota's.
+	Resource string
+	// FromBody reads what the vendor states in the body of an answer, for
+	// a vendor that counts a call's cost or its own state there (GraphQL
+	// APIs: Shopify's extensions.cost, GitHub's data.rateLimit; see the
+	// package graphql). It is given the whole body when it is at most 1
+	// MiB, before the response is returned, and the Answer read from the
+	// status and headers, which it may amend: a count of the vendor's
+	// units, or a refusal the body states (Shopify's THROTTLED). It
+	// returns the call's actual cost, which settles the call (Permit.Settle)
+	// unless the vendor refused it, or a negative value to keep the cost
+	// admitted. It must not keep or modify body; the caller still reads
+	// the whole body as the vendor sent it. A longer body is not read, and
+	// the call keeps the cost it was admitted with.
+	FromBody func(body []byte, a *Answer) int
 }
 
 // transport is a Transport as its first request read it.
@@ -242,8 +264,10 @@ type transport struct {
 }
 
 type route struct {
-	match func(*http.Request) bool
-	lim   *Limiter
+	match    func(*http.Request) bool
+	lim      *Limiter
+	resource string // Route.Resource, in lower case
+	fromBody func([]byte, *Answer) int
 }
 
 // compile reads and checks the fields of t.
@@ -318,23 +342,22 @@ func (t *transport) addRoutes(routes []Route) {
 		case r.Match != nil && r.Pattern != "":
 			t.invalid(field, "set Pattern %q or Match, not both", r.Pattern)
 		case r.Match != nil:
-			t.routes = append(t.routes, route{match: r.Match, lim: r.Limiter})
+			t.routes = append(t.routes, routeOf(r, r.Match))
 		default:
 			match, err := matchPattern(r.Pattern)
 			if err != nil {
 				t.invalid(field, "%v", err)
 				continue
 			}
-			t.routes = append(t.routes, route{match: match, lim: r.Limiter})
+			t.routes = append(t.routes, routeOf(r, match))
 		}
 	}
 }
 
-// settle replaces the cost of a request admitted by p with the cost its
-// response states. A failure to reach Redis leaves the admitted cost.
-func (t *transport) settle(ctx context.Context, lim *Limiter, p *Permit, resp *http.Response) {
-	n := t.respCost(resp)
-	if n < 0 || n == p.cost() {
+// settle replaces the cost of a request admitted by p with n, the cost
+// its response states. A failure to reach Redis leaves the admitted cost.
+func (t *transport) settle(ctx context.Context, lim *Limiter, p *Permit, n int) {
+	if n == p.cost() {
 		return
 	}
 	ctx, stop := context.WithTimeout(context.WithoutCancel(ctx), feedbackTimeout)
@@ -401,7 +424,8 @@ func (t *transport) roundTrip(req *http.Request) (*http.Response, error) {
 		closeBody(req)
 		return nil, t.err
 	}
-	lim := t.limiterFor(req)
+	rt := t.routeFor(req)
+	lim := rt.lim
 	if lim == nil {
 		return t.base.RoundTrip(req)
 	}
@@ -422,7 +446,7 @@ func (t *transport) roundTrip(req *http.Request) (*http.Response, error) {
 		}
 		discard(refusal)
 		refusal = nil
-		resp, quiet, retry, err := t.send(ctx, lim, p, send, key)
+		resp, quiet, retry, err := t.send(ctx, rt, p, send, key)
 		if err != nil {
 			return nil, err
 		}
@@ -487,7 +511,8 @@ func notRetried(ctx context.Context, refusal *http.Response, err error) (*http.R
 // (-1 for none). It reports how long the vendor asked the fleet to keep
 // quiet, and whether to retry the request: the vendor refused it, and did
 // not say that a retry would fail too. On an error, p is released.
-func (t *transport) send(ctx context.Context, lim *Limiter, p *Permit, req *http.Request, key int) (*http.Response, time.Duration, bool, error) {
+func (t *transport) send(ctx context.Context, rt route, p *Permit, req *http.Request, key int) (*http.Response, time.Duration, bool, error) {
+	lim := rt.lim
 	// The request sent carries its permit, which the caller finds with
 	// PermitFrom(resp.Request.Context()): to settle the call's cost
 	// from the body, once read.
@@ -497,17 +522,26 @@ func (t *transport) send(ctx context.Context, lim *Limiter, p *Permit, req *http
 		return nil, 0, false, err
 	}
 	v := parseVendorLimits(resp.Header, time.Now())
-	quiet, refused := t.feedback(ctx, p, resp.StatusCode, v, t.aboutRateOf(resp, v.about))
+	a := t.answerOf(resp.StatusCode, v, t.aboutOf(resp, v.about))
+	cost := rt.readBody(resp, &a, v)
+	quiet, refused := t.feedback(ctx, p, a)
 	if key >= 0 {
 		// A quota of no per-key rules counts every key's calls as one.
 		count := -1
 		if t.keyed[lim] {
 			count = p.remaining()
 		}
-		t.pool.heard(key, count, v.remaining, quiet)
+		vendor := -1
+		if a.Requests != nil {
+			vendor = a.Requests.Remaining
+		}
+		t.pool.heard(key, count, vendor, quiet)
 	}
-	if t.respCost != nil && !refused {
-		t.settle(ctx, lim, p, resp)
+	if cost < 0 && t.respCost != nil {
+		cost = t.respCost(resp)
+	}
+	if cost >= 0 && !refused {
+		t.settle(ctx, lim, p, cost)
 	}
 	// Stripe-Should-Retry: false says a retry would fail too.
 	return resp, quiet, refused && !v.noRetry, nil
@@ -532,13 +566,15 @@ func traceStart(ctx context.Context, p *Permit) context.Context {
 	}})
 }
 
-func (t *transport) limiterFor(req *http.Request) *Limiter {
+// routeFor returns the route of req: the first that matches, or the
+// Transport's Limiter as a route of no other field.
+func (t *transport) routeFor(req *http.Request) route {
 	for _, r := range t.routes {
 		if r.match(req) {
-			return r.lim
+			return r
 		}
 	}
-	return t.lim
+	return route{lim: t.lim}
 }
 
 func (t *transport) callOptions(req *http.Request, lim *Limiter) []CallOption {
@@ -564,16 +600,24 @@ func (t *transport) callOptions(req *http.Request, lim *Limiter) []CallOption {
 // it refused the request. It runs even when the request's context has
 // ended, since the fleet needs to know; if Redis cannot be reached the
 // feedback is lost and the answer is returned all the same.
-func (t *transport) feedback(ctx context.Context, p *Permit, status int, v vendorLimits, aboutRate bool) (quiet time.Duration, refused bool) {
+func (t *transport) feedback(ctx context.Context, p *Permit, a Answer) (quiet time.Duration, refused bool) {
 	ctx, stop := context.WithTimeout(context.WithoutCancel(ctx), feedbackTimeout)
 	defer stop()
+	quiet, refused, _ = p.Heard(ctx, a)
+	return quiet, refused
+}
+
+// answerOf returns the Answer that a response's status and headers give,
+// about being what the refusal is about.
+func (t *transport) answerOf(status int, v vendorLimits, about refusalAbout) Answer {
 	a := Answer{
-		Status:        status,
-		RetryAfter:    v.retryAfter,
-		HasRetryAfter: v.hasRetryAfter,
-		Shared:        v.scope == "shared",
-		AboutRate:     aboutRate,
-		DefaultPause:  t.pause,
+		Status:           status,
+		RetryAfter:       v.retryAfter,
+		HasRetryAfter:    v.hasRetryAfter,
+		Shared:           v.scope == "shared",
+		AboutRate:        about == aboutTheRate,
+		AboutConcurrency: about == aboutConcurrency,
+		DefaultPause:     t.pause,
 	}
 	if v.remaining >= 0 {
 		a.Requests = &Count{Remaining: v.remaining, Reset: v.reset, Limit: v.limit}
@@ -587,43 +631,35 @@ func (t *transport) feedback(ctx context.Context, p *Permit, status int, v vendo
 		}
 		a.Units[name] = &c
 	}
-	quiet, refused, _ = p.Heard(ctx, a)
-	return quiet, refused
+	return a
 }
 
-// aboutRateOf reports whether resp is a refusal about the vendor's rate:
-// by reason, read from its headers or else from its body, or by AboutRate
-// when it gives none. Only the statuses that may refuse are read.
-func (t *transport) aboutRateOf(resp *http.Response, about refusalAbout) bool {
+// aboutOf returns what resp refuses the call about: its reason, read from
+// its headers or else from its body, or the rate when it gives none and
+// AboutRate says so. Only the statuses that may refuse are read.
+func (t *transport) aboutOf(resp *http.Response, about refusalAbout) refusalAbout {
 	switch resp.StatusCode {
 	case http.StatusTooManyRequests, http.StatusForbidden, http.StatusServiceUnavailable:
 	default:
-		return false
+		return aboutNothingSaid
 	}
 	if about == aboutNothingSaid {
 		about = peekAbout(resp)
 	}
-	return about == aboutTheRate || about == aboutNothingSaid && t.aboutRate != nil && t.aboutRate(resp)
+	if about == aboutNothingSaid && t.aboutRate != nil && t.aboutRate(resp) {
+		return aboutTheRate
+	}
+	return about
 }
 
 // peekAbout reads the reason of a refusal from the start of its JSON
-// body (bodyAbout), and gives the response a body that reads the same as
-// the vendor's: what was read, then the rest, or the error of the read.
+// body (bodyAbout); the caller still reads the body as the vendor sent it.
 func peekAbout(resp *http.Response) refusalAbout {
-	if resp.Body == nil || resp.Body == http.NoBody || !strings.Contains(resp.Header.Get("Content-Type"), "json") {
+	if !strings.Contains(resp.Header.Get("Content-Type"), "json") {
 		return aboutNothingSaid
 	}
-	buf, err := io.ReadAll(io.LimitReader(resp.Body, maxReasonBody+1))
-	rest := io.Reader(resp.Body)
-	if err != nil {
-		rest = errReader{err}
-	}
-	resp.Body = struct {
-		io.Reader
-		io.Closer
-	}{io.MultiReader(bytes.NewReader(buf), rest), resp.Body}
-	if err != nil || len(buf) > maxReasonBody {
-		// A body cut short says nothing for certain.
+	buf, ok := peekBody(resp, maxReasonBody)
+	if !ok {
 		return aboutNothingSaid
 	}
 	return bodyAbout(buf)

@@ -900,7 +900,7 @@ func TestRoute_PatternMatches(t *testing.T) {
 			t.Fatalf("Route{Pattern: %q}: %v", tt.pattern, tr.err)
 		}
 		req := mustRequest(t, context.Background(), http.MethodGet, tt.url, nil)
-		if got := tr.limiterFor(req) != nil; got != tt.want {
+		if got := tr.routeFor(req).lim != nil; got != tt.want {
 			t.Errorf("Route{Pattern: %q} matches %s: %v, want %v", tt.pattern, tt.url, got, tt.want)
 		}
 	}

@@ -5,8 +5,8 @@
 -- refused call writes nothing but its class's demand (see Classes).
 --
 -- KEYS and ARGV as in lib.lua, with
--- ARGV[2]        "<p>:<n>:<e>:<id>": p when the vendor's counts reached the
---                caller, whose calls may then go out as probes (see Probes
+-- ARGV[2]        "<s>:<n>:<e>:<id>": s when the vendor's counts reached the
+--                caller, whose calls may then go out as scouts (see Scouts
 --                in lib.lua); n the caller's acquire scripts Redis answered
 --                in epoch e, and id the caller's id (see count_own);
 -- ARGV[4]        the number of calls, n;
@@ -124,8 +124,8 @@ local function load(r)
     end
     r.n = redis.call('ZCOUNT', r.key, '(' .. str(now - r.window), '+inf')
     if r.blind then
-      -- No probe yet: no unit since the rule's data began.
-      r.probe_free = redis.call('ZCOUNT', r.key, str(r.since), '+inf') == 0
+      -- No scout yet: no unit since the rule's data began.
+      r.scout_free = redis.call('ZCOUNT', r.key, str(r.since), '+inf') == 0
     end
   elseif r.kind == COUNTER then
     -- The oldest bucket a window ending now may touch, as earliest_counter
@@ -133,7 +133,7 @@ local function load(r)
     local oldest = oldest_bucket(r, now)
     local kept = bucket_of(now, r.width) - math.ceil(r.keep / r.width)
     local raw = redis.call('HGETALL', r.key)
-    r.counts, r.bs, r.n, r.probe_free = {}, {}, 0, r.blind
+    r.counts, r.bs, r.n, r.scout_free = {}, {}, 0, r.blind
     for k = 1, #raw, 2 do
       local b, n = tonumber(raw[k]), tonumber(raw[k + 1])
       if b < kept or n <= 0 then
@@ -145,7 +145,7 @@ local function load(r)
           r.n = r.n + n
         end
         if (b + 1) * r.width > r.since then
-          r.probe_free = false
+          r.scout_free = false
         end
       end
     end
@@ -180,9 +180,9 @@ end
 
 -- blind.floor returns the earliest time a blind log or counter r admits a
 -- call at: once the calls before its data began have reached the vendor,
--- for a probe (see Probes in lib.lua), else the end of its blindness.
+-- for a scout (see Scouts in lib.lua), else the end of its blindness.
 function blind.floor(r)
-  if r.probe and r.about and r.probe_free then
+  if r.scout and r.about and r.scout_free then
     return blind.settled(r)
   end
   return r.blind_until
@@ -225,7 +225,7 @@ local function record(r, t, id, cost)
   r.tmax = math.max(r.tmax, t)
   r.recorded = true
   r.fits = nil
-  r.probe_free = false
+  r.scout_free = false
   if r.kind == LOG or r.kind == CONCURRENCY then
     local score = t
     if r.kind == CONCURRENCY then
@@ -689,7 +689,7 @@ local function read_args()
     given = {}, -- the bookings given back, by their place from 1
   }
   local flags, ran, ran_in, limiter = string.match(ARGV[2], '^(%a*):(%d+):(%d+):(.+)$')
-  batch.probe = flags == 'p' and not OFF.rebuild
+  batch.scout = flags == 's' and not OFF.rebuild
   batch.ran, batch.ran_in, batch.limiter = tonumber(ran or '0'), tonumber(ran_in or '0'), limiter
   batch.gives = read_scopes(batch, arg + 5)
   batch.first = batch.gives + BOOKING_ARGS * batch.ngive
@@ -889,8 +889,8 @@ local function load_rules(batch)
   end
   for _, r in ipairs(batch.objs) do
     blind.read(r, batch.meta, now)
-    -- A probe goes out only where the vendor's counts reach (rulesAbout in Go).
-    r.probe, r.about = batch.probe, r.kind ~= CONCURRENCY and (not r.per_key or not shared)
+    -- A scout goes out only where the vendor's counts reach (rulesAbout in Go).
+    r.scout, r.about = batch.scout, r.kind ~= CONCURRENCY and (not r.per_key or not shared)
     if batch.back then
       drop_ahead(r)
     end
@@ -1523,9 +1523,9 @@ function blind.cause(call, busy)
   return 0
 end
 
--- blind.probes reports whether the call, admitted at t, is a probe: a blind
+-- blind.scouts reports whether the call, admitted at t, is a scout: a blind
 -- log or counter takes it before its blindness ends.
-function blind.probes(call, t)
+function blind.scouts(call, t)
   for _, r in ipairs(call.rs) do
     if r.blind and (r.kind == LOG or r.kind == COUNTER) and t < r.blind_until then
       return true
@@ -1582,7 +1582,7 @@ local function decide(batch, c)
   elseif refused then
     answer(batch, call, 0, t - now, REFUSED_TOO_FAR + blind.CAUSE * blind.cause(call, false))
   else
-    local probe = blind.probes(call, t)
+    local scout = blind.scouts(call, t)
     for _, r in ipairs(call.rs) do
       record(r, t, call.id, units(r, call.cost))
     end
@@ -1595,8 +1595,8 @@ local function decide(batch, c)
     if t > now or call.moves and call.moves.kept then
       call.remaining, call.room = 0, 0
     end
-    if probe then
-      -- Any count the vendor gives of a probe is news (see Probes in lib.lua).
+    if scout then
+      -- Any count the vendor gives of a scout is news (see Scouts in lib.lua).
       call.room = -1
     end
     if t <= now then

@@ -944,9 +944,9 @@ end
 -- feedback.lua), which <rule key>:rb notes: the time of the rebuild,
 -- kept until the blindness would have ended.
 --
--- Probes. While a log or counter is blind for one key, one call may go
--- out to learn where the vendor stands (a probe): the first of a process
--- that hears the vendor's counts (ARGV[2] of acquire.lua is 1), under a
+-- Scouts. While a log or counter is blind for one key, one call may go
+-- out to learn where the vendor stands (a scout): the first of a process
+-- that hears the vendor's counts (ARGV[2] of acquire.lua begins with s), under a
 -- rule that such counts reach, for a key that holds no unit since since,
 -- once the calls admitted before since have all reached the vendor
 -- (blind.settled). Its answer rebuilds the rule; a vendor at its cap

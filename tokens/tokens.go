@@ -2,12 +2,14 @@
 // tokens quota, from its request body, before it is sent: the prompt's
 // tokens, by the rule of thumb the vendors give (about four bytes of
 // English text a token), and the most the completion may use (its
-// max_tokens). A quota admits the call at such an estimate and settles it
-// from the usage the answer reports (throttle.Track, Permit.Settle).
+// max_tokens). A quota admits the call at such an estimate.
 //
-// The estimate is the vendor's count only where the vendor counts so:
-// docs/VENDORS.md says, per vendor, which estimate to charge and whether
-// to settle.
+// Whether to settle it afterwards depends on how the vendor counts:
+// OpenAI counts such an estimate when a request arrives and keeps it, so
+// charge it and settle nothing; Anthropic counts input at arrival and
+// output as max_tokens until the request ends, so settle from the usage
+// the answer reports (throttle.Track, Permit.Settle). docs/VENDORS.md says
+// which, per vendor.
 //
 // Each function reads one body: Transport.Cost calls its function once per
 // try of a request (an SDK's retries are new requests, whose bodies are
@@ -200,4 +202,26 @@ func FromRequest(req *http.Request, estimate func([]byte) (Estimate, error)) (Es
 		return Estimate{}, err
 	}
 	return estimate(body)
+}
+
+// Model returns a Route.Match for the requests whose body names model, as
+// OpenAI's and Anthropic's do in their "model" field: each model has
+// limits of its own, kept by a quota of its own. The body is read through
+// GetBody; a request whose body cannot be read twice matches no model.
+func Model(model string) func(*http.Request) bool {
+	return func(req *http.Request) bool {
+		if req.Body == nil || req.Body == http.NoBody {
+			return false
+		}
+		var named string
+		_, err := FromRequest(req, func(body []byte) (Estimate, error) {
+			var b struct {
+				Model string `json:"model"`
+			}
+			err := json.Unmarshal(body, &b)
+			named = b.Model
+			return Estimate{}, err
+		})
+		return err == nil && named == model
+	}
 }

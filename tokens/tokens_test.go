@@ -106,3 +106,27 @@ func ExampleCost() {
 	fmt.Println(cost(req))
 	// Output: 1024
 }
+
+// A route per model: a request matches the model its body names, read
+// through GetBody, and still sends its whole body.
+func TestModel_MatchesTheModelTheBodyNames(t *testing.T) {
+	body := `{"model":"gpt-4o-mini","messages":[{"role":"user","content":"hi"}]}`
+	req, err := http.NewRequest(http.MethodPost, "https://api.openai.com/v1/chat/completions", strings.NewReader(body))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !Model("gpt-4o-mini")(req) || Model("gpt-4o")(req) {
+		t.Errorf("Model matched the wrong model of %s", body)
+	}
+	sent, err := io.ReadAll(req.Body)
+	if err != nil || string(sent) != body {
+		t.Errorf("the request sends %q (%v), want %q", sent, err, body)
+	}
+	get, err := http.NewRequest(http.MethodGet, "https://api.openai.com/v1/models", nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if Model("gpt-4o")(get) {
+		t.Error("a request without a body matched a model")
+	}
+}

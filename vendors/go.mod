@@ -9,6 +9,7 @@ require (
 	github.com/google/go-github/v84 v84.0.0
 	github.com/openai/openai-go/v3 v3.96.0
 	github.com/redis/go-redis/v9 v9.23.0
+	github.com/stripe/stripe-go/v82 v82.5.1
 	github.com/throttlekit/throttle v0.0.0-00010101000000-000000000000
 )
 

@@ -16,25 +16,27 @@ import (
 	"github.com/throttlekit/throttle/policies"
 )
 
-// The README's Anthropic snippet, compiled and run here against the fake
-// (the root module's readme_test.go checks that the README shows it as
-// it is here, between the "README" lines).
+// One quota for Anthropic's requests, input and output tokens, each call
+// settled from its typed result, run here against the fake (the recipe of
+// docs/VENDORS.md, with prompt caching, is readme_anthropic_cache_test.go).
 func readmeAnthropic(ctx context.Context, rdb *redis.Client, params anthropic.MessageNewParams, prompt int) (*anthropic.Message, error) {
-	// README anthropic
-	lim, _ := throttle.New(rdb, "anthropic", policies.All(
+	lim, err := throttle.New(rdb, "anthropic", policies.All(
 		policies.PerCall{Policy: policies.SlidingLog{Limit: 50, Window: time.Minute}},
 		policies.Unit{Name: "input_tokens", Policy: policies.SlidingLog{Limit: 30_000, Window: time.Minute}},
 		policies.Unit{Name: "output_tokens", Policy: policies.SlidingLog{Limit: 8_000, Window: time.Minute}},
 	))
+	if err != nil {
+		return nil, err
+	}
 	client := anthropic.NewClient(option.WithHTTPClient(&http.Client{Transport: &throttle.Transport{Limiter: lim}}))
 	// Each estimate set once, for every try the SDK sends; settled from the typed result.
 	ctx, call := throttle.Track(ctx,
 		throttle.CostIn("input_tokens", prompt), throttle.CostIn("output_tokens", int(params.MaxTokens)))
 	msg, err := client.Messages.New(ctx, params)
-	if err == nil {
-		err = call.Settle(ctx, throttle.CostIn("input_tokens", int(msg.Usage.InputTokens)), throttle.CostIn("output_tokens", int(msg.Usage.OutputTokens)))
+	if err != nil {
+		return nil, err
 	}
-	// README end
+	err = call.Settle(ctx, throttle.CostIn("input_tokens", int(msg.Usage.InputTokens)), throttle.CostIn("output_tokens", int(msg.Usage.OutputTokens)))
 	return msg, err
 }
 

@@ -2,9 +2,12 @@
 // by a fleet in one policy: each request is admitted with an estimate of its
 // tokens and settled with what the API says it used.
 //
-// It starts a strict fake LLM API that counts requests and tokens in exact
-// sliding windows and answers 429 past either cap, with OpenAI's rate-limit
-// headers, and an embedded Redis (or uses -redis). Each replica has its own
+// It starts a strict fake LLM API that counts the tokens each request used
+// (as a gateway or a self-hosted model's server does: OpenAI itself counts
+// an estimate at arrival and keeps it, and its calls are charged that
+// estimate and not settled; docs/VENDORS.md says so per vendor) in exact
+// sliding windows, answers 429 past either cap with rate-limit headers, and
+// an embedded Redis (or uses -redis). Each replica has its own
 // Redis client, limiter and http.Client, as separate processes would. The
 // quota is
 //

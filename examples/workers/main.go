@@ -83,53 +83,16 @@ func run(ctx context.Context, cfg config, out io.Writer) (report, error) {
 		return report{}, fmt.Errorf("-redis %q: %w", cfg.Redis, err)
 	}
 	provider := fakeapi.New(fakeapi.Config{Limit: cfg.Limit, Window: cfg.Window})
-	policy := policies.All(
-		policies.SlidingLog{Limit: cfg.Limit, Window: cfg.Window},
-		policies.PerKey{Policy: policies.SlidingLog{Limit: cfg.TenantLimit, Window: cfg.Window}},
-	)
-	var workers []*throttle.Limiter
-	for range cfg.Workers {
-		rdb := redis.NewClient(opt)
-		defer rdb.Close()
-		lim, err := throttle.New(rdb, "sms-provider", policy, throttle.Options{Mode: throttle.Queue, MaxQueue: cfg.Jobs})
-		if err != nil {
-			return report{}, err
-		}
-		workers = append(workers, lim)
+	workers, closeClients, err := newWorkers(opt, cfg)
+	defer closeClients()
+	if err != nil {
+		return report{}, err
 	}
-
-	rep := report{PerTenant: map[string]int{}}
-	var mu sync.Mutex
-	var futures []*throttle.Future[string]
 	start := time.Now()
 	fmt.Fprintf(out, "sending %d messages for %d tenants through %d workers; provider cap %d per %v, %d per tenant\n",
 		cfg.Jobs, cfg.Tenants, cfg.Workers, cfg.Limit, cfg.Window, cfg.TenantLimit)
-	// A signal stops the submitting, not the jobs already queued: they run
-	// with a context the signal does not cancel, and drain on Close below.
-	jobs := context.WithoutCancel(ctx)
-	for i := range cfg.Jobs {
-		if ctx.Err() != nil {
-			break
-		}
-		tenant := fmt.Sprintf("tenant-%d", i%cfg.Tenants)
-		// One-time passwords cannot wait behind a newsletter.
-		priority := 0
-		if i%5 == 0 {
-			priority = 10
-		}
-		lim := workers[i%len(workers)]
-		send := func(context.Context) (string, error) {
-			if !provider.Arrive() {
-				return "", errors.New("provider answered 429")
-			}
-			mu.Lock()
-			rep.PerTenant[tenant]++
-			mu.Unlock()
-			return tenant, nil
-		}
-		futures = append(futures, throttle.Go(jobs, lim, send, throttle.Key(tenant), throttle.Priority(priority)))
-		rep.Submitted++
-	}
+	rep := report{PerTenant: map[string]int{}}
+	futures := submit(ctx, cfg, workers, provider, &rep)
 
 	// Stop taking jobs, and let every queue drain.
 	drain, cancel := context.WithTimeout(context.Background(), time.Minute)
@@ -148,7 +111,73 @@ func run(ctx context.Context, cfg config, out io.Writer) (report, error) {
 		}
 	}
 	rep.OverCap = provider.Stats().OverCap
+	printReport(out, rep, time.Since(start))
+	return rep, nil
+}
 
+// newWorkers returns the limiters of cfg.Workers processes sharing the
+// provider's quota, each on a Redis client of its own, and a function that
+// closes the clients.
+func newWorkers(opt *redis.Options, cfg config) ([]*throttle.Limiter, func(), error) {
+	policy := policies.All(
+		policies.SlidingLog{Limit: cfg.Limit, Window: cfg.Window},
+		policies.PerKey{Policy: policies.SlidingLog{Limit: cfg.TenantLimit, Window: cfg.Window}},
+	)
+	var workers []*throttle.Limiter
+	var clients []*redis.Client
+	closeAll := func() {
+		for _, c := range clients {
+			_ = c.Close()
+		}
+	}
+	for range cfg.Workers {
+		rdb := redis.NewClient(opt)
+		clients = append(clients, rdb)
+		lim, err := throttle.New(rdb, "sms-provider", policy, throttle.Options{Mode: throttle.Queue, MaxQueue: cfg.Jobs})
+		if err != nil {
+			return nil, closeAll, err
+		}
+		workers = append(workers, lim)
+	}
+	return workers, closeAll, nil
+}
+
+// submit hands cfg.Jobs messages to the workers in turn until ctx ends, and
+// returns their futures.
+func submit(ctx context.Context, cfg config, workers []*throttle.Limiter, provider *fakeapi.Vendor, rep *report) []*throttle.Future[string] {
+	var mu sync.Mutex
+	var futures []*throttle.Future[string]
+	// A signal stops the submitting, not the jobs already queued: they run
+	// with a context the signal does not cancel, and drain on Close.
+	jobs := context.WithoutCancel(ctx)
+	for i := range cfg.Jobs {
+		if ctx.Err() != nil {
+			break
+		}
+		tenant := fmt.Sprintf("tenant-%d", i%cfg.Tenants)
+		// One-time passwords cannot wait behind a newsletter.
+		priority := 0
+		if i%5 == 0 {
+			priority = 10
+		}
+		send := func(context.Context) (string, error) {
+			if !provider.Arrive() {
+				return "", errors.New("provider answered 429")
+			}
+			mu.Lock()
+			rep.PerTenant[tenant]++
+			mu.Unlock()
+			return tenant, nil
+		}
+		lim := workers[i%len(workers)]
+		futures = append(futures, throttle.Go(jobs, lim, send, throttle.Key(tenant), throttle.Priority(priority)))
+		rep.Submitted++
+	}
+	return futures
+}
+
+// printReport writes what each tenant sent, and the run's totals.
+func printReport(out io.Writer, rep report, took time.Duration) {
 	tenants := make([]string, 0, len(rep.PerTenant))
 	for t := range rep.PerTenant {
 		tenants = append(tenants, t)
@@ -159,6 +188,5 @@ func run(ctx context.Context, cfg config, out io.Writer) (report, error) {
 		fmt.Fprintf(out, "%-10s %6d\n", t, rep.PerTenant[t])
 	}
 	fmt.Fprintf(out, "\nsubmitted %d, sent %d, not sent %d (each with its error), provider 429s %d, in %v\n",
-		rep.Submitted, rep.Sent, rep.Failed, rep.OverCap, time.Since(start).Round(time.Millisecond))
-	return rep, nil
+		rep.Submitted, rep.Sent, rep.Failed, rep.OverCap, took.Round(time.Millisecond))
 }

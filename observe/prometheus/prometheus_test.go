@@ -7,6 +7,8 @@ import (
 	"maps"
 	"net/http"
 	"net/http/httptest"
+	"os"
+	"regexp"
 	"slices"
 	"strings"
 	"sync"
@@ -321,5 +323,34 @@ func TestObserver_IgnoresUnknownKinds(t *testing.T) {
 	_, fams := scrape(t, reg)
 	if got := counter(t, fams, "throttle_calls_total", "outcome=admitted", "quota=q", "shadow=false"); got != 0 {
 		t.Errorf("an unknown kind counted as admitted: %v", got)
+	}
+}
+
+// The metrics table of observe/README.md names every metric the Observer
+// describes, and no other.
+func TestREADME_NamesEveryMetric(t *testing.T) {
+	doc, err := os.ReadFile("../README.md")
+	if err != nil {
+		t.Fatal(err)
+	}
+	documented := map[string]bool{}
+	for _, m := range regexp.MustCompile("(?m)^\\| `(throttle_[a-z_]+)` \\|").FindAllStringSubmatch(string(doc), -1) {
+		documented[m[1]] = true
+	}
+	ch := make(chan *prometheus.Desc, 100)
+	throttleprom.New().Describe(ch)
+	close(ch)
+	described := map[string]bool{}
+	for d := range ch {
+		name := regexp.MustCompile(`fqName: "([a-z_]+)"`).FindStringSubmatch(d.String())[1]
+		described[name] = true
+		if !documented[name] {
+			t.Errorf("observe/README.md's table does not name %s", name)
+		}
+	}
+	for name := range documented {
+		if !described[name] {
+			t.Errorf("observe/README.md's table names %s, which the Observer does not describe", name)
+		}
 	}
 }

@@ -1,0 +1,66 @@
+package throttle
+
+import (
+	"context"
+	"runtime"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/throttlekit/throttle/internal/redistest"
+	"github.com/throttlekit/throttle/policies"
+)
+
+// Close leaves no goroutine of the limiter running: the lane's, the
+// abandoned bookings' giving back, a cleanup after a caller left, the
+// subscription to the quota's news (its last limiter on the client), and
+// Go's jobs. Each path below starts one.
+func TestClose_LeavesNoGoroutineRunning(t *testing.T) {
+	redistest.Each(t, func(t *testing.T, s *redistest.Server) {
+		rdb := s.Client(t)
+		lim := newLimiter(t, rdb, policies.SlidingLog{Limit: 5, Window: 300 * time.Millisecond}, Options{Logger: quiet()})
+		other := newLimiter(t, rdb, policies.SlidingLog{Limit: 5, Window: 300 * time.Millisecond}, Options{Mode: Queue, Logger: quiet()})
+		ctx := context.Background()
+		for range 5 {
+			p, err := lim.Acquire(ctx)
+			if err != nil {
+				t.Fatal(err)
+			}
+			p.Release()
+		}
+		// Callers that leave while booked ahead: their bookings are
+		// abandoned, and given back by a goroutine.
+		for range 3 {
+			c, cancel := context.WithTimeout(ctx, 20*time.Millisecond)
+			_, _ = lim.Acquire(c)
+			cancel()
+		}
+		lim.signalRoom()
+		f := Go(ctx, other, func(context.Context) (int, error) { time.Sleep(20 * time.Millisecond); return 1, nil })
+		for _, l := range []*Limiter{lim, other} {
+			if err := l.Close(ctx); err != nil {
+				t.Fatal(err)
+			}
+		}
+		if _, err := f.Wait(); err != nil {
+			t.Error(err)
+		}
+		if left := goroutinesOf("github.com/throttlekit/throttle."); len(left) > 0 {
+			t.Errorf("%d goroutines of the limiter still run after Close:\n%s", len(left), strings.Join(left, "\n\n"))
+		}
+	})
+}
+
+// goroutinesOf returns the stacks of the goroutines running a function of
+// pkg (the test's own aside).
+func goroutinesOf(pkg string) []string {
+	buf := make([]byte, 1<<22)
+	buf = buf[:runtime.Stack(buf, true)]
+	var out []string
+	for _, g := range strings.Split(string(buf), "\n\n") {
+		if strings.Contains(g, pkg) && !strings.Contains(g, "testing.tRunner") && !strings.Contains(g, "goroutinesOf") {
+			out = append(out, g)
+		}
+	}
+	return out
+}

@@ -1,0 +1,130 @@
+package vendors
+
+import (
+	"os"
+	"sync"
+	"time"
+)
+
+// counts are a vendor's fixed-window counts, by name (a resource, an
+// endpoint, a token's): each counts units in windows of its own length,
+// fixed in time from the fake's start, as GitHub, Stripe and OpenAI
+// report theirs with a reset.
+type counts struct {
+	start time.Time
+	mu    sync.Mutex
+	c     map[string]*count
+}
+
+type count struct {
+	limit  int
+	window time.Duration
+	k      int64 // the window counted
+	n      int
+	served []int // units taken, per window of the run
+}
+
+// newCounts starts the windows at a whole second, as the vendors' epoch
+// resets fall.
+func newCounts() *counts {
+	return &counts{start: time.Now().Truncate(time.Second), c: map[string]*count{}}
+}
+
+// take takes n units of each named count if all of them have room, and
+// reports which was full, or "".
+func (c *counts) take(now time.Time, n map[string]int, limits map[string]limit) (full string) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	for name, units := range n {
+		if k := c.at(now, name, limits[name]); k.n+units > k.limit {
+			return name
+		}
+	}
+	for name, units := range n {
+		k := c.at(now, name, limits[name])
+		k.n += units
+		for int64(len(k.served)) <= k.k {
+			k.served = append(k.served, 0)
+		}
+		k.served[k.k] += units
+	}
+	return ""
+}
+
+// at returns the count of name as of now, its window rolled over.
+func (c *counts) at(now time.Time, name string, l limit) *count {
+	k := c.c[name]
+	if k == nil {
+		k = &count{limit: l.n, window: l.per}
+		c.c[name] = k
+	}
+	if w := int64(now.Sub(c.start) / k.window); w != k.k {
+		k.k, k.n = w, 0
+	}
+	return k
+}
+
+// state returns what is left of name and when its window resets.
+func (c *counts) state(now time.Time, name string, l limit) (left int, reset time.Time) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	k := c.at(now, name, l)
+	return k.limit - k.n, c.start.Add(time.Duration(k.k+1) * k.window)
+}
+
+// share returns the units served of name in its windows that start at
+// skip or later (one window at least) and end by the run's end d, as a
+// share of what the limit allows in them.
+func (c *counts) share(name string, d, skip time.Duration) (float64, []int) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	k := c.c[name]
+	if k == nil {
+		return 0, nil
+	}
+	windows := int(d / k.window)
+	first := max(int((skip+k.window-1)/k.window), 1)
+	served := append([]int(nil), k.served...)
+	for len(served) < windows {
+		served = append(served, 0)
+	}
+	sum := 0
+	for _, n := range served[first:windows] {
+		sum += n
+	}
+	return float64(sum) / float64(k.limit*(windows-first)), served
+}
+
+// limit is n units per window of per.
+type limit struct {
+	n   int
+	per time.Duration
+}
+
+// fleetRun is how long a vendor's fleet runs: long under THROTTLE_LONG=1,
+// as the vendors' fleets are measured, and shorter by default, so that the
+// module's tests stay quick.
+func fleetRun(short, long time.Duration) time.Duration {
+	if os.Getenv("THROTTLE_LONG") == "1" {
+		return long
+	}
+	return short
+}
+
+// runEachWorker drives workers goroutines for each of replicas, each
+// calling call with its replica's and its own index and its count of
+// calls, until d has passed.
+func runEachWorker(replicas, workers int, d time.Duration, call func(replica, worker, n int)) {
+	deadline := time.Now().Add(d)
+	var wg sync.WaitGroup
+	for i := range replicas {
+		for j := range workers {
+			wg.Go(func() {
+				for n := 0; time.Now().Before(deadline); n++ {
+					call(i, j, n)
+				}
+			})
+		}
+	}
+	wg.Wait()
+}

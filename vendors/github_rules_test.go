@@ -1,0 +1,212 @@
+package vendors
+
+import (
+	"context"
+	"fmt"
+	"math/rand/v2"
+	"net/http"
+	"net/url"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/google/go-github/v84/github"
+	"github.com/redis/go-redis/v9"
+
+	"github.com/throttlekit/throttle"
+	"github.com/throttlekit/throttle/graphql"
+	"github.com/throttlekit/throttle/internal/redistest"
+	"github.com/throttlekit/throttle/policies"
+)
+
+// githubClient returns a go-github client of baseURL over hc, with token.
+func githubClient(t *testing.T, hc *http.Client, baseURL, token string) *github.Client {
+	base, err := url.Parse(baseURL + "/")
+	if err != nil {
+		t.Fatal(err)
+	}
+	c := github.NewClient(hc).WithAuthToken(token)
+	c.BaseURL = base
+	return c
+}
+
+// githubQuery posts a GraphQL query whose connections need 1 + n
+// requests, with an estimate of its points.
+func githubQuery(ctx context.Context, hc *http.Client, baseURL, token string, n, estimate int) error {
+	body := fmt.Sprintf(`{"query":"query($n: Int!) { viewer { repositories(first: $n) { nodes { issues(first: 100) { totalCount } } } } rateLimit { cost remaining } }","variables":{"n":%d}}`, n)
+	req, err := http.NewRequestWithContext(ctx, http.MethodPost, baseURL+"/graphql", strings.NewReader(body))
+	if err != nil {
+		return err
+	}
+	req.Header.Set("Authorization", "Bearer "+token)
+	resp, err := readmeGitHubQuery(ctx, hc, req, estimate)
+	if err != nil {
+		return err
+	}
+	defer resp.Body.Close()
+	if resp.StatusCode != http.StatusOK {
+		return fmt.Errorf("GraphQL: %s", resp.Status)
+	}
+	return nil
+}
+
+// The GitHub recipe against a fake that counts GitHub's own figures: each
+// kind of call goes through the quota of what it counts, with no refusal,
+// and a GraphQL query admitted at 5 points is settled to the 1 it cost.
+func TestREADME_GitHubRecipeRuns(t *testing.T) {
+	g := newGitHubFake(githubRules{minute: time.Minute, hour: time.Hour, core: 5000, graphql: 5000, search: 30, codeSearch: 10,
+		inFlight: 100, restPoints: 900, graphqlPoints: 2000, createsMinute: 80, createsHour: 500})
+	srv := g.serve()
+	defer srv.Close()
+	s := redistest.Mini(t)
+	hc, err := readmeGitHub(s.Client(t))
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx := context.WithValue(context.Background(), github.BypassRateLimitCheck, true)
+	c := githubClient(t, hc, srv.URL, "token-a")
+	if _, _, err := c.Issues.ListByRepo(ctx, "o", "r", nil); err != nil {
+		t.Fatal(err)
+	}
+	if _, _, err := c.Issues.Create(ctx, "o", "r", &github.IssueRequest{Title: github.Ptr("found")}); err != nil {
+		t.Fatal(err)
+	}
+	if _, _, err := c.Search.Issues(ctx, "is:open", nil); err != nil {
+		t.Fatal(err)
+	}
+	if _, _, err := c.Search.Code(ctx, "throttle", nil); err != nil {
+		t.Fatal(err)
+	}
+	if err := githubQuery(ctx, hc, srv.URL, "token-a", 100, 5); err != nil {
+		t.Fatal(err)
+	}
+	gql, err := throttle.New(s.Client(t), "github-graphql", policies.All(
+		policies.Shared{Name: "github", Policy: policies.All(policies.PerKey{Policy: policies.PerCall{Policy: policies.Concurrency{Max: 100}}})},
+		policies.PerKey{Policy: policies.SlidingLog{Limit: 5000, Window: time.Hour}},
+		policies.PerKey{Policy: policies.PerCall{Policy: policies.SlidingLog{Limit: 2000, Window: time.Minute}}}))
+	if err != nil {
+		t.Fatal(err)
+	}
+	u, err := gql.Usage(ctx, throttle.Key("Bearer token-a"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, r := range u.Rules {
+		if r.Rule.Kind == policies.KindSlidingLog && r.Rule.Window == time.Hour && r.Used != 1 {
+			t.Errorf("the GraphQL quota counts %d points, want the 1 GitHub counted", r.Used)
+		}
+	}
+	if len(g.refusd)+g.early != 0 {
+		t.Errorf("refused %v, %d early; want none", g.refusd, g.early)
+	}
+}
+
+// githubFleetTransport is the recipe's Transport over rules, whose
+// minute and hour are compressed for a fleet's run.
+func githubFleetTransport(t *testing.T, rdb *redis.Client, r githubRules) *http.Client {
+	perToken := func(p policies.Policy) policies.Policy { return policies.PerKey{Policy: p} }
+	inFlight := perToken(policies.PerCall{Policy: policies.Concurrency{Max: r.inFlight}})
+	hour := perToken(policies.PerCall{Policy: policies.SlidingLog{Limit: r.core, Window: r.hour}})
+	shared := func(p ...policies.Policy) policies.Policy {
+		return policies.Shared{Name: "gh", Policy: policies.All(p...)}
+	}
+	points := perToken(policies.SlidingLog{Limit: r.restPoints, Window: r.minute})
+	newLim := func(name string, p policies.Policy) *throttle.Limiter {
+		lim, err := throttle.New(rdb, name, p)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return lim
+	}
+	core := newLim("gh-core", policies.All(shared(hour, inFlight), points))
+	creates := newLim("gh-creates", policies.All(shared(hour, inFlight), points,
+		perToken(policies.PerCall{Policy: policies.SlidingLog{Limit: r.createsMinute, Window: r.minute}}),
+		perToken(policies.PerCall{Policy: policies.SlidingLog{Limit: r.createsHour, Window: r.hour}})))
+	search := newLim("gh-search", policies.All(shared(inFlight), perToken(policies.PerCall{Policy: policies.SlidingLog{Limit: r.search, Window: r.minute}})))
+	codeSearch := newLim("gh-code-search", policies.All(shared(inFlight), perToken(policies.PerCall{Policy: policies.SlidingLog{Limit: r.codeSearch, Window: r.minute}})))
+	gql := newLim("gh-graphql", policies.All(shared(inFlight), perToken(policies.SlidingLog{Limit: r.graphql, Window: r.hour}),
+		perToken(policies.PerCall{Policy: policies.SlidingLog{Limit: r.graphqlPoints, Window: r.minute}})))
+	return &http.Client{Transport: &throttle.Transport{
+		Base: &http.Transport{MaxIdleConnsPerHost: 16},
+		Routes: []throttle.Route{
+			{Pattern: "/graphql", Limiter: gql, Resource: "graphql", FromBody: graphql.GitHub},
+			{Pattern: "/search/code", Limiter: codeSearch, Resource: "code_search"},
+			{Pattern: "/search/", Limiter: search, Resource: "search"},
+			{Match: func(r *http.Request) bool { return r.Method == http.MethodPost }, Limiter: creates, Resource: "core"},
+			{Pattern: "/", Limiter: core, Resource: "core"},
+		},
+		Key: func(r *http.Request) string { return r.Header.Get("Authorization") },
+		Cost: func(r *http.Request) int {
+			if r.Method == http.MethodGet || r.Method == http.MethodHead || r.URL.Path == "/graphql" {
+				return 1
+			}
+			return 5
+		},
+	}}
+}
+
+// A fleet of 3 × 10 go-github and GraphQL clients on one token, through
+// the recipe, against a fake that counts as GitHub documents with its
+// minute compressed to 1 s and its hour to 3 s: after the first hour, no
+// refusal of any limit, and each kind of call at 0.9 or more of the limit
+// that binds it (the fleet's first seconds warm its quotas up): reads at the endpoint's points, creates at content
+// creation an hour, searches at their minute, GraphQL at its points an
+// hour, as GitHub counted them (each query admitted at 5 points, settled
+// to its rateLimit { cost }: 3 on average).
+func TestGitHub_FleetKeepsEveryLimitOfAToken(t *testing.T) {
+	r := githubRules{minute: time.Second, hour: 3 * time.Second, core: 600, graphql: 120, search: 20, codeSearch: 5,
+		inFlight: 24, restPoints: 100, graphqlPoints: 200, createsMinute: 12, createsHour: 24, latency: 20 * time.Millisecond}
+	d := fleetRun(9*time.Second, 21*time.Second)
+	g := newGitHubFake(r)
+	srv := g.serve()
+	defer srv.Close()
+	s := redistest.Real(t)
+	const replicas, workers = 3, 10
+	clients := make([]*http.Client, replicas)
+	for i := range clients {
+		clients[i] = githubFleetTransport(t, s.Client(t), r)
+	}
+	ctx := context.WithValue(context.Background(), github.BypassRateLimitCheck, true)
+	runEachWorker(replicas, workers, d, func(i, j, _ int) {
+		gh := githubClient(t, clients[i], srv.URL, "token-a")
+		var err error
+		switch j {
+		case 0, 1, 5, 6, 7:
+			_, _, err = gh.Issues.ListByRepo(ctx, "o", "r", nil)
+		case 2:
+			_, _, err = gh.Issues.Create(ctx, "o", "r", &github.IssueRequest{Title: github.Ptr("found")})
+		case 3:
+			_, _, err = gh.Search.Issues(ctx, "is:open", nil)
+		case 8:
+			_, _, err = gh.Search.Code(ctx, "throttle", nil)
+		default:
+			err = githubQuery(ctx, clients[i], srv.URL, "token-a", 100+rand.IntN(401), 5)
+		}
+		if err != nil {
+			time.Sleep(10 * time.Millisecond)
+		}
+	})
+	tok := "Bearer token-a "
+	results := []struct {
+		name, count string
+	}{
+		{"reads, points of the endpoint", tok + "points GET /repos/o/r/issues"},
+		{"creates, an hour", tok + "creates an hour"},
+		{"search, a minute", tok + "search"},
+		{"code search, a minute", tok + "code_search"},
+		{"GraphQL points, an hour", tok + "graphql"},
+	}
+	g.mu.Lock()
+	t.Logf("most in flight %d of %d; %d refusals in the first hour, after it %v", g.most, r.inFlight, g.early, g.refusd)
+	if len(g.refusd) != 0 {
+		t.Errorf("refusals after the first hour: %v, want none", g.refusd)
+	}
+	g.mu.Unlock()
+	for _, res := range results {
+		got, per := g.counts.share(res.count, d, r.hour)
+		t.Logf("%s: %.3f of the limit; per window %v", res.name, got, per)
+		if got < 0.9 {
+			t.Errorf("%s: %.3f of the limit that binds it, want at least 0.9", res.name, got)
+		}
+	}
+}

@@ -1,0 +1,122 @@
+package vendors
+
+import (
+	"context"
+	"net/http"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/openai/openai-go/v3"
+	"github.com/openai/openai-go/v3/option"
+	"github.com/redis/go-redis/v9"
+
+	"github.com/throttlekit/throttle"
+	"github.com/throttlekit/throttle/internal/redistest"
+	"github.com/throttlekit/throttle/policies"
+	"github.com/throttlekit/throttle/tokens"
+)
+
+// openaiModelsPrompt is 100 tokens as the fake counts.
+var openaiModelsPrompt = strings.Repeat("tell me more", 33) + "ab"
+
+func openaiModelsCall(ctx context.Context, c openai.Client, model string) error {
+	_, err := c.Chat.Completions.New(ctx, openai.ChatCompletionNewParams{
+		Model:               model,
+		Messages:            []openai.ChatCompletionMessageParamUnion{openai.UserMessage(openaiModelsPrompt)},
+		MaxCompletionTokens: openai.Int(200),
+	})
+	return err
+}
+
+// The OpenAI recipe against the fake at OpenAI's figures: each model's
+// call is charged to its own quota, at the estimate OpenAI counts.
+func TestREADME_OpenAIModelsRecipeRuns(t *testing.T) {
+	v := newOpenAIModelsFake(time.Minute, 0, map[string][2]int{"gpt-4o": {500, 30_000}, "gpt-4o-mini": {500, 200_000}})
+	srv := v.serve()
+	defer srv.Close()
+	t.Setenv("OPENAI_BASE_URL", srv.URL+"/")
+	t.Setenv("OPENAI_API_KEY", "sk-test")
+	s := redistest.Mini(t)
+	client, err := readmeOpenAIModels(s.Client(t))
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx := context.Background()
+	for _, model := range []string{"gpt-4o", "gpt-4o", "gpt-4o-mini"} {
+		if err := openaiModelsCall(ctx, client, model); err != nil {
+			t.Fatal(err)
+		}
+	}
+	for model, want := range map[string]int{"gpt-4o": 2 * 300, "gpt-4o-mini": 300} {
+		limit := map[string]int{"gpt-4o": 30_000, "gpt-4o-mini": 200_000}[model]
+		lim, err := throttle.New(s.Client(t), "openai "+model, policies.All(
+			policies.PerCall{Policy: policies.SlidingLog{Limit: 500, Window: time.Minute}},
+			policies.SlidingCounter{Limit: limit, Window: time.Minute}))
+		if err != nil {
+			t.Fatal(err)
+		}
+		u, err := lim.Usage(ctx)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if got := v.counts(model); u.Rules[1].Used != want || len(got) == 0 || got[0] != want {
+			t.Errorf("%s: the quota counts %d tokens, the vendor %v; want %d in both", model, u.Rules[1].Used, got, want)
+		}
+	}
+}
+
+// openaiModelsClient is the recipe's client at the fake's figures.
+func openaiModelsClient(t *testing.T, rdb *redis.Client, baseURL string, window time.Duration, limits map[string][2]int) openai.Client {
+	var routes []throttle.Route
+	for _, model := range []string{"gpt-4o", "gpt-4o-mini"} {
+		lim, err := throttle.New(rdb, "openai-fleet "+model, policies.All(
+			policies.PerCall{Policy: policies.SlidingLog{Limit: limits[model][0], Window: window}},
+			policies.SlidingCounter{Limit: limits[model][1], Window: window}))
+		if err != nil {
+			t.Fatal(err)
+		}
+		routes = append(routes, throttle.Route{Match: tokens.Model(model), Limiter: lim})
+	}
+	hc := &http.Client{Transport: &throttle.Transport{Base: &http.Transport{MaxIdleConnsPerHost: 16}, Routes: routes,
+		Cost: tokens.Cost(tokens.OpenAIChat, tokens.Estimate.Total, 4000)}}
+	return openai.NewClient(option.WithAPIKey("sk-test"), option.WithBaseURL(baseURL+"/"), option.WithHTTPClient(hc))
+}
+
+// A fleet of 3 × 10 openai-go clients through the recipe, half of them
+// calling each of two models, against a fake that counts each model apart
+// (2 s windows: gpt-4o 40 requests and 4,000 tokens, gpt-4o-mini 80 and
+// 12,000; each request 300 tokens as OpenAI counts it): after the first
+// window no 429, and each model's tokens at 0.9 or more of its cap.
+func TestOpenAI_TwoModelsEachAtItsOwnCap(t *testing.T) {
+	const window = 2 * time.Second
+	limits := map[string][2]int{"gpt-4o": {40, 4000}, "gpt-4o-mini": {80, 12_000}}
+	d := fleetRun(8*time.Second, 20*time.Second)
+	v := newOpenAIModelsFake(window, 100*time.Millisecond, limits)
+	srv := v.serve()
+	defer srv.Close()
+	s := redistest.Real(t)
+	clients := make([]openai.Client, 3)
+	for i := range clients {
+		clients[i] = openaiModelsClient(t, s.Client(t), srv.URL, window, limits)
+	}
+	ctx := context.Background()
+	runEachWorker(3, 10, d, func(i, j, _ int) {
+		if err := openaiModelsCall(ctx, clients[i], []string{"gpt-4o", "gpt-4o-mini"}[j%2]); err != nil {
+			time.Sleep(10 * time.Millisecond)
+		}
+	})
+	v.mu.Lock()
+	refused := v.refused
+	v.mu.Unlock()
+	for model, l := range limits {
+		got := share(v.counts(model), l[1], int(d/window))
+		t.Logf("%s: %.3f of its tokens cap; tokens per window %v; %d 429s after the first window", model, got, v.counts(model), refused[model])
+		if refused[model] != 0 {
+			t.Errorf("%s: %d 429s after the first window, want none", model, refused[model])
+		}
+		if got < 0.9 {
+			t.Errorf("%s: %.3f of its tokens cap, want at least 0.9", model, got)
+		}
+	}
+}
