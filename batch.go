@@ -1,6 +1,7 @@
 package throttle
 
 import (
+	"cmp"
 	"context"
 	"errors"
 	"fmt"
@@ -443,6 +444,7 @@ func (l *Limiter) noteAcquireReply(sc scope, rep acquireReply, n int, sent, recv
 	newEpoch := l.epoch.Load() != rep.epoch
 	l.noteEpoch(rep.epoch, rep.lost)
 	l.noteScripts(newEpoch, rep.seq)
+	l.noteRan(rep.epoch, rep.lost)
 	return stale
 }
 
@@ -462,7 +464,7 @@ func (l *Limiter) finishBatch(sc scope, batch []*request, rep acquireReply, stal
 			reason:    c.reason,
 			now:       rep.now,
 			pause:     c.pause,
-			pausedBy:  rep.pausedFor(c.pause),
+			pausedBy:  cmp.Or(rep.pausedFor(c.pause), c.blindBy),
 			scope:     req.sc,
 			member:    req.member,
 			cost:      req.c.cost,

@@ -68,6 +68,7 @@ var declaredPaths = []struct {
 	{"a class's bookings given back", driveClassGiveBack},
 	{"a learned cap", driveLearnedCap},
 	{"a count before any call", driveCharge},
+	{"a rule rebuilt after a loss", driveRebuild},
 	{"others' share", driveOthers},
 	{"settled costs", driveSettle},
 	{"named units", driveUnits},
@@ -243,6 +244,50 @@ func driveCharge(t *testing.T, s *redistest.Server) {
 	}
 	if u, err := lim.Usage(ctx); err != nil || u.Remaining != 60 {
 		t.Errorf("Usage %+v, %v: want 60 remaining once the vendor said so", u, err)
+	}
+}
+
+// driveRebuild loses a quota's keys, which makes every rule blind: a
+// scout goes out once a bucket has refilled a unit, and its answer, which
+// states the log's limit, rebuilds the log (:rb); acquire, feedback and
+// usage read each rule's :rb.
+func driveRebuild(t *testing.T, s *redistest.Server) {
+	ctx := context.Background()
+	clock := newClock()
+	rdb := s.Client(t)
+	lim := declaredLimiter(t, rdb, "rebuild", policies.All(
+		policies.SlidingLog{Limit: 100, Window: time.Minute},
+		policies.SlidingCounter{Limit: 1000, Window: time.Hour, Buckets: 60},
+		policies.TokenBucket{Rate: 100, Per: time.Hour, Burst: 100},
+	), Options{Mode: FailFast, Clock: clock.Now})
+	count := Answer{Status: http.StatusOK, Requests: &Count{Remaining: 90, Reset: 30 * time.Second, Limit: 100}}
+	p, err := lim.Acquire(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, _, err := p.Heard(ctx, count); err != nil {
+		t.Fatal(err)
+	}
+	keys, err := rdb.Keys(ctx, "*{rebuild}*").Result()
+	if err != nil || len(keys) == 0 {
+		t.Fatalf("the quota's keys: %v, %v", keys, err)
+	}
+	if err := rdb.Del(ctx, keys...).Err(); err != nil {
+		t.Fatal(err)
+	}
+	if mustAllow(t, lim).OK {
+		t.Fatal("a call right after the loss was admitted")
+	}
+	clock.Add(40 * time.Second)
+	scout, err := lim.Acquire(ctx)
+	if err != nil {
+		t.Fatalf("the scout: %v", err)
+	}
+	if _, _, err := scout.Heard(ctx, count); err != nil {
+		t.Fatal(err)
+	}
+	if u, err := lim.Usage(ctx); err != nil || u.Rules[0].Remaining != 90 {
+		t.Errorf("Usage %+v, %v: want the log rebuilt, the 90 the vendor left", u, err)
 	}
 }
 
@@ -986,6 +1031,7 @@ var builtKeys = []*regexp.Regexp{
 	regexp.MustCompile(`:next$`), regexp.MustCompile(`:cap$`), regexp.MustCompile(`:ch$`),
 	regexp.MustCompile(`:rf$`), regexp.MustCompile(`:rj$`), regexp.MustCompile(`:cl$`),
 	regexp.MustCompile(`:c:[^:]+$`), regexp.MustCompile(`:c:[^:]+:next$`), regexp.MustCompile(`}//group$`),
+	regexp.MustCompile(`:rb$`), regexp.MustCompile(`}:ran$`),
 }
 
 // checkCoverage checks that the paths ran every script, touched every

@@ -140,7 +140,7 @@ func (l *Limiter) refused(r result, by string) error {
 	case r.reason == reasonLate:
 		return l.limited(r.wait, lateReason)
 	case r.reason == reasonBusy:
-		return l.limited(r.wait, "every concurrency slot is taken")
+		return l.busyError(r)
 	case r.reason == reasonShare:
 		return l.limited(r.wait, shareReason)
 	case r.pausedBy != "":
@@ -149,11 +149,20 @@ func (l *Limiter) refused(r result, by string) error {
 	return l.limited(r.wait, "the quota is full now, and "+by+" does not wait")
 }
 
+// busyError returns the error of the call r, refused because a
+// concurrency rule is full, or counts as full (PausedBy says why).
+func (l *Limiter) busyError(r result) error {
+	if r.pausedBy != "" {
+		return l.pausedError(r, "every concurrency slot counts as taken")
+	}
+	return l.limited(r.wait, "every concurrency slot is taken")
+}
+
 // pauseCauses say, by Usage.PausedBy's names, why a quota is paused.
 var pauseCauses = map[string]string{
 	PausedByVendor: "the vendor asked the fleet to pause",
 	PausedByLoss:   "Redis lost the quota's data, and every limit counts as full for its window, whose calls the vendor still counts",
-	PausedByPolicy: "a deploy changed a rule's kind or window, and the new rule waits out a window of the old one's calls",
+	PausedByPolicy: "a deploy changed the policy, and a rule it added counts as full for its window: the calls before it are not in its data",
 	PausedByClock:  "Redis's clock stepped back, and the calls admitted before the step count as full for a window",
 }
 

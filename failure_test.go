@@ -91,6 +91,19 @@ func TestOnRedisError_LocalDividesTheQuota(t *testing.T) {
 	}
 }
 
+// The Local fallback waits out a window before it admits its share: with
+// an hourly window, an hour and the time the fleet takes to notice the
+// failure, as Local's documentation says.
+func TestOnRedisError_LocalWaitsOutAnHourlyWindowFirst(t *testing.T) {
+	lim := newLimiter(t, deadRedis(t), policies.SlidingLog{Limit: 5000, Window: time.Hour},
+		Options{OnRedisError: Local, ExpectedReplicas: 3, Mode: FailFast, Logger: slog.New(slog.DiscardHandler)})
+	_, err := lim.Acquire(context.Background())
+	var le *LimitedError
+	if !errors.As(err, &le) || le.RetryAfter < time.Hour || le.RetryAfter > time.Hour+policies.DefaultMargin+lim.noticeWithin() {
+		t.Fatalf("first call of the fallback: %v; want ErrLimited for an hour and %v", err, lim.noticeWithin())
+	}
+}
+
 func TestOnRedisError_LocalNeedsReplicas(t *testing.T) {
 	_, err := New(deadRedis(t), "q", perSecond, Options{OnRedisError: Local})
 	if err == nil || !strings.Contains(err.Error(), "Options.ExpectedReplicas") {

@@ -75,6 +75,7 @@ func (l *Limiter) setRemaining(ctx context.Context, remaining int, reset time.Du
 	if remaining < 0 {
 		return fmt.Errorf("throttle: quota %q: SetRemaining: remaining must not be negative, got %d", l.name, remaining)
 	}
+	l.counted.Store(true)
 	c := vendorCount{left: remaining, reset: max(reset, 0)}
 	said := vendorSaid{units: c, calls: unknownCount}
 	if !l.unitRules {
@@ -359,6 +360,12 @@ func (c *Count) count() vendorCount {
 //     it admitted the call lowers the quota's count, as
 //     Limiter.SetRemaining does; calls admitted after this one, on their
 //     way to the vendor, are not in its count.
+//   - After Redis lost the quota's data, its clock stepped, or a deploy
+//     added a rule, a rule counts as full for its window (Usage.PausedBy
+//     says why). A count of a call decided since rebuilds that rule for
+//     the call's key: the calls after it go at once. Once a count has
+//     reached the limiter, its first call per rule and key goes out alone
+//     to learn it (a scout); a vendor at its cap refuses only that one.
 //
 // Heard asks Redis only when the answer tells the quota something: an
 // answer that says nothing of a limit, or a count that believes no fewer
@@ -376,6 +383,9 @@ func (p *Permit) Heard(ctx context.Context, a Answer) (pause time.Duration, refu
 	}
 	requests, tokens := a.Requests.count(), a.Tokens.count()
 	said := p.counts(a, requests, tokens)
+	if said.units.left >= 0 || said.calls.left >= 0 || len(said.named) > 0 {
+		l.counted.Store(true)
+	}
 	pause, refused = a.refusal(requests, untilReset(requests, tokens))
 	if refused && a.AboutConcurrency && l.hasConc && !isOff(offConcRefusals) {
 		// The Concurrency rule's slots, not a pause, hold the calls back.
@@ -521,6 +531,15 @@ func (p *Permit) tell(ctx context.Context, said vendorSaid, pause time.Duration,
 		// than the fleet believes (its refused calls are in its record).
 		l.measureOthers()
 	}
+	scout := p.r.room < 0 && (said.units.left >= 0 || said.calls.left >= 0 || len(said.named) > 0)
+	if scout {
+		// A scout's count rebuilds a blind rule (lua/feedback.lua,
+		// rebuild), whatever else the answer asks.
+		counts := vendorSaid{units: said.units, calls: said.calls, named: said.named, late: said.late}
+		if err := l.feedback(ctx, counts, p.r, p.opts()); err != nil {
+			return err
+		}
+	}
 	switch {
 	case learn && !l.s.noLearning:
 		said.pause, said.learn = pause, true
@@ -532,6 +551,8 @@ func (p *Permit) tell(ctx context.Context, said vendorSaid, pause time.Duration,
 			refused: true}, p.r, p.opts())
 	case pause > 0:
 		return l.Pause(ctx, pause, p.opts()...)
+	case scout:
+		return nil
 	case len(said.named) > 0:
 		// Counts of named units: the quota keeps no belief of their
 		// remaining to save the call by.

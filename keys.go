@@ -52,21 +52,23 @@ func (l *Limiter) newMember() string {
 // those it reaches by name (see lib.lua's header), built from a rule's
 // key: a log's hint (:next), a learned cap and the others' share (:cap),
 // the charges to match the vendor's count (:ch), the refunds (:rf), the
-// refused calls (:rj), and the classes (:cl). A class's own log
+// refused calls (:rj), the classes (:cl), and when a vendor's count last
+// rebuilt a blind rule (:rb). A class's own log
 // (:c:<class>) is declared by the acquire script's caller, which knows the
 // calls' classes (declareClasses). Each script declares only what it may
 // touch, by the rule's kind: every key declared costs the call's bytes,
 // and, while a Cluster slot migrates, a declared key absent from the source
 // makes Redis answer TRYAGAIN. The scripts that read the meta's state of
-// a group (readsGroup) declare the group's key too. TestScripts_TouchOnlyDeclaredKeys
+// a group (readsGroup) declare the group's key too, and acquire the key of
+// each limiter's own count of scripts (countsOwn). TestScripts_TouchOnlyDeclaredKeys
 // holds these lists to what the scripts touch.
 var (
 	logOrCounter = []policies.Kind{policies.KindSlidingLog, policies.KindSlidingCounter}
 	suffixes     = map[*redis.Script]map[policies.Kind][]string{
 		scripts.acquire: {
-			policies.KindSlidingLog:     {":next", ":cap", ":cl"},
-			policies.KindSlidingCounter: {":cap", ":cl"},
-			policies.KindTokenBucket:    {":cap"},
+			policies.KindSlidingLog:     {":next", ":cap", ":cl", ":rb"},
+			policies.KindSlidingCounter: {":cap", ":cl", ":rb"},
+			policies.KindTokenBucket:    {":cap", ":rb"},
 		},
 		scripts.cancel:   {policies.KindSlidingLog: {":next"}},
 		scripts.handback: {policies.KindSlidingLog: {":next"}},
@@ -75,17 +77,20 @@ var (
 			policies.KindSlidingCounter: {":rf"},
 		},
 		scripts.usage: {
-			policies.KindSlidingLog:     {":cap"},
-			policies.KindSlidingCounter: {":cap"},
-			policies.KindTokenBucket:    {":cap"},
+			policies.KindSlidingLog:     {":cap", ":rb"},
+			policies.KindSlidingCounter: {":cap", ":rb"},
+			policies.KindTokenBucket:    {":cap", ":rb"},
 		},
 		scripts.feedback: {
-			policies.KindSlidingLog:     {":next", ":cap", ":ch", ":rf", ":rj"},
-			policies.KindSlidingCounter: {":cap", ":ch", ":rf", ":rj"},
-			policies.KindTokenBucket:    {":cap"},
+			policies.KindSlidingLog:     {":next", ":cap", ":ch", ":rf", ":rj", ":rb"},
+			policies.KindSlidingCounter: {":cap", ":ch", ":rf", ":rj", ":rb"},
+			policies.KindTokenBucket:    {":cap", ":rb"},
 		},
 	}
 	readsGroup = map[*redis.Script]bool{scripts.acquire: true, scripts.feedback: true, scripts.usage: true}
+	// countsOwn are the scripts that count each limiter's own scripts, in
+	// the quota's key "ran" (count_own in lua/acquire.lua).
+	countsOwn = map[*redis.Script]bool{scripts.acquire: true}
 )
 
 // declared returns keys, the KEYS script s reads by place for rules (the
@@ -103,6 +108,9 @@ func declared(s *redis.Script, keys []string, rules []policies.Rule, group strin
 	} else {
 		group = ""
 	}
+	if countsOwn[s] {
+		n++
+	}
 	if n == len(keys) {
 		return keys
 	}
@@ -115,6 +123,9 @@ func declared(s *redis.Script, keys []string, rules []policies.Rule, group strin
 	}
 	if group != "" {
 		out = append(out, group)
+	}
+	if countsOwn[s] {
+		out = append(out, strings.TrimSuffix(keys[0], "meta")+"ran")
 	}
 	return out
 }

@@ -70,8 +70,8 @@ type Options struct {
 	OnRedisError OnRedisError
 	// ExpectedReplicas is how many processes share the quota, for the Local
 	// fallback: each then admits Limit/n per window, so that the fleet
-	// stays under the cap even when every replica has lost Redis. Local
-	// needs it.
+	// stays under the cap even when every replica has lost Redis, once a
+	// window has passed since it took over (see Local). Local needs it.
 	ExpectedReplicas int
 	// RedisTimeout bounds how long a decision waits for Redis, apart from
 	// the caller's context, so that a hung Redis cannot hang every outbound
@@ -247,6 +247,15 @@ const (
 	// divided by the number of replicas (see Options.ExpectedReplicas): the fleet
 	// stays under the cap, at the price of the quota a shared Redis would
 	// have spread better.
+	//
+	// It admits nothing until a window (a TokenBucket's burst span, a
+	// Concurrency lease) and the time the fleet takes to notice the failure
+	// (RedisTimeout and 200ms) have passed since it took over: the calls
+	// Redis admitted before it failed may fill that window, and no replica
+	// sees them. With a window of a second, calls go again 1.2s into an
+	// outage; with a window of an hour, only an hour and 1.2s into it, and
+	// Local is FailClosed for every shorter outage. Choose it for quotas
+	// whose windows are short beside the outages it should ride out.
 	Local OnRedisError = "Local"
 )
 

@@ -33,6 +33,13 @@ func TestProtocol_GoAndLuaConstantsAgree(t *testing.T) {
 		{"REFUSED_TOO_FAR", "reasonTooFar", int64(reasonTooFar)},
 		{"REFUSED_BUSY", "reasonBusy", int64(reasonBusy)},
 		{"REFUSED_SHARE", "reasonShare", int64(reasonShare)},
+		// What a refusal by a blind rule adds, times the cause, and the
+		// causes, as Usage.PausedBy names them (pausedBy).
+		{"CAUSE", "blindCause", blindCause},
+		{"PAUSED_BY_VENDOR", "pausedBy of PausedByVendor", causeCode(PausedByVendor)},
+		{"PAUSED_BY_LOSS", "pausedBy of PausedByLoss", causeCode(PausedByLoss)},
+		{"PAUSED_BY_POLICY", "pausedBy of PausedByPolicy", causeCode(PausedByPolicy)},
+		{"PAUSED_BY_CLOCK", "pausedBy of PausedByClock", causeCode(PausedByClock)},
 		// The kinds of rule, and the flags of a rule that counts calls, of
 		// a rule per key and of a shared rule (ruleArgs).
 		{"LOG", "policies.KindSlidingLog", int64(policies.KindSlidingLog)},
@@ -63,6 +70,16 @@ func TestProtocol_GoAndLuaConstantsAgree(t *testing.T) {
 			t.Errorf("Lua's %s = %d, but Go's %s = %d", tt.lua, got, tt.goName, tt.want)
 		}
 	}
+}
+
+// causeCode returns the code the scripts give cause (pausedBy), or -1.
+func causeCode(cause string) int64 {
+	for code, name := range pausedBy {
+		if name == cause {
+			return code
+		}
+	}
+	return -1
 }
 
 // A process files each lateness of its calls in a bucket (lates.note); the
@@ -153,7 +170,7 @@ return out`, keys, argsFor(nil, "", 0, 0, 0, 0, rules)...)
 
 // luaConstant matches a constant of a script's top level: "local NAME = 16",
 // "local A, B = 1, 2", or a product of integers ("24 * 3600 * 1000").
-var luaConstant = regexp.MustCompile(`(?m)^local ([A-Z][A-Z0-9_]*(?:, *[A-Z][A-Z0-9_]*)*) *= *([^-\n]*?) *(?:--.*)?$`)
+var luaConstant = regexp.MustCompile(`(?m)^(?:local |blind\.)([A-Z][A-Z0-9_]*(?:, *[A-Z][A-Z0-9_]*)*) *= *([^-\n]*?) *(?:--.*)?$`)
 
 // luaConstants returns the integer constants script sees at its top level,
 // its own and lib.lua's, by name. A name defined twice fails the test: one

@@ -23,6 +23,10 @@ const (
 	reasonLate          // every admission came too late to start in (decided here, not by the script)
 )
 
+// blindCause is what acquire adds to a reason, times why, when a blind
+// rule refused the call (BLIND_CAUSE in lua/acquire.lua).
+const blindCause = 16
+
 // The acquire script's reply: a header, then a fixed number of values per
 // call (see lua/acquire.lua).
 const (
@@ -66,12 +70,14 @@ type callReply struct {
 	wait      time.Duration // until its slot; if refused, until it would fit
 	remaining int           // units free now under the tightest rule, after it, its class's own log included
 	reason    reason
+	blindBy   string        // why a blind rule refused it (see Usage.PausedBy), or ""
 	pause     time.Duration // the time until which its scope is paused, or 0
 	// noted and logged are the rules, rule i as bit i, under which its
 	// class's demand counts it, and its class's own log holds it.
 	noted, logged int64
 	// room is remaining under the rules alone: a vendor's count is read
-	// against it, since a class's own log is no count the vendor keeps.
+	// against it, since a class's own log is no count the vendor keeps;
+	// -1 for a scout, whose every count is news (lua/lib.lua, Scouts).
 	room int
 }
 
@@ -89,7 +95,8 @@ func decodeAcquire(v []int64, n int) (acquireReply, error) {
 	}
 	for i := range n {
 		w := v[acquireHeader+acquirePerCall*i:]
-		rep.calls[i] = callReply{admitted: w[0] == 1, wait: us(w[1]), remaining: int(w[2]), reason: reason(w[3]), pause: us(w[4]), noted: w[5], logged: w[6], room: int(w[7])}
+		rep.calls[i] = callReply{admitted: w[0] == 1, wait: us(w[1]), remaining: int(w[2]), reason: reason(w[3] % blindCause),
+			blindBy: pausedBy[w[3]/blindCause], pause: us(w[4]), noted: w[5], logged: w[6], room: int(w[7])}
 	}
 	return rep, nil
 }
@@ -148,9 +155,16 @@ func (l *Limiter) args(id string, cost, a, b, c any) []any {
 
 // acquireArgs starts the arguments of acquire.lua for n calls, with g
 // bookings to give back first; the calls' and bookings' own arguments
-// follow (see its header).
+// follow (see its header). The limiter tells who it is and how many of
+// its scripts Redis answered in the epoch (a Redis behind that count lost
+// them), and, when the vendor's counts reached it, that its calls may go
+// out as scouts.
 func (l *Limiter) acquireArgs(n, g int) []any {
-	return l.args("", int(l.scripts.Load()), int64(n), l.epoch.Load(), int64(g))
+	flags := ""
+	if l.counted.Load() {
+		flags = "s"
+	}
+	return l.args(flags+":"+l.scriptsRanArg(), int(l.scripts.Load()), int64(n), l.epoch.Load(), int64(g))
 }
 
 // releaseArgs are release.lua's: the call member's held units, released

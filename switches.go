@@ -67,8 +67,11 @@ var luaMechanisms = []mechanism{
 	"lazy_done",       // acquire.lua: every script reads the clock again when it ends
 	"epochs",          // lib.lua check_loss: a missing meta key is a new quota
 	"seq",             // lib.lua check_seq: a Redis gone back in time is not found
+	"own_seq",         // acquire.lua count_own: a limiter's own scripts are not counted, only the quota's
 	"back_steps",      // lib.lua check_clock: a clock gone back is not found
 	"policy_ids",      // lib.lua check_policy: a changed policy starts at once
+	"blind_rules",     // lib.lua blind.read, blind.lost, check_policy: a loss or a new rule pauses the whole quota for its longest window
+	"rebuild",         // acquire.lua blind.floor, feedback.lua rebuild: no scout goes out, and no vendor's count ends a rule's blindness
 	"learned_caps",    // feedback.lua: a vendor's refusal teaches no cap
 	"charges",         // feedback.lua charged_after: every answer charges its whole gap
 	"reserve",         // acquire.lua reserve: back from Local, Redis admits the whole limit

@@ -126,6 +126,9 @@ type view struct {
 	measuring   atomic.Int64  // until then (Unix ns), every count the vendor gives goes to Redis (see tell)
 	lowered     atomic.Int64  // the Redis time (µs) a limit in force last dropped, as last told (see overtaken)
 	described   atomic.Int64  // the epoch whose meta holds this limiter's description, as far as it knows (describe.go)
+
+	ran     atomic.Pointer[scriptsRan] // this limiter's acquire scripts Redis answered, and in which epoch
+	counted atomic.Bool                // the vendor's counts reached this limiter: its calls may go out as scouts (lua/lib.lua, Scouts)
 }
 
 // failover is what keeps calls going while Redis cannot decide them.

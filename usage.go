@@ -11,8 +11,10 @@ import (
 
 // Usage is how full a quota is, for one key, as Usage reads it.
 type Usage struct {
-	// Paused is how long the quota, or the key, stays paused at the
-	// vendor's request.
+	// Paused is how long the quota, or the key, stays paused: at the
+	// vendor's request, or while one of its rules is blind, counting as
+	// full since Redis lost its data or a deploy added it (PausedBy says
+	// which).
 	Paused time.Duration
 	// PausedBy says why, while Paused: PausedByVendor, PausedByLoss,
 	// PausedByPolicy or PausedByClock; "" when not paused, or when the
@@ -43,11 +45,11 @@ const (
 	// PausedByVendor: the vendor refused a call (Permit.Heard, a
 	// Transport's 429), or someone called Pause.
 	PausedByVendor = "vendor"
-	// PausedByLoss: Redis lost the quota's data; the quota waits out a
-	// window, whose calls the vendor still counts.
+	// PausedByLoss: Redis lost the quota's data; each rule counts as
+	// full for its window, whose calls the vendor still counts.
 	PausedByLoss = "data loss"
-	// PausedByPolicy: a deploy changed a rule's kind or window; the new
-	// rule waits out a window of the old one's calls.
+	// PausedByPolicy: a deploy added a rule (a kind or window the quota
+	// did not have); that rule alone counts as full for its window.
 	PausedByPolicy = "new policy"
 	// PausedByClock: Redis's clock went back; the calls admitted before
 	// the step lie ahead of it.

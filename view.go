@@ -1,6 +1,7 @@
 package throttle
 
 import (
+	"strconv"
 	"sync/atomic"
 	"time"
 )
@@ -63,6 +64,36 @@ func (l *Limiter) noteScripts(newEpoch bool, n int64) {
 		return
 	}
 	raise(&l.scripts, n)
+}
+
+// scriptsRan counts the acquire scripts of a limiter that Redis answered
+// in one epoch of the quota.
+type scriptsRan struct{ epoch, n int64 }
+
+// noteRan counts an acquire script of this limiter that Redis answered in
+// epoch, the first of it when the script found a loss (lost). The count
+// errs low, never high: a reply of another epoch starts it again.
+func (l *Limiter) noteRan(epoch int64, lost bool) {
+	for {
+		old := l.ran.Load()
+		next := &scriptsRan{epoch: epoch, n: 1}
+		if old != nil && old.epoch == epoch && !lost {
+			next.n = old.n + 1
+		}
+		if l.ran.CompareAndSwap(old, next) {
+			return
+		}
+	}
+}
+
+// scriptsRanArg is what acquire.lua's ARGV[2] says of the limiter's own
+// scripts: how many Redis answered, the epoch they ran in, its id.
+func (l *Limiter) scriptsRanArg() string {
+	r := l.ran.Load()
+	if r == nil {
+		r = &scriptsRan{}
+	}
+	return strconv.FormatInt(r.n, 10) + ":" + strconv.FormatInt(r.epoch, 10) + ":" + l.id
 }
 
 // raise stores v in a unless a holds as much already.

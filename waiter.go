@@ -139,7 +139,7 @@ func (l *Limiter) notAdmitted(ctx context.Context, r result, maxWait, busy time.
 		return busy, l.limited(r.wait, reason)
 	}
 	if maxWait <= busy {
-		return busy, l.limited(r.wait, "every concurrency slot is taken")
+		return busy, l.busyError(r)
 	}
 	if err := l.sleepBusy(ctx, busy, r.wait); err != nil {
 		return busy, err

@@ -4,7 +4,11 @@
 -- ones before it. A call is recorded only when it is admitted or booked; a
 -- refused call writes nothing but its class's demand (see Classes).
 --
--- KEYS and ARGV as in lib.lua (ARGV[2] unused), with
+-- KEYS and ARGV as in lib.lua, with
+-- ARGV[2]        "<s>:<n>:<e>:<id>": s when the vendor's counts reached the
+--                caller, whose calls may then go out as scouts (see Scouts
+--                in lib.lua); n the caller's acquire scripts Redis answered
+--                in epoch e, and id the caller's id (see count_own);
 -- ARGV[4]        the number of calls, n;
 -- ARGV[5]        the quota's epoch as the calling process last saw it, or 0;
 -- ARGV[6]        the number of bookings to give back first, g;
@@ -71,7 +75,9 @@
 --              knows when a holder will finish; wait is then the time until the
 --              first lease runs out); REFUSED_SHARE (3) refused: the call is
 --              larger than the quota's share reserved after a Local outage
---              (wait: until the reserve ends);
+--              (wait: until the reserve ends); plus blind.CAUSE (16) times
+--              why (PAUSED_BY_* in lib.lua) when a blind rule refused it
+--              (see Blind rules in lib.lua);
 --   noted      for a call admitted or booked, the rules whose class demand
 --              counts it, rule i as the bit 2^(i-1) (see Classes); else 0;
 --   logged     the same for the rules whose class's own log holds it;
@@ -83,6 +89,8 @@ local ADMITTED = 0
 local REFUSED_TOO_FAR = 1
 local REFUSED_BUSY = 2
 local REFUSED_SHARE = 3
+-- A refusal by a blind rule adds blind.CAUSE times why it is blind.
+blind.CAUSE = 16
 
 -- The arguments of each booking to give back (see the header).
 local BOOKING_ARGS = 6
@@ -115,13 +123,17 @@ local function load(r)
       r.long = redis.call('ZREMRANGEBYSCORE', r.key, '-inf', str(now - r.keep)) > LONG_WORK
     end
     r.n = redis.call('ZCOUNT', r.key, '(' .. str(now - r.window), '+inf')
+    if r.blind then
+      -- No scout yet: no unit since the rule's data began.
+      r.scout_free = redis.call('ZCOUNT', r.key, str(r.since), '+inf') == 0
+    end
   elseif r.kind == COUNTER then
     -- The oldest bucket a window ending now may touch, as earliest_counter
     -- counts them; older ones are dropped once no margin could count them.
     local oldest = oldest_bucket(r, now)
     local kept = bucket_of(now, r.width) - math.ceil(r.keep / r.width)
     local raw = redis.call('HGETALL', r.key)
-    r.counts, r.bs, r.n = {}, {}, 0
+    r.counts, r.bs, r.n, r.scout_free = {}, {}, 0, r.blind
     for k = 1, #raw, 2 do
       local b, n = tonumber(raw[k]), tonumber(raw[k + 1])
       if b < kept or n <= 0 then
@@ -132,19 +144,22 @@ local function load(r)
         if b >= oldest then
           r.n = r.n + n
         end
+        if (b + 1) * r.width > r.since then
+          r.scout_free = false
+        end
       end
     end
     table.sort(r.bs)
   elseif r.kind == BUCKET then
     r.tat = tat_of(r.key)
-    if r.loss > 0 then
-      r.tat = math.max(r.tat, r.loss + r.limit * r.interval)
+    if r.since > 0 then
+      r.tat = math.max(r.tat, r.since + r.limit * r.interval)
     end
   elseif r.kind == CONCURRENCY then
     redis.call('ZREMRANGEBYSCORE', r.key, '-inf', str(now))
     r.n = redis.call('ZCARD', r.key)
-    if now < r.loss + r.lease then
-      r.n, r.lost_until = r.limit, r.loss + r.lease
+    if now < r.since + r.lease then
+      r.n, r.lost_until = r.limit, r.since + r.lease
     end
   else
     error('unknown rule kind ' .. tostring(r.kind))
@@ -152,12 +167,25 @@ local function load(r)
   r.tmax = now
 end
 
--- free is the units the rule has free now, bookings ahead counted.
+-- free is the units the rule has free now, bookings ahead counted: none
+-- in a blind log or counter (see Blind rules in lib.lua).
 local function free(r)
   if r.kind == BUCKET then
     return bucket_free(r, r.tat, now)
+  elseif r.blind and r.kind ~= CONCURRENCY then
+    return 0
   end
   return r.limit - r.n
+end
+
+-- blind.floor returns the earliest time a blind log or counter r admits a
+-- call at: once the calls before its data began have reached the vendor,
+-- for a scout (see Scouts in lib.lua), else the end of its blindness.
+function blind.floor(r)
+  if r.scout and r.about and r.scout_free then
+    return blind.settled(r)
+  end
+  return r.blind_until
 end
 
 -- A log's entries after the first time a search needs, read once per
@@ -197,6 +225,7 @@ local function record(r, t, id, cost)
   r.tmax = math.max(r.tmax, t)
   r.recorded = true
   r.fits = nil
+  r.scout_free = false
   if r.kind == LOG or r.kind == CONCURRENCY then
     local score = t
     if r.kind == CONCURRENCY then
@@ -554,6 +583,9 @@ end
 -- units; NEVER for a full concurrency rule, since no one knows when a
 -- holder will finish.
 local function earliest(r, t, cost, budget)
+  if r.blind and (r.kind == LOG or r.kind == COUNTER) then
+    t = math.max(t, blind.floor(r))
+  end
   if r.kind == LOG then
     return earliest_in_log(r, t, cost, budget)
   elseif r.kind == COUNTER then
@@ -656,6 +688,9 @@ local function read_args()
     units = 0, -- the units the calls admitted and booked cost
     given = {}, -- the bookings given back, by their place from 1
   }
+  local flags, ran, ran_in, limiter = string.match(ARGV[2], '^(%a*):(%d+):(%d+):(.+)$')
+  batch.scout = flags == 's' and not OFF.rebuild
+  batch.ran, batch.ran_in, batch.limiter = tonumber(ran or '0'), tonumber(ran_in or '0'), limiter
   batch.gives = read_scopes(batch, arg + 5)
   batch.first = batch.gives + BOOKING_ARGS * batch.ngive
   return batch
@@ -694,6 +729,15 @@ local function describe(m, arg)
   end
 end
 
+-- Each limiter's own count. The quota's count of scripts run (seq) finds
+-- a Redis gone back in time only if the caller saw a count that Redis
+-- lost, and the other processes' scripts make it up again. So the quota
+-- also counts each limiter's own acquire scripts of the epoch, in the
+-- hash <meta key without meta>ran, by the limiter's id: a limiter never
+-- has more scripts answered than Redis counts for it, unless Redis lost
+-- them (see check_seq in lib.lua). The hash starts again with each
+-- epoch, and lives as long as the meta key.
+
 -- check_meta finds whether Redis lost the quota's data (see Losses in
 -- lib.lua): a missing or changed meta key may mean that it did (see
 -- check_loss), and so do a count of scripts run behind the caller's, a
@@ -701,7 +745,32 @@ end
 -- script among those run: batch.meta is then the meta to write back, and
 -- batch.found true when this script found a loss.
 local function check_meta(batch, meta)
+  -- count_own counts this script in the caller's own count, and reports
+  -- whether the quota's data is lost: found already, or a count behind the
+  -- scripts the caller had answered in this epoch (batch.ran, counted in
+  -- epoch batch.ran_in). epoch is the one the meta had when read.
+  local function count_own(batch, meta, epoch, found)
+    if not batch.limiter or OFF.own_seq then
+      return found
+    end
+    local key = string.sub(KEYS[1], 1, -5) .. 'ran'
+    if meta.epoch ~= epoch then
+      -- A new epoch, a new count.
+      redis.call('DEL', key)
+    end
+    local n = redis.call('HINCRBY', key, batch.limiter, 1)
+    if not found and batch.ran_in == meta.epoch and n <= batch.ran then
+      lose(meta, now, batch.rs)
+      redis.call('DEL', key)
+      n, found = redis.call('HINCRBY', key, batch.limiter, 1), true
+    end
+    if n == 1 or meta.refreshed == now then
+      redis.call('PEXPIRE', key, math.max(META_TTL, 2 * longest_window(batch.rs) / 1000))
+    end
+    return found
+  end
   local created = meta == nil
+  local epoch = meta and meta.epoch
   batch.pause_before = meta and meta.pause or 0
   local _, found
   meta, _, found = check_loss(meta, now, batch.known, batch.rs)
@@ -716,6 +785,10 @@ local function check_meta(batch, meta)
   end
   meta.seq = meta.seq + 1
   check_policy(meta, now, batch.policy, batch.rs, created)
+  if meta.began ~= '' and string.find(meta.policies, batch.policy, 1, true) == 1 then
+    -- The newest policy's calls drop the rules no longer blind.
+    blind.begin(meta, now, batch.rs)
+  end
   describe(meta, batch.described)
   if not found and meta.loss < batch.stepped then
     lose(meta, now, batch.rs)
@@ -725,7 +798,7 @@ local function check_meta(batch, meta)
     meta.warm_until = now + batch.span
   end
   meta.last_acquire = now
-  batch.meta, batch.found = meta, found
+  batch.meta, batch.found = meta, count_own(batch, meta, epoch, found)
 end
 
 -- reserve lowers every limit to its reserved share while the quota is
@@ -810,8 +883,14 @@ end
 -- load_rules reads the state every rule decides from, raises the learned
 -- caps the fleet fills, and reads each scope's pause.
 local function load_rules(batch)
+  local shared = false
+  for _, r in ipairs(batch.rs) do
+    shared = shared or not r.per_key
+  end
   for _, r in ipairs(batch.objs) do
-    r.loss = batch.meta.loss
+    blind.read(r, batch.meta, now)
+    -- A scout goes out only where the vendor's counts reach (rulesAbout in Go).
+    r.scout, r.about = batch.scout, r.kind ~= CONCURRENCY and (not r.per_key or not shared)
     if batch.back then
       drop_ahead(r)
     end
@@ -1431,6 +1510,30 @@ local function busy_for(rs, cost)
   return hint
 end
 
+-- blind.cause returns why a blind rule of the call refused it (PAUSED_BY_*
+-- in lib.lua), or 0: busy, a concurrency rule taken for a lease; else a
+-- log or counter that admits nothing within the wait the call accepts.
+function blind.cause(call, busy)
+  for _, r in ipairs(call.rs) do
+    if r.blind and busy == (r.kind == CONCURRENCY) and
+        (busy or r.kind ~= BUCKET and blind.floor(r) - now > call.maxwait) then
+      return r.blind_by
+    end
+  end
+  return 0
+end
+
+-- blind.scouts reports whether the call, admitted at t, is a scout: a blind
+-- log or counter takes it before its blindness ends.
+function blind.scouts(call, t)
+  for _, r in ipairs(call.rs) do
+    if r.blind and (r.kind == LOG or r.kind == COUNTER) and t < r.blind_until then
+      return true
+    end
+  end
+  return false
+end
+
 -- answer appends a call's answer to the reply (see the header), with the
 -- units free its call.remaining and call.room say.
 local function answer(batch, call, admitted, wait, reason)
@@ -1475,10 +1578,11 @@ local function decide(batch, c)
   if call.reserved_until and refused then
     answer(batch, call, 0, call.reserved_until - now, REFUSED_SHARE)
   elseif t == NEVER then
-    answer(batch, call, 0, busy_for(call.rs, call.cost), REFUSED_BUSY)
+    answer(batch, call, 0, busy_for(call.rs, call.cost), REFUSED_BUSY + blind.CAUSE * blind.cause(call, true))
   elseif refused then
-    answer(batch, call, 0, t - now, REFUSED_TOO_FAR)
+    answer(batch, call, 0, t - now, REFUSED_TOO_FAR + blind.CAUSE * blind.cause(call, false))
   else
+    local scout = blind.scouts(call, t)
     for _, r in ipairs(call.rs) do
       record(r, t, call.id, units(r, call.cost))
     end
@@ -1490,6 +1594,10 @@ local function decide(batch, c)
     call.remaining, call.room = call.after, call.room_after
     if t > now or call.moves and call.moves.kept then
       call.remaining, call.room = 0, 0
+    end
+    if scout then
+      -- Any count the vendor gives of a scout is news (see Scouts in lib.lua).
+      call.room = -1
     end
     if t <= now then
       batch.at_once = true

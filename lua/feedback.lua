@@ -90,6 +90,12 @@ if meta or learn or pause > 0 and KEYS[2] == KEYS[1] then
   meta, dirty, found = check_loss(meta, now, known, rs, policy_span)
 end
 read_caps(rs, meta, now)
+-- Which rules are blind (see Blind rules in lib.lua): their record misses
+-- calls the vendor counts, so it measures no others, and a count may
+-- rebuild it (see rebuild below).
+for _, r in ipairs(rs) do
+  blind.read(r, meta, now)
+end
 -- dropped_shared: a shared rule's limit in force dropped, which the
 -- group hears (see announce_lowered).
 local lowered, dropped, dropped_shared = 0, 0, false
@@ -194,7 +200,7 @@ end
 -- its share when it falls under a tenth. It reports whether the share
 -- changed.
 local function note_others(r, left, vlimit)
-  if OFF.others or not meta or (r.kind ~= LOG and r.kind ~= COUNTER) then
+  if OFF.others or not meta or r.blind or (r.kind ~= LOG and r.kind ~= COUNTER) then
     return false
   end
   local o = r.oth or { vlim = 0, p = {}, share = NO_MEASURE }
@@ -323,6 +329,58 @@ for i, r in ipairs(rs) do
     end
   end
 end
+
+-- Blind rules rebuilt. A rule is blind after a loss or a deploy that
+-- added it (see Blind rules in lib.lua). A vendor's count of a call decided
+-- once its data began speaks of what the vendor counts that the data does
+-- not hold: the charge above took the data to it, so the rule, for the
+-- key passed, decides with its data again (its :rb notes when). A count
+-- rebuilds a rule only when it is the rule's: passed to that rule alone,
+-- or stating the rule's limit, and resetting within its window (stated in
+-- whole seconds). The call must have been decided in the epoch the caller
+-- knows, once every call admitted before the data began had reached the
+-- vendor (blind.settled): they are all in its count.
+local RESET_SLACK = 1000000
+
+-- rebuild ends the blindness of rule r from the vendor's count (left,
+-- reset, the limit it stated), alone when no other rule passed takes the
+-- same count, and reports whether it did.
+local function rebuild(r, left, reset, vlimit, alone)
+  if OFF.rebuild or left < 0 or arg.as_of <= 0 or not meta or known ~= meta.epoch then
+    return false
+  end
+  if not r.blind or arg.as_of < blind.settled(r) or reset > span_of(r) + r.margin + RESET_SLACK or
+      not alone and vlimit ~= r.conf then
+    return false
+  end
+  redis.call('SET', r.key .. ':rb', str(now), 'PX', math.ceil((r.blind_until - now) / 1000) + SLACK)
+  return true
+end
+
+-- Each rule's count: the vendor's units, its requests for a rule that
+-- counts calls, a named unit's own.
+local function count_of(i, r)
+  if r.per_call then
+    return 'calls', arg.calls_left, arg.calls_reset, arg.calls_limit
+  elseif own[i] then
+    return 'own' .. i, own[i].left, own[i].reset, 0
+  end
+  return 'units', left, reset, arg.limit
+end
+
+local takers, seen_until = {}, 0
+for i, r in ipairs(rs) do
+  local which = count_of(i, r)
+  takers[which] = (takers[which] or 0) + 1
+end
+for i, r in ipairs(rs) do
+  local which, l, rst, vlimit = count_of(i, r)
+  if rebuild(r, l, rst, vlimit, takers[which] == 1) then
+    seen_until = math.max(seen_until, r.blind_until)
+  end
+end
+-- Calls booked to the end of the blindness may move to the room it left.
+announce_room(meta, rs, seen_until, now)
 
 local cap, others, measuring = -1, 0, 0
 for _, r in ipairs(rs) do

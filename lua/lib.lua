@@ -248,14 +248,22 @@ local META_REFRESH = 24 * 3600 * 1000000
 --   policy_made     when the limiter that described it was made (see
 --                   describe in acquire.lua): an older one's does not
 --                   replace it;
---   last_acquire    when the last acquire script of the quota ran.
+--   last_acquire    when the last acquire script of the quota ran;
+--   lost_by         why loss was last set: PAUSED_BY_LOSS, or
+--                   PAUSED_BY_CLOCK for a clock gone back (0 reads as a loss);
+--   rules           the ids of the rules of the newest policy, comma-separated
+--                   (see check_policy);
+--   began           "id=t,...": the rules a deploy added, with when their
+--                   data began, while they may still be blind (see Blind rules).
 local META_FIELDS = {
   epoch = 0, pause = 0, refreshed = 0, period = -1, spread = 0,
   delay_max = -1, delay_min = -1, prev_delay_max = -1, prev_delay_min = -1,
   loss = 0, seq = 0, reserved_until = 0, reserved_share = 1,
   hold = 0, hold_until = 0, next_hold = 0, next_until = 0,
   caps_until = 0, warm_until = 0, warm_held = 0, last_acquire = 0,
-  classes_until = 0, paused_by = 0, policy_made = 0,
+  classes_until = 0, paused_by = 0, policy_made = 0, lost_by = 0,
+  -- Kept as text, '' when missing.
+  policies = '', policy = '', rules = '', began = '',
 }
 
 -- Why the quota's pause was last set (the meta's paused_by; see Usage in
@@ -321,7 +329,12 @@ end
 -- keys as read.
 local function meta_from(m)
   for f, default in pairs(META_FIELDS) do
-    m[f] = tonumber(home(m, f)[f]) or default
+    local v = home(m, f)[f]
+    if default == '' then
+      m[f] = v or ''
+    else
+      m[f] = tonumber(v) or default
+    end
   end
   m.lates_text = home(m, 'lates').lates or ''
   return m
@@ -339,7 +352,7 @@ local function read_meta(group)
     group_raw = hash(GROUP)
   end
   local raw = hash(KEYS[1])
-  local m = meta_from({ raw = raw, graw = group_raw, policies = raw.policies or '', policy = raw.policy or '' })
+  local m = meta_from({ raw = raw, graw = group_raw })
   if not tonumber(raw.epoch) then
     return nil
   end
@@ -348,7 +361,7 @@ end
 
 -- new_meta returns a new meta of the quota, the group's state kept.
 local function new_meta(now)
-  local m = meta_from({ raw = {}, graw = group_raw, policies = '', policy = '' })
+  local m = meta_from({ raw = {}, graw = group_raw })
   m.epoch, m.refreshed = now, now
   return m
 end
@@ -374,16 +387,14 @@ local function write_meta(m, rs)
     local a = home(m, f) == m.raw and args or gargs
     a[#a + 1], a[#a + 2] = f, v
   end
-  for f in pairs(META_FIELDS) do
-    if tonumber(home(m, f)[f]) ~= m[f] then
+  for f, default in pairs(META_FIELDS) do
+    if default == '' then
+      if m[f] ~= (home(m, f)[f] or '') then
+        put(f, m[f])
+      end
+    elseif tonumber(home(m, f)[f]) ~= m[f] then
       put(f, str(m[f]))
     end
-  end
-  if m.policies ~= (m.raw.policies or '') then
-    put('policies', m.policies)
-  end
-  if m.policy ~= (m.raw.policy or '') then
-    put('policy', m.policy)
   end
   if m.lates then
     local text = table.concat(m.lates, ',')
@@ -750,17 +761,31 @@ end
 -- that finds an epoch other than the one it knew: another process, new,
 -- met the empty Redis first. The vendor still counts the calls Redis
 -- forgot, as many as full windows in the worst case, so from the loss on,
--- every rule counts as full: the quota pauses for its longest window; a
--- token bucket counts as empty at the loss, and refills from there; a
--- concurrency rule counts as taken until a lease has run out, since its
+-- every rule is blind (see Blind rules): a log or counter counts as full
+-- for its window, a token bucket as empty at the loss, refilling from
+-- there, a concurrency rule as taken until a lease has run out, since its
 -- holders may still be running.
 
 -- loss_pause returns the time until which the windows of rules rs count as
 -- full after a loss at time at. A script given only some of the policy's
 -- rules (feedback: those an answer is about) passes the policy's longest
--- window too, as span: every rule of the policy still counts what Redis forgot.
+-- window too, as span: every rule of the policy still counts what Redis
+-- forgot. Only with blind rules switched off does a loss pause the quota.
 local function loss_pause(rs, at, span)
   return at + math.max(longest_window(rs), span or 0)
+end
+
+-- The functions of blind rules (see Blind rules, below).
+local blind = {}
+
+-- blind.lost notes in meta m a loss at time at, found for cause by (one of
+-- PAUSED_BY_*): every rule of the quota is blind from then on. With blind
+-- rules switched off, the whole quota pauses for its longest window.
+function blind.lost(m, at, rs, span, by)
+  m.loss, m.lost_by = at, by
+  if OFF.blind_rules then
+    pause_for(m, loss_pause(rs, at, span), by)
+  end
 end
 
 -- check_loss finds a loss the caller knew nothing of: m is the meta read
@@ -771,8 +796,7 @@ local function check_loss(m, now, known, rs, span)
   if not m then
     m = new_meta(now)
     if known > 0 and not OFF.epochs then
-      m.loss = now
-      pause_for(m, loss_pause(rs, now, span), PAUSED_BY_LOSS)
+      blind.lost(m, now, rs, span, PAUSED_BY_LOSS)
       return m, true, true
     end
     return m, true, false
@@ -780,19 +804,18 @@ local function check_loss(m, now, known, rs, span)
   if known > 0 and known ~= m.epoch and m.loss < m.epoch and not OFF.epochs then
     -- The data was lost before this epoch began; what the fleet admitted
     -- since is in it.
-    m.loss = m.epoch
-    pause_for(m, loss_pause(rs, m.epoch, span), PAUSED_BY_LOSS)
+    blind.lost(m, m.epoch, rs, span, PAUSED_BY_LOSS)
     return m, true, true
   end
   return m, false, false
 end
 
--- lose counts the quota's data as lost now, under a new epoch: the
--- windows of rules rs count as full from now on (see loss_pause), and every
--- process's sleeping calls, booked in the old epoch, book again.
+-- lose counts the quota's data as lost now, under a new epoch: every rule
+-- is blind from now on, and every process's sleeping calls, booked in the
+-- old epoch, book again.
 local function lose(m, now, rs)
-  m.epoch, m.loss = now, now
-  pause_for(m, loss_pause(rs, now), PAUSED_BY_LOSS)
+  m.epoch = now
+  blind.lost(m, now, rs, nil, PAUSED_BY_LOSS)
 end
 
 -- check_seq finds a Redis that went back in time: a failover to a replica
@@ -839,6 +862,7 @@ local function check_clock(m, now, rs)
   m.pause = back_by(m.pause, m.last_acquire - now, now)
   local before = m.pause
   lose(m, now, rs)
+  m.lost_by = PAUSED_BY_CLOCK
   if m.pause > before then
     m.paused_by = PAUSED_BY_CLOCK
   end
@@ -909,24 +933,172 @@ local function announce_key(until_, now)
   redis.call('PUBLISH', KEYS[1], 'k ' .. KEYS[2] .. ' ' .. str(until_) .. ' ' .. str(now))
 end
 
+-- Blind rules. A rule is blind while the vendor may count calls its data
+-- does not hold: from a loss of the quota's data (every rule), or from
+-- the moment a deploy added it (see check_policy), its since. A blind log
+-- or counter counts as full until since plus its window in force; a token
+-- bucket counts as empty at since, refilling from there; a concurrency
+-- rule counts as taken until since plus a lease. The rules whose data is
+-- intact keep deciding. A rule sees again when that time has passed, or
+-- when a vendor's count rebuilds its data for one key (see rebuild in
+-- feedback.lua), which <rule key>:rb notes: the time of the rebuild,
+-- kept until the blindness would have ended.
+--
+-- Scouts. While a log or counter is blind for one key, one call may go
+-- out to learn where the vendor stands (a scout): the first of a process
+-- that hears the vendor's counts (ARGV[2] of acquire.lua begins with s), under a
+-- rule that such counts reach, for a key that holds no unit since since,
+-- once the calls admitted before since have all reached the vendor
+-- (blind.settled). Its answer rebuilds the rule; a vendor at its cap
+-- refuses it, and tells when it resets.
+
+-- blind.id returns the id of rule r, as compile in throttle.go names its
+-- key: the key without the quota's base (or the group's, for a shared
+-- rule, "shared:" before it), and a per-key rule's without its key's hash.
+function blind.id(r)
+  if r.id then
+    return r.id
+  end
+  local base = string.sub(KEYS[1], 1, -5)
+  local id = string.sub(r.key, #base + 1)
+  if string.sub(r.key, 1, #base) ~= base then
+    id = 'shared:' .. (string.match(r.key, '}//(.*)$') or r.key)
+  end
+  if r.per_key then
+    id = string.match(id, '^(.*):[^:]*$') or id
+  end
+  r.id = id
+  return id
+end
+
+-- blind.began returns, by rule id, when each rule a deploy added began, as
+-- meta m keeps them (its began field), parsed once.
+function blind.began(m)
+  if not m.began_t then
+    m.began_t = {}
+    for id, t in string.gmatch(m.began, '([^,=]+)=(%d+)') do
+      m.began_t[id] = tonumber(t)
+    end
+  end
+  return m.began_t
+end
+
+-- blind.settled returns when the calls admitted before rule r's data
+-- began have all reached the vendor: since plus the widest margin its
+-- window may take (a call starts within half its margin after its slot,
+-- and reaches the vendor within the other half). Read after margins.
+function blind.settled(r)
+  if r.keep then
+    return r.since + r.keep - (r.window - r.margin)
+  end
+  return r.since + r.margin
+end
+
+-- blind.span returns how long rule r stays blind from its since: a log's
+-- or counter's window in force, a bucket's burst span, a lease.
+function blind.span(r)
+  if r.kind == LOG or r.kind == COUNTER then
+    return r.window
+  elseif r.kind == BUCKET then
+    return r.limit * r.interval
+  end
+  return r.lease
+end
+
+-- blind.read sets, for rule r of meta m, r.since (when its data began, or
+-- 0 when it is whole), r.blind_by (why: PAUSED_BY_LOSS, _CLOCK or
+-- _POLICY), r.blind_until and r.blind (blind now). A rule rebuilt since
+-- its data began, by a vendor's count, is whole.
+function blind.read(r, m, now)
+  r.blind, r.since = false, m and m.loss or 0
+  if OFF.blind_rules or not m then
+    return
+  end
+  local began = m.began ~= '' and blind.began(m)[blind.id(r)] or 0
+  r.blind_by = m.lost_by > 0 and m.lost_by or PAUSED_BY_LOSS
+  if began > r.since then
+    r.since, r.blind_by = began, PAUSED_BY_POLICY
+  end
+  if r.since <= 0 then
+    return
+  end
+  r.blind_until = r.since + blind.span(r)
+  if now >= r.blind_until then
+    return
+  end
+  if r.kind ~= CONCURRENCY and not OFF.rebuild then
+    if tonumber(redis.call('GET', r.key .. ':rb') or '0') >= r.since then
+      -- Rebuilt from the vendor's count since its data began.
+      r.since = 0
+      return
+    end
+  end
+  r.blind = true
+end
+
+-- blind.begin notes, in meta m, that the rules of rs not in the newest
+-- policy's (m.rules) begin now, and drops the notes of rules no longer
+-- in the policy or no longer blind.
+function blind.begin(m, now, rs)
+  local known, began = {}, blind.began(m)
+  for id in string.gmatch(m.rules, '[^,]+') do
+    known[id] = true
+  end
+  local kept = {}
+  for _, r in ipairs(rs) do
+    local id = blind.id(r)
+    local t = began[id]
+    if not known[id] then
+      t = now
+    end
+    if t and now < t + (r.keep or blind.span(r)) then
+      kept[#kept + 1] = id .. '=' .. str(t)
+    end
+  end
+  m.began, m.began_t = table.concat(kept, ','), nil
+end
+
+-- blind.ids returns the ids of rules rs, comma-separated.
+function blind.ids(rs)
+  local ids = {}
+  for _, r in ipairs(rs) do
+    ids[#ids + 1] = blind.id(r)
+  end
+  return table.concat(ids, ',')
+end
+
 -- check_policy notes that the quota runs under policy id (see
 -- policyID in throttle.go), and reports whether the meta changed. A policy
--- the quota has not run under lately comes with a deploy that changed a
--- rule's kind or window: such a rule starts on a key of its own, empty,
--- while the vendor still counts the calls the old rule admitted; so, once,
--- the quota pauses for the windows of the new policy, as after a loss. A
--- new quota takes its first policy as it is.
+-- the quota has not run under lately comes with a deploy that changed its
+-- rules: a rule of a kind or window the newest policy did not have starts
+-- on a key of its own, empty, while the vendor still counts the calls the
+-- old rules admitted; so that rule alone begins blind (see Blind rules),
+-- and the rules whose data is intact keep deciding. A rule a deploy
+-- removes keeps its data: a later deploy that brings it back finds it
+-- blind. A new quota takes its first policy as it is, and so does a
+-- policy the quota ran under lately (a rollback, or the old version of a
+-- rolling deploy): each counts only its own rules' calls.
 local function check_policy(m, now, id, rs, new)
   local ids = {}
   for x in string.gmatch(m.policies, '[^,]+') do
     if x == id then
+      if m.rules == '' then
+        -- A quota whose meta kept no rules yet: those of its policy.
+        m.rules = blind.ids(rs)
+        return true
+      end
       return false
     end
     ids[#ids + 1] = x
   end
   if not new and #ids > 0 and not OFF.policy_ids then
-    pause_for(m, loss_pause(rs, now), PAUSED_BY_POLICY)
+    if OFF.blind_rules then
+      pause_for(m, loss_pause(rs, now), PAUSED_BY_POLICY)
+    else
+      blind.begin(m, now, rs)
+    end
   end
+  m.rules = blind.ids(rs)
   table.insert(ids, 1, id)
   while #ids > 4 do
     table.remove(ids)

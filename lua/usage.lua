@@ -8,7 +8,10 @@
 -- used, booked, remaining, next, margin, limit, others}:
 --   spread     the fleet's spread of call starts (see note_timing in lib.lua);
 --   epoch      the quota's epoch (see the meta in lib.lua), or 0 for none;
---   paused_by  why the pause in force was set (PAUSED_BY_* in lib.lua), or 0;
+--   pause      until when no call of the quota, or of the key, fits: the
+--              vendor's pause, or the end of a rule's blindness (see Blind
+--              rules in lib.lua), whichever is later;
+--   paused_by  why (PAUSED_BY_* in lib.lua), or 0;
 --   loss       when Redis was last found to have lost the quota's data, or 0;
 --   used       units admitted in the window ending now;
 --   booked     units booked for later by waiting calls;
@@ -37,11 +40,10 @@ if pause > now then
   -- A key's own pause comes from the vendor alone.
   paused_by = pause > quota_pause and PAUSED_BY_VENDOR or meta.paused_by
 end
-local out = {
-  str(now), str(pause), str(spread), str(meta and meta.epoch or 0), paused_by, str(meta and meta.loss or 0),
-}
+local out = {}
 
 for _, r in ipairs(rs) do
+  blind.read(r, meta, now)
   local used, booked, next = 0, 0, 0
   if r.kind == LOG then
     used = redis.call('ZCOUNT', r.key, '(' .. str(now - r.window), str(now))
@@ -74,6 +76,9 @@ for _, r in ipairs(rs) do
     end
   elseif r.kind == BUCKET then
     local tat = tat_of(r.key)
+    if r.since > 0 then
+      tat = math.max(tat, r.since + r.limit * r.interval)
+    end
     used = math.ceil(math.max(0, tat - now) / r.interval)
     next = math.max(0, tat - (r.limit - 1) * r.interval - now)
   else
@@ -83,8 +88,21 @@ for _, r in ipairs(rs) do
       next = tonumber(first[2]) - now
     end
   end
+  local remaining = math.max(r.limit - used - booked, 0)
+  if r.blind and r.kind ~= BUCKET then
+    -- Nothing fits until it sees again.
+    remaining, next = 0, math.max(next, r.blind_until - now)
+    if r.blind_until > pause then
+      pause, paused_by = r.blind_until, r.blind_by
+    end
+  end
   out[#out + 1], out[#out + 2], out[#out + 3], out[#out + 4], out[#out + 5], out[#out + 6], out[#out + 7] =
-    used, booked, math.max(r.limit - used - booked, 0), str(next), str(r.kind ~= BUCKET and r.margin or 0), r.limit,
-    r.reserve or 0
+    used, booked, remaining, str(next), str(r.kind ~= BUCKET and r.margin or 0), r.limit, r.reserve or 0
+end
+local header = {
+  str(now), str(pause), str(spread), str(meta and meta.epoch or 0), paused_by, str(meta and meta.loss or 0),
+}
+for i = #header, 1, -1 do
+  table.insert(out, 1, header[i])
 end
 return out

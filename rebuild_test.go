@@ -1,0 +1,294 @@
+package throttle
+
+import (
+	"context"
+	"errors"
+	"net/http"
+	"net/http/httptest"
+	"strconv"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/throttlekit/throttle/internal/redistest"
+	"github.com/throttlekit/throttle/policies"
+)
+
+// gitHub is a vendor that counts as GitHub's REST API documents its
+// primary rate limit: per token, limit requests in an hour that begins at
+// the token's first request and ends, whole, at x-ratelimit-reset (Unix
+// epoch seconds). Every answer states x-ratelimit-limit, -remaining,
+// -used, -reset and -resource, unless silent; a request past the limit is
+// refused, 403 with nothing remaining.
+type gitHub struct {
+	limit  int
+	silent bool // states no counts
+
+	mu      sync.Mutex
+	used    map[string]int       // requests counted in the token's hour
+	ends    map[string]time.Time // when the token's hour ends
+	sent    map[string]int       // requests that reached the vendor
+	refused map[string]int       // of those, refused
+}
+
+func newGitHub(limit int) *gitHub {
+	return &gitHub{limit: limit, used: map[string]int{}, ends: map[string]time.Time{}, sent: map[string]int{}, refused: map[string]int{}}
+}
+
+func (g *gitHub) ServeHTTP(w http.ResponseWriter, r *http.Request) {
+	token := r.Header.Get("Authorization")
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	now := time.Now()
+	if end, ok := g.ends[token]; !ok || !now.Before(end) {
+		// The reset is stated in whole seconds: the hour ends on one.
+		g.ends[token], g.used[token] = now.Add(time.Hour).Truncate(time.Second).Add(time.Second), 0
+	}
+	g.sent[token]++
+	status := http.StatusOK
+	if g.used[token] >= g.limit {
+		status = http.StatusForbidden
+		g.refused[token]++
+	} else {
+		g.used[token]++
+	}
+	if !g.silent {
+		h := w.Header()
+		h.Set("x-ratelimit-limit", strconv.Itoa(g.limit))
+		h.Set("x-ratelimit-remaining", strconv.Itoa(g.limit-g.used[token]))
+		h.Set("x-ratelimit-used", strconv.Itoa(g.used[token]))
+		h.Set("x-ratelimit-reset", strconv.FormatInt(g.ends[token].Unix(), 10))
+		h.Set("x-ratelimit-resource", "core")
+	}
+	w.WriteHeader(status)
+}
+
+// counts returns what the vendor counted of token: requests sent to it,
+// refused, and counted in the token's hour.
+func (g *gitHub) counts(token string) (sent, refused, used int) {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	return g.sent[token], g.refused[token], g.used[token]
+}
+
+// gitHubClient returns a client that sends each token's requests to the
+// vendor at url through lim, a quota per token.
+func gitHubClient(lim *Limiter, url string) func(ctx context.Context, token string) (int, error) {
+	client := &http.Client{Transport: &Transport{Limiter: lim, Key: func(r *http.Request) string {
+		return r.Header.Get("Authorization")
+	}}}
+	return func(ctx context.Context, token string) (int, error) {
+		req, err := http.NewRequestWithContext(ctx, http.MethodGet, url, nil)
+		if err != nil {
+			return 0, err
+		}
+		req.Header.Set("Authorization", token)
+		resp, err := client.Do(req)
+		if err != nil {
+			return 0, err
+		}
+		_ = resp.Body.Close()
+		return resp.StatusCode, nil
+	}
+}
+
+// loseData makes Redis lose every key: FLUSHALL, or a restart without
+// persistence.
+func loseData(t *testing.T, s *redistest.Server, how string) {
+	t.Helper()
+	if how == "restart" {
+		s.Restart(t)
+		return
+	}
+	if err := s.Client(t).FlushAll(context.Background()).Err(); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// hourlyPerToken is GitHub's primary rate limit, per token.
+var hourlyPerToken = policies.PerKey{Policy: policies.SlidingLog{Limit: 5000, Window: time.Hour}}
+
+// After Redis loses an hourly quota's data, the first answer of a vendor
+// that states its counts (GitHub's x-ratelimit-*) ends the blindness: the
+// first call goes out as a scout, its answer rebuilds the rule's data for
+// its key, and the next calls go at once, with the quota counting what the
+// vendor counts. Before, 0 of the next 5 calls reached the vendor, for an
+// hour.
+func TestBlind_AVendorsCountRebuildsALostQuotaInOneRoundTrip(t *testing.T) {
+	for _, how := range []string{"FLUSHALL", "restart"} {
+		t.Run(how, func(t *testing.T) {
+			redistest.Each(t, func(t *testing.T, s *redistest.Server) {
+				ctx := context.Background()
+				vendor := newGitHub(5000)
+				srv := httptest.NewServer(vendor)
+				defer srv.Close()
+				lim := newLimiter(t, s.Client(t), hourlyPerToken, Options{Logger: quiet()})
+				get := gitHubClient(lim, srv.URL)
+				for range 3 {
+					if status, err := get(ctx, "a"); err != nil || status != http.StatusOK {
+						t.Fatalf("before the loss: %d, %v", status, err)
+					}
+				}
+				loseData(t, s, how)
+				// The scout: the first call after the loss that asks Redis (a
+				// spare admission taken before the loss may go first).
+				if status, err := get(ctx, "a"); err != nil || status != http.StatusOK {
+					t.Fatalf("the first call after the loss: %d, %v; want it sent, as a scout", status, err)
+				}
+				answered := time.Now()
+				for i := range 5 {
+					if status, err := get(ctx, "a"); err != nil || status != http.StatusOK {
+						t.Fatalf("call %d after the scout's answer: %d, %v; want sent at once", i+1, status, err)
+					}
+				}
+				if d := time.Since(answered); d > time.Second {
+					t.Errorf("the 5 calls after the scout's answer took %v, want no wait", d)
+				}
+				sent, refused, used := vendor.counts("a")
+				u, err := lim.Usage(ctx, Key("a"))
+				if err != nil {
+					t.Fatal(err)
+				}
+				// The answers of calls decided before the loss may charge the
+				// new data too: the quota errs high, never low.
+				if sent != 9 || refused != 0 || u.Rules[0].Used < used {
+					t.Errorf("the vendor saw %d requests, refused %d, counts %d; the quota counts %d; want 9, 0, and the vendor's count at least",
+						sent, refused, used, u.Rules[0].Used)
+				}
+			})
+		})
+	}
+}
+
+// A vendor at its cap refuses the scout of each key, and tells when its
+// hour resets: no other call reaches it, the calls wait for that reset,
+// and no key sends a second scout.
+func TestBlind_AVendorAtItsCapRefusesOneScoutPerKey(t *testing.T) {
+	redistest.Each(t, func(t *testing.T, s *redistest.Server) {
+		ctx := context.Background()
+		vendor := newGitHub(5)
+		srv := httptest.NewServer(vendor)
+		defer srv.Close()
+		lim := newLimiter(t, s.Client(t), policies.PerKey{Policy: policies.SlidingLog{Limit: 5, Window: time.Hour}}, Options{Logger: quiet()})
+		get := gitHubClient(lim, srv.URL)
+		tokens := []string{"a", "b"}
+		for _, token := range tokens {
+			for range 5 {
+				if status, err := get(ctx, token); err != nil || status != http.StatusOK {
+					t.Fatalf("before the loss: %d, %v", status, err)
+				}
+			}
+		}
+		loseData(t, s, "FLUSHALL")
+		var wg sync.WaitGroup
+		for _, token := range tokens {
+			for range 8 {
+				wg.Go(func() {
+					for range 3 {
+						status, err := get(ctx, token)
+						var le *LimitedError
+						if err == nil && status != http.StatusForbidden || err != nil && !errors.As(err, &le) {
+							t.Errorf("a call after the loss, at the vendor's cap: %d, %v; want refused", status, err)
+						}
+					}
+				})
+			}
+		}
+		wg.Wait()
+		for _, token := range tokens {
+			if sent, refused, _ := vendor.counts(token); sent != 6 || refused != 1 {
+				t.Errorf("key %s: the vendor saw %d requests, refused %d; want the 5 before the loss and one scout, refused", token, sent, refused)
+			}
+		}
+		d, err := lim.Allow(ctx, Key("a"))
+		if err != nil || d.OK || d.RetryAfter < 50*time.Minute || d.RetryAfter > time.Hour+time.Second {
+			t.Errorf("after the refused scout: %+v, %v; want refused until the vendor's reset, about an hour", d, err)
+		}
+	})
+}
+
+// A vendor that states no counts teaches the quota nothing after a loss:
+// its rules wait out their windows, and no call reaches it.
+func TestBlind_AVendorWithoutCountsKeepsTheQuotaBlind(t *testing.T) {
+	redistest.Each(t, func(t *testing.T, s *redistest.Server) {
+		ctx := context.Background()
+		vendor := newGitHub(5000)
+		vendor.silent = true
+		srv := httptest.NewServer(vendor)
+		defer srv.Close()
+		lim := newLimiter(t, s.Client(t), hourlyPerToken, Options{Logger: quiet()})
+		get := gitHubClient(lim, srv.URL)
+		for range 3 {
+			if status, err := get(ctx, "a"); err != nil || status != http.StatusOK {
+				t.Fatalf("before the loss: %d, %v", status, err)
+			}
+		}
+		loseData(t, s, "FLUSHALL")
+		for range 5 {
+			if _, err := get(ctx, "a"); !errors.Is(err, ErrLimited) {
+				t.Errorf("a call after the loss: %v, want ErrLimited", err)
+			}
+		}
+		if sent, _, _ := vendor.counts("a"); sent != 3 {
+			t.Errorf("the vendor saw %d requests, want the 3 before the loss", sent)
+		}
+	})
+}
+
+// A blind key lets one call out as a scout, once the calls admitted before
+// its data began have all reached the vendor (the widest margin after the
+// loss), and only for a process that hears the vendor's counts; the count
+// of a call decided before that rebuilds nothing, the scout's does.
+func TestBlind_OneScoutPerKeyOnceTheCallsBeforeTheLossHaveArrived(t *testing.T) {
+	redistest.Each(t, func(t *testing.T, s *redistest.Server) {
+		ctx := context.Background()
+		rdb := s.Client(t)
+		clock := newClock()
+		policy := policies.PerKey{Policy: policies.SlidingLog{Limit: 100, Window: time.Minute}}
+		lim := newLimiter(t, rdb, policy, Options{Mode: FailFast, Clock: clock.Now, Logger: quiet()})
+		deaf, err := New(rdb, lim.Name(), policy, Options{Mode: FailFast, Clock: clock.Now, Logger: quiet()})
+		if err != nil {
+			t.Fatal(err)
+		}
+		before, err := lim.Acquire(ctx, Key("a"))
+		if err != nil {
+			t.Fatal(err)
+		}
+		count := Answer{Status: http.StatusOK, Requests: &Count{Remaining: 90, Reset: 30 * time.Second, Limit: 100}}
+		if _, _, err := before.Heard(ctx, count); err != nil {
+			t.Fatal(err)
+		}
+		loseData(t, s, "FLUSHALL")
+		settled := policies.MarginCeiling(time.Minute, policies.DefaultMargin)
+		d, err := lim.Allow(ctx, Key("a"))
+		if err != nil || d.OK || d.RetryAfter > settled {
+			t.Fatalf("right after the loss: %+v, %v; want refused until the calls before it have arrived, %v", d, err, settled)
+		}
+		clock.Add(settled)
+		// The answer of a call decided before the loss rebuilds nothing.
+		if _, _, err := before.Heard(ctx, count); err != nil {
+			t.Fatal(err)
+		}
+		if d, err := deaf.Allow(ctx, Key("a")); err != nil || d.OK {
+			t.Fatalf("a process that heard no count: %+v, %v; want refused, no scout", d, err)
+		}
+		scout, err := lim.Acquire(ctx, Key("a"))
+		if err != nil {
+			t.Fatalf("the scout: %v", err)
+		}
+		d, err = lim.Allow(ctx, Key("a"))
+		if err != nil || d.OK || d.RetryAfter < 59*time.Second {
+			t.Fatalf("a second call while the scout is out: %+v, %v; want refused for the window", d, err)
+		}
+		if d, err := lim.Allow(ctx, Key("b")); err != nil || !d.OK {
+			t.Fatalf("key b's scout: %+v, %v; want admitted, its own", d, err)
+		}
+		if _, _, err := scout.Heard(ctx, count); err != nil {
+			t.Fatal(err)
+		}
+		d, err = lim.Allow(ctx, Key("a"), Cost(8))
+		if err != nil || !d.OK || d.Remaining != 90-8-1 {
+			t.Errorf("after the scout's answer: %+v, %v; want admitted, with the %d the vendor left less the call", d, err, 90-8-1)
+		}
+	})
+}
