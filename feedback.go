@@ -262,8 +262,9 @@ type Answer struct {
 	// are not refusals. A refusal teaches a cap only when AboutRate says
 	// so, or a count shows nothing left of a stated limit.
 	Status int
-	// RetryAfter is how long the vendor asked callers to wait, when
-	// HasRetryAfter (the Retry-After header).
+	// RetryAfter is how long the vendor asked callers to wait (the
+	// Retry-After header), and HasRetryAfter whether it said so at all: a
+	// Retry-After of 0 says there is room now.
 	RetryAfter    time.Duration
 	HasRetryAfter bool
 	// Requests is the vendor's count of requests (X-RateLimit-Remaining

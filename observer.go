@@ -52,9 +52,9 @@ const (
 // Event is one thing a limiter did. Fields that do not apply to its Kind
 // are zero.
 type Event struct {
-	Kind  EventKind
-	Quota string // the limiter's name; never a call's key, which may be a secret
-	Mode  Mode
+	Kind  EventKind // what happened
+	Quota string    // the limiter's name; never a call's key, which may be a secret
+	Mode  Mode      // the limiter's Mode
 	// Cost is the call's units.
 	Cost int
 	// Wait is how long the call waited for its slot (EventAdmitted), or

@@ -214,9 +214,9 @@ type Transport struct {
 // invalid. Match, when set instead of Pattern, reports whether a request
 // matches; it must not modify the request.
 type Route struct {
-	Pattern string
-	Match   func(*http.Request) bool
-	Limiter *Limiter
+	Pattern string                   // the requests the route takes, as in http.ServeMux (above)
+	Match   func(*http.Request) bool // instead of Pattern: whether a request is the route's
+	Limiter *Limiter                 // the route's quota; nil lets its requests through
 
 	// Resource is the vendor's name for what the route's quota counts, as
 	// its answers name it (GitHub's x-ratelimit-resource: core, search,

@@ -70,6 +70,8 @@ func unixMicro(x int64) time.Time {
 
 // RuleUsage is how full one rule is.
 type RuleUsage struct {
+	// Rule is the rule as configured (policies.Rules); Limit below is its
+	// limit in force.
 	Rule policies.Rule
 	// Used is the units admitted in the window ending now (calls in flight,
 	// for a Concurrency rule; the units still to drain, for a TokenBucket).
