@@ -165,7 +165,7 @@ var switchBreaks = map[mechanism][]string{
 	"hint":            {"^TestScript_HintHoldsAfterACallThatBooksAhead$"},
 	"read_budget":     {"^TestScript_LongLogSettlesForItsTail$"},
 	"epochs":          {"^TestDataLoss_CountsTheQuotaFullForOneWindow$"},
-	"seq":             {"^TestDataLoss_NoticedWhenRedisGoesBackInTime$"},
+	"seq":             {"^TestDataLoss_NoticedWhenRedisGoesBackInTime$", "+off=own_seq"},
 	"own_seq":         {"^TestDataLoss_NoticedByTheProcessWhoseScriptsWereLost$"},
 	"back_steps":      {"^TestClockStep_BackwardStepCountsAsALoss$"},
 	"policy_ids":      {"^TestDeploy_ChangedPolicyTakesOverCleanly$"},
