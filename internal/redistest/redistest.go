@@ -30,8 +30,11 @@ const (
 	serverBin = "redis-server"
 	cliBin    = "redis-cli"
 
-	// startTimeout bounds every wait for a server or cluster to come up.
-	startTimeout = 10 * time.Second
+	// startTimeout bounds every wait for a server or cluster to come up:
+	// generous, since a start returns as soon as it is up, and a cluster's
+	// nodes gossip slowly on a machine busy with other tests (a join took
+	// more than 10 s beside two compiles).
+	startTimeout = 30 * time.Second
 	// stopTimeout bounds a graceful shutdown before escalating to SIGKILL,
 	// and the wait for a killed process to be reaped.
 	stopTimeout = 5 * time.Second
