@@ -107,6 +107,8 @@ func estimate(r *http.Request) int {
 	return max(n, 1)
 }
 
+// run starts the fake API and a Redis (miniredis unless cfg.Redis names
+// one), runs the fleet for cfg.Duration and reports what the API saw.
 func run(ctx context.Context, cfg config, out io.Writer) (result, error) {
 	if cfg.Replicas < 1 || cfg.Workers < 1 || cfg.Requests < 1 || cfg.Window <= 0 || cfg.Duration <= 0 {
 		return result{}, errors.New("every flag must be positive")
@@ -127,16 +129,25 @@ func run(ctx context.Context, cfg config, out io.Writer) (result, error) {
 		defer mr.Close()
 		addr = mr.Addr()
 	}
+	fmt.Fprintf(out, "API: %d requests and %d tokens per %v; fleet: %d replicas × %d workers\n",
+		cfg.Requests, cfg.Tokens, cfg.Window, cfg.Replicas, cfg.Workers)
+	start := time.Now()
+	if err := runFleet(ctx, cfg, addr, srv.URL); err != nil {
+		return result{}, err
+	}
+	return report(out, api.Stats(), start, cfg), nil
+}
+
+// runFleet runs cfg.Replicas limiters on the Redis at addr, each with
+// cfg.Workers goroutines completing chats at url, for cfg.Duration; it
+// returns the first error a call met.
+func runFleet(ctx context.Context, cfg config, addr, url string) error {
 	// One quota, two limits: PerCall counts each request as 1 whatever it
 	// costs; the tokens' limit counts each request's Cost.
 	policy := policies.All(
 		policies.PerCall{Policy: policies.SlidingLog{Limit: cfg.Requests, Window: cfg.Window}},
 		policies.SlidingLog{Limit: cfg.Tokens, Window: cfg.Window},
 	)
-	fmt.Fprintf(out, "API: %d requests and %d tokens per %v; fleet: %d replicas × %d workers\n",
-		cfg.Requests, cfg.Tokens, cfg.Window, cfg.Replicas, cfg.Workers)
-
-	start := time.Now()
 	runCtx, cancel := context.WithTimeout(ctx, cfg.Duration)
 	defer cancel()
 	var wg sync.WaitGroup
@@ -146,7 +157,9 @@ func run(ctx context.Context, cfg config, out io.Writer) (result, error) {
 		defer rdb.Close()
 		lim, err := throttle.New(rdb, "llm", policy)
 		if err != nil {
-			return result{}, err
+			cancel()
+			wg.Wait()
+			return err
 		}
 		// Each request is admitted with its estimate of the tokens it
 		// may use; complete settles it with what the API says it used.
@@ -155,7 +168,7 @@ func run(ctx context.Context, cfg config, out io.Writer) (result, error) {
 			rng := rand.New(rand.NewPCG(uint64(i), uint64(w)))
 			wg.Go(func() {
 				for runCtx.Err() == nil {
-					if err := complete(runCtx, client, srv.URL, rng); err != nil && runCtx.Err() == nil {
+					if err := complete(runCtx, client, url, rng); err != nil && runCtx.Err() == nil {
 						errs <- err
 						return
 					}
@@ -165,10 +178,7 @@ func run(ctx context.Context, cfg config, out io.Writer) (result, error) {
 	}
 	wg.Wait()
 	close(errs)
-	if err := <-errs; err != nil {
-		return result{}, err
-	}
-	return report(out, api.Stats(), start, cfg), nil
+	return <-errs
 }
 
 // complete sends one chat completion: a prompt of promptLeast to promptMost
