@@ -271,39 +271,11 @@ func TestTransport_FleetPausesWhenTheVendorLowersItsCap(t *testing.T) {
 			// Each pause lasts at least the vendor's Retry-After of 1s.
 			maxPauses = int((runFor - lowerAt + time.Second - 1) / time.Second)
 		)
-		policy := policies.SlidingLog{Limit: limit, Window: window}
-		vendor := fakevendor.NewInProcess(fakevendor.Config{Limit: limit, Window: window, RetryAfter: true})
-		srv := newVendorServer(t, vendor.Handler())
-		start := time.Now()
-		ctx, cancel := context.WithTimeout(context.Background(), runFor)
-		defer cancel()
-		var wg sync.WaitGroup
-		for i := range replicas {
-			lim := replicaLimiter(t, s, "lowered", policy)
-			client := replicaClient(t, strconv.Itoa(i), lim)
-			for range workers {
-				wg.Go(func() {
-					for ctx.Err() == nil {
-						resp, err := client.Do(mustRequest(t, ctx, http.MethodGet, srv.URL, nil))
-						if err != nil {
-							if !errors.Is(err, ErrLimited) && !errors.Is(err, context.DeadlineExceeded) {
-								t.Errorf("GET: %v", err)
-							}
-							return
-						}
-						readAll(t, resp)
-					}
-				})
-			}
-		}
-		time.Sleep(lowerAt)
-		vendor.SetLimit(lowered)
-		loweredAt := time.Now()
-		wg.Wait()
-
-		log := srv.log()
+		r := &capLowered{t: t, perPause: perPause}
+		r.run(s, policies.SlidingLog{Limit: limit, Window: window}, replicas, workers, lowered, lowerAt, runFor)
+		log := r.srv.log()
 		t.Logf("cap %d per %v, lowered to %d at %v; arrivals per 100ms:%s", limit, window, lowered,
-			loweredAt.Sub(start).Round(time.Millisecond), timeline(start, log, 100*time.Millisecond))
+			r.loweredAt.Sub(r.start).Round(time.Millisecond), timeline(r.start, log, 100*time.Millisecond))
 
 		pauses := pausesIn(log)
 		if len(pauses) == 0 {
@@ -315,51 +287,110 @@ func TestTransport_FleetPausesWhenTheVendorLowersItsCap(t *testing.T) {
 		total := 0
 		for i, p := range pauses {
 			total += p.refused
-			t.Logf("pause %d: first 429 at %v, Retry-After %v, %d 429s, next arrival %v later",
-				i+1, p.at.Sub(start).Round(time.Millisecond), p.retryAfter, p.refused, p.next.Round(time.Millisecond))
-			if p.at.Before(loweredAt) {
-				t.Errorf("429 at %v, before the cap was lowered", p.at.Sub(start))
-			}
-			if p.refused > perPause {
-				t.Errorf("pause %d: %d 429s, want at most %d (one per worker)", i+1, p.refused, perPause)
-			}
-			// Requests already on their way when the first 429 came back may
-			// arrive just after it; then nothing until the vendor's time but
-			// the calls another replica had booked before the pause reached
-			// Redis: a sleeping call checks only the pauses its own process
-			// has seen, so each worker may still wake and call once.
-			quietFrom, quietTo := p.at.Add(100*time.Millisecond), p.at.Add(p.retryAfter-20*time.Millisecond)
-			var inside []string
-			for _, a := range log {
-				if a.at.After(quietFrom) && a.at.Before(quietTo) {
-					inside = append(inside, fmt.Sprintf("replica %s at %v", a.replica, a.at.Sub(start).Round(time.Millisecond)))
-				}
-			}
-			if len(inside) > 0 {
-				t.Logf("pause %d: booked before it, called during it: %s", i+1, strings.Join(inside, ", "))
-			}
-			if len(inside) > perPause {
-				t.Errorf("pause %d (%v..%v): %d calls, want at most %d (one booked call per worker): %s",
-					i+1, quietFrom.Sub(start), quietTo.Sub(start), len(inside), perPause, strings.Join(inside, ", "))
-			}
+			r.checkPause(i, p, log)
 		}
 		t.Logf("429s: %d in %d pauses (at most %d per pause)", total, len(pauses), perPause)
 		if len(pauses) > maxPauses {
 			t.Errorf("%d pauses in %v, want at most %d", len(pauses), runFor-lowerAt, maxPauses)
 		}
-
-		var resumed int
-		for _, a := range log {
-			if a.at.After(pauses[0].at.Add(pauses[0].retryAfter)) && a.status == http.StatusOK {
-				resumed++
-			}
-		}
-		// A fleet whose first pause ends with the run has no time left to
-		// resume in.
-		if ends := pauses[0].at.Add(pauses[0].retryAfter); resumed == 0 && ends.Before(start.Add(runFor-300*time.Millisecond)) {
-			t.Error("the vendor accepted nothing after the first pause: the fleet did not resume")
-		}
+		r.checkResumed(log, pauses[0], runFor)
 	})
+}
+
+// capLowered is a run of TestTransport_FleetPausesWhenTheVendorLowersItsCap:
+// the vendor, when the run began and when the vendor lowered its cap, and
+// the most 429s a pause may bring.
+type capLowered struct {
+	t                *testing.T
+	perPause         int
+	srv              *vendorServer
+	start, loweredAt time.Time
+}
+
+// run calls the vendor from workers goroutines of each of replicas
+// replicas until runFor ends, with the vendor's cap lowered to lowered at
+// lowerAt.
+func (r *capLowered) run(s *redistest.Server, policy policies.SlidingLog, replicas, workers, lowered int, lowerAt, runFor time.Duration) {
+	t := r.t
+	vendor := fakevendor.NewInProcess(fakevendor.Config{Limit: policy.Limit, Window: policy.Window, RetryAfter: true})
+	r.srv = newVendorServer(t, vendor.Handler())
+	r.start = time.Now()
+	ctx, cancel := context.WithTimeout(context.Background(), runFor)
+	defer cancel()
+	var wg sync.WaitGroup
+	for i := range replicas {
+		lim := replicaLimiter(t, s, "lowered", policy)
+		client := replicaClient(t, strconv.Itoa(i), lim)
+		for range workers {
+			wg.Go(func() {
+				for ctx.Err() == nil {
+					resp, err := client.Do(mustRequest(t, ctx, http.MethodGet, r.srv.URL, nil))
+					if err != nil {
+						if !errors.Is(err, ErrLimited) && !errors.Is(err, context.DeadlineExceeded) {
+							t.Errorf("GET: %v", err)
+						}
+						return
+					}
+					readAll(t, resp)
+				}
+			})
+		}
+	}
+	time.Sleep(lowerAt)
+	vendor.SetLimit(lowered)
+	r.loweredAt = time.Now()
+	wg.Wait()
+}
+
+// checkPause checks pause i: after the cap was lowered, at most one 429
+// per worker, and no more calls during it than the workers had booked.
+func (r *capLowered) checkPause(i int, p pause, log []arrival) {
+	t, start, perPause := r.t, r.start, r.perPause
+	t.Helper()
+	t.Logf("pause %d: first 429 at %v, Retry-After %v, %d 429s, next arrival %v later",
+		i+1, p.at.Sub(start).Round(time.Millisecond), p.retryAfter, p.refused, p.next.Round(time.Millisecond))
+	if p.at.Before(r.loweredAt) {
+		t.Errorf("429 at %v, before the cap was lowered", p.at.Sub(start))
+	}
+	if p.refused > perPause {
+		t.Errorf("pause %d: %d 429s, want at most %d (one per worker)", i+1, p.refused, perPause)
+	}
+	// Requests already on their way when the first 429 came back may
+	// arrive just after it; then nothing until the vendor's time but
+	// the calls another replica had booked before the pause reached
+	// Redis: a sleeping call checks only the pauses its own process
+	// has seen, so each worker may still wake and call once.
+	quietFrom, quietTo := p.at.Add(100*time.Millisecond), p.at.Add(p.retryAfter-20*time.Millisecond)
+	var inside []string
+	for _, a := range log {
+		if a.at.After(quietFrom) && a.at.Before(quietTo) {
+			inside = append(inside, fmt.Sprintf("replica %s at %v", a.replica, a.at.Sub(start).Round(time.Millisecond)))
+		}
+	}
+	if len(inside) > 0 {
+		t.Logf("pause %d: booked before it, called during it: %s", i+1, strings.Join(inside, ", "))
+	}
+	if len(inside) > perPause {
+		t.Errorf("pause %d (%v..%v): %d calls, want at most %d (one booked call per worker): %s",
+			i+1, quietFrom.Sub(start), quietTo.Sub(start), len(inside), perPause, strings.Join(inside, ", "))
+	}
+}
+
+// checkResumed checks that the vendor accepted calls after the first
+// pause, unless it ended with the run.
+func (r *capLowered) checkResumed(log []arrival, first pause, runFor time.Duration) {
+	r.t.Helper()
+	var resumed int
+	for _, a := range log {
+		if a.at.After(first.at.Add(first.retryAfter)) && a.status == http.StatusOK {
+			resumed++
+		}
+	}
+	// A fleet whose first pause ends with the run has no time left to
+	// resume in.
+	if ends := first.at.Add(first.retryAfter); resumed == 0 && ends.Before(r.start.Add(runFor-300*time.Millisecond)) {
+		r.t.Error("the vendor accepted nothing after the first pause: the fleet did not resume")
+	}
 }
 
 // pause is a run of 429s and the quiet that follows it.
