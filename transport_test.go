@@ -638,27 +638,34 @@ func TestTransport_ClosesTheBodyOnEveryPath(t *testing.T) {
 		}
 		for _, tt := range tests {
 			t.Run(tt.name, func(t *testing.T) {
-				body := newBodyRecorder("payload")
-				req := mustRequest(t, tt.ctx, tt.method, tt.url, body)
-				if tt.method == http.MethodPut {
-					req.GetBody = func() (io.ReadCloser, error) { return newBodyRecorder("payload"), nil }
-				}
-				resp, err := tt.tr.RoundTrip(req)
-				if (resp == nil) == (err == nil) {
-					t.Fatalf("got response %v and error %v, want exactly one", resp, err)
-				}
-				if (err != nil) != tt.wantErr {
-					t.Errorf("error %v, want an error: %v", err, tt.wantErr)
-				}
-				if resp != nil {
-					readAll(t, resp)
-				}
-				// http.Transport may close the body from its own goroutine
-				// after RoundTrip returns.
-				eventually(t, "the request body to be closed", func() bool { return body.closed.Load() > 0 })
+				checkClosesTheBody(t, tt.tr, mustRequest(t, tt.ctx, tt.method, tt.url, newBodyRecorder("payload")), tt.wantErr)
 			})
 		}
 	})
+}
+
+// checkClosesTheBody sends req, whose body is a bodyRecorder, through tr:
+// the caller gets a response or an error (when wantErr), never both, and
+// the body is closed. A PUT can be sent again, through its GetBody.
+func checkClosesTheBody(t *testing.T, tr *Transport, req *http.Request, wantErr bool) {
+	t.Helper()
+	body := req.Body.(*bodyRecorder)
+	if req.Method == http.MethodPut {
+		req.GetBody = func() (io.ReadCloser, error) { return newBodyRecorder("payload"), nil }
+	}
+	resp, err := tr.RoundTrip(req)
+	if (resp == nil) == (err == nil) {
+		t.Fatalf("got response %v and error %v, want exactly one", resp, err)
+	}
+	if (err != nil) != wantErr {
+		t.Errorf("error %v, want an error: %v", err, wantErr)
+	}
+	if resp != nil {
+		readAll(t, resp)
+	}
+	// http.Transport may close the body from its own goroutine
+	// after RoundTrip returns.
+	eventually(t, "the request body to be closed", func() bool { return body.closed.Load() > 0 })
 }
 
 // In FailFast mode a full quota fails the request at once, and the error,
@@ -752,14 +759,7 @@ func TestTransport_PausesTheFleet(t *testing.T) {
 	redistest.Each(t, func(t *testing.T, s *redistest.Server) {
 		epoch := func(d time.Duration) string { return strconv.FormatInt(time.Now().Add(d).Unix(), 10) }
 		date := func(d time.Duration) string { return time.Now().Add(d).UTC().Format(http.TimeFormat) }
-		tests := []struct {
-			name       string
-			status     int
-			header     []string
-			atLeast    time.Duration // the pause the other replica must see, less the time the test takes
-			atMost     time.Duration
-			wantStatus int
-		}{
+		tests := []pauseCase{
 			{"429 Retry-After seconds", 429, []string{"Retry-After", "3"}, 2900 * time.Millisecond, 3 * time.Second, 429},
 			{"429 Retry-After fraction, rounded up", 429, []string{"Retry-After", "2.0000001"}, 2 * time.Second, 2001 * time.Millisecond, 429},
 			{"429 Retry-After date", 429, []string{"Retry-After", date(5 * time.Second)}, 3900 * time.Millisecond, 5 * time.Second, 429},
@@ -776,39 +776,57 @@ func TestTransport_PausesTheFleet(t *testing.T) {
 		}
 		for i, tt := range tests {
 			t.Run(tt.name, func(t *testing.T) {
-				quota := "pause-" + strconv.Itoa(i)
-				srv := newVendorServer(t, answer(tt.status, "body", tt.header...))
-				lim := replicaLimiter(t, s, quota, policies.SlidingLog{Limit: 100, Window: time.Minute})
-				other := replicaLimiter(t, s, quota, policies.SlidingLog{Limit: 100, Window: time.Minute})
-				tr := &Transport{Limiter: lim, MaxRetries: -1, DefaultPause: 2 * time.Second}
-				start := time.Now()
-				resp, err := tr.RoundTrip(mustRequest(t, context.Background(), http.MethodGet, srv.URL, nil))
-				if err != nil {
-					t.Fatal(err)
-				}
-				if readAll(t, resp); resp.StatusCode != tt.wantStatus {
-					t.Errorf("status %d, want %d", resp.StatusCode, tt.wantStatus)
-				}
-				d, err := other.Allow(context.Background())
-				if err != nil {
-					t.Fatal(err)
-				}
-				elapsed := time.Since(start)
-				if tt.atMost == 0 {
-					if !d.OK {
-						t.Errorf("the other replica was refused (retry after %v), want no pause", d.RetryAfter)
-					}
-					return
-				}
-				if d.OK {
-					t.Fatal("the other replica was admitted, want the quota paused")
-				}
-				if d.RetryAfter < tt.atLeast-elapsed || d.RetryAfter > tt.atMost {
-					t.Errorf("the other replica must wait %v, want between %v and %v", d.RetryAfter, tt.atLeast-elapsed, tt.atMost)
-				}
+				checkOtherReplicaPaused(t, s, "pause-"+strconv.Itoa(i), tt)
 			})
 		}
 	})
+}
+
+// pauseCase is an answer of TestTransport_PausesTheFleet's vendor, and the
+// pause it must set.
+type pauseCase struct {
+	name       string
+	status     int
+	header     []string
+	atLeast    time.Duration // the pause the other replica must see, less the time the test takes
+	atMost     time.Duration
+	wantStatus int
+}
+
+// checkOtherReplicaPaused sends a request through a Transport to a vendor
+// that answers as tt says, and asks another replica of quota for a call:
+// it must be refused for the pause tt sets, or admitted when tt sets none.
+func checkOtherReplicaPaused(t *testing.T, s *redistest.Server, quota string, tt pauseCase) {
+	t.Helper()
+	srv := newVendorServer(t, answer(tt.status, "body", tt.header...))
+	lim := replicaLimiter(t, s, quota, policies.SlidingLog{Limit: 100, Window: time.Minute})
+	other := replicaLimiter(t, s, quota, policies.SlidingLog{Limit: 100, Window: time.Minute})
+	tr := &Transport{Limiter: lim, MaxRetries: -1, DefaultPause: 2 * time.Second}
+	start := time.Now()
+	resp, err := tr.RoundTrip(mustRequest(t, context.Background(), http.MethodGet, srv.URL, nil))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if readAll(t, resp); resp.StatusCode != tt.wantStatus {
+		t.Errorf("status %d, want %d", resp.StatusCode, tt.wantStatus)
+	}
+	d, err := other.Allow(context.Background())
+	if err != nil {
+		t.Fatal(err)
+	}
+	elapsed := time.Since(start)
+	if tt.atMost == 0 {
+		if !d.OK {
+			t.Errorf("the other replica was refused (retry after %v), want no pause", d.RetryAfter)
+		}
+		return
+	}
+	if d.OK {
+		t.Fatal("the other replica was admitted, want the quota paused")
+	}
+	if d.RetryAfter < tt.atLeast-elapsed || d.RetryAfter > tt.atMost {
+		t.Errorf("the other replica must wait %v, want between %v and %v", d.RetryAfter, tt.atLeast-elapsed, tt.atMost)
+	}
 }
 
 // A Retry-After far in the future does not hang the request: the pause is
@@ -972,14 +990,8 @@ func TestTransport_BadFieldsFailEveryRequest(t *testing.T) {
 		{"no limiter at all", func(tr *Transport) { tr.Limiter = nil },
 			"throttle: Transport.Limiter: is nil and no Route has a Limiter, so no request would be limited"},
 	}
-	send := func(t *testing.T, tr *Transport) (*http.Response, *bodyRecorder, error) {
-		body := newBodyRecorder("x")
-		req := mustRequest(t, context.Background(), http.MethodPost, srv.URL, body)
-		resp, err := tr.RoundTrip(req)
-		return resp, body, err
-	}
 	// Without the bad field, the same transport sends the request.
-	resp, _, err := send(t, valid())
+	resp, _, err := postThrough(t, valid(), srv.URL)
 	if err != nil {
 		t.Fatalf("a transport of valid fields: %v", err)
 	}
@@ -989,7 +1001,7 @@ func TestTransport_BadFieldsFailEveryRequest(t *testing.T) {
 			tr := valid()
 			tt.bad(tr)
 			for range 2 {
-				resp, body, err := send(t, tr)
+				resp, body, err := postThrough(t, tr, srv.URL)
 				if resp != nil {
 					resp.Body.Close()
 					t.Fatalf("a response from a transport with a bad field")
@@ -1003,6 +1015,16 @@ func TestTransport_BadFieldsFailEveryRequest(t *testing.T) {
 			}
 		})
 	}
+}
+
+// postThrough posts a body to url through tr, and returns the body beside
+// what RoundTrip returned.
+func postThrough(t *testing.T, tr *Transport, url string) (*http.Response, *bodyRecorder, error) {
+	t.Helper()
+	body := newBodyRecorder("x")
+	req := mustRequest(t, context.Background(), http.MethodPost, url, body)
+	resp, err := tr.RoundTrip(req)
+	return resp, body, err
 }
 
 // The zero value of a Transport's fields picks their defaults, and a
