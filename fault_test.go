@@ -417,42 +417,58 @@ func killAndRestart(t *testing.T, onErr OnRedisError, strictCap bool) {
 	}
 	switch onErr {
 	case FailClosed:
-		// Under Local, a worker's first failure books it a slot of the
-		// fallback's, a window away: the breaker may never see three.
-		for _, want := range []string{"Redis keeps failing", "Redis answers again"} {
-			if !strings.Contains(logs.String(), want) {
-				t.Errorf("no log line %q:\n%s", want, logs.String())
-			}
-		}
-		if sum.byPhase[phaseFault][1] == 0 {
-			t.Error("no call failed with ErrUnavailable while Redis was down")
-		}
-		for _, c := range sum.calls {
-			// A call may still run on a slot booked before the kill.
-			if c.err == nil && c.began.After(killed) && c.end.Before(restarted) {
-				t.Errorf("a call that began %v after the kill ran while Redis was down", c.began.Sub(killed))
-				break
-			}
-		}
-		// Redis forgot the window before the crash: the fleet must wait a
-		// whole window from the restart.
-		if first.Sub(restarted) < faultWindow {
-			t.Errorf("first call after the restart ran %v after it, want at least one window (%v)",
-				first.Sub(restarted), faultWindow)
-		}
+		checkClosedWhileDown(t, sum, logs.String(), killed, restarted, first)
 	case Local:
-		if sum.unavailable != 0 {
-			t.Errorf("%d calls failed with ErrUnavailable under the Local fallback", sum.unavailable)
+		checkLocalWhileDown(t, sum, lims[0], killed, restarted)
+	}
+}
+
+// checkClosedWhileDown checks a FailClosed fleet's run over a Redis
+// killed then restarted: the breaker opened and closed, calls failed while
+// Redis was down and none ran, and the first call after the restart waited
+// a whole window.
+func checkClosedWhileDown(t *testing.T, sum faultTally, logs string, killed, restarted, first time.Time) {
+	t.Helper()
+	// Under Local, a worker's first failure books it a slot of the
+	// fallback's, a window away: the breaker may never see three.
+	for _, want := range []string{"Redis keeps failing", "Redis answers again"} {
+		if !strings.Contains(logs, want) {
+			t.Errorf("no log line %q:\n%s", want, logs)
 		}
-		// Past the slots booked in Redis before the kill, each replica
-		// decides alone, at Limit/replicas.
-		from := killed.Add(faultPolicy.EffectiveWindow() + lims[0].noticeWithin() + 50*time.Millisecond)
-		for r := range faultReplicas {
-			n := sum.maxInWindow(r, from, restarted, faultWindow)
-			if n == 0 || n > faultLimit/faultReplicas {
-				t.Errorf("replica %d: %d calls in one window while Redis was down, want 1..%d",
-					r, n, faultLimit/faultReplicas)
-			}
+	}
+	if sum.byPhase[phaseFault][1] == 0 {
+		t.Error("no call failed with ErrUnavailable while Redis was down")
+	}
+	for _, c := range sum.calls {
+		// A call may still run on a slot booked before the kill.
+		if c.err == nil && c.began.After(killed) && c.end.Before(restarted) {
+			t.Errorf("a call that began %v after the kill ran while Redis was down", c.began.Sub(killed))
+			break
+		}
+	}
+	// Redis forgot the window before the crash: the fleet must wait a
+	// whole window from the restart.
+	if first.Sub(restarted) < faultWindow {
+		t.Errorf("first call after the restart ran %v after it, want at least one window (%v)",
+			first.Sub(restarted), faultWindow)
+	}
+}
+
+// checkLocalWhileDown checks a Local fleet's run over a Redis killed then
+// restarted: no call failed, and each replica decided alone at its share.
+func checkLocalWhileDown(t *testing.T, sum faultTally, lim *Limiter, killed, restarted time.Time) {
+	t.Helper()
+	if sum.unavailable != 0 {
+		t.Errorf("%d calls failed with ErrUnavailable under the Local fallback", sum.unavailable)
+	}
+	// Past the slots booked in Redis before the kill, each replica
+	// decides alone, at Limit/replicas.
+	from := killed.Add(faultPolicy.EffectiveWindow() + lim.noticeWithin() + 50*time.Millisecond)
+	for r := range faultReplicas {
+		n := sum.maxInWindow(r, from, restarted, faultWindow)
+		if n == 0 || n > faultLimit/faultReplicas {
+			t.Errorf("replica %d: %d calls in one window while Redis was down, want 1..%d",
+				r, n, faultLimit/faultReplicas)
 		}
 	}
 }
@@ -503,6 +519,30 @@ func TestFault_FreezeLongerThanRedisTimeout(t *testing.T) {
 	closeClients()
 	checkGoroutines(t, before)
 
+	slowest := checkFailedWithin(t, sum, frozen, bound)
+	for r := range faultReplicas {
+		t.Logf("replica %d (ContextTimeoutEnabled %v): slowest failed call %v; first call after the thaw ran %v after it",
+			r, r == 0, slowest[r].Round(time.Millisecond), recovered[r].Sub(thawed).Round(time.Millisecond))
+	}
+	if sum.byPhase[phaseFault][1] == 0 {
+		t.Error("no call failed while Redis was frozen")
+	}
+	for _, c := range sum.calls {
+		if c.err == nil && c.began.After(frozen) && c.end.Before(thawing) {
+			t.Errorf("a call that began %v into the freeze ran while Redis was frozen", c.began.Sub(frozen))
+			break
+		}
+	}
+	if !strings.Contains(logs.String(), "Redis answers again") {
+		t.Errorf("the breaker did not close after the thaw:\n%s", logs.String())
+	}
+}
+
+// checkFailedWithin checks that each call that failed with ErrUnavailable
+// over a Redis frozen at frozen failed within its replica's bound, and
+// returns the slowest of those that began during the freeze, by replica.
+func checkFailedWithin(t *testing.T, sum faultTally, frozen time.Time, bound []time.Duration) [faultReplicas]time.Duration {
+	t.Helper()
 	// A call that began during the freeze cannot have been booked, so it
 	// waits for Redis and nothing else. One booked before may first sleep
 	// up to a window towards its slot, then give the slot back and ask
@@ -523,22 +563,7 @@ func TestFault_FreezeLongerThanRedisTimeout(t *testing.T) {
 				c.replica, c.began.Sub(frozen), took, limit)
 		}
 	}
-	for r := range faultReplicas {
-		t.Logf("replica %d (ContextTimeoutEnabled %v): slowest failed call %v; first call after the thaw ran %v after it",
-			r, r == 0, slowest[r].Round(time.Millisecond), recovered[r].Sub(thawed).Round(time.Millisecond))
-	}
-	if sum.byPhase[phaseFault][1] == 0 {
-		t.Error("no call failed while Redis was frozen")
-	}
-	for _, c := range sum.calls {
-		if c.err == nil && c.began.After(frozen) && c.end.Before(thawing) {
-			t.Errorf("a call that began %v into the freeze ran while Redis was frozen", c.began.Sub(frozen))
-			break
-		}
-	}
-	if !strings.Contains(logs.String(), "Redis answers again") {
-		t.Errorf("the breaker did not close after the thaw:\n%s", logs.String())
-	}
+	return slowest
 }
 
 // SCRIPT FLUSH while the fleet runs costs no call: go-redis answers
@@ -611,16 +636,9 @@ func TestFault_ClientKillDuringRun(t *testing.T) {
 
 	time.Sleep(faultWindow)
 	f.enter(phaseFault)
-	killed, rounds := 0, 0
-	for start := time.Now(); time.Since(start) < minFor || (seen.get("conn") < inFlight && time.Since(start) < maxFor); rounds++ {
-		// SKIPME yes (the default) spares the admin's own connection.
-		n, err := admin.Do(context.Background(), "CLIENT", "KILL", "TYPE", "normal").Int()
-		if err != nil {
-			t.Fatalf("CLIENT KILL: %v", err)
-		}
-		killed += n
-		time.Sleep(2 * time.Millisecond)
-	}
+	killed, rounds := killClients(t, admin, func(since time.Duration) bool {
+		return since < minFor || (seen.get("conn") < inFlight && since < maxFor)
+	})
 	recovery := f.enter(phaseRecovery)
 	f.firstSuccess(recovery, -1, 5*time.Second)
 	time.Sleep(faultWindow)
@@ -658,6 +676,23 @@ func TestFault_ClientKillDuringRun(t *testing.T) {
 	}
 }
 
+// killClients kills every normal client connection every 2ms while more
+// says to go on, given the time since the first kill, and returns how many
+// connections it killed in how many rounds.
+func killClients(t *testing.T, admin *redis.Client, more func(since time.Duration) bool) (killed, rounds int) {
+	t.Helper()
+	for start := time.Now(); more(time.Since(start)); rounds++ {
+		// SKIPME yes (the default) spares the admin's own connection.
+		n, err := admin.Do(context.Background(), "CLIENT", "KILL", "TYPE", "normal").Int()
+		if err != nil {
+			t.Fatalf("CLIENT KILL: %v", err)
+		}
+		killed += n
+		time.Sleep(2 * time.Millisecond)
+	}
+	return killed, rounds
+}
+
 // The master holding the quota's slot crashes and its replica takes over:
 // the fleet fails closed during the failover, then carries on with the
 // promoted replica, under the cap all along. Replication is asynchronous,
@@ -687,18 +722,7 @@ func clusterFailover(t *testing.T, opt *redis.ClusterOptions) {
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer cancel()
 	const name = "fault-failover"
-	slot, err := c.KeySlot(ctx, "{"+name+"}")
-	if err != nil {
-		t.Fatal(err)
-	}
-	master, err := c.Master(ctx, slot)
-	if err != nil {
-		t.Fatal(err)
-	}
-	replica, err := c.ReplicaOf(ctx, master)
-	if err != nil {
-		t.Fatal(err)
-	}
+	slot, master, replica := slotMasterAndReplica(ctx, t, c, name)
 	before := runtime.NumGoroutine()
 	logs, logger := faultLogger()
 	lims, closeClients := faultLimiters(t, name, func(int) redis.UniversalClient {
@@ -743,6 +767,25 @@ func clusterFailover(t *testing.T, opt *redis.ClusterOptions) {
 	if limit := failedOver.Sub(killed) + 5*time.Second; failing > limit {
 		t.Errorf("calls failed until %v after the kill, want them back within 5s of the promotion", failing)
 	}
+}
+
+// slotMasterAndReplica returns the slot of quota name in c, its master, and
+// the master's replica.
+func slotMasterAndReplica(ctx context.Context, t *testing.T, c *redistest.ReplicatedCluster, name string) (int, *redistest.Server, *redistest.Server) {
+	t.Helper()
+	slot, err := c.KeySlot(ctx, "{"+name+"}")
+	if err != nil {
+		t.Fatal(err)
+	}
+	master, err := c.Master(ctx, slot)
+	if err != nil {
+		t.Fatal(err)
+	}
+	replica, err := c.ReplicaOf(ctx, master)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return slot, master, replica
 }
 
 // The master holding the quota's slot crashes, and the replica that takes
