@@ -107,6 +107,8 @@ func estimate(r *http.Request) int {
 	return max(n, 1)
 }
 
+// run checks cfg, starts the fake API and, without -redis, a miniredis,
+// runs the fleet for cfg.Duration and reports what the API saw.
 func run(ctx context.Context, cfg config, out io.Writer) (result, error) {
 	if cfg.Replicas < 1 || cfg.Workers < 1 || cfg.Requests < 1 || cfg.Window <= 0 || cfg.Duration <= 0 {
 		return result{}, errors.New("every flag must be positive")
@@ -137,6 +139,16 @@ func run(ctx context.Context, cfg config, out io.Writer) (result, error) {
 		cfg.Requests, cfg.Tokens, cfg.Window, cfg.Replicas, cfg.Workers)
 
 	start := time.Now()
+	if err := runFleet(ctx, cfg, addr, policy, srv.URL); err != nil {
+		return result{}, err
+	}
+	return report(out, api.Stats(), start, cfg), nil
+}
+
+// runFleet runs cfg's replicas, each with its own Redis client at addr and
+// limiter of policy, whose workers send completions to url until cfg's
+// duration ends, and returns the first error of any.
+func runFleet(ctx context.Context, cfg config, addr string, policy policies.Policy, url string) error {
 	runCtx, cancel := context.WithTimeout(ctx, cfg.Duration)
 	defer cancel()
 	var wg sync.WaitGroup
@@ -146,7 +158,7 @@ func run(ctx context.Context, cfg config, out io.Writer) (result, error) {
 		defer rdb.Close()
 		lim, err := throttle.New(rdb, "llm", policy)
 		if err != nil {
-			return result{}, err
+			return err
 		}
 		// Each request is admitted with its estimate of the tokens it
 		// may use; complete settles it with what the API says it used.
@@ -155,7 +167,7 @@ func run(ctx context.Context, cfg config, out io.Writer) (result, error) {
 			rng := rand.New(rand.NewPCG(uint64(i), uint64(w)))
 			wg.Go(func() {
 				for runCtx.Err() == nil {
-					if err := complete(runCtx, client, srv.URL, rng); err != nil && runCtx.Err() == nil {
+					if err := complete(runCtx, client, url, rng); err != nil && runCtx.Err() == nil {
 						errs <- err
 						return
 					}
@@ -165,10 +177,7 @@ func run(ctx context.Context, cfg config, out io.Writer) (result, error) {
 	}
 	wg.Wait()
 	close(errs)
-	if err := <-errs; err != nil {
-		return result{}, err
-	}
-	return report(out, api.Stats(), start, cfg), nil
+	return <-errs // nil when none failed
 }
 
 // complete sends one chat completion: a prompt of promptLeast to promptMost
