@@ -9,6 +9,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/redis/go-redis/v9"
+
 	"github.com/throttlekit/throttle/internal/redistest"
 	"github.com/throttlekit/throttle/policies"
 )
@@ -186,95 +188,115 @@ func TestOpen_DescribedAgainAfterALoss(t *testing.T) {
 func TestOpen_ReadsTheNewestLimitersPolicy(t *testing.T) {
 	t.Parallel() // a given clock: nothing in it depends on the machine's load
 	redistest.Each(t, func(t *testing.T, s *redistest.Server) {
-		ctx := context.Background()
 		rdb := s.Client(t)
-		type run struct {
-			name  string
-			clock *fixedClock
+		for _, c := range newestLimiterCases {
+			t.Run(c.name, func(t *testing.T) {
+				c.run(&deploys{
+					t: t, s: s, rdb: rdb, clock: newClock(),
+					name: strings.NewReplacer("/", "-", " ", "-").Replace(t.Name()),
+				})
+			})
 		}
-		newRun := func(t *testing.T) *run {
-			return &run{name: strings.NewReplacer("/", "-", " ", "-").Replace(t.Name()), clock: newClock()}
-		}
-		// deploy makes a limiter of the run's quota, of the given limit, now.
-		deploy := func(t *testing.T, r *run, limit int) *Limiter {
-			return replicaLimiter(t, s, r.name, policies.SlidingLog{Limit: limit, Window: time.Second},
-				Options{Mode: FailFast, Clock: r.clock.Now})
-		}
-		call := func(t *testing.T, lim *Limiter) {
-			t.Helper()
-			if _, err := lim.Allow(ctx); err != nil {
-				t.Fatal(err)
-			}
-		}
-		opened := func(t *testing.T, r *run) int {
-			t.Helper()
-			lim, err := Open(ctx, rdb, QuotaName{Name: r.name})
-			if err != nil {
-				t.Fatal(err)
-			}
-			return lim.rules[0].Limit
-		}
-		t.Run("an old limiter calls after a new one", func(t *testing.T) {
-			r := newRun(t)
-			old := deploy(t, r, 100)
-			young := deploy(t, r, 50)
-			call(t, young)
-			call(t, old)
-			if got := opened(t, r); got != 50 {
-				t.Errorf("Open's limit %d, want the newest limiter's 50", got)
-			}
-			// After a loss each describes again, with its second call.
-			r.clock.Add(10 * time.Millisecond) // a new epoch: another time
-			if err := rdb.Del(ctx, young.shared[0]).Err(); err != nil {
-				t.Fatal(err)
-			}
-			for _, lim := range []*Limiter{young, young, old, old} {
-				call(t, lim)
-			}
-			if got := opened(t, r); got != 50 {
-				t.Errorf("after a loss, Open's limit %d, want the newest limiter's 50", got)
-			}
-		})
-		t.Run("a limiter made after a clock step back is the newest", func(t *testing.T) {
-			r := newRun(t)
-			old := deploy(t, r, 100)
-			call(t, old)
-			r.clock.Add(-time.Hour)
-			young := deploy(t, r, 50)
-			for _, lim := range []*Limiter{young, young, old, old} {
-				call(t, lim)
-			}
-			if got := opened(t, r); got != 50 {
-				t.Errorf("after Redis's clock went back an hour, Open's limit %d, want the newest limiter's 50", got)
-			}
-		})
-		t.Run("a rollback's limiter is the newest", func(t *testing.T) {
-			r := newRun(t)
-			call(t, deploy(t, r, 100))
-			r.clock.Add(time.Second)
-			call(t, deploy(t, r, 50))
-			r.clock.Add(time.Second)
-			call(t, deploy(t, r, 100))
-			if got := opened(t, r); got != 100 {
-				t.Errorf("Open's limit %d, want the rollback's 100", got)
-			}
-		})
-		t.Run("a limiter Open made describes nothing", func(t *testing.T) {
-			r := newRun(t)
-			call(t, deploy(t, r, 100))
-			r.clock.Add(time.Second)
-			young := deploy(t, r, 50)
-			r.clock.Add(time.Second)
-			tool, err := Open(ctx, rdb, QuotaName{Name: r.name}, Options{Mode: FailFast, Clock: r.clock.Now})
-			if err != nil {
-				t.Fatal(err)
-			}
-			call(t, young)
-			r.clock.Add(time.Second)
-			call(t, tool)
-			if got := opened(t, r); got != 50 {
-				t.Errorf("Open's limit %d once a tool's limiter called, want the newest fleet limiter's 50", got)
-			}
-		})
 	})
+}
+
+// deploys are the limiters of one quota that a case of
+// TestOpen_ReadsTheNewestLimitersPolicy makes, on one given clock.
+type deploys struct {
+	t     *testing.T
+	s     *redistest.Server
+	rdb   redis.UniversalClient
+	name  string
+	clock *fixedClock
+}
+
+// deploy makes a limiter of the quota, of the given limit, now.
+func (r *deploys) deploy(limit int) *Limiter {
+	return replicaLimiter(r.t, r.s, r.name, policies.SlidingLog{Limit: limit, Window: time.Second},
+		Options{Mode: FailFast, Clock: r.clock.Now})
+}
+
+// call makes a call through lim.
+func (r *deploys) call(lim *Limiter) {
+	r.t.Helper()
+	if _, err := lim.Allow(context.Background()); err != nil {
+		r.t.Fatal(err)
+	}
+}
+
+// opened returns the limit of the limiter Open makes of the quota.
+func (r *deploys) opened() int {
+	r.t.Helper()
+	lim, err := Open(context.Background(), r.rdb, QuotaName{Name: r.name})
+	if err != nil {
+		r.t.Fatal(err)
+	}
+	return lim.rules[0].Limit
+}
+
+// newestLimiterCases are the orders of deploys and calls of
+// TestOpen_ReadsTheNewestLimitersPolicy, each with the limit Open must read.
+var newestLimiterCases = []struct {
+	name string
+	run  func(r *deploys)
+}{
+	{"an old limiter calls after a new one", func(r *deploys) {
+		t, ctx := r.t, context.Background()
+		old := r.deploy(100)
+		young := r.deploy(50)
+		r.call(young)
+		r.call(old)
+		if got := r.opened(); got != 50 {
+			t.Errorf("Open's limit %d, want the newest limiter's 50", got)
+		}
+		// After a loss each describes again, with its second call.
+		r.clock.Add(10 * time.Millisecond) // a new epoch: another time
+		if err := r.rdb.Del(ctx, young.shared[0]).Err(); err != nil {
+			t.Fatal(err)
+		}
+		for _, lim := range []*Limiter{young, young, old, old} {
+			r.call(lim)
+		}
+		if got := r.opened(); got != 50 {
+			t.Errorf("after a loss, Open's limit %d, want the newest limiter's 50", got)
+		}
+	}},
+	{"a limiter made after a clock step back is the newest", func(r *deploys) {
+		old := r.deploy(100)
+		r.call(old)
+		r.clock.Add(-time.Hour)
+		young := r.deploy(50)
+		for _, lim := range []*Limiter{young, young, old, old} {
+			r.call(lim)
+		}
+		if got := r.opened(); got != 50 {
+			r.t.Errorf("after Redis's clock went back an hour, Open's limit %d, want the newest limiter's 50", got)
+		}
+	}},
+	{"a rollback's limiter is the newest", func(r *deploys) {
+		r.call(r.deploy(100))
+		r.clock.Add(time.Second)
+		r.call(r.deploy(50))
+		r.clock.Add(time.Second)
+		r.call(r.deploy(100))
+		if got := r.opened(); got != 100 {
+			r.t.Errorf("Open's limit %d, want the rollback's 100", got)
+		}
+	}},
+	{"a limiter Open made describes nothing", func(r *deploys) {
+		r.call(r.deploy(100))
+		r.clock.Add(time.Second)
+		young := r.deploy(50)
+		r.clock.Add(time.Second)
+		tool, err := Open(context.Background(), r.rdb, QuotaName{Name: r.name}, Options{Mode: FailFast, Clock: r.clock.Now})
+		if err != nil {
+			r.t.Fatal(err)
+		}
+		r.call(young)
+		r.clock.Add(time.Second)
+		r.call(tool)
+		if got := r.opened(); got != 50 {
+			r.t.Errorf("Open's limit %d once a tool's limiter called, want the newest fleet limiter's 50", got)
+		}
+	}},
 }

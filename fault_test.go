@@ -417,42 +417,58 @@ func killAndRestart(t *testing.T, onErr OnRedisError, strictCap bool) {
 	}
 	switch onErr {
 	case FailClosed:
-		// Under Local, a worker's first failure books it a slot of the
-		// fallback's, a window away: the breaker may never see three.
-		for _, want := range []string{"Redis keeps failing", "Redis answers again"} {
-			if !strings.Contains(logs.String(), want) {
-				t.Errorf("no log line %q:\n%s", want, logs.String())
-			}
-		}
-		if sum.byPhase[phaseFault][1] == 0 {
-			t.Error("no call failed with ErrUnavailable while Redis was down")
-		}
-		for _, c := range sum.calls {
-			// A call may still run on a slot booked before the kill.
-			if c.err == nil && c.began.After(killed) && c.end.Before(restarted) {
-				t.Errorf("a call that began %v after the kill ran while Redis was down", c.began.Sub(killed))
-				break
-			}
-		}
-		// Redis forgot the window before the crash: the fleet must wait a
-		// whole window from the restart.
-		if first.Sub(restarted) < faultWindow {
-			t.Errorf("first call after the restart ran %v after it, want at least one window (%v)",
-				first.Sub(restarted), faultWindow)
-		}
+		checkClosedWhileDown(t, sum, logs.String(), killed, restarted, first)
 	case Local:
-		if sum.unavailable != 0 {
-			t.Errorf("%d calls failed with ErrUnavailable under the Local fallback", sum.unavailable)
+		checkLocalWhileDown(t, sum, lims[0], killed, restarted)
+	}
+}
+
+// checkClosedWhileDown checks a FailClosed fleet's run over a Redis
+// killed then restarted: the breaker opened and closed, calls failed while
+// Redis was down and none ran, and the first call after the restart waited
+// a whole window.
+func checkClosedWhileDown(t *testing.T, sum faultTally, logs string, killed, restarted, first time.Time) {
+	t.Helper()
+	// Under Local, a worker's first failure books it a slot of the
+	// fallback's, a window away: the breaker may never see three.
+	for _, want := range []string{"Redis keeps failing", "Redis answers again"} {
+		if !strings.Contains(logs, want) {
+			t.Errorf("no log line %q:\n%s", want, logs)
 		}
-		// Past the slots booked in Redis before the kill, each replica
-		// decides alone, at Limit/replicas.
-		from := killed.Add(faultPolicy.EffectiveWindow() + lims[0].noticeWithin() + 50*time.Millisecond)
-		for r := range faultReplicas {
-			n := sum.maxInWindow(r, from, restarted, faultWindow)
-			if n == 0 || n > faultLimit/faultReplicas {
-				t.Errorf("replica %d: %d calls in one window while Redis was down, want 1..%d",
-					r, n, faultLimit/faultReplicas)
-			}
+	}
+	if sum.byPhase[phaseFault][1] == 0 {
+		t.Error("no call failed with ErrUnavailable while Redis was down")
+	}
+	for _, c := range sum.calls {
+		// A call may still run on a slot booked before the kill.
+		if c.err == nil && c.began.After(killed) && c.end.Before(restarted) {
+			t.Errorf("a call that began %v after the kill ran while Redis was down", c.began.Sub(killed))
+			break
+		}
+	}
+	// Redis forgot the window before the crash: the fleet must wait a
+	// whole window from the restart.
+	if first.Sub(restarted) < faultWindow {
+		t.Errorf("first call after the restart ran %v after it, want at least one window (%v)",
+			first.Sub(restarted), faultWindow)
+	}
+}
+
+// checkLocalWhileDown checks a Local fleet's run over a Redis killed then
+// restarted: no call failed, and each replica decided alone at its share.
+func checkLocalWhileDown(t *testing.T, sum faultTally, lim *Limiter, killed, restarted time.Time) {
+	t.Helper()
+	if sum.unavailable != 0 {
+		t.Errorf("%d calls failed with ErrUnavailable under the Local fallback", sum.unavailable)
+	}
+	// Past the slots booked in Redis before the kill, each replica
+	// decides alone, at Limit/replicas.
+	from := killed.Add(faultPolicy.EffectiveWindow() + lim.noticeWithin() + 50*time.Millisecond)
+	for r := range faultReplicas {
+		n := sum.maxInWindow(r, from, restarted, faultWindow)
+		if n == 0 || n > faultLimit/faultReplicas {
+			t.Errorf("replica %d: %d calls in one window while Redis was down, want 1..%d",
+				r, n, faultLimit/faultReplicas)
 		}
 	}
 }
@@ -503,6 +519,30 @@ func TestFault_FreezeLongerThanRedisTimeout(t *testing.T) {
 	closeClients()
 	checkGoroutines(t, before)
 
+	slowest := checkFailedWithin(t, sum, frozen, bound)
+	for r := range faultReplicas {
+		t.Logf("replica %d (ContextTimeoutEnabled %v): slowest failed call %v; first call after the thaw ran %v after it",
+			r, r == 0, slowest[r].Round(time.Millisecond), recovered[r].Sub(thawed).Round(time.Millisecond))
+	}
+	if sum.byPhase[phaseFault][1] == 0 {
+		t.Error("no call failed while Redis was frozen")
+	}
+	for _, c := range sum.calls {
+		if c.err == nil && c.began.After(frozen) && c.end.Before(thawing) {
+			t.Errorf("a call that began %v into the freeze ran while Redis was frozen", c.began.Sub(frozen))
+			break
+		}
+	}
+	if !strings.Contains(logs.String(), "Redis answers again") {
+		t.Errorf("the breaker did not close after the thaw:\n%s", logs.String())
+	}
+}
+
+// checkFailedWithin checks that each call that failed with ErrUnavailable
+// over a Redis frozen at frozen failed within its replica's bound, and
+// returns the slowest of those that began during the freeze, by replica.
+func checkFailedWithin(t *testing.T, sum faultTally, frozen time.Time, bound []time.Duration) [faultReplicas]time.Duration {
+	t.Helper()
 	// A call that began during the freeze cannot have been booked, so it
 	// waits for Redis and nothing else. One booked before may first sleep
 	// up to a window towards its slot, then give the slot back and ask
@@ -523,22 +563,7 @@ func TestFault_FreezeLongerThanRedisTimeout(t *testing.T) {
 				c.replica, c.began.Sub(frozen), took, limit)
 		}
 	}
-	for r := range faultReplicas {
-		t.Logf("replica %d (ContextTimeoutEnabled %v): slowest failed call %v; first call after the thaw ran %v after it",
-			r, r == 0, slowest[r].Round(time.Millisecond), recovered[r].Sub(thawed).Round(time.Millisecond))
-	}
-	if sum.byPhase[phaseFault][1] == 0 {
-		t.Error("no call failed while Redis was frozen")
-	}
-	for _, c := range sum.calls {
-		if c.err == nil && c.began.After(frozen) && c.end.Before(thawing) {
-			t.Errorf("a call that began %v into the freeze ran while Redis was frozen", c.began.Sub(frozen))
-			break
-		}
-	}
-	if !strings.Contains(logs.String(), "Redis answers again") {
-		t.Errorf("the breaker did not close after the thaw:\n%s", logs.String())
-	}
+	return slowest
 }
 
 // SCRIPT FLUSH while the fleet runs costs no call: go-redis answers
@@ -611,16 +636,9 @@ func TestFault_ClientKillDuringRun(t *testing.T) {
 
 	time.Sleep(faultWindow)
 	f.enter(phaseFault)
-	killed, rounds := 0, 0
-	for start := time.Now(); time.Since(start) < minFor || (seen.get("conn") < inFlight && time.Since(start) < maxFor); rounds++ {
-		// SKIPME yes (the default) spares the admin's own connection.
-		n, err := admin.Do(context.Background(), "CLIENT", "KILL", "TYPE", "normal").Int()
-		if err != nil {
-			t.Fatalf("CLIENT KILL: %v", err)
-		}
-		killed += n
-		time.Sleep(2 * time.Millisecond)
-	}
+	killed, rounds := killClients(t, admin, func(since time.Duration) bool {
+		return since < minFor || (seen.get("conn") < inFlight && since < maxFor)
+	})
 	recovery := f.enter(phaseRecovery)
 	f.firstSuccess(recovery, -1, 5*time.Second)
 	time.Sleep(faultWindow)
@@ -658,6 +676,23 @@ func TestFault_ClientKillDuringRun(t *testing.T) {
 	}
 }
 
+// killClients kills every normal client connection every 2ms while more
+// says to go on, given the time since the first kill, and returns how many
+// connections it killed in how many rounds.
+func killClients(t *testing.T, admin *redis.Client, more func(since time.Duration) bool) (killed, rounds int) {
+	t.Helper()
+	for start := time.Now(); more(time.Since(start)); rounds++ {
+		// SKIPME yes (the default) spares the admin's own connection.
+		n, err := admin.Do(context.Background(), "CLIENT", "KILL", "TYPE", "normal").Int()
+		if err != nil {
+			t.Fatalf("CLIENT KILL: %v", err)
+		}
+		killed += n
+		time.Sleep(2 * time.Millisecond)
+	}
+	return killed, rounds
+}
+
 // The master holding the quota's slot crashes and its replica takes over:
 // the fleet fails closed during the failover, then carries on with the
 // promoted replica, under the cap all along. Replication is asynchronous,
@@ -687,18 +722,7 @@ func clusterFailover(t *testing.T, opt *redis.ClusterOptions) {
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer cancel()
 	const name = "fault-failover"
-	slot, err := c.KeySlot(ctx, "{"+name+"}")
-	if err != nil {
-		t.Fatal(err)
-	}
-	master, err := c.Master(ctx, slot)
-	if err != nil {
-		t.Fatal(err)
-	}
-	replica, err := c.ReplicaOf(ctx, master)
-	if err != nil {
-		t.Fatal(err)
-	}
+	slot, master, replica := slotMasterAndReplica(ctx, t, c, name)
 	before := runtime.NumGoroutine()
 	logs, logger := faultLogger()
 	lims, closeClients := faultLimiters(t, name, func(int) redis.UniversalClient {
@@ -743,6 +767,25 @@ func clusterFailover(t *testing.T, opt *redis.ClusterOptions) {
 	if limit := failedOver.Sub(killed) + 5*time.Second; failing > limit {
 		t.Errorf("calls failed until %v after the kill, want them back within 5s of the promotion", failing)
 	}
+}
+
+// slotMasterAndReplica returns the slot of quota name in c, its master, and
+// the master's replica.
+func slotMasterAndReplica(ctx context.Context, t *testing.T, c *redistest.ReplicatedCluster, name string) (int, *redistest.Server, *redistest.Server) {
+	t.Helper()
+	slot, err := c.KeySlot(ctx, "{"+name+"}")
+	if err != nil {
+		t.Fatal(err)
+	}
+	master, err := c.Master(ctx, slot)
+	if err != nil {
+		t.Fatal(err)
+	}
+	replica, err := c.ReplicaOf(ctx, master)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return slot, master, replica
 }
 
 // The master holding the quota's slot crashes, and the replica that takes
@@ -838,77 +881,123 @@ func TestFault_SlotMigration(t *testing.T) {
 	c := redistest.StartCluster(t)
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer cancel()
-	const name = "fault-migrate"
-	slot, err := redistest.KeySlot(ctx, c.Nodes, "{"+name+"}")
-	if err != nil {
-		t.Fatal(err)
-	}
-	home, err := redistest.SlotOwner(ctx, c.Nodes, slot)
-	if err != nil {
-		t.Fatal(err)
-	}
-	away := c.Nodes[0]
-	if away == home {
-		away = c.Nodes[1]
-	}
+	m := &slotMigration{t: t, ctx: ctx, cluster: c}
+	m.findSlot("fault-migrate")
 	before := runtime.NumGoroutine()
-	var seen errorCounts
-	lims, closeClients := faultLimiters(t, name, func(int) redis.UniversalClient {
+	lims, closeClients := faultLimiters(t, "fault-migrate", func(int) redis.UniversalClient {
 		cc := redis.NewClusterClient(&redis.ClusterOptions{Addrs: c.Addrs, ContextTimeoutEnabled: true})
-		cc.OnNewNode(func(n *redis.Client) { n.AddHook(&seen) })
+		cc.OnNewNode(func(n *redis.Client) { n.AddHook(&m.seen) })
 		return cc
 	}, Options{Logger: slog.New(slog.DiscardHandler)})
-	f := startFaultFleet(t, lims, faultWindow)
+	m.f = startFaultFleet(t, lims, faultWindow)
 
 	time.Sleep(2 * faultWindow)
-	began := f.enter(phaseFault)
-	out, err := redistest.StartMigration(ctx, c.Nodes, slot, away)
+	m.moveWhole()
+	m.moveBackSplit()
+	time.Sleep(2 * faultWindow)
+	sum := m.f.finish(false)
+	closeClients()
+	checkGoroutines(t, before)
+	m.check(sum)
+}
+
+// slotMigration is a run of TestFault_SlotMigration: the quota's slot, the
+// master it lives on and the one it moves to, the fleet, and when each
+// step of the two moves happened.
+type slotMigration struct {
+	t          *testing.T
+	ctx        context.Context
+	cluster    *redistest.Cluster
+	slot       int
+	home, away *redistest.Server
+	seen       errorCounts
+	f          *faultFleet
+
+	began, whole time.Time      // the first move: begun, and the slot the target's
+	moved, asks  int            // keys it moved, and scripts redirected with ASK
+	afterWhole   map[string]int // errors seen by go-redis when it ended
+
+	split, joined, finished, first time.Time // the move back
+}
+
+// findSlot finds the slot of quota name, its master, and another.
+func (m *slotMigration) findSlot(name string) {
+	t, ctx, nodes := m.t, m.ctx, m.cluster.Nodes
+	t.Helper()
+	var err error
+	if m.slot, err = redistest.KeySlot(ctx, nodes, "{"+name+"}"); err != nil {
+		t.Fatal(err)
+	}
+	if m.home, err = redistest.SlotOwner(ctx, nodes, m.slot); err != nil {
+		t.Fatal(err)
+	}
+	m.away = nodes[0]
+	if m.away == m.home {
+		m.away = nodes[1]
+	}
+}
+
+// moveWhole moves the slot away as a resharding does, its keys in one
+// MIGRATE, and waits for the fleet's first call on the new owner.
+func (m *slotMigration) moveWhole() {
+	t, ctx := m.t, m.ctx
+	t.Helper()
+	m.began = m.f.enter(phaseFault)
+	out, err := redistest.StartMigration(ctx, m.cluster.Nodes, m.slot, m.away)
 	if err != nil {
 		t.Fatal(err)
 	}
 	time.Sleep(faultWindow) // the source still serves the quota
-	moved, err := out.MoveKeys(ctx)
-	if err != nil {
+	if m.moved, err = out.MoveKeys(ctx); err != nil {
 		t.Fatal(err)
 	}
-	asks := seen.get("ASK")
+	asks := m.seen.get("ASK")
 	time.Sleep(faultWindow) // the source answers ASK for every script
-	asks = seen.get("ASK") - asks
+	m.asks = m.seen.get("ASK") - asks
 	if err := out.Finish(ctx); err != nil {
 		t.Fatal(err)
 	}
-	whole := time.Now()
+	m.whole = time.Now()
 	// The clients learn the new owner from its first MOVED, or a reload.
-	f.firstSuccess(whole, -1, 5*time.Second)
-	afterWhole := seen.snapshot()
+	m.f.firstSuccess(m.whole, -1, 5*time.Second)
+	m.afterWhole = m.seen.snapshot()
+}
 
-	back, err := redistest.StartMigration(ctx, c.Nodes, slot, home)
+// moveBackSplit moves the slot home with its keys in two MIGRATEs, a burst
+// of the fleet apart, and waits for the fleet's first call after it.
+func (m *slotMigration) moveBackSplit() {
+	t, ctx := m.t, m.ctx
+	t.Helper()
+	back, err := redistest.StartMigration(ctx, m.cluster.Nodes, m.slot, m.home)
 	if err != nil {
 		t.Fatal(err)
 	}
-	keys, err := redistest.KeysInSlot(ctx, away, slot)
+	keys, err := redistest.KeysInSlot(ctx, m.away, m.slot)
 	if err != nil || len(keys) < 2 {
-		t.Fatalf("keys of the quota on %s: %v, %v; want at least 2", away.Addr, keys, err)
+		t.Fatalf("keys of the quota on %s: %v, %v; want at least 2", m.away.Addr, keys, err)
 	}
 	if _, err := back.MoveKeys(ctx, keys[0]); err != nil {
 		t.Fatal(err)
 	}
-	split := time.Now()
+	m.split = time.Now()
 	time.Sleep(faultWindow + 100*time.Millisecond) // long enough for the fleet's next burst
 	if _, err := back.MoveKeys(ctx); err != nil {
 		t.Fatal(err)
 	}
-	joined := time.Now()
+	m.joined = time.Now()
 	if err := back.Finish(ctx); err != nil {
 		t.Fatal(err)
 	}
-	finished := f.enter(phaseRecovery)
-	first := f.firstSuccess(finished, -1, 5*time.Second)
-	time.Sleep(2 * faultWindow)
-	sum := f.finish(false)
-	closeClients()
-	checkGoroutines(t, before)
+	m.finished = m.f.enter(phaseRecovery)
+	m.first = m.f.firstSuccess(m.finished, -1, 5*time.Second)
+}
 
+// check counts the calls that failed during each move and checks that
+// each move met what it should, and that calls ran soon after the keys
+// were together again.
+func (m *slotMigration) check(sum faultTally) {
+	t := m.t
+	t.Helper()
 	var duringWhole, duringSplit int
 	var lastSplitFailure time.Duration
 	for _, c := range sum.calls {
@@ -916,36 +1005,36 @@ func TestFault_SlotMigration(t *testing.T) {
 			continue
 		}
 		switch {
-		case c.end.Before(whole.Add(probeLongest + 200*time.Millisecond)):
+		case c.end.Before(m.whole.Add(probeLongest + 200*time.Millisecond)):
 			duringWhole++
-		case c.end.After(split):
+		case c.end.After(m.split):
 			duringSplit++
-			lastSplitFailure = max(lastSplitFailure, c.end.Sub(joined))
+			lastSplitFailure = max(lastSplitFailure, c.end.Sub(m.joined))
 		default:
 			t.Errorf("a call failed between the two migrations: %v", c.err)
 		}
 	}
 	t.Logf("slot %d: %d keys moved whole from %s to %s (%v); %d ASK while only the target held them; "+
 		"then back with the keys split for %v; errors seen by go-redis in all: %v",
-		slot, moved, home.Addr, away.Addr, whole.Sub(began).Round(time.Millisecond), asks,
-		joined.Sub(split).Round(time.Millisecond), seen.snapshot())
-	t.Logf("examples: %q", seen.examples())
+		m.slot, m.moved, m.home.Addr, m.away.Addr, m.whole.Sub(m.began).Round(time.Millisecond), m.asks,
+		m.joined.Sub(m.split).Round(time.Millisecond), m.seen.snapshot())
+	t.Logf("examples: %q", m.seen.examples())
 	t.Logf("ErrUnavailable: %d while the slot moved whole, %d while the keys were split, the last %v after they were together again; first call after the migration ran %v after it",
-		duringWhole, duringSplit, lastSplitFailure.Round(time.Millisecond), first.Sub(finished).Round(time.Millisecond))
-	if moved < 2 {
-		t.Errorf("MIGRATE moved %d keys, want the quota's 2 or more", moved)
+		duringWhole, duringSplit, lastSplitFailure.Round(time.Millisecond), m.first.Sub(m.finished).Round(time.Millisecond))
+	if m.moved < 2 {
+		t.Errorf("MIGRATE moved %d keys, want the quota's 2 or more", m.moved)
 	}
-	if asks == 0 {
+	if m.asks == 0 {
 		t.Error("no script was redirected with ASK while only the target held the keys")
 	}
-	if afterWhole["MOVED"] == 0 {
+	if m.afterWhole["MOVED"] == 0 {
 		// go-redis learns the new owner from a MOVED, or from a reload of
 		// the slots that a failed dial set going first (a CI run: 16 dial
 		// errors, and its first MOVED only in the second migration);
 		// either way the calls ran again on the new owner (firstSuccess).
 		t.Log("the clients learned the slot's new owner without a MOVED")
 	}
-	if seen.get("TRYAGAIN") == 0 {
+	if m.seen.get("TRYAGAIN") == 0 {
 		t.Error("no script met TRYAGAIN while the quota's keys were split")
 	}
 	if lastSplitFailure > 2*time.Second {

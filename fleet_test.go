@@ -283,66 +283,88 @@ func TestHelperBusyLoop(t *testing.T) {
 	}
 }
 
+// runFleet runs fc's fleet of replicas against a strict vendor for three
+// windows and a half, and checks what the vendor saw.
 func runFleet(t *testing.T, fc fleetCase, newClient func(*testing.T) redis.UniversalClient) {
-	const replicas = 3
-	workers := cmp.Or(fc.workers, 20)
-	window := cmp.Or(fc.window, time.Second)
+	r := &fleetRun{t: t, fc: fc, window: cmp.Or(fc.window, time.Second)}
 	// Three windows and a half: the first one's burst, and two and a half
 	// at the cap to measure.
-	runFor := window * 7 / 2
-	limit := fc.vendor
-	cfg := fakevendor.Config{Limit: limit, Window: window}
+	r.runFor = r.window * 7 / 2
+	cfg := fakevendor.Config{Limit: fc.vendor, Window: r.window}
 	if fc.maxInFlight > 0 {
 		cfg.Work = 20 * time.Millisecond
 	}
-	var v fleetVendor
 	if fc.apart {
-		v = startVendorApart(t, cfg)
+		r.v = startVendorApart(t, cfg)
 	} else {
-		v = startVendorHere(t, cfg)
+		r.v = startVendorHere(t, cfg)
 	}
-	httpc := &http.Client{Transport: &http.Transport{MaxIdleConnsPerHost: replicas * workers}}
-	defer httpc.CloseIdleConnections()
+	r.run(newClient)
+	r.check()
+}
 
-	ctx, cancel := context.WithTimeout(context.Background(), runFor)
-	defer cancel()
-	var admitted, refused atomic.Int64
-	var wg sync.WaitGroup
-	var lims []*Limiter
-	var scripts atomic.Int64
+// fleetReplicas is how many replicas a fleet test runs.
+const fleetReplicas = 3
+
+// fleetRun is one fleet test under way: its case, the vendor, and what the
+// fleet's calls and Redis saw.
+type fleetRun struct {
+	t        *testing.T
+	fc       fleetCase
+	window   time.Duration
+	runFor   time.Duration
+	v        fleetVendor
+	lims     []*Limiter
+	admitted atomic.Int64
+	refused  atomic.Int64
+	scripts  atomic.Int64
 	// The widest margin the fleet's calls were held to: at its ceiling, a
 	// tenth of the window, the log paces its calls (see the utilization
-	// bound below).
-	var widest atomic.Int64
-	observe := func(e Event) {
-		for m := int64(e.Margin); e.Kind == EventRedis; {
-			old := widest.Load()
-			if m <= old || widest.CompareAndSwap(old, m) {
-				break
-			}
+	// bound in check).
+	widest atomic.Int64
+}
+
+// observe keeps the widest margin of the fleet's script calls.
+func (r *fleetRun) observe(e Event) {
+	for m := int64(e.Margin); e.Kind == EventRedis; {
+		old := r.widest.Load()
+		if m <= old || r.widest.CompareAndSwap(old, m) {
+			break
 		}
 	}
-	for range replicas {
+}
+
+// run starts the replicas' workers, each calling the vendor through Do
+// until the run ends, and waits for them.
+func (r *fleetRun) run(newClient func(*testing.T) redis.UniversalClient) {
+	t := r.t
+	workers := cmp.Or(r.fc.workers, 20)
+	httpc := &http.Client{Transport: &http.Transport{MaxIdleConnsPerHost: fleetReplicas * workers}}
+	defer httpc.CloseIdleConnections()
+	ctx, cancel := context.WithTimeout(context.Background(), r.runFor)
+	defer cancel()
+	var wg sync.WaitGroup
+	for range fleetReplicas {
 		rdb := newClient(t)
-		rdb.AddHook(countScripts{&scripts})
-		lim, err := New(rdb, "fleet-"+fc.name, fc.policy, Options{Observer: observe})
+		rdb.AddHook(countScripts{&r.scripts})
+		lim, err := New(rdb, "fleet-"+r.fc.name, r.fc.policy, Options{Observer: r.observe})
 		if err != nil {
 			t.Fatal(err)
 		}
-		lims = append(lims, lim)
+		r.lims = append(r.lims, lim)
 		for range workers {
 			wg.Go(func() {
 				for ctx.Err() == nil {
 					_, err := Do(ctx, lim, func(ctx context.Context) (int, error) {
 						// An admitted call always completes, even as the run ends.
-						return get(context.WithoutCancel(ctx), httpc, v.url)
+						return get(context.WithoutCancel(ctx), httpc, r.v.url)
 					})
 					switch {
 					case err == nil:
-						admitted.Add(1)
+						r.admitted.Add(1)
 					case errors.Is(err, ErrLimited), errors.Is(err, context.DeadlineExceeded):
 						// The run ends before this worker's next slot.
-						refused.Add(1)
+						r.refused.Add(1)
 						return
 					default:
 						t.Errorf("Do: %v", err)
@@ -353,38 +375,44 @@ func runFleet(t *testing.T, fc fleetCase, newClient func(*testing.T) redis.Unive
 		}
 	}
 	wg.Wait()
+}
 
-	st, util, maxInFlight := v.results(t, limit, window)
+// check reads what the vendor saw: no call over its cap, every admitted
+// call accepted, and the cap used, in calls at once and in script calls
+// per admitted call within the case's bounds.
+func (r *fleetRun) check() {
+	t, fc, window, limit := r.t, r.fc, r.window, r.fc.vendor
+	st, util, maxInFlight := r.v.results(t, limit, window)
 	if st.OverCap != 0 || st.MaxInWindow > limit {
 		t.Errorf("vendor saw %d calls over its cap (at most %d in one window, cap %d)", st.OverCap, st.MaxInWindow, limit)
 	}
-	if int64(st.Accepted) != admitted.Load() {
-		t.Errorf("vendor accepted %d calls, the fleet admitted %d", st.Accepted, admitted.Load())
+	if int64(st.Accepted) != r.admitted.Load() {
+		t.Errorf("vendor accepted %d calls, the fleet admitted %d", st.Accepted, r.admitted.Load())
 	}
 	// A busy machine widens the margin, and so gives up some of the cap on
 	// purpose: the bound follows the margin in force, up to its ceiling.
 	var margin time.Duration
-	u, err := lims[0].Usage(context.Background())
+	u, err := r.lims[0].Usage(context.Background())
 	if err != nil {
 		t.Fatal(err)
 	}
-	for _, r := range u.Rules {
-		margin = max(margin, r.Margin)
+	for _, rule := range u.Rules {
+		margin = max(margin, rule.Margin)
 	}
-	perCall := float64(scripts.Load()) / float64(max(admitted.Load(), 1))
+	perCall := float64(r.scripts.Load()) / float64(max(r.admitted.Load(), 1))
 	t.Logf("admitted %d, refused at the end %d, over cap %d, max in a window %d, utilization %.3f, spread %v, margin %v, %.2f script calls per admitted call",
-		admitted.Load(), refused.Load(), st.OverCap, st.MaxInWindow, util, u.Spread, margin, perCall)
+		r.admitted.Load(), r.refused.Load(), st.OverCap, st.MaxInWindow, util, u.Spread, margin, perCall)
 	want := fc.minUtil
 	if floor := max(margin0(fc.policy), policies.DefaultMargin); margin > floor {
 		want *= float64(window+floor) / float64(window+margin)
 	}
-	if paced := time.Duration(widest.Load()) >= window/10; paced {
+	if paced := time.Duration(r.widest.Load()) >= window/10; paced {
 		// A log whose margin reached its ceiling paces its calls: a
 		// window's calls that came at once are spread over the next one,
 		// which costs up to half a window of the cap, once, out of the
 		// windows measured.
-		want *= 1 - float64(window/2)/float64(runFor-window)
-		t.Logf("margin %v at its ceiling: the calls were paced", time.Duration(widest.Load()))
+		want *= 1 - float64(window/2)/float64(r.runFor-window)
+		t.Logf("margin %v at its ceiling: the calls were paced", time.Duration(r.widest.Load()))
 	}
 	if util < want {
 		t.Errorf("utilization %.3f, want at least %.3f", util, want)

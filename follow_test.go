@@ -83,38 +83,12 @@ func TestFollow_LearnsALoweredCapAndFindsItRaised(t *testing.T) {
 	srv := httptest.NewServer(q)
 	defer srv.Close()
 
-	ctx, cancel := context.WithCancel(context.Background())
-	defer cancel()
 	q.start = time.Now()
-	var wg sync.WaitGroup
-	var learned atomic.Int64
-	var lims []*Limiter
-	for range replicas {
-		lim, err := New(s.Client(t), "follow", policies.SlidingLog{Limit: limit, Window: window},
-			Options{Observer: func(e Event) {
-				if e.Kind == EventCapLearned {
-					learned.Add(1)
-				}
-			}})
-		if err != nil {
-			t.Fatal(err)
-		}
-		lims = append(lims, lim)
-		c := &http.Client{Transport: &Transport{Base: &http.Transport{MaxIdleConnsPerHost: workers}, Limiter: lim,
-			AboutRate: func(*http.Response) bool { return true }}}
-		for range workers {
-			wg.Go(func() {
-				for ctx.Err() == nil {
-					_, _ = get(ctx, c, srv.URL)
-				}
-			})
-		}
-	}
+	f := startFollowers(t, s, srv.URL, policies.SlidingLog{Limit: limit, Window: window}, replicas, workers)
 	time.AfterFunc(halveAt, func() { q.v.SetLimit(limit / 2) })
 	time.AfterFunc(raiseAt, func() { q.v.SetLimit(limit) })
 	time.Sleep(endAt)
-	cancel()
-	wg.Wait()
+	f.stop()
 
 	_, refused := q.count(halveAt, raiseAt)
 	settled := halveAt + 5*window
@@ -130,14 +104,14 @@ func TestFollow_LearnsALoweredCapAndFindsItRaised(t *testing.T) {
 	// widens the margin, up to a tenth of windows this short, on purpose),
 	// so two such periods hold two bursts' worth whatever their phase,
 	// where a second may hold one burst and part of another.
-	u, err := lims[0].Usage(context.Background())
+	u, err := f.lims[0].Usage(context.Background())
 	if err != nil {
 		t.Fatal(err)
 	}
 	period := window + u.Rules[0].Margin
 	okLate, _ := q.count(settled, settled+2*period)
 	t.Logf("from the halving: %d refusals, %d after it settled; %d calls served in %v (two windows and margins) at a cap of %d; %d caps learned",
-		refused, refusedLate, okLate, 2*period, limit/2, learned.Load())
+		refused, refusedLate, okLate, 2*period, limit/2, f.learned.Load())
 	if want := 0.95 * float64(limit/2) * 2; float64(okLate) < want {
 		t.Errorf("%d calls served in two windows and margins at the halved cap, want at least %.0f (95%% of the cap)", okLate, want)
 	}
@@ -149,6 +123,68 @@ func TestFollow_LearnsALoweredCapAndFindsItRaised(t *testing.T) {
 	if want := 0.7 * float64(limit) * float64(endAt-found) / float64(window); float64(okEnd) < want {
 		t.Errorf("%d calls served in the last four windows with the cap back at %d, want at least %.0f", okEnd, limit, want)
 	}
+}
+
+// callUntil starts workers goroutines for each client, each calling url
+// until ctx ends.
+func callUntil(ctx context.Context, clients []*http.Client, workers int, url string) *sync.WaitGroup {
+	var wg sync.WaitGroup
+	for _, c := range clients {
+		for range workers {
+			wg.Go(func() {
+				for ctx.Err() == nil {
+					_, _ = get(ctx, c, url)
+				}
+			})
+		}
+	}
+	return &wg
+}
+
+// followers are replicas whose workers call a vendor through Transports as
+// fast as they can, until stop.
+type followers struct {
+	lims    []*Limiter
+	learned atomic.Int64 // EventCapLearned, of every replica
+	cancel  context.CancelFunc
+	wg      sync.WaitGroup
+}
+
+// startFollowers starts replicas replicas of workers workers each, calling
+// url through a Transport whose every 429 is about the rate.
+func startFollowers(t *testing.T, s *redistest.Server, url string, policy policies.SlidingLog, replicas, workers int) *followers {
+	t.Helper()
+	ctx, cancel := context.WithCancel(context.Background())
+	t.Cleanup(cancel)
+	f := &followers{cancel: cancel}
+	for range replicas {
+		lim, err := New(s.Client(t), "follow", policy,
+			Options{Observer: func(e Event) {
+				if e.Kind == EventCapLearned {
+					f.learned.Add(1)
+				}
+			}})
+		if err != nil {
+			t.Fatal(err)
+		}
+		f.lims = append(f.lims, lim)
+		c := &http.Client{Transport: &Transport{Base: &http.Transport{MaxIdleConnsPerHost: workers}, Limiter: lim,
+			AboutRate: func(*http.Response) bool { return true }}}
+		for range workers {
+			f.wg.Go(func() {
+				for ctx.Err() == nil {
+					_, _ = get(ctx, c, url)
+				}
+			})
+		}
+	}
+	return f
+}
+
+// stop stops the workers and waits for them.
+func (f *followers) stop() {
+	f.cancel()
+	f.wg.Wait()
 }
 
 // fixedWindowVendor counts calls in fixed windows, as GitHub and most
@@ -262,16 +298,7 @@ func TestFollow_ClampConverges(t *testing.T) {
 			v.mu.Lock()
 			v.start = time.Now().Truncate(time.Second)
 			v.mu.Unlock()
-			var wg sync.WaitGroup
-			for _, c := range clients {
-				for range workers {
-					wg.Go(func() {
-						for ctx.Err() == nil {
-							_, _ = get(ctx, c, srv.URL)
-						}
-					})
-				}
-			}
+			wg := callUntil(ctx, clients, workers, srv.URL)
 			time.Sleep(time.Until(v.start.Add(2 * window)))
 			v.mu.Lock()
 			noEarly := v.no

@@ -20,128 +20,7 @@ import (
 // are moved to headerNow, so that the resets read as durations; the names
 // keep the vendors' own case, which net/http canonicalizes.
 func TestHeader_Vendors(t *testing.T) {
-	epoch := headerNow.Unix()
-	rfc3339 := func(d time.Duration) string { return headerNow.Add(d).UTC().Format(time.RFC3339) }
-	tests := []struct {
-		vendor string
-		header map[string][]string
-		want   vendorLimits
-	}{
-		{"GitHub, within the limit", h(
-			"x-ratelimit-limit", "5000",
-			"x-ratelimit-remaining", "4999",
-			"x-ratelimit-used", "1",
-			"x-ratelimit-reset", itoa(epoch+3600),
-			"x-ratelimit-resource", "core",
-		), vendorLimits{remaining: 4999, reset: time.Hour, limit: 5000, scope: "core", resource: "core"}},
-		{"GitHub, over the primary limit (403 or 429)", h(
-			"x-ratelimit-limit", "60",
-			"x-ratelimit-remaining", "0",
-			"x-ratelimit-used", "60",
-			"x-ratelimit-reset", itoa(epoch+1200),
-			"x-ratelimit-resource", "core",
-		), vendorLimits{remaining: 0, reset: 20 * time.Minute, limit: 60, scope: "core", resource: "core"}},
-		{"GitHub, a secondary limit", h(
-			"retry-after", "60",
-			"x-ratelimit-limit", "5000",
-			"x-ratelimit-remaining", "4990",
-			"x-ratelimit-reset", itoa(epoch+3000),
-			"x-ratelimit-resource", "core",
-		), vendorLimits{retryAfter: time.Minute, hasRetryAfter: true, remaining: 4990, reset: 3000 * time.Second, limit: 5000, scope: "core", resource: "core"}},
-		{"OpenAI, within the limits", h(
-			"x-ratelimit-limit-requests", "60",
-			"x-ratelimit-limit-tokens", "150000",
-			"x-ratelimit-remaining-requests", "59",
-			"x-ratelimit-remaining-tokens", "149984",
-			"x-ratelimit-reset-requests", "1s",
-			"x-ratelimit-reset-tokens", "6m0s",
-		), vendorLimits{remaining: 59, reset: time.Second, limit: 60, tokens: 149984, tokensReset: 6 * time.Minute, hasTokens: true}},
-		{"OpenAI, a 429", h(
-			"retry-after-ms", "850",
-			"retry-after", "1",
-			"x-ratelimit-limit-requests", "500",
-			"x-ratelimit-remaining-requests", "0",
-			"x-ratelimit-reset-requests", "850ms",
-			"x-ratelimit-remaining-tokens", "29000",
-			"x-ratelimit-reset-tokens", "1m12.5s",
-		), vendorLimits{retryAfter: time.Second, hasRetryAfter: true, remaining: 0, reset: 850 * time.Millisecond, limit: 500,
-			tokens: 29000, tokensReset: 72500 * time.Millisecond, hasTokens: true}},
-		{"Anthropic, within the limits", h(
-			"anthropic-ratelimit-requests-limit", "50",
-			"anthropic-ratelimit-requests-remaining", "49",
-			"anthropic-ratelimit-requests-reset", rfc3339(2*time.Second),
-			"anthropic-ratelimit-tokens-limit", "80000",
-			"anthropic-ratelimit-tokens-remaining", "79000",
-			"anthropic-ratelimit-tokens-reset", rfc3339(time.Second),
-			"anthropic-ratelimit-input-tokens-limit", "40000",
-			"anthropic-ratelimit-input-tokens-remaining", "39500",
-			"anthropic-ratelimit-input-tokens-reset", rfc3339(time.Second),
-			"anthropic-ratelimit-output-tokens-limit", "8000",
-			"anthropic-ratelimit-output-tokens-remaining", "7500",
-			"anthropic-ratelimit-output-tokens-reset", rfc3339(3*time.Second),
-		), vendorLimits{remaining: 49, reset: 2 * time.Second, limit: 50, tokens: 7500, tokensReset: 3 * time.Second, hasTokens: true,
-			units: map[string]Count{
-				"input_tokens":  {Remaining: 39500, Reset: time.Second, Limit: 40000},
-				"output_tokens": {Remaining: 7500, Reset: 3 * time.Second, Limit: 8000},
-			}}},
-		{"Anthropic, a 429", h(
-			"retry-after", "12",
-			"anthropic-ratelimit-requests-limit", "50",
-			"anthropic-ratelimit-requests-remaining", "0",
-			"anthropic-ratelimit-requests-reset", rfc3339(12*time.Second),
-		), vendorLimits{retryAfter: 12 * time.Second, hasRetryAfter: true, remaining: 0, reset: 12 * time.Second, limit: 50}},
-		{"Discord, within the limit", h(
-			"X-RateLimit-Limit", "5",
-			"X-RateLimit-Remaining", "0",
-			"X-RateLimit-Reset", itoa(epoch+1)+".123",
-			"X-RateLimit-Reset-After", "1",
-			"X-RateLimit-Bucket", "abcd1234",
-		), vendorLimits{remaining: 0, reset: 2 * time.Second, limit: 5}},
-		{"Discord, a 429 of a shared resource", h(
-			"Retry-After", "65",
-			"X-RateLimit-Limit", "10",
-			"X-RateLimit-Remaining", "0",
-			"X-RateLimit-Reset-After", "64.57",
-			"X-RateLimit-Bucket", "abcd1234",
-			"X-RateLimit-Scope", "shared",
-		), vendorLimits{retryAfter: 65 * time.Second, hasRetryAfter: true, remaining: 0, reset: 64570 * time.Millisecond, limit: 10, scope: "shared"}},
-		{"Discord, the global limit", h(
-			"Retry-After", "1",
-			"X-RateLimit-Global", "true",
-			"X-RateLimit-Scope", "global",
-		), vendorLimits{retryAfter: time.Second, hasRetryAfter: true, remaining: -1, scope: "global"}},
-		{"Shopify, within the bucket", h("X-Shopify-Shop-Api-Call-Limit", "32/40"),
-			vendorLimits{remaining: 8, limit: 40}},
-		{"Shopify, a 429", h("X-Shopify-Shop-Api-Call-Limit", "40/40", "Retry-After", "2.0"),
-			vendorLimits{retryAfter: 2 * time.Second, hasRetryAfter: true, remaining: 0, limit: 40}},
-		{"Salesforce", h("Sforce-Limit-Info", "api-usage=18/5000"),
-			vendorLimits{remaining: 4982, limit: 5000}},
-		{"Zendesk", h("ratelimit-limit", "700", "ratelimit-remaining", "699", "ratelimit-reset", "41"),
-			vendorLimits{remaining: 699, reset: 41 * time.Second, limit: 700}},
-		{"Zendesk, the older names", h("X-Rate-Limit", "700", "X-Rate-Limit-Remaining", "0", "Retry-After", "93"),
-			vendorLimits{retryAfter: 93 * time.Second, hasRetryAfter: true, remaining: 0}},
-		{"Stripe, a 429 not to retry", h("Stripe-Should-Retry", "false"),
-			vendorLimits{remaining: -1, noRetry: true}},
-		{"Stripe, a 429 to retry", h("Stripe-Should-Retry", "true"),
-			vendorLimits{remaining: -1}},
-		{"IETF draft 11", h(
-			"RateLimit-Policy", `"burst";q=100;w=60,"daily";q=1000;w=86400`,
-			"RateLimit", `"default";r=50;t=30`,
-		), vendorLimits{remaining: 50, reset: 30 * time.Second}},
-		{"IETF draft 11, two policies", h(
-			"RateLimit-Policy", `"burst";q=100;w=60,"daily";q=1000;w=86400`,
-			"RateLimit", `"burst";r=0;t=30, "daily";r=420;t=40000`,
-		), vendorLimits{remaining: 0, reset: 30 * time.Second, limit: 100}},
-		{"IETF draft 11, Retry-After beside t", h(
-			"Retry-After", "45",
-			"RateLimit-Policy", `"burst";q=100;w=60`,
-			"RateLimit", `"burst";r=0;t=30`,
-		), vendorLimits{retryAfter: 45 * time.Second, hasRetryAfter: true, remaining: 0, reset: 30 * time.Second, limit: 100}},
-		{"IETF draft 11, malformed members ignored", h(
-			"RateLimit", `"burst";r=zero;t=30, "daily";r=7;t=soon, ;;`,
-		), vendorLimits{remaining: 7}},
-	}
-	for _, tt := range tests {
+	for _, tt := range vendorHeaderSamples {
 		t.Run(tt.vendor, func(t *testing.T) {
 			hdr := http.Header{}
 			for k, vs := range tt.header {
@@ -154,6 +33,134 @@ func TestHeader_Vendors(t *testing.T) {
 			}
 		})
 	}
+}
+
+// epoch is headerNow in whole Unix seconds, as the samples write their resets.
+var epoch = headerNow.Unix()
+
+// rfc3339 writes the time d after headerNow as Anthropic's resets do.
+func rfc3339(d time.Duration) string { return headerNow.Add(d).UTC().Format(time.RFC3339) }
+
+// vendorHeaderSamples are the vendors' documented headers of
+// TestHeader_Vendors, with the limits each must be read as.
+var vendorHeaderSamples = []struct {
+	vendor string
+	header map[string][]string
+	want   vendorLimits
+}{
+	{"GitHub, within the limit", h(
+		"x-ratelimit-limit", "5000",
+		"x-ratelimit-remaining", "4999",
+		"x-ratelimit-used", "1",
+		"x-ratelimit-reset", itoa(epoch+3600),
+		"x-ratelimit-resource", "core",
+	), vendorLimits{remaining: 4999, reset: time.Hour, limit: 5000, scope: "core", resource: "core"}},
+	{"GitHub, over the primary limit (403 or 429)", h(
+		"x-ratelimit-limit", "60",
+		"x-ratelimit-remaining", "0",
+		"x-ratelimit-used", "60",
+		"x-ratelimit-reset", itoa(epoch+1200),
+		"x-ratelimit-resource", "core",
+	), vendorLimits{remaining: 0, reset: 20 * time.Minute, limit: 60, scope: "core", resource: "core"}},
+	{"GitHub, a secondary limit", h(
+		"retry-after", "60",
+		"x-ratelimit-limit", "5000",
+		"x-ratelimit-remaining", "4990",
+		"x-ratelimit-reset", itoa(epoch+3000),
+		"x-ratelimit-resource", "core",
+	), vendorLimits{retryAfter: time.Minute, hasRetryAfter: true, remaining: 4990, reset: 3000 * time.Second, limit: 5000, scope: "core", resource: "core"}},
+	{"OpenAI, within the limits", h(
+		"x-ratelimit-limit-requests", "60",
+		"x-ratelimit-limit-tokens", "150000",
+		"x-ratelimit-remaining-requests", "59",
+		"x-ratelimit-remaining-tokens", "149984",
+		"x-ratelimit-reset-requests", "1s",
+		"x-ratelimit-reset-tokens", "6m0s",
+	), vendorLimits{remaining: 59, reset: time.Second, limit: 60, tokens: 149984, tokensReset: 6 * time.Minute, hasTokens: true}},
+	{"OpenAI, a 429", h(
+		"retry-after-ms", "850",
+		"retry-after", "1",
+		"x-ratelimit-limit-requests", "500",
+		"x-ratelimit-remaining-requests", "0",
+		"x-ratelimit-reset-requests", "850ms",
+		"x-ratelimit-remaining-tokens", "29000",
+		"x-ratelimit-reset-tokens", "1m12.5s",
+	), vendorLimits{retryAfter: time.Second, hasRetryAfter: true, remaining: 0, reset: 850 * time.Millisecond, limit: 500,
+		tokens: 29000, tokensReset: 72500 * time.Millisecond, hasTokens: true}},
+	{"Anthropic, within the limits", h(
+		"anthropic-ratelimit-requests-limit", "50",
+		"anthropic-ratelimit-requests-remaining", "49",
+		"anthropic-ratelimit-requests-reset", rfc3339(2*time.Second),
+		"anthropic-ratelimit-tokens-limit", "80000",
+		"anthropic-ratelimit-tokens-remaining", "79000",
+		"anthropic-ratelimit-tokens-reset", rfc3339(time.Second),
+		"anthropic-ratelimit-input-tokens-limit", "40000",
+		"anthropic-ratelimit-input-tokens-remaining", "39500",
+		"anthropic-ratelimit-input-tokens-reset", rfc3339(time.Second),
+		"anthropic-ratelimit-output-tokens-limit", "8000",
+		"anthropic-ratelimit-output-tokens-remaining", "7500",
+		"anthropic-ratelimit-output-tokens-reset", rfc3339(3*time.Second),
+	), vendorLimits{remaining: 49, reset: 2 * time.Second, limit: 50, tokens: 7500, tokensReset: 3 * time.Second, hasTokens: true,
+		units: map[string]Count{
+			"input_tokens":  {Remaining: 39500, Reset: time.Second, Limit: 40000},
+			"output_tokens": {Remaining: 7500, Reset: 3 * time.Second, Limit: 8000},
+		}}},
+	{"Anthropic, a 429", h(
+		"retry-after", "12",
+		"anthropic-ratelimit-requests-limit", "50",
+		"anthropic-ratelimit-requests-remaining", "0",
+		"anthropic-ratelimit-requests-reset", rfc3339(12*time.Second),
+	), vendorLimits{retryAfter: 12 * time.Second, hasRetryAfter: true, remaining: 0, reset: 12 * time.Second, limit: 50}},
+	{"Discord, within the limit", h(
+		"X-RateLimit-Limit", "5",
+		"X-RateLimit-Remaining", "0",
+		"X-RateLimit-Reset", itoa(epoch+1)+".123",
+		"X-RateLimit-Reset-After", "1",
+		"X-RateLimit-Bucket", "abcd1234",
+	), vendorLimits{remaining: 0, reset: 2 * time.Second, limit: 5}},
+	{"Discord, a 429 of a shared resource", h(
+		"Retry-After", "65",
+		"X-RateLimit-Limit", "10",
+		"X-RateLimit-Remaining", "0",
+		"X-RateLimit-Reset-After", "64.57",
+		"X-RateLimit-Bucket", "abcd1234",
+		"X-RateLimit-Scope", "shared",
+	), vendorLimits{retryAfter: 65 * time.Second, hasRetryAfter: true, remaining: 0, reset: 64570 * time.Millisecond, limit: 10, scope: "shared"}},
+	{"Discord, the global limit", h(
+		"Retry-After", "1",
+		"X-RateLimit-Global", "true",
+		"X-RateLimit-Scope", "global",
+	), vendorLimits{retryAfter: time.Second, hasRetryAfter: true, remaining: -1, scope: "global"}},
+	{"Shopify, within the bucket", h("X-Shopify-Shop-Api-Call-Limit", "32/40"),
+		vendorLimits{remaining: 8, limit: 40}},
+	{"Shopify, a 429", h("X-Shopify-Shop-Api-Call-Limit", "40/40", "Retry-After", "2.0"),
+		vendorLimits{retryAfter: 2 * time.Second, hasRetryAfter: true, remaining: 0, limit: 40}},
+	{"Salesforce", h("Sforce-Limit-Info", "api-usage=18/5000"),
+		vendorLimits{remaining: 4982, limit: 5000}},
+	{"Zendesk", h("ratelimit-limit", "700", "ratelimit-remaining", "699", "ratelimit-reset", "41"),
+		vendorLimits{remaining: 699, reset: 41 * time.Second, limit: 700}},
+	{"Zendesk, the older names", h("X-Rate-Limit", "700", "X-Rate-Limit-Remaining", "0", "Retry-After", "93"),
+		vendorLimits{retryAfter: 93 * time.Second, hasRetryAfter: true, remaining: 0}},
+	{"Stripe, a 429 not to retry", h("Stripe-Should-Retry", "false"),
+		vendorLimits{remaining: -1, noRetry: true}},
+	{"Stripe, a 429 to retry", h("Stripe-Should-Retry", "true"),
+		vendorLimits{remaining: -1}},
+	{"IETF draft 11", h(
+		"RateLimit-Policy", `"burst";q=100;w=60,"daily";q=1000;w=86400`,
+		"RateLimit", `"default";r=50;t=30`,
+	), vendorLimits{remaining: 50, reset: 30 * time.Second}},
+	{"IETF draft 11, two policies", h(
+		"RateLimit-Policy", `"burst";q=100;w=60,"daily";q=1000;w=86400`,
+		"RateLimit", `"burst";r=0;t=30, "daily";r=420;t=40000`,
+	), vendorLimits{remaining: 0, reset: 30 * time.Second, limit: 100}},
+	{"IETF draft 11, Retry-After beside t", h(
+		"Retry-After", "45",
+		"RateLimit-Policy", `"burst";q=100;w=60`,
+		"RateLimit", `"burst";r=0;t=30`,
+	), vendorLimits{retryAfter: 45 * time.Second, hasRetryAfter: true, remaining: 0, reset: 30 * time.Second, limit: 100}},
+	{"IETF draft 11, malformed members ignored", h(
+		"RateLimit", `"burst";r=zero;t=30, "daily";r=7;t=soon, ;;`,
+	), vendorLimits{remaining: 7}},
 }
 
 // The transport keeps the count of what the quota counts: requests, or the

@@ -18,174 +18,183 @@ import (
 // would, through the public API alone.
 func TestHeard_MakesTheVendorsAnswerKnown(t *testing.T) {
 	redistest.Each(t, func(t *testing.T, s *redistest.Server) {
-		ctx := context.Background()
-		perMinute := policies.SlidingLog{Limit: 10, Window: time.Minute}
-		acquire := func(t *testing.T, lim *Limiter, opts ...CallOption) *Permit {
-			t.Helper()
-			p, err := lim.Acquire(ctx, opts...)
-			if err != nil {
-				t.Fatal(err)
-			}
-			return p
+		for _, c := range heardAnswers {
+			t.Run(c.name, func(t *testing.T) { c.run(context.Background(), t, s) })
 		}
-		// learned returns the limit in force of lim's first rule.
-		learned := func(t *testing.T, lim *Limiter) int {
-			t.Helper()
-			u, err := lim.Usage(ctx)
-			if err != nil {
-				t.Fatal(err)
-			}
-			return u.Rules[0].Limit
-		}
-
-		t.Run("a 429 about the rate pauses every replica and teaches the cap", func(t *testing.T) {
-			var rec recorder
-			lim := replicaLimiter(t, s, "heard-429", perMinute, Options{Observer: rec.Observe})
-			other := replicaLimiter(t, s, "heard-429", perMinute)
-			for range 3 {
-				acquire(t, lim)
-			}
-			p := acquire(t, lim)
-			pause, refused, err := p.Heard(ctx, Answer{Status: http.StatusTooManyRequests, RetryAfter: 2 * time.Second, HasRetryAfter: true, AboutRate: true})
-			if err != nil || !refused || pause != 2*time.Second {
-				t.Fatalf("Heard(429, Retry-After 2s) = %v, %v, %v; want 2s, true, nil", pause, refused, err)
-			}
-			if d := lim.paused(); d <= time.Second || d > 2*time.Second {
-				t.Errorf("paused() = %v after a 2s pause, want (1s, 2s]", d)
-			}
-			if d, err := other.Allow(ctx); err != nil || d.OK || d.RetryAfter < time.Second {
-				t.Errorf("another replica during the pause: %+v, %v; want refused for over a second", d, err)
-			}
-			if n, _ := rec.count(EventVendorLimited, false); n != 1 {
-				t.Errorf("%d EventVendorLimited, want 1", n)
-			}
-			if n, _ := rec.count(EventCapLearned, false); n != 1 {
-				t.Errorf("%d EventCapLearned, want 1", n)
-			}
-			if got := learned(t, other); got != 5 {
-				// Half the limit at most: 3 admitted before the call is fewer.
-				t.Errorf("limit in force %d after a refusal, want 5", got)
-			}
-		})
-
-		t.Run("a 429 that names no time pauses for DefaultPause", func(t *testing.T) {
-			for _, tt := range []struct {
-				set, low, high time.Duration
-			}{
-				{0, time.Second, 1250 * time.Millisecond},
-				{4 * time.Second, 4 * time.Second, 5 * time.Second},
-			} {
-				lim := replicaLimiter(t, s, "heard-default-"+tt.set.String(), perMinute, Options{WithoutLearning: true})
-				pause, refused, err := acquire(t, lim).Heard(ctx, Answer{Status: http.StatusTooManyRequests, DefaultPause: tt.set})
-				if err != nil || !refused || pause < tt.low || pause > tt.high {
-					t.Errorf("DefaultPause %v: Heard = %v, %v, %v; want [%v, %v], true, nil", tt.set, pause, refused, err, tt.low, tt.high)
-				}
-			}
-		})
-
-		t.Run("a 503 pauses and teaches nothing", func(t *testing.T) {
-			var rec recorder
-			lim := replicaLimiter(t, s, "heard-503", perMinute, Options{Observer: rec.Observe})
-			acquire(t, lim)
-			pause, refused, err := acquire(t, lim).Heard(ctx, Answer{Status: http.StatusServiceUnavailable, RetryAfter: 3 * time.Second, HasRetryAfter: true})
-			if err != nil || !refused || pause != 3*time.Second {
-				t.Fatalf("Heard(503, Retry-After 3s) = %v, %v, %v", pause, refused, err)
-			}
-			if n, _ := rec.count(EventCapLearned, false); n != 0 || learned(t, lim) != 10 {
-				t.Errorf("an overloaded vendor taught a cap: %d events, limit in force %d", n, learned(t, lim))
-			}
-			if lim.paused() <= 2*time.Second {
-				t.Errorf("Paused() = %v after a 3s pause", lim.paused())
-			}
-		})
-
-		t.Run("a count lowers the quota's only when it says fewer are left", func(t *testing.T) {
-			var scripts atomic.Int64
-			rdb := s.Client(t)
-			rdb.AddHook(countScripts{&scripts})
-			lim, err := New(rdb, "heard-count", perMinute)
-			if err != nil {
-				t.Fatal(err)
-			}
-			other := replicaLimiter(t, s, "heard-count", perMinute)
-			p := acquire(t, lim)
-			if p.remaining() != 9 {
-				t.Errorf("Remaining() = %d after the first call of 10, want 9", p.remaining())
-			}
-			before := scripts.Load()
-			if _, refused, err := p.Heard(ctx, Answer{Status: http.StatusOK, Requests: &Count{Remaining: 50}}); err != nil || refused {
-				t.Fatalf("Heard(200, 50 left) = %v, %v", refused, err)
-			}
-			if _, _, err := p.Heard(ctx, Answer{Status: http.StatusOK}); err != nil {
-				t.Fatal(err)
-			}
-			if n := scripts.Load() - before; n != 0 {
-				t.Errorf("answers that tell the quota nothing new ran %d scripts", n)
-			}
-			if _, _, err := p.Heard(ctx, Answer{Status: http.StatusOK, Requests: &Count{Remaining: 2, Reset: time.Minute}}); err != nil {
-				t.Fatal(err)
-			}
-			if n := scripts.Load() - before; n != 1 {
-				t.Errorf("a count of fewer left ran %d scripts, want 1", n)
-			}
-			// The others spent 7 of the 10: the fleet leaves them that, and
-			// a unit more for the jitter of their calls (Usage.Others).
-			if free, want := allowed(t, other, 20), leftAfter(10, 1, 2); free != want {
-				t.Errorf("after the vendor said 2 are left, another replica made %d calls, want %d", free, want)
-			}
-		})
-
-		t.Run("a call with a Cost follows the vendor's tokens", func(t *testing.T) {
-			tokens := policies.SlidingLog{Limit: 1000, Window: time.Minute}
-			lim := replicaLimiter(t, s, "heard-tokens", tokens)
-			other := replicaLimiter(t, s, "heard-tokens", tokens)
-			p := acquire(t, lim, Cost(100))
-			a := Answer{Status: http.StatusOK, Requests: &Count{Remaining: 50}, Tokens: &Count{Remaining: 300}}
-			if _, _, err := p.Heard(ctx, a); err != nil {
-				t.Fatal(err)
-			}
-			if d, _ := other.Allow(ctx, Cost(leftAfter(1000, 100, 300))); !d.OK {
-				t.Errorf("the 300 tokens the vendor said are left, less what the others need more, were refused: %+v", d)
-			}
-			if d, _ := other.Allow(ctx, Cost(1)); d.OK {
-				t.Errorf("a token more than the vendor said are left was admitted")
-			}
-			// Without a Cost the units are requests: their count stands.
-			plain := replicaLimiter(t, s, "heard-requests", tokens)
-			if _, _, err := acquire(t, plain).Heard(ctx, Answer{Status: http.StatusOK, Requests: &Count{Remaining: 5}, Tokens: &Count{Remaining: 300}}); err != nil {
-				t.Fatal(err)
-			}
-			if free, want := allowed(t, plain, 20), leftAfter(1000, 1, 5); free != want {
-				t.Errorf("a call without a Cost: %d calls left after the vendor said 5 requests, want %d", free, want)
-			}
-		})
-
-		t.Run("a bad answer is an error that names the field", func(t *testing.T) {
-			lim := replicaLimiter(t, s, "heard-bad", perMinute)
-			p := acquire(t, lim)
-			for _, tt := range []struct {
-				a    Answer
-				want string
-			}{
-				{Answer{Requests: &Count{Remaining: -1}}, "Answer.Requests.Remaining must not be negative, got -1"},
-				{Answer{Tokens: &Count{Reset: -time.Second}}, "Answer.Tokens.Reset must not be negative, got -1s"},
-				{Answer{Requests: &Count{Limit: -2}}, "Answer.Requests.Limit must not be negative, got -2"},
-				{Answer{Status: 429, RetryAfter: -time.Second, HasRetryAfter: true}, "Answer.RetryAfter and Answer.DefaultPause must not be negative, got -1s and 0s"},
-			} {
-				pause, refused, err := p.Heard(ctx, tt.a)
-				if err == nil || !strings.Contains(err.Error(), tt.want) || pause != 0 || refused {
-					t.Errorf("Heard(%+v) = %v, %v, %v; want an error with %q", tt.a, pause, refused, err, tt.want)
-				}
-			}
-			if lim.paused() != 0 {
-				t.Errorf("a bad answer paused the quota for %v", lim.paused())
-			}
-			var nilPermit *Permit
-			if _, _, err := nilPermit.Heard(ctx, Answer{Status: 429}); err == nil {
-				t.Error("Heard on a nil permit: no error")
-			}
-		})
 	})
+}
+
+// perMinute is the quota of heardAnswers: 10 calls a minute.
+var perMinute = policies.SlidingLog{Limit: 10, Window: time.Minute}
+
+// heardAnswers are the answers TestHeard_MakesTheVendorsAnswerKnown gives
+// Permit.Heard, each with what it must do to the quota.
+var heardAnswers = []struct {
+	name string
+	run  func(ctx context.Context, t *testing.T, s *redistest.Server)
+}{
+	{"a 429 about the rate pauses every replica and teaches the cap", func(ctx context.Context, t *testing.T, s *redistest.Server) {
+		var rec recorder
+		lim := replicaLimiter(t, s, "heard-429", perMinute, Options{Observer: rec.Observe})
+		other := replicaLimiter(t, s, "heard-429", perMinute)
+		for range 3 {
+			acquire(t, lim)
+		}
+		p := acquire(t, lim)
+		pause, refused, err := p.Heard(ctx, Answer{Status: http.StatusTooManyRequests, RetryAfter: 2 * time.Second, HasRetryAfter: true, AboutRate: true})
+		if err != nil || !refused || pause != 2*time.Second {
+			t.Fatalf("Heard(429, Retry-After 2s) = %v, %v, %v; want 2s, true, nil", pause, refused, err)
+		}
+		if d := lim.paused(); d <= time.Second || d > 2*time.Second {
+			t.Errorf("paused() = %v after a 2s pause, want (1s, 2s]", d)
+		}
+		if d, err := other.Allow(ctx); err != nil || d.OK || d.RetryAfter < time.Second {
+			t.Errorf("another replica during the pause: %+v, %v; want refused for over a second", d, err)
+		}
+		if n, _ := rec.count(EventVendorLimited, false); n != 1 {
+			t.Errorf("%d EventVendorLimited, want 1", n)
+		}
+		if n, _ := rec.count(EventCapLearned, false); n != 1 {
+			t.Errorf("%d EventCapLearned, want 1", n)
+		}
+		if got := learned(t, other); got != 5 {
+			// Half the limit at most: 3 admitted before the call is fewer.
+			t.Errorf("limit in force %d after a refusal, want 5", got)
+		}
+	}},
+	{"a 429 that names no time pauses for DefaultPause", func(ctx context.Context, t *testing.T, s *redistest.Server) {
+		for _, tt := range []struct {
+			set, low, high time.Duration
+		}{
+			{0, time.Second, 1250 * time.Millisecond},
+			{4 * time.Second, 4 * time.Second, 5 * time.Second},
+		} {
+			lim := replicaLimiter(t, s, "heard-default-"+tt.set.String(), perMinute, Options{WithoutLearning: true})
+			pause, refused, err := acquire(t, lim).Heard(ctx, Answer{Status: http.StatusTooManyRequests, DefaultPause: tt.set})
+			if err != nil || !refused || pause < tt.low || pause > tt.high {
+				t.Errorf("DefaultPause %v: Heard = %v, %v, %v; want [%v, %v], true, nil", tt.set, pause, refused, err, tt.low, tt.high)
+			}
+		}
+	}},
+	{"a 503 pauses and teaches nothing", func(ctx context.Context, t *testing.T, s *redistest.Server) {
+		var rec recorder
+		lim := replicaLimiter(t, s, "heard-503", perMinute, Options{Observer: rec.Observe})
+		acquire(t, lim)
+		pause, refused, err := acquire(t, lim).Heard(ctx, Answer{Status: http.StatusServiceUnavailable, RetryAfter: 3 * time.Second, HasRetryAfter: true})
+		if err != nil || !refused || pause != 3*time.Second {
+			t.Fatalf("Heard(503, Retry-After 3s) = %v, %v, %v", pause, refused, err)
+		}
+		if n, _ := rec.count(EventCapLearned, false); n != 0 || learned(t, lim) != 10 {
+			t.Errorf("an overloaded vendor taught a cap: %d events, limit in force %d", n, learned(t, lim))
+		}
+		if lim.paused() <= 2*time.Second {
+			t.Errorf("Paused() = %v after a 3s pause", lim.paused())
+		}
+	}},
+	{"a count lowers the quota's only when it says fewer are left", func(ctx context.Context, t *testing.T, s *redistest.Server) {
+		var scripts atomic.Int64
+		rdb := s.Client(t)
+		rdb.AddHook(countScripts{&scripts})
+		lim, err := New(rdb, "heard-count", perMinute)
+		if err != nil {
+			t.Fatal(err)
+		}
+		other := replicaLimiter(t, s, "heard-count", perMinute)
+		p := acquire(t, lim)
+		if p.remaining() != 9 {
+			t.Errorf("Remaining() = %d after the first call of 10, want 9", p.remaining())
+		}
+		before := scripts.Load()
+		if _, refused, err := p.Heard(ctx, Answer{Status: http.StatusOK, Requests: &Count{Remaining: 50}}); err != nil || refused {
+			t.Fatalf("Heard(200, 50 left) = %v, %v", refused, err)
+		}
+		if _, _, err := p.Heard(ctx, Answer{Status: http.StatusOK}); err != nil {
+			t.Fatal(err)
+		}
+		if n := scripts.Load() - before; n != 0 {
+			t.Errorf("answers that tell the quota nothing new ran %d scripts", n)
+		}
+		if _, _, err := p.Heard(ctx, Answer{Status: http.StatusOK, Requests: &Count{Remaining: 2, Reset: time.Minute}}); err != nil {
+			t.Fatal(err)
+		}
+		if n := scripts.Load() - before; n != 1 {
+			t.Errorf("a count of fewer left ran %d scripts, want 1", n)
+		}
+		// The others spent 7 of the 10: the fleet leaves them that, and
+		// a unit more for the jitter of their calls (Usage.Others).
+		if free, want := allowed(t, other, 20), leftAfter(10, 1, 2); free != want {
+			t.Errorf("after the vendor said 2 are left, another replica made %d calls, want %d", free, want)
+		}
+	}},
+	{"a call with a Cost follows the vendor's tokens", func(ctx context.Context, t *testing.T, s *redistest.Server) {
+		tokens := policies.SlidingLog{Limit: 1000, Window: time.Minute}
+		lim := replicaLimiter(t, s, "heard-tokens", tokens)
+		other := replicaLimiter(t, s, "heard-tokens", tokens)
+		p := acquire(t, lim, Cost(100))
+		a := Answer{Status: http.StatusOK, Requests: &Count{Remaining: 50}, Tokens: &Count{Remaining: 300}}
+		if _, _, err := p.Heard(ctx, a); err != nil {
+			t.Fatal(err)
+		}
+		if d, _ := other.Allow(ctx, Cost(leftAfter(1000, 100, 300))); !d.OK {
+			t.Errorf("the 300 tokens the vendor said are left, less what the others need more, were refused: %+v", d)
+		}
+		if d, _ := other.Allow(ctx, Cost(1)); d.OK {
+			t.Errorf("a token more than the vendor said are left was admitted")
+		}
+		// Without a Cost the units are requests: their count stands.
+		plain := replicaLimiter(t, s, "heard-requests", tokens)
+		if _, _, err := acquire(t, plain).Heard(ctx, Answer{Status: http.StatusOK, Requests: &Count{Remaining: 5}, Tokens: &Count{Remaining: 300}}); err != nil {
+			t.Fatal(err)
+		}
+		if free, want := allowed(t, plain, 20), leftAfter(1000, 1, 5); free != want {
+			t.Errorf("a call without a Cost: %d calls left after the vendor said 5 requests, want %d", free, want)
+		}
+	}},
+	{"a bad answer is an error that names the field", func(ctx context.Context, t *testing.T, s *redistest.Server) {
+		lim := replicaLimiter(t, s, "heard-bad", perMinute)
+		p := acquire(t, lim)
+		for _, tt := range []struct {
+			a    Answer
+			want string
+		}{
+			{Answer{Requests: &Count{Remaining: -1}}, "Answer.Requests.Remaining must not be negative, got -1"},
+			{Answer{Tokens: &Count{Reset: -time.Second}}, "Answer.Tokens.Reset must not be negative, got -1s"},
+			{Answer{Requests: &Count{Limit: -2}}, "Answer.Requests.Limit must not be negative, got -2"},
+			{Answer{Status: 429, RetryAfter: -time.Second, HasRetryAfter: true}, "Answer.RetryAfter and Answer.DefaultPause must not be negative, got -1s and 0s"},
+		} {
+			pause, refused, err := p.Heard(ctx, tt.a)
+			if err == nil || !strings.Contains(err.Error(), tt.want) || pause != 0 || refused {
+				t.Errorf("Heard(%+v) = %v, %v, %v; want an error with %q", tt.a, pause, refused, err, tt.want)
+			}
+		}
+		if lim.paused() != 0 {
+			t.Errorf("a bad answer paused the quota for %v", lim.paused())
+		}
+		var nilPermit *Permit
+		if _, _, err := nilPermit.Heard(ctx, Answer{Status: 429}); err == nil {
+			t.Error("Heard on a nil permit: no error")
+		}
+	}},
+}
+
+// acquire is lim.Acquire that fails the test on an error.
+func acquire(t *testing.T, lim *Limiter, opts ...CallOption) *Permit {
+	t.Helper()
+	p, err := lim.Acquire(context.Background(), opts...)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return p
+}
+
+// learned returns the limit in force of lim's first rule.
+func learned(t *testing.T, lim *Limiter) int {
+	t.Helper()
+	u, err := lim.Usage(context.Background())
+	if err != nil {
+		t.Fatal(err)
+	}
+	return u.Rules[0].Limit
 }
 
 // allowed counts the calls lim admits now, up to n.

@@ -110,32 +110,7 @@ func TestKeyPool_SpreadsCallsOverTheKeysWithRoom(t *testing.T) {
 	}()
 	defer close(stop)
 
-	ctx, cancel := context.WithTimeout(context.Background(), windows*window)
-	defer cancel()
-	var wg sync.WaitGroup
-	for range replicas {
-		lim, err := New(s.Client(t), "pool", policies.PerKey{Policy: policies.SlidingLog{Limit: limit, Window: window}})
-		if err != nil {
-			t.Fatal(err)
-		}
-		c := &http.Client{Transport: &Transport{Limiter: lim, Keys: tokens, SetKey: func(r *http.Request, token string) {
-			r.Header.Set("Authorization", "Bearer "+token)
-		}}}
-		for range workers {
-			wg.Go(func() {
-				for ctx.Err() == nil {
-					req, _ := http.NewRequestWithContext(ctx, http.MethodGet, srv.URL, nil)
-					if resp, err := c.Do(req); err == nil {
-						resp.Body.Close()
-						if req.Header.Get("Authorization") != "" {
-							t.Error("the pool changed the caller's request")
-						}
-					}
-				}
-			})
-		}
-	}
-	wg.Wait()
+	runPoolFleet(t, s, srv.URL, tokens, policies.SlidingLog{Limit: limit, Window: window}, replicas, workers, windows*window)
 	served, refused := v.counts()
 	t.Logf("served per token %v, refused %v", served, refused)
 	for _, tok := range []string{"t0", "t1", "t3"} {
@@ -155,6 +130,39 @@ func TestKeyPool_SpreadsCallsOverTheKeysWithRoom(t *testing.T) {
 	if max := 2 * replicas * (windows + 1); refused["t2"] > max {
 		t.Errorf("the spent token t2 was refused %d times, want at most %d, a couple per replica and window", refused["t2"], max)
 	}
+}
+
+// runPoolFleet runs workers goroutines in each of replicas replicas for
+// runFor, calling url through a Transport that spreads its calls over
+// tokens, each token's limit policy.
+func runPoolFleet(t *testing.T, s *redistest.Server, url string, tokens []string, policy policies.SlidingLog, replicas, workers int, runFor time.Duration) {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), runFor)
+	defer cancel()
+	var wg sync.WaitGroup
+	for range replicas {
+		lim, err := New(s.Client(t), "pool", policies.PerKey{Policy: policy})
+		if err != nil {
+			t.Fatal(err)
+		}
+		c := &http.Client{Transport: &Transport{Limiter: lim, Keys: tokens, SetKey: func(r *http.Request, token string) {
+			r.Header.Set("Authorization", "Bearer "+token)
+		}}}
+		for range workers {
+			wg.Go(func() {
+				for ctx.Err() == nil {
+					req, _ := http.NewRequestWithContext(ctx, http.MethodGet, url, nil)
+					if resp, err := c.Do(req); err == nil {
+						resp.Body.Close()
+						if req.Header.Get("Authorization") != "" {
+							t.Error("the pool changed the caller's request")
+						}
+					}
+				}
+			})
+		}
+	}
+	wg.Wait()
 }
 
 func TestKeyPool_RefusesABadPool(t *testing.T) {

@@ -75,41 +75,7 @@ func TestDataLoss_FoundByFeedbackPausesForEveryRule(t *testing.T) {
 // Every pause names its cause: in the error of a call it refused, and in
 // the Observer's event of that refusal.
 func TestPause_TheRefusalNamesItsCause(t *testing.T) {
-	log := policies.SlidingLog{Limit: 10, Window: time.Second}
-	tests := []struct {
-		cause string
-		words string
-		pause func(t *testing.T, ctx context.Context, rdb redis.UniversalClient, name string, clock *fixedClock) *Limiter
-	}{
-		{PausedByVendor, "the vendor asked", func(t *testing.T, ctx context.Context, rdb redis.UniversalClient, name string, clock *fixedClock) *Limiter {
-			lim := causeLimiter(t, rdb, name, log, clock)
-			if err := lim.Pause(ctx, time.Minute); err != nil {
-				t.Fatal(err)
-			}
-			return lim
-		}},
-		{PausedByLoss, "lost the quota's data", func(t *testing.T, ctx context.Context, rdb redis.UniversalClient, name string, clock *fixedClock) *Limiter {
-			lim := causeLimiter(t, rdb, name, log, clock)
-			if err := rdb.FlushAll(ctx).Err(); err != nil {
-				t.Fatal(err)
-			}
-			return lim
-		}},
-		{PausedByPolicy, "a deploy changed", func(t *testing.T, ctx context.Context, rdb redis.UniversalClient, name string, clock *fixedClock) *Limiter {
-			causeLimiter(t, rdb, name, log, clock)
-			lim, err := New(rdb, name, policies.SlidingCounter{Limit: 10, Window: time.Second}, Options{Mode: FailFast, Logger: quiet(), Observer: observed})
-			if err != nil {
-				t.Fatal(err)
-			}
-			return lim
-		}},
-		{PausedByClock, "clock stepped back", func(t *testing.T, ctx context.Context, rdb redis.UniversalClient, name string, clock *fixedClock) *Limiter {
-			lim := causeLimiter(t, rdb, name, log, clock)
-			clock.Add(-time.Second)
-			return lim
-		}},
-	}
-	for _, tt := range tests {
+	for _, tt := range pausesOfEveryCause {
 		t.Run(tt.cause, func(t *testing.T) {
 			redistest.Each(t, func(t *testing.T, s *redistest.Server) {
 				ctx := context.Background()
@@ -136,6 +102,45 @@ func TestPause_TheRefusalNamesItsCause(t *testing.T) {
 			})
 		})
 	}
+}
+
+// causeLog is the policy of the limiters of pausesOfEveryCause.
+var causeLog = policies.SlidingLog{Limit: 10, Window: time.Second}
+
+// pausesOfEveryCause are the causes of a pause, the words its refusal
+// must say, and how each pauses a new quota.
+var pausesOfEveryCause = []struct {
+	cause string
+	words string
+	pause func(t *testing.T, ctx context.Context, rdb redis.UniversalClient, name string, clock *fixedClock) *Limiter
+}{
+	{PausedByVendor, "the vendor asked", func(t *testing.T, ctx context.Context, rdb redis.UniversalClient, name string, clock *fixedClock) *Limiter {
+		lim := causeLimiter(t, rdb, name, causeLog, clock)
+		if err := lim.Pause(ctx, time.Minute); err != nil {
+			t.Fatal(err)
+		}
+		return lim
+	}},
+	{PausedByLoss, "lost the quota's data", func(t *testing.T, ctx context.Context, rdb redis.UniversalClient, name string, clock *fixedClock) *Limiter {
+		lim := causeLimiter(t, rdb, name, causeLog, clock)
+		if err := rdb.FlushAll(ctx).Err(); err != nil {
+			t.Fatal(err)
+		}
+		return lim
+	}},
+	{PausedByPolicy, "a deploy changed", func(t *testing.T, ctx context.Context, rdb redis.UniversalClient, name string, clock *fixedClock) *Limiter {
+		causeLimiter(t, rdb, name, causeLog, clock)
+		lim, err := New(rdb, name, policies.SlidingCounter{Limit: 10, Window: time.Second}, Options{Mode: FailFast, Logger: quiet(), Observer: observed})
+		if err != nil {
+			t.Fatal(err)
+		}
+		return lim
+	}},
+	{PausedByClock, "clock stepped back", func(t *testing.T, ctx context.Context, rdb redis.UniversalClient, name string, clock *fixedClock) *Limiter {
+		lim := causeLimiter(t, rdb, name, causeLog, clock)
+		clock.Add(-time.Second)
+		return lim
+	}},
 }
 
 // observe, when set, receives the events of the limiters of

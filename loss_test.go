@@ -654,24 +654,11 @@ func TestNews_SleepingCallsLearnWhatOtherReplicasLearned(t *testing.T) {
 		ctx := context.Background()
 		policy := policies.SlidingLog{Limit: 1, Window: 300 * time.Millisecond}
 		t.Run("Pause", func(t *testing.T) {
-			a := newLimiter(t, s.Client(t), policy, Options{Logger: quiet()})
-			b, err := New(s.Client(t), a.Name(), policy, Options{Logger: quiet()})
-			if err != nil {
-				t.Fatal(err)
-			}
-			defer a.Close(ctx)
-			defer b.Close(ctx)
+			a, b := twoReplicas(t, s, s.Client(t), policy)
 			if d, _ := a.Allow(ctx); !d.OK {
 				t.Fatal("first call refused")
 			}
-			done := make(chan time.Duration)
-			start := time.Now()
-			go func() {
-				if _, err := b.Acquire(ctx); err != nil { // books ~330ms ahead, sleeps
-					t.Error(err)
-				}
-				done <- time.Since(start)
-			}()
+			done := acquireInBackground(t, b) // books ~330ms ahead, sleeps
 			time.Sleep(100 * time.Millisecond)
 			if err := a.Pause(ctx, 1500*time.Millisecond); err != nil {
 				t.Fatal(err)
@@ -682,27 +669,14 @@ func TestNews_SleepingCallsLearnWhatOtherReplicasLearned(t *testing.T) {
 		})
 		t.Run("Loss", func(t *testing.T) {
 			rdb := s.Client(t)
-			a := newLimiter(t, rdb, policy, Options{Logger: quiet()})
-			b, err := New(s.Client(t), a.Name(), policy, Options{Logger: quiet()})
-			if err != nil {
-				t.Fatal(err)
-			}
-			defer a.Close(ctx)
-			defer b.Close(ctx)
+			a, b := twoReplicas(t, s, rdb, policy)
 			if d, _ := b.Allow(ctx); !d.OK {
 				t.Fatal("first call refused")
 			}
 			if d, _ := a.Allow(ctx); d.OK {
 				t.Fatal("a second call admitted")
 			}
-			done := make(chan time.Duration)
-			start := time.Now()
-			go func() {
-				if _, err := b.Acquire(ctx); err != nil { // books ~330ms ahead, sleeps
-					t.Error(err)
-				}
-				done <- time.Since(start)
-			}()
+			done := acquireInBackground(t, b) // books ~330ms ahead, sleeps
 			time.Sleep(100 * time.Millisecond)
 			if err := rdb.FlushAll(ctx).Err(); err != nil {
 				t.Fatal(err)
@@ -716,6 +690,34 @@ func TestNews_SleepingCallsLearnWhatOtherReplicasLearned(t *testing.T) {
 			}
 		})
 	})
+}
+
+// twoReplicas returns two limiters of one quota of policy: a on rdb, b on
+// a client of its own; both are closed at the end of the test.
+func twoReplicas(t *testing.T, s *redistest.Server, rdb redis.UniversalClient, policy policies.Policy) (a, b *Limiter) {
+	t.Helper()
+	a = newLimiter(t, rdb, policy, Options{Logger: quiet()})
+	b, err := New(s.Client(t), a.Name(), policy, Options{Logger: quiet()})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = a.Close(context.Background()) })
+	t.Cleanup(func() { _ = b.Close(context.Background()) })
+	return a, b
+}
+
+// acquireInBackground starts a call of lim that may wait, and returns
+// where the time it took from now is sent when it returns.
+func acquireInBackground(t *testing.T, lim *Limiter) <-chan time.Duration {
+	done := make(chan time.Duration)
+	start := time.Now()
+	go func() {
+		if _, err := lim.Acquire(context.Background()); err != nil {
+			t.Error(err)
+		}
+		done <- time.Since(start)
+	}()
+	return done
 }
 
 // The Local fallback admits its share of the limit at once, exactly: the

@@ -45,32 +45,7 @@ func testBookedBeforeADrop(t *testing.T, cancel bool) {
 			first = append(first, p)
 		}
 		// Ten more, booked a window ahead while the limit is 10.
-		var wg sync.WaitGroup
-		var mu sync.Mutex
-		var starts []time.Duration
-		for range 10 {
-			wg.Add(1)
-			go func() {
-				defer wg.Done()
-				p, err := lim.Acquire(ctx)
-				if err != nil {
-					t.Error(err)
-					return
-				}
-				mu.Lock()
-				starts = append(starts, time.Since(start))
-				mu.Unlock()
-				p.Release()
-			}()
-		}
-		for booked := 0; booked < 10; {
-			u, err := lim.Usage(ctx)
-			if err != nil {
-				t.Fatal(err)
-			}
-			booked = u.Rules[0].Booked
-			time.Sleep(5 * time.Millisecond)
-		}
+		started := bookTen(t, lim, start)
 		// The vendor refuses a call of the first ten: the cap drops to 5.
 		if err := first[9].refused(ctx, 0); err != nil {
 			t.Fatal(err)
@@ -83,7 +58,7 @@ func testBookedBeforeADrop(t *testing.T, cancel bool) {
 				t.Fatal(err)
 			}
 		}
-		wg.Wait()
+		starts := started()
 		early := 0
 		for _, at := range starts {
 			if at < window*17/10 {
@@ -94,4 +69,41 @@ func testBookedBeforeADrop(t *testing.T, cancel bool) {
 			t.Errorf("%d of the calls booked before the drop started within the window after the first ten (at %v), want 5 at most", early, starts)
 		}
 	})
+}
+
+// bookTen starts ten calls of lim and returns once Redis holds their ten
+// bookings. What it returns waits for the calls and gives when each
+// started, from start.
+func bookTen(t *testing.T, lim *Limiter, start time.Time) func() []time.Duration {
+	t.Helper()
+	var wg sync.WaitGroup
+	var mu sync.Mutex
+	var starts []time.Duration
+	for range 10 {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			p, err := lim.Acquire(context.Background())
+			if err != nil {
+				t.Error(err)
+				return
+			}
+			mu.Lock()
+			starts = append(starts, time.Since(start))
+			mu.Unlock()
+			p.Release()
+		}()
+	}
+	for booked := 0; booked < 10; {
+		u, err := lim.Usage(context.Background())
+		if err != nil {
+			t.Fatal(err)
+		}
+		booked = u.Rules[0].Booked
+		time.Sleep(5 * time.Millisecond)
+	}
+	return func() []time.Duration {
+		wg.Wait()
+		return starts
+	}
 }

@@ -232,29 +232,64 @@ type held struct {
 	r result
 }
 
+// modelHistory is one random history under way: the limiter and the model
+// it is checked against, the script's clock, and the calls held so far.
+type modelHistory struct {
+	t        *testing.T
+	rng      *rand.Rand
+	mini     *miniredis.Miniredis // when not nil and useTIME, the script reads its clock
+	useTIME  bool
+	lim      *Limiter
+	m        *model.Model
+	run      modelRun
+	seed     uint64
+	now      int64
+	booked   []held
+	admitted []held
+	pauses   map[string]int64 // Redis time until which the quota ("") or a key is paused
+}
+
 // moveBookings gives one booking back, mostly, and moves one to four of
 // the calls booked, in one script call with some new calls, as the
 // sleeping calls of a process do when the fleet gives units back: the script and the model must take the same
 // decisions, no moved call may end later than it was, and the calls that
 // moved replace their old bookings in what it returns.
-func moveBookings(t *testing.T, rng *rand.Rand, lim *Limiter, m *model.Model, booked []held, now int64, pauses map[string]int64, stats *moveStats, where string) []held {
-	t.Helper()
-	if len(booked) > 1 && rng.IntN(4) > 0 {
+func (mh *modelHistory) moveBookings(where string) {
+	mh.t.Helper()
+	if len(mh.booked) > 1 && mh.rng.IntN(4) > 0 {
 		// What sets calls moving: one gives its booking back.
-		i := rng.IntN(len(booked))
-		h := booked[i]
-		booked = append(booked[:i], booked[i+1:]...)
-		lim.cancel(context.Background(), h.c, h.r)
-		m.Cancel(h.r.member, h.c.key, h.c.cost, h.r.slot().Microseconds(), now)
+		h := mh.take(&mh.booked)
+		mh.lim.cancel(context.Background(), h.c, h.r)
+		mh.m.Cancel(h.r.member, h.c.key, h.c.cost, h.r.slot().Microseconds(), mh.now)
 	}
-	var batch []*request
-	moving := map[*request]held{}
+	batch, moving := mh.pickMoves()
+	if len(batch) == 0 {
+		return
+	}
+	mh.lim.decide(batch[0].sc, batch)
+	mh.m.Script(mh.now)
+	for _, req := range batch { // every booking given back first, as the script does
+		if h, ok := moving[req]; ok {
+			mh.m.Cancel(h.r.member, h.c.key, h.c.cost, h.r.slot().Microseconds(), mh.now)
+		}
+	}
+	for _, req := range batch { // decide sorted them: moves first, by their slots
+		mh.checkMove(req, moving, len(batch), where)
+	}
+	mh.m.EndScript(mh.now)
+}
+
+// pickMoves takes one to four booked calls to move, each with the wait
+// left before its slot, and adds up to two new calls beside them.
+func (mh *modelHistory) pickMoves() (batch []*request, moving map[*request]held) {
+	rng, lim, now := mh.rng, mh.lim, mh.now
+	moving = map[*request]held{}
 	for range 1 + rng.IntN(4) {
-		if len(booked) == 0 {
+		if len(mh.booked) == 0 {
 			break
 		}
-		i := rng.IntN(len(booked))
-		h := booked[i]
+		i := rng.IntN(len(mh.booked))
+		h := mh.booked[i]
 		// A wait past the slot too: the process reckons it before its
 		// call waits in the lane behind another script call.
 		gain := []int64{0, 2000, -3000}[rng.IntN(3)]
@@ -262,7 +297,7 @@ func moveBookings(t *testing.T, rng *rand.Rand, lim *Limiter, m *model.Model, bo
 		if left <= 0 || h.r.slot().Microseconds() <= now {
 			continue
 		}
-		booked = append(booked[:i], booked[i+1:]...)
+		mh.booked = append(mh.booked[:i], mh.booked[i+1:]...)
 		c := h.c
 		c.moves = true
 		r := h.r
@@ -274,51 +309,45 @@ func moveBookings(t *testing.T, rng *rand.Rand, lim *Limiter, m *model.Model, bo
 		c := call{key: "k" + strconv.Itoa(rng.IntN(3)), hasKey: true, cost: 1}
 		batch = append(batch, &request{sc: lim.scopeFor(c), c: c, maxWait: 40 * time.Millisecond, member: lim.newMember(), done: make(chan struct{})})
 	}
-	if len(batch) == 0 {
-		return booked
+	return batch, moving
+}
+
+// checkMove compares the script's decision on one call of a batch of
+// moves with the model's, and keeps the call when it is booked.
+func (mh *modelHistory) checkMove(req *request, moving map[*request]held, size int, where string) {
+	t, m, now := mh.t, mh.m, mh.now
+	t.Helper()
+	r, c := req.res, req.c
+	if req.err != nil {
+		t.Fatalf("%s: %v", where, req.err)
 	}
-	lim.decide(batch[0].sc, batch)
-	m.Script(now)
-	for _, req := range batch { // every booking given back first, as the script does
-		if h, ok := moving[req]; ok {
-			m.Cancel(h.r.member, h.c.key, h.c.cost, h.r.slot().Microseconds(), now)
-		}
+	pause := max(mh.pauses[""], mh.pauses[c.key])
+	h, moved := moving[req]
+	maxWait := req.maxWait.Microseconds()
+	if moved {
+		// Only a slot before its own moves it.
+		maxWait = min(maxWait, h.r.slot().Microseconds()-now-1)
 	}
-	for _, req := range batch { // decide sorted them: moves first, by their slots
-		r, c := req.res, req.c
-		if req.err != nil {
-			t.Fatalf("%s: %v", where, req.err)
-		}
-		pause := max(pauses[""], pauses[c.key])
-		h, moved := moving[req]
-		maxWait := req.maxWait.Microseconds()
-		if moved {
-			// Only a slot before its own moves it.
-			maxWait = min(maxWait, h.r.slot().Microseconds()-now-1)
-		}
-		want := m.AcquireIn(now, pause, r.member, c.key, c.priority, c.cost, maxWait)
-		if moved && !want.Admitted {
-			want = m.KeepIn(now, r.member, c.key, c.priority, c.cost, h.r.slot().Microseconds())
-		}
-		got := model.Decision{Admitted: r.admitted, Wait: r.wait.Microseconds(), Remaining: r.remaining, Room: r.room, Busy: r.reason == reasonBusy}
-		if got != want {
-			t.Fatalf("%s: moving %v, key %s cost %d maxWait %v (batch of %d): script %+v, model %+v", where, moved, c.key, c.cost, req.maxWait, len(batch), got, want)
-		}
-		if moved && r.slot() > h.r.slot() {
-			t.Fatalf("%s: a call moved from slot %d to %d, later", where, h.r.slot().Microseconds(), r.slot().Microseconds())
-		}
-		switch {
-		case moved && r.slot() < h.r.slot():
-			stats.earlier++
-		case moved:
-			stats.kept++
-		}
-		if r.admitted && r.wait > 0 {
-			booked = append(booked, held{c, r})
-		}
+	want := m.AcquireIn(now, pause, r.member, c.key, c.priority, c.cost, maxWait)
+	if moved && !want.Admitted {
+		want = m.KeepIn(now, r.member, c.key, c.priority, c.cost, h.r.slot().Microseconds())
 	}
-	m.EndScript(now)
-	return booked
+	got := model.Decision{Admitted: r.admitted, Wait: r.wait.Microseconds(), Remaining: r.remaining, Room: r.room, Busy: r.reason == reasonBusy}
+	if got != want {
+		t.Fatalf("%s: moving %v, key %s cost %d maxWait %v (batch of %d): script %+v, model %+v", where, moved, c.key, c.cost, req.maxWait, size, got, want)
+	}
+	if moved && r.slot() > h.r.slot() {
+		t.Fatalf("%s: a call moved from slot %d to %d, later", where, h.r.slot().Microseconds(), r.slot().Microseconds())
+	}
+	switch {
+	case moved && r.slot() < h.r.slot():
+		mh.run.moves.earlier++
+	case moved:
+		mh.run.moves.kept++
+	}
+	if r.admitted && r.wait > 0 {
+		mh.booked = append(mh.booked, held{c, r})
+	}
 }
 
 // modelRun is one random history checked against the model.
@@ -333,138 +362,174 @@ type modelRun struct {
 // moveStats counts what the moves of model histories did.
 type moveStats struct{ earlier, kept int }
 
+// checkSeed replays the random history of seed on lim and on the model:
+// every decision must agree, the model keep its promise, and no window in
+// Redis hold more than its limit.
 func checkSeed(t *testing.T, rdb redis.UniversalClient, mini *miniredis.Miniredis, rng *rand.Rand, run modelRun, seed uint64) {
-	ctx := context.Background()
-	tc, kinds := run.tc, run.name
-	now := int64(1_700_000_000_000_000) + int64(seed)*1_000_000_000
+	mh := startHistory(t, rdb, mini, rng, run, seed)
+	for i := range run.steps {
+		mh.advance()
+		mh.step(i)
+	}
+	if v := mh.m.Violations(); len(v) > 0 {
+		t.Fatalf("kinds %s seed %d: the model broke its promise: %v", run.name, seed, v)
+	}
+	checkRedisWindows(t, rdb, mh.lim, run.tc.rules)
+}
+
+// startHistory makes the limiter of a history, on the test's clock or on
+// the clock of miniredis, and the model beside it.
+func startHistory(t *testing.T, rdb redis.UniversalClient, mini *miniredis.Miniredis, rng *rand.Rand, run modelRun, seed uint64) *modelHistory {
+	mh := &modelHistory{t: t, rng: rng, mini: mini, run: run, seed: seed, pauses: map[string]int64{}}
+	mh.now = int64(1_700_000_000_000_000) + int64(seed)*1_000_000_000
 	var opts Options
-	useTIME := mini != nil && seed%2 == 0
-	if useTIME {
+	mh.useTIME = mini != nil && seed%2 == 0
+	if mh.useTIME {
 		// miniredis answers TIME from its settable clock, so the script's
 		// own TIME path is checked too.
-		mini.SetTime(time.UnixMicro(now))
+		mini.SetTime(time.UnixMicro(mh.now))
 	} else {
-		opts.Clock = func() time.Time { return time.UnixMicro(now) }
+		opts.Clock = func() time.Time { return time.UnixMicro(mh.now) }
 	}
-	name := fmt.Sprintf("model-%v-%d-%d", kinds, seed, time.Now().UnixNano())
-	lim, err := New(rdb, strings.NewReplacer(" ", "", "[", "", "]", "").Replace(name), tc.policy, opts)
+	name := fmt.Sprintf("model-%v-%d-%d", run.name, seed, time.Now().UnixNano())
+	lim, err := New(rdb, strings.NewReplacer(" ", "", "[", "", "]", "").Replace(name), run.tc.policy, opts)
 	if err != nil {
 		t.Fatal(err)
 	}
-	if useTIME {
+	if mh.useTIME {
 		// Redis's clock runs as the test says, far faster than this
 		// process's: the limiter reads it as the test's clock, not as a
 		// clock that keeps stepping forward.
-		lim.timing = newTiming(func() time.Time { return time.UnixMicro(now) })
+		lim.timing = newTiming(func() time.Time { return time.UnixMicro(mh.now) })
 	}
-	m := model.New(tc.rules...)
-	step := int64(20_000)
-	var booked, admitted []held
-	take := func(hs *[]held) held {
-		i := rng.IntN(len(*hs))
-		h := (*hs)[i]
-		*hs = append((*hs)[:i], (*hs)[i+1:]...)
-		return h
+	mh.lim, mh.m = lim, model.New(run.tc.rules...)
+	return mh
+}
+
+// modelStep is the mean time between a history's steps, in microseconds.
+const modelStep = int64(20_000)
+
+// advance moves the clock to the next step: the same microsecond, a
+// little later, or up to one and a half steps later.
+func (mh *modelHistory) advance() {
+	switch mh.rng.IntN(3) {
+	case 0: // same microsecond
+	case 1:
+		mh.now += mh.rng.Int64N(modelStep / 4)
+	default:
+		mh.now += mh.rng.Int64N(modelStep * 3 / 2)
 	}
-	pauses := map[string]int64{} // Redis time until which the quota ("") or a key is paused
-	where := func(i int) string { return fmt.Sprintf("kinds %s seed %d step %d (%+v)", kinds, seed, i, tc.rules) }
-	for i := range run.steps {
-		switch rng.IntN(3) {
-		case 0: // same microsecond
-		case 1:
-			now += rng.Int64N(step / 4)
-		default:
-			now += rng.Int64N(step * 3 / 2)
+	if mh.useTIME {
+		mh.mini.SetTime(time.UnixMicro(mh.now))
+	}
+}
+
+// step does one thing a fleet does to the quota, drawn at random.
+func (mh *modelHistory) step(i int) {
+	ctx, t, lim, m, now := context.Background(), mh.t, mh.lim, mh.m, mh.now
+	switch op := mh.rng.IntN(12); {
+	case op == 0 && len(mh.booked) > 0:
+		h := mh.take(&mh.booked)
+		lim.cancel(ctx, h.c, h.r)
+		m.Cancel(h.r.member, h.c.key, h.c.cost, h.r.slot().Microseconds(), now)
+	case op == 1 && len(mh.admitted) > 0:
+		h := mh.take(&mh.admitted)
+		lim.permit(h.c, h.r, 0).Release()
+		m.Release(h.r.member, h.c.key, now)
+	case op == 3:
+		mh.pause(i)
+	case op >= 4 && op <= 6 && mh.run.moves != nil && len(mh.booked) > 0:
+		mh.moveBookings(mh.where(i))
+	case op == 2 && len(mh.admitted) > 0:
+		// Settle refunds only: a charge may exceed the limit on purpose.
+		h := mh.take(&mh.admitted)
+		to := mh.rng.IntN(h.c.cost)
+		if err := lim.permit(h.c, h.r, 0).Settle(ctx, Cost(to)); err != nil {
+			t.Fatalf("%s: Settle: %v", mh.where(i), err)
 		}
-		if useTIME {
-			mini.SetTime(time.UnixMicro(now))
+		m.Settle(h.r.member, h.c.key, h.c.cost, to, h.r.slot().Microseconds(), now)
+	default:
+		mh.decideCalls(i)
+	}
+}
+
+// take removes a call at random from hs and returns it.
+func (mh *modelHistory) take(hs *[]held) held {
+	i := mh.rng.IntN(len(*hs))
+	h := (*hs)[i]
+	*hs = append((*hs)[:i], (*hs)[i+1:]...)
+	return h
+}
+
+// where names the history and its step i in a failure.
+func (mh *modelHistory) where(i int) string {
+	return fmt.Sprintf("kinds %s seed %d step %d (%+v)", mh.run.name, mh.seed, i, mh.run.tc.rules)
+}
+
+// pause is the vendor asking the fleet to pause: no call is admitted
+// before the pause ends, and nothing counts as free during it. A quota
+// with only per-key limits pauses one key.
+func (mh *modelHistory) pause(i int) {
+	d := time.Duration(mh.rng.Int64N(30_000)) * time.Microsecond
+	var opts []CallOption
+	key := ""
+	if !mh.lim.hasShared {
+		key = "k" + strconv.Itoa(mh.rng.IntN(3))
+		opts = append(opts, Key(key))
+	}
+	if err := mh.lim.Pause(context.Background(), d, opts...); err != nil {
+		mh.t.Fatalf("%s: Pause: %v", mh.where(i), err)
+	}
+	if d > 0 {
+		mh.pauses[key] = max(mh.pauses[key], mh.now+d.Microseconds())
+	}
+}
+
+// decideCalls decides new calls in one script call, sometimes several,
+// as concurrent calls of a process do, of one key or of several: they
+// are decided in order, as the model decides them.
+func (mh *modelHistory) decideCalls(i int) {
+	t, rng, lim, m, now := mh.t, mh.rng, mh.lim, mh.m, mh.now
+	key := "k" + strconv.Itoa(rng.IntN(3))
+	var batch []*request
+	for range 1 + rng.IntN(3)*rng.IntN(3) {
+		if rng.IntN(2) == 0 {
+			key = "k" + strconv.Itoa(rng.IntN(3))
 		}
-		switch op := rng.IntN(12); {
-		case op == 0 && len(booked) > 0:
-			h := take(&booked)
-			lim.cancel(ctx, h.c, h.r)
-			m.Cancel(h.r.member, h.c.key, h.c.cost, h.r.slot().Microseconds(), now)
-		case op == 1 && len(admitted) > 0:
-			h := take(&admitted)
-			lim.permit(h.c, h.r, 0).Release()
-			m.Release(h.r.member, h.c.key, now)
-		case op == 3:
-			// The vendor asks the fleet to pause: no call is admitted
-			// before the pause ends, and nothing counts as free during it.
-			// A quota with only per-key limits pauses one key.
-			d := time.Duration(rng.Int64N(30_000)) * time.Microsecond
-			var opts []CallOption
-			key := ""
-			if !lim.hasShared {
-				key = "k" + strconv.Itoa(rng.IntN(3))
-				opts = append(opts, Key(key))
-			}
-			if err := lim.Pause(ctx, d, opts...); err != nil {
-				t.Fatalf("%s: Pause: %v", where(i), err)
-			}
-			if d > 0 {
-				pauses[key] = max(pauses[key], now+d.Microseconds())
-			}
-		case op >= 4 && op <= 6 && run.moves != nil && len(booked) > 0:
-			booked = moveBookings(t, rng, lim, m, booked, now, pauses, run.moves, where(i))
-		case op == 2 && len(admitted) > 0:
-			// Settle refunds only: a charge may exceed the limit on purpose.
-			h := take(&admitted)
-			to := rng.IntN(h.c.cost)
-			if err := lim.permit(h.c, h.r, 0).Settle(ctx, Cost(to)); err != nil {
-				t.Fatalf("%s: Settle: %v", where(i), err)
-			}
-			m.Settle(h.r.member, h.c.key, h.c.cost, to, h.r.slot().Microseconds(), now)
-		default:
-			// Sometimes several calls share a script call, as concurrent
-			// calls of a process do, of one key or of several: they are
-			// decided in order.
-			key := "k" + strconv.Itoa(rng.IntN(3))
-			var batch []*request
-			for range 1 + rng.IntN(3)*rng.IntN(3) {
-				if rng.IntN(2) == 0 {
-					key = "k" + strconv.Itoa(rng.IntN(3))
-				}
-				// Priorities too, now and then: a class above the others
-				// is held its share of the rules (see Classes).
-				prio := []int{0, 0, 0, 3, 7}[rng.IntN(5)]
-				c := call{key: key, hasKey: true, cost: 1 + rng.IntN(min(run.maxCost, lim.maxCost)), priority: prio}
-				batch = append(batch, &request{
-					sc:      lim.scopeFor(c),
-					c:       c,
-					maxWait: []time.Duration{0, 7 * time.Millisecond, 40 * time.Millisecond, 200 * time.Millisecond}[rng.IntN(4)],
-					member:  lim.newMember(),
-					done:    make(chan struct{}),
-				})
-			}
-			lim.decide(batch[0].sc, batch)
-			m.Script(now)
-			for _, req := range batch {
-				r, c := req.res, req.c
-				if req.err != nil {
-					t.Fatalf("%s: %v", where(i), req.err)
-				}
-				want := m.AcquireIn(now, max(pauses[""], pauses[c.key]), r.member, c.key, c.priority, c.cost, req.maxWait.Microseconds())
-				got := model.Decision{Admitted: r.admitted, Wait: r.wait.Microseconds(), Remaining: r.remaining, Room: r.room, Busy: r.reason == reasonBusy}
-				if got != want {
-					t.Fatalf("%s: key %s priority %d cost %d maxWait %v (batch of %d): script %+v, model %+v", where(i), c.key, c.priority, c.cost, req.maxWait, len(batch), got, want)
-				}
-				if r.now.Microseconds() != now {
-					t.Fatalf("%s: script used time %d, want %d", where(i), r.now.Microseconds(), now)
-				}
-				if r.admitted && r.wait > 0 {
-					booked = append(booked, held{c, r})
-				} else if r.admitted {
-					admitted = append(admitted, held{c, r})
-				}
-			}
-			m.EndScript(now)
+		// Priorities too, now and then: a class above the others
+		// is held its share of the rules (see Classes).
+		prio := []int{0, 0, 0, 3, 7}[rng.IntN(5)]
+		c := call{key: key, hasKey: true, cost: 1 + rng.IntN(min(mh.run.maxCost, lim.maxCost)), priority: prio}
+		batch = append(batch, &request{
+			sc:      lim.scopeFor(c),
+			c:       c,
+			maxWait: []time.Duration{0, 7 * time.Millisecond, 40 * time.Millisecond, 200 * time.Millisecond}[rng.IntN(4)],
+			member:  lim.newMember(),
+			done:    make(chan struct{}),
+		})
+	}
+	lim.decide(batch[0].sc, batch)
+	m.Script(now)
+	for _, req := range batch {
+		r, c := req.res, req.c
+		if req.err != nil {
+			t.Fatalf("%s: %v", mh.where(i), req.err)
+		}
+		want := m.AcquireIn(now, max(mh.pauses[""], mh.pauses[c.key]), r.member, c.key, c.priority, c.cost, req.maxWait.Microseconds())
+		got := model.Decision{Admitted: r.admitted, Wait: r.wait.Microseconds(), Remaining: r.remaining, Room: r.room, Busy: r.reason == reasonBusy}
+		if got != want {
+			t.Fatalf("%s: key %s priority %d cost %d maxWait %v (batch of %d): script %+v, model %+v", mh.where(i), c.key, c.priority, c.cost, req.maxWait, len(batch), got, want)
+		}
+		if r.now.Microseconds() != now {
+			t.Fatalf("%s: script used time %d, want %d", mh.where(i), r.now.Microseconds(), now)
+		}
+		if r.admitted && r.wait > 0 {
+			mh.booked = append(mh.booked, held{c, r})
+		} else if r.admitted {
+			mh.admitted = append(mh.admitted, held{c, r})
 		}
 	}
-	if v := m.Violations(); len(v) > 0 {
-		t.Fatalf("kinds %s seed %d: the model broke its promise: %v", kinds, seed, v)
-	}
-	checkRedisWindows(t, rdb, lim, tc.rules)
+	m.EndScript(now)
 }
 
 // checkRedisWindows reads every log the limiter wrote straight from Redis and

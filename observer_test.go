@@ -138,42 +138,50 @@ func TestObserver_EveryEntryPointReportsAndHonoursShadowMode(t *testing.T) {
 	for _, mode := range []Mode{Block, FailFast, Queue} {
 		for _, e := range entries {
 			t.Run(string(mode)+"/"+e.name, func(t *testing.T) {
-				var rec recorder
-				lim := newLimiter(t, s.Client(t), policies.SlidingLog{Limit: 2, Window: time.Hour}, Options{Mode: mode, MaxWait: time.Millisecond, Observer: rec.Observe})
-				admitted := 0
-				for range 3 {
-					if e.call(lim) == nil {
-						admitted++
-					}
-				}
-				if admitted != 2 {
-					t.Errorf("%d of 3 calls admitted under a limit of 2", admitted)
-				}
-				if n, _ := rec.count(EventAdmitted, false); n != 2 {
-					t.Errorf("observer saw %d admitted calls, want 2", n)
-				}
-				if n, _ := rec.count(EventLimited, false); n != 1 {
-					t.Errorf("observer saw %d limited calls, want 1", n)
-				}
-
-				var shadowRec recorder
-				shadow, err := New(s.Client(t), lim.Name()+"-shadow", policies.SlidingLog{Limit: 1, Window: time.Hour}, Options{Mode: mode, Shadow: true, Observer: shadowRec.Observe})
-				if err != nil {
-					t.Fatal(err)
-				}
-				for i := range 3 {
-					if err := e.call(shadow); err != nil {
-						t.Fatalf("call %d in shadow mode: %v", i, err)
-					}
-				}
-				if n, _ := shadowRec.count(EventAdmitted, false); n != 1 {
-					t.Errorf("shadow: observer saw %d admitted calls, want 1", n)
-				}
-				if n, _ := shadowRec.count(EventLimited, true); n != 2 {
-					t.Errorf("shadow: observer saw %d calls limited in shadow, want 2", n)
-				}
+				checkReportsAndHonoursShadowMode(t, s, mode, e.call)
 			})
 		}
+	}
+}
+
+// checkReportsAndHonoursShadowMode makes 3 calls through call under a
+// limit of 2 in mode, and 3 in shadow mode under a limit of 1: the
+// observer sees each call's outcome, and shadow mode lets every call by.
+func checkReportsAndHonoursShadowMode(t *testing.T, s *redistest.Server, mode Mode, call func(*Limiter) error) {
+	t.Helper()
+	var rec recorder
+	lim := newLimiter(t, s.Client(t), policies.SlidingLog{Limit: 2, Window: time.Hour}, Options{Mode: mode, MaxWait: time.Millisecond, Observer: rec.Observe})
+	admitted := 0
+	for range 3 {
+		if call(lim) == nil {
+			admitted++
+		}
+	}
+	if admitted != 2 {
+		t.Errorf("%d of 3 calls admitted under a limit of 2", admitted)
+	}
+	if n, _ := rec.count(EventAdmitted, false); n != 2 {
+		t.Errorf("observer saw %d admitted calls, want 2", n)
+	}
+	if n, _ := rec.count(EventLimited, false); n != 1 {
+		t.Errorf("observer saw %d limited calls, want 1", n)
+	}
+
+	var shadowRec recorder
+	shadow, err := New(s.Client(t), lim.Name()+"-shadow", policies.SlidingLog{Limit: 1, Window: time.Hour}, Options{Mode: mode, Shadow: true, Observer: shadowRec.Observe})
+	if err != nil {
+		t.Fatal(err)
+	}
+	for i := range 3 {
+		if err := call(shadow); err != nil {
+			t.Fatalf("call %d in shadow mode: %v", i, err)
+		}
+	}
+	if n, _ := shadowRec.count(EventAdmitted, false); n != 1 {
+		t.Errorf("shadow: observer saw %d admitted calls, want 1", n)
+	}
+	if n, _ := shadowRec.count(EventLimited, true); n != 2 {
+		t.Errorf("shadow: observer saw %d calls limited in shadow, want 2", n)
 	}
 }
 

@@ -138,15 +138,8 @@ func TestOthers_LeavesAnotherConsumerItsShare(t *testing.T) {
 	stop := make(chan struct{})
 	go k.spend(every, stop)
 	time.AfterFunc(stopAt, func() { close(stop) })
-	var mu sync.Mutex
-	var told []int // the Others of each EventOthers
-	lims := sharedKeyFleet(t, s, k, limit, window, start, end, func(e Event) {
-		if e.Kind == EventOthers {
-			mu.Lock()
-			told = append(told, e.Others)
-			mu.Unlock()
-		}
-	})
+	var told othersTold
+	lims := sharedKeyFleet(t, s, k, limit, window, start, end, told.observe)
 
 	sent := k.count(k.other, 0, end) + k.count(k.turn, 0, end)
 	turned := k.count(k.turn, 0, end)
@@ -170,6 +163,20 @@ func TestOthers_LeavesAnotherConsumerItsShare(t *testing.T) {
 	if t.Failed() || testing.Verbose() {
 		k.dump(t, window, end)
 	}
+	checkTheShareLeft(t, turned, sent, fleet, refused, left)
+	u := told.check(t, lims[0], limit)
+	share := float64(window) / float64(window+u.Rules[0].Margin)
+	if want := 0.95 * share * float64(limit); float64(after) < want {
+		t.Errorf("the fleet took at most %d calls in a window starting within four windows after the other consumer stopped, want at least %.0f",
+			after, want)
+	}
+}
+
+// checkTheShareLeft checks that another consumer had at most 2% of its
+// sent calls refused (turned), and that the fleet took at least 0.7 of
+// the left calls it left, with none refused after its first two windows.
+func checkTheShareLeft(t *testing.T, turned, sent, fleet, refused int, left float64) {
+	t.Helper()
 	if turned*50 > sent {
 		t.Errorf("the other consumer had %d of its %d calls refused, want at most 2%%", turned, sent)
 	}
@@ -187,23 +194,39 @@ func TestOthers_LeavesAnotherConsumerItsShare(t *testing.T) {
 	if refused > 0 {
 		t.Errorf("the fleet had %d calls refused after its first two windows, want none", refused)
 	}
-	u, err := lims[0].Usage(context.Background())
+}
+
+// othersTold records the Others of each EventOthers.
+type othersTold struct {
+	mu   sync.Mutex
+	told []int
+}
+
+func (o *othersTold) observe(e Event) {
+	if e.Kind == EventOthers {
+		o.mu.Lock()
+		o.told = append(o.told, e.Others)
+		o.mu.Unlock()
+	}
+}
+
+// check checks that the observer was told of the share another consumer
+// of limit took, at least 40% of it, falling when it stopped, and that
+// lim's Usage shows none left to it; it returns that Usage.
+func (o *othersTold) check(t *testing.T, lim *Limiter, limit int) Usage {
+	t.Helper()
+	u, err := lim.Usage(context.Background())
 	if err != nil {
 		t.Fatal(err)
 	}
-	// The observer was told of the share the other consumer took, falling
-	// when it stopped; Usage shows none left.
-	mu.Lock()
-	defer mu.Unlock()
+	o.mu.Lock()
+	defer o.mu.Unlock()
+	told := o.told
 	if len(told) < 2 || slices.Max(told) < limit*4/10 || told[len(told)-1] >= slices.Max(told) || u.Rules[0].Others != 0 {
 		t.Errorf("EventOthers told %v, Usage shows %d left to others at the end; want a share of at least %d, falling, then none",
 			told, u.Rules[0].Others, limit*4/10)
 	}
-	share := float64(window) / float64(window+u.Rules[0].Margin)
-	if want := 0.95 * share * float64(limit); float64(after) < want {
-		t.Errorf("the fleet took at most %d calls in a window starting within four windows after the other consumer stopped, want at least %.0f",
-			after, want)
-	}
+	return u
 }
 
 func (k *sharedKey) dump(t *testing.T, window, end time.Duration) {

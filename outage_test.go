@@ -271,15 +271,7 @@ func localAfterBookings(t *testing.T, s *redistest.Server, n int) {
 	// error: the cap is what the test checks.
 	ctx, cancel := context.WithCancel(context.Background())
 	defer cancel()
-	call := func(lim *Limiter) error {
-		p, err := lim.Acquire(ctx)
-		if err != nil {
-			return err
-		}
-		vendor.Arrive()
-		p.Release()
-		return nil
-	}
+	call := vendorCaller{ctx, vendor}.call
 	for _, lim := range lims[1:] {
 		if err := call(lim); err != nil {
 			t.Fatal(err)
@@ -325,6 +317,23 @@ func localAfterBookings(t *testing.T, s *redistest.Server, n int) {
 	if st.MaxInWindow > policy.Limit {
 		t.Errorf("%d calls in one window, over the cap of %d", st.MaxInWindow, policy.Limit)
 	}
+}
+
+// vendorCaller makes calls of a limiter that arrive at a vendor.
+type vendorCaller struct {
+	ctx    context.Context
+	vendor *fakevendor.Vendor
+}
+
+// call acquires a permit of lim and calls the vendor with it.
+func (v vendorCaller) call(lim *Limiter) error {
+	p, err := lim.Acquire(v.ctx)
+	if err != nil {
+		return err
+	}
+	v.vendor.Arrive()
+	p.Release()
+	return nil
 }
 
 // A Cluster master fails over, and every process is back soon after its
@@ -376,27 +385,7 @@ func TestOutage_ClusterFailoverEveryProcessBackSoon(t *testing.T) {
 	master.Kill()
 	killed := time.Now()
 
-	// When each client routes the slot to another node than the dead one.
-	routed := make([]time.Time, len(clients))
-	for deadline := killed.Add(20 * time.Second); ; time.Sleep(10 * time.Millisecond) {
-		all := true
-		for i, cc := range clients {
-			if !routed[i].IsZero() {
-				continue
-			}
-			if m, err := cc.MasterForKey(ctx, key); err == nil && m.Options().Addr != master.Addr {
-				routed[i] = time.Now()
-			} else {
-				all = false
-			}
-		}
-		if all {
-			break
-		}
-		if time.Now().After(deadline) {
-			t.Fatalf("the clients did not route the slot to a new master within 20s: %v", routed)
-		}
-	}
+	routed := waitRouted(ctx, t, clients, key, master.Addr, killed)
 	time.Sleep(3 * time.Second)
 	calls := f.finish()
 
@@ -416,6 +405,33 @@ func TestOutage_ClusterFailoverEveryProcessBackSoon(t *testing.T) {
 	if st := vendor.Stats(); st.OverCap != 0 || st.MaxInWindow > policy.Limit {
 		t.Errorf("the vendor saw %d calls over its cap, at most %d in a window", st.OverCap, st.MaxInWindow)
 	}
+}
+
+// waitRouted returns when each of clients routes key's slot to another
+// node than dead, killed at killed; it waits up to 20s for them all.
+func waitRouted(ctx context.Context, t *testing.T, clients []*redis.ClusterClient, key, dead string, killed time.Time) []time.Time {
+	t.Helper()
+	routed := make([]time.Time, len(clients))
+	for deadline := killed.Add(20 * time.Second); ; time.Sleep(10 * time.Millisecond) {
+		all := true
+		for i, cc := range clients {
+			if !routed[i].IsZero() {
+				continue
+			}
+			if m, err := cc.MasterForKey(ctx, key); err == nil && m.Options().Addr != dead {
+				routed[i] = time.Now()
+			} else {
+				all = false
+			}
+		}
+		if all {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("the clients did not route the slot to a new master within 20s: %v", routed)
+		}
+	}
+	return routed
 }
 
 // transportFleet runs workers that call a vendor through Transports.

@@ -20,53 +20,19 @@ func TestPacing_SpreadsTheCallsOfALateFleet(t *testing.T) {
 		lim := newLimiter(t, s.Client(t), policies.PerKey{Policy: policies.SlidingLog{Limit: 20, Window: time.Second}}, Options{Clock: clock.Now})
 		ctx := context.Background()
 		const pace = 50 * time.Millisecond
-		report := func(n int, late time.Duration) {
-			t.Helper()
-			for range n {
-				lim.lates.note(late)
-			}
-			if d, err := lim.Allow(ctx, Key("reports")); err != nil || !d.OK {
-				t.Fatalf("Allow: %+v, %v", d, err)
-			}
-		}
-		// waits books n calls of key k at once, accepting a wait of maxWait,
-		// and returns their waits.
-		waits := func(k string, n int, maxWait time.Duration) []time.Duration {
-			t.Helper()
-			var ws []time.Duration
-			for i := range n {
-				r, err := lim.acquire(ctx, callOf([]CallOption{Key(k)}), maxWait, nil)
-				if err != nil || !r.admitted {
-					t.Fatalf("key %s, call %d: %+v, %v", k, i, r, err)
-				}
-				ws = append(ws, r.wait)
-			}
-			return ws
-		}
-		// apart reports whether every wait is at least pace after the one
-		// before (and at most 2*pace, since the slots are the earliest).
-		apart := func(ws []time.Duration) bool {
-			for i := 1; i < len(ws); i++ {
-				if d := ws[i] - ws[i-1]; d < pace || d > 2*pace {
-					return false
-				}
-			}
-			return true
-		}
-
-		report(60, 0)
-		if ws := waits("on-time", 40, 5*time.Second); ws[0] != 0 || ws[19] != 0 || ws[20] < time.Second || ws[39] != ws[20] {
+		reportLatesPerKey(t, lim, 60, 0)
+		if ws := bookWaits(t, lim, "on-time", 40, 5*time.Second); ws[0] != 0 || ws[19] != 0 || ws[20] < time.Second || ws[39] != ws[20] {
 			t.Errorf("on time, waits %v: want 20 admitted now, then 20 booked at one slot a window on", ws)
 		}
 
 		// 60 calls 40ms late: the margin widens to 90ms, which is enough.
-		report(60, 40*ms)
-		if ws := waits("widened", 40, 5*time.Second); ws[19] != 0 || ws[39] != ws[20] {
+		reportLatesPerKey(t, lim, 60, 40*ms)
+		if ws := bookWaits(t, lim, "widened", 40, 5*time.Second); ws[19] != 0 || ws[39] != ws[20] {
 			t.Errorf("margin widened, waits %v: want 20 admitted now, then 20 booked at one slot a window on", ws)
 		}
 		// 60 calls 60ms late: the margin stops at its ceiling, a tenth of
 		// the window, and the calls of a log that may wait are paced.
-		report(60, 60*ms)
+		reportLatesPerKey(t, lim, 60, 60*ms)
 		u, err := lim.Usage(ctx, Key("late"))
 		if err != nil {
 			t.Fatal(err)
@@ -74,23 +40,61 @@ func TestPacing_SpreadsTheCallsOfALateFleet(t *testing.T) {
 		if u.Rules[0].Margin != 100*ms {
 			t.Fatalf("margin %v after the late calls, want 100ms", u.Rules[0].Margin)
 		}
-		ws := waits("late", 40, 5*time.Second)
-		if ws[0] != 0 || !apart(ws[:20]) {
+		ws := bookWaits(t, lim, "late", 40, 5*time.Second)
+		if ws[0] != 0 || !paceApart(ws[:20], pace) {
 			t.Errorf("late fleet, first window's waits %v: want each %v or more after the one before", ws[:20], pace)
 		}
-		if ws[20] < time.Second || !apart(ws[20:]) {
+		if ws[20] < time.Second || !paceApart(ws[20:], pace) {
 			t.Errorf("late fleet, second window's waits %v: want a window on, each %v or more after the one before", ws[20:], pace)
 		}
-		if ws := waits("now-only", 20, 0); ws[19] != 0 {
+		if ws := bookWaits(t, lim, "now-only", 20, 0); ws[19] != 0 {
 			t.Errorf("late fleet, calls that may not wait: waits %v, want all admitted now", ws)
 		}
 		// A call that may wait, but not as long as pacing would have it,
 		// is admitted now all the same.
-		waits("short", 1, 5*time.Second)
-		if ws := waits("short", 1, pace/2); ws[0] != 0 {
+		bookWaits(t, lim, "short", 1, 5*time.Second)
+		if ws := bookWaits(t, lim, "short", 1, pace/2); ws[0] != 0 {
 			t.Errorf("a call that may wait %v was booked %v ahead, want admitted now", pace/2, ws[0])
 		}
 	})
+}
+
+// reportLatesPerKey notes n calls that started late, then has lim make a
+// call of key "reports", which reports them to Redis (see reportLates).
+func reportLatesPerKey(t *testing.T, lim *Limiter, n int, late time.Duration) {
+	t.Helper()
+	for range n {
+		lim.lates.note(late)
+	}
+	if d, err := lim.Allow(context.Background(), Key("reports")); err != nil || !d.OK {
+		t.Fatalf("Allow: %+v, %v", d, err)
+	}
+}
+
+// bookWaits books n calls of key k at once, accepting a wait of maxWait,
+// and returns their waits.
+func bookWaits(t *testing.T, lim *Limiter, k string, n int, maxWait time.Duration) []time.Duration {
+	t.Helper()
+	var ws []time.Duration
+	for i := range n {
+		r, err := lim.acquire(context.Background(), callOf([]CallOption{Key(k)}), maxWait, nil)
+		if err != nil || !r.admitted {
+			t.Fatalf("key %s, call %d: %+v, %v", k, i, r, err)
+		}
+		ws = append(ws, r.wait)
+	}
+	return ws
+}
+
+// paceApart reports whether every wait is at least pace after the one
+// before (and at most 2*pace, since the slots are the earliest).
+func paceApart(ws []time.Duration, pace time.Duration) bool {
+	for i := 1; i < len(ws); i++ {
+		if d := ws[i] - ws[i-1]; d < pace || d > 2*pace {
+			return false
+		}
+	}
+	return true
 }
 
 // While a quota warms up, many small replicas that start together each ask

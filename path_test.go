@@ -146,6 +146,42 @@ func TestPath_FollowingCtxFromAnEntryPointIsATree(t *testing.T) {
 		t.Skip("runs without -race (see .ci/run)")
 	}
 	t.Parallel()
+	fset, info, decls := typeCheckThePackage(t)
+	for _, entry := range []string{"Limiter.Acquire", "Limiter.Allow", "Do", "Go"} {
+		t.Run(entry, func(t *testing.T) {
+			var root *ast.FuncDecl
+			for _, fd := range decls {
+				if funcName(fd) == entry {
+					root = fd
+				}
+			}
+			if root == nil {
+				t.Fatalf("no %s", entry)
+			}
+			// Each call of the entry point that passes ctx on goes down
+			// once: Do acquires, then releases.
+			ast.Inspect(root.Body, func(n ast.Node) bool {
+				call, ok := n.(*ast.CallExpr)
+				if !ok || !passesCtx(call) {
+					return true
+				}
+				if callee := (&ctxPath{info: info, decls: decls}).callee(call); callee != nil {
+					cp := ctxPath{fset: fset, info: info, decls: decls, from: map[string]string{}, seen: map[*ast.FuncDecl]bool{root: true}}
+					cp.from[cp.file(callee)] = cp.file(root)
+					cp.walk(t, callee)
+					t.Logf("%s: %v", funcName(callee), cp.from)
+				}
+				return true
+			})
+		})
+	}
+}
+
+// typeCheckThePackage parses and type-checks the package's files but its
+// tests, and returns them with what the check found and each function's
+// declaration by its object.
+func typeCheckThePackage(t *testing.T) (*token.FileSet, *types.Info, map[types.Object]*ast.FuncDecl) {
+	t.Helper()
 	fset := token.NewFileSet()
 	names, err := filepath.Glob("*.go")
 	if err != nil {
@@ -175,34 +211,7 @@ func TestPath_FollowingCtxFromAnEntryPointIsATree(t *testing.T) {
 			}
 		}
 	}
-	for _, entry := range []string{"Limiter.Acquire", "Limiter.Allow", "Do", "Go"} {
-		t.Run(entry, func(t *testing.T) {
-			var root *ast.FuncDecl
-			for _, fd := range decls {
-				if funcName(fd) == entry {
-					root = fd
-				}
-			}
-			if root == nil {
-				t.Fatalf("no %s", entry)
-			}
-			// Each call of the entry point that passes ctx on goes down
-			// once: Do acquires, then releases.
-			ast.Inspect(root.Body, func(n ast.Node) bool {
-				call, ok := n.(*ast.CallExpr)
-				if !ok || !passesCtx(call) {
-					return true
-				}
-				if callee := (&ctxPath{info: info, decls: decls}).callee(call); callee != nil {
-					cp := ctxPath{fset: fset, info: info, decls: decls, from: map[string]string{}, seen: map[*ast.FuncDecl]bool{root: true}}
-					cp.from[cp.file(callee)] = cp.file(root)
-					cp.walk(t, callee)
-					t.Logf("%s: %v", funcName(callee), cp.from)
-				}
-				return true
-			})
-		})
-	}
+	return fset, info, decls
 }
 
 // funcName returns "Recv.Name" for a method, "Name" for a function.

@@ -132,49 +132,13 @@ func TestPerCall_FleetUnderRequestsAndTokens(t *testing.T) {
 		policies.PerCall{Policy: policies.SlidingLog{Limit: requests, Window: window}},
 		policies.SlidingLog{Limit: tokens, Window: window},
 	)
-	ctx, cancel := context.WithTimeout(context.Background(), runFor)
-	defer cancel()
-	var mu sync.Mutex
-	var first, last time.Time
-	var admitted atomic.Int64
-	var wg sync.WaitGroup
-	var lims []*Limiter
-	for range replicas {
-		lim, err := New(s.Client(t), "llm-fleet", policy)
-		if err != nil {
-			t.Fatal(err)
-		}
-		lims = append(lims, lim)
-		for range workers {
-			wg.Go(func() {
-				for ctx.Err() == nil {
-					cost := 20 + rand.IntN(81)
-					_, err := Do(ctx, lim, func(context.Context) (bool, error) {
-						now := time.Now()
-						mu.Lock()
-						if first.IsZero() {
-							first = now
-						}
-						last = now
-						mu.Unlock()
-						reqs.ArriveN(1)
-						toks.ArriveN(cost)
-						admitted.Add(1)
-						return true, nil
-					}, Cost(cost))
-					if err != nil {
-						return
-					}
-				}
-			})
-		}
-	}
-	wg.Wait()
+	f := &llmFleet{reqs: reqs, toks: toks}
+	lims := f.run(t, s, policy, replicas, workers, runFor)
 	rs, ts := reqs.Stats(), toks.Stats()
-	span := last.Sub(first)
+	span := f.last.Sub(f.first)
 	util := float64(ts.Accepted) / (float64(tokens) * float64(span+window) / float64(window))
 	t.Logf("%d calls: requests over cap %d (max %d in a window of %d), tokens over cap %d (max %d of %d), tokens used %.0f%%",
-		admitted.Load(), rs.OverCap, rs.MaxInWindow, requests, ts.OverCap, ts.MaxInWindow, tokens, 100*util)
+		f.admitted.Load(), rs.OverCap, rs.MaxInWindow, requests, ts.OverCap, ts.MaxInWindow, tokens, 100*util)
 	if rs.OverCap != 0 || ts.OverCap != 0 {
 		t.Errorf("over the cap: %d requests, %d tokens", rs.OverCap, ts.OverCap)
 	}
@@ -195,6 +159,63 @@ func TestPerCall_FleetUnderRequestsAndTokens(t *testing.T) {
 	if util < want {
 		t.Errorf("%.0f%% of the tokens used, want at least %.0f%% (margin %v)", 100*util, 100*want, u.Rules[1].Margin)
 	}
+}
+
+// llmFleet is a fleet calling a vendor that counts requests and tokens:
+// when its first and last calls came, and how many were admitted.
+type llmFleet struct {
+	reqs, toks  *fakevendor.Vendor
+	mu          sync.Mutex
+	first, last time.Time
+	admitted    atomic.Int64
+}
+
+// run runs workers goroutines in each of replicas replicas of policy for
+// runFor, each calling at a cost of 20 to 100 tokens, and returns the
+// replicas' limiters.
+func (f *llmFleet) run(t *testing.T, s *redistest.Server, policy policies.Policy, replicas, workers int, runFor time.Duration) []*Limiter {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), runFor)
+	defer cancel()
+	var wg sync.WaitGroup
+	var lims []*Limiter
+	for range replicas {
+		lim, err := New(s.Client(t), "llm-fleet", policy)
+		if err != nil {
+			t.Fatal(err)
+		}
+		lims = append(lims, lim)
+		for range workers {
+			wg.Go(func() {
+				for ctx.Err() == nil {
+					cost := 20 + rand.IntN(81)
+					_, err := Do(ctx, lim, func(context.Context) (bool, error) {
+						f.call(cost)
+						return true, nil
+					}, Cost(cost))
+					if err != nil {
+						return
+					}
+				}
+			})
+		}
+	}
+	wg.Wait()
+	return lims
+}
+
+// call is an admitted call of cost tokens arriving at the vendor.
+func (f *llmFleet) call(cost int) {
+	now := time.Now()
+	f.mu.Lock()
+	if f.first.IsZero() {
+		f.first = now
+	}
+	f.last = now
+	f.mu.Unlock()
+	f.reqs.ArriveN(1)
+	f.toks.ArriveN(cost)
+	f.admitted.Add(1)
 }
 
 func TestPermit_CancelGivesTheCallBack(t *testing.T) {

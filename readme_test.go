@@ -358,18 +358,7 @@ func TestREADME_SnippetsRun(t *testing.T) {
 			t.Errorf("key pool: the vendor saw Authorization %q, want a token of the pool", sent)
 		}
 		mu.Unlock()
-		tracked, err := throttle.New(rdb, "readme-track", policies.SlidingLog{Limit: 100_000, Window: time.Minute})
-		if err != nil {
-			t.Fatal(err)
-		}
-		var oai readmeSDK
-		oai.Chat.Completions.client = &http.Client{Transport: &throttle.Transport{Limiter: tracked, Cost: func(*http.Request) int { return 1200 }}}
-		if err := readmeTrack(ctx, oai, vendor.URL); err != nil {
-			t.Errorf("Track: %v", err)
-		}
-		if u, err := tracked.Usage(ctx); err != nil || u.Rules[0].Used != 900 {
-			t.Errorf("Track: %+v, %v; want the call settled at 900", u, err)
-		}
+		checkReadmeTrack(ctx, t, rdb, vendor.URL)
 		tenants, github := readmePolicies()
 		for _, p := range []policies.Policy{tenants, github} {
 			if _, err := policies.Rules(p); err != nil {
@@ -384,4 +373,22 @@ func TestREADME_SnippetsRun(t *testing.T) {
 			t.Errorf("LLM: %+v, %v", reply, err)
 		}
 	})
+}
+
+// checkReadmeTrack runs the README's Track snippet against the vendor at
+// url: the call admitted at its estimate is settled at what it used.
+func checkReadmeTrack(ctx context.Context, t *testing.T, rdb redis.UniversalClient, url string) {
+	t.Helper()
+	tracked, err := throttle.New(rdb, "readme-track", policies.SlidingLog{Limit: 100_000, Window: time.Minute})
+	if err != nil {
+		t.Fatal(err)
+	}
+	var oai readmeSDK
+	oai.Chat.Completions.client = &http.Client{Transport: &throttle.Transport{Limiter: tracked, Cost: func(*http.Request) int { return 1200 }}}
+	if err := readmeTrack(ctx, oai, url); err != nil {
+		t.Errorf("Track: %v", err)
+	}
+	if u, err := tracked.Usage(ctx); err != nil || u.Rules[0].Used != 900 {
+		t.Errorf("Track: %+v, %v; want the call settled at 900", u, err)
+	}
 }

@@ -38,9 +38,8 @@ func securityPaths(t *testing.T, rdb redis.UniversalClient) {
 	t.Helper()
 	ctx, cancel := context.WithTimeout(context.Background(), 15*time.Second)
 	defer cancel()
-	const limit = 3
 	lim, err := New(rdb, "security", policies.All(
-		policies.SlidingLog{Limit: limit, Window: securityWindow},
+		policies.SlidingLog{Limit: securityLimit, Window: securityWindow},
 		policies.SlidingCounter{Limit: 1000, Window: time.Second},
 		policies.TokenBucket{Rate: 1000, Per: time.Second, Burst: 1000},
 		policies.PerKey{Policy: policies.SlidingLog{Limit: 1000, Window: time.Second}},
@@ -48,37 +47,65 @@ func securityPaths(t *testing.T, rdb redis.UniversalClient) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	key := Key("tenant-1")
-	fill := func(what string) {
-		t.Helper()
-		for {
-			d, err := lim.Allow(ctx, key)
-			if err != nil {
-				t.Fatalf("%s: Allow: %v", what, err)
-			}
-			if !d.OK {
-				if d.RetryAfter <= 0 {
-					t.Fatalf("%s: Allow refused with RetryAfter %v, want > 0", what, d.RetryAfter)
-				}
-				return
-			}
-		}
-	}
-	usage := func(what string, l *Limiter, opts ...CallOption) Usage {
-		t.Helper()
-		u, err := l.Usage(ctx, opts...)
-		if err != nil {
-			t.Fatalf("%s: Usage: %v", what, err)
-		}
-		return u
-	}
+	r := securityRig{t: t, ctx: ctx, lim: lim, key: Key("tenant-1")}
+	r.waitsAndGivesUp()
+	r.doesSettlesAndIsTold()
+	r.holdsAConcurrencySlot(rdb)
+	r.callsThroughTheTransport(rdb)
+}
 
-	for i := range limit {
-		if d, err := lim.Allow(ctx, key); err != nil || !d.OK {
-			t.Fatalf("Allow %d of %d: %+v, %v; want admitted", i+1, limit, d, err)
+// securityLimit is the limit of the quota's log, the rule the paths fill.
+const securityLimit = 3
+
+// securityRig is what the steps of securityPaths share: the test, its
+// deadline, and the quota that combines every kind of rule.
+type securityRig struct {
+	t   *testing.T
+	ctx context.Context
+	lim *Limiter
+	key CallOption
+}
+
+// fill takes calls until the quota refuses one, which must name a wait.
+func (r securityRig) fill(what string) {
+	t := r.t
+	t.Helper()
+	for {
+		d, err := r.lim.Allow(r.ctx, r.key)
+		if err != nil {
+			t.Fatalf("%s: Allow: %v", what, err)
+		}
+		if !d.OK {
+			if d.RetryAfter <= 0 {
+				t.Fatalf("%s: Allow refused with RetryAfter %v, want > 0", what, d.RetryAfter)
+			}
+			return
 		}
 	}
-	fill("a full window")
+}
+
+// usage is l.Usage that fails the test on an error.
+func (r securityRig) usage(what string, l *Limiter, opts ...CallOption) Usage {
+	t := r.t
+	t.Helper()
+	u, err := l.Usage(r.ctx, opts...)
+	if err != nil {
+		t.Fatalf("%s: Usage: %v", what, err)
+	}
+	return u
+}
+
+// waitsAndGivesUp fills the window, waits for a slot in Block mode, and
+// gives up a waiter whose booking must go back.
+func (r securityRig) waitsAndGivesUp() {
+	t, ctx, lim, key := r.t, r.ctx, r.lim, r.key
+	t.Helper()
+	for i := range securityLimit {
+		if d, err := lim.Allow(ctx, key); err != nil || !d.OK {
+			t.Fatalf("Allow %d of %d: %+v, %v; want admitted", i+1, securityLimit, d, err)
+		}
+	}
+	r.fill("a full window")
 
 	p, err := lim.Acquire(ctx, key)
 	if err != nil {
@@ -90,15 +117,15 @@ func securityPaths(t *testing.T, rdb redis.UniversalClient) {
 	p.Release()
 
 	// A call of the whole limit waits for the window to empty.
-	fill("before a waiter gives up")
+	r.fill("before a waiter gives up")
 	wctx, stop := context.WithCancel(ctx)
 	defer stop()
 	waited := make(chan error, 1)
 	go func() {
-		_, err := lim.Acquire(wctx, key, Cost(limit))
+		_, err := lim.Acquire(wctx, key, Cost(securityLimit))
 		waited <- err
 	}()
-	for usage("a waiter", lim, key).Rules[0].Booked == 0 {
+	for r.usage("a waiter", lim, key).Rules[0].Booked == 0 {
 		select {
 		case err := <-waited:
 			t.Fatalf("a waiter returned %v before it was given up", err)
@@ -111,14 +138,20 @@ func securityPaths(t *testing.T, rdb redis.UniversalClient) {
 	}
 	// The booking goes back as the waiter leaves, or within a Redis round
 	// trip after it on a slow machine (see within).
-	waitFor(t, func() bool { return usage("a waiter gave up", lim, key).Rules[0].Booked == 0 }, "the booking of the waiter that gave up to be given back")
+	waitFor(t, func() bool { return r.usage("a waiter gave up", lim, key).Rules[0].Booked == 0 }, "the booking of the waiter that gave up to be given back")
+}
 
+// doesSettlesAndIsTold runs Do, settles a permit's cost, reads Usage, and
+// tells the quota the vendor's count and a pause.
+func (r securityRig) doesSettlesAndIsTold() {
+	t, ctx, lim, key := r.t, r.ctx, r.lim, r.key
+	t.Helper()
 	ran := false
 	if _, err := Do(ctx, lim, func(context.Context) (struct{}, error) { ran = true; return struct{}{}, nil }, key); err != nil || !ran {
 		t.Fatalf("Do: ran %v, %v", ran, err)
 	}
 
-	p, err = lim.Acquire(ctx, key, Cost(2))
+	p, err := lim.Acquire(ctx, key, Cost(2))
 	if err != nil {
 		t.Fatalf("Acquire of cost 2: %v", err)
 	}
@@ -127,7 +160,7 @@ func securityPaths(t *testing.T, rdb redis.UniversalClient) {
 	}
 	p.Release()
 
-	u := usage("the quota", lim, key)
+	u := r.usage("the quota", lim, key)
 	if len(u.Rules) != 4 || u.Rules[0].Used == 0 {
 		t.Errorf("Usage: %+v, want 4 rules and units used in the log", u)
 	}
@@ -135,21 +168,26 @@ func securityPaths(t *testing.T, rdb redis.UniversalClient) {
 	if err := lim.SetRemaining(ctx, 0, securityWindow, key); err != nil {
 		t.Fatalf("SetRemaining: %v", err)
 	}
-	if n := usage("the vendor has none left", lim, key).Remaining; n != 0 {
+	if n := r.usage("the vendor has none left", lim, key).Remaining; n != 0 {
 		t.Errorf("%d units remaining after the vendor said none are, want 0", n)
 	}
 	if err := lim.Pause(ctx, securityWindow, key); err != nil {
 		t.Fatalf("Pause: %v", err)
 	}
-	if paused := usage("paused", lim, key).Paused; paused <= 0 {
+	if paused := r.usage("paused", lim, key).Paused; paused <= 0 {
 		t.Errorf("Usage.Paused = %v after Pause, want > 0", paused)
 	}
+}
 
+// holdsAConcurrencySlot takes, extends and releases a Concurrency slot.
+func (r securityRig) holdsAConcurrencySlot(rdb redis.UniversalClient) {
+	t, ctx := r.t, r.ctx
+	t.Helper()
 	conc, err := New(rdb, "security-concurrency", policies.Concurrency{Max: 1, Lease: 10 * time.Second}, Options{Mode: FailFast})
 	if err != nil {
 		t.Fatal(err)
 	}
-	p, err = conc.Acquire(ctx)
+	p, err := conc.Acquire(ctx)
 	if err != nil {
 		t.Fatalf("Concurrency: Acquire: %v", err)
 	}
@@ -160,7 +198,7 @@ func securityPaths(t *testing.T, rdb redis.UniversalClient) {
 		t.Errorf("Concurrency: Extend: %v", err)
 	}
 	p.Release()
-	if used := usage("slot released", conc).Rules[0].Used; used != 0 {
+	if used := r.usage("slot released", conc).Rules[0].Used; used != 0 {
 		t.Errorf("Concurrency: %d slots in use after Release, want 0", used)
 	}
 	if p, err = conc.Acquire(ctx); err != nil {
@@ -168,7 +206,13 @@ func securityPaths(t *testing.T, rdb redis.UniversalClient) {
 	} else {
 		p.Release()
 	}
+}
 
+// callsThroughTheTransport makes a call through the Transport to a vendor
+// that reports its remaining count, which the quota must take in.
+func (r securityRig) callsThroughTheTransport(rdb redis.UniversalClient) {
+	t, ctx := r.t, r.ctx
+	t.Helper()
 	var arrivals atomic.Int64
 	vendor := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		arrivals.Add(1)
@@ -199,7 +243,7 @@ func securityPaths(t *testing.T, rdb redis.UniversalClient) {
 	}
 	// The vendor says 5 of 10 are left after the one call: the quota
 	// leaves the others the 4 it did not know of, and a unit more.
-	if u := usage("after the Transport", hl).Rules[0]; u.Remaining != leftAfter(10, 1, 5) {
+	if u := r.usage("after the Transport", hl).Rules[0]; u.Remaining != leftAfter(10, 1, 5) {
 		t.Errorf("the Transport's quota has %d left after the vendor said 5 of 10 are left, want %d", u.Remaining, leftAfter(10, 1, 5))
 	}
 }

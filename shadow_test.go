@@ -102,26 +102,7 @@ func TestShadow_ChangesNothingTheVendorOrTheLiveQuotaSees(t *testing.T) {
 		}
 
 		srv := newVendorServer(t, answer(http.StatusTooManyRequests, "no", "Retry-After", "1"))
-		var shadows []*Limiter
-		sent := 0
-		for i := range 3 {
-			shadow := replicaLimiter(t, s, "shadowed", policy, Options{Shadow: true, Logger: quiet()})
-			shadows = append(shadows, shadow)
-			tr := &Transport{Limiter: shadow, AboutRate: func(*http.Response) bool { return true }}
-			for j := range 3 {
-				req := mustRequest(t, ctx, http.MethodGet, srv.URL+fmt.Sprintf("/?r=%d&n=%d", i, j), nil)
-				if j == 2 {
-					req = mustRequest(t, ctx, http.MethodPost, srv.URL, strings.NewReader("{}"))
-					req.Header.Set("Idempotency-Key", fmt.Sprintf("k-%d", i))
-				}
-				resp, err := tr.RoundTrip(req)
-				if err != nil {
-					t.Fatal(err)
-				}
-				readAll(t, resp)
-				sent++
-			}
-		}
+		shadows, sent := sendThroughShadows(t, s, policy, srv.URL)
 		if n := srv.count(); n != sent {
 			t.Errorf("%d requests through the shadow fleet reached the vendor %d times, want once each", sent, n)
 		}
@@ -135,30 +116,7 @@ func TestShadow_ChangesNothingTheVendorOrTheLiveQuotaSees(t *testing.T) {
 		}
 
 		// Every other way a shadow limiter writes to Redis.
-		shadow := shadows[0]
-		p, err := shadow.Acquire(ctx)
-		if err != nil {
-			t.Fatal(err)
-		}
-		steps := []struct {
-			name string
-			do   func() error
-		}{
-			{"Heard", func() error {
-				_, _, err := p.Heard(ctx, Answer{Status: http.StatusOK, Requests: &Count{Remaining: 0, Reset: time.Minute, Limit: 4}})
-				return err
-			}},
-			{"Refused", func() error { return p.refused(ctx, time.Second) }},
-			{"Settle", func() error { return p.Settle(ctx, Cost(1)) }},
-			{"Pause", func() error { return shadow.Pause(ctx, time.Second) }},
-			{"SetRemaining", func() error { return shadow.SetRemaining(ctx, 0, time.Minute) }},
-			{"Release", func() error { p.Release(); return nil }},
-		}
-		for _, st := range steps {
-			if err := st.do(); err != nil {
-				t.Errorf("%s: %v", st.name, err)
-			}
-		}
+		writeEveryOtherWay(t, shadows[0])
 		handBackInShadow(t, s, policy)
 		compareDumps(t, before, redisDump(t, inspect))
 		if got := limitInForce(t, live); got[0] != 10 {
@@ -168,6 +126,66 @@ func TestShadow_ChangesNothingTheVendorOrTheLiveQuotaSees(t *testing.T) {
 			t.Errorf("the live quota refuses a call after the shadow fleet's refusals: %+v, %v", d, err)
 		}
 	})
+}
+
+// sendThroughShadows sends three requests through the Transport of each
+// of three shadow limiters of policy to url, the third a POST with an
+// Idempotency-Key, and returns the limiters and the requests sent.
+func sendThroughShadows(t *testing.T, s *redistest.Server, policy policies.Policy, url string) ([]*Limiter, int) {
+	t.Helper()
+	ctx := context.Background()
+	var shadows []*Limiter
+	sent := 0
+	for i := range 3 {
+		shadow := replicaLimiter(t, s, "shadowed", policy, Options{Shadow: true, Logger: quiet()})
+		shadows = append(shadows, shadow)
+		tr := &Transport{Limiter: shadow, AboutRate: func(*http.Response) bool { return true }}
+		for j := range 3 {
+			req := mustRequest(t, ctx, http.MethodGet, url+fmt.Sprintf("/?r=%d&n=%d", i, j), nil)
+			if j == 2 {
+				req = mustRequest(t, ctx, http.MethodPost, url, strings.NewReader("{}"))
+				req.Header.Set("Idempotency-Key", fmt.Sprintf("k-%d", i))
+			}
+			resp, err := tr.RoundTrip(req)
+			if err != nil {
+				t.Fatal(err)
+			}
+			readAll(t, resp)
+			sent++
+		}
+	}
+	return shadows, sent
+}
+
+// writeEveryOtherWay takes a permit of shadow and writes to Redis through
+// it in every other way a limiter does: Heard, a refusal, Settle, Pause,
+// SetRemaining and Release.
+func writeEveryOtherWay(t *testing.T, shadow *Limiter) {
+	t.Helper()
+	ctx := context.Background()
+	p, err := shadow.Acquire(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	steps := []struct {
+		name string
+		do   func() error
+	}{
+		{"Heard", func() error {
+			_, _, err := p.Heard(ctx, Answer{Status: http.StatusOK, Requests: &Count{Remaining: 0, Reset: time.Minute, Limit: 4}})
+			return err
+		}},
+		{"Refused", func() error { return p.refused(ctx, time.Second) }},
+		{"Settle", func() error { return p.Settle(ctx, Cost(1)) }},
+		{"Pause", func() error { return shadow.Pause(ctx, time.Second) }},
+		{"SetRemaining", func() error { return shadow.SetRemaining(ctx, 0, time.Minute) }},
+		{"Release", func() error { p.Release(); return nil }},
+	}
+	for _, st := range steps {
+		if err := st.do(); err != nil {
+			t.Errorf("%s: %v", st.name, err)
+		}
+	}
 }
 
 // handBackInShadow has a shadow limiter's Local fallback admit a call,

@@ -565,33 +565,44 @@ func TestTTL_EveryKeyExpires(t *testing.T) {
 		if err := lim.Pause(ctx, time.Second, Key("tenant")); err != nil {
 			t.Fatal(err)
 		}
-		keys, err := rdb.Keys(ctx, defaultPrefix+":{"+lim.name+"*").Result()
-		if err != nil {
-			t.Fatal(err)
-		}
-		kinds := map[string]bool{}
-		for _, k := range keys {
-			for _, kind := range []string{"log", "counter", "bucket", "concurrency", ":next", ":cap", ":meta", "//group"} {
-				if strings.Contains(k, kind) {
-					kinds[kind] = true
-				}
-			}
-			if ttl := rdb.PTTL(ctx, k).Val(); ttl <= 0 {
-				t.Errorf("key %s has no TTL (PTTL %v)", k, ttl)
-			}
-		}
-		for _, kind := range []string{"log", "counter", "bucket", "concurrency", ":next", ":cap", ":meta", "//group"} {
-			if !kinds[kind] {
-				t.Errorf("no %q key among %v: the test no longer covers it", kind, keys)
-			}
-		}
-		if len(keys) < 10 {
-			t.Errorf("%d keys %v, want the shared and per-key rule keys, a hint, caps and pauses", len(keys), keys)
-		}
+		checkEveryKeyExpires(t, rdb, lim.name)
 		for _, p := range permits {
 			p.Release()
 		}
 	})
+}
+
+// keyKinds are the kinds of key a quota writes, as their names show them.
+var keyKinds = []string{"log", "counter", "bucket", "concurrency", ":next", ":cap", ":meta", "//group"}
+
+// checkEveryKeyExpires checks that every key of quota name, and of the
+// quotas named after it, has a TTL, and that they hold every kind of key.
+func checkEveryKeyExpires(t *testing.T, rdb redis.UniversalClient, name string) {
+	t.Helper()
+	ctx := context.Background()
+	keys, err := rdb.Keys(ctx, defaultPrefix+":{"+name+"*").Result()
+	if err != nil {
+		t.Fatal(err)
+	}
+	kinds := map[string]bool{}
+	for _, k := range keys {
+		for _, kind := range keyKinds {
+			if strings.Contains(k, kind) {
+				kinds[kind] = true
+			}
+		}
+		if ttl := rdb.PTTL(ctx, k).Val(); ttl <= 0 {
+			t.Errorf("key %s has no TTL (PTTL %v)", k, ttl)
+		}
+	}
+	for _, kind := range keyKinds {
+		if !kinds[kind] {
+			t.Errorf("no %q key among %v: the test no longer covers it", kind, keys)
+		}
+	}
+	if len(keys) < 10 {
+		t.Errorf("%d keys %v, want the shared and per-key rule keys, a hint, caps and pauses", len(keys), keys)
+	}
 }
 
 // SCRIPT FLUSH (a new Redis, a failover) costs no call: each script call

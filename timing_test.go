@@ -283,76 +283,83 @@ func TestMargin_NarrowsWhileTheFleetBooksAhead(t *testing.T) {
 // marginNarrows is TestMargin_NarrowsWhileTheFleetBooksAhead on s, with
 // the calls late by late once the margin has widened.
 func marginNarrows(t *testing.T, s *redistest.Server, late time.Duration) {
-	{
-		clock := newClock()
-		lim := newLimiter(t, s.Client(t), policies.SlidingLog{Limit: 100, Window: time.Second}, Options{Clock: clock.Now})
-		ctx := context.Background()
-		margin := func() time.Duration {
-			t.Helper()
-			u, err := lim.Usage(ctx)
-			if err != nil {
-				t.Fatal(err)
-			}
-			return u.Rules[0].Margin
+	clock := newClock()
+	lim := newLimiter(t, s.Client(t), policies.SlidingLog{Limit: 100, Window: time.Second}, Options{Clock: clock.Now})
+	ctx := context.Background()
+	warmUp(t, clock, time.Second, lim)
+	// The warm-up's calls leave every window.
+	clock.Add(2 * time.Second)
+	// 20 of 100 calls about 40ms late: the margin widens to 90ms.
+	for i := range 100 {
+		if i < 20 {
+			lim.lates.note(40 * ms)
+		} else {
+			lim.lates.note(0)
 		}
-		warmUp(t, clock, time.Second, lim)
-		// The warm-up's calls leave every window.
-		clock.Add(2 * time.Second)
-		// 20 of 100 calls about 40ms late: the margin widens to 90ms.
-		for i := range 100 {
-			if i < 20 {
-				lim.lates.note(40 * ms)
-			} else {
-				lim.lates.note(0)
-			}
-			if d, err := lim.Allow(ctx); err != nil || !d.OK {
-				t.Fatalf("call %d: %+v, %v", i, d, err)
-			}
-		}
-		if m := margin(); m != 90508*time.Microsecond {
-			t.Fatalf("margin %v after the late calls, want 90.508ms", m)
-		}
-		// From then on every call starts on time, and the fleet asks for
-		// 120 calls a second: each is booked about a window ahead.
-		var narrowed time.Duration
-		seen := []time.Duration{margin()}
-		ahead := 0
-		for step := range 200 {
-			clock.Add(50 * ms)
-			for range 6 {
-				lim.lates.note(late)
-				r, err := lim.acquire(ctx, call{cost: 1}, 5*time.Second, nil)
-				if err != nil || !r.admitted {
-					t.Fatalf("step %d: %+v, %v", step, r, err)
-				}
-				if r.wait > 500*ms {
-					ahead++
-				}
-			}
-			m := margin()
-			if m != seen[len(seen)-1] {
-				seen = append(seen, m)
-			}
-			if m == policies.DefaultMargin && narrowed == 0 {
-				narrowed = time.Duration(step+1) * 50 * ms
-			}
-		}
-		if ahead < 600 {
-			t.Fatalf("only %d of 1200 calls were booked more than 500ms ahead: the fleet was not saturated", ahead)
-		}
-		switch {
-		case narrowed == 0:
-			t.Errorf("the margin never came back to %v in 10s of calls on time", policies.DefaultMargin)
-		case narrowed > 8*time.Second:
-			t.Errorf("the margin came back to %v after %v of calls on time, want within 8s (two timing periods, and the windows of the calls booked meanwhile)", policies.DefaultMargin, narrowed)
-		}
-		// While the calls booked with the wide margin are in their windows,
-		// a new booking keeps half of it from them, and half of its own.
-		want := []time.Duration{90508 * time.Microsecond, 60254 * time.Microsecond, policies.DefaultMargin}
-		if !equalDurations(seen, want) {
-			t.Errorf("margins in force %v, want %v", seen, want)
+		if d, err := lim.Allow(ctx); err != nil || !d.OK {
+			t.Fatalf("call %d: %+v, %v", i, d, err)
 		}
 	}
+	if m := marginOf(t, lim); m != 90508*time.Microsecond {
+		t.Fatalf("margin %v after the late calls, want 90.508ms", m)
+	}
+	seen, narrowed, ahead := bookAheadFor10s(t, clock, lim, late)
+	if ahead < 600 {
+		t.Fatalf("only %d of 1200 calls were booked more than 500ms ahead: the fleet was not saturated", ahead)
+	}
+	switch {
+	case narrowed == 0:
+		t.Errorf("the margin never came back to %v in 10s of calls on time", policies.DefaultMargin)
+	case narrowed > 8*time.Second:
+		t.Errorf("the margin came back to %v after %v of calls on time, want within 8s (two timing periods, and the windows of the calls booked meanwhile)", policies.DefaultMargin, narrowed)
+	}
+	// While the calls booked with the wide margin are in their windows,
+	// a new booking keeps half of it from them, and half of its own.
+	want := []time.Duration{90508 * time.Microsecond, 60254 * time.Microsecond, policies.DefaultMargin}
+	if !equalDurations(seen, want) {
+		t.Errorf("margins in force %v, want %v", seen, want)
+	}
+}
+
+// marginOf returns the margin in force of lim's first rule.
+func marginOf(t *testing.T, lim *Limiter) time.Duration {
+	t.Helper()
+	u, err := lim.Usage(context.Background())
+	if err != nil {
+		t.Fatal(err)
+	}
+	return u.Rules[0].Margin
+}
+
+// bookAheadFor10s has lim's fleet ask for 120 calls a second for 10s of
+// clock, each call late by late, so that each is booked about a window
+// ahead. It returns each margin in force in turn, when the margin came
+// back to the default (0 if never), and how many calls were booked more
+// than 500ms ahead.
+func bookAheadFor10s(t *testing.T, clock *fixedClock, lim *Limiter, late time.Duration) (seen []time.Duration, narrowed time.Duration, ahead int) {
+	t.Helper()
+	seen = []time.Duration{marginOf(t, lim)}
+	for step := range 200 {
+		clock.Add(50 * ms)
+		for range 6 {
+			lim.lates.note(late)
+			r, err := lim.acquire(context.Background(), call{cost: 1}, 5*time.Second, nil)
+			if err != nil || !r.admitted {
+				t.Fatalf("step %d: %+v, %v", step, r, err)
+			}
+			if r.wait > 500*ms {
+				ahead++
+			}
+		}
+		m := marginOf(t, lim)
+		if m != seen[len(seen)-1] {
+			seen = append(seen, m)
+		}
+		if m == policies.DefaultMargin && narrowed == 0 {
+			narrowed = time.Duration(step+1) * 50 * ms
+		}
+	}
+	return seen, narrowed, ahead
 }
 
 func equalDurations(a, b []time.Duration) bool {

@@ -271,39 +271,11 @@ func TestTransport_FleetPausesWhenTheVendorLowersItsCap(t *testing.T) {
 			// Each pause lasts at least the vendor's Retry-After of 1s.
 			maxPauses = int((runFor - lowerAt + time.Second - 1) / time.Second)
 		)
-		policy := policies.SlidingLog{Limit: limit, Window: window}
-		vendor := fakevendor.NewInProcess(fakevendor.Config{Limit: limit, Window: window, RetryAfter: true})
-		srv := newVendorServer(t, vendor.Handler())
-		start := time.Now()
-		ctx, cancel := context.WithTimeout(context.Background(), runFor)
-		defer cancel()
-		var wg sync.WaitGroup
-		for i := range replicas {
-			lim := replicaLimiter(t, s, "lowered", policy)
-			client := replicaClient(t, strconv.Itoa(i), lim)
-			for range workers {
-				wg.Go(func() {
-					for ctx.Err() == nil {
-						resp, err := client.Do(mustRequest(t, ctx, http.MethodGet, srv.URL, nil))
-						if err != nil {
-							if !errors.Is(err, ErrLimited) && !errors.Is(err, context.DeadlineExceeded) {
-								t.Errorf("GET: %v", err)
-							}
-							return
-						}
-						readAll(t, resp)
-					}
-				})
-			}
-		}
-		time.Sleep(lowerAt)
-		vendor.SetLimit(lowered)
-		loweredAt := time.Now()
-		wg.Wait()
-
-		log := srv.log()
+		r := &capLowered{t: t, perPause: perPause}
+		r.run(s, policies.SlidingLog{Limit: limit, Window: window}, replicas, workers, lowered, lowerAt, runFor)
+		log := r.srv.log()
 		t.Logf("cap %d per %v, lowered to %d at %v; arrivals per 100ms:%s", limit, window, lowered,
-			loweredAt.Sub(start).Round(time.Millisecond), timeline(start, log, 100*time.Millisecond))
+			r.loweredAt.Sub(r.start).Round(time.Millisecond), timeline(r.start, log, 100*time.Millisecond))
 
 		pauses := pausesIn(log)
 		if len(pauses) == 0 {
@@ -315,51 +287,110 @@ func TestTransport_FleetPausesWhenTheVendorLowersItsCap(t *testing.T) {
 		total := 0
 		for i, p := range pauses {
 			total += p.refused
-			t.Logf("pause %d: first 429 at %v, Retry-After %v, %d 429s, next arrival %v later",
-				i+1, p.at.Sub(start).Round(time.Millisecond), p.retryAfter, p.refused, p.next.Round(time.Millisecond))
-			if p.at.Before(loweredAt) {
-				t.Errorf("429 at %v, before the cap was lowered", p.at.Sub(start))
-			}
-			if p.refused > perPause {
-				t.Errorf("pause %d: %d 429s, want at most %d (one per worker)", i+1, p.refused, perPause)
-			}
-			// Requests already on their way when the first 429 came back may
-			// arrive just after it; then nothing until the vendor's time but
-			// the calls another replica had booked before the pause reached
-			// Redis: a sleeping call checks only the pauses its own process
-			// has seen, so each worker may still wake and call once.
-			quietFrom, quietTo := p.at.Add(100*time.Millisecond), p.at.Add(p.retryAfter-20*time.Millisecond)
-			var inside []string
-			for _, a := range log {
-				if a.at.After(quietFrom) && a.at.Before(quietTo) {
-					inside = append(inside, fmt.Sprintf("replica %s at %v", a.replica, a.at.Sub(start).Round(time.Millisecond)))
-				}
-			}
-			if len(inside) > 0 {
-				t.Logf("pause %d: booked before it, called during it: %s", i+1, strings.Join(inside, ", "))
-			}
-			if len(inside) > perPause {
-				t.Errorf("pause %d (%v..%v): %d calls, want at most %d (one booked call per worker): %s",
-					i+1, quietFrom.Sub(start), quietTo.Sub(start), len(inside), perPause, strings.Join(inside, ", "))
-			}
+			r.checkPause(i, p, log)
 		}
 		t.Logf("429s: %d in %d pauses (at most %d per pause)", total, len(pauses), perPause)
 		if len(pauses) > maxPauses {
 			t.Errorf("%d pauses in %v, want at most %d", len(pauses), runFor-lowerAt, maxPauses)
 		}
-
-		var resumed int
-		for _, a := range log {
-			if a.at.After(pauses[0].at.Add(pauses[0].retryAfter)) && a.status == http.StatusOK {
-				resumed++
-			}
-		}
-		// A fleet whose first pause ends with the run has no time left to
-		// resume in.
-		if ends := pauses[0].at.Add(pauses[0].retryAfter); resumed == 0 && ends.Before(start.Add(runFor-300*time.Millisecond)) {
-			t.Error("the vendor accepted nothing after the first pause: the fleet did not resume")
-		}
+		r.checkResumed(log, pauses[0], runFor)
 	})
+}
+
+// capLowered is a run of TestTransport_FleetPausesWhenTheVendorLowersItsCap:
+// the vendor, when the run began and when the vendor lowered its cap, and
+// the most 429s a pause may bring.
+type capLowered struct {
+	t                *testing.T
+	perPause         int
+	srv              *vendorServer
+	start, loweredAt time.Time
+}
+
+// run calls the vendor from workers goroutines of each of replicas
+// replicas until runFor ends, with the vendor's cap lowered to lowered at
+// lowerAt.
+func (r *capLowered) run(s *redistest.Server, policy policies.SlidingLog, replicas, workers, lowered int, lowerAt, runFor time.Duration) {
+	t := r.t
+	vendor := fakevendor.NewInProcess(fakevendor.Config{Limit: policy.Limit, Window: policy.Window, RetryAfter: true})
+	r.srv = newVendorServer(t, vendor.Handler())
+	r.start = time.Now()
+	ctx, cancel := context.WithTimeout(context.Background(), runFor)
+	defer cancel()
+	var wg sync.WaitGroup
+	for i := range replicas {
+		lim := replicaLimiter(t, s, "lowered", policy)
+		client := replicaClient(t, strconv.Itoa(i), lim)
+		for range workers {
+			wg.Go(func() {
+				for ctx.Err() == nil {
+					resp, err := client.Do(mustRequest(t, ctx, http.MethodGet, r.srv.URL, nil))
+					if err != nil {
+						if !errors.Is(err, ErrLimited) && !errors.Is(err, context.DeadlineExceeded) {
+							t.Errorf("GET: %v", err)
+						}
+						return
+					}
+					readAll(t, resp)
+				}
+			})
+		}
+	}
+	time.Sleep(lowerAt)
+	vendor.SetLimit(lowered)
+	r.loweredAt = time.Now()
+	wg.Wait()
+}
+
+// checkPause checks pause i: after the cap was lowered, at most one 429
+// per worker, and no more calls during it than the workers had booked.
+func (r *capLowered) checkPause(i int, p pause, log []arrival) {
+	t, start, perPause := r.t, r.start, r.perPause
+	t.Helper()
+	t.Logf("pause %d: first 429 at %v, Retry-After %v, %d 429s, next arrival %v later",
+		i+1, p.at.Sub(start).Round(time.Millisecond), p.retryAfter, p.refused, p.next.Round(time.Millisecond))
+	if p.at.Before(r.loweredAt) {
+		t.Errorf("429 at %v, before the cap was lowered", p.at.Sub(start))
+	}
+	if p.refused > perPause {
+		t.Errorf("pause %d: %d 429s, want at most %d (one per worker)", i+1, p.refused, perPause)
+	}
+	// Requests already on their way when the first 429 came back may
+	// arrive just after it; then nothing until the vendor's time but
+	// the calls another replica had booked before the pause reached
+	// Redis: a sleeping call checks only the pauses its own process
+	// has seen, so each worker may still wake and call once.
+	quietFrom, quietTo := p.at.Add(100*time.Millisecond), p.at.Add(p.retryAfter-20*time.Millisecond)
+	var inside []string
+	for _, a := range log {
+		if a.at.After(quietFrom) && a.at.Before(quietTo) {
+			inside = append(inside, fmt.Sprintf("replica %s at %v", a.replica, a.at.Sub(start).Round(time.Millisecond)))
+		}
+	}
+	if len(inside) > 0 {
+		t.Logf("pause %d: booked before it, called during it: %s", i+1, strings.Join(inside, ", "))
+	}
+	if len(inside) > perPause {
+		t.Errorf("pause %d (%v..%v): %d calls, want at most %d (one booked call per worker): %s",
+			i+1, quietFrom.Sub(start), quietTo.Sub(start), len(inside), perPause, strings.Join(inside, ", "))
+	}
+}
+
+// checkResumed checks that the vendor accepted calls after the first
+// pause, unless it ended with the run.
+func (r *capLowered) checkResumed(log []arrival, first pause, runFor time.Duration) {
+	r.t.Helper()
+	var resumed int
+	for _, a := range log {
+		if a.at.After(first.at.Add(first.retryAfter)) && a.status == http.StatusOK {
+			resumed++
+		}
+	}
+	// A fleet whose first pause ends with the run has no time left to
+	// resume in.
+	if ends := first.at.Add(first.retryAfter); resumed == 0 && ends.Before(r.start.Add(runFor-300*time.Millisecond)) {
+		r.t.Error("the vendor accepted nothing after the first pause: the fleet did not resume")
+	}
 }
 
 // pause is a run of 429s and the quiet that follows it.
@@ -607,27 +638,34 @@ func TestTransport_ClosesTheBodyOnEveryPath(t *testing.T) {
 		}
 		for _, tt := range tests {
 			t.Run(tt.name, func(t *testing.T) {
-				body := newBodyRecorder("payload")
-				req := mustRequest(t, tt.ctx, tt.method, tt.url, body)
-				if tt.method == http.MethodPut {
-					req.GetBody = func() (io.ReadCloser, error) { return newBodyRecorder("payload"), nil }
-				}
-				resp, err := tt.tr.RoundTrip(req)
-				if (resp == nil) == (err == nil) {
-					t.Fatalf("got response %v and error %v, want exactly one", resp, err)
-				}
-				if (err != nil) != tt.wantErr {
-					t.Errorf("error %v, want an error: %v", err, tt.wantErr)
-				}
-				if resp != nil {
-					readAll(t, resp)
-				}
-				// http.Transport may close the body from its own goroutine
-				// after RoundTrip returns.
-				eventually(t, "the request body to be closed", func() bool { return body.closed.Load() > 0 })
+				checkClosesTheBody(t, tt.tr, mustRequest(t, tt.ctx, tt.method, tt.url, newBodyRecorder("payload")), tt.wantErr)
 			})
 		}
 	})
+}
+
+// checkClosesTheBody sends req, whose body is a bodyRecorder, through tr:
+// the caller gets a response or an error (when wantErr), never both, and
+// the body is closed. A PUT can be sent again, through its GetBody.
+func checkClosesTheBody(t *testing.T, tr *Transport, req *http.Request, wantErr bool) {
+	t.Helper()
+	body := req.Body.(*bodyRecorder)
+	if req.Method == http.MethodPut {
+		req.GetBody = func() (io.ReadCloser, error) { return newBodyRecorder("payload"), nil }
+	}
+	resp, err := tr.RoundTrip(req)
+	if (resp == nil) == (err == nil) {
+		t.Fatalf("got response %v and error %v, want exactly one", resp, err)
+	}
+	if (err != nil) != wantErr {
+		t.Errorf("error %v, want an error: %v", err, wantErr)
+	}
+	if resp != nil {
+		readAll(t, resp)
+	}
+	// http.Transport may close the body from its own goroutine
+	// after RoundTrip returns.
+	eventually(t, "the request body to be closed", func() bool { return body.closed.Load() > 0 })
 }
 
 // In FailFast mode a full quota fails the request at once, and the error,
@@ -721,14 +759,7 @@ func TestTransport_PausesTheFleet(t *testing.T) {
 	redistest.Each(t, func(t *testing.T, s *redistest.Server) {
 		epoch := func(d time.Duration) string { return strconv.FormatInt(time.Now().Add(d).Unix(), 10) }
 		date := func(d time.Duration) string { return time.Now().Add(d).UTC().Format(http.TimeFormat) }
-		tests := []struct {
-			name       string
-			status     int
-			header     []string
-			atLeast    time.Duration // the pause the other replica must see, less the time the test takes
-			atMost     time.Duration
-			wantStatus int
-		}{
+		tests := []pauseCase{
 			{"429 Retry-After seconds", 429, []string{"Retry-After", "3"}, 2900 * time.Millisecond, 3 * time.Second, 429},
 			{"429 Retry-After fraction, rounded up", 429, []string{"Retry-After", "2.0000001"}, 2 * time.Second, 2001 * time.Millisecond, 429},
 			{"429 Retry-After date", 429, []string{"Retry-After", date(5 * time.Second)}, 3900 * time.Millisecond, 5 * time.Second, 429},
@@ -745,39 +776,57 @@ func TestTransport_PausesTheFleet(t *testing.T) {
 		}
 		for i, tt := range tests {
 			t.Run(tt.name, func(t *testing.T) {
-				quota := "pause-" + strconv.Itoa(i)
-				srv := newVendorServer(t, answer(tt.status, "body", tt.header...))
-				lim := replicaLimiter(t, s, quota, policies.SlidingLog{Limit: 100, Window: time.Minute})
-				other := replicaLimiter(t, s, quota, policies.SlidingLog{Limit: 100, Window: time.Minute})
-				tr := &Transport{Limiter: lim, MaxRetries: -1, DefaultPause: 2 * time.Second}
-				start := time.Now()
-				resp, err := tr.RoundTrip(mustRequest(t, context.Background(), http.MethodGet, srv.URL, nil))
-				if err != nil {
-					t.Fatal(err)
-				}
-				if readAll(t, resp); resp.StatusCode != tt.wantStatus {
-					t.Errorf("status %d, want %d", resp.StatusCode, tt.wantStatus)
-				}
-				d, err := other.Allow(context.Background())
-				if err != nil {
-					t.Fatal(err)
-				}
-				elapsed := time.Since(start)
-				if tt.atMost == 0 {
-					if !d.OK {
-						t.Errorf("the other replica was refused (retry after %v), want no pause", d.RetryAfter)
-					}
-					return
-				}
-				if d.OK {
-					t.Fatal("the other replica was admitted, want the quota paused")
-				}
-				if d.RetryAfter < tt.atLeast-elapsed || d.RetryAfter > tt.atMost {
-					t.Errorf("the other replica must wait %v, want between %v and %v", d.RetryAfter, tt.atLeast-elapsed, tt.atMost)
-				}
+				checkOtherReplicaPaused(t, s, "pause-"+strconv.Itoa(i), tt)
 			})
 		}
 	})
+}
+
+// pauseCase is an answer of TestTransport_PausesTheFleet's vendor, and the
+// pause it must set.
+type pauseCase struct {
+	name       string
+	status     int
+	header     []string
+	atLeast    time.Duration // the pause the other replica must see, less the time the test takes
+	atMost     time.Duration
+	wantStatus int
+}
+
+// checkOtherReplicaPaused sends a request through a Transport to a vendor
+// that answers as tt says, and asks another replica of quota for a call:
+// it must be refused for the pause tt sets, or admitted when tt sets none.
+func checkOtherReplicaPaused(t *testing.T, s *redistest.Server, quota string, tt pauseCase) {
+	t.Helper()
+	srv := newVendorServer(t, answer(tt.status, "body", tt.header...))
+	lim := replicaLimiter(t, s, quota, policies.SlidingLog{Limit: 100, Window: time.Minute})
+	other := replicaLimiter(t, s, quota, policies.SlidingLog{Limit: 100, Window: time.Minute})
+	tr := &Transport{Limiter: lim, MaxRetries: -1, DefaultPause: 2 * time.Second}
+	start := time.Now()
+	resp, err := tr.RoundTrip(mustRequest(t, context.Background(), http.MethodGet, srv.URL, nil))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if readAll(t, resp); resp.StatusCode != tt.wantStatus {
+		t.Errorf("status %d, want %d", resp.StatusCode, tt.wantStatus)
+	}
+	d, err := other.Allow(context.Background())
+	if err != nil {
+		t.Fatal(err)
+	}
+	elapsed := time.Since(start)
+	if tt.atMost == 0 {
+		if !d.OK {
+			t.Errorf("the other replica was refused (retry after %v), want no pause", d.RetryAfter)
+		}
+		return
+	}
+	if d.OK {
+		t.Fatal("the other replica was admitted, want the quota paused")
+	}
+	if d.RetryAfter < tt.atLeast-elapsed || d.RetryAfter > tt.atMost {
+		t.Errorf("the other replica must wait %v, want between %v and %v", d.RetryAfter, tt.atLeast-elapsed, tt.atMost)
+	}
 }
 
 // A Retry-After far in the future does not hang the request: the pause is
@@ -941,14 +990,8 @@ func TestTransport_BadFieldsFailEveryRequest(t *testing.T) {
 		{"no limiter at all", func(tr *Transport) { tr.Limiter = nil },
 			"throttle: Transport.Limiter: is nil and no Route has a Limiter, so no request would be limited"},
 	}
-	send := func(t *testing.T, tr *Transport) (*http.Response, *bodyRecorder, error) {
-		body := newBodyRecorder("x")
-		req := mustRequest(t, context.Background(), http.MethodPost, srv.URL, body)
-		resp, err := tr.RoundTrip(req)
-		return resp, body, err
-	}
 	// Without the bad field, the same transport sends the request.
-	resp, _, err := send(t, valid())
+	resp, _, err := postThrough(t, valid(), srv.URL)
 	if err != nil {
 		t.Fatalf("a transport of valid fields: %v", err)
 	}
@@ -958,7 +1001,7 @@ func TestTransport_BadFieldsFailEveryRequest(t *testing.T) {
 			tr := valid()
 			tt.bad(tr)
 			for range 2 {
-				resp, body, err := send(t, tr)
+				resp, body, err := postThrough(t, tr, srv.URL)
 				if resp != nil {
 					resp.Body.Close()
 					t.Fatalf("a response from a transport with a bad field")
@@ -972,6 +1015,16 @@ func TestTransport_BadFieldsFailEveryRequest(t *testing.T) {
 			}
 		})
 	}
+}
+
+// postThrough posts a body to url through tr, and returns the body beside
+// what RoundTrip returned.
+func postThrough(t *testing.T, tr *Transport, url string) (*http.Response, *bodyRecorder, error) {
+	t.Helper()
+	body := newBodyRecorder("x")
+	req := mustRequest(t, context.Background(), http.MethodPost, url, body)
+	resp, err := tr.RoundTrip(req)
+	return resp, body, err
 }
 
 // The zero value of a Transport's fields picks their defaults, and a

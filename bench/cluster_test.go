@@ -181,6 +181,23 @@ func runCluster(b *testing.B, lims []*throttle.Limiter, nodes []*redis.Client, p
 	rate := float64(b.N) / elapsed.Seconds()
 	b.ReportMetric(rate, "decisions/s")
 
+	reportScripts(b, ctx, nodes, elapsed)
+	if goOK && goEndOK && redisOK && redisEndOK {
+		goUsed, redisUsed := goCPUEnd-goCPU, redisCPUEnd-redisCPU
+		b.ReportMetric(goUsed.Seconds()/elapsed.Seconds(), "go-cpu-cores")
+		b.ReportMetric(redisUsed.Seconds()/elapsed.Seconds(), "redis-cpu-cores")
+		b.ReportMetric(us(goUsed+redisUsed)/float64(b.N), "cpu-µs/decision")
+	}
+	if machineOK && machineEndOK {
+		b.ReportMetric((busyEnd-busy).Seconds()/elapsed.Seconds(), "machine-cpu-cores")
+		b.ReportMetric((stealEnd-steal).Seconds()/elapsed.Seconds(), "steal-cores")
+	}
+	return rate
+}
+
+// reportScripts reports the script calls each of nodes ran, and how busy
+// they kept it, over elapsed.
+func reportScripts(b *testing.B, ctx context.Context, nodes []*redis.Client, elapsed time.Duration) {
 	var calls int64
 	stats := make([]redisScripts, len(nodes))
 	for i, n := range nodes {
@@ -201,17 +218,6 @@ func runCluster(b *testing.B, lims []*throttle.Limiter, nodes []*redis.Client, p
 		b.ReportMetric(st.evalshaMean, prefix+"script-in-redis-µs")
 		b.ReportMetric(st.usec/us(elapsed), prefix+"script-busy")
 	}
-	if goOK && goEndOK && redisOK && redisEndOK {
-		goUsed, redisUsed := goCPUEnd-goCPU, redisCPUEnd-redisCPU
-		b.ReportMetric(goUsed.Seconds()/elapsed.Seconds(), "go-cpu-cores")
-		b.ReportMetric(redisUsed.Seconds()/elapsed.Seconds(), "redis-cpu-cores")
-		b.ReportMetric(us(goUsed+redisUsed)/float64(b.N), "cpu-µs/decision")
-	}
-	if machineOK && machineEndOK {
-		b.ReportMetric((busyEnd-busy).Seconds()/elapsed.Seconds(), "machine-cpu-cores")
-		b.ReportMetric((stealEnd-steal).Seconds()/elapsed.Seconds(), "steal-cores")
-	}
-	return rate
 }
 
 // machineCPU returns the CPU time every CPU of the machine spent busy (user,

@@ -90,6 +90,36 @@ func runFleet(b *testing.B, s *redistest.Server, newReplica func(rdb *redis.Clie
 		acquires[i] = newReplica(rdb)
 	}
 
+	stats := s.Client(b)
+	if err := stats.ConfigResetStat(context.Background()).Err(); err != nil {
+		b.Fatal(err)
+	}
+	reqs := driveFleet(acquires)
+
+	run := fleetResult{reqs: reqs}
+	usec := commandField(b, context.Background(), stats, "usec")
+	for name, n := range commandCalls(b, context.Background(), stats) {
+		if name != "info" && name != "config|resetstat" {
+			run.commands += int64(n)
+			run.usec += int64(usec[name])
+		}
+	}
+	for _, c := range counters {
+		run.calls += c.calls.Load()
+		run.noscript += c.noscript.Load()
+	}
+	for _, q := range reqs {
+		if q.err != nil && !endOfRun(q) {
+			b.Fatalf("call arriving at %v failed before the end of the run: %v", q.arrival, q.err)
+		}
+	}
+	return run
+}
+
+// driveFleet runs fleetWorkers goroutines of each replica, each calling
+// its replica's acquire until its first failure, for fleetRun, and
+// returns every call they made.
+func driveFleet(acquires []acquireFunc) []request {
 	var (
 		mu     sync.Mutex
 		reqs   []request
@@ -127,10 +157,6 @@ func runFleet(b *testing.B, s *redistest.Server, newReplica func(rdb *redis.Clie
 			})
 		}
 	}
-	stats := s.Client(b)
-	if err := stats.ConfigResetStat(context.Background()).Err(); err != nil {
-		b.Fatal(err)
-	}
 	start = time.Now()
 	ctx, cancel = context.WithDeadline(context.Background(), start.Add(fleetRun))
 	defer cancel()
@@ -140,25 +166,7 @@ func runFleet(b *testing.B, s *redistest.Server, newReplica func(rdb *redis.Clie
 	// ahead comes as soon as its slot lies past the deadline; the run lasts
 	// its full length all the same.
 	<-ctx.Done()
-
-	run := fleetResult{reqs: reqs}
-	usec := commandField(b, context.Background(), stats, "usec")
-	for name, n := range commandCalls(b, context.Background(), stats) {
-		if name != "info" && name != "config|resetstat" {
-			run.commands += int64(n)
-			run.usec += int64(usec[name])
-		}
-	}
-	for _, c := range counters {
-		run.calls += c.calls.Load()
-		run.noscript += c.noscript.Load()
-	}
-	for _, q := range reqs {
-		if q.err != nil && !endOfRun(q) {
-			b.Fatalf("call arriving at %v failed before the end of the run: %v", q.arrival, q.err)
-		}
-	}
-	return run
+	return reqs
 }
 
 // endOfRun reports whether a failed call failed because the run ended: the
@@ -212,89 +220,108 @@ type fleetModel struct {
 // admitted (failed-then-overtaken); and how long the longest of them was
 // held before it failed (failed-wait-max-ms), which shows a starved poller.
 func report(b *testing.B, runs []fleetResult, m fleetModel) {
-	var (
-		actual, best           []time.Duration
-		admitted, failed       int
-		overtaken, failedAhead int
-		admittedCalls          int64
-		admittedNoscript       int64
-		allCalls, noscript     int64
-		commands, usec         int64
-		failedWait             time.Duration
-	)
+	var f fleetFigures
 	for _, run := range runs {
-		allCalls += run.calls
-		noscript += run.noscript
-		commands += run.commands
-		usec += run.usec
-		reqs := slices.Clone(run.reqs)
-		slices.SortStableFunc(reqs, func(x, y request) int { return int(x.arrival - y.arrival) })
-
-		var ok []request
-		for _, q := range reqs {
-			if q.err != nil {
-				failed++
-				failedWait = max(failedWait, q.done-q.arrival)
-				continue
-			}
-			ok = append(ok, q)
-			admitted++
-			admittedCalls += q.calls
-			admittedNoscript += q.noscript
-		}
-		arrivals := make([]time.Duration, len(ok))
-		for i, q := range ok {
-			arrivals[i] = q.arrival
-			actual = append(actual, q.waited)
-		}
-		ideal := m.ideal(arrivals)
-		best = append(best, ideal...)
-		dumpRun(b, ok, ideal)
-
-		// An admitted call is overtaken when a call that arrived after it
-		// was let through more than overtakeSlack before it.
-		firstLater := time.Duration(math.MaxInt64) // earliest done among later arrivals
-		for i := len(ok) - 1; i >= 0; i-- {
-			if ok[i].done > firstLater+overtakeSlack {
-				overtaken++
-			}
-			firstLater = min(firstLater, ok[i].done)
-		}
-		// A failed call is overtaken when a call that arrived more than
-		// overtakeSlack after it was admitted.
-		if len(ok) > 0 {
-			lastArrival := ok[len(ok)-1].arrival
-			for _, q := range reqs {
-				if q.err != nil && q.arrival+overtakeSlack < lastArrival {
-					failedAhead++
-				}
-			}
-		}
+		f.add(b, run, m)
 	}
-	if admitted == 0 {
+	if f.admitted == 0 {
 		b.Fatal("no call was admitted")
 	}
-	actual, best = sortedCopy(actual), sortedCopy(best)
-	n := float64(len(runs))
+	f.report(b, float64(len(runs)), m.capacity)
+}
 
+// fleetFigures adds up the figures of fleet runs.
+type fleetFigures struct {
+	actual, best           []time.Duration
+	admitted, failed       int
+	overtaken, failedAhead int
+	admittedCalls          int64
+	admittedNoscript       int64
+	allCalls, noscript     int64
+	commands, usec         int64
+	failedWait             time.Duration
+}
+
+// add adds one run: its calls, admitted and failed, its waits beside the
+// ideal limiter's for the same arrivals, and the calls overtaken.
+func (f *fleetFigures) add(b *testing.B, run fleetResult, m fleetModel) {
+	f.allCalls += run.calls
+	f.noscript += run.noscript
+	f.commands += run.commands
+	f.usec += run.usec
+	reqs := slices.Clone(run.reqs)
+	slices.SortStableFunc(reqs, func(x, y request) int { return int(x.arrival - y.arrival) })
+
+	var ok []request
+	for _, q := range reqs {
+		if q.err != nil {
+			f.failed++
+			f.failedWait = max(f.failedWait, q.done-q.arrival)
+			continue
+		}
+		ok = append(ok, q)
+		f.admitted++
+		f.admittedCalls += q.calls
+		f.admittedNoscript += q.noscript
+	}
+	arrivals := make([]time.Duration, len(ok))
+	for i, q := range ok {
+		arrivals[i] = q.arrival
+		f.actual = append(f.actual, q.waited)
+	}
+	ideal := m.ideal(arrivals)
+	f.best = append(f.best, ideal...)
+	dumpRun(b, ok, ideal)
+	f.addOvertaken(reqs, ok)
+}
+
+// addOvertaken counts the calls of a run overtaken by later ones, of reqs
+// sorted by arrival and ok those of them admitted.
+func (f *fleetFigures) addOvertaken(reqs, ok []request) {
+	// An admitted call is overtaken when a call that arrived after it
+	// was let through more than overtakeSlack before it.
+	firstLater := time.Duration(math.MaxInt64) // earliest done among later arrivals
+	for i := len(ok) - 1; i >= 0; i-- {
+		if ok[i].done > firstLater+overtakeSlack {
+			f.overtaken++
+		}
+		firstLater = min(firstLater, ok[i].done)
+	}
+	// A failed call is overtaken when a call that arrived more than
+	// overtakeSlack after it was admitted.
+	if len(ok) > 0 {
+		lastArrival := ok[len(ok)-1].arrival
+		for _, q := range reqs {
+			if q.err != nil && q.arrival+overtakeSlack < lastArrival {
+				f.failedAhead++
+			}
+		}
+	}
+}
+
+// report reports the figures of n runs of a quota that lets capacity calls
+// through in one run.
+func (f *fleetFigures) report(b *testing.B, n float64, capacity int) {
+	admitted := f.admitted
+	actual, best := sortedCopy(f.actual), sortedCopy(f.best)
 	// throttle decides concurrent calls of a process in one script call, so
 	// script calls cannot be charged to single calls: the fleet's total,
 	// refusals at the end of the run included, is divided by its admitted
 	// calls. The per-call figures hold for redis_rate, one script per ask.
-	b.ReportMetric(float64(allCalls)/float64(admitted), "script-calls/admitted")
-	b.ReportMetric(float64(commands)/float64(admitted), "redis-commands/admitted")
-	b.ReportMetric(float64(usec)/float64(admitted), "redis-µs/admitted")
-	if admittedCalls > 0 {
-		b.ReportMetric(float64(admittedCalls)/float64(admitted), "charged-script-calls/admitted")
-		b.ReportMetric(float64(admittedCalls-admittedNoscript)/float64(admitted), "charged-excl-noscript/admitted")
+	b.ReportMetric(float64(f.allCalls)/float64(admitted), "script-calls/admitted")
+	b.ReportMetric(float64(f.commands)/float64(admitted), "redis-commands/admitted")
+	b.ReportMetric(float64(f.usec)/float64(admitted), "redis-µs/admitted")
+	if f.admittedCalls > 0 {
+		b.ReportMetric(float64(f.admittedCalls)/float64(admitted), "charged-script-calls/admitted")
+		b.ReportMetric(float64(f.admittedCalls-f.admittedNoscript)/float64(admitted), "charged-excl-noscript/admitted")
 	}
-	b.ReportMetric(float64(noscript)/n, "noscript-fallbacks")
+	b.ReportMetric(float64(f.noscript)/n, "noscript-fallbacks")
 	b.ReportMetric(float64(admitted)/n, "admitted")
-	b.ReportMetric(float64(admitted)/(n*float64(m.capacity)), "utilization")
-	b.ReportMetric(float64(overtaken)/n, "overtaken")
-	b.ReportMetric(float64(failed)/n, "failed-at-end")
-	b.ReportMetric(float64(failedAhead)/n, "failed-then-overtaken")
-	b.ReportMetric(ms(failedWait), "failed-wait-max-ms")
+	b.ReportMetric(float64(admitted)/(n*float64(capacity)), "utilization")
+	b.ReportMetric(float64(f.overtaken)/n, "overtaken")
+	b.ReportMetric(float64(f.failed)/n, "failed-at-end")
+	b.ReportMetric(float64(f.failedAhead)/n, "failed-then-overtaken")
+	b.ReportMetric(ms(f.failedWait), "failed-wait-max-ms")
 
 	p99, ip99 := percentile(actual, 0.99), percentile(best, 0.99)
 	mx, imx := actual[len(actual)-1], best[len(best)-1]

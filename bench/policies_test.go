@@ -511,32 +511,11 @@ func measureMemory(b *testing.B, rdb *redis.Client, cases []memoryCase) {
 			f.filling += time.Since(t)
 
 			written := quotaKeys(b, ctx, rdb, name)
-			var n, rules int64
-			for _, k := range written {
-				used, err := rdb.MemoryUsage(ctx, k, 0).Result()
-				if err != nil {
-					b.Fatal(err)
-				}
-				typ, err := rdb.Type(ctx, k).Result()
-				if err != nil {
-					b.Fatal(err)
-				}
-				switch typ {
-				case "zset":
-					m, err := rdb.ZCard(ctx, k).Result()
-					if err != nil {
-						b.Fatal(err)
-					}
-					n += m
-					fallthrough
-				case "hash":
-					f.ruleBytes += used
-					rules++
-				default:
-					otherBytes += used
-					otherKeys++
-				}
-			}
+			m := measureKeys(b, ctx, rdb, written)
+			n, rules := m.members, m.ruleKeys
+			f.ruleBytes += m.ruleBytes
+			otherBytes += m.otherBytes
+			otherKeys += m.otherKeys
 			if rules == 0 {
 				b.Fatalf("quota %q wrote no rule key, only %v", name, written)
 			}
@@ -568,6 +547,44 @@ func measureMemory(b *testing.B, rdb *redis.Client, cases []memoryCase) {
 		b.ReportMetric(float64(otherBytes)/float64(otherKeys), "meta-bytes/key")
 	}
 	b.ReportMetric(float64(otherKeys)/float64(quotas), "meta-keys/quota")
+}
+
+// keysMemory is the memory of a quota's keys: its rules' sorted sets and
+// hashes, their members, and its other keys.
+type keysMemory struct {
+	ruleBytes, ruleKeys, members int64
+	otherBytes, otherKeys        int64
+}
+
+// measureKeys reads the memory, type and members of each of keys.
+func measureKeys(b *testing.B, ctx context.Context, rdb *redis.Client, keys []string) keysMemory {
+	var m keysMemory
+	for _, k := range keys {
+		used, err := rdb.MemoryUsage(ctx, k, 0).Result()
+		if err != nil {
+			b.Fatal(err)
+		}
+		typ, err := rdb.Type(ctx, k).Result()
+		if err != nil {
+			b.Fatal(err)
+		}
+		switch typ {
+		case "zset":
+			n, err := rdb.ZCard(ctx, k).Result()
+			if err != nil {
+				b.Fatal(err)
+			}
+			m.members += n
+			fallthrough
+		case "hash":
+			m.ruleBytes += used
+			m.ruleKeys++
+		default:
+			m.otherBytes += used
+			m.otherKeys++
+		}
+	}
+	return m
 }
 
 // quotaKeys returns every key of the quota name under the default prefix.

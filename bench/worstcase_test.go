@@ -155,122 +155,27 @@ type worstRow struct {
 	err     error  // the decision failed in Redis
 }
 
-func (w *worstBench) runAll() []worstRow {
-	ctx := context.Background()
-	log := policies.SlidingLog{Limit: policies.MaxLogLimit, Window: time.Second}
-	log40k := policies.SlidingLog{Limit: 40_000, Window: time.Second}
-	counter := policies.SlidingCounter{Limit: 1, Window: time.Second, Buckets: policies.MaxBuckets}
-	fastBucket := policies.TokenBucket{Rate: 1_000_000, Per: time.Second, Burst: 1 << 30}
+// The quotas of the table, each at its largest.
+var (
+	worstLog        = policies.SlidingLog{Limit: policies.MaxLogLimit, Window: time.Second}
+	worstLog40k     = policies.SlidingLog{Limit: 40_000, Window: time.Second}
+	worstCounter    = policies.SlidingCounter{Limit: 1, Window: time.Second, Buckets: policies.MaxBuckets}
+	worstFastBucket = policies.TokenBucket{Rate: 1_000_000, Per: time.Second, Burst: 1 << 30}
 	// The largest burst that refills within policies.MaxWindow, at the
 	// slowest rate that allows it.
-	slowBucket := policies.TokenBucket{Rate: 1 << 30, Per: policies.MaxWindow, Burst: 1 << 30}
-	conc := policies.Concurrency{Max: policies.MaxLogLimit}
-	failFast := throttle.Options{Mode: throttle.FailFast}
-	maxWait := throttle.Options{MaxWait: worstMaxWait}
-	bookedTo := w.t0.Add(worstMaxWait)
+	worstSlowBucket  = policies.TokenBucket{Rate: 1 << 30, Per: policies.MaxWindow, Burst: 1 << 30}
+	worstConcurrency = policies.Concurrency{Max: policies.MaxLogLimit}
+	worstFailFast    = throttle.Options{Mode: throttle.FailFast}
+	worstBlock       = throttle.Options{MaxWait: worstMaxWait}
+)
 
-	cases := []worstCase{
-		{
-			name:   "SlidingLog 100k/1s full; Allow",
-			quota:  "log-full",
-			policy: log,
-			opts:   failFast,
-			build:  func(q string) { w.buildLog(q, log, worstFillCalls, 0, w.t0) },
-			decide: allow(1),
-		},
-		{
-			name:   fmt.Sprintf("SlidingLog 100k/1s full, booked ahead to MaxWait %v; Block", worstMaxWait),
-			quota:  "log-ahead",
-			policy: log,
-			opts:   maxWait,
-			build:  func(q string) { w.buildLog(q, log, worstFillCalls, 0, bookedTo) },
-			decide: acquire,
-		},
-		{
-			// The booking given back leaves room now, in front of the
-			// window booked ahead.
-			name:   "SlidingLog 40k/1s full, 1 window booked ahead, a booking of 4,000 given back now; Allow of 4,000",
-			quota:  "log-gap",
-			policy: log40k,
-			opts:   failFast,
-			build: func(q string) {
-				w.buildLog(q, log40k, 10, 1, w.t0.Add(log40k.EffectiveWindow()+time.Microsecond))
-			},
-			decide: allow(4000),
-		},
-		{
-			name:   "SlidingCounter 1/1s, 1000 buckets, booked ahead to MaxWait 10s; Block",
-			quota:  "counter-10s",
-			policy: counter,
-			opts:   throttle.Options{MaxWait: 10 * time.Second},
-			build:  func(q string) { w.buildCounter(q, counter, 10*time.Second) },
-			decide: acquire,
-		},
-		{
-			name:   "SlidingCounter 1/1s, 1000 buckets, booked ahead to MaxWait 1m (the default); Block",
-			quota:  "counter-1m",
-			policy: counter,
-			// The default Options.MaxWait is a minute.
-			build:  func(q string) { w.buildCounter(q, counter, time.Minute) },
-			decide: acquire,
-		},
-		{
-			name:   "TokenBucket 1e6/s, Burst 2^30, emptied; Allow",
-			quota:  "bucket-fast",
-			policy: fastBucket,
-			opts:   failFast,
-			build:  func(q string) { w.buildBucket(q, fastBucket) },
-			decide: allow(1),
-		},
-		{
-			name:   "TokenBucket 2^30 per 366 days, Burst 2^30, full; Allow of 2^30",
-			quota:  "bucket-slow",
-			policy: slowBucket,
-			opts:   failFast,
-			build:  func(string) {},
-			decide: allow(slowBucket.Burst),
-		},
-		{
-			name:   "Concurrency 100k full; FailFast Acquire",
-			quota:  "conc-full",
-			policy: conc,
-			opts:   failFast,
-			build:  func(q string) { w.buildConcurrency(q, conc) },
-			decide: acquire,
-		},
-		{
-			name:   fmt.Sprintf("All(counter 1/1s/1000, log 100k/1s, bucket 1e6/s), each full and booked ahead to MaxWait %v; Block", worstMaxWait),
-			quota:  "all",
-			policy: policies.All(counter, log, fastBucket),
-			opts:   maxWait,
-			build: func(q string) {
-				w.buildAll(q,
-					func(q string) { w.buildCounter(q, counter, worstMaxWait) },
-					func(q string) { w.buildLog(q, log, worstFillCalls, 0, bookedTo) },
-					func(q string) { w.buildBucket(q, fastBucket) })
-			},
-			decide: acquire,
-		},
-		{
-			name:   fmt.Sprintf("Batch: 1 + %d Allow on SlidingLog 100k/1s full", worstBatch),
-			quota:  "batch-full",
-			policy: log,
-			opts:   failFast,
-			build:  func(q string) { w.buildLog(q, log, worstFillCalls, 0, w.t0) },
-			decide: batchOf(worstBatch, allow(1)),
-			batch:  true,
-		},
-		{
-			name:   fmt.Sprintf("Batch: 1 + %d Block on SlidingLog 100k/1s full, booked ahead to MaxWait %v", worstBatch, worstMaxWait),
-			quota:  "batch-ahead",
-			policy: log,
-			opts:   maxWait,
-			build:  func(q string) { w.buildLog(q, log, worstFillCalls, 0, bookedTo) },
-			decide: batchOf(worstBatch, acquire),
-			batch:  true,
-		},
-	}
+// bookedTo is the end of the slots booked ahead: MaxWait after t0.
+func (w *worstBench) bookedTo() time.Time { return w.t0.Add(worstMaxWait) }
 
+// runAll builds each case's state, measures its calls, and returns the rows.
+func (w *worstBench) runAll() []worstRow {
+	ctx := context.Background()
+	cases := slices.Concat(w.logCases(), w.ruleCases(), w.combinedCases())
 	var rows []worstRow
 	for _, c := range cases {
 		start := time.Now()
@@ -283,6 +188,123 @@ func (w *worstBench) runAll() []worstRow {
 		w.b.Logf("%s: built in %v, measured in %v", c.name, built.Round(time.Millisecond), (time.Since(start) - built).Round(time.Millisecond))
 	}
 	return rows
+}
+
+// logCases are the sliding logs, full and booked ahead.
+func (w *worstBench) logCases() []worstCase {
+	return []worstCase{
+		{
+			name:   "SlidingLog 100k/1s full; Allow",
+			quota:  "log-full",
+			policy: worstLog,
+			opts:   worstFailFast,
+			build:  func(q string) { w.buildLog(q, worstLog, worstFillCalls, 0, w.t0) },
+			decide: allow(1),
+		},
+		{
+			name:   fmt.Sprintf("SlidingLog 100k/1s full, booked ahead to MaxWait %v; Block", worstMaxWait),
+			quota:  "log-ahead",
+			policy: worstLog,
+			opts:   worstBlock,
+			build:  func(q string) { w.buildLog(q, worstLog, worstFillCalls, 0, w.bookedTo()) },
+			decide: acquire,
+		},
+		{
+			// The booking given back leaves room now, in front of the
+			// window booked ahead.
+			name:   "SlidingLog 40k/1s full, 1 window booked ahead, a booking of 4,000 given back now; Allow of 4,000",
+			quota:  "log-gap",
+			policy: worstLog40k,
+			opts:   worstFailFast,
+			build: func(q string) {
+				w.buildLog(q, worstLog40k, 10, 1, w.t0.Add(worstLog40k.EffectiveWindow()+time.Microsecond))
+			},
+			decide: allow(4000),
+		},
+	}
+}
+
+// ruleCases are the other kinds of rule at their largest.
+func (w *worstBench) ruleCases() []worstCase {
+	return []worstCase{
+		{
+			name:   "SlidingCounter 1/1s, 1000 buckets, booked ahead to MaxWait 10s; Block",
+			quota:  "counter-10s",
+			policy: worstCounter,
+			opts:   throttle.Options{MaxWait: 10 * time.Second},
+			build:  func(q string) { w.buildCounter(q, worstCounter, 10*time.Second) },
+			decide: acquire,
+		},
+		{
+			name:   "SlidingCounter 1/1s, 1000 buckets, booked ahead to MaxWait 1m (the default); Block",
+			quota:  "counter-1m",
+			policy: worstCounter,
+			// The default Options.MaxWait is a minute.
+			build:  func(q string) { w.buildCounter(q, worstCounter, time.Minute) },
+			decide: acquire,
+		},
+		{
+			name:   "TokenBucket 1e6/s, Burst 2^30, emptied; Allow",
+			quota:  "bucket-fast",
+			policy: worstFastBucket,
+			opts:   worstFailFast,
+			build:  func(q string) { w.buildBucket(q, worstFastBucket) },
+			decide: allow(1),
+		},
+		{
+			name:   "TokenBucket 2^30 per 366 days, Burst 2^30, full; Allow of 2^30",
+			quota:  "bucket-slow",
+			policy: worstSlowBucket,
+			opts:   worstFailFast,
+			build:  func(string) {},
+			decide: allow(worstSlowBucket.Burst),
+		},
+		{
+			name:   "Concurrency 100k full; FailFast Acquire",
+			quota:  "conc-full",
+			policy: worstConcurrency,
+			opts:   worstFailFast,
+			build:  func(q string) { w.buildConcurrency(q, worstConcurrency) },
+			decide: acquire,
+		},
+	}
+}
+
+// combinedCases are every kind of rule in one quota, and batches of calls.
+func (w *worstBench) combinedCases() []worstCase {
+	return []worstCase{
+		{
+			name:   fmt.Sprintf("All(counter 1/1s/1000, log 100k/1s, bucket 1e6/s), each full and booked ahead to MaxWait %v; Block", worstMaxWait),
+			quota:  "all",
+			policy: policies.All(worstCounter, worstLog, worstFastBucket),
+			opts:   worstBlock,
+			build: func(q string) {
+				w.buildAll(q,
+					func(q string) { w.buildCounter(q, worstCounter, worstMaxWait) },
+					func(q string) { w.buildLog(q, worstLog, worstFillCalls, 0, w.bookedTo()) },
+					func(q string) { w.buildBucket(q, worstFastBucket) })
+			},
+			decide: acquire,
+		},
+		{
+			name:   fmt.Sprintf("Batch: 1 + %d Allow on SlidingLog 100k/1s full", worstBatch),
+			quota:  "batch-full",
+			policy: worstLog,
+			opts:   worstFailFast,
+			build:  func(q string) { w.buildLog(q, worstLog, worstFillCalls, 0, w.t0) },
+			decide: batchOf(worstBatch, allow(1)),
+			batch:  true,
+		},
+		{
+			name:   fmt.Sprintf("Batch: 1 + %d Block on SlidingLog 100k/1s full, booked ahead to MaxWait %v", worstBatch, worstMaxWait),
+			quota:  "batch-ahead",
+			policy: worstLog,
+			opts:   worstBlock,
+			build:  func(q string) { w.buildLog(q, worstLog, worstFillCalls, 0, w.bookedTo()) },
+			decide: batchOf(worstBatch, acquire),
+			batch:  true,
+		},
+	}
 }
 
 // A decision makes the measured calls, and returns how many there were and
@@ -349,21 +371,7 @@ func (w *worstBench) measure(ctx context.Context, c worstCase, q quotaState) wor
 	var times []time.Duration
 	start := time.Now()
 	for row.runs < worstRuns && (row.runs == 0 || time.Since(start) < worstCaseBudget) {
-		w.restore(ctx, q)
-		w.at(w.t0)
-		// A new Lua interpreter, so that no run pays for collecting the
-		// garbage of the scripts before it; the scripts loaded again before
-		// the run, as a Redis that has met the fleet before has them.
-		errs := []error{w.rdb.ScriptFlush(ctx).Err()}
-		for _, s := range throttleScripts(w.b) {
-			errs = append(errs, s.Load(ctx, w.rdb).Err())
-		}
-		errs = append(errs, w.rdb.SlowLogReset(ctx).Err())
-		for _, err := range errs {
-			if err != nil {
-				w.b.Fatal(err)
-			}
-		}
+		w.freshRun(ctx, q)
 		runCtx, cancel := context.WithCancel(ctx)
 		w.mu.Lock()
 		w.batches, w.stop = nil, nil
@@ -405,6 +413,26 @@ func (w *worstBench) measure(ctx context.Context, c worstCase, q quotaState) wor
 	slices.Sort(times)
 	row.median, row.max = times[(len(times)-1)/2], times[len(times)-1]
 	return row
+}
+
+// freshRun restores q's state and the clock at t0, and gives Redis a new
+// Lua interpreter, so that no run pays for collecting the garbage of the
+// scripts before it; the scripts are loaded again before the run, as a
+// Redis that has met the fleet before has them.
+func (w *worstBench) freshRun(ctx context.Context, q quotaState) {
+	w.b.Helper()
+	w.restore(ctx, q)
+	w.at(w.t0)
+	errs := []error{w.rdb.ScriptFlush(ctx).Err()}
+	for _, s := range throttleScripts(w.b) {
+		errs = append(errs, s.Load(ctx, w.rdb).Err())
+	}
+	errs = append(errs, w.rdb.SlowLogReset(ctx).Err())
+	for _, err := range errs {
+		if err != nil {
+			w.b.Fatal(err)
+		}
+	}
 }
 
 // scriptCalls returns Redis's own time of each script call since the last

@@ -371,81 +371,7 @@ func TestMarginCeiling(t *testing.T) {
 }
 
 func TestRules(t *testing.T) {
-	log := SlidingLog{Limit: 10, Window: time.Second}
-	logRule := Rule{Kind: KindSlidingLog, Limit: 10, Window: 1030 * time.Millisecond, Margin: 30 * time.Millisecond}
-	counter := SlidingCounter{Limit: 50_000, Window: time.Minute}
-	counterRule := Rule{Kind: KindSlidingCounter, Limit: 50_000, Window: 60030 * time.Millisecond, Bucket: 6003 * time.Millisecond, Margin: 30 * time.Millisecond}
-	bucket := TokenBucket{Rate: 4, Per: time.Second}
-	bucketRule := Rule{Kind: KindTokenBucket, Limit: 1, Every: 250 * time.Millisecond, Margin: 30 * time.Millisecond}
-	conc := Concurrency{Max: 3}
-	concRule := Rule{Kind: KindConcurrency, Limit: 3, Lease: time.Minute}
-	perKey := func(r Rule) Rule { r.PerKey = true; return r }
-	perCall := func(r Rule) Rule { r.PerCall = true; return r }
-
-	tests := []struct {
-		name string
-		p    Policy
-		want []Rule
-	}{
-		// SlidingLog.
-		{"log default margin", log, []Rule{logRule}},
-		{"log margin", SlidingLog{Limit: 7, Window: time.Second, Margin: 5 * time.Millisecond},
-			[]Rule{{Kind: KindSlidingLog, Limit: 7, Window: 1005 * time.Millisecond, Margin: 5 * time.Millisecond}}},
-		{"log margin 1ns", SlidingLog{Limit: 1, Window: time.Minute, Margin: ns},
-			[]Rule{{Kind: KindSlidingLog, Limit: 1, Window: time.Minute + ns, Margin: ns}}},
-		{"log min window", SlidingLog{Limit: 100_000, Window: time.Millisecond},
-			[]Rule{{Kind: KindSlidingLog, Limit: 100_000, Window: 31 * time.Millisecond, Margin: 30 * time.Millisecond}}},
-		// SlidingCounter: the bucket is the effective window over the
-		// buckets, rounded up to a whole microsecond.
-		{"counter defaults", counter, []Rule{counterRule}},
-		{"counter exact bucket", SlidingCounter{Limit: 5, Window: time.Second, Buckets: 1000},
-			[]Rule{{Kind: KindSlidingCounter, Limit: 5, Window: 1030 * time.Millisecond, Bucket: 1030 * us, Margin: 30 * time.Millisecond}}},
-		{"counter rounded bucket", SlidingCounter{Limit: 7, Window: time.Second, Buckets: 3, Margin: ns},
-			[]Rule{{Kind: KindSlidingCounter, Limit: 7, Window: time.Second + ns, Bucket: 333_334 * us, Margin: ns}}},
-		{"counter bucket just over a µs", SlidingCounter{Limit: 7, Window: time.Second, Buckets: 1, Margin: ns},
-			[]Rule{{Kind: KindSlidingCounter, Limit: 7, Window: time.Second + ns, Bucket: time.Second + us, Margin: ns}}},
-		{"counter rounded bucket default margin", SlidingCounter{Limit: 7, Window: time.Millisecond, Buckets: 7},
-			[]Rule{{Kind: KindSlidingCounter, Limit: 7, Window: 31 * time.Millisecond, Bucket: 4429 * us, Margin: 30 * time.Millisecond}}},
-		{"counter shortest bucket", SlidingCounter{Limit: 1, Window: time.Millisecond, Buckets: 1000, Margin: time.Millisecond},
-			[]Rule{{Kind: KindSlidingCounter, Limit: 1, Window: 2 * time.Millisecond, Bucket: 2 * us, Margin: time.Millisecond}}},
-		{"counter one bucket", SlidingCounter{Limit: 1 << 40, Window: time.Hour, Buckets: 1, Margin: time.Second},
-			[]Rule{{Kind: KindSlidingCounter, Limit: 1 << 40, Window: time.Hour + time.Second, Bucket: time.Hour + time.Second, Margin: time.Second}}},
-		// TokenBucket: the emission interval is Per/Rate rounded up to a
-		// whole microsecond; Burst 0 is 1.
-		{"bucket defaults", bucket, []Rule{bucketRule}},
-		{"bucket burst", TokenBucket{Rate: 3, Per: time.Second, Burst: 5},
-			[]Rule{{Kind: KindTokenBucket, Limit: 5, Every: 333_334 * us, Margin: 30 * time.Millisecond}}},
-		{"bucket burst 1", TokenBucket{Rate: 1, Per: time.Minute, Burst: 1},
-			[]Rule{{Kind: KindTokenBucket, Limit: 1, Every: time.Minute, Margin: 30 * time.Millisecond}}},
-		{"bucket fastest", TokenBucket{Rate: 1000, Per: time.Millisecond, Burst: 1 << 30},
-			[]Rule{{Kind: KindTokenBucket, Limit: 1 << 30, Every: us, Margin: 30 * time.Millisecond}}},
-		{"bucket just over a µs", TokenBucket{Rate: 999, Per: time.Millisecond},
-			[]Rule{{Kind: KindTokenBucket, Limit: 1, Every: 2 * us, Margin: 30 * time.Millisecond}}},
-		// Concurrency.
-		{"concurrency default lease", conc, []Rule{concRule}},
-		{"concurrency lease", Concurrency{Max: 2, Lease: 5 * time.Second},
-			[]Rule{{Kind: KindConcurrency, Limit: 2, Lease: 5 * time.Second}}},
-		{"concurrency min lease", Concurrency{Max: 100_000, Lease: time.Millisecond},
-			[]Rule{{Kind: KindConcurrency, Limit: 100_000, Lease: time.Millisecond}}},
-		// PerKey and PerCall mark their rules, at any depth.
-		{"per key", PerKey{Policy: log}, []Rule{perKey(logRule)}},
-		{"per call", PerCall{Policy: bucket}, []Rule{perCall(bucketRule)}},
-		{"per key of per call", PerKey{Policy: PerCall{Policy: conc}}, []Rule{perKey(perCall(concRule))}},
-		{"per call of per key", PerCall{Policy: PerKey{Policy: counter}}, []Rule{perKey(perCall(counterRule))}},
-		{"per key of all", PerKey{Policy: All(log, conc)}, []Rule{perKey(logRule), perKey(concRule)}},
-		{"per call of all", PerCall{Policy: All(log, PerKey{Policy: conc})}, []Rule{perCall(logRule), perKey(perCall(concRule))}},
-		// All flattens in order.
-		{"all one", All(log), []Rule{logRule}},
-		{"all in order", All(log, counter, bucket, conc), []Rule{logRule, counterRule, bucketRule, concRule}},
-		{"all reversed", All(conc, bucket, counter, log), []Rule{concRule, bucketRule, counterRule, logRule}},
-		{"all nested", All(All(log, counter), All(bucket), conc), []Rule{logRule, counterRule, bucketRule, concRule}},
-		{"all mixed", All(
-			log,
-			PerKey{Policy: All(counter, PerCall{Policy: bucket})},
-			PerCall{Policy: conc},
-		), []Rule{logRule, perKey(counterRule), perKey(perCall(bucketRule)), perCall(concRule)}},
-	}
-	for _, tt := range tests {
+	for _, tt := range rulesOfPolicies {
 		t.Run(tt.name, func(t *testing.T) {
 			got, err := Rules(tt.p)
 			if err != nil {
@@ -461,6 +387,90 @@ func TestRules(t *testing.T) {
 			}
 		})
 	}
+}
+
+// The sample policies of rulesOfPolicies, and their rules.
+var (
+	sampleLog         = SlidingLog{Limit: 10, Window: time.Second}
+	sampleLogRule     = Rule{Kind: KindSlidingLog, Limit: 10, Window: 1030 * time.Millisecond, Margin: 30 * time.Millisecond}
+	sampleCounter     = SlidingCounter{Limit: 50_000, Window: time.Minute}
+	sampleCounterRule = Rule{Kind: KindSlidingCounter, Limit: 50_000, Window: 60030 * time.Millisecond, Bucket: 6003 * time.Millisecond, Margin: 30 * time.Millisecond}
+	sampleBucket      = TokenBucket{Rate: 4, Per: time.Second}
+	sampleBucketRule  = Rule{Kind: KindTokenBucket, Limit: 1, Every: 250 * time.Millisecond, Margin: 30 * time.Millisecond}
+	sampleConc        = Concurrency{Max: 3}
+	sampleConcRule    = Rule{Kind: KindConcurrency, Limit: 3, Lease: time.Minute}
+)
+
+// markPerKey returns r marked per key.
+func markPerKey(r Rule) Rule { r.PerKey = true; return r }
+
+// markPerCall returns r marked per call.
+func markPerCall(r Rule) Rule { r.PerCall = true; return r }
+
+// rulesOfPolicies are policies of every kind, alone and combined, with
+// the rules TestRules expects of each.
+var rulesOfPolicies = []struct {
+	name string
+	p    Policy
+	want []Rule
+}{
+	// SlidingLog.
+	{"log default margin", sampleLog, []Rule{sampleLogRule}},
+	{"log margin", SlidingLog{Limit: 7, Window: time.Second, Margin: 5 * time.Millisecond},
+		[]Rule{{Kind: KindSlidingLog, Limit: 7, Window: 1005 * time.Millisecond, Margin: 5 * time.Millisecond}}},
+	{"log margin 1ns", SlidingLog{Limit: 1, Window: time.Minute, Margin: ns},
+		[]Rule{{Kind: KindSlidingLog, Limit: 1, Window: time.Minute + ns, Margin: ns}}},
+	{"log min window", SlidingLog{Limit: 100_000, Window: time.Millisecond},
+		[]Rule{{Kind: KindSlidingLog, Limit: 100_000, Window: 31 * time.Millisecond, Margin: 30 * time.Millisecond}}},
+	// SlidingCounter: the bucket is the effective window over the
+	// buckets, rounded up to a whole microsecond.
+	{"counter defaults", sampleCounter, []Rule{sampleCounterRule}},
+	{"counter exact bucket", SlidingCounter{Limit: 5, Window: time.Second, Buckets: 1000},
+		[]Rule{{Kind: KindSlidingCounter, Limit: 5, Window: 1030 * time.Millisecond, Bucket: 1030 * us, Margin: 30 * time.Millisecond}}},
+	{"counter rounded bucket", SlidingCounter{Limit: 7, Window: time.Second, Buckets: 3, Margin: ns},
+		[]Rule{{Kind: KindSlidingCounter, Limit: 7, Window: time.Second + ns, Bucket: 333_334 * us, Margin: ns}}},
+	{"counter bucket just over a µs", SlidingCounter{Limit: 7, Window: time.Second, Buckets: 1, Margin: ns},
+		[]Rule{{Kind: KindSlidingCounter, Limit: 7, Window: time.Second + ns, Bucket: time.Second + us, Margin: ns}}},
+	{"counter rounded bucket default margin", SlidingCounter{Limit: 7, Window: time.Millisecond, Buckets: 7},
+		[]Rule{{Kind: KindSlidingCounter, Limit: 7, Window: 31 * time.Millisecond, Bucket: 4429 * us, Margin: 30 * time.Millisecond}}},
+	{"counter shortest bucket", SlidingCounter{Limit: 1, Window: time.Millisecond, Buckets: 1000, Margin: time.Millisecond},
+		[]Rule{{Kind: KindSlidingCounter, Limit: 1, Window: 2 * time.Millisecond, Bucket: 2 * us, Margin: time.Millisecond}}},
+	{"counter one bucket", SlidingCounter{Limit: 1 << 40, Window: time.Hour, Buckets: 1, Margin: time.Second},
+		[]Rule{{Kind: KindSlidingCounter, Limit: 1 << 40, Window: time.Hour + time.Second, Bucket: time.Hour + time.Second, Margin: time.Second}}},
+	// TokenBucket: the emission interval is Per/Rate rounded up to a
+	// whole microsecond; Burst 0 is 1.
+	{"bucket defaults", sampleBucket, []Rule{sampleBucketRule}},
+	{"bucket burst", TokenBucket{Rate: 3, Per: time.Second, Burst: 5},
+		[]Rule{{Kind: KindTokenBucket, Limit: 5, Every: 333_334 * us, Margin: 30 * time.Millisecond}}},
+	{"bucket burst 1", TokenBucket{Rate: 1, Per: time.Minute, Burst: 1},
+		[]Rule{{Kind: KindTokenBucket, Limit: 1, Every: time.Minute, Margin: 30 * time.Millisecond}}},
+	{"bucket fastest", TokenBucket{Rate: 1000, Per: time.Millisecond, Burst: 1 << 30},
+		[]Rule{{Kind: KindTokenBucket, Limit: 1 << 30, Every: us, Margin: 30 * time.Millisecond}}},
+	{"bucket just over a µs", TokenBucket{Rate: 999, Per: time.Millisecond},
+		[]Rule{{Kind: KindTokenBucket, Limit: 1, Every: 2 * us, Margin: 30 * time.Millisecond}}},
+	// Concurrency.
+	{"concurrency default lease", sampleConc, []Rule{sampleConcRule}},
+	{"concurrency lease", Concurrency{Max: 2, Lease: 5 * time.Second},
+		[]Rule{{Kind: KindConcurrency, Limit: 2, Lease: 5 * time.Second}}},
+	{"concurrency min lease", Concurrency{Max: 100_000, Lease: time.Millisecond},
+		[]Rule{{Kind: KindConcurrency, Limit: 100_000, Lease: time.Millisecond}}},
+	// PerKey and PerCall mark their rules, at any depth.
+	{"per key", PerKey{Policy: sampleLog}, []Rule{markPerKey(sampleLogRule)}},
+	{"per call", PerCall{Policy: sampleBucket}, []Rule{markPerCall(sampleBucketRule)}},
+	{"per key of per call", PerKey{Policy: PerCall{Policy: sampleConc}}, []Rule{markPerKey(markPerCall(sampleConcRule))}},
+	{"per call of per key", PerCall{Policy: PerKey{Policy: sampleCounter}}, []Rule{markPerKey(markPerCall(sampleCounterRule))}},
+	{"per key of all", PerKey{Policy: All(sampleLog, sampleConc)}, []Rule{markPerKey(sampleLogRule), markPerKey(sampleConcRule)}},
+	{"per call of all", PerCall{Policy: All(sampleLog, PerKey{Policy: sampleConc})}, []Rule{markPerCall(sampleLogRule), markPerKey(markPerCall(sampleConcRule))}},
+	// All flattens in order.
+	{"all one", All(sampleLog), []Rule{sampleLogRule}},
+	{"all in order", All(sampleLog, sampleCounter, sampleBucket, sampleConc), []Rule{sampleLogRule, sampleCounterRule, sampleBucketRule, sampleConcRule}},
+	{"all reversed", All(sampleConc, sampleBucket, sampleCounter, sampleLog), []Rule{sampleConcRule, sampleBucketRule, sampleCounterRule, sampleLogRule}},
+	{"all nested", All(All(sampleLog, sampleCounter), All(sampleBucket), sampleConc), []Rule{sampleLogRule, sampleCounterRule, sampleBucketRule, sampleConcRule}},
+	{"all mixed", All(
+		sampleLog,
+		PerKey{Policy: All(sampleCounter, PerCall{Policy: sampleBucket})},
+		PerCall{Policy: sampleConc},
+	), []Rule{sampleLogRule, markPerKey(sampleCounterRule), markPerKey(markPerCall(sampleBucketRule)), markPerCall(sampleConcRule)}},
 }
 
 // The rules of a policy ignore the perKey of their caller except to pass it

@@ -5,6 +5,7 @@ import (
 	"bytes"
 	"context"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"io"
 	"math"
@@ -72,88 +73,108 @@ func checkExposition(text string) ([]parsedSample, error) {
 	if !strings.HasSuffix(text, "\n") {
 		return nil, fmt.Errorf("the exposition must end with a newline")
 	}
-	types := map[string]string{} // family -> type
-	helps := map[string]bool{}
-	closed := map[string]bool{} // families whose samples are over
-	current := ""
-	seen := map[string]bool{}
-	var samples []parsedSample
+	e := exposition{types: map[string]string{}, helps: map[string]bool{}, closed: map[string]bool{}, seen: map[string]bool{}}
 	for i, line := range strings.Split(strings.TrimSuffix(text, "\n"), "\n") {
-		fail := func(format string, args ...any) error {
-			return fmt.Errorf("line %d %q: %s", i+1, line, fmt.Sprintf(format, args...))
+		var err error
+		switch {
+		case line == "":
+			err = errors.New("empty line")
+		case strings.HasPrefix(line, "#"):
+			err = e.comment(line)
+		default:
+			err = e.sample(line)
 		}
-		if line == "" {
-			return nil, fail("empty line")
-		}
-		if strings.HasPrefix(line, "#") {
-			f := strings.SplitN(line, " ", 4)
-			if len(f) < 4 || f[0] != "#" || (f[1] != "HELP" && f[1] != "TYPE") {
-				return nil, fail("a comment must be '# HELP name text' or '# TYPE name type'")
-			}
-			name := f[2]
-			if !metricName.MatchString(name) {
-				return nil, fail("bad metric name %q", name)
-			}
-			if name != current {
-				closed[current] = true
-				if closed[name] {
-					return nil, fail("family %s is declared again after its samples", name)
-				}
-				current = name
-			}
-			switch f[1] {
-			case "HELP":
-				if helps[name] {
-					return nil, fail("second HELP for %s", name)
-				}
-				if err := checkHelpEscapes(f[3]); err != nil {
-					return nil, fail("HELP text: %v", err)
-				}
-				helps[name] = true
-			case "TYPE":
-				if _, dup := types[name]; dup {
-					return nil, fail("second TYPE for %s", name)
-				}
-				switch f[3] {
-				case "counter", "gauge", "histogram", "summary", "untyped":
-				default:
-					return nil, fail("unknown type %q", f[3])
-				}
-				if f[3] == "counter" && !strings.HasSuffix(name, "_total") {
-					return nil, fail("counter %s does not end in _total", name)
-				}
-				types[name] = f[3]
-			}
-			continue
-		}
-		s, err := parseSample(line)
 		if err != nil {
-			return nil, fail("%v", err)
+			return nil, fmt.Errorf("line %d %q: %s", i+1, line, err)
 		}
-		family := familyOf(s.name, types)
-		if family == "" {
-			return nil, fail("sample of %s comes before its # TYPE", s.name)
-		}
-		if family != current {
-			return nil, fail("sample of %s outside its family's block (in %s)", family, current)
-		}
-		if types[family] == "histogram" && s.name == family {
-			return nil, fail("a histogram's samples are _bucket, _sum and _count")
-		}
-		if _, ok := s.labels["le"]; ok != (s.name == family+"_bucket" && types[family] == "histogram") {
-			return nil, fail("le belongs to histogram buckets, and every bucket has one")
-		}
-		if types[family] == "counter" && (s.value < 0 || math.IsNaN(s.value)) {
-			return nil, fail("counter value %v", s.value)
-		}
-		if k := s.key(""); seen[k] {
-			return nil, fail("series repeated")
-		} else {
-			seen[k] = true
-		}
-		samples = append(samples, s)
 	}
-	return samples, checkHistograms(samples, types)
+	return e.samples, checkHistograms(e.samples, e.types)
+}
+
+// exposition is what checkExposition has read of a text so far.
+type exposition struct {
+	types   map[string]string // family -> type
+	helps   map[string]bool
+	closed  map[string]bool // families whose samples are over
+	current string
+	seen    map[string]bool
+	samples []parsedSample
+}
+
+// comment reads a # HELP or # TYPE line.
+func (e *exposition) comment(line string) error {
+	f := strings.SplitN(line, " ", 4)
+	if len(f) < 4 || f[0] != "#" || (f[1] != "HELP" && f[1] != "TYPE") {
+		return errors.New("a comment must be '# HELP name text' or '# TYPE name type'")
+	}
+	name := f[2]
+	if !metricName.MatchString(name) {
+		return fmt.Errorf("bad metric name %q", name)
+	}
+	if name != e.current {
+		e.closed[e.current] = true
+		if e.closed[name] {
+			return fmt.Errorf("family %s is declared again after its samples", name)
+		}
+		e.current = name
+	}
+	switch f[1] {
+	case "HELP":
+		if e.helps[name] {
+			return fmt.Errorf("second HELP for %s", name)
+		}
+		if err := checkHelpEscapes(f[3]); err != nil {
+			return fmt.Errorf("HELP text: %v", err)
+		}
+		e.helps[name] = true
+	case "TYPE":
+		if _, dup := e.types[name]; dup {
+			return fmt.Errorf("second TYPE for %s", name)
+		}
+		switch f[3] {
+		case "counter", "gauge", "histogram", "summary", "untyped":
+		default:
+			return fmt.Errorf("unknown type %q", f[3])
+		}
+		if f[3] == "counter" && !strings.HasSuffix(name, "_total") {
+			return fmt.Errorf("counter %s does not end in _total", name)
+		}
+		e.types[name] = f[3]
+	}
+	return nil
+}
+
+// sample reads a sample line, which must belong to the family declared
+// last, and keeps it.
+func (e *exposition) sample(line string) error {
+	s, err := parseSample(line)
+	if err != nil {
+		return err
+	}
+	types := e.types
+	family := familyOf(s.name, types)
+	if family == "" {
+		return fmt.Errorf("sample of %s comes before its # TYPE", s.name)
+	}
+	if family != e.current {
+		return fmt.Errorf("sample of %s outside its family's block (in %s)", family, e.current)
+	}
+	if types[family] == "histogram" && s.name == family {
+		return errors.New("a histogram's samples are _bucket, _sum and _count")
+	}
+	if _, ok := s.labels["le"]; ok != (s.name == family+"_bucket" && types[family] == "histogram") {
+		return errors.New("le belongs to histogram buckets, and every bucket has one")
+	}
+	if types[family] == "counter" && (s.value < 0 || math.IsNaN(s.value)) {
+		return fmt.Errorf("counter value %v", s.value)
+	}
+	if k := s.key(""); e.seen[k] {
+		return errors.New("series repeated")
+	} else {
+		e.seen[k] = true
+	}
+	e.samples = append(e.samples, s)
+	return nil
 }
 
 // familyOf returns the family a sample belongs to, or "" when none was

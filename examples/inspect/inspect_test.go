@@ -160,71 +160,70 @@ func TestRender_ShowsTheError(t *testing.T) {
 
 func TestRun_ShowsTheCallsMade(t *testing.T) {
 	mr := miniredis.RunT(t)
-	rdb := redis.NewClient(&redis.Options{Addr: mr.Addr()})
+	makeCalls(t, mr.Addr())
+
+	args := []string{"-redis", "redis://" + mr.Addr(), "-quota", "vendor", "-policy", "log:10/1m+key:log:5/1m", "-key", "a"}
+	out := inspect(t, append(args, "-n", "2", "-every", "10ms"), false)
+	if n := strings.Count(out, "redis keys:"); n != 2 {
+		t.Errorf("got %d frames, want 2:\n%s", n, out)
+	}
+	if strings.Contains(out, clearScreen) {
+		t.Error("cleared the screen of a stdout that is not a terminal")
+	}
+	// 4 calls in all, 3 of them for key a.
+	shared := regexp.MustCompile(`(?m)^0\s+shared\s+log\s+10\s+1m \+30ms\s+4\s+0\s+6\s+now\s+40%$`)
+	perKey := regexp.MustCompile(`(?m)^1\s+key\s+log\s+5\s+1m \+30ms\s+3\s+0\s+2\s+now\s+60%$`)
+	if !shared.MatchString(out) || !perKey.MatchString(out) {
+		t.Errorf("want rows with 4 calls shared and 3 for key a:\n%s", out)
+	}
+
+	// Without -policy, the quota is read under the one it describes: the
+	// same rows; without -key, its per-key row shows no figures.
+	own := inspect(t, []string{"-redis", mr.Addr(), "-quota", "vendor", "-key", "a", "-n", "1"}, false)
+	if !shared.MatchString(own) || !perKey.MatchString(own) {
+		t.Errorf("read under its own description, want the same rows:\n%s", own)
+	}
+	own = inspect(t, []string{"-redis", mr.Addr(), "-quota", "vendor", "-n", "1"}, false)
+	if !regexp.MustCompile(`(?m)^1\s+key\s+log\s+5\s+1m \+30ms\s+-\s+-\s+-\s+-\s+-$`).MatchString(own) {
+		t.Errorf("without -key, want the per-key row without figures:\n%s", own)
+	}
+
+	if tty := inspect(t, append(args, "-n", "1"), true); !strings.HasPrefix(tty, clearScreen) {
+		t.Error("did not clear the screen of a terminal")
+	}
+}
+
+// makeCalls makes 4 calls of quota vendor on the Redis at addr, 3 of them
+// for key a.
+func makeCalls(t *testing.T, addr string) {
+	t.Helper()
+	rdb := redis.NewClient(&redis.Options{Addr: addr})
 	defer rdb.Close()
 	policy := policies.All(policies.SlidingLog{Limit: 10, Window: time.Minute}, policies.PerKey{Policy: policies.SlidingLog{Limit: 5, Window: time.Minute}})
 	lim, err := throttle.New(rdb, "vendor", policy, throttle.Options{Mode: throttle.FailFast})
 	if err != nil {
 		t.Fatal(err)
 	}
-	ctx := context.Background()
 	for _, key := range []string{"a", "a", "a", "b"} {
-		if _, err := lim.Acquire(ctx, throttle.Key(key)); err != nil {
+		if _, err := lim.Acquire(context.Background(), throttle.Key(key)); err != nil {
 			t.Fatal(err)
 		}
 	}
+}
 
-	cfg, err := parseFlags([]string{"-redis", "redis://" + mr.Addr(), "-quota", "vendor", "-policy", "log:10/1m+key:log:5/1m", "-key", "a", "-n", "2", "-every", "10ms"}, io.Discard)
+// inspect runs the tool with args, to a terminal when tty, and returns
+// what it wrote.
+func inspect(t *testing.T, args []string, tty bool) string {
+	t.Helper()
+	cfg, err := parseFlags(args, io.Discard)
 	if err != nil {
 		t.Fatal(err)
 	}
 	var out bytes.Buffer
-	if err := run(ctx, cfg, &out, false); err != nil {
+	if err := run(context.Background(), cfg, &out, tty); err != nil {
 		t.Fatal(err)
 	}
-	if n := strings.Count(out.String(), "redis keys:"); n != 2 {
-		t.Errorf("got %d frames, want 2:\n%s", n, out.String())
-	}
-	if strings.Contains(out.String(), clearScreen) {
-		t.Error("cleared the screen of a stdout that is not a terminal")
-	}
-	// 4 calls in all, 3 of them for key a.
-	shared := regexp.MustCompile(`(?m)^0\s+shared\s+log\s+10\s+1m \+30ms\s+4\s+0\s+6\s+now\s+40%$`)
-	perKey := regexp.MustCompile(`(?m)^1\s+key\s+log\s+5\s+1m \+30ms\s+3\s+0\s+2\s+now\s+60%$`)
-	if !shared.MatchString(out.String()) || !perKey.MatchString(out.String()) {
-		t.Errorf("want rows with 4 calls shared and 3 for key a:\n%s", out.String())
-	}
-
-	// Without -policy, the quota is read under the one it describes: the
-	// same rows; without -key, its per-key row shows no figures.
-	described, err := parseFlags([]string{"-redis", mr.Addr(), "-quota", "vendor", "-key", "a", "-n", "1"}, io.Discard)
-	if err != nil {
-		t.Fatal(err)
-	}
-	var own bytes.Buffer
-	if err := run(ctx, described, &own, false); err != nil {
-		t.Fatal(err)
-	}
-	if !shared.MatchString(own.String()) || !perKey.MatchString(own.String()) {
-		t.Errorf("read under its own description, want the same rows:\n%s", own.String())
-	}
-	noKey, _ := parseFlags([]string{"-redis", mr.Addr(), "-quota", "vendor", "-n", "1"}, io.Discard)
-	own.Reset()
-	if err := run(ctx, noKey, &own, false); err != nil {
-		t.Fatal(err)
-	}
-	if !regexp.MustCompile(`(?m)^1\s+key\s+log\s+5\s+1m \+30ms\s+-\s+-\s+-\s+-\s+-$`).MatchString(own.String()) {
-		t.Errorf("without -key, want the per-key row without figures:\n%s", own.String())
-	}
-
-	var tty bytes.Buffer
-	cfg.N = 1
-	if err := run(ctx, cfg, &tty, true); err != nil {
-		t.Fatal(err)
-	}
-	if !strings.HasPrefix(tty.String(), clearScreen) {
-		t.Error("did not clear the screen of a terminal")
-	}
+	return out.String()
 }
 
 func TestRun_FailsWhenTheFirstReadFails(t *testing.T) {

@@ -329,6 +329,35 @@ func get(t *testing.T, h http.Handler, cost string) *httptest.ResponseRecorder {
 	return w
 }
 
+// answer is what the handler must answer: its code, and the values of
+// HeaderRemaining and HeaderRetryAfter.
+type answer struct {
+	code       int
+	remaining  string
+	retryAfter string
+}
+
+// checkAnswer checks the handler's answer w at step against wt, and that
+// it states a limit of 2, unless it refused a bad request.
+func checkAnswer(t *testing.T, step string, w *httptest.ResponseRecorder, wt answer) {
+	t.Helper()
+	if w.Code != wt.code {
+		t.Fatalf("%s: code %d, want %d", step, w.Code, wt.code)
+	}
+	if wt.code == http.StatusBadRequest {
+		return
+	}
+	if got := w.Header().Get(HeaderLimit); got != "2" {
+		t.Fatalf("%s: %s = %q, want 2", step, HeaderLimit, got)
+	}
+	if got := w.Header().Get(HeaderRemaining); got != wt.remaining {
+		t.Fatalf("%s: %s = %q, want %q", step, HeaderRemaining, got, wt.remaining)
+	}
+	if got := w.Header().Get(HeaderRetryAfter); got != wt.retryAfter {
+		t.Fatalf("%s: %s = %q, want %q", step, HeaderRetryAfter, got, wt.retryAfter)
+	}
+}
+
 func TestHandlerCodesAndHeaders(t *testing.T) {
 	v, clk, t0 := at(t, Config{Limit: 2, Window: 10 * time.Second, RetryAfter: true})
 	h := v.Handler()
@@ -337,59 +366,35 @@ func TestHandlerCodesAndHeaders(t *testing.T) {
 		clk.t = t0.Add(off)
 		clk.mu.Unlock()
 	}
-	type want struct {
-		code       int
-		remaining  string
-		retryAfter string
-	}
-	check := func(step string, w *httptest.ResponseRecorder, wt want) {
-		t.Helper()
-		if w.Code != wt.code {
-			t.Fatalf("%s: code %d, want %d", step, w.Code, wt.code)
-		}
-		if wt.code == http.StatusBadRequest {
-			return
-		}
-		if got := w.Header().Get(HeaderLimit); got != "2" {
-			t.Fatalf("%s: %s = %q, want 2", step, HeaderLimit, got)
-		}
-		if got := w.Header().Get(HeaderRemaining); got != wt.remaining {
-			t.Fatalf("%s: %s = %q, want %q", step, HeaderRemaining, got, wt.remaining)
-		}
-		if got := w.Header().Get(HeaderRetryAfter); got != wt.retryAfter {
-			t.Fatalf("%s: %s = %q, want %q", step, HeaderRetryAfter, got, wt.retryAfter)
-		}
-	}
-
 	set(0)
 	w := get(t, h, "")
-	check("first", w, want{http.StatusOK, "1", ""})
+	checkAnswer(t, "first", w, answer{http.StatusOK, "1", ""})
 	if w.Body.String() != "ok\n" {
 		t.Fatalf("body = %q", w.Body.String())
 	}
 	set(1500 * time.Millisecond)
-	check("second", get(t, h, "1"), want{http.StatusOK, "0", ""})
+	checkAnswer(t, "second", get(t, h, "1"), answer{http.StatusOK, "0", ""})
 	// The oldest arrival leaves at 10s: 7.7s rounds up to 8.
 	set(2300 * time.Millisecond)
-	check("over cap", get(t, h, ""), want{http.StatusTooManyRequests, "0", "8"})
+	checkAnswer(t, "over cap", get(t, h, ""), answer{http.StatusTooManyRequests, "0", "8"})
 	// A cost of 2 needs both arrivals gone: 11.5s-2.3s rounds up to 10.
-	check("over cap cost 2", get(t, h, "2"), want{http.StatusTooManyRequests, "0", "10"})
+	checkAnswer(t, "over cap cost 2", get(t, h, "2"), answer{http.StatusTooManyRequests, "0", "10"})
 	// More than the cap can never fit, so no Retry-After.
-	check("over cap cost 3", get(t, h, "3"), want{http.StatusTooManyRequests, "0", ""})
+	checkAnswer(t, "over cap cost 3", get(t, h, "3"), answer{http.StatusTooManyRequests, "0", ""})
 	// Whole seconds are not rounded further.
 	set(4 * time.Second)
-	check("exact seconds", get(t, h, ""), want{http.StatusTooManyRequests, "0", "6"})
+	checkAnswer(t, "exact seconds", get(t, h, ""), answer{http.StatusTooManyRequests, "0", "6"})
 
 	before := v.Stats().Requests
 	for _, bad := range []string{"0", "-1", "x", "1.5", "99999999999"} {
-		check("bad cost "+bad, get(t, h, bad), want{code: http.StatusBadRequest})
+		checkAnswer(t, "bad cost "+bad, get(t, h, bad), answer{code: http.StatusBadRequest})
 	}
 	if got := v.Stats().Requests; got != before {
 		t.Fatalf("bad X-Cost was counted: %d requests, want %d", got, before)
 	}
 
 	set(10 * time.Second)
-	check("after window", get(t, h, " 1 "), want{http.StatusOK, "0", ""})
+	checkAnswer(t, "after window", get(t, h, " 1 "), answer{http.StatusOK, "0", ""})
 }
 
 func TestHandlerWithoutRetryAfter(t *testing.T) {
@@ -546,6 +551,48 @@ type modelArrival struct {
 	counted bool
 }
 
+// arrivalModel is the brute-force model: every arrival of the last window.
+type arrivalModel struct {
+	hist   []modelArrival
+	window time.Duration
+}
+
+// decide returns the units counted in the window at now (in) and all that
+// arrived in it, whether n more fit under limit, and if not, how long
+// until they would: the earliest departure after which they fit.
+func (m *arrivalModel) decide(now time.Time, n, limit int) (in, all int, ok bool, retry time.Duration) {
+	window := m.window
+	// Arrivals outside the window can never matter again.
+	for len(m.hist) > 0 && now.Sub(m.hist[0].t) >= window {
+		m.hist = m.hist[1:]
+	}
+	var live []modelArrival
+	for _, a := range m.hist {
+		if now.Sub(a.t) < window {
+			all += a.n
+			if a.counted {
+				in += a.n
+				live = append(live, a)
+			}
+		}
+	}
+	ok = in+n <= limit
+	if !ok {
+		left := in
+		for j, a := range live {
+			left -= a.n
+			if j+1 < len(live) && live[j+1].t.Equal(a.t) {
+				continue
+			}
+			if left+n <= limit {
+				retry = a.t.Add(window).Sub(now)
+				break
+			}
+		}
+	}
+	return in, all, ok, retry
+}
+
 // TestAgainstModel compares the vendor with a brute-force scan of every
 // arrival, over random times, costs and cap changes.
 func TestAgainstModel(t *testing.T) {
@@ -554,7 +601,7 @@ func TestAgainstModel(t *testing.T) {
 		const window = 100 * time.Millisecond
 		limit := 8
 		v, clk, _ := at(t, Config{Limit: limit, Window: window, CountRejected: countRejected})
-		var hist []modelArrival
+		model := arrivalModel{window: window}
 		maxAll, rejected, retries := 0, 0, 0
 		for i := range 5000 {
 			// Mostly small steps, some repeats of one instant, some gaps.
@@ -572,41 +619,11 @@ func TestAgainstModel(t *testing.T) {
 			now := clk.Now()
 			n := 1 + rng.IntN(3)
 
-			// Arrivals outside the window can never matter again.
-			for len(hist) > 0 && now.Sub(hist[0].t) >= window {
-				hist = hist[1:]
-			}
-			in, all := 0, 0
-			var live []modelArrival
-			for _, a := range hist {
-				if now.Sub(a.t) < window {
-					all += a.n
-					if a.counted {
-						in += a.n
-						live = append(live, a)
-					}
-				}
-			}
+			in, all, ok, retry := model.decide(now, n, limit)
 			if got := v.InWindow(); got != in {
 				t.Fatalf("step %d: InWindow %d, model %d", i, got, in)
 			}
-			ok := in+n <= limit
-			var retry time.Duration
-			if !ok {
-				// Earliest departure after which the request fits.
-				left := in
-				for j, a := range live {
-					left -= a.n
-					if j+1 < len(live) && live[j+1].t.Equal(a.t) {
-						continue
-					}
-					if left+n <= limit {
-						retry = a.t.Add(window).Sub(now)
-						break
-					}
-				}
-			}
-			hist = append(hist, modelArrival{t: now, n: n, counted: ok || countRejected})
+			model.hist = append(model.hist, modelArrival{t: now, n: n, counted: ok || countRejected})
 			maxAll = max(maxAll, all+n)
 
 			if !ok {

@@ -3,6 +3,7 @@
 package redistest
 
 import (
+	"context"
 	"strings"
 	"testing"
 	"time"
@@ -83,18 +84,7 @@ func TestMigration_MovesKeysAndOwnership(t *testing.T) {
 			t.Fatal(err)
 		}
 	}
-	slot, err := KeySlot(ctx, c.Nodes, keys[0])
-	if err != nil {
-		t.Fatal(err)
-	}
-	from, err := SlotOwner(ctx, c.Nodes, slot)
-	if err != nil {
-		t.Fatal(err)
-	}
-	to := c.Nodes[0]
-	if to == from {
-		to = c.Nodes[1]
-	}
+	slot, from, to := slotAndTarget(ctx, t, c, keys[0])
 	m, err := StartMigration(ctx, c.Nodes, slot, to)
 	if err != nil {
 		t.Fatal(err)
@@ -137,6 +127,24 @@ func TestMigration_MovesKeysAndOwnership(t *testing.T) {
 			t.Errorf("TTL of %s on the target: %v, %v; MIGRATE must keep it", k, ttl, err)
 		}
 	}
+}
+
+// slotAndTarget returns the slot of key in c, its owner, and another node.
+func slotAndTarget(ctx context.Context, t *testing.T, c *Cluster, key string) (int, *Server, *Server) {
+	t.Helper()
+	slot, err := KeySlot(ctx, c.Nodes, key)
+	if err != nil {
+		t.Fatal(err)
+	}
+	from, err := SlotOwner(ctx, c.Nodes, slot)
+	if err != nil {
+		t.Fatal(err)
+	}
+	to := c.Nodes[0]
+	if to == from {
+		to = c.Nodes[1]
+	}
+	return slot, from, to
 }
 
 // waitOK polls fn until it succeeds, for up to 10 seconds.

@@ -137,6 +137,46 @@ func near(a, b float64) bool { return a-b < 1e-9 && b-a < 1e-9 }
 
 func TestObserver_RecordsEveryEventKind(t *testing.T) {
 	obs, reader := newObserver(t)
+	observeEveryKind(obs)
+
+	ms := metrics(t, reader)
+	for _, c := range callsOfEveryKind {
+		attrs := fmt.Sprintf("throttle.outcome=%s,throttle.quota=sms,throttle.shadow=%v", c.outcome, c.shadow)
+		if got := sum[int64](t, ms, "throttle.calls", "{call}", attrs); got != c.want {
+			t.Errorf("throttle.calls{%s, shadow=%v} = %d, want %d", c.outcome, c.shadow, got, c.want)
+		}
+	}
+	for _, c := range countersOfEveryKind {
+		if got := sum[int64](t, ms, c.name, c.unit, c.attrs); got != c.want {
+			t.Errorf("%s{%s} = %d, want %d", c.name, c.attrs, got, c.want)
+		}
+	}
+	if got := sum[float64](t, ms, "throttle.pause.time", "s", sms); !near(got, 2) {
+		t.Errorf("throttle.pause.time = %v, want 2", got)
+	}
+	if got := gauge(t, ms, "throttle.learned_limit", "{unit}", sms); got != 40 {
+		t.Errorf("throttle.learned_limit = %d, want 40, the latest", got)
+	}
+	if got := gauge(t, ms, "throttle.others", "{unit}", sms); got != 24 {
+		t.Errorf("throttle.others = %d, want 24, the latest", got)
+	}
+	if got := gauge(t, ms, "throttle.fallback.active", "1", sms); got != 1 {
+		t.Errorf("throttle.fallback.active = %d after a second fallback, want 1", got)
+	}
+	if got := gauge(t, ms, "throttle.queue.depth", "{call}", "throttle.quota=jobs"); got != 2 {
+		t.Errorf("throttle.queue.depth{jobs} = %d, want 2 (its latest event)", got)
+	}
+	for _, dp := range ms["throttle.queue.depth"].Data.(metricdata.Gauge[int64]).DataPoints {
+		if attrs(dp.Attributes) != "throttle.quota=jobs" {
+			t.Errorf("throttle.queue.depth has a point for {%s}, which is not in Queue mode", attrs(dp.Attributes))
+		}
+	}
+	checkHistogramsOfEveryKind(t, ms)
+}
+
+// observeEveryKind gives obs events of every kind, of quota sms, and two
+// of a limiter in Queue mode, of quota jobs.
+func observeEveryKind(obs *throttleotel.Observer) {
 	ev := func(kind throttle.EventKind, e throttle.Event) {
 		e.Kind, e.Quota = kind, "sms"
 		obs.Observe(e)
@@ -165,66 +205,45 @@ func TestObserver_RecordsEveryEventKind(t *testing.T) {
 	ev(throttle.EventOthers, throttle.Event{Others: 24})
 	obs.Observe(throttle.Event{Kind: throttle.EventAdmitted, Quota: "jobs", Mode: throttle.Queue, Cost: 1, Queued: 4})
 	obs.Observe(throttle.Event{Kind: throttle.EventLimited, Err: throttle.ErrQueueFull, Quota: "jobs", Mode: throttle.Queue, Queued: 2})
+}
 
-	ms := metrics(t, reader)
-	calls := func(outcome string, shadow bool) int64 {
-		return sum[int64](t, ms, "throttle.calls", "{call}", fmt.Sprintf("throttle.outcome=%s,throttle.quota=sms,throttle.shadow=%v", outcome, shadow))
-	}
-	for _, c := range []struct {
-		outcome string
-		shadow  bool
-		want    int64
-	}{
-		{"admitted", false, 3},
-		{"limited", false, 1},
-		{"limited", true, 1},
-		{"queue_full", false, 1},
-		{"unavailable", false, 1},
-	} {
-		if got := calls(c.outcome, c.shadow); got != c.want {
-			t.Errorf("throttle.calls{%s, shadow=%v} = %d, want %d", c.outcome, c.shadow, got, c.want)
-		}
-	}
-	const sms = "throttle.quota=sms"
-	for _, c := range []struct {
-		name, unit, attrs string
-		want              int64
-	}{
-		{"throttle.units", "{unit}", sms, 6},
-		{"throttle.fallback.admitted", "{call}", sms, 1},
-		{"throttle.redis.errors", "{error}", sms, 1},
-		{"throttle.fallback.switches", "{switch}", sms + ",throttle.to=fallback", 2},
-		{"throttle.fallback.switches", "{switch}", sms + ",throttle.to=redis", 1},
-		{"throttle.data_lost", "{event}", sms, 1},
-		{"throttle.vendor.limited", "{response}", sms, 2},
-		{"throttle.pauses", "{pause}", sms, 2},
-		{"throttle.caps_learned", "{cap}", sms, 2},
-	} {
-		if got := sum[int64](t, ms, c.name, c.unit, c.attrs); got != c.want {
-			t.Errorf("%s{%s} = %d, want %d", c.name, c.attrs, got, c.want)
-		}
-	}
-	if got := sum[float64](t, ms, "throttle.pause.time", "s", sms); !near(got, 2) {
-		t.Errorf("throttle.pause.time = %v, want 2", got)
-	}
-	if got := gauge(t, ms, "throttle.learned_limit", "{unit}", sms); got != 40 {
-		t.Errorf("throttle.learned_limit = %d, want 40, the latest", got)
-	}
-	if got := gauge(t, ms, "throttle.others", "{unit}", sms); got != 24 {
-		t.Errorf("throttle.others = %d, want 24, the latest", got)
-	}
-	if got := gauge(t, ms, "throttle.fallback.active", "1", sms); got != 1 {
-		t.Errorf("throttle.fallback.active = %d after a second fallback, want 1", got)
-	}
-	if got := gauge(t, ms, "throttle.queue.depth", "{call}", "throttle.quota=jobs"); got != 2 {
-		t.Errorf("throttle.queue.depth{jobs} = %d, want 2 (its latest event)", got)
-	}
-	for _, dp := range ms["throttle.queue.depth"].Data.(metricdata.Gauge[int64]).DataPoints {
-		if attrs(dp.Attributes) != "throttle.quota=jobs" {
-			t.Errorf("throttle.queue.depth has a point for {%s}, which is not in Queue mode", attrs(dp.Attributes))
-		}
-	}
+// callsOfEveryKind are the calls observeEveryKind reports, by outcome.
+var callsOfEveryKind = []struct {
+	outcome string
+	shadow  bool
+	want    int64
+}{
+	{"admitted", false, 3},
+	{"limited", false, 1},
+	{"limited", true, 1},
+	{"queue_full", false, 1},
+	{"unavailable", false, 1},
+}
 
+// sms is the attribute of quota sms's points.
+const sms = "throttle.quota=sms"
+
+// countersOfEveryKind are the other counters of quota sms after
+// observeEveryKind.
+var countersOfEveryKind = []struct {
+	name, unit, attrs string
+	want              int64
+}{
+	{"throttle.units", "{unit}", sms, 6},
+	{"throttle.fallback.admitted", "{call}", sms, 1},
+	{"throttle.redis.errors", "{error}", sms, 1},
+	{"throttle.fallback.switches", "{switch}", sms + ",throttle.to=fallback", 2},
+	{"throttle.fallback.switches", "{switch}", sms + ",throttle.to=redis", 1},
+	{"throttle.data_lost", "{event}", sms, 1},
+	{"throttle.vendor.limited", "{response}", sms, 2},
+	{"throttle.pauses", "{pause}", sms, 2},
+	{"throttle.caps_learned", "{cap}", sms, 2},
+}
+
+// checkHistogramsOfEveryKind checks the waits and Redis's round trips that
+// observeEveryKind reports.
+func checkHistogramsOfEveryKind(t *testing.T, ms map[string]metricdata.Metrics) {
+	t.Helper()
 	wait := histogram[float64](t, ms, "throttle.wait.duration", "s", sms)
 	if wait.Count != 3 || !near(wait.Sum, 2.02) {
 		t.Errorf("throttle.wait.duration: count %d sum %v, want 3 and 2.02", wait.Count, wait.Sum)

@@ -162,21 +162,7 @@ func TestLimiter_RedisDownThenBack(t *testing.T) {
 			t.Fatalf("with Redis down: err = %v, want ErrUnavailable", err)
 		}
 	}
-	_, fams := scrape(t, reg)
-	if got := counter(t, fams, "throttle_calls_total", "outcome=unavailable", "quota=flaky", "shadow=false"); got != down {
-		t.Errorf("unavailable calls: exported %v, made %d", got, down)
-	}
-	if got := gauge(t, fams, "throttle_fallback_active", "quota=flaky"); got != 1 {
-		t.Errorf("throttle_fallback_active = %v with Redis down, want 1", got)
-	}
-	if got := counter(t, fams, "throttle_fallback_switches_total", "quota=flaky", "to=fallback"); got != 1 {
-		t.Errorf("switches to the fallback: %v, want 1", got)
-	}
-	errs := counter(t, fams, "throttle_redis_errors_total", "quota=flaky")
-	rts := histogram(t, fams, "throttle_redis_round_trip_seconds", "quota=flaky").GetSampleCount()
-	if errs < 1 || uint64(errs) != rts-1 {
-		t.Errorf("%v Redis errors in %d round trips, want every round trip but the first to fail", errs, rts)
-	}
+	checkExportedWhileDown(t, reg, down)
 
 	if err := mr.Restart(); err != nil {
 		t.Fatal(err)
@@ -191,11 +177,33 @@ func TestLimiter_RedisDownThenBack(t *testing.T) {
 		}
 		time.Sleep(20 * time.Millisecond)
 	}
-	_, fams = scrape(t, reg)
+	_, fams := scrape(t, reg)
 	if got := gauge(t, fams, "throttle_fallback_active", "quota=flaky"); got != 0 {
 		t.Errorf("throttle_fallback_active = %v once Redis answers, want 0", got)
 	}
 	if got := counter(t, fams, "throttle_fallback_switches_total", "quota=flaky", "to=redis"); got != 1 {
 		t.Errorf("switches back to Redis: %v, want 1", got)
+	}
+}
+
+// checkExportedWhileDown checks what reg exports of quota flaky while Redis
+// is down, after down calls failed: those calls, the fallback active and
+// switched to once, and every round trip but the first failed.
+func checkExportedWhileDown(t *testing.T, reg *prometheus.Registry, down int) {
+	t.Helper()
+	_, fams := scrape(t, reg)
+	if got := counter(t, fams, "throttle_calls_total", "outcome=unavailable", "quota=flaky", "shadow=false"); got != float64(down) {
+		t.Errorf("unavailable calls: exported %v, made %d", got, down)
+	}
+	if got := gauge(t, fams, "throttle_fallback_active", "quota=flaky"); got != 1 {
+		t.Errorf("throttle_fallback_active = %v with Redis down, want 1", got)
+	}
+	if got := counter(t, fams, "throttle_fallback_switches_total", "quota=flaky", "to=fallback"); got != 1 {
+		t.Errorf("switches to the fallback: %v, want 1", got)
+	}
+	errs := counter(t, fams, "throttle_redis_errors_total", "quota=flaky")
+	rts := histogram(t, fams, "throttle_redis_round_trip_seconds", "quota=flaky").GetSampleCount()
+	if errs < 1 || uint64(errs) != rts-1 {
+		t.Errorf("%v Redis errors in %d round trips, want every round trip but the first to fail", errs, rts)
 	}
 }

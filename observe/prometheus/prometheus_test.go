@@ -129,7 +129,43 @@ func TestObserver_ExportsEveryEventKind(t *testing.T) {
 	obs := throttleprom.New(throttleprom.WithConstLabels(prometheus.Labels{"service": "billing"}))
 	reg := prometheus.NewPedanticRegistry()
 	reg.MustRegister(obs)
+	observeEveryKind(obs)
 
+	text, fams := scrape(t, reg)
+	t.Logf("\n%s", text)
+	sms := smsLabels
+	for _, c := range callsOfEveryKind {
+		got := counter(t, fams, "throttle_calls_total", "outcome="+c.outcome, "quota=sms", "service=billing", "shadow="+c.shadow)
+		if got != c.want {
+			t.Errorf("throttle_calls_total{outcome=%q,shadow=%q} = %v, want %v", c.outcome, c.shadow, got, c.want)
+		}
+	}
+	for _, c := range countersOfEveryKind {
+		if got := counter(t, fams, c.name, c.labels...); !near(got, c.want) {
+			t.Errorf("%s%v = %v, want %v", c.name, c.labels, got, c.want)
+		}
+	}
+	if got := gauge(t, fams, "throttle_learned_limit", sms...); got != 40 {
+		t.Errorf("throttle_learned_limit = %v, want 40, the latest", got)
+	}
+	if got := gauge(t, fams, "throttle_others_units", sms...); got != 24 {
+		t.Errorf("throttle_others_units = %v, want 24, the latest", got)
+	}
+	if got := gauge(t, fams, "throttle_fallback_active", sms...); got != 1 {
+		t.Errorf("throttle_fallback_active = %v after a second fallback, want 1", got)
+	}
+	if got := gauge(t, fams, "throttle_queue_depth", "quota=jobs", "service=billing"); got != 2 {
+		t.Errorf("throttle_queue_depth{quota=jobs} = %v, want 2 (its latest event)", got)
+	}
+	absent(t, fams, "throttle_queue_depth", "quota=sms")
+	absent(t, fams, "throttle_calls_total", "quota=jobs", "shadow=true")
+	checkHistogramsOfEveryKind(t, fams, sms)
+	lintExposition(t, text)
+}
+
+// observeEveryKind gives obs events of every kind, of quota sms, and two
+// of a limiter in Queue mode, of quota jobs.
+func observeEveryKind(obs *throttleprom.Observer) {
 	ev := func(kind throttle.EventKind, e throttle.Event) {
 		e.Kind, e.Quota = kind, "sms"
 		obs.Observe(e)
@@ -159,64 +195,48 @@ func TestObserver_ExportsEveryEventKind(t *testing.T) {
 	// A limiter in Queue mode: the gauge follows its latest event.
 	obs.Observe(throttle.Event{Kind: throttle.EventAdmitted, Quota: "jobs", Mode: throttle.Queue, Cost: 1, Queued: 4})
 	obs.Observe(throttle.Event{Kind: throttle.EventLimited, Err: throttle.ErrQueueFull, Quota: "jobs", Mode: throttle.Queue, Queued: 2})
+}
 
-	text, fams := scrape(t, reg)
-	t.Logf("\n%s", text)
-	sms := []string{"quota=sms", "service=billing"}
-	calls := func(outcome, shadow string) float64 {
-		return counter(t, fams, "throttle_calls_total", "outcome="+outcome, "quota=sms", "service=billing", "shadow="+shadow)
-	}
-	for _, c := range []struct {
-		outcome, shadow string
-		want            float64
-	}{
-		{"admitted", "false", 3},
-		{"limited", "false", 1},
-		{"limited", "true", 1},
-		{"queue_full", "false", 1},
-		{"queue_full", "true", 0},
-		{"unavailable", "false", 1},
-		{"unavailable", "true", 0},
-	} {
-		if got := calls(c.outcome, c.shadow); got != c.want {
-			t.Errorf("throttle_calls_total{outcome=%q,shadow=%q} = %v, want %v", c.outcome, c.shadow, got, c.want)
-		}
-	}
-	for _, c := range []struct {
-		name   string
-		labels []string
-		want   float64
-	}{
-		{"throttle_units_total", sms, 6},
-		{"throttle_fallback_admitted_total", sms, 1},
-		{"throttle_redis_errors_total", sms, 1},
-		{"throttle_fallback_switches_total", []string{"quota=sms", "service=billing", "to=fallback"}, 2},
-		{"throttle_fallback_switches_total", []string{"quota=sms", "service=billing", "to=redis"}, 1},
-		{"throttle_data_lost_total", sms, 1},
-		{"throttle_vendor_limited_total", sms, 2},
-		{"throttle_pauses_total", sms, 2},
-		{"throttle_pause_seconds_total", sms, 2},
-		{"throttle_caps_learned_total", sms, 2},
-	} {
-		if got := counter(t, fams, c.name, c.labels...); !near(got, c.want) {
-			t.Errorf("%s%v = %v, want %v", c.name, c.labels, got, c.want)
-		}
-	}
-	if got := gauge(t, fams, "throttle_learned_limit", sms...); got != 40 {
-		t.Errorf("throttle_learned_limit = %v, want 40, the latest", got)
-	}
-	if got := gauge(t, fams, "throttle_others_units", sms...); got != 24 {
-		t.Errorf("throttle_others_units = %v, want 24, the latest", got)
-	}
-	if got := gauge(t, fams, "throttle_fallback_active", sms...); got != 1 {
-		t.Errorf("throttle_fallback_active = %v after a second fallback, want 1", got)
-	}
-	if got := gauge(t, fams, "throttle_queue_depth", "quota=jobs", "service=billing"); got != 2 {
-		t.Errorf("throttle_queue_depth{quota=jobs} = %v, want 2 (its latest event)", got)
-	}
-	absent(t, fams, "throttle_queue_depth", "quota=sms")
-	absent(t, fams, "throttle_calls_total", "quota=jobs", "shadow=true")
+// callsOfEveryKind are the calls observeEveryKind reports, by outcome.
+var callsOfEveryKind = []struct {
+	outcome, shadow string
+	want            float64
+}{
+	{"admitted", "false", 3},
+	{"limited", "false", 1},
+	{"limited", "true", 1},
+	{"queue_full", "false", 1},
+	{"queue_full", "true", 0},
+	{"unavailable", "false", 1},
+	{"unavailable", "true", 0},
+}
 
+// countersOfEveryKind are the other counters of quota sms after
+// observeEveryKind.
+var countersOfEveryKind = []struct {
+	name   string
+	labels []string
+	want   float64
+}{
+	{"throttle_units_total", smsLabels, 6},
+	{"throttle_fallback_admitted_total", smsLabels, 1},
+	{"throttle_redis_errors_total", smsLabels, 1},
+	{"throttle_fallback_switches_total", []string{"quota=sms", "service=billing", "to=fallback"}, 2},
+	{"throttle_fallback_switches_total", []string{"quota=sms", "service=billing", "to=redis"}, 1},
+	{"throttle_data_lost_total", smsLabels, 1},
+	{"throttle_vendor_limited_total", smsLabels, 2},
+	{"throttle_pauses_total", smsLabels, 2},
+	{"throttle_pause_seconds_total", smsLabels, 2},
+	{"throttle_caps_learned_total", smsLabels, 2},
+}
+
+// smsLabels are the labels of quota sms's series.
+var smsLabels = []string{"quota=sms", "service=billing"}
+
+// checkHistogramsOfEveryKind checks the waits and Redis's round trips that
+// observeEveryKind reports.
+func checkHistogramsOfEveryKind(t *testing.T, fams map[string]*dto.MetricFamily, sms []string) {
+	t.Helper()
 	wait := histogram(t, fams, "throttle_wait_seconds", sms...)
 	if wait.GetSampleCount() != 3 || !near(wait.GetSampleSum(), 2.02) {
 		t.Errorf("throttle_wait_seconds: count %d sum %v, want 3 and 2.02", wait.GetSampleCount(), wait.GetSampleSum())
@@ -235,7 +255,11 @@ func TestObserver_ExportsEveryEventKind(t *testing.T) {
 	if per.GetSampleCount() != 3 || per.GetSampleSum() != 8 {
 		t.Errorf("throttle_redis_calls_per_script: count %d sum %v, want 3 and 8", per.GetSampleCount(), per.GetSampleSum())
 	}
+}
 
+// lintExposition fails the test on every problem promlint finds in text.
+func lintExposition(t *testing.T, text string) {
+	t.Helper()
 	problems, err := promlint.New(strings.NewReader(text)).Lint()
 	if err != nil {
 		t.Fatal(err)
