@@ -11,6 +11,8 @@ import (
 	"sync"
 	"sync/atomic"
 	"time"
+
+	"github.com/throttlekit/throttle/internal/protocol"
 )
 
 // maxBatch bounds how many calls one script call decides.
@@ -237,8 +239,8 @@ func (l *Limiter) decide(sc scope, batch []*request) {
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), l.s.redisTimeout)
 	defer cancel()
-	describing := l.describing()
-	keys, args, members := l.batchArgs(sc, batch, lateOf(batch, give), spares, spareCost, describing)
+	age, describing := l.describing()
+	keys, args, members := l.batchArgs(sc, batch, lateOf(batch, give), spares, spareCost, age, describing)
 	// A gap in the news from now on, however soon, may hide what would
 	// make these decisions unusable.
 	gaps := l.gaps.Load()
@@ -305,11 +307,16 @@ func scriptScopes(sc scope, batch []*request, late []*result) ([]scope, map[stri
 // admissions of cost spareCost for sc, and the members of those spares;
 // described is the policy's description for the meta, or "". keys are
 // the script call's KEYS: every key it may touch (see declared).
-func (l *Limiter) batchArgs(sc scope, batch []*request, late []*result, spares, spareCost int, described string) (keys []string, args []any, members []string) {
+func (l *Limiter) batchArgs(sc scope, batch []*request, late []*result, spares, spareCost int, age int64, described string) (keys []string, args []any, members []string) {
 	scopes, index := scriptScopes(sc, batch, late)
-	args = l.acquireArgs(len(batch)+spares, len(late))
-	stepped := l.newStep()
-	args = append(args, l.lates.report(), l.timing.delay().Microseconds(), l.policyID, described, stepped, len(scopes))
+	lates := l.lates.report()
+	head := l.acquireHead()
+	head.Described, head.Age = described, age
+	head.Lates, head.Scopes, head.Gives, head.Calls = int64(len(lates)), int64(len(scopes)), int64(len(late)), int64(len(batch)+spares)
+	args = l.args(head)
+	for _, x := range lates {
+		args = x.Append(args)
+	}
 	for _, s := range scopes[1:] {
 		for _, k := range s.keys[1:] {
 			args = append(args, k)
@@ -317,7 +324,7 @@ func (l *Limiter) batchArgs(sc scope, batch []*request, late []*result, spares, 
 	}
 	var classes []classIn // the classes the calls book in, by scope
 	for _, r := range late {
-		args = append(args, r.member, l.costArg(r.cost, r.named), r.slot().Microseconds(), r.epoch, index[r.scope.id], r.where())
+		args = protocol.Give{Booking: r.booking(l.costArg(r.cost, r.named)), Scope: int64(index[r.scope.id])}.Append(args)
 		if r.noted != 0 {
 			classes = append(classes, classIn{r.scope, r.class})
 		}
@@ -332,28 +339,29 @@ func (l *Limiter) batchArgs(sc scope, batch []*request, late []*result, spares, 
 		}
 		class := l.classOf(req.c, req.sc)
 		classes = append(classes, classIn{req.sc, class})
-		args = append(args, req.member, l.costArg(req.c.cost, req.c.named), req.maxWait.Microseconds(), req.c.lead.Microseconds(), index[req.sc.id], moves, class)
+		args = protocol.Call{ID: req.member, Cost: l.costArg(req.c.cost, req.c.named), Maxwait: req.maxWait.Microseconds(),
+			Lead: req.c.lead.Microseconds(), Scope: int64(index[req.sc.id]), Moves: int64(moves), Class: class, Prio: int64(req.c.priority)}.Append(args)
 	}
 	members = make([]string, spares)
-	class := l.spareClass(batch, sc)
+	class, prio := l.spareClass(batch, sc)
 	if spares > 0 {
 		classes = append(classes, classIn{sc, class})
 	}
 	for i := range members {
 		members[i] = l.newMember()
-		args = append(args, members[i], spareCost, 0, 0, 1, 0, class)
+		args = protocol.Call{ID: members[i], Cost: spareCost, Scope: 1, Class: class, Prio: int64(prio)}.Append(args)
 	}
 	return l.batchKeys(scopes, classes), args, members
 }
 
 // spareClass is the class of the spares a script call deciding batch
-// takes for sc: they go to the scope's next calls, of the class of its
-// calls.
-func (l *Limiter) spareClass(batch []*request, sc scope) string {
+// takes for sc, and its priority: they go to the scope's next calls, of
+// the class of its calls.
+func (l *Limiter) spareClass(batch []*request, sc scope) (string, int) {
 	if len(batch) == 0 {
-		return "0"
+		return "0", 0
 	}
-	return l.classOf(batch[0].c, sc)
+	return l.classOf(batch[0].c, sc), batch[0].c.priority
 }
 
 // classIn is a class a call books in, in its scope.
@@ -478,7 +486,7 @@ func (l *Limiter) finishBatch(sc scope, batch []*request, rep acquireReply, stal
 			logged:    c.logged,
 		}
 		if c.noted != 0 {
-			r.class = l.classOf(req.c, req.sc)
+			r.class, r.prio = l.classOf(req.c, req.sc), req.c.priority
 		}
 		if !req.finish(r, nil) && r.admitted {
 			// The caller gave up while its call was being booked.

@@ -6,7 +6,6 @@ import (
 	"errors"
 	"fmt"
 	"slices"
-	"strconv"
 	"strings"
 	"sync"
 	"time"
@@ -44,17 +43,17 @@ func (l *Limiter) describe() string {
 	return string(b)
 }
 
-// describing returns the description for the next acquire script to store,
-// after the limiter's age in µs and a space, or "" when the quota's meta
-// holds it already in the epoch this limiter knows (the meta is new after
-// a loss, and only then can lack it), or the limiter describes nothing.
-// The script keeps the description of the limiter made last: ages tell
-// an old version's limiter from a new one, whichever describes last.
-func (l *Limiter) describing() string {
+// describing returns the limiter's age in µs and the description for the
+// next acquire script to store, or "" when the quota's meta holds it
+// already in the epoch this limiter knows (the meta is new after a loss,
+// and only then can lack it), or the limiter describes nothing. The
+// script keeps the description of the limiter made last: ages tell an old
+// version's limiter from a new one, whichever describes last.
+func (l *Limiter) describing() (int64, string) {
 	if e := l.epoch.Load(); l.description == "" || e != 0 && l.described.Load() == e {
-		return ""
+		return 0, ""
 	}
-	return strconv.FormatInt(time.Since(l.born).Microseconds(), 10) + " " + l.description
+	return time.Since(l.born).Microseconds(), l.description
 }
 
 // A QuotaName names a quota a Redis holds, as Quotas finds it.

@@ -2,7 +2,9 @@ package throttle
 
 // The Redis scripts that decide for every quota live in lua/, one file
 // each; each documents its keys, arguments and reply at the top, and
-// lib.lua, prepended to each, what they share.
+// lib.lua, prepended to each, what they share. consts.lua, before lib.lua,
+// is generated from internal/protocol: the constants both sides use, and
+// the layouts of the arguments and replies.
 
 import (
 	"embed"
@@ -12,6 +14,8 @@ import (
 
 	"github.com/redis/go-redis/v9"
 )
+
+//go:generate go run ./internal/protocol/gen
 
 //go:embed lua/*.lua
 var luaFiles embed.FS
@@ -60,11 +64,19 @@ func loadScripts() scriptSet {
 // offLine is the line of lib.lua that sets the scripts' switches.
 const offLine = "local OFF = {}"
 
+// rulesAtLine is the line of lib.lua that places the rules in ARGV, and
+// feedbackRulesAt the line feedback.lua has instead: its own arguments
+// still come first (see feedbackArgs).
+const (
+	rulesAtLine     = "local RULES_AT = 2"
+	feedbackRulesAt = "local RULES_AT = 7"
+)
+
 // sent maps each script's SHA1 to its lines as Redis has them.
 var sent = map[string][]string{}
 
-// script prepends lib.lua to the script in lua/name and drops the lines
-// that hold only a comment.
+// script prepends consts.lua and lib.lua to the script in lua/name and
+// drops the lines that hold only a comment.
 func script(name string) *redis.Script {
 	text := scriptText(name, switchedOff)
 	s := redis.NewScript(text)
@@ -76,12 +88,15 @@ func script(name string) *redis.Script {
 // with the mechanisms off switched off (switches.go).
 func scriptText(name string, off map[mechanism]bool) string {
 	var b strings.Builder
-	for _, line := range strings.Split(luaFile("lib.lua")+luaFile(name), "\n") {
+	for _, line := range strings.Split(luaFile("consts.lua")+luaFile("lib.lua")+luaFile(name), "\n") {
 		if t := strings.TrimSpace(line); t == "" || strings.HasPrefix(t, "--") {
 			continue
 		}
 		if line == offLine {
 			line = luaOff(off)
+		}
+		if line == rulesAtLine && name == "feedback.lua" {
+			line = feedbackRulesAt
 		}
 		b.WriteString(line)
 		b.WriteByte('\n')

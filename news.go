@@ -12,6 +12,8 @@ import (
 	"weak"
 
 	"github.com/redis/go-redis/v9"
+
+	"github.com/throttlekit/throttle/internal/protocol"
 )
 
 // What one replica learns of a quota must reach the others before their
@@ -336,7 +338,7 @@ func (l *Limiter) news(channel, payload string) {
 	}
 	// The group's news is of any quota's epoch: it only makes calls ask again.
 	ofGroup := l.groupKey != "" && channel == l.groupKey
-	if ofGroup && f[0] != "l" && f[0] != "f" {
+	if ofGroup && f[0] != protocol.NewsLowered && f[0] != protocol.NewsRoom {
 		return
 	}
 	a, err1 := strconv.ParseInt(f[2], 10, 64)
@@ -346,7 +348,7 @@ func (l *Limiter) news(channel, payload string) {
 	}
 	us := func(x int64) time.Duration { return time.Duration(x) * time.Microsecond }
 	switch f[0] {
-	case "q":
+	case protocol.NewsQuota:
 		epoch, err := strconv.ParseInt(f[1], 10, 64)
 		if err != nil {
 			return
@@ -355,13 +357,13 @@ func (l *Limiter) news(channel, payload string) {
 			l.noteEpoch(epoch, false)
 		}
 		l.notePause(scope{keys: []string{l.shared[0], l.shared[0]}}, us(now), us(a))
-	case "k":
+	case protocol.NewsKey:
 		l.notePause(scope{keys: []string{l.shared[0], f[1]}}, us(now), us(a))
-	case "l":
+	case protocol.NewsLowered:
 		if epoch, err := strconv.ParseInt(f[1], 10, 64); ofGroup || err == nil && epoch == l.epoch.Load() {
 			l.noteLowered(us(a))
 		}
-	case "f":
+	case protocol.NewsRoom:
 		if epoch, err := strconv.ParseInt(f[1], 10, 64); ofGroup || err == nil && epoch == l.epoch.Load() {
 			l.signalRoom()
 		}

@@ -1,14 +1,11 @@
 package throttle
 
-// Some values are defined twice: once in Go, once in the Lua scripts that
-// read what Go sends them and answer what Go decodes. These tests pin each
-// side to the other, so that neither changes alone.
+// The values both sides use come from internal/protocol. These tests
+// check what generation cannot: that no script hides a generated
+// constant, and that functions computed on each side agree.
 
 import (
 	"context"
-	"go/ast"
-	"go/parser"
-	"go/token"
 	"regexp"
 	"strconv"
 	"strings"
@@ -17,69 +14,26 @@ import (
 
 	"github.com/redis/go-redis/v9"
 
+	"github.com/throttlekit/throttle/internal/protocol"
 	"github.com/throttlekit/throttle/internal/redistest"
 	"github.com/throttlekit/throttle/policies"
 )
 
-func TestProtocol_GoAndLuaConstantsAgree(t *testing.T) {
-	us := func(d time.Duration) int64 { return d.Microseconds() }
-	tests := []struct {
-		lua    string
-		goName string
-		want   int64
-	}{
-		// The reasons acquire.lua gives for its answers (decodeAcquire).
-		{"ADMITTED", "reasonNone", int64(reasonNone)},
-		{"REFUSED_TOO_FAR", "reasonTooFar", int64(reasonTooFar)},
-		{"REFUSED_BUSY", "reasonBusy", int64(reasonBusy)},
-		{"REFUSED_SHARE", "reasonShare", int64(reasonShare)},
-		// What a refusal by a blind rule adds, times the cause, and the
-		// causes, as Usage.PausedBy names them (pausedBy).
-		{"CAUSE", "blindCause", blindCause},
-		{"PAUSED_BY_VENDOR", "pausedBy of PausedByVendor", causeCode(PausedByVendor)},
-		{"PAUSED_BY_LOSS", "pausedBy of PausedByLoss", causeCode(PausedByLoss)},
-		{"PAUSED_BY_POLICY", "pausedBy of PausedByPolicy", causeCode(PausedByPolicy)},
-		{"PAUSED_BY_CLOCK", "pausedBy of PausedByClock", causeCode(PausedByClock)},
-		// The kinds of rule, and the flags of a rule that counts calls, of
-		// a rule per key and of a shared rule (ruleArgs).
-		{"LOG", "policies.KindSlidingLog", int64(policies.KindSlidingLog)},
-		{"COUNTER", "policies.KindSlidingCounter", int64(policies.KindSlidingCounter)},
-		{"BUCKET", "policies.KindTokenBucket", int64(policies.KindTokenBucket)},
-		{"CONCURRENCY", "policies.KindConcurrency", int64(policies.KindConcurrency)},
-		{"PER_CALL", "perCallFlag", perCallFlag},
-		{"PER_KEY", "perKeyFlag", perKeyFlag},
-		{"SHARED", "sharedFlag", sharedFlag},
-		// The buckets of lateness a process reports (lates.report).
-		{"LATE_BUCKETS", "lateBuckets", lateBuckets},
-		// The least margin that is guarded: under it a call that starts
-		// late does not book again, and the margin never grows.
-		{"GUARDED", "minGuardedMargin", us(minGuardedMargin)},
-		// How wide a log's margin grows at most (policies.MarginCeiling).
-		{"MAX_MARGIN", "policies.MaxMarginCeiling", us(policies.MaxMarginCeiling)},
-		// How long a quota goes without a script before it warms up again,
-		// as the simulation's model of the scripts has it.
-		{"WARM_IDLE", "warmIdle in internal/model", goConstant(t, "internal/model/model.go", "warmIdle")},
+// The constants both sides use come from internal/protocol, written into
+// consts.lua (TestGeneratedFilesAreCurrent there): no script may define one
+// again, which would hide it.
+func TestProtocol_ScriptsDoNotRedefineGeneratedConstants(t *testing.T) {
+	consts := map[string]int64{}
+	for _, name := range []string{"acquire.lua", "cancel.lua", "settle.lua", "release.lua", "feedback.lua", "usage.lua", "handback.lua"} {
+		consts = luaConstants(t, name)
 	}
-	consts := luaConstants(t, "acquire.lua")
-	for _, tt := range tests {
-		got, ok := consts[tt.lua]
-		switch {
-		case !ok:
-			t.Errorf("acquire.lua and lib.lua: no integer constant %s (Go: %s = %d)", tt.lua, tt.goName, tt.want)
-		case got != tt.want:
-			t.Errorf("Lua's %s = %d, but Go's %s = %d", tt.lua, got, tt.goName, tt.want)
+	for _, c := range protocol.Consts {
+		if _, ok := consts[c.Lua]; !ok {
+			if _, isString := c.Value.(string); !isString {
+				t.Errorf("consts.lua: no integer constant %s", c.Lua)
+			}
 		}
 	}
-}
-
-// causeCode returns the code the scripts give cause (pausedBy), or -1.
-func causeCode(cause string) int64 {
-	for code, name := range pausedBy {
-		if name == cause {
-			return code
-		}
-	}
-	return -1
 }
 
 // A process files each lateness of its calls in a bucket (lates.note); the
@@ -154,7 +108,7 @@ local out = {}
 for _, r in ipairs(rules()) do
   out[#out + 1] = margin_ceiling(r)
 end
-return out`, keys, argsFor(nil, "", 0, 0, 0, 0, rules)...)
+return out`, keys, scriptArgs(nil, rules, nil)...)
 		if len(got) != len(logs) {
 			t.Fatalf("the script read %d rules, want %d", len(got), len(logs))
 		}
@@ -179,7 +133,7 @@ func luaConstants(t *testing.T, script string) map[string]int64 {
 	t.Helper()
 	consts := map[string]int64{}
 	seen := map[string]string{}
-	for _, file := range []string{"lib.lua", script} {
+	for _, file := range []string{"consts.lua", "lib.lua", script} {
 		for _, m := range luaConstant.FindAllStringSubmatch(luaFile(file), -1) {
 			names, values := strings.Split(m[1], ","), strings.Split(m[2], ",")
 			for i, name := range names {
@@ -213,44 +167,11 @@ func product(s string) (int64, bool) {
 	return v, true
 }
 
-// goConstant returns the integer constant name declared in the Go source
-// file path, for a package whose constant this one cannot name.
-func goConstant(t *testing.T, path, name string) int64 {
-	t.Helper()
-	f, err := parser.ParseFile(token.NewFileSet(), path, nil, 0)
-	if err != nil {
-		t.Fatal(err)
-	}
-	for _, d := range f.Decls {
-		g, ok := d.(*ast.GenDecl)
-		if !ok || g.Tok != token.CONST {
-			continue
-		}
-		for _, spec := range g.Specs {
-			vs := spec.(*ast.ValueSpec)
-			for i, n := range vs.Names {
-				if n.Name != name || i >= len(vs.Values) {
-					continue
-				}
-				if lit, ok := vs.Values[i].(*ast.BasicLit); ok && lit.Kind == token.INT {
-					v, err := strconv.ParseInt(lit.Value, 0, 64)
-					if err != nil {
-						t.Fatal(err)
-					}
-					return v
-				}
-			}
-		}
-	}
-	t.Fatalf("%s: no integer constant %s", path, name)
-	return 0
-}
-
 // runLib runs body after lib.lua, as every script runs, and returns its
 // reply.
 func runLib(t *testing.T, s *redistest.Server, body string, keys []string, args ...any) []int64 {
 	t.Helper()
-	v, err := redis.NewScript(luaFile("lib.lua")+body).Run(context.Background(), s.Client(t), keys, args...).Int64Slice()
+	v, err := redis.NewScript(luaFile("consts.lua")+luaFile("lib.lua")+body).Run(context.Background(), s.Client(t), keys, args...).Int64Slice()
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -11,8 +11,8 @@ import (
 func TestDecodeAcquire_NamesEveryField(t *testing.T) {
 	v := []int64{
 		1_000, 2_000, 3, 1, 5_000, 6_000, 8, 1_500, 2, // the header
-		1, 9_000, 10, int64(reasonNone), 0, 5, 4, 13, // the first call: booked, noted by rules 1 and 3, logged by 3
-		0, 11_000, 0, int64(reasonBusy), 12_000, 0, 0, 0, // the second: refused, its key paused
+		1, 9_000, 10, int64(reasonNone), 0, 0, 5, 4, 13, // the first call: booked, noted by rules 1 and 3, logged by 3
+		0, 11_000, 0, int64(reasonBusy), 3, 12_000, 0, 0, 0, // the second: refused by a rule blind since a new policy, its key paused
 	}
 	got, err := decodeAcquire(v, 2)
 	if err != nil {
@@ -24,7 +24,7 @@ func TestDecodeAcquire_NamesEveryField(t *testing.T) {
 		done: 6_000 * us, seq: 8, paused: 1_500 * us, pausedBy: PausedByLoss,
 		calls: []callReply{
 			{admitted: true, wait: 9_000 * us, remaining: 10, reason: reasonNone, noted: 5, logged: 4, room: 13},
-			{admitted: false, wait: 11_000 * us, remaining: 0, reason: reasonBusy, pause: 12_000 * us},
+			{admitted: false, wait: 11_000 * us, remaining: 0, reason: reasonBusy, blindBy: PausedByPolicy, pause: 12_000 * us},
 		},
 	}
 	if !reflect.DeepEqual(got, want) {

@@ -9,6 +9,7 @@ import (
 
 	"github.com/redis/go-redis/v9"
 
+	"github.com/throttlekit/throttle/internal/protocol"
 	"github.com/throttlekit/throttle/policies"
 )
 
@@ -16,22 +17,11 @@ import (
 type reason int
 
 const (
-	reasonNone   reason = iota
-	reasonTooFar        // the slot lies beyond the wait the call accepts
-	reasonBusy          // a concurrency rule is full
-	reasonShare         // larger than the share one replica may take while replicas may decide without Redis
-	reasonLate          // every admission came too late to start in (decided here, not by the script)
-)
-
-// blindCause is what acquire adds to a reason, times why, when a blind
-// rule refused the call (BLIND_CAUSE in lua/acquire.lua).
-const blindCause = 16
-
-// The acquire script's reply: a header, then a fixed number of values per
-// call (see lua/acquire.lua).
-const (
-	acquireHeader  = 9
-	acquirePerCall = 8
+	reasonNone   reason = protocol.ReasonNone
+	reasonTooFar reason = protocol.ReasonTooFar // the slot lies beyond the wait the call accepts
+	reasonBusy   reason = protocol.ReasonBusy   // a concurrency rule is full
+	reasonShare  reason = protocol.ReasonShare  // larger than the share one replica may take while replicas may decide without Redis
+	reasonLate   reason = 4                     // every admission came too late to start in (decided here, not by the script)
 )
 
 // acquireReply is acquire.lua's reply, field by field, in the order its
@@ -84,19 +74,22 @@ type callReply struct {
 // decodeAcquire reads acquire.lua's reply v about n calls, or says what is
 // wrong with it.
 func decodeAcquire(v []int64, n int) (acquireReply, error) {
-	if len(v) != acquireHeader+acquirePerCall*n {
+	if len(v) != protocol.AcquireSize+protocol.AnswerSize*n {
 		return acquireReply{}, fmt.Errorf("unexpected script reply %v", v)
 	}
 	us := func(x int64) time.Duration { return time.Duration(x) * time.Microsecond }
 	rep := acquireReply{
-		now: us(v[0]), pause: us(v[1]), epoch: v[2], lost: v[3] == 1,
-		margin: us(v[4]), done: us(v[5]), seq: v[6], paused: us(v[7]), pausedBy: pausedBy[v[8]],
+		now: us(v[protocol.AcquireNow]), pause: us(v[protocol.AcquirePause]), epoch: v[protocol.AcquireEpoch],
+		lost: v[protocol.AcquireLost] == 1, margin: us(v[protocol.AcquireMargin]), done: us(v[protocol.AcquireDone]),
+		seq: v[protocol.AcquireSeq], paused: us(v[protocol.AcquirePaused]), pausedBy: pausedBy[v[protocol.AcquirePausedBy]],
 		calls: make([]callReply, n),
 	}
 	for i := range n {
-		w := v[acquireHeader+acquirePerCall*i:]
-		rep.calls[i] = callReply{admitted: w[0] == 1, wait: us(w[1]), remaining: int(w[2]), reason: reason(w[3] % blindCause),
-			blindBy: pausedBy[w[3]/blindCause], pause: us(w[4]), noted: w[5], logged: w[6], room: int(w[7])}
+		w := v[protocol.AcquireSize+protocol.AnswerSize*i:]
+		rep.calls[i] = callReply{admitted: w[protocol.AnswerAdmitted] == 1, wait: us(w[protocol.AnswerWait]),
+			remaining: int(w[protocol.AnswerRemaining]), reason: reason(w[protocol.AnswerReason]),
+			blindBy: pausedBy[w[protocol.AnswerBlindBy]], pause: us(w[protocol.AnswerPause]),
+			noted: w[protocol.AnswerNoted], logged: w[protocol.AnswerLogged], room: int(w[protocol.AnswerRoom])}
 	}
 	return rep, nil
 }
@@ -146,104 +139,119 @@ func (l *Limiter) costArg(cost int, named map[string]int) any {
 	return b.String()
 }
 
-// args builds the arguments every script takes (see lua/lib.lua): the time,
-// the call's id, its cost, three arguments of the script's own, and then
-// each rule. The builders below name those three for each script.
-func (l *Limiter) args(id string, cost, a, b, c any) []any {
-	return argsFor(l.s.clock, id, cost, a, b, c, l.rules)
+// appender is a layout of arguments of internal/protocol.
+type appender interface{ Append(args []any) []any }
+
+// args builds a script's arguments (see internal/protocol): the time, the
+// rules, and then the script's own, own.
+func (l *Limiter) args(own appender) []any {
+	return scriptArgs(l.s.clock, l.rules, own)
 }
 
-// acquireArgs starts the arguments of acquire.lua for n calls, with g
-// bookings to give back first; the calls' and bookings' own arguments
-// follow (see its header). The limiter tells who it is and how many of
-// its scripts Redis answered in the epoch (a Redis behind that count lost
-// them), and, when the vendor's counts reached it, that its calls may go
-// out as scouts.
-func (l *Limiter) acquireArgs(n, g int) []any {
-	flags := ""
-	if l.counted.Load() {
-		flags = "s"
+// acquireHead is acquire.lua's own arguments but for the counts of what
+// follows. The limiter tells who it is and how many of its scripts Redis
+// answered in the epoch (a Redis behind that count lost them), and, when
+// the vendor's counts reached it, that its calls may go out as scouts.
+func (l *Limiter) acquireHead() protocol.Acquire {
+	ran := l.ran.Load()
+	if ran == nil {
+		ran = &scriptsRan{}
 	}
-	return l.args(flags+":"+l.scriptsRanArg(), int(l.scripts.Load()), int64(n), l.epoch.Load(), int64(g))
+	return protocol.Acquire{
+		Scout: l.counted.Load(), Ran: ran.n, RanIn: ran.epoch, Limiter: l.id,
+		Seen: l.scripts.Load(), Known: l.epoch.Load(), Delay: l.timing.delay().Microseconds(), Policy: l.policyID,
+		Stepped: l.newStep(),
+	}
 }
 
 // releaseArgs are release.lua's: the call member's held units, released
 // (lease 0) or their lease renewed for lease from now.
 func (l *Limiter) releaseArgs(member string, held int, lease time.Duration) []any {
-	return l.args(member, held, lease.Microseconds(), 0, 0)
+	return l.args(protocol.Release{ID: member, Cost: held, Lease: lease.Microseconds()})
 }
 
 // cancelArgs are cancel.lua's: the booking r, of cost (costArg), given
 // back.
 func (l *Limiter) cancelArgs(r result, cost any) []any {
-	return l.args(r.member, cost, r.slot().Microseconds(), r.epoch, r.where())
+	return l.args(protocol.Cancel{Booking: r.booking(cost)})
 }
 
 // settleArgs are settle.lua's: the call admitted as r, for cost, counts
 // actual instead (both as costArg gives them).
 func (l *Limiter) settleArgs(r result, cost, actual any) []any {
-	return append(l.args(r.member, cost, r.slot().Microseconds(), actual, r.epoch), r.where())
+	return l.args(protocol.Settle{Booking: r.booking(cost), Actual: actual})
 }
 
 // handBackArgs start handback.lua's: the quota divided among replicas,
 // others deciding without Redis for span yet, and the number of charges
 // that follow.
 func (l *Limiter) handBackArgs(replicas int, span time.Duration, charges int) []any {
-	return l.args(l.newMember(), 0, int64(replicas), span.Microseconds(), int64(charges))
+	return l.args(protocol.Handback{Replicas: int64(replicas), Span: span.Microseconds(), Charges: int64(charges)})
 }
 
 // usageArgs are usage.lua's: the rules alone.
 func (l *Limiter) usageArgs() []any {
-	return l.args("", 0, 0, 0, 0)
+	return l.args(nil)
 }
 
-func argsFor(clock func() time.Time, id string, cost, a, b, c any, rules []policies.Rule) []any {
+// scriptArgs builds a script's arguments: the time by clock (nil for
+// Redis's), the rules, and then own, unless nil.
+func scriptArgs(clock func() time.Time, rules []policies.Rule, own appender) []any {
 	var now int64
 	if clock != nil {
 		now = clock().UnixMicro()
 	}
-	args := make([]any, 0, 7+5*len(rules))
-	args = append(args, now, id, cost, a, b, c, len(rules))
+	args := make([]any, 0, 2+7*len(rules)+16)
+	args = append(args, now, len(rules))
 	for _, r := range rules {
-		for _, v := range ruleArgs(r) {
-			args = append(args, v)
-		}
+		args = ruleArgs(r).Append(args)
+	}
+	if own != nil {
+		args = own.Append(args)
 	}
 	return args
 }
 
-// perCallFlag is added to the kind of a rule that counts each call once,
-// perKeyFlag to the kind of a rule that applies to each key separately,
-// sharedFlag to the kind of a policies.Shared rule (see lua/lib.lua).
-const (
-	perCallFlag = 16
-	perKeyFlag  = 32
-	sharedFlag  = 64
-)
+// argsFor builds feedback.lua's arguments, which come before the rules
+// (RULES_AT in lua.go): the time, the call's id, and four of its own.
+func argsFor(clock func() time.Time, id string, a, b, c, d any, rules []policies.Rule) []any {
+	var now int64
+	if clock != nil {
+		now = clock().UnixMicro()
+	}
+	args := make([]any, 0, 7+7*len(rules))
+	args = append(args, now, id, a, b, c, d, len(rules))
+	for _, r := range rules {
+		args = ruleArgs(r).Append(args)
+	}
+	return args
+}
 
-// ruleArgs encodes rule r as the script reads it: the kind and four
-// parameters in microseconds or units (see lua/lib.lua).
-func ruleArgs(r policies.Rule) [5]int64 {
+// ruleArgs encodes rule r as the scripts read it (see protocol.Rule).
+func ruleArgs(r policies.Rule) protocol.Rule {
 	us := func(d time.Duration) int64 { return d.Microseconds() }
 	kind := int64(r.Kind)
 	if r.PerCall {
-		kind += perCallFlag
+		kind += protocol.FlagPerCall
 	}
 	if r.PerKey {
-		kind += perKeyFlag
+		kind += protocol.FlagPerKey
 	}
 	if r.Shared != "" {
-		kind += sharedFlag
+		kind += protocol.FlagShared
 	}
+	a := protocol.Rule{Kind: kind, Limit: int64(r.Limit)}
 	switch r.Kind {
 	case policies.KindSlidingCounter:
-		return [5]int64{kind, int64(r.Limit), us(r.Window), us(r.Bucket), us(r.Margin)}
+		a.Window, a.Width, a.Margin = us(r.Window), us(r.Bucket), us(r.Margin)
 	case policies.KindTokenBucket:
-		return [5]int64{kind, int64(r.Limit), us(r.Every), 0, us(r.Margin)}
+		a.Interval, a.Margin = us(r.Every), us(r.Margin)
 	case policies.KindConcurrency:
-		return [5]int64{kind, int64(r.Limit), us(r.Lease), 0, 0}
+		a.Lease = us(r.Lease)
+	default:
+		a.Window, a.Margin = us(r.Window), us(r.Margin)
 	}
-	return [5]int64{kind, int64(r.Limit), us(r.Window), 0, us(r.Margin)}
+	return a
 }
 
 type result struct {
@@ -270,20 +278,16 @@ type result struct {
 	// counts in it, as acquire.lua answered (see callReply): a booking
 	// given back, or settled, leaves its class too.
 	class         string
+	prio          int // the priority of class
 	noted, logged int64
 }
 
-// where says where the booking counts in its class, as the scripts that
-// give it back or settle it read it (change_classes in lua/lib.lua).
-func (r result) where() string {
-	if r.noted == 0 {
-		return ""
-	}
-	ahead := ":0:"
-	if r.wait > 0 {
-		ahead = ":1:"
-	}
-	return strconv.FormatInt(r.noted, 10) + ":" + strconv.FormatInt(r.logged, 10) + ahead + r.class
+// booking is the booking r, of cost (costArg), as the scripts that give it
+// back or settle it read it: where it counts in its class among the rest
+// (change_classes in lua/lib.lua).
+func (r result) booking(cost any) protocol.Booking {
+	return protocol.Booking{ID: r.member, Cost: cost, Slot: r.slot().Microseconds(), Epoch: r.epoch,
+		Noted: r.noted, Logged: r.logged, Ahead: r.wait > 0, Class: r.class, Prio: int64(r.prio)}
 }
 
 // slot is the Redis time of the call's booked slot.

@@ -251,8 +251,8 @@ func (l *Limiter) keepSpares(sc scope, batch []*request, rep acquireReply, membe
 	var taken []string
 	// The spares of one script call count alike in their class, and go to
 	// calls of that class only (takeSpare).
-	r := result{admitted: true, now: rep.now, pause: rep.pause, scope: sc, cost: cost, epoch: rep.epoch, margin: rep.margin, done: rep.done, stale: stale, gaps: gaps,
-		class: l.spareClass(batch, sc)}
+	r := result{admitted: true, now: rep.now, pause: rep.pause, scope: sc, cost: cost, epoch: rep.epoch, margin: rep.margin, done: rep.done, stale: stale, gaps: gaps}
+	r.class, r.prio = l.spareClass(batch, sc)
 	for i, m := range members {
 		if c := rep.calls[len(batch)+i]; c.admitted && c.wait == 0 {
 			if len(taken) == 0 {

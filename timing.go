@@ -2,12 +2,13 @@ package throttle
 
 import (
 	"math"
-	"strconv"
 	"strings"
 	"sync"
 	"time"
 
 	"github.com/redis/go-redis/v9"
+
+	"github.com/throttlekit/throttle/internal/protocol"
 )
 
 // What the vendor sees is not when Redis admitted a call but when the call
@@ -44,7 +45,7 @@ const minStep = 5 * time.Millisecond
 // lateBuckets is how many buckets of lateness a process reports: bucket 0
 // holds latenesses under 1ms, bucket k those under 2^(k/2) ms, the last one
 // all the rest (see note_timing in lua/lib.lua).
-const lateBuckets = 22
+const lateBuckets = protocol.LateBuckets
 
 // timing keeps what a limiter needs to tell how late its calls start: the
 // fastest reply of recent periods; and the latenesses of its calls since it
@@ -301,25 +302,20 @@ func (c *lates) latest() time.Duration {
 }
 
 // report returns the latenesses noted since the last report, as the script
-// takes them: "k:n,k:n", n calls in bucket k; "" when there are none.
-func (c *lates) report() string {
+// takes them: n calls in bucket k, for each bucket that holds some.
+func (c *lates) report() []protocol.Late {
 	c.mu.Lock()
 	defer c.mu.Unlock()
-	var b []byte
+	var out []protocol.Late
 	for i, n := range c.n {
 		if n == 0 {
 			continue
 		}
-		if len(b) > 0 {
-			b = append(b, ',')
-		}
-		b = strconv.AppendInt(b, int64(i), 10)
-		b = append(b, ':')
-		b = strconv.AppendInt(b, int64(n), 10)
+		out = append(out, protocol.Late{Bucket: int64(i), N: int64(n)})
 		c.n[i] = 0
 	}
 	c.max = 0
-	return string(b)
+	return out
 }
 
 // step returns how many forward steps of Redis's clock this process has

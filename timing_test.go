@@ -2,8 +2,10 @@ package throttle
 
 import (
 	"context"
+	"crypto/sha1"
 	"errors"
-	"regexp"
+	"fmt"
+	"slices"
 	"strconv"
 	"strings"
 	"sync"
@@ -13,6 +15,7 @@ import (
 
 	"github.com/redis/go-redis/v9"
 
+	"github.com/throttlekit/throttle/internal/protocol"
 	"github.com/throttlekit/throttle/internal/redistest"
 	"github.com/throttlekit/throttle/policies"
 )
@@ -60,19 +63,20 @@ func TestTiming_ForgetsWhatAClockStepContradicts(t *testing.T) {
 
 func TestTiming_ReportsLatenessesOnceByBucket(t *testing.T) {
 	var c lates
-	if r := c.report(); r != "" {
-		t.Fatalf("a limiter with no calls reported %q", r)
+	if r := c.report(); len(r) != 0 {
+		t.Fatalf("a limiter with no calls reported %v", r)
 	}
 	for _, late := range []time.Duration{-3 * ms, 0, 999 * time.Microsecond, ms, 1500 * ms / 1000, 3 * ms, time.Hour} {
 		c.note(late)
 	}
 	// Under 1ms, then buckets up to 2^(k/2) ms: [1, 1.41), [1.41, 2),
 	// [2, 2.83), [2.83, 4), ...; an hour goes in the last one.
-	if r, want := c.report(), "0:3,1:1,2:1,4:1,21:1"; r != want {
-		t.Errorf("report %q, want %q", r, want)
+	want := []protocol.Late{{Bucket: 0, N: 3}, {Bucket: 1, N: 1}, {Bucket: 2, N: 1}, {Bucket: 4, N: 1}, {Bucket: 21, N: 1}}
+	if r := c.report(); !slices.Equal(r, want) {
+		t.Errorf("report %v, want %v", r, want)
 	}
-	if r := c.report(); r != "" {
-		t.Errorf("second report %q, want nothing: each lateness is reported once", r)
+	if r := c.report(); len(r) != 0 {
+		t.Errorf("second report %v, want nothing: each lateness is reported once", r)
 	}
 }
 
@@ -667,26 +671,69 @@ func TestGuard_LateWakeBooksAgain(t *testing.T) {
 // carry to Redis.
 type lateReports struct {
 	mu   sync.Mutex
-	seen []string
+	seen []string // each report, "k:n,k:n": n calls late by bucket k
 }
-
-var reportArg = regexp.MustCompile(`^\d+:\d+(,\d+:\d+)*$`)
 
 func (*lateReports) DialHook(next redis.DialHook) redis.DialHook { return next }
 func (h *lateReports) ProcessHook(next redis.ProcessHook) redis.ProcessHook {
 	return func(ctx context.Context, cmd redis.Cmder) error {
-		if name := cmd.Name(); name == "evalsha" || name == "eval" {
-			for _, a := range cmd.Args() {
-				if s, ok := a.(string); ok && reportArg.MatchString(s) {
-					h.mu.Lock()
-					h.seen = append(h.seen, s)
-					h.mu.Unlock()
-				}
-			}
+		if r, ok := lateReport(cmd.Args()); ok {
+			h.mu.Lock()
+			h.seen = append(h.seen, r)
+			h.mu.Unlock()
 		}
 		return next(ctx, cmd)
 	}
 }
+
+// lateReport returns the lateness report of an acquire script call's
+// arguments, read by their layout (protocol.Acquire, then protocol.Late).
+func lateReport(args []any) (string, bool) {
+	if len(args) < 3 {
+		return "", false
+	}
+	sha := fmt.Sprint(args[1])
+	if args[0] == "eval" {
+		sha = fmt.Sprintf("%x", sha1.Sum([]byte(sha)))
+	}
+	if sha != scripts.acquire.Hash() {
+		return "", false
+	}
+	num := func(a any) int {
+		n, _ := strconv.Atoi(fmt.Sprint(a))
+		return n
+	}
+	argv := args[3+num(args[2]):]
+	head := 2 + len(layoutNamed("Rule").All())*num(argv[1])
+	var parts []string
+	at := head + len(layoutNamed("Acquire").All())
+	for range num(argv[head+placeOf("Acquire", "lates")]) {
+		parts = append(parts, fmt.Sprint(argv[at])+":"+fmt.Sprint(argv[at+1]))
+		at += len(layoutNamed("Late").All())
+	}
+	return strings.Join(parts, ","), len(parts) > 0
+}
+
+// layoutNamed returns the layout of internal/protocol named name.
+func layoutNamed(name string) protocol.Layout {
+	for _, l := range protocol.Layouts {
+		if l.Name == name {
+			return l
+		}
+	}
+	panic("no layout " + name)
+}
+
+// placeOf returns the place of field in layout name, from 0.
+func placeOf(name, field string) int {
+	for i, f := range layoutNamed(name).All() {
+		if f.Name == field {
+			return i
+		}
+	}
+	panic("no field " + field + " in layout " + name)
+}
+
 func (*lateReports) ProcessPipelineHook(next redis.ProcessPipelineHook) redis.ProcessPipelineHook {
 	return next
 }

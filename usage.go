@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"time"
 
+	"github.com/throttlekit/throttle/internal/protocol"
 	"github.com/throttlekit/throttle/policies"
 )
 
@@ -56,8 +57,9 @@ const (
 	PausedByClock = "clock step"
 )
 
-// pausedBy names the causes usage.lua returns (PAUSED_BY_* in lib.lua).
-var pausedBy = map[int64]string{1: PausedByVendor, 2: PausedByLoss, 3: PausedByPolicy, 4: PausedByClock}
+// pausedBy names the causes the scripts return (protocol.Cause*).
+var pausedBy = map[int64]string{protocol.CauseVendor: PausedByVendor, protocol.CauseLoss: PausedByLoss,
+	protocol.CausePolicy: PausedByPolicy, protocol.CauseClock: PausedByClock}
 
 // unixMicro is the time of x microseconds since the Unix epoch, or the
 // zero time for 0.
@@ -114,30 +116,30 @@ func (l *Limiter) Usage(ctx context.Context, opts ...CallOption) (Usage, error) 
 	if err != nil {
 		return Usage{}, l.unavailable(err)
 	}
-	const header, perRule = 6, 7
-	if len(v) != header+perRule*len(l.rules) {
+	if len(v) != protocol.UsageSize+protocol.RuleSize*len(l.rules) {
 		return Usage{}, l.unavailable(fmt.Errorf("unexpected script reply %v", v))
 	}
 	us := func(x int64) time.Duration { return time.Duration(x) * time.Microsecond }
-	u := Usage{Paused: max(us(v[1]-v[0]), 0), Spread: us(v[2]), Since: unixMicro(v[3]), LastLoss: unixMicro(v[5])}
+	u := Usage{Paused: max(us(v[protocol.UsagePause]-v[protocol.UsageNow]), 0), Spread: us(v[protocol.UsageSpread]),
+		Since: unixMicro(v[protocol.UsageEpoch]), LastLoss: unixMicro(v[protocol.UsageLoss])}
 	if u.Paused > 0 {
-		u.PausedBy = pausedBy[v[4]]
+		u.PausedBy = pausedBy[v[protocol.UsagePausedBy]]
 	}
 	// This process's spare admissions (spare.go) are free for its calls, not
 	// used by any.
 	spares, cost := l.heldSpares(sc)
 	for i, r := range l.rules {
-		w := v[header+perRule*i:]
+		w := v[protocol.UsageSize+protocol.RuleSize*i:]
 		held := spares * unitsOf(r, call{cost: cost})
 		u.Rules = append(u.Rules, RuleUsage{
 			Rule:      r,
-			Used:      max(int(w[0])-held, 0),
-			Booked:    int(w[1]),
-			Remaining: int(w[2]) + held,
-			NextFree:  us(w[3]),
-			Margin:    us(w[4]),
-			Limit:     int(w[5]),
-			Others:    int(w[6]),
+			Used:      max(int(w[protocol.RuleUsed])-held, 0),
+			Booked:    int(w[protocol.RuleBooked]),
+			Remaining: int(w[protocol.RuleRemaining]) + held,
+			NextFree:  us(w[protocol.RuleNext]),
+			Margin:    us(w[protocol.RuleMargin]),
+			Limit:     int(w[protocol.RuleLimit]),
+			Others:    int(w[protocol.RuleOthers]),
 		})
 		if i == 0 || u.Rules[i].Remaining < u.Remaining {
 			u.Remaining = u.Rules[i].Remaining

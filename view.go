@@ -1,7 +1,6 @@
 package throttle
 
 import (
-	"strconv"
 	"sync/atomic"
 	"time"
 )
@@ -84,16 +83,6 @@ func (l *Limiter) noteRan(epoch int64, lost bool) {
 			return
 		}
 	}
-}
-
-// scriptsRanArg is what acquire.lua's ARGV[2] says of the limiter's own
-// scripts: how many Redis answered, the epoch they ran in, its id.
-func (l *Limiter) scriptsRanArg() string {
-	r := l.ran.Load()
-	if r == nil {
-		r = &scriptsRan{}
-	}
-	return strconv.FormatInt(r.n, 10) + ":" + strconv.FormatInt(r.epoch, 10) + ":" + l.id
 }
 
 // raise stores v in a unless a holds as much already.

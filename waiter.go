@@ -6,6 +6,8 @@ import (
 	"math/rand/v2"
 	"sync"
 	"time"
+
+	"github.com/throttlekit/throttle/internal/protocol"
 )
 
 const (
@@ -19,7 +21,7 @@ const (
 	busyMax   = 250 * time.Millisecond
 	// minGuardedMargin is the smallest Margin under which a call that starts
 	// late books again (see policies.SlidingLog.Margin).
-	minGuardedMargin = 2 * time.Millisecond
+	minGuardedMargin = protocol.GuardedMargin
 )
 
 // maxRebooks bounds how many times a call books again because it would

@@ -777,7 +777,8 @@ func thousands(n int64) string {
 }
 
 // throttleScripts returns the scripts of ../lua as the throttle package
-// sends them (see script in lua.go): each after lib.lua, without the lines
+// sends them (see script in lua.go): each after consts.lua and lib.lua,
+// feedback.lua with its rules placed after its own arguments, without the lines
 // that hold only a comment, so that their SHA1s are the ones its EVALSHA
 // asks for.
 func throttleScripts(tb testing.TB) []*redis.Script {
@@ -789,7 +790,7 @@ func throttleScripts(tb testing.TB) []*redis.Script {
 		}
 		return string(b)
 	}
-	lib := read("lib.lua")
+	lib := read("consts.lua") + read("lib.lua")
 	off := luaOff(tb, read)
 	var out []*redis.Script
 	for _, name := range []string{"acquire.lua", "cancel.lua", "settle.lua", "release.lua", "feedback.lua", "usage.lua", "handback.lua"} {
@@ -800,6 +801,9 @@ func throttleScripts(tb testing.TB) []*redis.Script {
 			}
 			if line == "local OFF = {}" {
 				line = off
+			}
+			if line == "local RULES_AT = 2" && name == "feedback.lua" {
+				line = "local RULES_AT = 7"
 			}
 			b.WriteString(line)
 			b.WriteByte('\n')

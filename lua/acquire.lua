@@ -4,52 +4,30 @@
 -- ones before it. A call is recorded only when it is admitted or booked; a
 -- refused call writes nothing but its class's demand (see Classes).
 --
--- KEYS and ARGV as in lib.lua, with
--- ARGV[2]        "<s>:<n>:<e>:<id>": s when the vendor's counts reached the
---                caller, whose calls may then go out as scouts (see Scouts
---                in lib.lua); n the caller's acquire scripts Redis answered
---                in epoch e, and id the caller's id (see count_own);
--- ARGV[4]        the number of calls, n;
--- ARGV[5]        the quota's epoch as the calling process last saw it, or 0;
--- ARGV[6]        the number of bookings to give back first, g;
--- ARGV[3]        the quota's count of scripts run (see check_seq in lib.lua)
---                as the calling process last saw it, or 0;
--- after the rules:
---   how much later than its usual delay the calling process's calls since
---   its last report started after their slots: "k:n,k:n", n calls in
---   bucket k (see note_timing in lib.lua), or "" for none;
---   that usual delay, one way, in microseconds, or -1 when unknown;
---   the id of the caller's policy (see check_policy in lib.lua);
---   the caller's policy described (the meta's policy field), after the
---   caller's age in microseconds and a space (see describe), or "" when
---   the caller knows the meta holds it already;
---   when the caller saw Redis's clock step forward by more than the margin
---   since it last said so, the least time (by the new clock, microseconds)
---   of a loss that counts that step, else 0: windows measured by that clock
---   ended early and bookings ahead moved closer, so, unless a loss since
---   the step counted it, the data counts as lost (see lose in lib.lua);
---   the number of scopes (keys of the quota) the calls are for, s; the
---   first is the one of KEYS; for each other one, its pause key, and then
---   one key per rule, in the order of the rules (a shared rule's key is the
---   one in KEYS);
+-- KEYS and ARGV as in lib.lua; after the rules, ARGS.acquire (the caller,
+-- what it last saw of the quota, its timing and policy, and how many of
+-- each group follow: see internal/protocol), then:
+--   for each lateness bucket its calls fell in since its last report,
+--   ARGS.late (see note_timing in lib.lua);
+--   for each scope (key of the quota) but the first, the one of KEYS, its
+--   pause key and then one key per rule, in the order of the rules (a
+--   shared rule's key is the one in KEYS);
 --   for each booking to give back (a call that would start too late books
---   again in the same script call), six arguments: its id, its cost, its
---   slot in microseconds, the epoch it was booked in, its scope (1..s),
---   and where its class counted it, "<noted>:<logged>:<ahead>:<class>"
---   with noted and logged as its answer gave them and ahead 1 for a call
---   booked ahead, or "" (see change_classes in lib.lua);
---   for each call c, seven arguments: its id, unique across the fleet; its
---   cost, in units; the longest wait in microseconds it accepts (0 admits
---   only now); the least, in microseconds (a call whose last slot came
---   back from Redis too late to start in asks for one that far ahead, so
---   that the reply arrives before it); its scope (1..s); for a call
---   that moves its booking earlier, the booking's place among those given
---   back (1..g), else 0: when nothing earlier fits, the call keeps its
---   slot (see decide); and its class, "<priority>" or "<priority>/<key>"
---   (see Classes), or "" for a call of no class (ArrivalOrder).
+--   again in the same script call), ARGS.give: the booking as its answer
+--   gave it, and its scope (1..s);
+--   for each call, ARGS.call: its id, unique across the fleet; its cost;
+--   the longest wait in microseconds it accepts (0 admits only now); the
+--   least, in microseconds (a call whose last slot came back from Redis
+--   too late to start in asks for one that far ahead, so that the reply
+--   arrives before it); its scope (1..s); for a call that moves its
+--   booking earlier, the booking's place among those given back (1..g),
+--   else 0: when nothing earlier fits, the call keeps its slot (see
+--   decide); and its class's name and priority (see Classes), the name
+--   "" for a call of no class (ArrivalOrder).
 --
--- Returns {now, pause, epoch, lost, margin, done, seq, paused, paused_by, then
--- for each call: admitted, wait, remaining, reason, pause, noted, logged, room}:
+-- Returns REPLY.acquire {now, pause, epoch, lost, margin, done, seq, paused,
+-- paused_by}, then for each call REPLY.answer {admitted, wait, remaining,
+-- reason, blind_by, pause, noted, logged, room}:
 --   now        the time the script used, in microseconds;
 --   pause      the time until which the quota or the first scope's key is
 --              paused, or 0; after each call, the same for the call's scope;
@@ -69,31 +47,20 @@
 --              until it would fit (its retry-after);
 --   remaining  units still free now under the tightest rule, after the call,
 --              its class's own log included (see Classes);
---   reason     ADMITTED (0) admitted; REFUSED_TOO_FAR (1) refused: the slot
---              lies beyond the wait accepted; REFUSED_BUSY (2) refused: a
+--   reason     REASON.admitted (0) admitted; REASON.too_far (1) refused: the slot
+--              lies beyond the wait accepted; REASON.busy (2) refused: a
 --              concurrency rule is full (no slot can be booked, since no one
 --              knows when a holder will finish; wait is then the time until the
---              first lease runs out); REFUSED_SHARE (3) refused: the call is
+--              first lease runs out); REASON.share (3) refused: the call is
 --              larger than the quota's share reserved after a Local outage
---              (wait: until the reserve ends); plus blind.CAUSE (16) times
---              why (PAUSED_BY_* in lib.lua) when a blind rule refused it
+--              (wait: until the reserve ends);
+--   blind_by   when a blind rule refused it, why (PAUSED_BY_*), else 0
 --              (see Blind rules in lib.lua);
 --   noted      for a call admitted or booked, the rules whose class demand
 --              counts it, rule i as the bit 2^(i-1) (see Classes); else 0;
 --   logged     the same for the rules whose class's own log holds it;
 --   room       as remaining, under the rules alone: a class's own log, which
 --              narrows what its calls take, is no count a vendor keeps.
-
--- The reasons of a call's answer, as script.go reads them (see reason).
-local ADMITTED = 0
-local REFUSED_TOO_FAR = 1
-local REFUSED_BUSY = 2
-local REFUSED_SHARE = 3
--- A refusal by a blind rule adds blind.CAUSE times why it is blind.
-blind.CAUSE = 16
-
--- The arguments of each booking to give back (see the header).
-local BOOKING_ARGS = 6
 
 local now = clock()
 
@@ -604,7 +571,7 @@ end
 -- the batch of calls, and what each step learns for the ones after it.
 
 -- read_scopes reads the scopes from ARGV[arg] on, into batch.scopes and
--- batch.objs, and returns the first argument after them.
+-- batch.objs, and returns the place after them.
 --
 -- The calls of one script call may be for several keys of the quota: the
 -- first key's rules are in KEYS; each other key comes as its pause key and
@@ -613,14 +580,12 @@ end
 -- decided and written once. objs holds each rule object once.
 local function read_scopes(batch, arg)
   local rs = batch.rs
-  local nscopes = tonumber(ARGV[arg])
-  arg = arg + 1
   batch.scopes = { { rs = rs, pause_key = KEYS[2] } }
   batch.objs = {}
   for i, r in ipairs(rs) do
     batch.objs[i] = r
   end
-  for s = 2, nscopes do
+  for s = 2, batch.nscopes do
     local srs = {}
     local pause_key = ARGV[arg]
     arg = arg + 1
@@ -644,55 +609,51 @@ local function read_scopes(batch, arg)
   return arg
 end
 
--- booking_args reads booking g (from 0) of those to give back: its id,
--- cost, slot and epoch, the scope it was booked in, and where its class
--- counted it (see change_classes in lib.lua).
-local function booking_args(batch, g)
-  local a = batch.gives + BOOKING_ARGS * g
-  return {
-    id = ARGV[a], cost = read_cost(ARGV[a + 1]), slot = tonumber(ARGV[a + 2]), epoch = tonumber(ARGV[a + 3]),
-    scope = batch.scopes[tonumber(ARGV[a + 4])], where = ARGV[a + 5],
-  }
-end
-
--- call_args reads call c (from 0) of the batch: its id, cost, the wait it
--- accepts, its lead, its scope, the booking it moves (one given back in
--- this script, or nil), and its class and priority (see Classes), with
--- the fields read_call fills.
+-- call_args returns call c (from 0) of the batch, as ARGS.call read it,
+-- with its scope, its rules, the booking it moves (one given back in
+-- this script, or nil), and the fields read_call fills.
 local function call_args(batch, c)
-  local a = batch.first + 7 * c
-  local sc = batch.scopes[tonumber(ARGV[a + 4])]
-  local class = ARGV[a + 6]
+  local a = batch.call_args[c + 1]
+  local sc = batch.scopes[a.scope]
   return {
-    id = ARGV[a], cost = read_cost(ARGV[a + 1]), maxwait = tonumber(ARGV[a + 2]), lead = tonumber(ARGV[a + 3]),
+    id = a.id, cost = read_cost(a.cost), maxwait = a.maxwait, lead = a.lead,
     scope = sc, rs = sc.rs, pause = sc.pause, remaining = NEVER, after = NEVER, too_big = false,
     room = NEVER, room_after = NEVER,
-    moves = batch.given[tonumber(ARGV[a + 5])],
-    class = class, prio = tonumber(string.match(class, '^(%-?%d+)') or '0'),
+    moves = batch.given[a.moves],
+    class = a.class, prio = a.prio,
   }
 end
 
 -- read_args reads the rules and the arguments of the script's own (see
--- the header), and returns the table the steps share: batch.gives and
--- batch.first are where the bookings to give back and the calls begin in
--- ARGV (read by booking_args and call_args).
+-- the header), in their order, and returns the table the steps share.
 local function read_args()
-  local arg = after_rules()
-  local batch = {
-    rs = rules(),
-    ncalls = tonumber(ARGV[4]), ngive = tonumber(ARGV[6]),
-    known = tonumber(ARGV[5]), seen = tonumber(ARGV[3]),
-    report = ARGV[arg], delay = tonumber(ARGV[arg + 1]), policy = ARGV[arg + 2],
-    described = ARGV[arg + 3], stepped = tonumber(ARGV[arg + 4]),
-    at_once = false, -- some call was admitted now
-    units = 0, -- the units the calls admitted and booked cost
-    given = {}, -- the bookings given back, by their place from 1
-  }
-  local flags, ran, ran_in, limiter = string.match(ARGV[2], '^(%a*):(%d+):(%d+):(.+)$')
-  batch.scout = flags == 's' and not OFF.rebuild
-  batch.ran, batch.ran_in, batch.limiter = tonumber(ran or '0'), tonumber(ran_in or '0'), limiter
-  batch.gives = read_scopes(batch, arg + 5)
-  batch.first = batch.gives + BOOKING_ARGS * batch.ngive
+  local batch, at = ARGS.acquire(after_rules())
+  batch.rs = rules()
+  batch.scout = batch.scout and not OFF.rebuild
+  if batch.limiter == '' then
+    batch.limiter = nil
+  end
+  batch.report = {}
+  for k = 1, batch.lates do
+    batch.report[k], at = ARGS.late(at)
+  end
+  batch.nscopes, batch.ncalls, batch.ngive = batch.scopes, batch.calls, batch.gives
+  at = read_scopes(batch, at)
+  -- The bookings to give back, each with its cost read and its scope.
+  batch.give_args = {}
+  for g = 1, batch.ngive do
+    local b
+    b, at = ARGS.give(at)
+    b.cost, b.scope = read_cost(b.cost), batch.scopes[b.scope]
+    batch.give_args[g] = b
+  end
+  batch.call_args = {}
+  for c = 1, batch.ncalls do
+    batch.call_args[c], at = ARGS.call(at)
+  end
+  batch.at_once = false -- some call was admitted now
+  batch.units = 0 -- the units the calls admitted and booked cost
+  batch.given = {} -- the bookings given back, by their place from 1
   return batch
 end
 
@@ -717,15 +678,14 @@ local function read_fleet(batch)
   return meta
 end
 
--- describe keeps in meta m the policy a limiter described, sent as its
--- age in microseconds, a space and its description: the newest limiter's,
+-- describe keeps in meta m the policy a limiter described, text, with its
+-- age in microseconds: the newest limiter's,
 -- made last by the script's clock (now less its age), whatever order the
 -- fleet describes in. An old version's limiter may describe last: its
 -- first call came late, or a loss made every limiter describe again.
-local function describe(m, arg)
-  local age, text = string.match(arg, '^(%d+) (.+)$')
-  if age and now - tonumber(age) >= m.policy_made then
-    m.policy, m.policy_made = text, now - tonumber(age)
+local function describe(m, age, text)
+  if text ~= '' and now - age >= m.policy_made then
+    m.policy, m.policy_made = text, now - age
   end
 end
 
@@ -789,7 +749,7 @@ local function check_meta(batch, meta)
     -- The newest policy's calls drop the rules no longer blind.
     blind.begin(meta, now, batch.rs)
   end
-  describe(meta, batch.described)
+  describe(meta, batch.age, batch.described)
   if not found and meta.loss < batch.stepped then
     lose(meta, now, batch.rs)
     found = true
@@ -828,12 +788,12 @@ end
 -- written in.
 local function give_back_bookings(batch)
   for g = 0, batch.ngive - 1 do
-    local b = booking_args(batch, g)
+    local b = batch.give_args[g + 1]
     if b.epoch == batch.meta.epoch then
       give_back(b.scope.rs, b.id, b.cost, b.slot, now)
       -- Its class's demand still counts it while the calls are decided:
       -- the call that gave it back books again (see leave_classes).
-      change_classes(b.scope.rs, b.id, b.cost, NONE, b.slot, b.where, now, 'logs')
+      change_classes(b.scope.rs, b.id, b.cost, NONE, b.slot, b, now, 'logs')
       batch.given[g + 1] = b
     end
   end
@@ -1256,7 +1216,7 @@ local function class_rules(batch, call)
   local rs
   for _, r in ipairs(call.rs) do
     if (r.kind == LOG or r.kind == COUNTER) and not r.class_of then
-      local name = class_name(r, call.class)
+      local name = class_name(r, call.class, call.prio)
       if name ~= '0' then
         classes_until(batch, r, now)
       end
@@ -1369,7 +1329,7 @@ end
 -- would have shown no demand, and held no share.
 local function leave_classes(batch)
   for _, b in pairs(batch.given) do
-    change_classes(b.scope.rs, b.id, b.cost, NONE, b.slot, b.where, now, 'demand')
+    change_classes(b.scope.rs, b.id, b.cost, NONE, b.slot, b, now, 'demand')
   end
 end
 
@@ -1536,14 +1496,15 @@ end
 
 -- answer appends a call's answer to the reply (see the header), with the
 -- units free its call.remaining and call.room say.
-local function answer(batch, call, admitted, wait, reason)
-  local out = batch.out
+local function answer(batch, call, admitted, wait, reason, blind_by)
+  local out, at = batch.out, REPLY.answer
   local n = #out
-  out[n + 1] = admitted
-  out[n + 2] = wait == 0 and 0 or str(wait)
-  out[n + 3] = call.remaining
-  out[n + 4] = reason
-  out[n + 5] = call.pause == 0 and 0 or str(call.pause)
+  out[n + at.admitted] = admitted
+  out[n + at.wait] = wait == 0 and 0 or str(wait)
+  out[n + at.remaining] = call.remaining
+  out[n + at.reason] = reason
+  out[n + at.blind_by] = blind_by or 0
+  out[n + at.pause] = call.pause == 0 and 0 or str(call.pause)
   local noted, logged = 0, 0
   if admitted == 1 then
     for _, cc in ipairs(call.classes or {}) do
@@ -1551,7 +1512,7 @@ local function answer(batch, call, admitted, wait, reason)
       logged = logged + (cc.logged and 2 ^ (cc.r.i - 1) or 0)
     end
   end
-  out[n + 6], out[n + 7], out[n + 8] = noted, logged, call.room
+  out[n + at.noted], out[n + at.logged], out[n + at.room] = noted, logged, call.room
 end
 
 -- decide decides call c of the batch and appends its answer to the reply:
@@ -1576,11 +1537,11 @@ local function decide(batch, c)
     note_classes(batch, call, nil)
   end
   if call.reserved_until and refused then
-    answer(batch, call, 0, call.reserved_until - now, REFUSED_SHARE)
+    answer(batch, call, 0, call.reserved_until - now, REASON.share)
   elseif t == NEVER then
-    answer(batch, call, 0, busy_for(call.rs, call.cost), REFUSED_BUSY + blind.CAUSE * blind.cause(call, true))
+    answer(batch, call, 0, busy_for(call.rs, call.cost), REASON.busy, blind.cause(call, true))
   elseif refused then
-    answer(batch, call, 0, t - now, REFUSED_TOO_FAR + blind.CAUSE * blind.cause(call, false))
+    answer(batch, call, 0, t - now, REASON.too_far, blind.cause(call, false))
   else
     local scout = blind.scouts(call, t)
     for _, r in ipairs(call.rs) do
@@ -1602,7 +1563,7 @@ local function decide(batch, c)
     if t <= now then
       batch.at_once = true
     end
-    answer(batch, call, 1, t - now, ADMITTED)
+    answer(batch, call, 1, t - now, REASON.admitted)
   end
 end
 
@@ -1665,14 +1626,18 @@ reserve(batch)
 give_back_bookings(batch)
 load_rules(batch)
 pace_warm_start(batch)
--- The reply's header (see the top); done, its sixth value, is known only
--- once the calls are decided and written.
+-- The reply's header (see the top); done is known only once the calls
+-- are decided and written.
 local quota_paused = batch.meta.pause > now
-batch.out = {
-  str(now), str(batch.scopes[1].pause), str(batch.meta.epoch), batch.found and 1 or 0,
-  str(batch.margin), 0, str(batch.meta.seq),
-  quota_paused and str(batch.meta.pause) or 0, quota_paused and batch.meta.paused_by or 0,
-}
+batch.out = {}
+do
+  local out, head = batch.out, REPLY.acquire
+  out[head.now], out[head.pause], out[head.epoch] = str(now), str(batch.scopes[1].pause), str(batch.meta.epoch)
+  out[head.lost], out[head.margin], out[head.done] = batch.found and 1 or 0, str(batch.margin), 0
+  out[head.seq] = str(batch.meta.seq)
+  out[head.paused] = quota_paused and str(batch.meta.pause) or 0
+  out[head.paused_by] = quota_paused and batch.meta.paused_by or 0
+end
 for c = 0, batch.ncalls - 1 do
   local err = decide(batch, c)
   if err then
@@ -1686,5 +1651,5 @@ local long = batch.ncalls > LONG_CALLS or batch.units > LONG_WORK
 for _, r in ipairs(batch.objs) do
   long = long or r.long
 end
-batch.out[6] = (long or OFF.lazy_done) and str(clock()) or str(now)
+batch.out[REPLY.acquire.done] = (long or OFF.lazy_done) and str(clock()) or str(now)
 return batch.out

@@ -15,36 +15,25 @@
 --                group's key, the keys of a batch's other scopes: see
 --                declared in keys.go); a script reaches them by name, and
 --                touches no key not in KEYS.
+--
+-- ARGV follows the layouts of internal/protocol, which consts.lua (prepended
+-- before this file) reads by name: ARGS.x(i) reads layout x from ARGV[i].
 -- ARGV[1]        now in microseconds, or "0" to read Redis TIME (the default, so
 --                that the whole fleet shares one clock).
--- ARGV[2]        the call's id, unique across the fleet.
--- ARGV[3]        cost: the units this call counts for.
--- ARGV[4..6]     arguments of the script's own (see each script).
--- ARGV[7]        n, the number of rules.
--- ARGV[3+5i]     rule i's kind: 1 sliding log, 2 sliding counter, 3 token bucket
---                (GCRA), 4 concurrency; plus PER_CALL for a rule that counts
---                each call once, whatever its cost (see units), PER_KEY
---                for a rule that applies to each key separately, and SHARED
---                for a rule of the quota's group (see Groups);
--- ARGV[4+5i] .. ARGV[7+5i]  its four parameters, by kind (read by name: see rules):
---                log:         limit, window (µs), unused, margin (µs)
---                counter:     limit, window (µs), bucket width (µs), margin (µs)
---                bucket:      burst, emission interval per unit (µs), unused, margin (µs)
---                concurrency: max, lease (µs), unused, unused
---                A window includes its configured margin; the margin in force
---                may be wider (see margins).
--- Arguments of the script's own that follow the rules start at ARGV[8+5n],
--- for n rules.
+-- ARGV[2]        n, the number of rules; then n rules (ARGS.rule, read by rules).
+-- The script's own arguments start at after_rules(), in its layout.
 --
 -- No script calls redis.replicate_commands: since Redis 5 scripts replicate
 -- their effects, and some hosted services reject the call.
-
-local LOG, COUNTER, BUCKET, CONCURRENCY = 1, 2, 3, 4
 
 -- OFF names the mechanisms turned off to measure again what they buy
 -- (docs/PROTOCOL.md, section 7, and switches.go): empty but in such runs.
 local OFF = {}
 local NEVER = math.huge
+
+-- The place of the number of rules in ARGV: feedback.lua's arguments come
+-- before them (see feedback.go), the others' after.
+local RULES_AT = 2
 
 -- Redis receives times and counts as integers: Lua's tostring would print a
 -- microsecond timestamp in exponent form and lose digits.
@@ -61,10 +50,6 @@ local function clock()
   return now
 end
 
-local PER_CALL = 16
-local PER_KEY = 32
-local SHARED = 64
-
 -- rules returns the rules of the call, each with its key, kind and
 -- parameters by name:
 --   limit     a log's or counter's limit, a bucket's burst, a concurrency
@@ -77,27 +62,21 @@ local SHARED = 64
 --   shared    true for a rule every quota of the group shares.
 -- All times are in microseconds.
 local function rules()
-  local rs = {}
-  for i = 1, tonumber(ARGV[7]) do
-    local a = 3 + 5 * i
-    local kind = tonumber(ARGV[a])
-    local r = {
-      i = i,
-      key = KEYS[2 + i],
-      kind = kind % PER_CALL,
-      per_call = kind % PER_KEY >= PER_CALL,
-      per_key = kind % SHARED >= PER_KEY,
-      shared = kind >= SHARED,
-      limit = tonumber(ARGV[a + 1]),
-      margin = tonumber(ARGV[a + 4]),
-    }
-    local p2 = tonumber(ARGV[a + 2])
-    if r.kind == LOG or r.kind == COUNTER then
-      r.window, r.width = p2, tonumber(ARGV[a + 3])
-    elseif r.kind == BUCKET then
-      r.interval = p2
-    else
-      r.lease = p2
+  local rs, at = {}, RULES_AT + 1
+  for i = 1, tonumber(ARGV[RULES_AT]) do
+    local r
+    r, at = ARGS.rule(at)
+    local kind = r.kind
+    r.i, r.key, r.kind = i, KEYS[2 + i], kind % PER_CALL
+    r.per_call, r.per_key, r.shared = kind % PER_KEY >= PER_CALL, kind % SHARED >= PER_KEY, kind >= SHARED
+    if r.kind ~= LOG and r.kind ~= COUNTER then
+      r.window, r.width = nil, nil
+    end
+    if r.kind ~= BUCKET then
+      r.interval = nil
+    end
+    if r.kind ~= CONCURRENCY then
+      r.lease = nil
     end
     -- The configured limit, or burst, and interval: a learned cap (see
     -- read_caps) and the Local fallback's reserve may lower limit and
@@ -134,9 +113,9 @@ local function units(r, cost)
   return cost.per and cost.per[r.i] or cost.all
 end
 
--- The first argument after the rules.
+-- The place of the first argument after the rules.
 local function after_rules()
-  return 8 + 5 * tonumber(ARGV[7])
+  return RULES_AT + 1 + ARGS.size.rule * tonumber(ARGV[RULES_AT])
 end
 
 -- Unit u of call id is the member id (u = 1) or id.u: a call's units stay
@@ -266,12 +245,10 @@ local META_FIELDS = {
   policies = '', policy = '', rules = '', began = '',
 }
 
--- Why the quota's pause was last set (the meta's paused_by; see Usage in
--- Go, which names them).
-local PAUSED_BY_VENDOR = 1 -- feedback.lua: a refusal, or a pause asked
-local PAUSED_BY_LOSS = 2 -- a loss of the quota's data (check_loss, lose)
-local PAUSED_BY_POLICY = 3 -- a new policy (check_policy)
-local PAUSED_BY_CLOCK = 4 -- Redis's clock went back (check_clock)
+-- Why the quota's pause was last set (the meta's paused_by) is one of
+-- PAUSED_BY_* (consts.lua): feedback.lua's refusal or pause asked, a loss
+-- (check_loss, lose), a new policy (check_policy), a clock gone back
+-- (check_clock).
 
 -- pause_for lengthens the quota's pause in meta m to until, if that is
 -- later, noting why.
@@ -438,7 +415,6 @@ end
 -- share of the calls, and a fleet that calms down narrows it within two
 -- periods.
 local TIMING_PERIOD = 2000000
-local LATE_BUCKETS = 22
 local SPREAD_QUANTILE = 0.99
 local SPREAD_SAMPLES = 50
 
@@ -468,13 +444,13 @@ local function quantile(h)
   return 0, total
 end
 
--- note_timing folds a process's report ("k:n,k:n": n latenesses in bucket
--- k; its usual delay from Redis, or -1) into the meta, and reports whether
--- it changed.
+-- note_timing folds a process's report (lates, a list of ARGS.late: n
+-- latenesses in bucket k; its usual delay from Redis, or -1) into the meta,
+-- and reports whether it changed.
 local function note_timing(m, now, report, delay)
   local p = math.floor(now / TIMING_PERIOD)
   local known = delay < 0 or m.period == p and delay <= m.delay_max and delay >= m.delay_min
-  if report == '' and known and m.period >= p - 1 then
+  if #report == 0 and known and m.period >= p - 1 then
     return false
   end
   if m.period ~= p then
@@ -510,9 +486,9 @@ local function note_timing(m, now, report, delay)
     end
   end
   histogram(m)
-  for k, n in string.gmatch(report, '(%d+):(%d+)') do
-    k = math.min(tonumber(k), LATE_BUCKETS - 1) + 1
-    m.lates[k] = (m.lates[k] or 0) + tonumber(n)
+  for _, late in ipairs(report) do
+    local k = math.min(late.bucket, LATE_BUCKETS - 1) + 1
+    m.lates[k] = (m.lates[k] or 0) + late.n
   end
   for k = 1, LATE_BUCKETS do
     m.lates[k] = m.lates[k] or 0
@@ -624,8 +600,6 @@ end
 -- margin: it counts whole buckets, far coarser than the spread, and a wider
 -- margin would cost it a whole bucket of the quota. A margin under GUARDED
 -- is a choice to run without one, and never grows.
-local GUARDED = 2000
-local MAX_MARGIN = 1000000
 
 -- Pacing. A saturated log admits each window's calls where the window
 -- before admitted its calls, all at once when those came at once. A fleet
@@ -689,7 +663,6 @@ end
 -- new, or no acquire script ran for longer than span or WARM_IDLE, after
 -- which the vendor's window is empty and its servers have closed the
 -- connections the fleet kept open.
-local WARM_IDLE = 60000000
 local function starting(m, now, span)
   return not m or now - m.last_acquire > math.max(span, WARM_IDLE)
 end
@@ -873,7 +846,7 @@ end
 -- its meta key) what one script learned (see news.go): the quota's epoch
 -- and pause after a loss or a pause, or the pause of one key.
 local function announce_quota(m, now)
-  redis.call('PUBLISH', KEYS[1], 'q ' .. str(m.epoch) .. ' ' .. str(m.pause) .. ' ' .. str(now))
+  redis.call('PUBLISH', KEYS[1], NEWS.quota .. ' ' .. str(m.epoch) .. ' ' .. str(m.pause) .. ' ' .. str(now))
 end
 
 -- booked_ahead reports whether some log or counter of rules rs holds units
@@ -912,7 +885,7 @@ local function announce_room(m, rs, until_, now)
   end
   local channel = booked_ahead(shared, now) and GROUP or booked_ahead(own, now) and KEYS[1]
   if channel then
-    redis.call('PUBLISH', channel, 'f ' .. str(m.epoch) .. ' ' .. str(until_) .. ' ' .. str(now))
+    redis.call('PUBLISH', channel, NEWS.room .. ' ' .. str(m.epoch) .. ' ' .. str(until_) .. ' ' .. str(now))
   end
 end
 
@@ -925,12 +898,12 @@ end
 local function announce_lowered(m, now, shared)
   if m then
     local channel = shared and GROUP or KEYS[1]
-    redis.call('PUBLISH', channel, 'l ' .. str(m.epoch) .. ' ' .. str(now) .. ' ' .. str(now))
+    redis.call('PUBLISH', channel, NEWS.lowered .. ' ' .. str(m.epoch) .. ' ' .. str(now) .. ' ' .. str(now))
   end
 end
 
 local function announce_key(until_, now)
-  redis.call('PUBLISH', KEYS[1], 'k ' .. KEYS[2] .. ' ' .. str(until_) .. ' ' .. str(now))
+  redis.call('PUBLISH', KEYS[1], NEWS.key .. ' ' .. KEYS[2] .. ' ' .. str(until_) .. ' ' .. str(now))
 end
 
 -- Blind rules. A rule is blind while the vendor may count calls its data
@@ -1584,11 +1557,11 @@ local function class_period(r, t)
   return math.floor(t / math.max(math.floor(span_of(r) / CLASS_PERIODS), 1))
 end
 
--- class_name returns the name of class under rule r: a rule per key
--- counts priorities alone.
-local function class_name(r, class)
+-- class_name returns the name of class, of priority prio, under rule r: a
+-- rule per key counts priorities alone.
+local function class_name(r, class, prio)
   if r.per_key then
-    return string.match(class, '^[^/]*')
+    return str(prio)
   end
   return class
 end
@@ -1621,22 +1594,20 @@ end
 -- change of its cost from cost `from` to `to` (read_cost; to is NONE for a
 -- booking given back): in its classes' own logs, and, unless logs_only,
 -- in their demand; part 'logs' or 'demand' changes that part alone.
--- where is what acquire.lua answered for the call
--- (classes_of there): the class and, by the rules' places, where it
--- counted, as "<noted>:<logged>:<ahead>:<class>" (ahead 1 for a call
--- booked ahead of its script's time), or "" for a call of no class.
+-- where is the booking (ARGS.booking) as acquire.lua answered for the
+-- call (classes_of there): its class and priority and, by the rules'
+-- places, where it counted (noted 0 for a call of no class), and whether
+-- it was booked ahead of its script's time.
 local function change_classes(rs, id, from, to, t, where, now, part)
-  local noted, logged, ahead, class = string.match(where or '', '^(%d+):(%d+):(%d):(.*)$')
-  if not noted or OFF.class_give_back then
+  local noted, logged, ahead, class = where.noted, where.logged, where.ahead, where.class
+  if noted == 0 or OFF.class_give_back then
     return
   end
-  ahead = ahead == '1'
-  noted, logged = tonumber(noted), tonumber(logged)
   for _, r in ipairs(rs) do
     local bit = 2 ^ (r.i - 1)
     local a, b = units(r, from), units(r, to)
     if noted % (2 * bit) >= bit and a ~= b then
-      local name = class_name(r, class)
+      local name = class_name(r, class, where.prio)
       if logged % (2 * bit) >= bit and part ~= 'demand' then
         local v = {}
         for k, x in pairs(r) do

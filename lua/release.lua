@@ -1,15 +1,15 @@
 -- release.lua: free the concurrency slots of a finished call, or extend their
 -- lease for a call still running.
 --
--- KEYS and ARGV as in lib.lua, with
--- ARGV[4]   0 to release; otherwise the new lease in microseconds from now.
+-- KEYS and ARGV as in lib.lua; after the rules, ARGS.release: the call's id,
+-- its cost, and 0 to release, otherwise the new lease in microseconds from
+-- now.
 --
 -- Returns the number of units still held by the call (0 after a release).
 
 local now = clock()
-local id = ARGV[2]
-local cost = read_cost(ARGV[3])
-local lease = tonumber(ARGV[4])
+local a = ARGS.release(after_rules())
+local id, cost, lease = a.id, read_cost(a.cost), a.lease
 local held = 0
 for _, r in ipairs(rules()) do
   if r.kind == CONCURRENCY then

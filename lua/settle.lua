@@ -4,15 +4,11 @@
 -- count matches the vendor's. A charge may fill a window past its limit: the
 -- vendor has counted those units already, and later calls wait for them.
 --
--- KEYS and ARGV as in lib.lua, with ARGV[3] the cost the call was admitted
--- with, and
--- ARGV[4]   the time of the call's slot, in microseconds;
--- ARGV[5]   the actual cost (both costs as read_cost in lib.lua reads them);
--- ARGV[6]   the quota's epoch when the call was admitted: the units of a call
---           of another epoch are gone with the data they were written in, so
---           they are not refunded, only charged;
--- after the rules, where its class counted it, or "" (see change_classes in
--- lib.lua).
+-- KEYS and ARGV as in lib.lua; after the rules, ARGS.settle: the booking as
+-- acquire.lua answered for it, its cost the one the call was admitted
+-- with, and the actual cost. The units of a call of another epoch are gone
+-- with the data they were written in, so they are not refunded, only
+-- charged.
 --
 -- A refund is told to the fleet when calls are booked ahead (announce_room
 -- in lib.lua): their processes move them into the room it left.
@@ -35,13 +31,11 @@ local function note_refund(r, id, t, n, now)
 end
 
 local now = clock()
-local id = ARGV[2]
-local from = read_cost(ARGV[3])
-local t = tonumber(ARGV[4])
-local to = read_cost(ARGV[5])
+local b = ARGS.settle(after_rules())
+local id, from, t, to = b.id, read_cost(b.cost), b.slot, read_cost(b.actual)
 local meta = read_meta()
 -- Units of another epoch are gone with the data: only charged.
-local stale = not meta or meta.epoch ~= tonumber(ARGV[6])
+local stale = not meta or meta.epoch ~= b.epoch
 local rs = rules()
 margins(rs, 0)
 local refunded = false
@@ -57,7 +51,7 @@ for _, r in ipairs(rs) do
   end
 end
 if not stale then
-  change_classes(rs, id, from, to, t, ARGV[after_rules()], now)
+  change_classes(rs, id, from, to, t, b, now)
 end
 if refunded then
   announce_room(meta, rs, t + longest_window(rs), now)

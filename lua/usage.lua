@@ -2,10 +2,10 @@
 -- anything: no entry is trimmed, no expiry moved, so it can run as often as a
 -- dashboard likes.
 --
--- KEYS and ARGV as in lib.lua (ARGV[2] .. ARGV[6] unused).
+-- KEYS and ARGV as in lib.lua: the time and the rules alone.
 --
--- Returns {now, pause, spread, epoch, paused_by, loss, then for each rule:
--- used, booked, remaining, next, margin, limit, others}:
+-- Returns REPLY.usage {now, pause, spread, epoch, paused_by, loss}, then for
+-- each rule REPLY.rule {used, booked, remaining, next, margin, limit, others}:
 --   spread     the fleet's spread of call starts (see note_timing in lib.lua);
 --   epoch      the quota's epoch (see the meta in lib.lua), or 0 for none;
 --   pause      until when no call of the quota, or of the key, fits: the
@@ -96,13 +96,12 @@ for _, r in ipairs(rs) do
       pause, paused_by = r.blind_until, r.blind_by
     end
   end
-  out[#out + 1], out[#out + 2], out[#out + 3], out[#out + 4], out[#out + 5], out[#out + 6], out[#out + 7] =
-    used, booked, remaining, str(next), str(r.kind ~= BUCKET and r.margin or 0), r.limit, r.reserve or 0
+  local n, at = REPLY.usage.size + (r.i - 1) * REPLY.rule.size, REPLY.rule
+  out[n + at.used], out[n + at.booked], out[n + at.remaining], out[n + at.next] = used, booked, remaining, str(next)
+  out[n + at.margin], out[n + at.limit] = str(r.kind ~= BUCKET and r.margin or 0), r.limit
+  out[n + at.others] = r.reserve or 0
 end
-local header = {
-  str(now), str(pause), str(spread), str(meta and meta.epoch or 0), paused_by, str(meta and meta.loss or 0),
-}
-for i = #header, 1, -1 do
-  table.insert(out, 1, header[i])
-end
+local at = REPLY.usage
+out[at.now], out[at.pause], out[at.spread] = str(now), str(pause), str(spread)
+out[at.epoch], out[at.paused_by], out[at.loss] = str(meta and meta.epoch or 0), paused_by, str(meta and meta.loss or 0)
 return out

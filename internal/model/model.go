@@ -8,6 +8,9 @@ import (
 	"math"
 	"sort"
 	"strconv"
+	"time"
+
+	"github.com/throttlekit/throttle/internal/protocol"
 )
 
 // Kind is the algorithm of a Rule, numbered as the script numbers them.
@@ -117,7 +120,7 @@ func New(rules ...Rule) *Model {
 
 // warmIdle is how long a quota may go without a script before it warms up
 // again, if its longest window is shorter.
-const warmIdle = 60_000_000
+const warmIdle = int64(protocol.WarmIdle / time.Microsecond)
 
 // Script begins one acquire script at now: the calls Acquire decides until
 // EndScript share what it knew of the quota's warming up. Without it the
