@@ -10,6 +10,7 @@ import (
 	"strings"
 	"time"
 
+	"github.com/throttlekit/throttle/internal/protocol"
 	"github.com/throttlekit/throttle/policies"
 )
 
@@ -129,17 +130,15 @@ func (l *Limiter) feedback(ctx context.Context, said vendorSaid, r result, opts 
 	}
 	sc := l.scopeFor(c)
 	keys, rules, named := l.rulesAbout(sc, said)
-	args := argsFor(l.s.clock, l.newMember(), int(asOf.Microseconds()), pause.Microseconds(),
-		int64(max(said.units.left, -1)), said.units.reset.Microseconds(), rules)
-	learnArg := 0
-	if learn {
-		learnArg = 1
+	args := scriptArgs(l.s.clock, rules, protocol.Feedback{ID: l.newMember(), AsOf: asOf.Microseconds(), Pause: pause.Microseconds(),
+		Left: int64(max(said.units.left, -1)), Reset: said.units.reset.Microseconds(), Known: l.epoch.Load(), Refused: learn,
+		Limit: int64(max(said.units.limit, 0)), CallsLeft: int64(max(said.calls.left, -1)),
+		CallsReset: said.calls.reset.Microseconds(), CallsLimit: int64(max(said.calls.limit, 0)),
+		Late: max(said.late, 0).Microseconds(), RefusedCost: refusedCost(said, r, rules),
+		Span: policySpan(l.rules).Microseconds(), Named: int64(len(named))})
+	for _, n := range named {
+		args = n.Append(args)
 	}
-	args = append(args, l.epoch.Load(), learnArg, max(said.units.limit, 0),
-		max(said.calls.left, -1), said.calls.reset.Microseconds(), max(said.calls.limit, 0),
-		max(said.late, 0).Microseconds(), refusedCost(said, r, rules), len(named)/3)
-	args = append(args, named...)
-	args = append(args, policySpan(l.rules).Microseconds())
 	v, err := scripts.feedback.Run(ctx, l.rdb, declared(scripts.feedback, keys, rules, l.groupKey), args...).Int64Slice()
 	if err != nil {
 		return l.unavailable(err)
@@ -171,7 +170,7 @@ func (l *Limiter) feedback(ctx context.Context, said vendorSaid, r result, opts 
 // which of the vendor's counts it is about (policies.Unit). named holds,
 // for each of those, its place among rules and its count, as feedback.lua
 // takes them.
-func (l *Limiter) rulesAbout(sc scope, said vendorSaid) (keys []string, rules []policies.Rule, named []any) {
+func (l *Limiter) rulesAbout(sc scope, said vendorSaid) (keys []string, rules []policies.Rule, named []protocol.Named) {
 	keys = sc.keys[:2:2]
 	for i, r := range l.rules {
 		about := !r.PerKey
@@ -186,7 +185,7 @@ func (l *Limiter) rulesAbout(sc scope, said vendorSaid) (keys []string, rules []
 			keys = append(keys, sc.keys[2+i])
 			rules = append(rules, r)
 			if r.Unit != "" {
-				named = append(named, len(rules), max(c.left, -1), c.reset.Microseconds())
+				named = append(named, protocol.Named{Rule: int64(len(rules)), Left: int64(max(c.left, -1)), Reset: c.reset.Microseconds()})
 			}
 		}
 	}

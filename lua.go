@@ -64,14 +64,6 @@ func loadScripts() scriptSet {
 // offLine is the line of lib.lua that sets the scripts' switches.
 const offLine = "local OFF = {}"
 
-// rulesAtLine is the line of lib.lua that places the rules in ARGV, and
-// feedbackRulesAt the line feedback.lua has instead: its own arguments
-// still come first (see feedbackArgs).
-const (
-	rulesAtLine     = "local RULES_AT = 2"
-	feedbackRulesAt = "local RULES_AT = 7"
-)
-
 // sent maps each script's SHA1 to its lines as Redis has them.
 var sent = map[string][]string{}
 
@@ -94,9 +86,6 @@ func scriptText(name string, off map[mechanism]bool) string {
 		}
 		if line == offLine {
 			line = luaOff(off)
-		}
-		if line == rulesAtLine && name == "feedback.lua" {
-			line = feedbackRulesAt
 		}
 		b.WriteString(line)
 		b.WriteByte('\n')

@@ -110,12 +110,14 @@ type feedbackReply struct {
 
 // decodeFeedback reads feedback.lua's reply v, or says what is wrong with it.
 func decodeFeedback(v []int64) (feedbackReply, error) {
-	if len(v) != 8 {
+	if len(v) != protocol.FeedbackSize {
 		return feedbackReply{}, fmt.Errorf("unexpected script reply %v", v)
 	}
 	us := func(x int64) time.Duration { return time.Duration(x) * time.Microsecond }
-	return feedbackReply{now: us(v[0]), until: us(v[1]), charged: int(v[2]), lowered: v[3] == 1, limit: int(v[4]),
-		others: int(v[5]), measuring: v[6] == 1, dropped: v[7] == 1}, nil
+	return feedbackReply{now: us(v[protocol.FeedbackNow]), until: us(v[protocol.FeedbackUntil]),
+		charged: int(v[protocol.FeedbackCharged]), lowered: v[protocol.FeedbackLowered] == 1, limit: int(v[protocol.FeedbackCap]),
+		others: int(v[protocol.FeedbackOthers]), measuring: v[protocol.FeedbackMeasuring] == 1,
+		dropped: v[protocol.FeedbackDropped] == 1}, nil
 }
 
 // costArg is a call's cost as the scripts take it: its Cost, or, on a
@@ -208,21 +210,6 @@ func scriptArgs(clock func() time.Time, rules []policies.Rule, own appender) []a
 	}
 	if own != nil {
 		args = own.Append(args)
-	}
-	return args
-}
-
-// argsFor builds feedback.lua's arguments, which come before the rules
-// (RULES_AT in lua.go): the time, the call's id, and four of its own.
-func argsFor(clock func() time.Time, id string, a, b, c, d any, rules []policies.Rule) []any {
-	var now int64
-	if clock != nil {
-		now = clock().UnixMicro()
-	}
-	args := make([]any, 0, 7+7*len(rules))
-	args = append(args, now, id, a, b, c, d, len(rules))
-	for _, r := range rules {
-		args = ruleArgs(r).Append(args)
 	}
 	return args
 }

@@ -778,9 +778,8 @@ func thousands(n int64) string {
 
 // throttleScripts returns the scripts of ../lua as the throttle package
 // sends them (see script in lua.go): each after consts.lua and lib.lua,
-// feedback.lua with its rules placed after its own arguments, without the lines
-// that hold only a comment, so that their SHA1s are the ones its EVALSHA
-// asks for.
+// without the lines that hold only a comment, so that their SHA1s are the
+// ones its EVALSHA asks for.
 func throttleScripts(tb testing.TB) []*redis.Script {
 	tb.Helper()
 	read := func(name string) string {
@@ -801,9 +800,6 @@ func throttleScripts(tb testing.TB) []*redis.Script {
 			}
 			if line == "local OFF = {}" {
 				line = off
-			}
-			if line == "local RULES_AT = 2" && name == "feedback.lua" {
-				line = "local RULES_AT = 7"
 			}
 			b.WriteString(line)
 			b.WriteByte('\n')

@@ -50,6 +50,7 @@ local REPLY = {
   answer = { admitted = 1, wait = 2, remaining = 3, reason = 4, blind_by = 5, pause = 6, noted = 7, logged = 8, room = 9, size = 9 },
   usage = { now = 1, pause = 2, spread = 3, epoch = 4, paused_by = 5, loss = 6, size = 6 },
   rule = { used = 1, booked = 2, remaining = 3, next = 4, margin = 5, limit = 6, others = 7, size = 7 },
+  feedback = { now = 1, pause = 2, charged = 3, lowered = 4, cap = 5, others = 6, measuring = 7, dropped = 8, size = 8 },
 }
 
 -- ARGS.x(i) reads layout x from ARGV[i] on, by name, and returns it and
@@ -202,6 +203,36 @@ function ARGS.call(i)
   }, i + 8
 end
 
+-- Feedback.lua's arguments.
+function ARGS.feedback(i)
+  return {
+    id = ARGV[i],
+    as_of = tonumber(ARGV[i + 1]),
+    pause = tonumber(ARGV[i + 2]),
+    left = tonumber(ARGV[i + 3]),
+    reset = tonumber(ARGV[i + 4]),
+    known = tonumber(ARGV[i + 5]),
+    refused = ARGV[i + 6] == '1',
+    limit = tonumber(ARGV[i + 7]),
+    calls_left = tonumber(ARGV[i + 8]),
+    calls_reset = tonumber(ARGV[i + 9]),
+    calls_limit = tonumber(ARGV[i + 10]),
+    late = tonumber(ARGV[i + 11]),
+    refused_cost = ARGV[i + 12],
+    span = tonumber(ARGV[i + 13]),
+    named = tonumber(ARGV[i + 14]),
+  }, i + 15
+end
+
+-- The vendor's count of a rule's named unit.
+function ARGS.named(i)
+  return {
+    rule = tonumber(ARGV[i]),
+    left = tonumber(ARGV[i + 1]),
+    reset = tonumber(ARGV[i + 2]),
+  }, i + 3
+end
+
 -- ARGS.size.x is the number of arguments of layout x.
 ARGS.size = {
   rule = 7,
@@ -215,4 +246,6 @@ ARGS.size = {
   late = 2,
   give = 10,
   call = 8,
+  feedback = 15,
+  named = 3,
 }

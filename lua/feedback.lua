@@ -1,37 +1,39 @@
 -- feedback.lua: what the vendor said, made known to the whole fleet.
 --
 -- KEYS and ARGV as in lib.lua; the rules passed are the ones the vendor's
--- answer is about (the shared ones, or the ones of one key), with
--- ARGV[3]   the time, in microseconds, of the call whose answer carried the
---           vendor's count, or 0 for now: units after it are calls on their way
---           that the vendor has not counted yet;
--- ARGV[4]   a pause in microseconds from now (a 429 with Retry-After): no call
---           in the scope of KEYS[2] is admitted before it ends; 0 for none. A
---           pause only ever lengthens one already in force.
--- ARGV[5]   the units the vendor says are left, or -1 when it did not say.
--- ARGV[6]   microseconds until the vendor's window resets, or 0 when unknown;
--- after the rules, the quota's epoch as the calling process last saw it, or
--- 0: a pause must not hide a loss of the quota's data (see check_loss);
--- then 1 when the vendor refused the call of ARGV[3] for being over its
--- limit, so that the rules learn a cap (see learn_cap in lib.lua), else 0;
--- then the limit the vendor stated with its refusal, or 0; then the same
--- three of the vendor's counts of requests, for the rules that count calls
--- (see units in lib.lua): the requests left (or -1), microseconds until
--- their reset (or 0), the limit stated (or 0); then how late after its
--- slot the call of ARGV[3] started, in microseconds (0 when unknown): the
--- vendor counted as of its arrival; then, when the vendor refused the call
--- of ARGV[3], its cost (as read_cost in lib.lua reads it, under the rules
--- passed), else an empty string. ARGV[5], ARGV[6] and the
--- limit before speak of the other rules, but for those that count a named
--- unit (policies.Unit): then their number, n, and for each its place among
+-- answer is about (the shared ones, or the ones of one key); after them
+-- ARGS.feedback, with
+--   as_of     the time, in microseconds, of the call whose answer carried the
+--             vendor's count, or 0 for now: units after it are calls on their way
+--             that the vendor has not counted yet;
+--   pause     a pause in microseconds from now (a 429 with Retry-After): no call
+--             in the scope of KEYS[2] is admitted before it ends; 0 for none. A
+--             pause only ever lengthens one already in force.
+--   left      the units the vendor says are left, or -1 when it did not say.
+--   reset     microseconds until the vendor's window resets, or 0 when unknown;
+--   known     the quota's epoch as the calling process last saw it, or
+--             0: a pause must not hide a loss of the quota's data (see check_loss);
+--   refused   1 when the vendor refused the call of as_of for being over its
+--             limit, so that the rules learn a cap (see learn_cap in lib.lua), else 0;
+--   limit     the limit the vendor stated with its refusal, or 0; then the same
+--             three of the vendor's counts of requests, for the rules that count calls
+--             (see units in lib.lua): calls_left (or -1), calls_reset (or 0),
+--             calls_limit (or 0);
+--   late      how late after its slot the call of as_of started, in microseconds
+--             (0 when unknown): the vendor counted as of its arrival;
+--   refused_cost  when the vendor refused the call of as_of, its cost (as
+--             read_cost in lib.lua reads it, under the rules passed), else "";
+--   span      the longest window of the whole policy in microseconds, its margin's
+--             ceiling included: a loss this script finds counts every rule as full for it;
+--   named     the number of ARGS.named that follow.
+-- left, reset and the limit speak of the other rules, but for those that
+-- count a named unit (policies.Unit): for each, ARGS.named, its place among
 -- the rules (from 1), the units of it left (or -1) and microseconds until
--- their reset (or 0): each such rule follows its own count alone; last, the
--- longest window of the whole policy in microseconds, its margin's ceiling
--- included: a loss this script finds counts every rule as full for it.
+-- their reset (or 0): each such rule follows its own count alone.
 --
 -- When the vendor has fewer units left than a rule believes (another consumer
 -- of the same API key, a restart), the rule is charged the difference, under
--- ARGV[2], so that the fleet slows down before the vendor answers 429. The
+-- id, so that the fleet slows down before the vendor answers 429. The
 -- charge leaves the rule's window when the vendor's window resets. The
 -- charges of a rule are also listed in r.key .. ':ch' (member "id:units",
 -- scored by the time they sit at): a charge may sit after the time of the
@@ -45,8 +47,8 @@
 -- others), the fleet is told (announce_lowered in lib.lua): calls booked
 -- before the drop, against the limit before it, book again at their slots.
 --
--- Returns {now, pause until (or 0), units charged, lowered, cap, others,
--- measuring, dropped},
+-- Returns REPLY.feedback {now, pause until (or 0), units charged, lowered,
+-- cap, others, measuring, dropped},
 -- the time and the pause first as in every script's reply that has them:
 -- lowered is 1 when a rule's cap dropped; cap the lowest limit in force of
 -- a capped rule, or -1 when no rule is capped; others the most units a rule
@@ -57,24 +59,19 @@
 
 local now = clock()
 -- The arguments, read once (see the header).
-local a = after_rules()
-local arg = {
-  id = ARGV[2], as_of = tonumber(ARGV[3]), pause = tonumber(ARGV[4]), left = tonumber(ARGV[5]), reset = tonumber(ARGV[6]),
-  known = tonumber(ARGV[a]), refused = ARGV[a + 1] == '1', limit = tonumber(ARGV[a + 2]),
-  calls_left = tonumber(ARGV[a + 3]), calls_reset = tonumber(ARGV[a + 4]), calls_limit = tonumber(ARGV[a + 5]),
-  late = math.max(tonumber(ARGV[a + 6]) or 0, 0), refused_cost = ARGV[a + 7] or '',
-}
+local arg, a = ARGS.feedback(after_rules())
+arg.late = math.max(arg.late, 0)
 local id, pause, left, reset = arg.id, arg.pause, arg.left, arg.reset
 -- The counts of the rules that count a named unit, by their place.
 local own = {}
-local nnamed = tonumber(ARGV[a + 8] or '0')
-for k = 0, nnamed - 1 do
-  local b = a + 9 + 3 * k
-  own[tonumber(ARGV[b])] = { left = tonumber(ARGV[b + 1]), reset = tonumber(ARGV[b + 2]) }
+for _ = 1, arg.named do
+  local n
+  n, a = ARGS.named(a)
+  own[n.rule] = { left = n.left, reset = n.reset }
 end
 -- The longest window of the whole policy, margin ceiling included: a loss
 -- this script finds pauses the quota for it (see loss_pause).
-local policy_span = tonumber(ARGV[a + 9 + 3 * nnamed]) or 0
+local policy_span = arg.span
 local as_of = arg.as_of
 if as_of <= 0 or as_of > now then
   as_of = now
@@ -391,4 +388,7 @@ for _, r in ipairs(rs) do
     others, measuring = math.max(others, r.reserve), 1
   end
 end
-return { str(now), str(until_), charged, lowered, cap, others, measuring, dropped }
+local out, at = {}, REPLY.feedback
+out[at.now], out[at.pause], out[at.charged], out[at.lowered] = str(now), str(until_), charged, lowered
+out[at.cap], out[at.others], out[at.measuring], out[at.dropped] = cap, others, measuring, dropped
+return out

@@ -31,10 +31,6 @@
 local OFF = {}
 local NEVER = math.huge
 
--- The place of the number of rules in ARGV: feedback.lua's arguments come
--- before them (see feedback.go), the others' after.
-local RULES_AT = 2
-
 -- Redis receives times and counts as integers: Lua's tostring would print a
 -- microsecond timestamp in exponent form and lose digits.
 local function str(x)
@@ -62,8 +58,8 @@ end
 --   shared    true for a rule every quota of the group shares.
 -- All times are in microseconds.
 local function rules()
-  local rs, at = {}, RULES_AT + 1
-  for i = 1, tonumber(ARGV[RULES_AT]) do
+  local rs, at = {}, 3
+  for i = 1, tonumber(ARGV[2]) do
     local r
     r, at = ARGS.rule(at)
     local kind = r.kind
@@ -115,7 +111,7 @@ end
 
 -- The place of the first argument after the rules.
 local function after_rules()
-  return RULES_AT + 1 + ARGS.size.rule * tonumber(ARGV[RULES_AT])
+  return 3 + ARGS.size.rule * tonumber(ARGV[2])
 end
 
 -- Unit u of call id is the member id (u = 1) or id.u: a call's units stay
@@ -919,7 +915,7 @@ end
 --
 -- Scouts. While a log or counter is blind for one key, one call may go
 -- out to learn where the vendor stands (a scout): the first of a process
--- that hears the vendor's counts (ARGV[2] of acquire.lua begins with s), under a
+-- that hears the vendor's counts (acquire.lua's scout argument), under a
 -- rule that such counts reach, for a key that holds no unit since since,
 -- once the calls admitted before since have all reached the vendor
 -- (blind.settled). Its answer rebuilds the rule; a vendor at its cap

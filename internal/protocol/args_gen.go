@@ -160,6 +160,42 @@ func (a Call) Append(args []any) []any {
 	return append(args, a.ID, a.Cost, a.Maxwait, a.Lead, a.Scope, a.Moves, a.Class, a.Prio)
 }
 
+// Feedback is feedback.lua's arguments.
+type Feedback struct {
+	ID          string // an id for the charges
+	AsOf        int64  // the slot of the call whose answer carried the count, in microseconds, or 0 for now
+	Pause       int64  // a pause in microseconds from now, or 0
+	Left        int64  // the units the vendor says are left, or -1
+	Reset       int64  // microseconds until the vendor's window resets, or 0
+	Known       int64  // the quota's epoch as the caller last saw it, or 0
+	Refused     bool   // the vendor refused the call of as_of for being over its limit
+	Limit       int64  // the limit the vendor stated, or 0
+	CallsLeft   int64  // the requests left, or -1, for the rules that count calls
+	CallsReset  int64  // microseconds until the requests' reset, or 0
+	CallsLimit  int64  // the limit of requests stated, or 0
+	Late        int64  // how late after its slot the call of as_of started, in microseconds, or 0
+	RefusedCost any    // the refused call's cost under the rules passed, or ""
+	Span        int64  // the longest window of the whole policy in microseconds, its margin's ceiling included
+	Named       int64  // the number of Named groups
+}
+
+// Append appends the arguments of a in order.
+func (a Feedback) Append(args []any) []any {
+	return append(args, a.ID, a.AsOf, a.Pause, a.Left, a.Reset, a.Known, flag(a.Refused), a.Limit, a.CallsLeft, a.CallsReset, a.CallsLimit, a.Late, a.RefusedCost, a.Span, a.Named)
+}
+
+// Named is the vendor's count of a rule's named unit.
+type Named struct {
+	Rule  int64 // the rule's place among the rules passed, from 1
+	Left  int64 // the units of it left, or -1
+	Reset int64 // microseconds until their reset, or 0
+}
+
+// Append appends the arguments of a in order.
+func (a Named) Append(args []any) []any {
+	return append(args, a.Rule, a.Left, a.Reset)
+}
+
 // flag is b as the scripts read a Flag.
 func flag(b bool) int64 {
 	if b {

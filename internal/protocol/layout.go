@@ -139,8 +139,35 @@ var callLayout = Layout{Name: "Call", Doc: "a call acquire.lua decides", Fields:
 	{"prio", Int, "its class's priority"},
 }}
 
+// feedbackLayout is feedback.lua's; Named groups of Named follow.
+var feedbackLayout = Layout{Name: "Feedback", Doc: "feedback.lua's arguments", Fields: []Field{
+	{"id", Text, "an id for the charges"},
+	{"as_of", Int, "the slot of the call whose answer carried the count, in microseconds, or 0 for now"},
+	{"pause", Int, "a pause in microseconds from now, or 0"},
+	{"left", Int, "the units the vendor says are left, or -1"},
+	{"reset", Int, "microseconds until the vendor's window resets, or 0"},
+	{"known", Int, "the quota's epoch as the caller last saw it, or 0"},
+	{"refused", Flag, "the vendor refused the call of as_of for being over its limit"},
+	{"limit", Int, "the limit the vendor stated, or 0"},
+	{"calls_left", Int, "the requests left, or -1, for the rules that count calls"},
+	{"calls_reset", Int, "microseconds until the requests' reset, or 0"},
+	{"calls_limit", Int, "the limit of requests stated, or 0"},
+	{"late", Int, "how late after its slot the call of as_of started, in microseconds, or 0"},
+	{"refused_cost", Cost, "the refused call's cost under the rules passed, or \"\""},
+	{"span", Int, "the longest window of the whole policy in microseconds, its margin's ceiling included"},
+	{"named", Int, "the number of Named groups"},
+}}
+
+// namedLayout is the vendor's own count of a rule that counts a named unit.
+var namedLayout = Layout{Name: "Named", Doc: "the vendor's count of a rule's named unit", Fields: []Field{
+	{"rule", Int, "the rule's place among the rules passed, from 1"},
+	{"left", Int, "the units of it left, or -1"},
+	{"reset", Int, "microseconds until their reset, or 0"},
+}}
+
 // Layouts are every layout, in the order the generated files hold them.
-var Layouts = []Layout{ruleLayout, bookingLayout, cancelLayout, settleLayout, releaseLayout, handbackLayout, chargeLayout, acquireLayout, lateLayout, giveLayout, callLayout}
+var Layouts = []Layout{ruleLayout, bookingLayout, cancelLayout, settleLayout, releaseLayout, handbackLayout, chargeLayout,
+	acquireLayout, lateLayout, giveLayout, callLayout, feedbackLayout, namedLayout}
 
 // Reply is the layout of a reply of integers: field i is at place i from 0
 // in Go, i+1 in Lua.
@@ -208,6 +235,19 @@ const (
 	RuleSize
 )
 
+// The places of feedback.lua's reply.
+const (
+	FeedbackNow = iota
+	FeedbackUntil
+	FeedbackCharged
+	FeedbackLowered
+	FeedbackCap
+	FeedbackOthers
+	FeedbackMeasuring
+	FeedbackDropped
+	FeedbackSize
+)
+
 // Replies are the replies' layouts.
 var Replies = []Reply{
 	{"acquire", []ReplyField{{"now", AcquireNow}, {"pause", AcquirePause}, {"epoch", AcquireEpoch}, {"lost", AcquireLost},
@@ -220,4 +260,7 @@ var Replies = []Reply{
 		{"paused_by", UsagePausedBy}, {"loss", UsageLoss}}, UsageSize},
 	{"rule", []ReplyField{{"used", RuleUsed}, {"booked", RuleBooked}, {"remaining", RuleRemaining}, {"next", RuleNext},
 		{"margin", RuleMargin}, {"limit", RuleLimit}, {"others", RuleOthers}}, RuleSize},
+	{"feedback", []ReplyField{{"now", FeedbackNow}, {"pause", FeedbackUntil}, {"charged", FeedbackCharged},
+		{"lowered", FeedbackLowered}, {"cap", FeedbackCap}, {"others", FeedbackOthers}, {"measuring", FeedbackMeasuring},
+		{"dropped", FeedbackDropped}}, FeedbackSize},
 }
