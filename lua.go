@@ -13,6 +13,8 @@ import (
 	"strings"
 
 	"github.com/redis/go-redis/v9"
+
+	"github.com/throttlekit/throttle/internal/protocol"
 )
 
 //go:generate go run ./internal/protocol/gen
@@ -90,7 +92,11 @@ func scriptText(name string, off map[mechanism]bool) string {
 		b.WriteString(line)
 		b.WriteByte('\n')
 	}
-	return b.String()
+	text, err := protocol.Fold(b.String())
+	if err != nil {
+		panic(err) // the scripts are embedded: a name the protocol lacks fails every test
+	}
+	return text
 }
 
 var (

@@ -171,7 +171,11 @@ func product(s string) (int64, bool) {
 // reply.
 func runLib(t *testing.T, s *redistest.Server, body string, keys []string, args ...any) []int64 {
 	t.Helper()
-	v, err := redis.NewScript(luaFile("consts.lua")+luaFile("lib.lua")+body).Run(context.Background(), s.Client(t), keys, args...).Int64Slice()
+	text, err := protocol.Fold(luaFile("consts.lua") + luaFile("lib.lua") + body)
+	if err != nil {
+		t.Fatal(err)
+	}
+	v, err := redis.NewScript(text).Run(context.Background(), s.Client(t), keys, args...).Int64Slice()
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -17,6 +17,7 @@ import (
 	"github.com/redis/go-redis/v9"
 
 	"github.com/throttlekit/throttle"
+	"github.com/throttlekit/throttle/internal/protocol"
 	"github.com/throttlekit/throttle/policies"
 )
 
@@ -804,7 +805,11 @@ func throttleScripts(tb testing.TB) []*redis.Script {
 			b.WriteString(line)
 			b.WriteByte('\n')
 		}
-		out = append(out, redis.NewScript(b.String()))
+		text, err := protocol.Fold(b.String())
+		if err != nil {
+			tb.Fatal(err)
+		}
+		out = append(out, redis.NewScript(text))
 	}
 	return out
 }

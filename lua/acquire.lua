@@ -610,37 +610,39 @@ local function read_scopes(batch, arg)
 end
 
 -- call_args returns call c (from 0) of the batch, as ARGS.call read it,
--- with its scope, its rules, the booking it moves (one given back in
--- this script, or nil), and the fields read_call fills.
+-- once only: with its cost read, its scope, its rules, the booking it
+-- moves (one given back in this script, or nil), and the fields read_call
+-- fills.
 local function call_args(batch, c)
-  local a = batch.call_args[c + 1]
-  local sc = batch.scopes[a.scope]
-  return {
-    id = a.id, cost = read_cost(a.cost), maxwait = a.maxwait, lead = a.lead,
-    scope = sc, rs = sc.rs, pause = sc.pause, remaining = NEVER, after = NEVER, too_big = false,
-    room = NEVER, room_after = NEVER,
-    moves = batch.given[a.moves],
-    class = a.class, prio = a.prio,
-  }
+  local call = batch.call_args[c + 1]
+  local sc = batch.scopes[call.scope]
+  call.cost, call.scope, call.rs, call.pause = read_cost(call.cost), sc, sc.rs, sc.pause
+  call.remaining, call.after, call.too_big, call.room, call.room_after = NEVER, NEVER, false, NEVER, NEVER
+  call.moves = batch.given[call.moves]
+  return call
 end
 
 -- read_args reads the rules and the arguments of the script's own (see
 -- the header), in their order, and returns the table the steps share.
 local function read_args()
-  local batch, at = ARGS.acquire(after_rules())
+  local at = after_rules()
+  local batch
+  batch, at = ARGS.acquire(at)
   batch.rs = rules()
   batch.scout = batch.scout and not OFF.rebuild
   if batch.limiter == '' then
     batch.limiter = nil
   end
-  batch.report = {}
-  for k = 1, batch.lates do
-    batch.report[k], at = ARGS.late(at)
+  if batch.lates > 0 then
+    batch.report = {}
+    for k = 1, batch.lates do
+      batch.report[k], at = ARGS.late(at)
+    end
   end
   batch.nscopes, batch.ncalls, batch.ngive = batch.scopes, batch.calls, batch.gives
   at = read_scopes(batch, at)
   -- The bookings to give back, each with its cost read and its scope.
-  batch.give_args = {}
+  batch.give_args = batch.ngive > 0 and {} or nil
   for g = 1, batch.ngive do
     local b
     b, at = ARGS.give(at)
@@ -904,9 +906,9 @@ local function pace_warm_start(batch)
   if not batch.warming or batch.ncalls ~= 1 or OFF.warm_pacing then
     return
   end
-  local c = call_args(batch, 0)
+  local c = batch.call_args[1]
   local own = string.match(c.id, '^(.*):')
-  for _, r in ipairs(c.scope.rs) do
+  for _, r in ipairs(batch.scopes[c.scope].rs) do
     if r.kind == LOG and r.margin >= GUARDED and not r.pace then
       local pace = math.floor((r.window - r.margin) / r.limit)
       if crowded(r, own, pace) then
@@ -1497,14 +1499,14 @@ end
 -- answer appends a call's answer to the reply (see the header), with the
 -- units free its call.remaining and call.room say.
 local function answer(batch, call, admitted, wait, reason, blind_by)
-  local out, at = batch.out, REPLY.answer
+  local out = batch.out
   local n = #out
-  out[n + at.admitted] = admitted
-  out[n + at.wait] = wait == 0 and 0 or str(wait)
-  out[n + at.remaining] = call.remaining
-  out[n + at.reason] = reason
-  out[n + at.blind_by] = blind_by or 0
-  out[n + at.pause] = call.pause == 0 and 0 or str(call.pause)
+  out[n + REPLY.answer.admitted] = admitted
+  out[n + REPLY.answer.wait] = wait == 0 and 0 or str(wait)
+  out[n + REPLY.answer.remaining] = call.remaining
+  out[n + REPLY.answer.reason] = reason
+  out[n + REPLY.answer.blind_by] = blind_by or 0
+  out[n + REPLY.answer.pause] = call.pause == 0 and 0 or str(call.pause)
   local noted, logged = 0, 0
   if admitted == 1 then
     for _, cc in ipairs(call.classes or {}) do
@@ -1512,7 +1514,7 @@ local function answer(batch, call, admitted, wait, reason, blind_by)
       logged = logged + (cc.logged and 2 ^ (cc.r.i - 1) or 0)
     end
   end
-  out[n + at.noted], out[n + at.logged], out[n + at.room] = noted, logged, call.room
+  out[n + REPLY.answer.noted], out[n + REPLY.answer.logged], out[n + REPLY.answer.room] = noted, logged, call.room
 end
 
 -- decide decides call c of the batch and appends its answer to the reply:
@@ -1630,14 +1632,12 @@ pace_warm_start(batch)
 -- are decided and written.
 local quota_paused = batch.meta.pause > now
 batch.out = {}
-do
-  local out, head = batch.out, REPLY.acquire
-  out[head.now], out[head.pause], out[head.epoch] = str(now), str(batch.scopes[1].pause), str(batch.meta.epoch)
-  out[head.lost], out[head.margin], out[head.done] = batch.found and 1 or 0, str(batch.margin), 0
-  out[head.seq] = str(batch.meta.seq)
-  out[head.paused] = quota_paused and str(batch.meta.pause) or 0
-  out[head.paused_by] = quota_paused and batch.meta.paused_by or 0
-end
+batch.out[REPLY.acquire.now], batch.out[REPLY.acquire.pause] = str(now), str(batch.scopes[1].pause)
+batch.out[REPLY.acquire.epoch], batch.out[REPLY.acquire.lost] = str(batch.meta.epoch), batch.found and 1 or 0
+batch.out[REPLY.acquire.margin], batch.out[REPLY.acquire.done] = str(batch.margin), 0
+batch.out[REPLY.acquire.seq] = str(batch.meta.seq)
+batch.out[REPLY.acquire.paused] = quota_paused and str(batch.meta.pause) or 0
+batch.out[REPLY.acquire.paused_by] = quota_paused and batch.meta.paused_by or 0
 for c = 0, batch.ncalls - 1 do
   local err = decide(batch, c)
   if err then

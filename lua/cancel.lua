@@ -11,7 +11,8 @@
 -- Returns 1.
 
 local now = clock()
-local b = ARGS.cancel(after_rules())
+local at = after_rules()
+local b = ARGS.cancel(at)
 local cost, t = read_cost(b.cost), b.slot
 local meta = read_meta()
 if not meta or meta.epoch ~= b.epoch then

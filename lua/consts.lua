@@ -28,224 +28,87 @@ local MAX_MARGIN = 1000000
 -- How long a quota goes without a script before it warms up again.
 local WARM_IDLE = 60000000
 
--- The reasons of a call's answer in acquire.lua's reply.
-local REASON = {
-  admitted = 0,
-  too_far = 1,
-  busy = 2,
-  share = 3,
-}
-
--- The kinds of message published on a quota's channel (news.go).
-local NEWS = {
-  quota = 'q',
-  key = 'k',
-  lowered = 'l',
-  room = 'f',
-}
-
--- REPLY.x.f is the place of field f in reply x, REPLY.x.size its length.
-local REPLY = {
-  acquire = { now = 1, pause = 2, epoch = 3, lost = 4, margin = 5, done = 6, seq = 7, paused = 8, paused_by = 9, size = 9 },
-  answer = { admitted = 1, wait = 2, remaining = 3, reason = 4, blind_by = 5, pause = 6, noted = 7, logged = 8, room = 9, size = 9 },
-  usage = { now = 1, pause = 2, spread = 3, epoch = 4, paused_by = 5, loss = 6, size = 6 },
-  rule = { used = 1, booked = 2, remaining = 3, next = 4, margin = 5, limit = 6, others = 7, size = 7 },
-  feedback = { now = 1, pause = 2, charged = 3, lowered = 4, cap = 5, others = 6, measuring = 7, dropped = 8, size = 8 },
-}
-
--- ARGS.x(i) reads layout x from ARGV[i] on, by name, and returns it and
--- the place after it.
-local ARGS = {}
-
--- One rule of the quota, as every script takes it.
-function ARGS.rule(i)
-  return {
-    kind = tonumber(ARGV[i]),
-    limit = tonumber(ARGV[i + 1]),
-    window = tonumber(ARGV[i + 2]),
-    width = tonumber(ARGV[i + 3]),
-    interval = tonumber(ARGV[i + 4]),
-    lease = tonumber(ARGV[i + 5]),
-    margin = tonumber(ARGV[i + 6]),
-  }, i + 7
-end
-
--- A booking given back or settled.
-function ARGS.booking(i)
-  return {
-    id = ARGV[i],
-    cost = ARGV[i + 1],
-    slot = tonumber(ARGV[i + 2]),
-    epoch = tonumber(ARGV[i + 3]),
-    noted = tonumber(ARGV[i + 4]),
-    logged = tonumber(ARGV[i + 5]),
-    ahead = ARGV[i + 6] == '1',
-    class = ARGV[i + 7],
-    prio = tonumber(ARGV[i + 8]),
-  }, i + 9
-end
-
--- Cancel.lua's arguments.
-function ARGS.cancel(i)
-  return {
-    id = ARGV[i],
-    cost = ARGV[i + 1],
-    slot = tonumber(ARGV[i + 2]),
-    epoch = tonumber(ARGV[i + 3]),
-    noted = tonumber(ARGV[i + 4]),
-    logged = tonumber(ARGV[i + 5]),
-    ahead = ARGV[i + 6] == '1',
-    class = ARGV[i + 7],
-    prio = tonumber(ARGV[i + 8]),
-  }, i + 9
-end
-
--- Settle.lua's arguments.
-function ARGS.settle(i)
-  return {
-    id = ARGV[i],
-    cost = ARGV[i + 1],
-    slot = tonumber(ARGV[i + 2]),
-    epoch = tonumber(ARGV[i + 3]),
-    noted = tonumber(ARGV[i + 4]),
-    logged = tonumber(ARGV[i + 5]),
-    ahead = ARGV[i + 6] == '1',
-    class = ARGV[i + 7],
-    prio = tonumber(ARGV[i + 8]),
-    actual = ARGV[i + 9],
-  }, i + 10
-end
-
--- Release.lua's arguments.
-function ARGS.release(i)
-  return {
-    id = ARGV[i],
-    cost = ARGV[i + 1],
-    lease = tonumber(ARGV[i + 2]),
-  }, i + 3
-end
-
--- Handback.lua's arguments.
-function ARGS.handback(i)
-  return {
-    replicas = tonumber(ARGV[i]),
-    span = tonumber(ARGV[i + 1]),
-    charges = tonumber(ARGV[i + 2]),
-  }, i + 3
-end
-
--- One call the Local fallback admitted.
-function ARGS.charge(i)
-  return {
-    rule = tonumber(ARGV[i]),
-    at = tonumber(ARGV[i + 1]),
-    units = tonumber(ARGV[i + 2]),
-    id = ARGV[i + 3],
-  }, i + 4
-end
-
--- Acquire.lua's arguments.
-function ARGS.acquire(i)
-  return {
-    scout = ARGV[i] == '1',
-    ran = tonumber(ARGV[i + 1]),
-    ran_in = tonumber(ARGV[i + 2]),
-    limiter = ARGV[i + 3],
-    seen = tonumber(ARGV[i + 4]),
-    known = tonumber(ARGV[i + 5]),
-    delay = tonumber(ARGV[i + 6]),
-    policy = ARGV[i + 7],
-    described = ARGV[i + 8],
-    age = tonumber(ARGV[i + 9]),
-    stepped = tonumber(ARGV[i + 10]),
-    lates = tonumber(ARGV[i + 11]),
-    scopes = tonumber(ARGV[i + 12]),
-    gives = tonumber(ARGV[i + 13]),
-    calls = tonumber(ARGV[i + 14]),
-  }, i + 15
-end
-
--- A bucket of lateness.
-function ARGS.late(i)
-  return {
-    bucket = tonumber(ARGV[i]),
-    n = tonumber(ARGV[i + 1]),
-  }, i + 2
-end
-
--- A booking acquire.lua gives back.
-function ARGS.give(i)
-  return {
-    id = ARGV[i],
-    cost = ARGV[i + 1],
-    slot = tonumber(ARGV[i + 2]),
-    epoch = tonumber(ARGV[i + 3]),
-    noted = tonumber(ARGV[i + 4]),
-    logged = tonumber(ARGV[i + 5]),
-    ahead = ARGV[i + 6] == '1',
-    class = ARGV[i + 7],
-    prio = tonumber(ARGV[i + 8]),
-    scope = tonumber(ARGV[i + 9]),
-  }, i + 10
-end
-
--- A call acquire.lua decides.
-function ARGS.call(i)
-  return {
-    id = ARGV[i],
-    cost = ARGV[i + 1],
-    maxwait = tonumber(ARGV[i + 2]),
-    lead = tonumber(ARGV[i + 3]),
-    scope = tonumber(ARGV[i + 4]),
-    moves = tonumber(ARGV[i + 5]),
-    class = ARGV[i + 6],
-    prio = tonumber(ARGV[i + 7]),
-  }, i + 8
-end
-
--- Feedback.lua's arguments.
-function ARGS.feedback(i)
-  return {
-    id = ARGV[i],
-    as_of = tonumber(ARGV[i + 1]),
-    pause = tonumber(ARGV[i + 2]),
-    left = tonumber(ARGV[i + 3]),
-    reset = tonumber(ARGV[i + 4]),
-    known = tonumber(ARGV[i + 5]),
-    refused = ARGV[i + 6] == '1',
-    limit = tonumber(ARGV[i + 7]),
-    calls_left = tonumber(ARGV[i + 8]),
-    calls_reset = tonumber(ARGV[i + 9]),
-    calls_limit = tonumber(ARGV[i + 10]),
-    late = tonumber(ARGV[i + 11]),
-    refused_cost = ARGV[i + 12],
-    span = tonumber(ARGV[i + 13]),
-    named = tonumber(ARGV[i + 14]),
-  }, i + 15
-end
-
--- The vendor's count of a rule's named unit.
-function ARGS.named(i)
-  return {
-    rule = tonumber(ARGV[i]),
-    left = tonumber(ARGV[i + 1]),
-    reset = tonumber(ARGV[i + 2]),
-  }, i + 3
-end
-
--- ARGS.size.x is the number of arguments of layout x.
-ARGS.size = {
-  rule = 7,
-  booking = 9,
-  cancel = 9,
-  settle = 10,
-  release = 3,
-  handback = 3,
-  charge = 4,
-  acquire = 15,
-  late = 2,
-  give = 10,
-  call = 8,
-  feedback = 15,
-  named = 3,
-}
+-- lua.go folds these names into the scripts as it loads them (Fold in
+-- internal/protocol), so that they cost no table or function at each run:
+-- REASON.x and NEWS.x are constants, REPLY.x.f the place of field f in
+-- reply x (REPLY.x.size its length), ARGS.size.x the number of arguments
+-- of layout x, and ARGS.x(i), for a name i, reads layout x from ARGV[i]
+-- on, by name, and gives it and the place after it.
+--   REASON.admitted = 0
+--   REASON.too_far = 1
+--   REASON.busy = 2
+--   REASON.share = 3
+--   NEWS.quota = 'q'
+--   NEWS.key = 'k'
+--   NEWS.lowered = 'l'
+--   NEWS.room = 'f'
+--   REPLY.acquire.now = 1
+--   REPLY.acquire.pause = 2
+--   REPLY.acquire.epoch = 3
+--   REPLY.acquire.lost = 4
+--   REPLY.acquire.margin = 5
+--   REPLY.acquire.done = 6
+--   REPLY.acquire.seq = 7
+--   REPLY.acquire.paused = 8
+--   REPLY.acquire.paused_by = 9
+--   REPLY.acquire.size = 9
+--   REPLY.answer.admitted = 1
+--   REPLY.answer.wait = 2
+--   REPLY.answer.remaining = 3
+--   REPLY.answer.reason = 4
+--   REPLY.answer.blind_by = 5
+--   REPLY.answer.pause = 6
+--   REPLY.answer.noted = 7
+--   REPLY.answer.logged = 8
+--   REPLY.answer.room = 9
+--   REPLY.answer.size = 9
+--   REPLY.usage.now = 1
+--   REPLY.usage.pause = 2
+--   REPLY.usage.spread = 3
+--   REPLY.usage.epoch = 4
+--   REPLY.usage.paused_by = 5
+--   REPLY.usage.loss = 6
+--   REPLY.usage.size = 6
+--   REPLY.rule.used = 1
+--   REPLY.rule.booked = 2
+--   REPLY.rule.remaining = 3
+--   REPLY.rule.next = 4
+--   REPLY.rule.margin = 5
+--   REPLY.rule.limit = 6
+--   REPLY.rule.others = 7
+--   REPLY.rule.size = 7
+--   REPLY.feedback.now = 1
+--   REPLY.feedback.pause = 2
+--   REPLY.feedback.charged = 3
+--   REPLY.feedback.lowered = 4
+--   REPLY.feedback.cap = 5
+--   REPLY.feedback.others = 6
+--   REPLY.feedback.measuring = 7
+--   REPLY.feedback.dropped = 8
+--   REPLY.feedback.size = 8
+--   ARGS.size.rule = 7
+--   ARGS.size.booking = 9
+--   ARGS.size.cancel = 9
+--   ARGS.size.settle = 10
+--   ARGS.size.release = 3
+--   ARGS.size.handback = 3
+--   ARGS.size.charge = 4
+--   ARGS.size.acquire = 15
+--   ARGS.size.late = 2
+--   ARGS.size.give = 10
+--   ARGS.size.call = 8
+--   ARGS.size.feedback = 15
+--   ARGS.size.named = 3
+--   ARGS.rule(i): kind, limit, window, width, interval, lease, margin
+--   ARGS.booking(i): id, cost, slot, epoch, noted, logged, ahead, class, prio
+--   ARGS.cancel(i): id, cost, slot, epoch, noted, logged, ahead, class, prio
+--   ARGS.settle(i): id, cost, slot, epoch, noted, logged, ahead, class, prio, actual
+--   ARGS.release(i): id, cost, lease
+--   ARGS.handback(i): replicas, span, charges
+--   ARGS.charge(i): rule, at, units, id
+--   ARGS.acquire(i): scout, ran, ran_in, limiter, seen, known, delay, policy, described, age, stepped, lates, scopes, gives, calls
+--   ARGS.late(i): bucket, n
+--   ARGS.give(i): id, cost, slot, epoch, noted, logged, ahead, class, prio, scope
+--   ARGS.call(i): id, cost, maxwait, lead, scope, moves, class, prio
+--   ARGS.feedback(i): id, as_of, pause, left, reset, known, refused, limit, calls_left, calls_reset, calls_limit, late, refused_cost, span, named
+--   ARGS.named(i): rule, left, reset

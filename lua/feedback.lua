@@ -59,7 +59,9 @@
 
 local now = clock()
 -- The arguments, read once (see the header).
-local arg, a = ARGS.feedback(after_rules())
+local a = after_rules()
+local arg
+arg, a = ARGS.feedback(a)
 arg.late = math.max(arg.late, 0)
 local id, pause, left, reset = arg.id, arg.pause, arg.left, arg.reset
 -- The counts of the rules that count a named unit, by their place.
@@ -388,7 +390,8 @@ for _, r in ipairs(rs) do
     others, measuring = math.max(others, r.reserve), 1
   end
 end
-local out, at = {}, REPLY.feedback
-out[at.now], out[at.pause], out[at.charged], out[at.lowered] = str(now), str(until_), charged, lowered
-out[at.cap], out[at.others], out[at.measuring], out[at.dropped] = cap, others, measuring, dropped
+local out = {}
+out[REPLY.feedback.now], out[REPLY.feedback.pause], out[REPLY.feedback.charged] = str(now), str(until_), charged
+out[REPLY.feedback.lowered], out[REPLY.feedback.cap], out[REPLY.feedback.others] = lowered, cap, others
+out[REPLY.feedback.measuring], out[REPLY.feedback.dropped] = measuring, dropped
 return out

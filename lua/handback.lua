@@ -20,7 +20,9 @@
 -- Returns 1.
 
 local now = clock()
-local a, arg = ARGS.handback(after_rules())
+local arg = after_rules()
+local a
+a, arg = ARGS.handback(arg)
 local n, span = a.replicas, a.span
 local rs = rules()
 margins(rs, 0)

@@ -440,13 +440,13 @@ local function quantile(h)
   return 0, total
 end
 
--- note_timing folds a process's report (lates, a list of ARGS.late: n
--- latenesses in bucket k; its usual delay from Redis, or -1) into the meta,
--- and reports whether it changed.
+-- note_timing folds a process's report (a list of ARGS.late, the latenesses
+-- n in bucket k, or nil for none; its usual delay from Redis, or -1) into
+-- the meta, and reports whether it changed.
 local function note_timing(m, now, report, delay)
   local p = math.floor(now / TIMING_PERIOD)
   local known = delay < 0 or m.period == p and delay <= m.delay_max and delay >= m.delay_min
-  if #report == 0 and known and m.period >= p - 1 then
+  if not report and known and m.period >= p - 1 then
     return false
   end
   if m.period ~= p then
@@ -482,7 +482,7 @@ local function note_timing(m, now, report, delay)
     end
   end
   histogram(m)
-  for _, late in ipairs(report) do
+  for _, late in ipairs(report or {}) do
     local k = math.min(late.bucket, LATE_BUCKETS - 1) + 1
     m.lates[k] = (m.lates[k] or 0) + late.n
   end

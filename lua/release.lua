@@ -8,7 +8,8 @@
 -- Returns the number of units still held by the call (0 after a release).
 
 local now = clock()
-local a = ARGS.release(after_rules())
+local at = after_rules()
+local a = ARGS.release(at)
 local id, cost, lease = a.id, read_cost(a.cost), a.lease
 local held = 0
 for _, r in ipairs(rules()) do

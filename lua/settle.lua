@@ -31,7 +31,8 @@ local function note_refund(r, id, t, n, now)
 end
 
 local now = clock()
-local b = ARGS.settle(after_rules())
+local at = after_rules()
+local b = ARGS.settle(at)
 local id, from, t, to = b.id, read_cost(b.cost), b.slot, read_cost(b.actual)
 local meta = read_meta()
 -- Units of another epoch are gone with the data: only charged.

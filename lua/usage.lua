@@ -96,12 +96,13 @@ for _, r in ipairs(rs) do
       pause, paused_by = r.blind_until, r.blind_by
     end
   end
-  local n, at = REPLY.usage.size + (r.i - 1) * REPLY.rule.size, REPLY.rule
-  out[n + at.used], out[n + at.booked], out[n + at.remaining], out[n + at.next] = used, booked, remaining, str(next)
-  out[n + at.margin], out[n + at.limit] = str(r.kind ~= BUCKET and r.margin or 0), r.limit
-  out[n + at.others] = r.reserve or 0
+  local n = REPLY.usage.size + (r.i - 1) * REPLY.rule.size
+  out[n + REPLY.rule.used], out[n + REPLY.rule.booked] = used, booked
+  out[n + REPLY.rule.remaining], out[n + REPLY.rule.next] = remaining, str(next)
+  out[n + REPLY.rule.margin] = str(r.kind ~= BUCKET and r.margin or 0)
+  out[n + REPLY.rule.limit], out[n + REPLY.rule.others] = r.limit, r.reserve or 0
 end
-local at = REPLY.usage
-out[at.now], out[at.pause], out[at.spread] = str(now), str(pause), str(spread)
-out[at.epoch], out[at.paused_by], out[at.loss] = str(meta and meta.epoch or 0), paused_by, str(meta and meta.loss or 0)
+out[REPLY.usage.now], out[REPLY.usage.pause], out[REPLY.usage.spread] = str(now), str(pause), str(spread)
+out[REPLY.usage.epoch], out[REPLY.usage.paused_by] = str(meta and meta.epoch or 0), paused_by
+out[REPLY.usage.loss] = str(meta and meta.loss or 0)
 return out

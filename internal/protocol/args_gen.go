@@ -36,7 +36,7 @@ func (a Booking) Append(args []any) []any {
 	return append(args, a.ID, a.Cost, a.Slot, a.Epoch, a.Noted, a.Logged, flag(a.Ahead), a.Class, a.Prio)
 }
 
-// Cancel is cancel.lua's arguments.
+// Cancel is the arguments of cancel.lua.
 type Cancel struct {
 	Booking
 }
@@ -47,7 +47,7 @@ func (a Cancel) Append(args []any) []any {
 	return args
 }
 
-// Settle is settle.lua's arguments.
+// Settle is the arguments of settle.lua.
 type Settle struct {
 	Booking
 	Actual any // the units the vendor counted
@@ -59,7 +59,7 @@ func (a Settle) Append(args []any) []any {
 	return append(args, a.Actual)
 }
 
-// Release is release.lua's arguments.
+// Release is the arguments of release.lua.
 type Release struct {
 	ID    string // the call's id
 	Cost  any    // the units it holds
@@ -71,7 +71,7 @@ func (a Release) Append(args []any) []any {
 	return append(args, a.ID, a.Cost, a.Lease)
 }
 
-// Handback is handback.lua's arguments.
+// Handback is the arguments of handback.lua.
 type Handback struct {
 	Replicas int64 // the replicas the quota is divided among
 	Span     int64 // how long, in microseconds, other replicas may still decide without Redis
@@ -96,7 +96,7 @@ func (a Charge) Append(args []any) []any {
 	return append(args, a.Rule, a.At, a.Units, a.ID)
 }
 
-// Acquire is acquire.lua's arguments.
+// Acquire is the arguments of acquire.lua.
 type Acquire struct {
 	Scout     bool   // the vendor's counts reached the caller: its calls may go out as scouts
 	Ran       int64  // the caller's acquire scripts Redis answered in epoch ran_in
@@ -160,7 +160,7 @@ func (a Call) Append(args []any) []any {
 	return append(args, a.ID, a.Cost, a.Maxwait, a.Lead, a.Scope, a.Moves, a.Class, a.Prio)
 }
 
-// Feedback is feedback.lua's arguments.
+// Feedback is the arguments of feedback.lua.
 type Feedback struct {
 	ID          string // an id for the charges
 	AsOf        int64  // the slot of the call whose answer carried the count, in microseconds, or 0 for now

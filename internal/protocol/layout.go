@@ -66,22 +66,22 @@ var bookingLayout = Layout{Name: "Booking", Doc: "a booking given back or settle
 }}
 
 // cancelLayout is cancel.lua's: the booking given back.
-var cancelLayout = Layout{Name: "Cancel", Doc: "cancel.lua's arguments", Embed: &bookingLayout}
+var cancelLayout = Layout{Name: "Cancel", Doc: "the arguments of cancel.lua", Embed: &bookingLayout}
 
 // settleLayout is settle.lua's: the booking, and its actual cost.
-var settleLayout = Layout{Name: "Settle", Doc: "settle.lua's arguments", Embed: &bookingLayout, Fields: []Field{
+var settleLayout = Layout{Name: "Settle", Doc: "the arguments of settle.lua", Embed: &bookingLayout, Fields: []Field{
 	{"actual", Cost, "the units the vendor counted"},
 }}
 
 // releaseLayout is release.lua's.
-var releaseLayout = Layout{Name: "Release", Doc: "release.lua's arguments", Fields: []Field{
+var releaseLayout = Layout{Name: "Release", Doc: "the arguments of release.lua", Fields: []Field{
 	{"id", Text, "the call's id"},
 	{"cost", Cost, "the units it holds"},
 	{"lease", Int, "0 to release, else the new lease in microseconds from now"},
 }}
 
 // handbackLayout is handback.lua's; Charges groups of Charge follow.
-var handbackLayout = Layout{Name: "Handback", Doc: "handback.lua's arguments", Fields: []Field{
+var handbackLayout = Layout{Name: "Handback", Doc: "the arguments of handback.lua", Fields: []Field{
 	{"replicas", Int, "the replicas the quota is divided among"},
 	{"span", Int, "how long, in microseconds, other replicas may still decide without Redis"},
 	{"charges", Int, "the number of charges that follow"},
@@ -98,7 +98,7 @@ var chargeLayout = Layout{Name: "Charge", Doc: "one call the Local fallback admi
 // acquireLayout is acquire.lua's. Then come Lates groups of Late, Scopes - 1
 // scopes (each a pause key and one key per rule), Gives groups of Give
 // and Calls groups of Call.
-var acquireLayout = Layout{Name: "Acquire", Doc: "acquire.lua's arguments", Fields: []Field{
+var acquireLayout = Layout{Name: "Acquire", Doc: "the arguments of acquire.lua", Fields: []Field{
 	{"scout", Flag, "the vendor's counts reached the caller: its calls may go out as scouts"},
 	{"ran", Int, "the caller's acquire scripts Redis answered in epoch ran_in"},
 	{"ran_in", Int, "the epoch of ran"},
@@ -140,7 +140,7 @@ var callLayout = Layout{Name: "Call", Doc: "a call acquire.lua decides", Fields:
 }}
 
 // feedbackLayout is feedback.lua's; Named groups of Named follow.
-var feedbackLayout = Layout{Name: "Feedback", Doc: "feedback.lua's arguments", Fields: []Field{
+var feedbackLayout = Layout{Name: "Feedback", Doc: "the arguments of feedback.lua", Fields: []Field{
 	{"id", Text, "an id for the charges"},
 	{"as_of", Int, "the slot of the call whose answer carried the count, in microseconds, or 0 for now"},
 	{"pause", Int, "a pause in microseconds from now, or 0"},
