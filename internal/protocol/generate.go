@@ -240,6 +240,3 @@ func Go() ([]byte, error) {
 	b.WriteString("\n// flag is b as the scripts read a Flag.\nfunc flag(b bool) int64 {\nif b {\nreturn 1\n}\nreturn 0\n}\n")
 	return format.Source(b.Bytes())
 }
-
-// capital is s with its first letter upper case.
-func capital(s string) string { return strings.ToUpper(s[:1]) + s[1:] }
