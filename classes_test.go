@@ -699,3 +699,35 @@ func TestClasses_AVendorsCountIsReadAgainstTheRuleNotTheClass(t *testing.T) {
 		})
 	})
 }
+
+// A booking given back leaves its class under a rule per key too, where
+// the class is its priority alone: a call of priority 5 and key "a",
+// admitted and given back, leaves the rule's ':cl' field "5" at 0 units.
+// Left there, the priority's demand would hold a share for a window.
+func TestClasses_ABookingGivenBackLeavesItsPriorityUnderAPerKeyRule(t *testing.T) {
+	t.Parallel() // a given clock: nothing in it depends on the machine's load
+	redistest.Each(t, func(t *testing.T, s *redistest.Server) {
+		ctx := context.Background()
+		run := newClassRun(t, s, policies.PerKey{Policy: policies.SlidingLog{Limit: 10, Window: time.Second}}, Options{})
+		c := callOf([]CallOption{Priority(5), Key("a")})
+		units := func() string {
+			t.Helper()
+			v, err := s.Client(t).HGet(ctx, run.lim.scopeFor(c).keys[2]+":cl", "5").Result()
+			if err != nil {
+				t.Fatalf("the rule's class of priority 5: %v", err)
+			}
+			return strings.Split(v, ":")[1]
+		}
+		r, err := run.lim.acquire(ctx, c, 0, nil)
+		if err != nil || !r.admitted || r.noted == 0 {
+			t.Fatalf("the call: %+v, %v; want it admitted and counted in its class", r, err)
+		}
+		if u := units(); u != "1" {
+			t.Fatalf("its class holds %s units after the call, want 1", u)
+		}
+		run.lim.cancel(ctx, c, r)
+		if u := units(); u != "0" {
+			t.Errorf("its class holds %s units after the call was given back, want 0", u)
+		}
+	})
+}
