@@ -16,8 +16,9 @@
 --                declared in keys.go); a script reaches them by name, and
 --                touches no key not in KEYS.
 --
--- ARGV follows the layouts of internal/protocol, which consts.lua (prepended
--- before this file) reads by name: ARGS.x(i) reads layout x from ARGV[i].
+-- ARGV follows the layouts of internal/protocol. ARGS.x(i) reads layout x
+-- from ARGV[i] on, by name; lua.go folds it, and the other names consts.lua
+-- lists, into the script as it loads it.
 -- ARGV[1]        now in microseconds, or "0" to read Redis TIME (the default, so
 --                that the whole fleet shares one clock).
 -- ARGV[2]        n, the number of rules; then n rules (ARGS.rule, read by rules).
