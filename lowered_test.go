@@ -94,7 +94,13 @@ func bookTen(t *testing.T, lim *Limiter, start time.Time) func() []time.Duration
 			p.Release()
 		}()
 	}
+	// Until the ten are booked; a call that failed to book (t.Error above)
+	// ends the wait, and so does a generous bound.
+	deadline := time.Now().Add(30 * time.Second)
 	for booked := 0; booked < 10; {
+		if t.Failed() || time.Now().After(deadline) {
+			t.Fatalf("%d of 10 calls booked", booked)
+		}
 		u, err := lim.Usage(context.Background())
 		if err != nil {
 			t.Fatal(err)
