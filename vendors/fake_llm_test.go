@@ -46,7 +46,7 @@ type llmCounts struct {
 	input, output    int // limits; output 0: input limits all tokens
 	entries          []*llmEntry
 	start            time.Time
-	served, refused  int // refused: after the first window
+	served, refused  int         // refused: after the first window
 	counted          map[int]int // tokens of the binding count, by window
 	countBy          counting
 	reportAtResponse bool
