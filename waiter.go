@@ -320,6 +320,17 @@ func (p *Permit) startedLate() time.Duration {
 	return 0
 }
 
+// answeredLate returns how long after its slot the call's answer came,
+// read when the answer is heard: as late as the vendor may have taken the
+// counts it sent. It is never less than how late the call started.
+func (p *Permit) answeredLate() time.Duration {
+	late := p.startedLate()
+	if now, ok := p.lateness(); ok && now > late {
+		late = now
+	}
+	return late
+}
+
 // lateness returns how late after its slot the call would start now, and
 // false when that is not known or not the fleet's: a call decided without
 // Redis, or not admitted.
