@@ -94,10 +94,12 @@ type vendorSaid struct {
 	units, calls vendorCount
 	named        map[string]vendorCount // of the named units (policies.Unit), by name
 	learn        bool
-	// late is how late after its slot the call started (Permit.Start), 0
-	// when not known: the vendor counted as of the call's arrival, so the
-	// fleet's calls booked within that lateness after the slot count as
-	// sent when the count measures other consumers of the key.
+	// late is how long after its slot the vendor may have taken its
+	// count: when the answer came (or, when that is not known, when the
+	// call started), 0 when neither is known. A vendor sends the counts
+	// of the moment it answers, the fleet's calls still in flight at
+	// their estimate or max_tokens: the fleet's calls booked up to then
+	// are its own, neither other consumers' nor a gap to charge.
 	late time.Duration
 	// refused says that the vendor refused the call: it most often does
 	// not count a refused call, which the measure of the others must know.
@@ -523,7 +525,7 @@ func (a Answer) teaches(said vendorSaid, refused bool) bool {
 // quota nothing.
 func (p *Permit) tell(ctx context.Context, said vendorSaid, pause time.Duration, learn bool) error {
 	l := p.l
-	said.late = p.startedLate()
+	said.late = p.answeredLate()
 	if said.refused && !p.r.local {
 		// A call the fleet admitted and the vendor refused: another
 		// consumer of the key may spend it. The counts that follow are

@@ -113,3 +113,63 @@ func bookTen(t *testing.T, lim *Limiter, start time.Time) func() []time.Duration
 		return starts
 	}
 }
+
+// A call booked before a limit dropped keeps its slot when the windows
+// that end at it still fit the lower limit: it does not book behind a
+// call that asked after the drop.
+func TestLowered_ACallBookedBeforeADropKeepsItsPlace(t *testing.T) {
+	redistest.Each(t, func(t *testing.T, s *redistest.Server) {
+		ctx := context.Background()
+		const window = time.Second
+		lim := newLimiter(t, s.Client(t), policies.SlidingLog{Limit: 10, Window: window}, Options{MaxWait: 10 * window})
+		x1, err := lim.Acquire(ctx, Cost(5))
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer x1.Release()
+		time.Sleep(100 * time.Millisecond)
+		x2, err := lim.Acquire(ctx, Cost(3))
+		if err != nil {
+			t.Fatal(err)
+		}
+		start := time.Now()
+		var wg sync.WaitGroup
+		starts := make([]time.Duration, 3)
+		book := func(i, cost, booked int) {
+			wg.Go(func() {
+				p, err := lim.Acquire(ctx, Cost(cost))
+				if err != nil {
+					t.Error(err)
+					return
+				}
+				starts[i] = time.Since(start)
+				p.Release()
+			})
+			for u := 0; u < booked; {
+				us, err := lim.Usage(ctx)
+				if err != nil {
+					t.Fatal(err)
+				}
+				u = us.Rules[0].Booked
+				time.Sleep(5 * time.Millisecond)
+			}
+		}
+		// a, as x1 leaves the window; then a call as x2 leaves it.
+		book(0, 4, 4)
+		book(1, 4, 8)
+		// The vendor counts 2 units of another consumer: the limit in
+		// force drops to 7 (their share, and its spare).
+		if _, _, err := x2.Heard(ctx, Answer{Status: 200, Tokens: &Count{Remaining: 0}}); err != nil {
+			t.Fatal(err)
+		}
+		if got := limitInForce(t, lim); got[0] != 7 {
+			t.Fatalf("limit in force %v after the count, want 7", got)
+		}
+		// b asks after the drop: after a and the second call leave.
+		book(2, 3, 11)
+		wg.Wait()
+		if starts[0] >= starts[2] {
+			t.Errorf("the call booked before the drop started at %v, after the call that asked after it (%v)", starts[0], starts[2])
+		}
+	})
+}

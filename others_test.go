@@ -329,3 +329,40 @@ func TestOthers_RefundsAfterTheSlotStillCount(t *testing.T) {
 		}
 	})
 }
+
+// A vendor sends the counts of the moment it answers: the fleet's calls
+// still in flight then are in them, at their estimate. Read against the
+// fleet's record up to that moment, they are the fleet's own: no share
+// for others, and no gap charged.
+func TestOthers_CallsInFlightWhenTheVendorAnswersAreTheFleets(t *testing.T) {
+	redistest.Each(t, func(t *testing.T, s *redistest.Server) {
+		ctx := context.Background()
+		lim := newLimiter(t, s.Client(t), policies.SlidingLog{Limit: 20, Window: 10 * time.Second}, Options{Mode: FailFast})
+		first, err := lim.Acquire(ctx, Cost(5))
+		if err != nil {
+			t.Fatal(err)
+		}
+		first.Start()
+		// The second call leaves while the first is in flight, well after
+		// its slot, and the vendor counts it before it answers the first.
+		time.Sleep(50 * time.Millisecond)
+		second, err := lim.Acquire(ctx, Cost(6))
+		if err != nil {
+			t.Fatal(err)
+		}
+		second.Start()
+		if _, _, err := first.Heard(ctx, Answer{Status: http.StatusOK, Tokens: &Count{Remaining: 9, Limit: 20}}); err != nil {
+			t.Fatal(err)
+		}
+		u, err := lim.Usage(ctx)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if u.Rules[0].Others != 0 {
+			t.Errorf("the quota leaves others %d, want 0: the vendor counted the fleet's two calls alone", u.Rules[0].Others)
+		}
+		if u.Rules[0].Used != 11 {
+			t.Errorf("the quota counts %d used, want 11: nothing to charge", u.Rules[0].Used)
+		}
+	})
+}

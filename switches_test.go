@@ -154,6 +154,7 @@ var switchBreaks = map[mechanism][]string{
 	offForwardSteps:   {"^TestClockStep_ForwardStepCountsAsALoss$"},
 	offMoves:          {"^TestMove_RefundMovesASleepingCallOfAnotherReplica$"},
 	offRebookLowered:  {"^TestLowered_CallsBookedBeforeADropBookAgain$"},
+	offKeepPlace:      {"^TestLowered_ACallBookedBeforeADropKeepsItsPlace$"},
 	offConcRefusals:   {"^TestTransport_AConcurrencyRefusalGoesToTheConcurrencyRule$"},
 	"spread_margins":  {"^TestMargin_FollowsTheFleetsSpread$"},
 	"bucket_margin":   {"^TestGuard_TokenBucketLateReplyBooksAgain$"},

@@ -44,6 +44,7 @@ func (l *Limiter) wait(ctx context.Context, c call) (*Permit, error) {
 		maxWait, reason := l.waitLeft(ctx, start)
 		r, err := l.acquire(ctx, c, max(maxWait, 0), giveBack)
 		giveBack = nil
+		c.keeps = false
 		c.queued = time.Time{} // its wait in the queue is over once it asked
 		c.moved = nil
 		if err != nil {
@@ -76,6 +77,7 @@ func (l *Limiter) wait(ctx context.Context, c call) (*Permit, error) {
 			}
 			if how == wokenOvertaken {
 				giveBack = &r
+				c.keeps = l.keepsPlace(r)
 			}
 			if how != wokenAtSlot {
 				continue
@@ -320,6 +322,17 @@ func (p *Permit) startedLate() time.Duration {
 		return time.Duration(late)
 	}
 	return 0
+}
+
+// answeredLate returns how long after its slot the call's answer came,
+// read when the answer is heard: as late as the vendor may have taken the
+// counts it sent. It is never less than how late the call started.
+func (p *Permit) answeredLate() time.Duration {
+	late := p.startedLate()
+	if now, ok := p.lateness(); ok && now > late {
+		late = now
+	}
+	return late
 }
 
 // lateness returns how late after its slot the call would start now, and

@@ -19,8 +19,9 @@
 --             three of the vendor's counts of requests, for the rules that count calls
 --             (see units in lib.lua): calls_left (or -1), calls_reset (or 0),
 --             calls_limit (or 0);
---   late      how late after its slot the call of as_of started, in microseconds
---             (0 when unknown): the vendor counted as of its arrival;
+--   late      how long after its slot the answer to the call of as_of came, in
+--             microseconds (0 when unknown): the vendor took its counts at the
+--             latest then, with the fleet's calls in flight at their estimate;
 --   refused_cost  when the vendor refused the call of as_of, its cost (as
 --             read_cost in lib.lua reads it, under the rules passed), else "";
 --   span      the longest window of the whole policy in microseconds, its margin's
@@ -280,6 +281,10 @@ local function charged_after(r, t)
   return charged_in(r, t)
 end
 
+-- The counts were taken at the latest when the answer came: the fleet's
+-- calls booked until then are in them, at their estimate or max_tokens
+-- while in flight, as they are in the fleet's record.
+local taken = math.min(as_of + arg.late, now)
 local charged = 0
 local calls_left, calls_reset = arg.calls_left, arg.calls_reset
 for i, r in ipairs(rs) do
@@ -292,18 +297,18 @@ for i, r in ipairs(rs) do
   if left >= 0 then
     local free
     if r.kind == LOG then
-      free = r.limit - redis.call('ZCOUNT', r.key, '(' .. str(now - r.window), str(as_of)) - charged_after(r, as_of)
+      free = r.limit - redis.call('ZCOUNT', r.key, '(' .. str(now - r.window), str(taken)) - charged_after(r, taken)
     elseif r.kind == COUNTER then
       local used = 0
       local raw = redis.call('HGETALL', r.key)
       local oldest = oldest_bucket(r, now)
       for k = 1, #raw, 2 do
         local b = tonumber(raw[k])
-        if b >= oldest and b * r.width <= as_of then
+        if b >= oldest and b * r.width <= taken then
           used = used + tonumber(raw[k + 1])
         end
       end
-      free = r.limit - used - charged_after(r, bucket_of(as_of, r.width) * r.width + r.width - 1)
+      free = r.limit - used - charged_after(r, bucket_of(taken, r.width) * r.width + r.width - 1)
     elseif r.kind == BUCKET then
       local tat = tat_of(r.key)
       free = bucket_free(r, tat, now)

@@ -27,8 +27,9 @@ func readmeOpenAI(ctx context.Context, rdb *redis.Client, params openai.ChatComp
 	if err != nil {
 		return nil, err
 	}
-	client := openai.NewClient(option.WithHTTPClient(&http.Client{Transport: &throttle.Transport{Limiter: lim,
-		Cost: tokens.Cost(tokens.OpenAIChat, tokens.Estimate.Total, 20_000)}})) // the prompt's estimate + max tokens
+	client := openai.NewClient(option.WithMaxRetries(0), // the quota waits: no SDK retry of its refusal
+		option.WithHTTPClient(&http.Client{Transport: &throttle.Transport{Limiter: lim,
+			Cost: tokens.Cost(tokens.OpenAIChat, tokens.Estimate.Total, 20_000)}})) // the prompt's estimate + max tokens
 	return client.Chat.Completions.New(ctx, params)
 	// README end
 }

@@ -173,7 +173,7 @@ type Feedback struct {
 	CallsLeft   int64  // the requests left, or -1, for the rules that count calls
 	CallsReset  int64  // microseconds until the requests' reset, or 0
 	CallsLimit  int64  // the limit of requests stated, or 0
-	Late        int64  // how late after its slot the call of as_of started, in microseconds, or 0
+	Late        int64  // how long after its slot the answer to the call of as_of came, in microseconds, or 0
 	RefusedCost any    // the refused call's cost under the rules passed, or ""
 	Span        int64  // the longest window of the whole policy in microseconds, its margin's ceiling included
 	Named       int64  // the number of Named groups

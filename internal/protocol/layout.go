@@ -152,7 +152,7 @@ var feedbackLayout = Layout{Name: "Feedback", Doc: "the arguments of feedback.lu
 	{"calls_left", Int, "the requests left, or -1, for the rules that count calls"},
 	{"calls_reset", Int, "microseconds until the requests' reset, or 0"},
 	{"calls_limit", Int, "the limit of requests stated, or 0"},
-	{"late", Int, "how late after its slot the call of as_of started, in microseconds, or 0"},
+	{"late", Int, "how long after its slot the answer to the call of as_of came, in microseconds, or 0"},
 	{"refused_cost", Cost, "the refused call's cost under the rules passed, or \"\""},
 	{"span", Int, "the longest window of the whole policy in microseconds, its margin's ceiling included"},
 	{"named", Int, "the number of Named groups"},
