@@ -209,11 +209,7 @@ func heldForRedis(s schedule, o outcome) []string {
 // imposes and a window for the replicas that came back first, a second and
 // the round trips.
 func recovered(s schedule, o outcome) []string {
-	far := slices.Max(s.Latency)
-	// A saturated fleet serves its calls in turn: a worker waits for the
-	// others' calls ahead of it.
-	queue := time.Duration((s.Replicas*s.Workers*s.MaxCost+s.Policy.Limit-1)/s.Policy.Limit) * s.Policy.Window
-	bound := 2*s.Policy.longest() + queue + 1500*time.Millisecond + 4*far + s.Vendor
+	bound := s.recovery()
 	left := map[int]time.Duration{}
 	for _, e := range s.Events {
 		if e.Kind == "leave" {
@@ -235,6 +231,16 @@ func recovered(s schedule, o outcome) []string {
 		}
 	}
 	return nil
+}
+
+// recovery returns how soon after a fault ends recovered wants every
+// replica to admit a call again.
+func (s schedule) recovery() time.Duration {
+	far := slices.Max(s.Latency)
+	// A saturated fleet serves its calls in turn: a worker waits for the
+	// others' calls ahead of it.
+	queue := time.Duration((s.Replicas*s.Workers*s.MaxCost+s.Policy.Limit-1)/s.Policy.Limit) * s.Policy.Window
+	return 2*s.Policy.longest() + queue + 1500*time.Millisecond + 4*far + s.Vendor
 }
 
 // end returns when the event's fault is over.

@@ -126,7 +126,24 @@ func drawSchedule(seed uint64) schedule {
 	s.Length = max(6*s.Policy.Window, 3*time.Second)
 	s.Events = drawEvents(rng, s)
 	s.Events = append(s.Events, drawDeploy(seed, s)...)
+	s.Length = s.needed()
 	return s
+}
+
+// needed returns how long s must run for its checks: the length drawn, cut
+// to the end of its last fault and the time recovered allows after it. A
+// run without faults is at its steady state within a few windows, and a
+// concurrency limit's window is only its lease: more of either is more
+// script calls that teach nothing new.
+func (s schedule) needed() time.Duration {
+	need := max(1500*time.Millisecond, s.Deadline+500*time.Millisecond)
+	if s.Policy.Kind != "concurrency" {
+		need = max(need, 6*s.Policy.Window)
+	}
+	for _, e := range s.Events {
+		need = max(need, e.end()+s.recovery())
+	}
+	return min(s.Length, need)
 }
 
 // drawDeploy returns, for one schedule in four of a log or counter policy,

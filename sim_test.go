@@ -47,8 +47,8 @@ var (
 // Under the race detector the default corpus is empty, and the
 // regressions alone run (TestSim_Regressions, a dozen schedules of every
 // kind): the README's test command runs with -race, and the detector
-// makes each schedule about twenty times slower. .ci/run runs the seeds
-// from 1 for 60 s without it.
+// makes each schedule about twenty times slower. .ci/run runs seeds 1 to
+// 2,000 without it.
 func init() {
 	if raceEnabled {
 		*simN = 0
@@ -395,7 +395,11 @@ func (r *simReplica) work(version context.Context, k uint64) {
 		switch {
 		case err == nil:
 		case errors.As(err, &le):
-			sleepUntil(version, min(max(le.RetryAfter, 10*time.Millisecond), 100*time.Millisecond))
+			// As a client that honours Retry-After does: the hint and up to
+			// as much again at random, so that refused workers do not all
+			// come back at once, within 10 ms and a window.
+			wait := le.RetryAfter + time.Duration(rng.Int64N(int64(le.RetryAfter)+1))
+			sleepUntil(version, min(max(wait, 10*time.Millisecond), max(s.Policy.Window, 100*time.Millisecond)))
 		default:
 			sleepUntil(version, 10*time.Millisecond)
 		}
