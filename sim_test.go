@@ -267,7 +267,11 @@ type simReplica struct {
 	lim  atomic.Pointer[Limiter] // replaced by a deploy
 	ctx  context.Context
 	stop context.CancelFunc
-	once sync.Once
+	// closing is made by the first close, and closed once it is done: a
+	// second close waits on it, which the bubble counts as blocked, as it
+	// does not a goroutine waiting on a lock (a sync.Once's): its clock
+	// would stop, and the first close wait for ever for its timers.
+	closing chan struct{}
 
 	mu      sync.Mutex
 	version context.CancelFunc // stops the workers of the version running
@@ -406,13 +410,23 @@ func (r *simReplica) work(version context.Context, k uint64) {
 	}
 }
 
-// close stops the replica and closes its limiter and client.
+// close stops the replica and closes its limiter and client, once.
 func (r *simReplica) close() {
-	r.once.Do(func() {
-		r.stop()
-		_ = r.lim.Load().Close(context.Background())
-		_ = r.rdb.Close()
-	})
+	r.mu.Lock()
+	closing, first := r.closing, r.closing == nil
+	if first {
+		closing = make(chan struct{})
+		r.closing = closing
+	}
+	r.mu.Unlock()
+	if !first {
+		<-closing
+		return
+	}
+	defer close(closing)
+	r.stop()
+	_ = r.lim.Load().Close(context.Background())
+	_ = r.rdb.Close()
 }
 
 // sleepUntil sleeps d unless ctx ends first, and reports whether it slept.
