@@ -56,13 +56,15 @@ func priorities(s schedule, o outcome) []string {
 }
 
 // firstCome checks, where the fleet serves first come, first served
-// (ArrivalOrder, or a single class), that no call was refused for its
+// (ArrivalOrder, or a single class) from a sliding log (which books exact
+// slots: a counter's room comes back a bucket at a time, and may go to
+// a call that asks just after one it refused), that no call was refused for its
 // deadline while calls that began after it reached the vendor within that
 // deadline with more than its cost and a tenth of the limit (the
 // tolerance: calls a round trip apart may be decided in either order, and
 // a refused call's booking is given back to those after it).
 func firstCome(s schedule, o outcome) []string {
-	if !s.ordered() || s.Deadline == 0 || !s.ArrivalOrder && s.classes() > 1 {
+	if !s.ordered() || s.Policy.Kind != "log" || s.Deadline == 0 || !s.ArrivalOrder && s.classes() > 1 {
 		return nil
 	}
 	for _, c := range o.calls {

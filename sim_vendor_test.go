@@ -198,9 +198,9 @@ func (v *simVendor) respond(a *Answer) {
 // simRefusal is a call the vendor refused.
 type simRefusal struct {
 	at    time.Duration
-	rate  bool // about its rate, not a lock
-	other bool // the other consumer's
-	pause time.Duration
+	rate  bool          // about its rate, not a lock
+	other bool          // the other consumer's
+	pause time.Duration // what the vendor asked the fleet to keep quiet
 }
 
 // refused records a refusal.
@@ -234,9 +234,16 @@ func (r *simReplica) atVendor(ctx context.Context, p simPlan, hold time.Duration
 	} else {
 		time.Sleep(hold)
 	}
-	pause, _, _ := PermitFrom(ctx).Heard(ctx, a)
+	_, _, _ = PermitFrom(ctx).Heard(ctx, a)
 	if !ok {
-		r.w.refused(simRefusal{at: r.w.since(), rate: a.AboutRate, pause: pause})
+		// What the vendor asked: its Retry-After, or the pause Heard takes
+		// for a refusal that names no time (a second, a quarter more at
+		// random at most).
+		asked := a.RetryAfter
+		if !a.HasRetryAfter {
+			asked = 1250 * time.Millisecond
+		}
+		r.w.refused(simRefusal{at: r.w.since(), rate: a.AboutRate, pause: asked})
 		return errVendorRefused
 	}
 	return nil
@@ -247,7 +254,8 @@ func (r *simReplica) atVendor(ctx context.Context, p simPlan, hold time.Duration
 // windows (and the two after each change of the cap), where the fleet can
 // see it (othersOpen says where it cannot); and a pause that did not end:
 // after each refusal, the fleet must reach the vendor again within the
-// pause it was asked for, two windows and a second and a half.
+// pause the vendor asked for, two windows, two round trips to Redis and
+// one to the vendor, and half a second.
 func vendorChecks(s schedule, o outcome) []string {
 	if s.Model == nil {
 		return nil
@@ -260,11 +268,14 @@ func vendorChecks(s schedule, o outcome) []string {
 		if r.other {
 			continue
 		}
-		by := r.at + r.pause + 2*s.Policy.Window + 1500*time.Millisecond
+		by := r.at + r.pause + 2*s.Policy.Window + 4*slices.Max(s.Latency) + 2*s.Vendor + 500*time.Millisecond
 		if by > s.Length-s.Policy.Window || s.faultBetween(r.at, by) {
 			continue
 		}
-		if !slices.ContainsFunc(o.arrivals, func(a simArrival) bool { return a.at > r.at && a.at <= by }) {
+		// Reached again: counted, or refused again.
+		again := slices.ContainsFunc(o.arrivals, func(a simArrival) bool { return a.at > r.at && a.at <= by }) ||
+			slices.ContainsFunc(o.refusals, func(n simRefusal) bool { return !n.other && n.at > r.at && n.at <= by })
+		if !again {
 			out = append(out, fmt.Sprintf("the fleet reached the vendor no more after a refusal at %v that paused it for %v", r.at, r.pause))
 			break
 		}
