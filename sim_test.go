@@ -37,7 +37,7 @@ import (
 //	go test -run TestSim_Schedules -sim.seed 1234 -v .    # replay one, and shrink it if it fails
 //	go test -run TestSim_Schedules -sim.for 1h -timeout 2h .  # new seeds for an hour
 var (
-	simN    = flag.Int("sim.n", 150, "how many schedules TestSim_Schedules runs (seeds sim.from, sim.from+1, ...); 0 under -race")
+	simN    = flag.Int("sim.n", 140, "how many schedules TestSim_Schedules runs (seeds sim.from, sim.from+1, ...); 0 under -race")
 	simFrom = flag.Uint64("sim.from", 1, "the first seed of TestSim_Schedules")
 	simSeed = flag.Uint64("sim.seed", 0, "run only the schedule of this seed, and shrink it if it fails")
 	simFor  = flag.Duration("sim.for", 0, "run schedules from sim.from on for this long instead of sim.n of them")
