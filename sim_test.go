@@ -217,13 +217,7 @@ func run(s schedule) outcome {
 	start := time.Now()
 	w := &world{s: s, start: start, jitter: jitter, stalls: stalls}
 	ctx, stop := context.WithCancel(context.Background())
-	var other sync.WaitGroup
-	if s.Model != nil {
-		w.vendor = &simVendor{m: *s.Model, window: s.Policy.Window, cap: s.Policy.Limit, since: w.since}
-		if s.Model.Other > 0 {
-			other.Go(func() { w.otherConsumer(ctx, w.vendor) })
-		}
-	}
+	other := w.startVendor(ctx)
 	var wg sync.WaitGroup
 	replicas := make([]*simReplica, s.Replicas)
 	for i := range s.Replicas {

@@ -210,6 +210,19 @@ func (w *world) refused(r simRefusal) {
 	w.mu.Unlock()
 }
 
+// startVendor makes the run's vendor of s's model, if it has one, and
+// starts its other consumer until ctx ends; wait for the group returned.
+func (w *world) startVendor(ctx context.Context) *sync.WaitGroup {
+	var other sync.WaitGroup
+	if m := w.s.Model; m != nil {
+		w.vendor = &simVendor{m: *m, window: w.s.Policy.Window, cap: w.s.Policy.Limit, since: w.since}
+		if m.Other > 0 {
+			other.Go(func() { w.otherConsumer(ctx, w.vendor) })
+		}
+	}
+	return &other
+}
+
 // otherConsumer spends m.Other units per window of the vendor's key, a call
 // at a time, without the limiter, until ctx ends.
 func (w *world) otherConsumer(ctx context.Context, v *simVendor) {
