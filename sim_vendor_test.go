@@ -38,11 +38,11 @@ type vendorModel struct {
 	Raise      time.Duration // when it comes back
 }
 
-// drawVendor draws, for one schedule in three of a sliding log that fails
-// closed with no key, a vendor model, from a stream of its own. Each of its
-// choices is drawn evenly (Counts, At, Report: a third each; RetryAfter:
-// half), but locks, another consumer and a cap lowered and raised, one
-// model in three each.
+// drawVendor draws, for half the schedules of a sliding log or counter
+// that fail closed with no key, a vendor model, from a stream of its own.
+// Each of its choices is drawn evenly (Counts, Report: a third each; At,
+// RetryAfter: half each), but locks, another consumer and a cap lowered and
+// raised, one model in three each.
 func drawVendor(seed uint64, s *schedule) {
 	rng := rand.New(rand.NewPCG(seed, 0x76656e646f72))
 	if s.Policy.Kind != "log" && s.Policy.Kind != "counter" || s.OnError != FailClosed || s.Keys > 0 || rng.IntN(2) != 0 {
