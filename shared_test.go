@@ -434,3 +434,34 @@ func TestShared_AClassOfOneQuotaFindsItsShareAgainstAnother(t *testing.T) {
 		}
 	})
 }
+
+// TestShared_AGroupsSignalIsItsClients: a slot freed wakes the waiting
+// calls of the quotas of its group on the same Redis client only, and the
+// last limiter of a group to close forgets its signal. A process-wide
+// signal per name woke a fleet's calls on another Redis, and closed a
+// channel made inside another test's synctest bubble.
+func TestShared_AGroupsSignalIsItsClients(t *testing.T) {
+	s, other := redistest.Mini(t), redistest.Mini(t)
+	rdb := s.Client(t)
+	core := newRoute(t, rdb, "core", githubLike(5000))
+	search := newRoute(t, rdb, "search", githubLike(30))
+	elsewhere := newRoute(t, other.Client(t), "core", githubLike(5000))
+	if core.freed != search.freed {
+		t.Error("two quotas of one group on one client wait on two signals")
+	}
+	if core.freed == elsewhere.freed {
+		t.Error("a group of the same name on another client shares its signal")
+	}
+	for _, lim := range []*Limiter{core, search, elsewhere} {
+		if err := lim.Close(context.Background()); err != nil {
+			t.Fatal(err)
+		}
+	}
+	groups.mu.Lock()
+	defer groups.mu.Unlock()
+	for key := range groups.m {
+		if key.group == "gh" && (key.rdb == core.rdb || key.rdb == elsewhere.rdb) {
+			t.Errorf("group %q of a closed fleet still held", key.group)
+		}
+	}
+}

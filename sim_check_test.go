@@ -29,6 +29,11 @@ func check(s schedule, o outcome) []string {
 	if s.Mode != FailFast {
 		out = append(out, recovered(s, o)...)
 	}
+	out = append(out, drained(s, o)...)
+	out = append(out, vendorChecks(s, o)...)
+	out = append(out, efficiency(s, o)...)
+	out = append(out, priorities(s, o)...)
+	out = append(out, firstCome(s, o)...)
 	return out
 }
 
@@ -62,18 +67,21 @@ func partitioned(s schedule) schedule {
 // lost scripts' count called only after the others had made it up (seed
 // 1369 of the 2,000: 77 units where 50 fit, now and then).
 func knownOpen(s schedule, o outcome) []string {
+	var out []string
 	if s.has("failover") && (s.OnError == FailClosed || s.OnError == Local) {
-		return safety(partitioned(s), o)
+		out = safety(partitioned(s), o)
 	}
-	return nil
+	if s.Model != nil && s.othersOpen() {
+		out = append(out, othersRefused(s, o)...)
+	}
+	return out
 }
 
 // safety checks that the vendor never saw more than the policy allows.
 func safety(s schedule, o outcome) []string {
 	p := s.Policy
 	all := func(simArrival) bool { return true }
-	units := func(a simArrival) int { return a.cost }
-	calls := func(simArrival) int { return 1 }
+	calls := func(simArrival, time.Duration) int { return 1 }
 	switch p.Kind {
 	case "concurrency":
 		if o.inFlight > p.Limit {
@@ -95,29 +103,51 @@ func safety(s schedule, o outcome) []string {
 	case "percall":
 		return append(overWindow(o, p.Limit, p.Window, all, calls, "the calls' rule"),
 			overWindow(o, 4*p.Limit, p.Window, all, units, "the units' rule")...)
+	case "units":
+		in := func(a simArrival, _ time.Duration) int { return a.in }
+		out := overWindow(o, p.Limit, p.Window, all, calls, "the calls' rule")
+		out = append(out, overWindow(o, 4*p.Limit, p.Window, all, in, "the input units' rule")...)
+		return append(out, overWindow(o, 2*p.Limit, p.Window, all, units, "the output units' rule")...)
+	case "shared":
+		out := overWindow(o, p.Limit*3/2, p.Window, all, units, "the shared rule")
+		for q := range 2 {
+			out = append(out, overWindow(o, p.Limit, p.Window, func(a simArrival) bool { return a.quota == q }, units, fmt.Sprintf("quota %d's rule", q))...)
+		}
+		return out
 	}
 	return overWindow(o, p.Limit, p.Window, all, units, "the rule")
 }
 
+// units is what the vendor counts of a's units at t (simArrival.counted).
+func units(a simArrival, t time.Duration) int { return a.counted(t) }
+
 // overWindow returns a violation when the arrivals that keep holds count
-// for more than limit in some window (t-w, t].
-func overWindow(o outcome, limit int, w time.Duration, keep func(simArrival) bool, count func(simArrival) int, what string) []string {
+// for more than limit in some window (t-w, t], as the vendor counts them
+// at t. A cost settled higher than its estimate may take a window past its
+// limit by as much (Permit.Settle: the vendor counted it already), so the
+// window's limit grows by what its calls' settles charged.
+func overWindow(o outcome, limit int, w time.Duration, keep func(simArrival) bool, count func(simArrival, time.Duration) int, what string) []string {
 	var in []simArrival
 	for _, a := range o.arrivals {
 		if keep(a) {
 			in = append(in, a)
 		}
 	}
-	sum, lo := 0, 0
-	for _, a := range in {
-		sum += count(a)
+	lo := 0
+	for i, a := range in {
 		for in[lo].at <= a.at-w {
-			sum -= count(in[lo])
 			lo++
 		}
-		if sum > limit {
-			return []string{fmt.Sprintf("%s: %d in the window of %v ending at %v, limit %d (replicas %v)",
-				what, sum, w, a.at, limit, replicasOf(in[lo:slices.Index(in, a)+1]))}
+		sum, charged := 0, 0
+		for _, b := range in[lo : i+1] {
+			sum += count(b, a.at)
+			if n := count(b, b.answer) - count(b, b.at-1); n > 0 {
+				charged += n
+			}
+		}
+		if sum > limit+charged {
+			return []string{fmt.Sprintf("%s: %d in the window of %v ending at %v, limit %d, %d of it charged by settles (replicas %v)",
+				what, sum, w, a.at, limit, charged, replicasOf(in[lo:i+1]))}
 		}
 	}
 	return nil
@@ -209,14 +239,10 @@ func heldForRedis(s schedule, o outcome) []string {
 // imposes and a window for the replicas that came back first, a second and
 // the round trips.
 func recovered(s schedule, o outcome) []string {
-	far := slices.Max(s.Latency)
-	// A saturated fleet serves its calls in turn: a worker waits for the
-	// others' calls ahead of it.
-	queue := time.Duration((s.Replicas*s.Workers*s.MaxCost+s.Policy.Limit-1)/s.Policy.Limit) * s.Policy.Window
-	bound := 2*s.Policy.longest() + queue + 1500*time.Millisecond + 4*far + s.Vendor
+	bound := s.recovery()
 	left := map[int]time.Duration{}
 	for _, e := range s.Events {
-		if e.Kind == "leave" {
+		if e.Kind == "leave" || e.Kind == "close" {
 			left[e.Replica] = e.At
 		}
 	}
@@ -229,12 +255,25 @@ func recovered(s schedule, o outcome) []string {
 			if l, ok := left[i]; ok && l < end+bound || s.Join[i] > end {
 				continue
 			}
+			if !slices.ContainsFunc(o.arrivals, func(a simArrival) bool { return a.replica == i && a.at < e.At }) {
+				continue // it admitted none before either: a deadline shorter than its round trips
+			}
 			if !slices.ContainsFunc(o.arrivals, func(a simArrival) bool { return a.replica == i && a.at >= end && a.at <= end+bound }) {
 				return []string{fmt.Sprintf("replica %d admitted no call within %v after the %s that ended at %v", i, bound, e.Kind, end)}
 			}
 		}
 	}
 	return nil
+}
+
+// recovery returns how soon after a fault ends recovered wants every
+// replica to admit a call again.
+func (s schedule) recovery() time.Duration {
+	far := slices.Max(s.Latency)
+	// A saturated fleet serves its calls in turn: a worker waits for the
+	// others' calls ahead of it.
+	queue := time.Duration((s.Replicas*s.Workers*s.MaxCost+s.Policy.Limit-1)/s.Policy.Limit) * s.Policy.Window
+	return 2*s.Policy.longest() + queue + 1500*time.Millisecond + 4*far + s.Vendor
 }
 
 // end returns when the event's fault is over.
@@ -251,4 +290,29 @@ func (e event) end() time.Duration {
 // has reports whether the schedule has an event of kind.
 func (s schedule) has(kind string) bool {
 	return slices.ContainsFunc(s.Events, func(e event) bool { return e.Kind == kind })
+}
+
+// drained checks that a replica's Close returned, within its context's
+// 2 s, and that when it returned nil every call of the replica that had
+// begun had ended: it waited for the queued calls' turns and the calls
+// under way, and dropped none.
+func drained(s schedule, o outcome) []string {
+	for _, cl := range o.closes {
+		if cl.end-cl.began > 2*time.Second+100*time.Millisecond {
+			return []string{fmt.Sprintf("replica %d: Close took %v", cl.replica, cl.end-cl.began)}
+		}
+		if cl.err != nil {
+			continue
+		}
+		// A call whose function returned before Close did may still give
+		// its booking back to Redis: a round trip.
+		trip := 2*(slices.Max(s.Latency)+s.Jitter) + 5*time.Millisecond
+		for _, c := range o.calls {
+			if c.replica == cl.replica && c.began < cl.began && c.end > cl.end+trip {
+				return []string{fmt.Sprintf("replica %d: Close returned at %v while a call that began at %v was still under way (it ended at %v: %v)",
+					cl.replica, cl.end, c.began, c.end, c.err)}
+			}
+		}
+	}
+	return nil
 }

@@ -31,20 +31,30 @@ type schedule struct {
 	Length   time.Duration   // the run's length
 	Events   []event
 	Hold     time.Duration `json:",omitempty"` // the vendor's time on each call; 0 for 0 to 4 ms at random (5 to 50 under a concurrency limit)
+
+	// The features (sim_features_test.go); schedules kept from before them
+	// have none but two classes.
+	Classes      int          `json:",omitempty"` // priority classes, by worker; 0 for two
+	ArrivalOrder bool         `json:",omitempty"` // Options.ArrivalOrder
+	Skew         bool         `json:",omitempty"` // the first key has three calls in four
+	Settle       string       `json:",omitempty"` // lower, higher or both: each cost an estimate settled after the call
+	Cancel       bool         `json:",omitempty"` // a call in five given back before it leaves
+	Model        *vendorModel `json:",omitempty"` // how the vendor counts and answers (sim_vendor_test.go); nil: a strict count
 }
 
 // simPolicy is the quota's policy, in words a schedule can print.
 type simPolicy struct {
-	Kind   string // log, counter, bucket, concurrency, all, perkey, percall
+	Kind   string // log, counter, bucket, concurrency, all, perkey, percall, units, shared
 	Limit  int
 	Window time.Duration
+	Keyed  bool `json:",omitempty"` // a PerKey rule beside, at the whole limit: the keys' fair shares, no limit of their own
 }
 
 // event is a fault, or a change of the fleet, at a time of the run.
 type event struct {
 	At      time.Duration
-	Kind    string        // kill, flush, scriptflush, step, freeze, cut, failover, stall, leave, deploy
-	Replica int           // for cut, stall, leave
+	Kind    string        // kill, flush, scriptflush, step, freeze, cut, failover, stall, leave, deploy, close
+	Replica int           // for cut, stall, leave, close
 	For     time.Duration // how long it lasts; for step, how far (negative: back); for failover, how far behind the copy is
 }
 
@@ -53,9 +63,16 @@ func (s schedule) String() string {
 	return string(b)
 }
 
-// policy returns the schedule's policy, and the windows its safety is
-// checked against (see simVendor).
+// policy returns the schedule's policy.
 func (p simPolicy) policy() policies.Policy {
+	if p.Keyed {
+		// Calls may name a key only when a PerKey rule counts keys; one
+		// at the whole limit limits no key, and leaves the keys' fair
+		// shares (docs/PROTOCOL.md, 3.13) to the rules every key shares.
+		q := p
+		q.Keyed = false
+		return policies.All(q.policy(), policies.PerKey{Policy: policies.SlidingLog{Limit: p.Limit, Window: p.Window}})
+	}
 	log := policies.SlidingLog{Limit: p.Limit, Window: p.Window}
 	switch p.Kind {
 	case "counter":
@@ -70,6 +87,10 @@ func (p simPolicy) policy() policies.Policy {
 		return policies.All(log, policies.PerKey{Policy: policies.SlidingLog{Limit: max(p.Limit/2, 1), Window: p.Window}})
 	case "percall":
 		return policies.All(policies.PerCall{Policy: log}, policies.SlidingLog{Limit: 4 * p.Limit, Window: p.Window})
+	case "units":
+		return unitsPolicy(p.Limit, p.Window)
+	case "shared":
+		return sharedPolicy(p.Limit, p.Window)
 	}
 	return log
 }
@@ -113,6 +134,7 @@ func drawSchedule(seed uint64) schedule {
 	if s.Policy.Kind == "perkey" {
 		s.Keys = pick(2, 3)
 	}
+	drawFeatures(seed, &s)
 	far := time.Duration(pick(0, 0, 1, 5, 25, 50)) * time.Millisecond
 	for range s.Replicas {
 		s.Latency = append(s.Latency, far+time.Duration(rng.IntN(3))*time.Millisecond)
@@ -121,12 +143,38 @@ func drawSchedule(seed uint64) schedule {
 	s.Jitter = time.Duration(pick(0, 0, 1, 2)) * time.Millisecond
 	s.Vendor = time.Duration(pick(0, 1, 10)) * time.Millisecond
 	if rng.IntN(3) == 0 {
-		s.Deadline = time.Duration(pick(200, 500, 2000)) * time.Millisecond
+		s.Deadline = time.Duration(pick(20, 50, 200, 500, 2000, 10000)) * time.Millisecond
 	}
 	s.Length = max(6*s.Policy.Window, 3*time.Second)
+	drawVendor(seed, &s)
 	s.Events = drawEvents(rng, s)
 	s.Events = append(s.Events, drawDeploy(seed, s)...)
+	s.Events = append(s.Events, drawClose(seed, s)...)
+	s.Length = s.needed()
 	return s
+}
+
+// needed returns how long s must run for its checks: the length drawn, cut
+// to the end of its last fault and the time recovered allows after it (and
+// five windows more where efficiency reads the fleet after it). A
+// run without faults is at its steady state within a few windows, and a
+// concurrency limit's window is only its lease: more of either is more
+// script calls that teach nothing new.
+func (s schedule) needed() time.Duration {
+	need := max(1500*time.Millisecond, s.Deadline+500*time.Millisecond)
+	if s.Policy.Kind != "concurrency" {
+		need = max(need, 6*s.Policy.Window)
+	}
+	for _, e := range s.Events {
+		need = max(need, e.end()+s.recovery())
+		if s.saturates() {
+			need = max(need, e.end()+s.recovery()+5*s.Policy.Window) // for efficiency
+		}
+	}
+	if s.Model != nil && s.Model.Lower > 0 {
+		need = max(need, s.Model.Raise+4*s.Policy.Window)
+	}
+	return min(s.Length, need)
 }
 
 // drawDeploy returns, for one schedule in four of a log or counter policy,
@@ -212,7 +260,9 @@ func (s schedule) shrink() []schedule {
 		c := s
 		c.Replicas--
 		c.Latency, c.Join = s.Latency[:c.Replicas], s.Join[:c.Replicas]
-		c.Events = slices.DeleteFunc(slices.Clone(s.Events), func(e event) bool { return e.Replica >= c.Replicas && e.Kind != "kill" && e.Kind != "flush" })
+		c.Events = slices.DeleteFunc(slices.Clone(s.Events), func(e event) bool {
+			return e.Replica >= c.Replicas && e.Kind != "kill" && e.Kind != "flush" && e.Kind != "deploy"
+		})
 		if c.OnError != Local || c.Policy.Limit >= 2*c.Replicas {
 			out = append(out, c)
 		}
@@ -251,6 +301,10 @@ func minimal(s schedule, fails func(schedule) bool) (schedule, int) {
 func (s schedule) describe() string {
 	out := fmt.Sprintf("%d replicas × %d workers, %s limit %d per %v, %v, %v, Redis %v away ±%v, vendor %v away, deadline %v, cost ≤ %d, keys %d, %v long",
 		s.Replicas, s.Workers, s.Policy.Kind, s.Policy.Limit, s.Policy.Window, s.Mode, s.OnError, s.Latency, s.Jitter, s.Vendor, s.Deadline, s.MaxCost, s.Keys, s.Length)
+	out += fmt.Sprintf("\n  %d classes, arrival order %v, skewed keys %v, settle %q, cancel %v", s.classes(), s.ArrivalOrder, s.Skew, s.Settle, s.Cancel)
+	if s.Model != nil {
+		out += fmt.Sprintf("\n  vendor %+v", *s.Model)
+	}
 	for _, e := range s.Events {
 		out += fmt.Sprintf("\n  at %v: %s (replica %d, %v)", e.At, e.Kind, e.Replica, e.For)
 	}

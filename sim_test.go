@@ -47,8 +47,8 @@ var (
 // Under the race detector the default corpus is empty, and the
 // regressions alone run (TestSim_Regressions, a dozen schedules of every
 // kind): the README's test command runs with -race, and the detector
-// makes each schedule about twenty times slower. .ci/run runs the seeds
-// from 1 for 60 s without it.
+// makes each schedule about twenty times slower. .ci/run runs seeds 1 to
+// 2,000 without it.
 func init() {
 	if raceEnabled {
 		*simN = 0
@@ -65,20 +65,48 @@ type outcome struct {
 	calls    []simCall
 	inFlight int // the most calls in flight at once at the vendor
 	scripts  int // EVALSHA and EVAL commands sent, NOSCRIPT fallbacks counted twice
+	closes   []simClose
+
+	refusals   []simRefusal // by a modelled vendor
+	otherCalls int          // its other consumer's
 }
 
 type simArrival struct {
 	at      time.Duration // since the run's start
-	cost    int
+	cost    int           // the call's cost, an estimate when the schedule settles
 	key     string
 	replica int
 	local   bool // decided without Redis
+	quota   int  // which of a shared rule's two quotas
+	in      int  // its input units (the units kind; cost is its output's)
+	actual  int  // what the vendor counts of it once it answered
+	answer  time.Duration
+}
+
+// counted returns what the vendor counts of a at t: its estimate while the
+// call is under way, what it really cost once answered.
+func (a simArrival) counted(t time.Duration) int {
+	if a.answer <= t {
+		return a.actual
+	}
+	return a.cost
 }
 
 type simCall struct {
 	replica    int
 	began, end time.Duration
 	fnEnd      time.Duration // when the vendor answered, if the call got that far
+	err        error
+	priority   int
+	cost       int
+	arrived    time.Duration // when it reached the vendor; 0 if it did not
+}
+
+// simClose is a replica's Close of its limiter: when it began and
+// returned, and what it returned.
+type simClose struct {
+	replica    int
+	began, end time.Duration
 	err        error
 }
 
@@ -189,6 +217,7 @@ func run(s schedule) outcome {
 	start := time.Now()
 	w := &world{s: s, start: start, jitter: jitter, stalls: stalls}
 	ctx, stop := context.WithCancel(context.Background())
+	other := w.startVendor(ctx)
 	var wg sync.WaitGroup
 	replicas := make([]*simReplica, s.Replicas)
 	for i := range s.Replicas {
@@ -204,7 +233,10 @@ func run(s schedule) outcome {
 			MaintNotificationsConfig: &maintnotifications.Config{Mode: maintnotifications.ModeDisabled},
 		})
 		rep.rdb.AddHook(scriptCounter{w})
-		rep.lim.Store(rep.newLimiter(s.Policy))
+		rep.lim.Store(rep.newLimiter(s.Policy, "sim"))
+		if s.Policy.Kind == "shared" {
+			rep.lim2 = rep.newLimiter(s.Policy, "sim-b")
+		}
 		replicas[i] = rep
 		wg.Go(rep.run)
 	}
@@ -214,6 +246,7 @@ func run(s schedule) outcome {
 	stop()
 	wg.Wait()
 	events.Wait()
+	other.Wait()
 	for _, rep := range replicas {
 		rep.close()
 	}
@@ -239,6 +272,7 @@ type world struct {
 	start  time.Time
 	jitter func() time.Duration
 	stalls []atomic.Int64 // how much slower each replica's link to Redis is now
+	vendor *simVendor     // nil for a strict count (check)
 	mu     sync.Mutex
 	o      outcome
 	inside int
@@ -246,10 +280,12 @@ type world struct {
 
 func (w *world) since() time.Duration { return time.Since(w.start) }
 
-// arrive records a call reaching the vendor, and returns when it is done.
-func (w *world) arrive(replica, cost int, key string, local bool, hold time.Duration) {
+// arrive records call a reaching the vendor, and returns when it is done.
+func (w *world) arrive(a simArrival, hold time.Duration) {
 	w.mu.Lock()
-	w.o.arrivals = append(w.o.arrivals, simArrival{at: w.since(), cost: cost, key: key, replica: replica, local: local})
+	a.at = w.since()
+	a.answer = a.at + hold
+	w.o.arrivals = append(w.o.arrivals, a)
 	w.inside++
 	w.o.inFlight = max(w.o.inFlight, w.inside)
 	w.mu.Unlock()
@@ -265,9 +301,14 @@ type simReplica struct {
 	w    *world
 	rdb  *redis.Client
 	lim  atomic.Pointer[Limiter] // replaced by a deploy
+	lim2 *Limiter                // the second quota of a shared rule
 	ctx  context.Context
 	stop context.CancelFunc
-	once sync.Once
+	// closing is made by the first close, and closed once it is done: a
+	// second close waits on it, which the bubble counts as blocked, as it
+	// does not a goroutine waiting on a lock (a sync.Once's): its clock
+	// would stop, and the first close wait for ever for its timers.
+	closing chan struct{}
 
 	mu      sync.Mutex
 	version context.CancelFunc // stops the workers of the version running
@@ -276,11 +317,12 @@ type simReplica struct {
 	done    bool               // run waits for all: no version starts
 }
 
-// newLimiter returns a limiter of the replica's quota under policy p.
-func (r *simReplica) newLimiter(p simPolicy) *Limiter {
+// newLimiter returns a limiter of the replica's quota name under policy p.
+func (r *simReplica) newLimiter(p simPolicy, name string) *Limiter {
 	s := r.w.s
-	lim, err := New(r.rdb, "sim", p.policy(), Options{
+	lim, err := New(r.rdb, name, p.policy(), Options{
 		Mode: s.Mode, OnRedisError: s.OnError, ExpectedReplicas: s.Replicas, Logger: quiet(),
+		ArrivalOrder: s.ArrivalOrder,
 	})
 	if err != nil {
 		panic(fmt.Sprintf("seed %d: %v", s.Seed, err))
@@ -305,7 +347,7 @@ func (r *simReplica) halt() bool {
 
 // restart starts the replica again under policy p, after halt.
 func (r *simReplica) restart(p simPolicy) {
-	_ = r.lim.Swap(r.newLimiter(p)).Close(context.Background())
+	_ = r.lim.Swap(r.newLimiter(p, "sim")).Close(context.Background())
 	r.start()
 }
 
@@ -349,16 +391,13 @@ func (r *simReplica) work(version context.Context, k uint64) {
 	s := r.w.s
 	rng := rand.New(rand.NewPCG(s.Seed, uint64(r.i)<<32|k))
 	for version.Err() == nil {
-		cost := 1 + rng.IntN(s.MaxCost)
-		key := ""
-		if s.Keys > 0 {
-			key = "k" + strconv.Itoa(rng.IntN(s.Keys))
-		}
+		p := s.plan(rng, k)
+		p.a.replica = r.i
 		ctx, cancel := version, context.CancelFunc(func() {})
 		if s.Deadline > 0 {
 			ctx, cancel = context.WithTimeout(version, s.Deadline)
 		}
-		c := simCall{replica: r.i, began: r.w.since()}
+		c := simCall{replica: r.i, began: r.w.since(), priority: int(k) % s.classes(), cost: p.a.cost}
 		// The vendor's time on a call: up to 5 ms, and 5 to 50 ms under a
 		// concurrency limit, which bounds the calls by it alone.
 		hold := time.Duration(rng.IntN(5)) * time.Millisecond
@@ -368,47 +407,103 @@ func (r *simReplica) work(version context.Context, k uint64) {
 		if s.Hold > 0 {
 			hold = s.Hold
 		}
-		// Two priorities, by worker: the shares each class holds the
-		// other (docs/PROTOCOL.md, 3.13) meet every fault too.
-		opts := []CallOption{Cost(cost), Priority(int(k % 2))}
-		if key != "" {
-			opts = append(opts, Key(key))
+		lim := r.lim.Load()
+		if p.a.quota == 1 {
+			lim = r.lim2
 		}
 		unwatch := watchDeadline(s.Deadline)
-		_, err := Do(ctx, r.lim.Load(), func(ctx context.Context) (struct{}, error) {
+		_, err := Do(ctx, lim, func(ctx context.Context) (struct{}, error) {
+			if p.cancel {
+				return struct{}{}, PermitFrom(ctx).Cancel(ctx)
+			}
 			time.Sleep(s.Vendor + r.w.jitter())
-			r.w.arrive(r.i, cost, key, PermitFrom(ctx).r.local, hold)
+			c.arrived = r.w.since()
+			p.a.local = PermitFrom(ctx).r.local
+			if r.w.vendor != nil {
+				if err := r.atVendor(ctx, p, hold); err != nil {
+					return struct{}{}, err
+				}
+				c.fnEnd = r.w.since()
+				s.settle(ctx, p)
+				return struct{}{}, nil
+			}
+			r.w.arrive(p.a, hold)
 			c.fnEnd = r.w.since()
+			s.settle(ctx, p)
 			return struct{}{}, nil
-		}, opts...)
+		}, p.opts...)
 		unwatch()
 		cancel()
 		c.end, c.err = r.w.since(), err
-		if err != nil && !errors.Is(err, ErrLimited) && !errors.Is(err, ErrUnavailable) && !errors.Is(err, ErrClosed) &&
-			!errors.Is(err, context.Canceled) && !errors.Is(err, context.DeadlineExceeded) && !errors.Is(err, ErrQueueFull) {
-			panic(fmt.Sprintf("seed %d: a call failed with %v", s.Seed, err))
-		}
-		r.w.mu.Lock()
-		r.w.o.calls = append(r.w.o.calls, c)
-		r.w.mu.Unlock()
-		var le *LimitedError
-		switch {
-		case err == nil:
-		case errors.As(err, &le):
-			sleepUntil(version, min(max(le.RetryAfter, 10*time.Millisecond), 100*time.Millisecond))
-		default:
-			sleepUntil(version, 10*time.Millisecond)
-		}
+		r.ended(c)
+		r.backOff(version, rng, err)
 	}
 }
 
-// close stops the replica and closes its limiter and client.
+// ended records call c, which must have ended as the API says a call ends.
+func (r *simReplica) ended(c simCall) {
+	err := c.err
+	if err != nil && !errors.Is(err, ErrLimited) && !errors.Is(err, ErrUnavailable) && !errors.Is(err, ErrClosed) && !errors.Is(err, errVendorRefused) &&
+		!errors.Is(err, context.Canceled) && !errors.Is(err, context.DeadlineExceeded) && !errors.Is(err, ErrQueueFull) {
+		panic(fmt.Sprintf("seed %d: a call failed with %v", r.w.s.Seed, err))
+	}
+	r.w.mu.Lock()
+	r.w.o.calls = append(r.w.o.calls, c)
+	r.w.mu.Unlock()
+}
+
+// backOff waits after a call that failed with err.
+func (r *simReplica) backOff(version context.Context, rng *rand.Rand, err error) {
+	var le *LimitedError
+	switch {
+	case err == nil:
+	case errors.As(err, &le):
+		// As a client that honours Retry-After does: the hint and up to
+		// as much again at random, so that refused workers do not all
+		// come back at once, within 10 ms and a window.
+		wait := le.RetryAfter + time.Duration(rng.Int64N(int64(le.RetryAfter)+1))
+		sleepUntil(version, min(max(wait, 10*time.Millisecond), max(r.w.s.Policy.Window, 100*time.Millisecond)))
+	default:
+		sleepUntil(version, 10*time.Millisecond)
+	}
+}
+
+// drain closes the replica's limiters, as a process that shuts down does,
+// records how Close went, and stops the replica.
+func (r *simReplica) drain() {
+	began := r.w.since()
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Second)
+	err := r.lim.Load().Close(ctx)
+	if r.lim2 != nil {
+		err = errors.Join(err, r.lim2.Close(ctx))
+	}
+	cancel()
+	r.w.mu.Lock()
+	r.w.o.closes = append(r.w.o.closes, simClose{replica: r.i, began: began, end: r.w.since(), err: err})
+	r.w.mu.Unlock()
+	r.close()
+}
+
+// close stops the replica and closes its limiters and client, once.
 func (r *simReplica) close() {
-	r.once.Do(func() {
-		r.stop()
-		_ = r.lim.Load().Close(context.Background())
-		_ = r.rdb.Close()
-	})
+	r.mu.Lock()
+	closing, first := r.closing, r.closing == nil
+	if first {
+		closing = make(chan struct{})
+		r.closing = closing
+	}
+	r.mu.Unlock()
+	if !first {
+		<-closing
+		return
+	}
+	defer close(closing)
+	r.stop()
+	_ = r.lim.Load().Close(context.Background())
+	if r.lim2 != nil {
+		_ = r.lim2.Close(context.Background())
+	}
+	_ = r.rdb.Close()
 }
 
 // sleepUntil sleeps d unless ctx ends first, and reports whether it slept.
@@ -463,6 +558,8 @@ func playEvents(ctx context.Context, wg *sync.WaitGroup, s schedule, r *sim.Redi
 				w.stalls[e.Replica].Store(0)
 			case "leave":
 				replicas[e.Replica].close()
+			case "close":
+				replicas[e.Replica].drain()
 			case "deploy":
 				// The old version stopped everywhere, then the new one
 				// started, its rule of another kind over the same windows

@@ -177,10 +177,10 @@ func New(rdb redis.UniversalClient, name string, policy policies.Policy, opts ..
 		}
 	}
 	l.compile()
-	l.freed = freedFor(l.group)
 	if l.group != "" && s.onRedisError == Local {
 		return nil, fmt.Errorf("throttle: quota %q: OnRedisError Local cannot divide the policies.Shared rules of %q among the quotas that share them: use FailClosed or FailOpen", name, l.group)
 	}
+	l.freed = l.freedFor()
 	if s.mode == Queue {
 		l.q = newQueue(s.maxQueue, s.overflow, min(l.maxCost, maxDispatched))
 	}
@@ -419,6 +419,7 @@ func (l *Limiter) Close(ctx context.Context) error {
 		err = l.work.close(ctx)
 	}
 	if first {
+		l.leaveGroup()
 		l.dropAllSpares(ctx)
 		if done := l.unlisten(); done != nil && err == nil {
 			err = wait(ctx, done)

@@ -7,6 +7,8 @@ import (
 	"sync"
 	"time"
 
+	"github.com/redis/go-redis/v9"
+
 	"github.com/throttlekit/throttle/internal/protocol"
 )
 
@@ -372,23 +374,60 @@ func (l *Limiter) signalFreed() { l.freed.signal() }
 // freed is closed, and replaced, when a concurrency slot frees in this
 // process.
 type freed struct {
-	mu sync.Mutex
-	ch chan struct{}
+	mu    sync.Mutex
+	ch    chan struct{}
+	users int // limiters of its group; guarded by groups.mu
 }
 
 // groups holds the freed signal of each group of quotas that share rules
-// (policies.Shared), by the group's name: a slot one quota frees may be
-// the one another quota's calls wait for.
-var groups sync.Map
+// (policies.Shared) on one Redis client under one prefix: a slot one quota
+// frees may be the one another quota's calls wait for. A group of the same
+// name on another client is another fleet's, and another test's: its
+// signal must not wake these calls, nor outlive them (the last limiter of
+// a group to close removes it).
+var groups = struct {
+	mu sync.Mutex
+	m  map[groupKey]*freed
+}{m: map[groupKey]*freed{}}
 
-// freedFor returns the signal of group, or a signal of its own for "".
-func freedFor(group string) *freed {
-	f := &freed{ch: make(chan struct{})}
-	if group == "" {
-		return f
+// groupKey names a group of quotas that share rules.
+type groupKey struct {
+	rdb    redis.UniversalClient
+	prefix string
+	group  string
+}
+
+// freedFor returns the signal of the limiter's group, or a signal of its
+// own when it has none.
+func (l *Limiter) freedFor() *freed {
+	if l.group == "" {
+		return &freed{ch: make(chan struct{})}
 	}
-	shared, _ := groups.LoadOrStore(group, f)
-	return shared.(*freed)
+	key := groupKey{l.rdb, l.s.keyPrefix(), l.group}
+	groups.mu.Lock()
+	defer groups.mu.Unlock()
+	f := groups.m[key]
+	if f == nil {
+		f = &freed{ch: make(chan struct{})}
+		groups.m[key] = f
+	}
+	f.users++
+	return f
+}
+
+// leaveGroup forgets the limiter's group signal once no limiter uses it.
+func (l *Limiter) leaveGroup() {
+	if l.group == "" {
+		return
+	}
+	key := groupKey{l.rdb, l.s.keyPrefix(), l.group}
+	groups.mu.Lock()
+	defer groups.mu.Unlock()
+	if f := groups.m[key]; f == l.freed {
+		if f.users--; f.users == 0 {
+			delete(groups.m, key)
+		}
+	}
 }
 
 // wait returns the channel the next signal closes.

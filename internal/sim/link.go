@@ -37,30 +37,23 @@ type chunk struct {
 	due time.Time
 }
 
-// pump copies src to dst until either closes, delaying each chunk.
+// pump copies src to dst until either closes, delaying each chunk. It
+// reads src as fast as it writes, as a socket's buffers take what is sent
+// whether or not the other end reads: a server that publishes to a client
+// whose link is held (a cut, a freeze) must not block, since it would block
+// holding its lock, the calls of every other client would wait on that
+// lock, and the bubble's clock, which moves only when every goroutine waits
+// on a channel or a timer, would never reach the end of the cut.
 func (l *link) pump(src, dst net.Conn, toServer bool) {
 	defer l.close()
-	ch := make(chan chunk, 256)
-	go func() {
-		defer close(ch)
-		buf := make([]byte, 64<<10)
-		for {
-			n, err := src.Read(buf)
-			if n > 0 {
-				c := chunk{b: append([]byte(nil), buf[:n]...), due: time.Now().Add(l.r.latency(l.proc))}
-				select {
-				case ch <- c:
-				case <-l.done:
-					return
-				}
-			}
-			if err != nil {
-				return
-			}
-		}
-	}()
+	q := &chunks{more: make(chan struct{}, 1)}
+	go q.fill(src, func() time.Duration { return l.r.latency(l.proc) })
 	var last time.Time
-	for c := range ch {
+	for {
+		c, ok := q.next(l.done)
+		if !ok {
+			return
+		}
 		due := c.due
 		if due.Before(last) {
 			due = last // in order: a chunk never overtakes the one before
@@ -74,6 +67,60 @@ func (l *link) pump(src, dst net.Conn, toServer bool) {
 		}
 		if _, err := dst.Write(c.b); err != nil {
 			return
+		}
+	}
+}
+
+// chunks is the bytes a link has read and not yet delivered.
+type chunks struct {
+	mu    sync.Mutex
+	queue []chunk
+	ended bool          // the source closed
+	more  chan struct{} // signalled when a chunk is added, or the source closes
+}
+
+// fill reads src into the queue until src closes, each chunk due after the
+// latency drawn for it.
+func (q *chunks) fill(src net.Conn, latency func() time.Duration) {
+	buf := make([]byte, 64<<10)
+	for {
+		n, err := src.Read(buf)
+		q.mu.Lock()
+		if n > 0 {
+			q.queue = append(q.queue, chunk{b: append([]byte(nil), buf[:n]...), due: time.Now().Add(latency())})
+		}
+		q.ended = err != nil
+		q.mu.Unlock()
+		select {
+		case q.more <- struct{}{}:
+		default:
+		}
+		if err != nil {
+			return
+		}
+	}
+}
+
+// next returns the next chunk, waiting for one; false once the source
+// closed and every chunk was taken, or when done closes.
+func (q *chunks) next(done <-chan struct{}) (chunk, bool) {
+	for {
+		q.mu.Lock()
+		if len(q.queue) > 0 {
+			c := q.queue[0]
+			q.queue = q.queue[1:]
+			q.mu.Unlock()
+			return c, true
+		}
+		ended := q.ended
+		q.mu.Unlock()
+		if ended {
+			return chunk{}, false
+		}
+		select {
+		case <-q.more:
+		case <-done:
+			return chunk{}, false
 		}
 	}
 }

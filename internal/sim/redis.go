@@ -121,10 +121,20 @@ func (r *Redis) Dialer(i int) func(ctx context.Context, network, addr string) (n
 				r.mu.Unlock()
 				return nil, &net.OpError{Op: "dial", Net: "tcp", Err: syscall.ECONNREFUSED}
 			}
-			srv, err := r.m.Dial()
+			m := r.m
+			r.mu.Unlock()
+			// Not under r.mu: Dial takes the server's lock, which a script
+			// holds while it publishes to a subscriber whose link waits for
+			// r.mu to carry the message (a cycle that stops the bubble).
+			srv, err := m.Dial()
 			if err != nil {
-				r.mu.Unlock()
 				return nil, err
+			}
+			r.mu.Lock()
+			if r.m != m || r.down || p.open != open {
+				r.mu.Unlock()
+				_ = srv.Close()
+				continue // killed, failed over or cut meanwhile
 			}
 			l := r.newLinkLocked(i, srv)
 			r.mu.Unlock()

@@ -1,0 +1,86 @@
+package throttle
+
+import (
+	"errors"
+	"fmt"
+	"slices"
+	"time"
+)
+
+// The checkers of the order calls are served in: priorities, and first
+// come, first served against the callers' deadlines.
+
+// ordered returns whether s's calls are served in an order these checkers
+// can read: a log or counter quota of calls that wait for their slots, no
+// fault, no key (whose fair shares order calls too), no vendor model (whose
+// refusals pause the fleet).
+func (s schedule) ordered() bool {
+	return (s.Policy.Kind == "log" || s.Policy.Kind == "counter") && s.Mode != FailFast && len(s.Events) == 0 &&
+		s.Keys == 0 && s.Model == nil
+}
+
+// trip is a generous round trip to Redis of s, the vendor's way included:
+// calls that begin within it of each other may be decided in either order.
+func (s schedule) trip() time.Duration {
+	return 2*(slices.Max(s.Latency)+s.Jitter) + 2*s.Vendor + 10*time.Millisecond
+}
+
+// priorities checks that a higher priority never waits for a lower one
+// beyond one window's turn: while a call of a higher priority waited, the
+// calls of lower priorities that began after it (a round trip after, at
+// least) reached the vendor with at most a window's limit, and a tenth of
+// the limit for each window it waited (each class keeps a tenth, so that
+// none starves).
+func priorities(s schedule, o outcome) []string {
+	if !s.ordered() || s.ArrivalOrder || s.classes() < 2 {
+		return nil
+	}
+	for _, h := range o.calls {
+		if h.priority == 0 || h.arrived == 0 {
+			continue
+		}
+		waited := h.arrived - h.began
+		allowed := s.Policy.Limit + int(waited/s.Policy.Window+1)*max(s.Policy.Limit/10, 1)
+		overtook := 0
+		for _, l := range o.calls {
+			if l.priority < h.priority && l.arrived != 0 && l.began > h.began+s.trip() && l.arrived < h.arrived {
+				overtook += l.cost
+			}
+		}
+		if overtook > allowed {
+			return []string{fmt.Sprintf("replica %d: a call of priority %d that began at %v waited %v while calls of lower priorities that began after it took %d units, at most %d allowed",
+				h.replica, h.priority, h.began, waited, overtook, allowed)}
+		}
+	}
+	return nil
+}
+
+// firstCome checks, where the fleet serves first come, first served
+// (ArrivalOrder, or a single class) from a sliding log (which books exact
+// slots: a counter's room comes back a bucket at a time, and may go to
+// a call that asks just after one it refused), that no call was refused for its
+// deadline while calls that began after it reached the vendor within that
+// deadline with more than its cost and a tenth of the limit (the
+// tolerance: calls a round trip apart may be decided in either order, and
+// a refused call's booking is given back to those after it).
+func firstCome(s schedule, o outcome) []string {
+	if !s.ordered() || s.Policy.Kind != "log" || s.Deadline == 0 || !s.ArrivalOrder && s.classes() > 1 {
+		return nil
+	}
+	for _, c := range o.calls {
+		if !errors.Is(c.err, ErrLimited) {
+			continue
+		}
+		later := 0
+		for _, l := range o.calls {
+			if l.arrived != 0 && l.began > c.began+s.trip() && l.arrived <= c.began+s.Deadline {
+				later += l.cost
+			}
+		}
+		if later > c.cost+max(s.Policy.Limit/10, 1) {
+			return []string{fmt.Sprintf("replica %d: a call that began at %v was refused for its deadline of %v, while calls that began after it took %d units within it",
+				c.replica, c.began, s.Deadline, later)}
+		}
+	}
+	return nil
+}
