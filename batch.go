@@ -122,7 +122,7 @@ func (l *Limiter) await(ctx context.Context, req *request) (result, error) {
 				timer.Reset(left)
 				continue
 			}
-			l.lastFailure.Store(time.Now().UnixNano())
+			l.batches.lastFailure.Store(time.Now().UnixNano())
 			err = l.unavailable(fmt.Errorf("no answer within %v: %w", l.s.redisTimeout, context.DeadlineExceeded))
 		}
 	}
@@ -146,8 +146,8 @@ func (l *Limiter) failedWhileQueued(c call) bool {
 	if c.queued.IsZero() || isOff(offQueuedFailures) {
 		return false
 	}
-	failed := l.lastFailure.Load()
-	return failed > c.queued.UnixNano() && failed > l.lastAnswer.Load()
+	failed := l.batches.lastFailure.Load()
+	return failed > c.queued.UnixNano() && failed > l.batches.lastAnswer.Load()
 }
 
 // askDeadline returns when a call that asked Redis stops waiting for it,
@@ -167,14 +167,14 @@ func askDeadline(t time.Time) int64 {
 // waits for Redis longer than the timeout in all.
 func (l *Limiter) answered() {
 	now := time.Now()
-	l.lastAnswer.Store(now.UnixNano())
+	l.batches.lastAnswer.Store(now.UnixNano())
 	deadline := askDeadline(now.Add(l.s.redisTimeout))
-	l.lanesMu.Lock()
-	defer l.lanesMu.Unlock()
-	if l.lane == nil {
+	l.batches.lanesMu.Lock()
+	defer l.batches.lanesMu.Unlock()
+	if l.batches.lane == nil {
 		return
 	}
-	for _, req := range l.lane.pending {
+	for _, req := range l.batches.lane.pending {
 		req.deadline.Store(deadline)
 	}
 }
@@ -183,22 +183,22 @@ func (l *Limiter) answered() {
 // Otherwise it opens the lane and returns it: the caller then decides req
 // itself.
 func (l *Limiter) submit(req *request) *lane {
-	l.lanesMu.Lock()
-	defer l.lanesMu.Unlock()
-	if l.lane != nil {
-		l.lane.pending = append(l.lane.pending, req)
+	l.batches.lanesMu.Lock()
+	defer l.batches.lanesMu.Unlock()
+	if l.batches.lane != nil {
+		l.batches.lane.pending = append(l.batches.lane.pending, req)
 		return nil
 	}
-	l.lane = &lane{}
-	return l.lane
+	l.batches.lane = &lane{}
+	return l.batches.lane
 }
 
 // take takes the next batch of calls that queued in the lane while a
 // decision was on its way, or closes the lane and returns nil when there are
 // none.
 func (l *Limiter) take(ln *lane) []*request {
-	l.lanesMu.Lock()
-	defer l.lanesMu.Unlock()
+	l.batches.lanesMu.Lock()
+	defer l.batches.lanesMu.Unlock()
 	var batch []*request
 	most := maxBatch
 	if isOff(offBatches) {
@@ -212,7 +212,7 @@ func (l *Limiter) take(ln *lane) []*request {
 		}
 	}
 	if len(batch) == 0 {
-		l.lane = nil
+		l.batches.lane = nil
 	}
 	return batch
 }
@@ -243,7 +243,7 @@ func (l *Limiter) decide(sc scope, batch []*request) {
 	keys, args, members := l.batchArgs(sc, batch, lateOf(batch, give), spares, spareCost, age, describing)
 	// A gap in the news from now on, however soon, may hide what would
 	// make these decisions unusable.
-	gaps := l.gaps.Load()
+	gaps := l.view.gaps.Load()
 	sent := l.timing.now()
 	v, err := l.runOn(ctx, scripts.acquire, keys, args).Int64Slice()
 	recvd := l.timing.now()
@@ -257,7 +257,7 @@ func (l *Limiter) decide(sc scope, batch []*request) {
 	}
 	stale := l.noteAcquireReply(sc, rep, len(batch), sent, recvd)
 	if describing != "" {
-		l.described.Store(rep.epoch)
+		l.view.described.Store(rep.epoch)
 	}
 	// The spares first: a caller that has its decision finds the pool it
 	// filled (and Close, after the last call, gives it back).
@@ -421,7 +421,7 @@ func (l *Limiter) newStep() int64 {
 		return 0
 	}
 	l.seenStep.Store(seq)
-	if by <= l.minMargin {
+	if by <= l.cfg.minMargin {
 		return 0
 	}
 	return (at - by/2).Microseconds()
@@ -430,7 +430,7 @@ func (l *Limiter) newStep() int64 {
 // failBatch fails every call of batch with err, the failure of a script
 // call that took d.
 func (l *Limiter) failBatch(batch []*request, d time.Duration, err error) {
-	l.lastFailure.Store(time.Now().UnixNano())
+	l.batches.lastFailure.Store(time.Now().UnixNano())
 	l.emit(Event{Kind: EventRedis, Duration: d, Calls: len(batch), Err: err})
 	err = l.unavailable(err)
 	for _, req := range batch {
@@ -450,9 +450,9 @@ func (l *Limiter) noteAcquireReply(sc scope, rep acquireReply, n int, sent, recv
 	// Decided by a clock that just stepped forward: the calls go back and
 	// ask again, the step now known.
 	after, by, _ := l.timing.step()
-	stale = after > before && by > l.minMargin
+	stale = after > before && by > l.cfg.minMargin
 	l.notePause(sc, rep.now, rep.pause)
-	newEpoch := l.epoch.Load() != rep.epoch
+	newEpoch := l.view.epoch.Load() != rep.epoch
 	l.noteEpoch(rep.epoch, rep.lost)
 	l.noteScripts(newEpoch, rep.seq)
 	l.noteRan(rep.epoch, rep.lost)
@@ -509,11 +509,11 @@ func (l *Limiter) abandon(r result) {
 		l.cancel(context.Background(), call{cost: r.cost, named: r.named}, r)
 		return
 	}
-	l.lanesMu.Lock()
-	l.abandoned = append(l.abandoned, r)
-	start := !l.giving
-	l.giving = true
-	l.lanesMu.Unlock()
+	l.batches.lanesMu.Lock()
+	l.batches.abandoned = append(l.batches.abandoned, r)
+	start := !l.batches.giving
+	l.batches.giving = true
+	l.batches.lanesMu.Unlock()
 	if start {
 		l.work.start(l.giveAbandoned)
 	}
@@ -523,14 +523,14 @@ func (l *Limiter) abandon(r result) {
 // script calls of their own, until none are left.
 func (l *Limiter) giveAbandoned() {
 	for {
-		l.lanesMu.Lock()
-		if len(l.abandoned) == 0 {
-			l.giving = false
-			l.lanesMu.Unlock()
+		l.batches.lanesMu.Lock()
+		if len(l.batches.abandoned) == 0 {
+			l.batches.giving = false
+			l.batches.lanesMu.Unlock()
 			return
 		}
-		sc := l.abandoned[0].scope
-		l.lanesMu.Unlock()
+		sc := l.batches.abandoned[0].scope
+		l.batches.lanesMu.Unlock()
 		l.decide(sc, nil)
 	}
 }
@@ -538,11 +538,11 @@ func (l *Limiter) giveAbandoned() {
 // takeAbandoned returns up to n abandoned bookings to give back in a script
 // call, and forgets them.
 func (l *Limiter) takeAbandoned(n int) []result {
-	l.lanesMu.Lock()
-	defer l.lanesMu.Unlock()
-	n = min(n, len(l.abandoned))
-	give := slices.Clone(l.abandoned[:n])
-	l.abandoned = slices.Delete(l.abandoned, 0, n)
+	l.batches.lanesMu.Lock()
+	defer l.batches.lanesMu.Unlock()
+	n = min(n, len(l.batches.abandoned))
+	give := slices.Clone(l.batches.abandoned[:n])
+	l.batches.abandoned = slices.Delete(l.batches.abandoned, 0, n)
 	return give
 }
 

@@ -102,7 +102,7 @@ func TestScript_LongLogSettlesForItsTail(t *testing.T) {
 		if want := 100 * window; r.wait != want {
 			t.Errorf("booked %v ahead, want %v (after the last booked window)", r.wait, want)
 		}
-		checkRedisWindows(t, s.Client(t), lim, []model.Rule{toModel(lim.rules[0])})
+		checkRedisWindows(t, s.Client(t), lim, []model.Rule{toModel(lim.cfg.rules[0])})
 		// Within reach of one read, the hole is used.
 		lim2 := newLimiter(t, s.Client(t), policies.SlidingLog{Limit: limit, Window: window, Margin: time.Nanosecond}, Options{Clock: clock.Now, Prefix: "near"})
 		var near result
@@ -220,7 +220,7 @@ func TestScript_HintHoldsAfterAPacedCall(t *testing.T) {
 	if reads > 6 {
 		t.Errorf("the call after it read the log with %d ZRANGE calls, want 6 at most (from the hint)", reads)
 	}
-	checkRedisWindows(t, s.Client(t), lim, []model.Rule{toModel(lim.rules[0])})
+	checkRedisWindows(t, s.Client(t), lim, []model.Rule{toModel(lim.cfg.rules[0])})
 }
 
 // A slot already past that is given back (a call that started too late)
@@ -267,7 +267,7 @@ func TestScript_HintStaysWhenAPastSlotLeavesNoRoom(t *testing.T) {
 	if reads > 4 {
 		t.Errorf("after a past slot was given back, the call read the log with %d ZRANGE calls, want 4 at most (from the hint)", reads)
 	}
-	checkRedisWindows(t, s.Client(t), ahead, []model.Rule{toModel(ahead.rules[0])})
+	checkRedisWindows(t, s.Client(t), ahead, []model.Rule{toModel(ahead.cfg.rules[0])})
 
 	// A full window, and the next booked more than a window after now: the
 	// slot given back is room now.

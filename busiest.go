@@ -56,15 +56,15 @@ func (l *Limiter) BusiestKeys(ctx context.Context, n int) ([]KeyLoad, error) {
 	if n <= 0 {
 		return nil, fmt.Errorf("throttle: quota %q: BusiestKeys: n must be > 0, got %d", l.name, n)
 	}
-	first := slices.IndexFunc(l.rules, func(r policies.Rule) bool { return r.PerKey })
+	first := slices.IndexFunc(l.cfg.rules, func(r policies.Rule) bool { return r.PerKey })
 	if first < 0 {
 		return nil, fmt.Errorf("throttle: quota %q: BusiestKeys: the quota has no per-key rules", l.name)
 	}
-	node, err := l.nodeOf(ctx, l.shared[2+first])
+	node, err := l.nodeOf(ctx, l.cfg.shared[2+first])
 	if err != nil {
 		return nil, l.unavailable(err)
 	}
-	hashes, err := l.scanKeys(ctx, node, l.shared[2+first]+":")
+	hashes, err := l.scanKeys(ctx, node, l.cfg.shared[2+first]+":")
 	if err != nil {
 		return nil, l.unavailable(err)
 	}
@@ -161,9 +161,9 @@ func (l *Limiter) readLoads(ctx context.Context, node *redis.Client, hashes []st
 	// Each command's error is read below: Pipelined returns the first.
 	_, _ = node.Pipelined(ctx, func(p redis.Pipeliner) error {
 		for i, h := range hashes {
-			for j, r := range l.rules {
+			for j, r := range l.cfg.rules {
 				if r.PerKey {
-					reads[i] = append(reads[i], read{j, loadCmd(ctx, p, r, l.shared[2+j]+":"+h, now)})
+					reads[i] = append(reads[i], read{j, loadCmd(ctx, p, r, l.cfg.shared[2+j]+":"+h, now)})
 				}
 			}
 		}
@@ -177,7 +177,7 @@ func (l *Limiter) readLoads(ctx context.Context, node *redis.Client, hashes []st
 			if err := rd.cmd.Err(); err != nil && !errors.Is(err, redis.Nil) {
 				return nil, err
 			}
-			r := l.rules[rd.rule]
+			r := l.cfg.rules[rd.rule]
 			k := KeyLoad{Hash: h, Used: loadOf(r, rd.cmd, now), Limit: r.Limit}
 			if load.Limit == 0 || k.fill() > load.fill() {
 				load = k

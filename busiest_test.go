@@ -40,7 +40,7 @@ func TestBusiestKeys_ListsTheFullestKeysFirst(t *testing.T) {
 					policies.PerKey{Policy: tc.policy},
 				), loads)
 				hash := func(tenant string) string { return lim.scopeFor(call{key: tenant}).id }
-				for _, k := range []string{lim.shared[3] + ":next", lim.shared[3] + ":" + hash("tenant-a") + ":c:high", "throttle:{other}:key:log60000000:" + hash("tenant-z")} {
+				for _, k := range []string{lim.cfg.shared[3] + ":next", lim.cfg.shared[3] + ":" + hash("tenant-a") + ":c:high", "throttle:{other}:key:log60000000:" + hash("tenant-z")} {
 					if err := rdb.Set(ctx, k, "x", time.Minute).Err(); err != nil {
 						t.Fatal(err)
 					}

@@ -103,11 +103,11 @@ func (l *Limiter) newCall(opts []CallOption) (call, error) {
 	switch {
 	case c.cost <= 0:
 		return c, fmt.Errorf("throttle: quota %q: Cost must be > 0, got %d", l.name, c.cost)
-	case c.cost > l.maxCost:
-		return c, fmt.Errorf("throttle: quota %q: Cost %d exceeds %s and could never run", l.name, c.cost, l.maxCostIs)
-	case l.perKey && !c.hasKey:
+	case c.cost > l.cfg.maxCost:
+		return c, fmt.Errorf("throttle: quota %q: Cost %d exceeds %s and could never run", l.name, c.cost, l.cfg.maxCostIs)
+	case l.cfg.perKey && !c.hasKey:
 		return c, fmt.Errorf("throttle: quota %q has a per-key limit: the call needs a Key", l.name)
-	case c.hasKey && !l.perKey:
+	case c.hasKey && !l.cfg.perKey:
 		return c, fmt.Errorf("throttle: quota %q: Key %q given, but no policy is a policies.PerKey: every key would share one quota", l.name, redactKey(c.key))
 	case l.closed.Load():
 		return c, quotaErr(l.name, ErrClosed, "limiter closed")
@@ -120,7 +120,7 @@ func (l *Limiter) newCall(opts []CallOption) (call, error) {
 // for each unit the quota counts.
 func (l *Limiter) checkNamed(named map[string]int) error {
 	for name, n := range named {
-		most, ok := l.unitMax[name]
+		most, ok := l.cfg.unitMax[name]
 		switch {
 		case !ok:
 			return fmt.Errorf("throttle: quota %q: CostIn(%q, %d): no policy counts unit %q (its units: %s)", l.name, name, n, name, l.unitList())
@@ -130,7 +130,7 @@ func (l *Limiter) checkNamed(named map[string]int) error {
 			return fmt.Errorf("throttle: quota %q: CostIn(%q, %d) exceeds the limit %d of unit %q and could never run", l.name, name, n, most, name)
 		}
 	}
-	for _, name := range l.units {
+	for _, name := range l.cfg.units {
 		if _, ok := named[name]; !ok {
 			return fmt.Errorf("throttle: quota %q counts unit %q (policies.Unit): the call needs CostIn(%q, n): %w", l.name, name, name, errNoUnitCost)
 		}
@@ -144,10 +144,10 @@ var errNoUnitCost = errors.New("no cost given in a counted unit")
 
 // unitList names the units the quota counts, for an error.
 func (l *Limiter) unitList() string {
-	if len(l.units) == 0 {
+	if len(l.cfg.units) == 0 {
 		return "none"
 	}
-	return strings.Join(l.units, ", ")
+	return strings.Join(l.cfg.units, ", ")
 }
 
 // redactKey shows the start of a key, which may be a secret (an API token).

@@ -608,7 +608,7 @@ func TestClasses_ThousandsOfClassesLeaveInOneScriptCall(t *testing.T) {
 		if !c.try(Key("first")) {
 			t.Fatal("the first call of an empty quota refused")
 		}
-		rdb, classes := s.Client(t), c.lim.shared[2]+":cl"
+		rdb, classes := s.Client(t), c.lim.cfg.shared[2]+":cl"
 		fields, err := rdb.HGetAll(ctx, classes).Result()
 		if err != nil || len(fields) != 1 {
 			t.Fatalf("the shared log's classes after one call: %v, %v; want its key's class alone", fields, err)

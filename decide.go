@@ -19,7 +19,7 @@ func (l *Limiter) acquire(ctx context.Context, c call, maxWait time.Duration, gi
 		return result{}, err
 	}
 	sc := l.scopeFor(c)
-	pass := l.brk.allow()
+	pass := l.failover.brk.allow()
 	if !pass.ok {
 		return l.fallback(sc, c, maxWait, l.unavailable(errBreakerOpen))
 	}
@@ -32,20 +32,20 @@ func (l *Limiter) acquire(ctx context.Context, c call, maxWait time.Duration, gi
 		// it before it decides any more.
 		if err := l.awaitHandBack(ctx); err != nil {
 			if ctx.Err() != nil {
-				l.brk.abort(pass)
+				l.failover.brk.abort(pass)
 				return result{}, ctx.Err()
 			}
 			if !errors.Is(err, errHandBackBusy) {
 				// Redis did not answer; outrun, it did.
 				l.reloadSlots(err)
-				l.brk.failure()
+				l.failover.brk.failure()
 			}
 			return l.fallback(sc, c, maxWait, err)
 		}
 	}
 	if giveBack == nil {
 		if r, ok := l.takeSpare(sc, c); ok {
-			l.brk.abort(pass)
+			l.failover.brk.abort(pass)
 			return r, nil
 		}
 	}
@@ -58,7 +58,7 @@ func (l *Limiter) acquire(ctx context.Context, c call, maxWait time.Duration, gi
 		// The caller gave up, or Redis refused the call for a reason only
 		// its configuration can change: no outage, so no fallback would
 		// be right, and no probe will fix it.
-		l.brk.abort(pass)
+		l.failover.brk.abort(pass)
 		return r, err
 	}
 	l.redisFailed(err)
@@ -69,7 +69,7 @@ func (l *Limiter) acquire(ctx context.Context, c call, maxWait time.Duration, gi
 // counts it, and says so when it opened.
 func (l *Limiter) redisFailed(err error) {
 	l.reloadSlots(err)
-	if l.brk.failure() {
+	if l.failover.brk.failure() {
 		l.s.logger.Warn("throttle: Redis keeps failing; deciding without it until it answers a probe",
 			"quota", l.name, "on_redis_error", string(l.s.onRedisError), "err", err)
 		l.emit(Event{Kind: EventFallback, Err: err})
@@ -81,8 +81,8 @@ func (l *Limiter) redisFailed(err error) {
 // stays, which wastes its slot but never overfills a window.
 func (l *Limiter) cancel(ctx context.Context, c call, r result) {
 	if r.local {
-		if l.local != nil {
-			l.local.forget(r.scope, r.member)
+		if l.failover.local != nil {
+			l.failover.local.forget(r.scope, r.member)
 		}
 		return
 	}
@@ -93,12 +93,12 @@ func (l *Limiter) cancel(ctx context.Context, c call, r result) {
 
 // onFallback reports whether the Local fallback decides calls now: Redis
 // has not learned of the calls of its turn yet.
-func (l *Limiter) onFallback() bool { return l.local != nil && l.local.on.Load() }
+func (l *Limiter) onFallback() bool { return l.failover.local != nil && l.failover.local.on.Load() }
 
 // redisAnswered records an answer from Redis, and says so when it closed
 // the breaker.
 func (l *Limiter) redisAnswered() {
-	if l.brk.success() {
+	if l.failover.brk.success() {
 		l.s.logger.Info("throttle: Redis answers again; deciding in Redis", "quota", l.name)
 		l.emit(Event{Kind: EventRecovered})
 	}
@@ -111,18 +111,18 @@ func (l *Limiter) fallback(sc scope, c call, maxWait time.Duration, cause error)
 		return result{admitted: true, local: true, scope: sc}, nil
 	case Local:
 		member := l.newMember()
-		r, began := l.local.decide(sc, c, member, maxWait)
+		r, began := l.failover.local.decide(sc, c, member, maxWait)
 		if began {
 			// This process's calls booked in Redis and still asleep ask
 			// again when they wake: the fallback counts them against this
 			// process's share, whatever Redis admitted them at.
-			l.gaps.Add(1)
+			l.view.gaps.Add(1)
 			l.work.start(l.watchForRedis)
 		}
 		r.scope, r.member = sc, member
 		if r.reason == reasonShare {
 			// Only Redis may admit it: it asks again when a probe may go.
-			r.wait = l.brk.nextProbe()
+			r.wait = l.failover.brk.nextProbe()
 		}
 		return r, nil
 	}
@@ -203,8 +203,8 @@ func (l *Limiter) reloadSlots(err error) {
 // schedule, and ends once Redis decides again or the limiter is closed.
 func (l *Limiter) watchForRedis() {
 	for l.onFallback() && !l.closed.Load() {
-		time.Sleep(l.brk.nextProbe())
-		pass := l.brk.allow()
+		time.Sleep(l.failover.brk.nextProbe())
+		pass := l.failover.brk.allow()
 		if !pass.ok || !l.onFallback() {
 			continue
 		}
@@ -219,7 +219,7 @@ func (l *Limiter) watchForRedis() {
 			// The fallback outran the hand-back, but Redis answered: the
 			// next probe tries again.
 		default:
-			l.brk.failure()
+			l.failover.brk.failure()
 		}
 	}
 }
@@ -242,11 +242,11 @@ var errHandBackBusy = errors.New("throttle: the Local fallback admitted calls wh
 // a try was on its way is handed back by the next try, with the others
 // again, which counts them twice in Redis for a window rather than never.
 func (l *Limiter) awaitHandBack(ctx context.Context) error {
-	l.handMu.Lock()
-	h := l.handing
+	l.failover.handMu.Lock()
+	h := l.failover.handing
 	if h == nil {
 		h = &handing{done: make(chan struct{})}
-		l.handing = h
+		l.failover.handing = h
 		l.work.start(func() {
 			h.err = errHandBackBusy
 			for try := 0; try < 3 && errors.Is(h.err, errHandBackBusy); try++ {
@@ -255,13 +255,13 @@ func (l *Limiter) awaitHandBack(ctx context.Context) error {
 					h.err = errHandBackBusy
 				}
 			}
-			l.handMu.Lock()
-			l.handing = nil
-			l.handMu.Unlock()
+			l.failover.handMu.Lock()
+			l.failover.handing = nil
+			l.failover.handMu.Unlock()
 			close(h.done)
 		})
 	}
-	l.handMu.Unlock()
+	l.failover.handMu.Unlock()
 	select {
 	case <-h.done:
 		return h.err
@@ -279,7 +279,7 @@ func (l *Limiter) awaitHandBack(ctx context.Context) error {
 // whether the fallback admitted nothing while it ran.
 func (l *Limiter) handBack() (complete bool, err error) {
 	ctx := context.Background()
-	charges, gen := l.local.charges()
+	charges, gen := l.failover.local.charges()
 	if isOff(offHandBack) {
 		charges = nil
 	}
@@ -290,7 +290,7 @@ func (l *Limiter) handBack() (complete bool, err error) {
 		scopes[c.scope.id] = c.scope
 	}
 	var span time.Duration
-	for _, r := range l.rules {
+	for _, r := range l.cfg.rules {
 		span = max(span, r.Window, time.Duration(r.Limit)*r.Every, r.Lease)
 	}
 	span += probeLongest
@@ -315,7 +315,7 @@ func (l *Limiter) handBack() (complete bool, err error) {
 			return false, l.unavailable(err)
 		}
 	}
-	return l.local.handedBack(gen), nil
+	return l.failover.local.handedBack(gen), nil
 }
 
 // moveEarlier asks Redis to move the booking r of call c to the earliest
@@ -333,9 +333,9 @@ func (l *Limiter) moveEarlier(ctx context.Context, c call, r result) (result, wo
 	if !ok || maxWait <= 0 || l.troubled() {
 		return r, wokenAtSlot, nil
 	}
-	pass := l.brk.allow()
+	pass := l.failover.brk.allow()
 	if !pass.ok || pass.probe || l.onFallback() {
-		l.brk.abort(pass)
+		l.failover.brk.abort(pass)
 		return r, wokenAtSlot, nil
 	}
 	c.moves = true
@@ -344,17 +344,17 @@ func (l *Limiter) moveEarlier(ctx context.Context, c call, r result) (result, wo
 	switch {
 	case err != nil && ctx.Err() != nil:
 		// The script call goes on; what it booked is given back (abandon).
-		l.brk.abort(pass)
+		l.failover.brk.abort(pass)
 		return r, wokenAtSlot, ctx.Err()
 	case err != nil && (!errors.Is(err, ErrUnavailable) || refusedByConfiguration(err)):
-		l.brk.abort(pass)
+		l.failover.brk.abort(pass)
 		return r, wokenLost, nil
 	case err != nil:
 		// The booking may be gone. The call asks again within what is
 		// left of the move's Redis timeout: a failed move tells the
 		// breaker nothing (a killed connection fails every move at once),
 		// but a hung Redis must not hold the call for a second timeout.
-		l.brk.abort(pass)
+		l.failover.brk.abort(pass)
 		return r, wokenLost, &moveFailed{err: err, by: asked.Add(l.s.redisTimeout)}
 	}
 	l.redisAnswered()

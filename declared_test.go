@@ -581,12 +581,12 @@ func driveBatch(t *testing.T, s *redistest.Server) {
 // lanePending returns how many calls of l wait in its lane for the next
 // script call.
 func lanePending(l *Limiter) int {
-	l.lanesMu.Lock()
-	defer l.lanesMu.Unlock()
-	if l.lane == nil {
+	l.batches.lanesMu.Lock()
+	defer l.batches.lanesMu.Unlock()
+	if l.batches.lane == nil {
 		return 0
 	}
-	return len(l.lane.pending)
+	return len(l.batches.lane.pending)
 }
 
 // scriptHook is a go-redis hook that sees the library's script calls:

@@ -35,7 +35,7 @@ const descriptionVersion = 1
 
 // describe returns the limiter's description, as JSON.
 func (l *Limiter) describe() string {
-	b, err := json.Marshal(description{Version: descriptionVersion, Name: l.name, Rules: l.rules, Keys: l.shared[2:]})
+	b, err := json.Marshal(description{Version: descriptionVersion, Name: l.name, Rules: l.cfg.rules, Keys: l.cfg.shared[2:]})
 	if err != nil {
 		// A Rule is numbers and strings: Marshal cannot fail on one.
 		panic("throttle: describing the policy: " + err.Error())
@@ -50,10 +50,10 @@ func (l *Limiter) describe() string {
 // script keeps the description of the limiter made last: ages tell an old
 // version's limiter from a new one, whichever describes last.
 func (l *Limiter) describing() (int64, string) {
-	if e := l.epoch.Load(); l.description == "" || e != 0 && l.described.Load() == e {
+	if e := l.view.epoch.Load(); l.cfg.description == "" || e != 0 && l.view.described.Load() == e {
 		return 0, ""
 	}
-	return time.Since(l.born).Microseconds(), l.description
+	return time.Since(l.born).Microseconds(), l.cfg.description
 }
 
 // A QuotaName names a quota a Redis holds, as Quotas finds it.
@@ -184,6 +184,6 @@ func Open(ctx context.Context, rdb redis.UniversalClient, q QuotaName, opts ...O
 	}
 	// Made after the fleet's limiters, it would pass for the newest: a
 	// description read before a newer one came would replace that one.
-	l.description = ""
+	l.cfg.description = ""
 	return l, nil
 }

@@ -53,8 +53,8 @@ func TestOpen_ReadsAQuotaWithoutItsPolicy(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		if !reflect.DeepEqual(opened.rules, lim.rules) || !slices.Equal(opened.shared, lim.shared) {
-			t.Fatalf("Open's rules and keys:\n %+v %v\nwant\n %+v %v", opened.rules, opened.shared, lim.rules, lim.shared)
+		if !reflect.DeepEqual(opened.cfg.rules, lim.cfg.rules) || !slices.Equal(opened.cfg.shared, lim.cfg.shared) {
+			t.Fatalf("Open's rules and keys:\n %+v %v\nwant\n %+v %v", opened.cfg.rules, opened.cfg.shared, lim.cfg.rules, lim.cfg.shared)
 		}
 		want, err := lim.Usage(ctx, Key("tenant-1"))
 		if err != nil {
@@ -231,7 +231,7 @@ func (r *deploys) opened() int {
 	if err != nil {
 		r.t.Fatal(err)
 	}
-	return lim.rules[0].Limit
+	return lim.cfg.rules[0].Limit
 }
 
 // newestLimiterCases are the orders of deploys and calls of
@@ -251,7 +251,7 @@ var newestLimiterCases = []struct {
 		}
 		// After a loss each describes again, with its second call.
 		r.clock.Add(10 * time.Millisecond) // a new epoch: another time
-		if err := r.rdb.Del(ctx, young.shared[0]).Err(); err != nil {
+		if err := r.rdb.Del(ctx, young.cfg.shared[0]).Err(); err != nil {
 			t.Fatal(err)
 		}
 		for _, lim := range []*Limiter{young, young, old, old} {

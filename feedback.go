@@ -76,10 +76,10 @@ func (l *Limiter) setRemaining(ctx context.Context, remaining int, reset time.Du
 	if remaining < 0 {
 		return fmt.Errorf("throttle: quota %q: SetRemaining: remaining must not be negative, got %d", l.name, remaining)
 	}
-	l.counted.Store(true)
+	l.view.counted.Store(true)
 	c := vendorCount{left: remaining, reset: max(reset, 0)}
 	said := vendorSaid{units: c, calls: unknownCount}
-	if !l.unitRules {
+	if !l.cfg.unitRules {
 		said.units, said.calls = unknownCount, c
 	}
 	return l.feedback(ctx, said, r, opts)
@@ -133,15 +133,15 @@ func (l *Limiter) feedback(ctx context.Context, said vendorSaid, r result, opts 
 	sc := l.scopeFor(c)
 	keys, rules, named := l.rulesAbout(sc, said)
 	args := scriptArgs(l.s.clock, rules, protocol.Feedback{ID: l.newMember(), AsOf: asOf.Microseconds(), Pause: pause.Microseconds(),
-		Left: int64(max(said.units.left, -1)), Reset: said.units.reset.Microseconds(), Known: l.epoch.Load(), Refused: learn,
+		Left: int64(max(said.units.left, -1)), Reset: said.units.reset.Microseconds(), Known: l.view.epoch.Load(), Refused: learn,
 		Limit: int64(max(said.units.limit, 0)), CallsLeft: int64(max(said.calls.left, -1)),
 		CallsReset: said.calls.reset.Microseconds(), CallsLimit: int64(max(said.calls.limit, 0)),
 		Late: max(said.late, 0).Microseconds(), RefusedCost: refusedCost(said, r, rules),
-		Span: policySpan(l.rules).Microseconds(), Named: int64(len(named))})
+		Span: policySpan(l.cfg.rules).Microseconds(), Named: int64(len(named))})
 	for _, n := range named {
 		args = n.Append(args)
 	}
-	v, err := scripts.feedback.Run(ctx, l.rdb, declared(scripts.feedback, keys, rules, l.groupKey), args...).Int64Slice()
+	v, err := scripts.feedback.Run(ctx, l.rdb, declared(scripts.feedback, keys, rules, l.cfg.groupKey), args...).Int64Slice()
 	if err != nil {
 		return l.unavailable(err)
 	}
@@ -174,9 +174,9 @@ func (l *Limiter) feedback(ctx context.Context, said vendorSaid, r result, opts 
 // takes them.
 func (l *Limiter) rulesAbout(sc scope, said vendorSaid) (keys []string, rules []policies.Rule, named []protocol.Named) {
 	keys = sc.keys[:2:2]
-	for i, r := range l.rules {
+	for i, r := range l.cfg.rules {
 		about := !r.PerKey
-		if !l.hasShared {
+		if !l.cfg.hasShared {
 			about = r.PerKey
 		}
 		c, counted := said.named[r.Unit]
@@ -236,7 +236,7 @@ func (l *Limiter) newFeedbackCall(opts []CallOption) (call, error) {
 	if err := l.made(); err != nil {
 		return c, err
 	}
-	if l.perKey && !l.hasShared && !c.hasKey {
+	if l.cfg.perKey && !l.cfg.hasShared && !c.hasKey {
 		return c, fmt.Errorf("throttle: quota %q has only per-key limits: the feedback needs a Key", l.name)
 	}
 	return c, nil
@@ -386,10 +386,10 @@ func (p *Permit) Heard(ctx context.Context, a Answer) (pause time.Duration, refu
 	requests, tokens := a.Requests.count(), a.Tokens.count()
 	said := p.counts(a, requests, tokens)
 	if said.units.left >= 0 || said.calls.left >= 0 || len(said.named) > 0 {
-		l.counted.Store(true)
+		l.view.counted.Store(true)
 	}
 	pause, refused = a.refusal(requests, untilReset(requests, tokens))
-	if refused && a.AboutConcurrency && l.hasConc && !isOff(offConcRefusals) {
+	if refused && a.AboutConcurrency && l.cfg.hasConc && !isOff(offConcRefusals) {
 		// The Concurrency rule's slots, not a pause, hold the calls back.
 		l.emit(Event{Kind: EventVendorLimited})
 		return 0, true, nil
@@ -447,14 +447,14 @@ func (p *Permit) counts(a Answer, requests, tokens vendorCount) vendorSaid {
 	switch {
 	case p.call.hasCost && a.Tokens != nil:
 		said.units = tokens
-	case p.call.hasCost && p.l.callRules:
+	case p.call.hasCost && p.l.cfg.callRules:
 		said.units = unknownCount // the vendor counts requests alone
 	}
-	if p.l.callRules {
+	if p.l.cfg.callRules {
 		said.calls = requests
 	}
 	for name, c := range a.Units {
-		if _, ok := p.l.unitMax[name]; ok && c != nil {
+		if _, ok := p.l.cfg.unitMax[name]; ok && c != nil {
 			if said.named == nil {
 				said.named = map[string]vendorCount{}
 			}
@@ -561,7 +561,7 @@ func (p *Permit) tell(ctx context.Context, said vendorSaid, pause time.Duration,
 		said.units.limit, said.calls.limit = 0, 0
 		return l.feedback(ctx, said, p.r, p.opts())
 	case (said.units.left >= 0 || said.calls.left >= 0) && countsCalls(l) &&
-		(l.hasConc || l.callRules || said.units.left < p.r.room || l.measuringOthers()):
+		(l.cfg.hasConc || l.cfg.callRules || said.units.left < p.r.room || l.measuringOthers()):
 		// The count only ever believes fewer are left after it admitted
 		// this call: when it believed no more than the vendor then, a call
 		// to Redis is saved. A Concurrency rule's free slots take part in
@@ -583,7 +583,7 @@ func (l *Limiter) noteOthers(rep feedbackReply) {
 	if rep.measuring {
 		l.measureOthers()
 	}
-	if old := l.others.Swap(int64(rep.others)); old != int64(rep.others) {
+	if old := l.view.others.Swap(int64(rep.others)); old != int64(rep.others) {
 		l.emit(Event{Kind: EventOthers, Others: rep.others})
 	}
 }
@@ -591,19 +591,19 @@ func (l *Limiter) noteOthers(rep feedbackReply) {
 // measureOthers makes every count the vendor gives in the next two
 // windows measure what other consumers of the key spend (see tell).
 func (l *Limiter) measureOthers() {
-	raise(&l.measuring, time.Now().Add(2*l.longest).UnixNano())
+	raise(&l.view.measuring, time.Now().Add(2*l.cfg.longest).UnixNano())
 }
 
 // measuringOthers reports whether the quota measured lately what other
 // consumers of the key spend, or should.
 func (l *Limiter) measuringOthers() bool {
-	return time.Now().UnixNano() < l.measuring.Load()
+	return time.Now().UnixNano() < l.view.measuring.Load()
 }
 
 // countsCalls reports whether the quota has a rule that counts calls over
 // time, the only kind a vendor's remaining count is about.
 func countsCalls(l *Limiter) bool {
-	for _, r := range l.rules {
+	for _, r := range l.cfg.rules {
 		if r.Kind != policies.KindConcurrency {
 			return true
 		}

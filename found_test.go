@@ -107,13 +107,13 @@ func TestLocal_ACallLargerThanTheReserveFitsAmongTheCallsHandedBack(t *testing.T
 	redistest.Each(t, func(t *testing.T, s *redistest.Server) {
 		lim := newLimiter(t, s.Client(t), policies.SlidingLog{Limit: 10, Window: time.Second},
 			Options{OnRedisError: Local, ExpectedReplicas: 2, Logger: quiet()})
-		lim.local.begin()
-		lim.local.full = time.Now().Add(-time.Second)
+		lim.failover.local.begin()
+		lim.failover.local.full = time.Now().Add(-time.Second)
 		sc := lim.scopeFor(call{})
-		if r := decided(lim.local, sc, call{cost: 5}, "now", 5*time.Second); !r.admitted || r.wait > 100*time.Millisecond {
+		if r := decided(lim.failover.local, sc, call{cost: 5}, "now", 5*time.Second); !r.admitted || r.wait > 100*time.Millisecond {
 			t.Fatalf("the fallback's first call: %+v", r)
 		}
-		ahead := decided(lim.local, sc, call{cost: 5}, "ahead", 5*time.Second)
+		ahead := decided(lim.failover.local, sc, call{cost: 5}, "ahead", 5*time.Second)
 		if !ahead.admitted || ahead.wait < 900*time.Millisecond {
 			t.Fatalf("the fallback's second call: %+v, want booked a window ahead", ahead)
 		}

@@ -51,11 +51,11 @@ func FuzzConfiguration(f *testing.F) {
 		ctx, cancel := context.WithTimeout(context.Background(), time.Second)
 		defer cancel()
 		opts := []CallOption{Cost(cost)}
-		if lim.perKey {
+		if lim.cfg.perKey {
 			opts = append(opts, Key(key))
 		}
 		d, err := lim.Allow(ctx, opts...)
-		if err != nil && !errors.Is(err, ErrUnavailable) && cost > 0 && cost <= lim.maxCost {
+		if err != nil && !errors.Is(err, ErrUnavailable) && cost > 0 && cost <= lim.cfg.maxCost {
 			t.Fatalf("Allow(Cost(%d)) on %#v: %v", cost, p, err)
 		}
 		// Redis is up: ErrUnavailable may come from the deadline (a call

@@ -24,17 +24,17 @@ type scope struct {
 // key of the quota carries the hash tag {name}, so one script can touch them
 // all on Redis Cluster.
 func (l *Limiter) scopeFor(c call) scope {
-	if !l.perKey {
-		return scope{keys: l.shared}
+	if !l.cfg.perKey {
+		return scope{keys: l.cfg.shared}
 	}
 	sum := sha256.Sum256([]byte(c.key))
 	hashed := base64.RawURLEncoding.EncodeToString(sum[:16])
-	keys := make([]string, len(l.shared))
-	copy(keys, l.shared)
-	if !l.hasShared {
-		keys[1] = l.base + "pause:" + hashed
+	keys := make([]string, len(l.cfg.shared))
+	copy(keys, l.cfg.shared)
+	if !l.cfg.hasShared {
+		keys[1] = l.cfg.base + "pause:" + hashed
 	}
-	for i, r := range l.rules {
+	for i, r := range l.cfg.rules {
 		if r.PerKey {
 			keys[2+i] += ":" + hashed
 		}
@@ -134,11 +134,11 @@ func declared(s *redis.Script, keys []string, rules []policies.Rule, group strin
 // the scope of the shared rules, as compile made it once.
 func (l *Limiter) declaredFor(s *redis.Script, sc scope) []string {
 	if sc.id == "" {
-		if keys, ok := l.sharedAll[s]; ok {
+		if keys, ok := l.cfg.sharedAll[s]; ok {
 			return keys
 		}
 	}
-	return declared(s, sc.keys, l.rules, l.groupKey)
+	return declared(s, sc.keys, l.cfg.rules, l.cfg.groupKey)
 }
 
 // declareClasses appends to keys the class logs the acquire script may
@@ -151,7 +151,7 @@ func (l *Limiter) declareClasses(keys []string, sc scope, class string) []string
 	if class == "" {
 		return keys
 	}
-	for i, r := range l.rules {
+	for i, r := range l.cfg.rules {
 		if slices.Contains(logOrCounter, r.Kind) {
 			keys = appendClassLog(keys, sc.keys[2+i], r, class)
 			if className(r, class) != defaultClass {
@@ -198,7 +198,7 @@ func (l *Limiter) bookingKeys(s *redis.Script, r result) []string {
 		return keys
 	}
 	keys = slices.Clone(keys)
-	for i, rule := range l.rules {
+	for i, rule := range l.cfg.rules {
 		bit := int64(1) << i
 		if r.noted&bit == 0 {
 			continue

@@ -167,7 +167,7 @@ func TestMeta_OutlivesTheLongestWindow(t *testing.T) {
 		if _, err := lim.Allow(ctx); err != nil {
 			t.Fatal(err)
 		}
-		ttl, err := rdb.PTTL(ctx, lim.shared[0]).Result()
+		ttl, err := rdb.PTTL(ctx, lim.cfg.shared[0]).Result()
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -188,7 +188,7 @@ func TestPauses_EndedOnesAreForgotten(t *testing.T) {
 		lim.notePause(sc(i), 0, time.Microsecond) // ends at once
 	}
 	n := 0
-	lim.pauses.Range(func(any, any) bool { n++; return true })
+	lim.view.pauses.Range(func(any, any) bool { n++; return true })
 	if n > pauseSweep {
 		t.Errorf("%d pauses remembered after they all ended, want at most %d", n, pauseSweep)
 	}
@@ -411,7 +411,7 @@ func TestDataLoss_NoticedWhenRedisGoesBackInTime(t *testing.T) {
 		if d, _ := lim.Allow(ctx, Cost(2)); !d.OK {
 			t.Fatal("first call refused")
 		}
-		snapshot, err := rdb.HGetAll(ctx, lim.shared[0]).Result()
+		snapshot, err := rdb.HGetAll(ctx, lim.cfg.shared[0]).Result()
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -422,7 +422,7 @@ func TestDataLoss_NoticedWhenRedisGoesBackInTime(t *testing.T) {
 		if err := rdb.FlushAll(ctx).Err(); err != nil {
 			t.Fatal(err)
 		}
-		if err := rdb.HSet(ctx, lim.shared[0], snapshot).Err(); err != nil {
+		if err := rdb.HSet(ctx, lim.cfg.shared[0], snapshot).Err(); err != nil {
 			t.Fatal(err)
 		}
 		clock.Add(time.Second)
@@ -517,12 +517,12 @@ func TestLocal_HandsBackTheCallsThatBeganNotThoseBookedAhead(t *testing.T) {
 		lim := newLimiter(t, rdb, policies.SlidingLog{Limit: 2, Window: time.Second},
 			Options{OnRedisError: Local, ExpectedReplicas: 1, Logger: quiet()})
 		ctx := context.Background()
-		lim.local.begin()
-		lim.local.full = time.Now().Add(-2 * time.Second)
+		lim.failover.local.begin()
+		lim.failover.local.full = time.Now().Add(-2 * time.Second)
 		sc := lim.scopeFor(call{})
-		now := decided(lim.local, sc, call{cost: 1}, "now", 5*time.Second)
-		began := decided(lim.local, sc, call{cost: 1}, "began", 5*time.Second)
-		ahead := decided(lim.local, sc, call{cost: 1}, "ahead", 5*time.Second)
+		now := decided(lim.failover.local, sc, call{cost: 1}, "now", 5*time.Second)
+		began := decided(lim.failover.local, sc, call{cost: 1}, "began", 5*time.Second)
+		ahead := decided(lim.failover.local, sc, call{cost: 1}, "ahead", 5*time.Second)
 		if !now.admitted || now.wait != 0 || !began.admitted || began.wait != 0 {
 			t.Fatalf("the fallback's first calls: %+v, %+v; want admitted now", now, began)
 		}
@@ -530,7 +530,7 @@ func TestLocal_HandsBackTheCallsThatBeganNotThoseBookedAhead(t *testing.T) {
 			t.Fatalf("the fallback's third call: %+v, want booked a window ahead", ahead)
 		}
 		began.member = "began"
-		if !lim.local.claim(began) {
+		if !lim.failover.local.claim(began) {
 			t.Fatal("a call of the turn on could not begin")
 		}
 		if _, err := lim.handBack(); err != nil {
@@ -544,7 +544,7 @@ func TestLocal_HandsBackTheCallsThatBeganNotThoseBookedAhead(t *testing.T) {
 			t.Fatalf("the log holds %v, want the 2 calls admitted now, not the one booked ahead", entries)
 		}
 		ahead.member = "ahead"
-		if lim.local.claim(ahead) {
+		if lim.failover.local.claim(ahead) {
 			t.Error("a call booked ahead began after its turn ended, unknown to Redis")
 		}
 	})
@@ -591,9 +591,9 @@ func TestLocal_BackOnRedisReservesTheOthersShare(t *testing.T) {
 func TestLocal_LateStartGuard(t *testing.T) {
 	lim := newLimiter(t, deadRedis(t), policies.SlidingLog{Limit: 10, Window: time.Second},
 		Options{OnRedisError: Local, ExpectedReplicas: 2, Logger: quiet()})
-	lim.local.begin()
-	lim.local.full = time.Now().Add(-2 * time.Second) // a window after it took over
-	r := decided(lim.local, lim.scopeFor(call{}), call{cost: 1}, "m", 0)
+	lim.failover.local.begin()
+	lim.failover.local.full = time.Now().Add(-2 * time.Second) // a window after it took over
+	r := decided(lim.failover.local, lim.scopeFor(call{}), call{cost: 1}, "m", 0)
 	if !r.admitted || r.margin != policies.DefaultMargin {
 		t.Fatalf("local decision %+v, want admitted with the default margin", r)
 	}
@@ -622,13 +622,13 @@ func TestLocal_ConcurrencySlotsHeldThroughRedisStayTaken(t *testing.T) {
 			t.Fatal(err)
 		}
 	}
-	lim.local.begin()
-	r := decided(lim.local, lim.scopeFor(call{}), call{cost: 1}, "m", 0)
+	lim.failover.local.begin()
+	r := decided(lim.failover.local, lim.scopeFor(call{}), call{cost: 1}, "m", 0)
 	if r.admitted || r.wait < 900*time.Millisecond {
 		t.Fatalf("the fallback right after it took over: %+v, want no slot for about a lease", r)
 	}
-	lim.local.full = time.Now().Add(-time.Second) // a lease later (and the time to notice)
-	if r := decided(lim.local, lim.scopeFor(call{}), call{cost: 2}, "m", 0); !r.admitted {
+	lim.failover.local.full = time.Now().Add(-time.Second) // a lease later (and the time to notice)
+	if r := decided(lim.failover.local, lim.scopeFor(call{}), call{cost: 2}, "m", 0); !r.admitted {
 		t.Fatalf("a lease later: %+v, want the replica's 2 slots", r)
 	}
 	// Back on Redis: 2 held before the failure, 2 by the fallback.
@@ -725,15 +725,15 @@ func acquireInBackground(t *testing.T, lim *Limiter) <-chan time.Duration {
 func TestLocal_AdmitsItsShareExactly(t *testing.T) {
 	lim := newLimiter(t, deadRedis(t), policies.SlidingLog{Limit: 10, Window: time.Second},
 		Options{OnRedisError: Local, ExpectedReplicas: 2, Logger: quiet()})
-	lim.local.begin()
-	lim.local.full = time.Now().Add(-2 * time.Second) // a window after it took over
+	lim.failover.local.begin()
+	lim.failover.local.full = time.Now().Add(-2 * time.Second) // a window after it took over
 	sc := lim.scopeFor(call{})
 	for i := range 5 {
-		if r := decided(lim.local, sc, call{cost: 1}, "m"+strconv.Itoa(i), 0); !r.admitted || r.wait != 0 {
+		if r := decided(lim.failover.local, sc, call{cost: 1}, "m"+strconv.Itoa(i), 0); !r.admitted || r.wait != 0 {
 			t.Fatalf("call %d of a share of 5: %+v, want admitted now", i+1, r)
 		}
 	}
-	r := decided(lim.local, sc, call{cost: 1}, "m5", 0)
+	r := decided(lim.failover.local, sc, call{cost: 1}, "m5", 0)
 	if r.admitted || r.wait < 500*time.Millisecond || r.wait > time.Second+policies.DefaultMargin {
 		t.Errorf("the 6th call of a share of 5: %+v, want refused for about a window", r)
 	}
@@ -752,9 +752,9 @@ func TestLocal_ACallLeavesAHangingHandBackAtItsDeadline(t *testing.T) {
 			t.Fatal(err)
 		}
 		defer lim.Close(context.Background())
-		lim.local.begin() // back from the fallback, with a call to hand back
-		lim.local.full = time.Now().Add(-time.Second)
-		if res := decided(lim.local, lim.scopeFor(call{}), call{cost: 1}, "m", time.Second); !res.admitted {
+		lim.failover.local.begin() // back from the fallback, with a call to hand back
+		lim.failover.local.full = time.Now().Add(-time.Second)
+		if res := decided(lim.failover.local, lim.scopeFor(call{}), call{cost: 1}, "m", time.Second); !res.admitted {
 			t.Fatalf("the fallback's call: %+v", res)
 		}
 		r.Freeze()
@@ -787,8 +787,8 @@ func TestLocal_ReleaseFreesTheSlotNotTheWindow(t *testing.T) {
 		policies.Concurrency{Max: 4, Lease: time.Minute},
 	), Options{OnRedisError: Local, ExpectedReplicas: 1, Mode: FailFast, Logger: quiet()})
 	ctx := context.Background()
-	lim.local.begin()
-	lim.local.full = time.Now().Add(-2 * time.Minute) // a window and a lease after the turn began
+	lim.failover.local.begin()
+	lim.failover.local.full = time.Now().Add(-2 * time.Minute) // a window and a lease after the turn began
 	for i := range 4 {
 		p, err := lim.Acquire(ctx)
 		if err != nil {

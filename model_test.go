@@ -473,7 +473,7 @@ func (mh *modelHistory) pause(i int) {
 	d := time.Duration(mh.rng.Int64N(30_000)) * time.Microsecond
 	var opts []CallOption
 	key := ""
-	if !mh.lim.hasShared {
+	if !mh.lim.cfg.hasShared {
 		key = "k" + strconv.Itoa(mh.rng.IntN(3))
 		opts = append(opts, Key(key))
 	}
@@ -499,7 +499,7 @@ func (mh *modelHistory) decideCalls(i int) {
 		// Priorities too, now and then: a class above the others
 		// is held its share of the rules (see Classes).
 		prio := []int{0, 0, 0, 3, 7}[rng.IntN(5)]
-		c := call{key: key, hasKey: true, cost: 1 + rng.IntN(min(mh.run.maxCost, lim.maxCost)), priority: prio}
+		c := call{key: key, hasKey: true, cost: 1 + rng.IntN(min(mh.run.maxCost, lim.cfg.maxCost)), priority: prio}
 		batch = append(batch, &request{
 			sc:      lim.scopeFor(c),
 			c:       c,
@@ -541,7 +541,7 @@ func checkRedisWindows(t *testing.T, rdb redis.UniversalClient, lim *Limiter, ru
 		if r.Kind != model.Log {
 			continue
 		}
-		keys := []string{lim.shared[2+i]}
+		keys := []string{lim.cfg.shared[2+i]}
 		if r.PerKey {
 			keys = keys[:0]
 			for k := range 3 {

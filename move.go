@@ -87,7 +87,7 @@ func (l *Limiter) openRoom() {
 // without Redis, or on a quota with a token bucket, which can take back
 // only its latest call's units.
 func (l *Limiter) roomFor(r result) <-chan struct{} {
-	if r.local || l.hasBucket || isOff(offMoves) {
+	if r.local || l.cfg.hasBucket || isOff(offMoves) {
 		return nil
 	}
 	l.roomMu.Lock()
@@ -105,7 +105,7 @@ const troubleSpan = time.Second
 // a gap in the news moves all the same: its move books it again, as its
 // waking would.)
 func (l *Limiter) troubled() bool {
-	return time.Since(time.Unix(0, l.lastFailure.Load())) < troubleSpan
+	return time.Since(time.Unix(0, l.batches.lastFailure.Load())) < troubleSpan
 }
 
 // afterMove says what a call does with the booking moved that a move gave

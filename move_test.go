@@ -189,7 +189,7 @@ func TestMove_RefundsHeardTogetherMoveOnce(t *testing.T) {
 // are subscribed to lim's quota's channel.
 func waitSubscribed(t *testing.T, rdb redis.UniversalClient, lim *Limiter, n int) {
 	t.Helper()
-	waitSubscribedTo(t, rdb, lim.shared[0], n)
+	waitSubscribedTo(t, rdb, lim.cfg.shared[0], n)
 }
 
 // waitSubscribedTo waits until n clients subscribe to channel.

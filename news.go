@@ -81,7 +81,7 @@ func (l *Limiter) listen() {
 	if isOff(offNews) {
 		return
 	}
-	l.listening.Do(func() {
+	l.view.listening.Do(func() {
 		for {
 			v, _ := hubs.LoadOrStore(l.rdb, &hub{subs: map[string][]weak.Pointer[Limiter]{}})
 			if v.(*hub).add(l) {
@@ -148,10 +148,10 @@ func (l *Limiter) unlisten() <-chan struct{} {
 // channels returns the channels l listens to: its quota's, named as its
 // meta key, and its group's, if any.
 func (l *Limiter) channels() []string {
-	if l.groupKey == "" {
-		return l.shared[:1]
+	if l.cfg.groupKey == "" {
+		return l.cfg.shared[:1]
 	}
-	return []string{l.shared[0], l.groupKey}
+	return []string{l.cfg.shared[0], l.cfg.groupKey}
 }
 
 // chores takes what listen and unlisten asked of serve.
@@ -290,7 +290,7 @@ func (h *hub) asleep() bool {
 	defer h.mu.Unlock()
 	for _, subs := range h.subs {
 		for _, p := range subs {
-			if l := p.Value(); l != nil && l.asleep.Load() > 0 {
+			if l := p.Value(); l != nil && l.view.asleep.Load() > 0 {
 				return true
 			}
 		}
@@ -308,7 +308,7 @@ func (h *hub) gap() {
 	h.mu.Unlock()
 	for _, p := range all {
 		if l := p.Value(); l != nil {
-			l.gaps.Add(1)
+			l.view.gaps.Add(1)
 		}
 	}
 }
@@ -337,7 +337,7 @@ func (l *Limiter) news(channel, payload string) {
 		return
 	}
 	// The group's news is of any quota's epoch: it only makes calls ask again.
-	ofGroup := l.groupKey != "" && channel == l.groupKey
+	ofGroup := l.cfg.groupKey != "" && channel == l.cfg.groupKey
 	if ofGroup && f[0] != protocol.NewsLowered && f[0] != protocol.NewsRoom {
 		return
 	}
@@ -353,18 +353,18 @@ func (l *Limiter) news(channel, payload string) {
 		if err != nil {
 			return
 		}
-		if l.epoch.Load() != 0 {
+		if l.view.epoch.Load() != 0 {
 			l.noteEpoch(epoch, false)
 		}
-		l.notePause(scope{keys: []string{l.shared[0], l.shared[0]}}, us(now), us(a))
+		l.notePause(scope{keys: []string{l.cfg.shared[0], l.cfg.shared[0]}}, us(now), us(a))
 	case protocol.NewsKey:
-		l.notePause(scope{keys: []string{l.shared[0], f[1]}}, us(now), us(a))
+		l.notePause(scope{keys: []string{l.cfg.shared[0], f[1]}}, us(now), us(a))
 	case protocol.NewsLowered:
-		if epoch, err := strconv.ParseInt(f[1], 10, 64); ofGroup || err == nil && epoch == l.epoch.Load() {
+		if epoch, err := strconv.ParseInt(f[1], 10, 64); ofGroup || err == nil && epoch == l.view.epoch.Load() {
 			l.noteLowered(us(a))
 		}
 	case protocol.NewsRoom:
-		if epoch, err := strconv.ParseInt(f[1], 10, 64); ofGroup || err == nil && epoch == l.epoch.Load() {
+		if epoch, err := strconv.ParseInt(f[1], 10, 64); ofGroup || err == nil && epoch == l.view.epoch.Load() {
 			l.signalRoom()
 		}
 	}

@@ -153,14 +153,14 @@ func (p *Permit) Release() {
 	if late := p.late.Load(); late != noLate {
 		p.l.lates.note(time.Duration(late))
 	}
-	if !p.l.hasConc {
+	if !p.l.cfg.hasConc {
 		return
 	}
 	if p.r.local {
 		// The call ran: its units still count in every window; only its
 		// concurrency slots free.
-		if p.l.local != nil {
-			p.l.local.release(p.r.scope, p.r.member)
+		if p.l.failover.local != nil {
+			p.l.failover.local.release(p.r.scope, p.r.member)
 		}
 		p.l.signalFreed()
 		return
@@ -182,7 +182,7 @@ func (p *Permit) releaseInRedis() {
 // Redis stops answering while the call runs, and the release goes on
 // without it.
 func (p *Permit) releaseWithin(ctx context.Context) {
-	if p == nil || p.l == nil || !p.l.hasConc || p.r.local {
+	if p == nil || p.l == nil || !p.l.cfg.hasConc || p.r.local {
 		p.Release()
 		return
 	}
@@ -205,15 +205,15 @@ func (p *Permit) Cancel(ctx context.Context) error {
 	}
 	defer p.l.signalFreed()
 	if p.r.local {
-		if p.l.local != nil {
-			p.l.local.forget(p.r.scope, p.r.member)
+		if p.l.failover.local != nil {
+			p.l.failover.local.forget(p.r.scope, p.r.member)
 		}
 		return nil
 	}
 	if err := p.l.runBooking(ctx, scripts.cancel, p.r, p.l.cancelArgs(p.r, p.l.costArg(p.call.cost, p.call.named))).Err(); err != nil {
 		return p.l.unavailable(err)
 	}
-	if p.l.hasConc && p.held != p.call.cost {
+	if p.l.cfg.hasConc && p.held != p.call.cost {
 		// Settle changed the cost: the slots held are still the first.
 		_ = p.l.run(ctx, scripts.release, p.r.scope, p.l.releaseArgs(p.r.member, p.held, 0)).Err()
 	}
@@ -228,7 +228,7 @@ func (p *Permit) Extend(ctx context.Context, lease time.Duration) error {
 	if err != nil {
 		return err
 	}
-	if !p.l.hasConc {
+	if !p.l.cfg.hasConc {
 		return nil
 	}
 	if lease < time.Millisecond {
@@ -291,10 +291,10 @@ func (p *Permit) settle(ctx context.Context, actual map[string]int) error {
 	to := p.call
 	to.named = maps.Clone(p.call.named)
 	for name, n := range actual {
-		most, ok := p.l.unitMax[name]
+		most, ok := p.l.cfg.unitMax[name]
 		switch {
 		case name == "":
-			most, ok = p.l.maxCost, true
+			most, ok = p.l.cfg.maxCost, true
 		case !ok:
 			return fmt.Errorf("throttle: quota %q: Settle: no policy counts unit %q (its units: %s)", p.l.name, name, p.l.unitList())
 		}

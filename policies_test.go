@@ -66,9 +66,9 @@ func TestSettle_RefundsAndChargesInTheSameWindow(t *testing.T) {
 func rdbUnits(t *testing.T, lim *Limiter) int {
 	t.Helper()
 	rdb := lim.rdb
-	key := lim.shared[2]
+	key := lim.cfg.shared[2]
 	ctx := context.Background()
-	if lim.rules[0].Kind == policies.KindSlidingLog {
+	if lim.cfg.rules[0].Kind == policies.KindSlidingLog {
 		return int(rdb.ZCard(ctx, key).Val())
 	}
 	n := 0
@@ -176,7 +176,7 @@ func TestConcurrency_HoldsSlotsUntilRelease(t *testing.T) {
 		}
 		b.Release()
 		<-done
-		if n := s.Client(t).ZCard(ctx, lim.shared[2]).Val(); n != 0 {
+		if n := s.Client(t).ZCard(ctx, lim.cfg.shared[2]).Val(); n != 0 {
 			t.Errorf("%d slots held after every release", n)
 		}
 	})
@@ -300,7 +300,7 @@ func TestPause_WakingWaiterBooksAgain(t *testing.T) {
 		}
 		done <- p
 	}()
-	waitFor(t, func() bool { return s.Client(t).ZCard(ctx, lim.shared[2]).Val() == 2 }, "the waiter's booking")
+	waitFor(t, func() bool { return s.Client(t).ZCard(ctx, lim.cfg.shared[2]).Val() == 2 }, "the waiter's booking")
 	if err := lim.Pause(ctx, 400*time.Millisecond); err != nil {
 		t.Fatal(err)
 	}

@@ -142,7 +142,7 @@ func TestQueue_QueuedCallsCostNoRedisCall(t *testing.T) {
 	// longer, so the count settles at about, not exactly, 980.
 	waitFor(t, func() bool {
 		q := queued(lim)
-		return q >= 980 && rdb.ZCard(ctx, lim.shared[2]).Val() == int64(1000-q)
+		return q >= 980 && rdb.ZCard(ctx, lim.cfg.shared[2]).Val() == int64(1000-q)
 	}, "the queue to settle")
 	if n := scripts.Load(); n > 30 {
 		t.Errorf("%d script calls for 1000 queued calls, want about 20", n)

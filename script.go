@@ -124,11 +124,11 @@ func decodeFeedback(v []int64) (feedbackReply, error) {
 // quota that counts named units, its units under each rule in the rules'
 // order, comma-separated (see read_cost in lua/lib.lua).
 func (l *Limiter) costArg(cost int, named map[string]int) any {
-	if len(l.units) == 0 {
+	if len(l.cfg.units) == 0 {
 		return cost
 	}
 	var b strings.Builder
-	for i, r := range l.rules {
+	for i, r := range l.cfg.rules {
 		if i > 0 {
 			b.WriteByte(',')
 		}
@@ -147,7 +147,7 @@ type appender interface{ Append(args []any) []any }
 // args builds a script's arguments (see internal/protocol): the time, the
 // rules, and then the script's own, own.
 func (l *Limiter) args(own appender) []any {
-	return scriptArgs(l.s.clock, l.rules, own)
+	return scriptArgs(l.s.clock, l.cfg.rules, own)
 }
 
 // acquireHead is acquire.lua's own arguments but for the counts of what
@@ -155,13 +155,13 @@ func (l *Limiter) args(own appender) []any {
 // answered in the epoch (a Redis behind that count lost them), and, when
 // the vendor's counts reached it, that its calls may go out as scouts.
 func (l *Limiter) acquireHead() protocol.Acquire {
-	ran := l.ran.Load()
+	ran := l.view.ran.Load()
 	if ran == nil {
 		ran = &scriptsRan{}
 	}
 	return protocol.Acquire{
-		Scout: l.counted.Load(), Ran: ran.n, RanIn: ran.epoch, Limiter: l.id,
-		Seen: l.scripts.Load(), Known: l.epoch.Load(), Delay: l.timing.delay().Microseconds(), Policy: l.policyID,
+		Scout: l.view.counted.Load(), Ran: ran.n, RanIn: ran.epoch, Limiter: l.id,
+		Seen: l.view.scripts.Load(), Known: l.view.epoch.Load(), Delay: l.timing.delay().Microseconds(), Policy: l.cfg.policyID,
 		Stepped: l.newStep(),
 	}
 }

@@ -494,7 +494,7 @@ func TestSecurity_MissingRightIsNotAnOutage(t *testing.T) {
 					}
 				}
 				t.Logf("%v", err)
-				if lim.brk.allow().probe {
+				if lim.failover.brk.allow().probe {
 					t.Error("the breaker opened on a refusal")
 				}
 			})

@@ -193,11 +193,11 @@ func writeEveryOtherWay(t *testing.T, shadow *Limiter) {
 func handBackInShadow(t *testing.T, s *redistest.Server, policy policies.Policy) {
 	t.Helper()
 	lim := replicaLimiter(t, s, "shadowed", policy, Options{Shadow: true, OnRedisError: Local, ExpectedReplicas: 1, Logger: quiet()})
-	lim.local.begin()
-	lim.local.full = time.Now().Add(-2 * time.Minute)
-	r := decided(lim.local, lim.scopeFor(call{}), call{cost: 1}, "began", time.Second)
+	lim.failover.local.begin()
+	lim.failover.local.full = time.Now().Add(-2 * time.Minute)
+	r := decided(lim.failover.local, lim.scopeFor(call{}), call{cost: 1}, "began", time.Second)
 	r.member = "began"
-	if !r.admitted || !lim.local.claim(r) {
+	if !r.admitted || !lim.failover.local.claim(r) {
 		t.Fatalf("the Local fallback's call: %+v, want admitted and begun", r)
 	}
 	if _, err := lim.handBack(); err != nil {

@@ -94,14 +94,14 @@ func TestShared_KeysCarryTheGroupsHashTag(t *testing.T) {
 	core := newRoute(t, s.Client(t), "core", githubLike(5000))
 	search := newRoute(t, s.Client(t), "search", githubLike(30))
 	for _, lim := range []*Limiter{core, search} {
-		for _, k := range lim.shared {
+		for _, k := range lim.cfg.shared {
 			if !strings.HasPrefix(k, "throttle:{gh}/") {
 				t.Errorf("%s: key %q, want the hash tag {gh} and a slash after it", lim.Name(), k)
 			}
 		}
 	}
-	if core.shared[3] != search.shared[3] || core.shared[2] == search.shared[2] || core.shared[0] == search.shared[0] {
-		t.Errorf("keys core %q, search %q: want the shared rule's alike, the others apart", core.shared, search.shared)
+	if core.cfg.shared[3] != search.cfg.shared[3] || core.cfg.shared[2] == search.cfg.shared[2] || core.cfg.shared[0] == search.cfg.shared[0] {
+		t.Errorf("keys core %q, search %q: want the shared rule's alike, the others apart", core.cfg.shared, search.cfg.shared)
 	}
 }
 
@@ -355,7 +355,7 @@ func TestShared_CallsOfEveryQuotaBookedBeforeADropBookAgain(t *testing.T) {
 			})
 		}
 		waitBooked(t, b, 20)
-		waitSubscribedTo(t, s.Client(t), b.groupKey, 2) // a's client and b's
+		waitSubscribedTo(t, s.Client(t), b.cfg.groupKey, 2) // a's client and b's
 		if err := first[9].refused(ctx, 0); err != nil {
 			t.Fatal(err)
 		}
@@ -397,7 +397,7 @@ func TestShared_RoomGivenBackMovesTheCallsOfEveryQuota(t *testing.T) {
 			waited <- time.Since(start)
 		}()
 		waitBooked(t, a, 130)
-		waitSubscribedTo(t, s.Client(t), b.groupKey, 2)
+		waitSubscribedTo(t, s.Client(t), b.cfg.groupKey, 2)
 		if err := first.Settle(ctx, Cost(30)); err != nil {
 			t.Fatal(err)
 		}

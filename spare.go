@@ -83,7 +83,7 @@ type pool struct {
 // with a Concurrency rule never does, nor one with no guarded margin, whose
 // calls have no lateness to spend.
 func (l *Limiter) mayPool() bool {
-	return !l.hasConc && len(l.units) == 0 && l.guardMin > 0 && !isOff(offSpares)
+	return !l.cfg.hasConc && len(l.cfg.units) == 0 && l.cfg.guardMin > 0 && !isOff(offSpares)
 }
 
 // takeSpare gives call c of scope sc a spare admission, if its pool holds a
@@ -197,7 +197,7 @@ func (l *Limiter) spareTerms(sc scope, batch []*request) (give []result, n, cost
 		return give, 0, 0
 	}
 	life := p.margin / spareShare
-	if p.margin < minGuardedMargin || p.margin > l.guardMin || life <= 0 || now.Sub(p.contended) < spareIdle {
+	if p.margin < minGuardedMargin || p.margin > l.cfg.guardMin || life <= 0 || now.Sub(p.contended) < spareIdle {
 		return give, 0, 0
 	}
 	elapsed := max(now.Sub(p.since), time.Microsecond)

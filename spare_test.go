@@ -71,7 +71,7 @@ func TestSpare_CallsInQuickSuccessionShareScriptCalls(t *testing.T) {
 		if n > calls/3 {
 			t.Errorf("%d script calls for %d calls in quick succession, want at most %d", n, calls, calls/3)
 		}
-		logSize := func() int { return int(s.Client(t).ZCard(ctx, lim.shared[2]).Val()) }
+		logSize := func() int { return int(s.Client(t).ZCard(ctx, lim.cfg.shared[2]).Val()) }
 		if got := logSize(); got < calls || got > calls+maxSpares {
 			t.Errorf("the log holds %d entries after %d calls, want %d to %d (spares not yet given back)", got, calls, calls, calls+maxSpares)
 		}
@@ -142,7 +142,7 @@ func TestSpare_NeverOverTheLimit(t *testing.T) {
 			t.Errorf("%d units admitted of %d: the spares kept the quota from its calls", got, limit)
 		}
 		eventually(t, "the log holds exactly the units admitted", func() bool {
-			return int(s.Client(t).ZCard(ctx, lim.shared[2]).Val()) == got
+			return int(s.Client(t).ZCard(ctx, lim.cfg.shared[2]).Val()) == got
 		})
 	})
 }

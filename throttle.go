@@ -65,15 +65,15 @@ type Limiter struct {
 	seq  atomic.Uint64 // numbers this limiter's calls
 	born time.Time     // when New made it, on the monotonic clock (see describing)
 
-	compiled // what the rules need of every call; set by New, read only after
-	view     // what this limiter last saw of the quota in Redis
-	failover // what decides calls while Redis cannot
+	cfg      compiled // what the rules need of every call; set by New, read only after
+	view     view     // what this limiter last saw of the quota in Redis
+	failover failover // what decides calls while Redis cannot
 
 	timing   *timing       // how late calls start, shared with the process's other limiters on the same server
 	lates    lates         // how late this limiter's calls started since its last report; its own lock
 	seenStep atomic.Uint64 // the timing's forward steps already told to the script
 
-	batches             // calls waiting for a shared script call; lanesMu guards them
+	batches batches     // calls waiting for a shared script call; lanesMu guards them
 	spares  spares      // spare admissions taken for the next calls (spare.go); its own lock
 	q       *queue      // the local queue in Queue mode, or nil; its own lock
 	closed  atomic.Bool // Close was called
@@ -163,7 +163,7 @@ func New(rdb redis.UniversalClient, name string, policy policies.Policy, opts ..
 	}
 	warnIgnoredSwitches(s.logger)
 	l := &Limiter{rdb: rdb, name: name, s: s, id: newID(), room: make(chan struct{}), timing: timingFor(rdb, s.clock)}
-	l.rules, l.brk = rules, newBreaker()
+	l.cfg.rules, l.failover.brk = rules, newBreaker()
 	l.born = time.Now()
 	// The steps of Redis's clock that the process's other limiters on the
 	// server saw before this one existed are theirs to tell their quotas;
@@ -172,17 +172,17 @@ func New(rdb redis.UniversalClient, name string, policy policies.Policy, opts ..
 	seq, _, _ := l.timing.step()
 	l.seenStep.Store(seq)
 	if s.onRedisError == Local {
-		if l.local, err = newLocal(rules, s.replicas, l.noticeWithin()); err != nil {
+		if l.failover.local, err = newLocal(rules, s.replicas, l.noticeWithin()); err != nil {
 			return nil, fmt.Errorf("throttle: quota %q: %w", name, err)
 		}
 	}
 	l.compile()
-	if l.group != "" && s.onRedisError == Local {
-		return nil, fmt.Errorf("throttle: quota %q: OnRedisError Local cannot divide the policies.Shared rules of %q among the quotas that share them: use FailClosed or FailOpen", name, l.group)
+	if l.cfg.group != "" && s.onRedisError == Local {
+		return nil, fmt.Errorf("throttle: quota %q: OnRedisError Local cannot divide the policies.Shared rules of %q among the quotas that share them: use FailClosed or FailOpen", name, l.cfg.group)
 	}
 	l.freed = l.freedFor()
 	if s.mode == Queue {
-		l.q = newQueue(s.maxQueue, s.overflow, min(l.maxCost, maxDispatched))
+		l.q = newQueue(s.maxQueue, s.overflow, min(l.cfg.maxCost, maxDispatched))
 	}
 	return l, nil
 }
@@ -191,12 +191,12 @@ func New(rdb redis.UniversalClient, name string, policy policies.Policy, opts ..
 // of the shared rules, the policy's id, the smallest margin, the largest
 // cost, and which kinds of rule the quota has.
 func (l *Limiter) compile() {
-	rules := l.rules
+	rules := l.cfg.rules
 	sharedBase := l.bases()
-	l.shared = []string{l.base + "meta", l.base + "meta"}
+	l.cfg.shared = []string{l.cfg.base + "meta", l.cfg.base + "meta"}
 	// Cost counts under the rules that count units: it may not exceed the
 	// smallest of their limits. Under rules that count calls it is 1.
-	l.maxCost = maxRemaining
+	l.cfg.maxCost = maxRemaining
 	seen := map[string]int{}
 	var ids []string
 	for _, r := range rules {
@@ -204,7 +204,7 @@ func (l *Limiter) compile() {
 		if r.PerKey {
 			id = "key:" + id
 		}
-		base := l.base
+		base := l.cfg.base
 		if r.Shared != "" {
 			id, base = "shared:"+id, sharedBase
 		}
@@ -212,40 +212,40 @@ func (l *Limiter) compile() {
 			id += "#" + strconv.Itoa(seen[id])
 		}
 		ids = append(ids, id)
-		l.shared = append(l.shared, base+strings.TrimPrefix(id, "shared:"))
+		l.cfg.shared = append(l.cfg.shared, base+strings.TrimPrefix(id, "shared:"))
 	}
 	sorted := slices.Clone(ids)
 	slices.Sort(sorted)
 	sum := sha256.Sum256([]byte(strings.Join(sorted, ",")))
-	l.policyID = base64.RawURLEncoding.EncodeToString(sum[:9])
-	l.description = l.describe()
-	l.sharedAll = map[*redis.Script][]string{}
+	l.cfg.policyID = base64.RawURLEncoding.EncodeToString(sum[:9])
+	l.cfg.description = l.describe()
+	l.cfg.sharedAll = map[*redis.Script][]string{}
 	for s := range suffixes {
-		l.sharedAll[s] = declared(s, l.shared, l.rules, l.groupKey)
+		l.cfg.sharedAll[s] = declared(s, l.cfg.shared, l.cfg.rules, l.cfg.groupKey)
 	}
-	l.minMargin = policies.DefaultMargin
-	l.longest = time.Second
+	l.cfg.minMargin = policies.DefaultMargin
+	l.cfg.longest = time.Second
 	for _, r := range rules {
 		if r.Kind == policies.KindSlidingLog || r.Kind == policies.KindSlidingCounter {
-			l.longest = max(l.longest, r.Window)
+			l.cfg.longest = max(l.cfg.longest, r.Window)
 		}
-		if (r.Kind == policies.KindSlidingLog || r.Kind == policies.KindSlidingCounter) && r.Margin < l.minMargin {
-			l.minMargin = max(r.Margin, minStep)
+		if (r.Kind == policies.KindSlidingLog || r.Kind == policies.KindSlidingCounter) && r.Margin < l.cfg.minMargin {
+			l.cfg.minMargin = max(r.Margin, minStep)
 		}
-		if r.Kind != policies.KindConcurrency && r.Margin >= minGuardedMargin && (l.guardMin == 0 || r.Margin < l.guardMin) {
-			l.guardMin = r.Margin
+		if r.Kind != policies.KindConcurrency && r.Margin >= minGuardedMargin && (l.cfg.guardMin == 0 || r.Margin < l.cfg.guardMin) {
+			l.cfg.guardMin = r.Margin
 		}
-		l.perKey = l.perKey || r.PerKey
-		l.hasShared = l.hasShared || !r.PerKey
-		l.hasConc = l.hasConc || r.Kind == policies.KindConcurrency
-		l.hasBucket = l.hasBucket || r.Kind == policies.KindTokenBucket
-		l.callRules = l.callRules || r.PerCall
-		l.unitRules = l.unitRules || !r.PerCall && r.Kind != policies.KindConcurrency && r.Unit == ""
+		l.cfg.perKey = l.cfg.perKey || r.PerKey
+		l.cfg.hasShared = l.cfg.hasShared || !r.PerKey
+		l.cfg.hasConc = l.cfg.hasConc || r.Kind == policies.KindConcurrency
+		l.cfg.hasBucket = l.cfg.hasBucket || r.Kind == policies.KindTokenBucket
+		l.cfg.callRules = l.cfg.callRules || r.PerCall
+		l.cfg.unitRules = l.cfg.unitRules || !r.PerCall && r.Kind != policies.KindConcurrency && r.Unit == ""
 		if r.Unit != "" {
 			l.countUnit(r)
-		} else if !r.PerCall && r.Limit < l.maxCost {
-			l.maxCost = r.Limit
-			l.maxCostIs = limitName(r)
+		} else if !r.PerCall && r.Limit < l.cfg.maxCost {
+			l.cfg.maxCost = r.Limit
+			l.cfg.maxCostIs = limitName(r)
 		}
 	}
 }
@@ -255,14 +255,14 @@ func (l *Limiter) compile() {
 // key under the hash tag of their Name: its own after "/" and its name,
 // the shared ones after "//", which no quota's name makes.
 func (l *Limiter) bases() (shared string) {
-	for _, r := range l.rules {
+	for _, r := range l.cfg.rules {
 		if r.Shared != "" {
-			l.group = r.Shared
+			l.cfg.group = r.Shared
 			shared = l.s.keyPrefix() + ":{" + r.Shared + "}//"
-			l.groupKey = shared + "group"
+			l.cfg.groupKey = shared + "group"
 		}
 	}
-	l.base = quotaBase(l.s.keyPrefix(), l.name, l.group)
+	l.cfg.base = quotaBase(l.s.keyPrefix(), l.name, l.cfg.group)
 	return shared
 }
 
@@ -278,14 +278,14 @@ func quotaBase(prefix, name, group string) string {
 
 // countUnit notes that rule r counts a named unit.
 func (l *Limiter) countUnit(r policies.Rule) {
-	if l.unitMax == nil {
-		l.unitMax = map[string]int{}
+	if l.cfg.unitMax == nil {
+		l.cfg.unitMax = map[string]int{}
 	}
-	if most, ok := l.unitMax[r.Unit]; !ok || r.Limit < most {
+	if most, ok := l.cfg.unitMax[r.Unit]; !ok || r.Limit < most {
 		if !ok {
-			l.units = append(l.units, r.Unit)
+			l.cfg.units = append(l.cfg.units, r.Unit)
 		}
-		l.unitMax[r.Unit] = r.Limit
+		l.cfg.unitMax[r.Unit] = r.Limit
 	}
 }
 
@@ -321,7 +321,7 @@ func (l *Limiter) Rules() []policies.Rule {
 	if l.made() != nil {
 		return nil
 	}
-	return slices.Clone(l.rules)
+	return slices.Clone(l.cfg.rules)
 }
 
 // logger returns where the limiter logs what it cannot return: its

@@ -132,8 +132,8 @@ func TestNew_ZeroOptionsPickTheDefaults(t *testing.T) {
 			if got.maxWait != defaultMaxWait || got.maxWaitSet {
 				t.Errorf("max wait %v (set %v), want the default %v, not set", got.maxWait, got.maxWaitSet, defaultMaxWait)
 			}
-			if got.prefix != defaultPrefix || !strings.HasPrefix(lim.base, defaultPrefix+":{defaults}:") {
-				t.Errorf("prefix %q, keys start %q; want the default %q", got.prefix, lim.base, defaultPrefix)
+			if got.prefix != defaultPrefix || !strings.HasPrefix(lim.cfg.base, defaultPrefix+":{defaults}:") {
+				t.Errorf("prefix %q, keys start %q; want the default %q", got.prefix, lim.cfg.base, defaultPrefix)
 			}
 			if got.maxQueue != defaultMaxQueue {
 				t.Errorf("max queue %d, want the default %d", got.maxQueue, defaultMaxQueue)
@@ -219,10 +219,10 @@ func TestAllow_RecordsOnlyAdmittedCalls(t *testing.T) {
 				t.Fatalf("RetryAfter %v, want %v", d.RetryAfter, want)
 			}
 		}
-		if n := rdb.ZCard(ctx, lim.shared[2]).Val(); n != 5 {
+		if n := rdb.ZCard(ctx, lim.cfg.shared[2]).Val(); n != 5 {
 			t.Errorf("log holds %d members after 5 admitted and 100 refused calls, want 5", n)
 		}
-		ttl := rdb.PTTL(ctx, lim.shared[2]).Val()
+		ttl := rdb.PTTL(ctx, lim.cfg.shared[2]).Val()
 		if ttl <= 0 || ttl > 3*time.Second {
 			t.Errorf("log TTL %v, want about one window", ttl)
 		}
@@ -255,7 +255,7 @@ func TestAllow_MembersUniqueWithinOneMicrosecond(t *testing.T) {
 				t.Fatal(err)
 			}
 		}
-		if n := s.Client(t).ZCard(context.Background(), a.shared[2]).Val(); n != 400 {
+		if n := s.Client(t).ZCard(context.Background(), a.cfg.shared[2]).Val(); n != 400 {
 			t.Errorf("log holds %d members, want 400 (200 calls of cost 2)", n)
 		}
 	})
@@ -337,7 +337,7 @@ func TestBlock_FailsAtOnceWhenDeadlineTooShort(t *testing.T) {
 		if took := time.Since(start); took > 5*time.Second {
 			t.Errorf("Acquire took %v to fail; it must fail at once", took)
 		}
-		if n := rdb.ZCard(ctx, lim.shared[2]).Val(); n != 1 {
+		if n := rdb.ZCard(ctx, lim.cfg.shared[2]).Val(); n != 1 {
 			t.Errorf("log holds %d members, want 1: a refused call must not book", n)
 		}
 	})
@@ -369,7 +369,7 @@ func TestBlock_CancelledWaiterGivesSlotBack(t *testing.T) {
 			_, err := lim.Acquire(ctx)
 			done <- err
 		}()
-		waitFor(t, func() bool { return rdb.ZCard(bg, lim.shared[2]).Val() == 2 }, "the waiter's booking")
+		waitFor(t, func() bool { return rdb.ZCard(bg, lim.cfg.shared[2]).Val() == 2 }, "the waiter's booking")
 		// A third call now queues behind the waiter: two windows away.
 		if d, _ := lim.Allow(bg); d.OK || d.RetryAfter < window*3/2 {
 			t.Fatalf("with a booking ahead, Allow = %+v, want RetryAfter near two windows", d)
@@ -380,7 +380,7 @@ func TestBlock_CancelledWaiterGivesSlotBack(t *testing.T) {
 		}
 		// Given back as the waiter leaves, or within a Redis round trip
 		// after it on a slow machine (see within).
-		waitFor(t, func() bool { return rdb.ZCard(bg, lim.shared[2]).Val() == 1 }, "the log to hold 1 member after the waiter gave up")
+		waitFor(t, func() bool { return rdb.ZCard(bg, lim.cfg.shared[2]).Val() == 1 }, "the log to hold 1 member after the waiter gave up")
 		// The freed slot goes to the next caller: one window away, not two.
 		if d, _ := lim.Allow(bg); d.OK || d.RetryAfter > window+warmMargin(window) {
 			t.Errorf("after the cancel, Allow = %+v, want RetryAfter within one window", d)
@@ -507,9 +507,9 @@ func TestTTL_FollowsLatestBooking(t *testing.T) {
 	for range 3 {
 		go func() { _, _ = lim.Acquire(ctx) }()
 	}
-	waitFor(t, func() bool { return rdb.ZCard(ctx, lim.shared[2]).Val() == 3 }, "three bookings")
+	waitFor(t, func() bool { return rdb.ZCard(ctx, lim.cfg.shared[2]).Val() == 3 }, "three bookings")
 	// The last booking is two windows ahead; it must outlive it by a window.
-	if ttl := rdb.PTTL(ctx, lim.shared[2]).Val(); ttl < 5*time.Second {
+	if ttl := rdb.PTTL(ctx, lim.cfg.shared[2]).Val(); ttl < 5*time.Second {
 		t.Errorf("TTL %v, want at least three windows", ttl)
 	}
 }

@@ -1200,7 +1200,7 @@ func TestTransport_LeaksNoGoroutinesOrConnections(t *testing.T) {
 // entries returns the calls admitted or booked in the log of a quota whose
 // only policy is a SlidingLog.
 func entries(lim *Limiter) int64 {
-	return lim.rdb.ZCard(context.Background(), lim.shared[len(lim.shared)-1]).Val()
+	return lim.rdb.ZCard(context.Background(), lim.cfg.shared[len(lim.cfg.shared)-1]).Val()
 }
 
 // transportGoroutines counts the goroutines running net/http or this

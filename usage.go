@@ -116,7 +116,7 @@ func (l *Limiter) Usage(ctx context.Context, opts ...CallOption) (Usage, error) 
 	if err != nil {
 		return Usage{}, l.unavailable(err)
 	}
-	if len(v) != protocol.UsageSize+protocol.RuleSize*len(l.rules) {
+	if len(v) != protocol.UsageSize+protocol.RuleSize*len(l.cfg.rules) {
 		return Usage{}, l.unavailable(fmt.Errorf("unexpected script reply %v", v))
 	}
 	us := func(x int64) time.Duration { return time.Duration(x) * time.Microsecond }
@@ -128,7 +128,7 @@ func (l *Limiter) Usage(ctx context.Context, opts ...CallOption) (Usage, error) 
 	// This process's spare admissions (spare.go) are free for its calls, not
 	// used by any.
 	spares, cost := l.heldSpares(sc)
-	for i, r := range l.rules {
+	for i, r := range l.cfg.rules {
 		w := v[protocol.UsageSize+protocol.RuleSize*i:]
 		held := spares * unitsOf(r, call{cost: cost})
 		u.Rules = append(u.Rules, RuleUsage{

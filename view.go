@@ -16,16 +16,16 @@ func (l *Limiter) notePause(sc scope, now, until time.Duration) {
 		return
 	}
 	p := pauseEnd{local: time.Now().Add(until - now), until: until}
-	if old, had := l.pauses.Load(sc.keys[1]); had && old.(pauseEnd).until >= until {
+	if old, had := l.view.pauses.Load(sc.keys[1]); had && old.(pauseEnd).until >= until {
 		// Each reply restates a pause it knows; the first news of it
 		// stands, however long its trip took.
 		return
 	}
-	if _, had := l.pauses.Swap(sc.keys[1], p); !had && l.pausesAdded.Add(1)%pauseSweep == 0 {
+	if _, had := l.view.pauses.Swap(sc.keys[1], p); !had && l.view.pausesAdded.Add(1)%pauseSweep == 0 {
 		t := time.Now()
-		l.pauses.Range(func(k, v any) bool {
+		l.view.pauses.Range(func(k, v any) bool {
 			if !v.(pauseEnd).local.After(t) {
-				l.pauses.CompareAndDelete(k, v)
+				l.view.pauses.CompareAndDelete(k, v)
 			}
 			return true
 		})
@@ -46,8 +46,8 @@ const pauseSweep = 256
 // quota's data: calls sleeping towards slots booked before then book again,
 // since the new data knows nothing of them.
 func (l *Limiter) noteEpoch(epoch int64, lost bool) {
-	if old := l.epoch.Swap(epoch); old != epoch && old != 0 {
-		l.scripts.Store(0)
+	if old := l.view.epoch.Swap(epoch); old != epoch && old != 0 {
+		l.view.scripts.Store(0)
 		l.s.logger.Warn("throttle: Redis lost the quota's data; every limit counts as full for one window",
 			"quota", l.name, "old_epoch", old, "epoch", epoch, "detected_here", lost)
 		l.emit(Event{Kind: EventDataLost})
@@ -59,10 +59,10 @@ func (l *Limiter) noteEpoch(epoch int64, lost bool) {
 // that missed the latest writes) is found out by the script.
 func (l *Limiter) noteScripts(newEpoch bool, n int64) {
 	if newEpoch {
-		l.scripts.Store(n)
+		l.view.scripts.Store(n)
 		return
 	}
-	raise(&l.scripts, n)
+	raise(&l.view.scripts, n)
 }
 
 // scriptsRan counts the acquire scripts of a limiter that Redis answered
@@ -74,12 +74,12 @@ type scriptsRan struct{ epoch, n int64 }
 // errs low, never high: a reply of another epoch starts it again.
 func (l *Limiter) noteRan(epoch int64, lost bool) {
 	for {
-		old := l.ran.Load()
+		old := l.view.ran.Load()
 		next := &scriptsRan{epoch: epoch, n: 1}
 		if old != nil && old.epoch == epoch && !lost {
 			next.n = old.n + 1
 		}
-		if l.ran.CompareAndSwap(old, next) {
+		if l.view.ran.CompareAndSwap(old, next) {
 			return
 		}
 	}
@@ -104,8 +104,8 @@ func raise(a *atomic.Int64, v int64) {
 // failed and the fleet began to decide without it (the Local fallback,
 // which counts this process's calls as it decides them).
 func (l *Limiter) overtaken(r result) bool {
-	return l.pausedPast(r.scope, r.slot()) || l.epoch.Load() != r.epoch || l.gaps.Load() != r.gaps ||
-		r.now < time.Duration(l.lowered.Load())*time.Microsecond && !isOff(offRebookLowered)
+	return l.pausedPast(r.scope, r.slot()) || l.view.epoch.Load() != r.epoch || l.view.gaps.Load() != r.gaps ||
+		r.now < time.Duration(l.view.lowered.Load())*time.Microsecond && !isOff(offRebookLowered)
 }
 
 // keepsPlace reports whether the overtaken booking r may keep its place
@@ -115,14 +115,14 @@ func (l *Limiter) overtaken(r result) bool {
 // passed), so the script keeps its slot if the windows that end at it
 // still fit (fits_behind in acquire.lua).
 func (l *Limiter) keepsPlace(r result) bool {
-	dropped := r.now < time.Duration(l.lowered.Load())*time.Microsecond
+	dropped := r.now < time.Duration(l.view.lowered.Load())*time.Microsecond
 	return dropped && !r.local && !r.stale && r.wait > 0 && !isOff(offKeepPlace) &&
-		!l.pausedPast(r.scope, r.slot()) && l.epoch.Load() == r.epoch && l.gaps.Load() == r.gaps
+		!l.pausedPast(r.scope, r.slot()) && l.view.epoch.Load() == r.epoch && l.view.gaps.Load() == r.gaps
 }
 
 // noteLowered keeps the Redis time at which a limit in force dropped.
 func (l *Limiter) noteLowered(at time.Duration) {
-	raise(&l.lowered, at.Microseconds())
+	raise(&l.view.lowered, at.Microseconds())
 }
 
 // pausedPast reports whether a pause this process knows of, not over yet,
@@ -132,7 +132,7 @@ func (l *Limiter) noteLowered(at time.Duration) {
 func (l *Limiter) pausedPast(sc scope, slot time.Duration) bool {
 	now := time.Now()
 	for _, k := range sc.keys[:2] {
-		if v, ok := l.pauses.Load(k); ok {
+		if v, ok := l.view.pauses.Load(k); ok {
 			p := v.(pauseEnd)
 			if p.local.After(now) && p.until > slot {
 				return true
@@ -155,7 +155,7 @@ func (l *Limiter) paused(opts ...CallOption) time.Duration {
 	now := time.Now()
 	var d time.Duration
 	for _, k := range sc.keys[:2] {
-		if v, ok := l.pauses.Load(k); ok {
+		if v, ok := l.view.pauses.Load(k); ok {
 			d = max(d, v.(pauseEnd).local.Sub(now))
 		}
 	}

@@ -181,7 +181,7 @@ func (l *Limiter) awaitSlot(ctx context.Context, c call, r result) (result, woke
 		// quota's data. Calling then would crowd the windows after the
 		// slot, so the call gives its slot back and books again.
 		if r.local {
-			if l.local != nil && !l.local.claim(r) {
+			if l.failover.local != nil && !l.failover.local.claim(r) {
 				return r, wokenOvertaken, nil
 			}
 			return r, wokenAtSlot, nil
@@ -214,13 +214,13 @@ const wakeLead = 100 * time.Millisecond
 func (l *Limiter) sleepToSlot(ctx context.Context, r result, room <-chan struct{}) error {
 	d := r.wait
 	if r.local {
-		if l.local == nil {
+		if l.failover.local == nil {
 			return sleep(ctx, d)
 		}
-		return l.local.asleep(ctx, d, r.turn)
+		return l.failover.local.asleep(ctx, d, r.turn)
 	}
-	l.asleep.Add(1)
-	defer l.asleep.Add(-1)
+	l.view.asleep.Add(1)
+	defer l.view.asleep.Add(-1)
 	in, ok := l.timing.wakeIn(r.startsAt())
 	if !ok || isOff(offSleepToSlot) {
 		return sleepOr(ctx, d, room)
@@ -400,10 +400,10 @@ type groupKey struct {
 // freedFor returns the signal of the limiter's group, or a signal of its
 // own when it has none.
 func (l *Limiter) freedFor() *freed {
-	if l.group == "" {
+	if l.cfg.group == "" {
 		return &freed{ch: make(chan struct{})}
 	}
-	key := groupKey{l.rdb, l.s.keyPrefix(), l.group}
+	key := groupKey{l.rdb, l.s.keyPrefix(), l.cfg.group}
 	groups.mu.Lock()
 	defer groups.mu.Unlock()
 	f := groups.m[key]
@@ -417,10 +417,10 @@ func (l *Limiter) freedFor() *freed {
 
 // leaveGroup forgets the limiter's group signal once no limiter uses it.
 func (l *Limiter) leaveGroup() {
-	if l.group == "" {
+	if l.cfg.group == "" {
 		return
 	}
-	key := groupKey{l.rdb, l.s.keyPrefix(), l.group}
+	key := groupKey{l.rdb, l.s.keyPrefix(), l.cfg.group}
 	groups.mu.Lock()
 	defer groups.mu.Unlock()
 	if f := groups.m[key]; f == l.freed {
