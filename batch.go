@@ -336,9 +336,6 @@ func (l *Limiter) batchArgs(sc scope, batch []*request, late []*result, spares, 
 			if given++; req.c.moves {
 				moves = given
 			}
-			if req.c.keeps {
-				moves = -given
-			}
 		}
 		class := l.classOf(req.c, req.sc)
 		classes = append(classes, classIn{req.sc, class})

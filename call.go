@@ -74,10 +74,6 @@ type call struct {
 	// asked to move earlier (move.go): the script keeps its slot when
 	// nothing earlier fits.
 	moves bool
-	// keeps says that the call books again after a limit in force dropped
-	// (overtaken): the script keeps its slot, given back with it, when the
-	// windows that end at it still fit, so that it keeps its place in line.
-	keeps bool
 	// moved is the failure of the call's last move, which bounds how
 	// long its next script call may wait for Redis (see moveFailed).
 	moved *moveFailed

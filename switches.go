@@ -44,7 +44,6 @@ const (
 	offForwardSteps   mechanism = "forward_steps"   // batch.go newStep: a forward step is not told to the script
 	offMoves          mechanism = "moves"           // move.go movable: room given back moves no sleeping call
 	offRebookLowered  mechanism = "rebook_lowered"  // view.go overtaken: a call booked before a limit dropped keeps its slot
-	offKeepPlace      mechanism = "keep_place"      // view.go keepsPlace: a call booked again after a drop books behind the calls booked since
 
 	// feedback.go Heard: a refusal about calls in flight pauses, as any other.
 	offConcRefusals mechanism = "concurrency_refusals"
@@ -89,7 +88,7 @@ var luaMechanisms = []mechanism{
 var goMechanisms = []mechanism{
 	offSleepToSlot, offGuard, offDoubt, offLeads, offSpares, offBatches, offAbandon,
 	offNews, offBreaker, offAskTimeout, offQueuedFailures, offHandBack, offForwardSteps, offMoves, offRebookLowered,
-	offKeepPlace, offConcRefusals,
+	offConcRefusals,
 }
 
 // switchedOff holds the mechanisms THROTTLE_OFF turns off, offErr what is

@@ -108,18 +108,6 @@ func (l *Limiter) overtaken(r result) bool {
 		r.now < time.Duration(l.view.lowered.Load())*time.Microsecond && !isOff(offRebookLowered)
 }
 
-// keepsPlace reports whether the overtaken booking r may keep its place
-// in line when it books again: it was booked ahead, a limit in force
-// dropped after it was decided, and nothing else overtook it (a pause, a
-// loss, a gap in the news, the Local fallback, a move kept at a slot that
-// passed), so the script keeps its slot if the windows that end at it
-// still fit (fits_behind in acquire.lua).
-func (l *Limiter) keepsPlace(r result) bool {
-	dropped := r.now < time.Duration(l.view.lowered.Load())*time.Microsecond
-	return dropped && !r.local && !r.stale && r.wait > 0 && !isOff(offKeepPlace) &&
-		!l.pausedPast(r.scope, r.slot()) && l.view.epoch.Load() == r.epoch && l.view.gaps.Load() == r.gaps
-}
-
 // noteLowered keeps the Redis time at which a limit in force dropped.
 func (l *Limiter) noteLowered(at time.Duration) {
 	raise(&l.view.lowered, at.Microseconds())

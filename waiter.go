@@ -46,7 +46,6 @@ func (l *Limiter) wait(ctx context.Context, c call) (*Permit, error) {
 		maxWait, reason := l.waitLeft(ctx, start)
 		r, err := l.acquire(ctx, c, max(maxWait, 0), giveBack)
 		giveBack = nil
-		c.keeps = false
 		c.queued = time.Time{} // its wait in the queue is over once it asked
 		c.moved = nil
 		if err != nil {
@@ -79,7 +78,6 @@ func (l *Limiter) wait(ctx context.Context, c call) (*Permit, error) {
 			}
 			if how == wokenOvertaken {
 				giveBack = &r
-				c.keeps = l.keepsPlace(r)
 			}
 			if how != wokenAtSlot {
 				continue

@@ -22,9 +22,7 @@
 --   arrives before it); its scope (1..s); for a call that moves its
 --   booking earlier, the booking's place among those given back (1..g),
 --   else 0: when nothing earlier fits, the call keeps its slot (see
---   decide); negated (-g) for a call that books again after a limit in
---   force dropped, which keeps its slot only if the windows that end at
---   it still fit (see fits_behind); and its class's name and priority (see Classes), the name
+--   decide); and its class's name and priority (see Classes), the name
 --   "" for a call of no class (ArrivalOrder).
 --
 -- Returns REPLY.acquire {now, pause, epoch, lost, margin, done, seq, paused,
@@ -620,8 +618,7 @@ local function call_args(batch, c)
   local sc = batch.scopes[call.scope]
   call.cost, call.scope, call.rs, call.pause = read_cost(call.cost), sc, sc.rs, sc.pause
   call.remaining, call.after, call.too_big, call.room, call.room_after = NEVER, NEVER, false, NEVER, NEVER
-  call.keeps = call.moves < 0
-  call.moves = batch.given[math.abs(call.moves)]
+  call.moves = batch.given[call.moves]
   return call
 end
 
@@ -1527,48 +1524,6 @@ end
 -- every window as it found it. It returns, instead, an error reply for a
 -- call no rule can ever take.
 local function decide(batch, c)
-  -- fits_behind reports whether the call, booked again at slot after a
-  -- limit in force dropped, still fits every window of its rules that ends
-  -- at the slot, against the limits in force. The calls booked after it
-  -- were decided with it in their windows, or were booked before the drop
-  -- too and check theirs when they wake: so a call keeps its place in line
-  -- instead of booking behind calls that asked after it. A bucket, a blind
-  -- rule or a reserve books again as before.
-  local function fits_behind(call, slot)
-    if call.pause > now or call.reserved_until or call.too_big then
-      return false
-    end
-    -- The units a log recorded in this script, not yet written, in (lo, hi].
-    local function pending_in(r, lo, hi)
-      local n, p = 0, r.pending or {}
-      for i = 1, #p, 2 do
-        local t = tonumber(p[i])
-        if t > lo and t <= hi then
-          n = n + 1
-        end
-      end
-      return n
-    end
-    for _, r in ipairs(call.rs) do
-      local u, n = units(r, call.cost), 0
-      if r.kind == BUCKET or r.blind then
-        return false
-      elseif r.kind == LOG then
-        local lo = slot - r.window
-        n = redis.call('ZCOUNT', r.key, '(' .. str(lo), str(slot)) + pending_in(r, lo, slot)
-      elseif r.kind == COUNTER then
-        for b = bucket_of(slot - r.window, r.width), bucket_of(slot, r.width) do
-          n = n + (r.counts[b] or 0)
-        end
-      else
-        n = r.n
-      end
-      if n + u > r.limit then
-        return false
-      end
-    end
-    return true
-  end
   local call, err = read_call(batch, c)
   if err then
     return err
@@ -1577,10 +1532,7 @@ local function decide(batch, c)
   t = settle(call, t, moved)
   local refused = call.reserved_until or t == NEVER or t - now > call.maxwait
     or call.moves and t >= call.moves.slot
-  if call.moves and refused and call.keeps and not fits_behind(call, call.moves.slot) then
-    -- Booked again as any call: its place no longer fits.
-    refused = call.reserved_until or t == NEVER or t - now > call.maxwait
-  elseif call.moves and refused then
+  if call.moves and refused then
     t, refused, call.moves.kept = call.moves.slot, false, true
   end
   if refused then
