@@ -599,7 +599,7 @@ func TestFleet_ServesMetricsWhileItRuns(t *testing.T) {
 		t.Fatal(err)
 	}
 	cfg := config{
-		Procs: 2, Workers: 4, Limit: 20, Window: time.Second, Duration: 2 * time.Second,
+		Procs: 2, Workers: 4, Limit: 20, Window: time.Second, Duration: 6 * time.Second,
 		Mode: throttle.Block, Demand: 1.5, Skew: 0.5, Metrics: "127.0.0.1:0", exe: exe,
 	}
 	stderr := &lineWatch{prefix: "metrics: ", found: make(chan string, 1)}
@@ -617,28 +617,26 @@ func TestFleet_ServesMetricsWhileItRuns(t *testing.T) {
 	case err := <-ran:
 		t.Fatalf("run ended before serving metrics: %v", err)
 	}
-	time.Sleep(1500 * time.Millisecond)
-	text := scrapeText(t, url)
+	// The replicas start as the machine lets them: scrape until they have
+	// called, within the run's first 5 s (it runs for 6).
+	var text string
+	var admitted, accepted float64
+	for deadline := time.Now().Add(5 * time.Second); ; time.Sleep(100 * time.Millisecond) {
+		text = scrapeText(t, url)
+		samples, err := checkExposition(text)
+		if err != nil {
+			t.Fatalf("%v\n%s", err, text)
+		}
+		admitted, accepted = countCalls(t, samples)
+		if admitted > 0 && accepted > 0 || time.Now().After(deadline) {
+			break
+		}
+	}
 	if err := <-ran; err != nil {
 		t.Fatalf("run: %v\n%s", err, stdout.String())
 	}
-	samples, err := checkExposition(text)
-	if err != nil {
-		t.Fatalf("%v\n%s", err, text)
-	}
-	var admitted, accepted float64
-	for _, s := range samples {
-		switch {
-		case s.name == "throttle_calls_total" && s.labels["outcome"] == "admitted":
-			admitted += s.value
-		case s.name == "fleet_vendor_requests_total" && s.labels["code"] == "200":
-			accepted += s.value
-		case s.name == "fleet_vendor_requests_total" && s.labels["code"] == "429" && s.value != 0:
-			t.Errorf("the vendor answered 429 %v times", s.value)
-		}
-	}
 	if admitted == 0 || accepted == 0 {
-		t.Errorf("a second into the run: %v calls admitted, %v accepted; want some\n%s", admitted, accepted, text)
+		t.Errorf("5 s into the run: %v calls admitted, %v accepted; want some\n%s", admitted, accepted, text)
 	}
 }
 
@@ -671,4 +669,21 @@ func (w *lineWatch) Write(p []byte) (int, error) {
 			return len(p), nil
 		}
 	}
+}
+
+// countCalls adds up the calls the replicas admitted and the vendor
+// accepted, and fails t for any 429 the vendor answered.
+func countCalls(t *testing.T, samples []parsedSample) (admitted, accepted float64) {
+	t.Helper()
+	for _, s := range samples {
+		switch {
+		case s.name == "throttle_calls_total" && s.labels["outcome"] == "admitted":
+			admitted += s.value
+		case s.name == "fleet_vendor_requests_total" && s.labels["code"] == "200":
+			accepted += s.value
+		case s.name == "fleet_vendor_requests_total" && s.labels["code"] == "429" && s.value != 0:
+			t.Errorf("the vendor answered 429 %v times", s.value)
+		}
+	}
+	return admitted, accepted
 }
