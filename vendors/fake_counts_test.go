@@ -3,6 +3,7 @@ package vendors
 import (
 	"os"
 	"sync"
+	"testing"
 	"time"
 )
 
@@ -127,4 +128,29 @@ func runEachWorker(replicas, workers int, d time.Duration, call func(replica, wo
 		}
 	}
 	wg.Wait()
+}
+
+// errorCounts tallies the errors a fleet's calls returned, by text, so
+// that a figure below its bound says what the calls met.
+type errorCounts struct {
+	mu sync.Mutex
+	n  map[string]int
+}
+
+func (e *errorCounts) add(err error) {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	if e.n == nil {
+		e.n = map[string]int{}
+	}
+	e.n[err.Error()]++
+}
+
+// log writes each error's text and count.
+func (e *errorCounts) log(t *testing.T) {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	for text, n := range e.n {
+		t.Logf("%d× %s", n, text)
+	}
 }

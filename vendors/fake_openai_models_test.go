@@ -45,6 +45,13 @@ func (c *strictLog) add(now time.Time, n int) {
 type openaiModel struct {
 	requests, tokens strictLog
 	counted          []int // tokens counted, per window of the run
+	arrivals         []arrival
+}
+
+// arrival is a request the fake counted: when, and its tokens.
+type arrival struct {
+	at     time.Time
+	tokens int
 }
 
 // openaiModelsFake answers POST /chat/completions as OpenAI documents its
@@ -117,6 +124,7 @@ func (v *openaiModelsFake) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 		m.counted = append(m.counted, 0)
 	}
 	m.counted[k] += counted
+	m.arrivals = append(m.arrivals, arrival{now, counted})
 	h.Set("x-ratelimit-remaining-requests", strconv.Itoa(m.requests.limit-m.requests.sum))
 	h.Set("x-ratelimit-remaining-tokens", strconv.Itoa(m.tokens.limit-m.tokens.sum))
 	v.mu.Unlock()
@@ -124,6 +132,21 @@ func (v *openaiModelsFake) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	completion := b.MaxCompletionTokens / 2
 	fmt.Fprintf(w, `{"id":"chatcmpl-1","object":"chat.completion","created":1,"model":%q,"choices":[{"index":0,"message":{"role":"assistant","content":"hi"},"finish_reason":"stop"}],"usage":{"prompt_tokens":%d,"completion_tokens":%d,"total_tokens":%d}}`,
 		b.Model, prompt, completion, prompt+completion)
+}
+
+// rate returns the tokens of model counted from `from` to `to`, as a
+// share of its cap over that span, wherever the fake's windows fall on it.
+func (v *openaiModelsFake) rate(model string, from, to time.Time) float64 {
+	v.mu.Lock()
+	defer v.mu.Unlock()
+	m := v.models[model]
+	sum := 0
+	for _, a := range m.arrivals {
+		if !a.at.Before(from) && a.at.Before(to) {
+			sum += a.tokens
+		}
+	}
+	return float64(sum) / (float64(m.tokens.limit) * float64(to.Sub(from)) / float64(v.window))
 }
 
 // counts returns each model's tokens counted per window.

@@ -87,7 +87,12 @@ func openaiModelsClient(t *testing.T, rdb *redis.Client, baseURL string, window 
 // calling each of two models, against a fake that counts each model apart
 // (2 s windows: gpt-4o 40 requests and 4,000 tokens, gpt-4o-mini 80 and
 // 12,000; each request 300 tokens as OpenAI counts it): after the first
-// window no 429, and each model's tokens at 0.9 or more of its cap.
+// window no 429, and each model's tokens over the run at 0.85 or more of
+// its cap. The recipe counts tokens in a SlidingCounter of 10 buckets,
+// which frees a call's units once its whole bucket left the window: the
+// fleet's calls come in bursts a window and a bucket apart (2.23 s here),
+// 9 or 10 in the run's 10 windows as their phase falls, 0.88–0.98 of the
+// cap (docs/TESTING.md).
 func TestOpenAI_TwoModelsEachAtItsOwnCap(t *testing.T) {
 	const window = 2 * time.Second
 	limits := map[string][2]int{"gpt-4o": {40, 4000}, "gpt-4o-mini": {80, 12_000}}
@@ -101,22 +106,26 @@ func TestOpenAI_TwoModelsEachAtItsOwnCap(t *testing.T) {
 		clients[i] = openaiModelsClient(t, s.Client(t), srv.URL, window, limits)
 	}
 	ctx := context.Background()
+	var errs errorCounts
+	start := time.Now()
 	runEachWorker(3, 10, d, func(i, j, _ int) {
 		if err := openaiModelsCall(ctx, clients[i], []string{"gpt-4o", "gpt-4o-mini"}[j%2]); err != nil {
+			errs.add(err)
 			time.Sleep(10 * time.Millisecond)
 		}
 	})
+	errs.log(t)
 	v.mu.Lock()
 	refused := v.refused
 	v.mu.Unlock()
-	for model, l := range limits {
-		got := share(v.counts(model), l[1], int(d/window))
+	for model := range limits {
+		got := v.rate(model, start, start.Add(d))
 		t.Logf("%s: %.3f of its tokens cap; tokens per window %v; %d 429s after the first window", model, got, v.counts(model), refused[model])
 		if refused[model] != 0 {
 			t.Errorf("%s: %d 429s after the first window, want none", model, refused[model])
 		}
-		if got < 0.9 {
-			t.Errorf("%s: %.3f of its tokens cap, want at least 0.9", model, got)
+		if got < 0.85 {
+			t.Errorf("%s: %.3f of its tokens cap, want at least 0.85", model, got)
 		}
 	}
 }
