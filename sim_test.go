@@ -36,11 +36,12 @@ import (
 //	go test -run TestSim_Schedules -sim.n 2000 .          # a corpus of seeds 1..2000
 //	go test -run TestSim_Schedules -sim.seed 1234 -v .    # replay one, and shrink it if it fails
 //	go test -run TestSim_Schedules -sim.for 1h -timeout 2h .  # new seeds for an hour
+//	go test -run TestSim_Schedules -sim.n 1000 -sim.for 9m .  # 1,000 seeds, or as many as 9 minutes run
 var (
 	simN    = flag.Int("sim.n", 30, "how many schedules TestSim_Schedules runs (seeds sim.from, sim.from+1, ...); 0 under -race")
 	simFrom = flag.Uint64("sim.from", 1, "the first seed of TestSim_Schedules")
 	simSeed = flag.Uint64("sim.seed", 0, "run only the schedule of this seed, and shrink it if it fails")
-	simFor  = flag.Duration("sim.for", 0, "run schedules from sim.from on for this long instead of sim.n of them")
+	simFor  = flag.Duration("sim.for", 0, "run schedules from sim.from on for this long instead of sim.n of them (at most sim.n, when it is given)")
 	simDump = flag.String("sim.stacks", "", "write every goroutine's stack to this file when a call runs past its deadline")
 )
 
@@ -117,13 +118,21 @@ func TestSim_Schedules(t *testing.T) {
 		return
 	}
 	if *simFor > 0 {
-		until := time.Now().Add(*simFor)
+		// With -sim.n given too, at most that many: CI's runs stop at
+		// their count, or at their time on a machine too busy for it.
+		most := -1
+		flag.Visit(func(f *flag.Flag) {
+			if f.Name == "sim.n" {
+				most = *simN
+			}
+		})
+		began, until := time.Now(), time.Now().Add(*simFor)
 		n := 0
-		for seed := *simFrom; time.Now().Before(until); seed++ {
+		for seed := *simFrom; time.Now().Before(until) && n != most; seed++ {
 			checkSchedule(t, drawSchedule(seed), true)
 			n++
 		}
-		t.Logf("%d schedules in %v", n, *simFor)
+		t.Logf("%d schedules (seeds %d to %d) in %v", n, *simFrom, *simFrom+uint64(n)-1, time.Since(began).Round(time.Second))
 		return
 	}
 	t.Cleanup(func() {
