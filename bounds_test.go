@@ -79,7 +79,7 @@ func TestScript_LongLogSettlesForItsTail(t *testing.T) {
 	redistest.Each(t, func(t *testing.T, s *redistest.Server) {
 		const limit, window = 100, 100 * time.Millisecond
 		clock := newClock()
-		lim := newLimiter(t, s.Client(t), policies.SlidingLog{Limit: limit, Window: window, Margin: time.Nanosecond}, Options{Clock: clock.Now})
+		lim := newLimiter(t, s.Client(t), policies.SlidingLog{Limit: limit, Window: window, Margin: time.Nanosecond}, Options{Clock: clock.Now, RedisTimeout: time.Minute})
 		ctx := context.Background()
 		// A hundred windows booked ahead, more than one call reads.
 		var deep result
@@ -132,7 +132,7 @@ func TestScript_HintHoldsAfterACallThatBooksAhead(t *testing.T) {
 	s := redistest.Real(t) // INFO commandstats
 	const limit, window = 50, 100 * time.Millisecond
 	clock := newClock()
-	lim := newLimiter(t, s.Client(t), policies.SlidingLog{Limit: limit, Window: window, Margin: time.Nanosecond}, Options{Clock: clock.Now})
+	lim := newLimiter(t, s.Client(t), policies.SlidingLog{Limit: limit, Window: window, Margin: time.Nanosecond}, Options{Clock: clock.Now, RedisTimeout: time.Minute})
 	admin := adminClient(t, s.Addr)
 	ctx := context.Background()
 	// Twenty windows booked ahead: 1,000 entries, more than one call reads.
@@ -171,6 +171,7 @@ func TestScript_HintHoldsAfterACallThatBooksAhead(t *testing.T) {
 // so the call after it reads the log from there (counted in Redis's ZRANGE
 // calls) instead of from the room left, to its end.
 func TestScript_HintHoldsAfterAPacedCall(t *testing.T) {
+	t.Parallel()
 	s := redistest.Real(t) // INFO commandstats
 	const limit, window, pace = 50, time.Second, 20 * time.Millisecond
 	clock := newClock()

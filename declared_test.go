@@ -41,6 +41,7 @@ import (
 // role in the call ("<rule key>:next", a batch's "<another key's pause
 // key, in ARGV>"), with one such key and how many times.
 func TestScripts_TouchOnlyDeclaredKeys(t *testing.T) {
+	t.Parallel()
 	s := redistest.Real(t)
 	mon := startMonitor(t, s.Addr)
 	for _, p := range declaredPaths {

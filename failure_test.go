@@ -53,6 +53,7 @@ func TestOnRedisError_FailClosedRefusesTheCall(t *testing.T) {
 }
 
 func TestOnRedisError_FailOpenMakesTheCall(t *testing.T) {
+	t.Parallel()
 	lim := newLimiter(t, deadRedis(t), perSecond, Options{OnRedisError: FailOpen})
 	for range 20 {
 		if _, err := Do(context.Background(), lim, func(context.Context) (int, error) { return 0, nil }); err != nil {
@@ -124,6 +125,7 @@ func TestOnRedisError_LocalNeedsReplicas(t *testing.T) {
 }
 
 func TestBreaker_StopsAskingADeadRedisAndComesBack(t *testing.T) {
+	t.Parallel()
 	s := redistest.New(t)
 	rdb := s.Client(t)
 	var logs syncBuffer

@@ -19,6 +19,7 @@ import (
 // a per-key rule, or a named unit's daily count, still counts the calls
 // Redis forgot.
 func TestDataLoss_FoundByFeedbackPausesForEveryRule(t *testing.T) {
+	t.Parallel()
 	minute := policies.All(
 		policies.SlidingLog{Limit: 100, Window: 200 * time.Millisecond},
 		policies.PerKey{Policy: policies.SlidingLog{Limit: 10, Window: time.Minute}},

@@ -214,6 +214,7 @@ func (slowScripts) ProcessPipelineHook(next redis.ProcessPipelineHook) redis.Pro
 // A call that waits for another call's script before its own is sent is
 // not failed by that wait: the Redis timeout runs from its own script call.
 func TestRedisTimeout_RunsFromTheCallsOwnScript(t *testing.T) {
+	t.Parallel()
 	s := redistest.New(t)
 	rdb := s.Client(t)
 	lim := newLimiter(t, rdb, policies.SlidingLog{Limit: 100, Window: time.Second}, Options{Logger: quiet()})
@@ -782,6 +783,7 @@ func decided(lo *local, sc scope, c call, member string, maxWait time.Duration) 
 // once forgot them under every rule, and a policy with a concurrency rule
 // admitted a call per slot freed, without bound.)
 func TestLocal_ReleaseFreesTheSlotNotTheWindow(t *testing.T) {
+	t.Parallel()
 	lim := newLimiter(t, deadRedis(t), policies.All(
 		policies.SlidingLog{Limit: 4, Window: time.Second},
 		policies.Concurrency{Max: 4, Lease: time.Minute},

@@ -186,6 +186,7 @@ func checkReportsAndHonoursShadowMode(t *testing.T, s *redistest.Server, mode Mo
 }
 
 func TestObserver_SeesFailuresAndTheFallback(t *testing.T) {
+	t.Parallel()
 	var rec recorder
 	lim := newLimiter(t, deadRedis(t), perSecond, Options{Observer: rec.Observe, OnRedisError: FailClosed})
 	for range 5 {

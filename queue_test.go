@@ -155,6 +155,7 @@ func TestQueue_QueuedCallsCostNoRedisCall(t *testing.T) {
 }
 
 func TestQueue_CloseDrainsEveryCall(t *testing.T) {
+	t.Parallel()
 	redistest.Each(t, func(t *testing.T, s *redistest.Server) {
 		lim := newLimiter(t, s.Client(t), policies.SlidingLog{Limit: 5, Window: 50 * time.Millisecond, Margin: time.Nanosecond}, Options{Mode: Queue})
 		ctx := context.Background()
@@ -254,6 +255,7 @@ func queued(l *Limiter) int {
 // Do and Go run has returned, in Queue mode and in Block mode alike, not
 // once each call has its slot.
 func TestClose_WaitsForTheFunctionsDoAndGoRun(t *testing.T) {
+	t.Parallel()
 	for _, mode := range []Mode{Queue, Block} {
 		t.Run(string(mode), func(t *testing.T) {
 			redistest.Each(t, func(t *testing.T, s *redistest.Server) {

@@ -115,6 +115,7 @@ var hourlyPerToken = policies.PerKey{Policy: policies.SlidingLog{Limit: 5000, Wi
 // vendor counts. Before, 0 of the next 5 calls reached the vendor, for an
 // hour.
 func TestBlind_AVendorsCountRebuildsALostQuotaInOneRoundTrip(t *testing.T) {
+	t.Parallel()
 	for _, how := range []string{"FLUSHALL", "restart"} {
 		t.Run(how, func(t *testing.T) {
 			redistest.Each(t, func(t *testing.T, s *redistest.Server) {
@@ -164,6 +165,7 @@ func TestBlind_AVendorsCountRebuildsALostQuotaInOneRoundTrip(t *testing.T) {
 // hour resets: no other call reaches it, the calls wait for that reset,
 // and no key sends a second scout.
 func TestBlind_AVendorAtItsCapRefusesOneScoutPerKey(t *testing.T) {
+	t.Parallel()
 	redistest.Each(t, func(t *testing.T, s *redistest.Server) {
 		ctx := context.Background()
 		vendor := newGitHub(5)

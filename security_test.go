@@ -360,6 +360,7 @@ func commandsRun(t *testing.T, admin *redis.Client) map[string]string {
 // refuses it nothing: ACL LOG stays empty. Every command the scripts ran is
 // one that aclRules grants.
 func TestSecurity_ACLUserWithOnlyWhatTheReadmeLists(t *testing.T) {
+	t.Parallel()
 	s := redistest.Real(t)
 	admin := adminClient(t, s.Addr)
 	ctx := context.Background()

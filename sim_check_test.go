@@ -97,7 +97,7 @@ func safety(s schedule, o outcome) []string {
 		out := overWindow(o, p.Limit, p.Window, all, units, "the shared rule")
 		for k := range s.Keys {
 			key := "k" + fmt.Sprint(k)
-			out = append(out, overWindow(o, max(p.Limit/2, 1), p.Window, func(a simArrival) bool { return a.key == key }, units, "key "+key)...)
+			out = append(out, overWindow(o, max(p.Limit/2, 1), p.keyWindow(), func(a simArrival) bool { return a.key == key }, units, "key "+key)...)
 		}
 		return out
 	case "percall":

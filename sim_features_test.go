@@ -36,6 +36,12 @@ import (
 //   - Cancel: one in four: a call in five is given back before it leaves.
 //   - Close: one in four (drawClose): a replica closes its limiter mid-run
 //     and drains it.
+//   - A per-key rule over five windows (simPolicy.Long): half the perkey
+//     schedules.
+//   - The script that finds a flush or a restart without its data
+//     (FoundBy): in a quarter each, Pause (feedback.lua) and Usage
+//     (usage.lua) right after it; else the next call's acquire, settle or
+//     cancel.
 func drawFeatures(seed uint64, s *schedule) {
 	rng := rand.New(rand.NewPCG(seed, 0x6665617475726573))
 	s.Classes = 1 + rng.IntN(3)
@@ -69,6 +75,25 @@ func drawFeatures(seed uint64, s *schedule) {
 		}
 	}
 	s.Cancel = rng.IntN(4) == 0
+	if s.Policy.Kind == "perkey" && rng.IntN(2) == 0 {
+		s.Policy.Long = true
+	}
+	s.FoundBy = []string{"", "", "pause", "usage"}[rng.IntN(4)]
+}
+
+// findLoss runs, on replica r's limiter, the script s.FoundBy names, as
+// the first after a flush or a restart: Pause (the feedback script, given only the
+// rules a vendor's answer is about) or Usage (the usage script). Acquire
+// finds the rest, and settle and cancel those that follow a call settled
+// or given back.
+func (s schedule) findLoss(ctx context.Context, r *simReplica) {
+	lim := r.lim.Load()
+	switch s.FoundBy {
+	case "pause":
+		_ = lim.Pause(ctx, time.Millisecond)
+	case "usage":
+		_, _ = lim.Usage(ctx)
+	}
 }
 
 // drawClose returns, for one schedule in four, a replica that closes its

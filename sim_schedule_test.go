@@ -40,6 +40,7 @@ type schedule struct {
 	Settle       string       `json:",omitempty"` // lower, higher or both: each cost an estimate settled after the call
 	Cancel       bool         `json:",omitempty"` // a call in five given back before it leaves
 	Model        *vendorModel `json:",omitempty"` // how the vendor counts and answers (sim_vendor_test.go); nil: a strict count
+	FoundBy      string       `json:",omitempty"` // pause or usage: the script a replica runs right after each flush or restart, which finds the loss; "": the next call's
 }
 
 // simPolicy is the quota's policy, in words a schedule can print.
@@ -48,6 +49,7 @@ type simPolicy struct {
 	Limit  int
 	Window time.Duration
 	Keyed  bool `json:",omitempty"` // a PerKey rule beside, at the whole limit: the keys' fair shares, no limit of their own
+	Long   bool `json:",omitempty"` // perkey: each key's rule counts over five windows (a daily rule beside a per-minute one)
 }
 
 // event is a fault, or a change of the fleet, at a time of the run.
@@ -84,7 +86,7 @@ func (p simPolicy) policy() policies.Policy {
 	case "all":
 		return policies.All(log, policies.SlidingLog{Limit: 3 * p.Limit, Window: 5 * p.Window})
 	case "perkey":
-		return policies.All(log, policies.PerKey{Policy: policies.SlidingLog{Limit: max(p.Limit/2, 1), Window: p.Window}})
+		return policies.All(log, policies.PerKey{Policy: policies.SlidingLog{Limit: max(p.Limit/2, 1), Window: p.keyWindow()}})
 	case "percall":
 		return policies.All(policies.PerCall{Policy: log}, policies.SlidingLog{Limit: 4 * p.Limit, Window: p.Window})
 	case "units":
@@ -95,9 +97,19 @@ func (p simPolicy) policy() policies.Policy {
 	return log
 }
 
+// keyWindow returns the window of the perkey kind's rule for each key.
+func (p simPolicy) keyWindow() time.Duration {
+	if p.Long {
+		return 5 * p.Window
+	}
+	return p.Window
+}
+
 // longest returns the policy's longest window.
 func (p simPolicy) longest() time.Duration {
 	switch p.Kind {
+	case "perkey":
+		return p.keyWindow()
 	case "all":
 		return 5 * p.Window
 	case "concurrency":
@@ -302,6 +314,12 @@ func (s schedule) describe() string {
 	out := fmt.Sprintf("%d replicas × %d workers, %s limit %d per %v, %v, %v, Redis %v away ±%v, vendor %v away, deadline %v, cost ≤ %d, keys %d, %v long",
 		s.Replicas, s.Workers, s.Policy.Kind, s.Policy.Limit, s.Policy.Window, s.Mode, s.OnError, s.Latency, s.Jitter, s.Vendor, s.Deadline, s.MaxCost, s.Keys, s.Length)
 	out += fmt.Sprintf("\n  %d classes, arrival order %v, skewed keys %v, settle %q, cancel %v", s.classes(), s.ArrivalOrder, s.Skew, s.Settle, s.Cancel)
+	if s.Policy.Long {
+		out += fmt.Sprintf(", each key's rule over %v", s.Policy.keyWindow())
+	}
+	if s.FoundBy != "" {
+		out += fmt.Sprintf(", a flush or restart found by %s", s.FoundBy)
+	}
 	if s.Model != nil {
 		out += fmt.Sprintf("\n  vendor %+v", *s.Model)
 	}

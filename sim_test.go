@@ -543,8 +543,10 @@ func playEvents(ctx context.Context, wg *sync.WaitGroup, s schedule, r *sim.Redi
 				r.Kill()
 				sleepUntil(ctx, e.For)
 				r.Restart()
+				s.findLoss(ctx, replicas[e.Replica])
 			case "flush":
 				r.Flush()
+				s.findLoss(ctx, replicas[e.Replica])
 			case "scriptflush":
 				r.FlushScripts()
 			case "step":

@@ -293,6 +293,7 @@ func TestFailFast_RefusesWithRetryAfter(t *testing.T) {
 }
 
 func TestBlock_WaitsForItsSlot(t *testing.T) {
+	t.Parallel()
 	redistest.Each(t, func(t *testing.T, s *redistest.Server) {
 		window := 200 * time.Millisecond
 		lim := newLimiter(t, s.Client(t), policies.SlidingLog{Limit: 2, Window: window, Margin: time.Nanosecond})

@@ -497,6 +497,7 @@ func TestGuard_LateReplyBooksAgainOnEveryPath(t *testing.T) {
 // reply is noted for the fleet's spread: a busy process is late on its way
 // to the vendor too.
 func TestGuard_LateReplyWaitsForASlotAhead(t *testing.T) {
+	t.Parallel()
 	redistest.Each(t, func(t *testing.T, s *redistest.Server) {
 		// A margin of 100ms, so that a busy machine's wake-ups, which it
 		// allows 50ms, do not book again; the first reply comes 300ms late.
@@ -542,6 +543,7 @@ func TestGuard_LateReplyWaitsForASlotAhead(t *testing.T) {
 // busy Redis's long turn as late as its reply). It never starts before its
 // slot by Redis's clock either.
 func TestGuard_SlowReplyStillStartsOnItsSlot(t *testing.T) {
+	t.Parallel()
 	redistest.Each(t, func(t *testing.T, s *redistest.Server) {
 		// A margin of 200ms: the late-start guard allows 100ms, so the
 		// 60ms reply is not too late, and a busy machine's wake-ups do not
@@ -585,6 +587,7 @@ func TestGuard_SlowReplyStillStartsOnItsSlot(t *testing.T) {
 // and starts on time by it, instead of waking by the slow reply it knew
 // when it went to sleep, late against the faster one, and booking again.
 func TestGuard_SleepingCallFollowsAFasterReply(t *testing.T) {
+	t.Parallel()
 	redistest.Each(t, func(t *testing.T, s *redistest.Server) {
 		// A margin of 100ms: the guard allows 50ms, half the 100ms by
 		// which the fastest reply gets faster.
@@ -632,6 +635,7 @@ func TestGuard_SleepingCallFollowsAFasterReply(t *testing.T) {
 // half the margin (a starved process) gives the slot back and books again,
 // at once, rather than call into the windows after its slot.
 func TestGuard_LateWakeBooksAgain(t *testing.T) {
+	t.Parallel()
 	redistest.Each(t, func(t *testing.T, s *redistest.Server) {
 		rdb := s.Client(t)
 		counter := &slowReplies{}
@@ -760,6 +764,7 @@ func (h *lateReports) has(lo, hi int) bool {
 // A call whose every reply comes too late books again three times, and then
 // fails with ErrLimited saying why, holding nothing.
 func TestGuard_BooksAgainABoundedNumberOfTimes(t *testing.T) {
+	t.Parallel()
 	redistest.Each(t, func(t *testing.T, s *redistest.Server) {
 		lim, slow := guardLimiter(t, s, Options{Mode: FailFast})
 		slow.n.Store(100)

@@ -164,6 +164,7 @@ func TestTransport_AnAnswerAboutAnotherResourceLeavesTheQuota(t *testing.T) {
 // nothing and teaches no cap, and the request is retried when its slot
 // frees. On a quota without one it pauses the fleet, as any refusal.
 func TestTransport_AConcurrencyRefusalGoesToTheConcurrencyRule(t *testing.T) {
+	t.Parallel()
 	json := []string{"Content-Type", "application/json"}
 	tests := []struct {
 		name   string

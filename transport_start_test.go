@@ -67,6 +67,7 @@ func TestTransport_MeasuresTheStartWhenTheRequestLeaves(t *testing.T) {
 // The last Start before Release counts, Release notes it once, and a Start
 // after Release does nothing.
 func TestPermit_StartTellsWhenTheCallLeaves(t *testing.T) {
+	t.Parallel()
 	const slow = 80 * time.Millisecond
 	redistest.Each(t, func(t *testing.T, s *redistest.Server) {
 		policy := policies.SlidingLog{Limit: 100, Window: time.Second}

@@ -597,6 +597,7 @@ func TestTransport_DoesNotModifyTheRequest(t *testing.T) {
 // Whatever happens to a request, its body is closed, and the caller gets a
 // response or an error, never both.
 func TestTransport_ClosesTheBodyOnEveryPath(t *testing.T) {
+	t.Parallel()
 	redistest.Each(t, func(t *testing.T, s *redistest.Server) {
 		ok := newVendorServer(t, answer(http.StatusOK, "ok"))
 		refusing := newVendorServer(t, answer(http.StatusTooManyRequests, "no", "Retry-After", "0"))
@@ -1107,6 +1108,7 @@ func TestTransport_KeyAndCostFromTheRequest(t *testing.T) {
 
 // In Queue mode requests wait in the limiter's queue, higher priority first.
 func TestTransport_QueueServesHigherPriorityFirst(t *testing.T) {
+	t.Parallel()
 	s := redistest.Mini(t)
 	srv := newVendorServer(t, answer(http.StatusOK, "ok"))
 	lim := replicaLimiter(t, s, "queue", policies.SlidingLog{Limit: 1, Window: 200 * time.Millisecond, Margin: time.Nanosecond}, Options{Mode: Queue})
