@@ -169,64 +169,26 @@ var vendorHeaderSamples = []struct {
 func TestTransport_HeedsTheVendorsOwnHeaders(t *testing.T) {
 	redistest.Each(t, func(t *testing.T, s *redistest.Server) {
 		var calls atomic.Int64
-		vendor := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-			calls.Add(1)
-			if r.URL.Path == "/github-secondary" {
-				w.Header().Set("retry-after", "30")
-				w.Header().Set("x-ratelimit-limit", "5000")
-				w.Header().Set("x-ratelimit-remaining", "4990")
-				w.WriteHeader(http.StatusForbidden)
-				return
-			}
-			if r.URL.Path == "/stripe" {
-				w.Header().Set("Stripe-Should-Retry", "false")
-				w.WriteHeader(http.StatusTooManyRequests)
-				return
-			}
-			w.Header().Set("x-ratelimit-remaining-requests", "3")
-			w.Header().Set("x-ratelimit-reset-requests", "20s")
-			w.Header().Set("x-ratelimit-remaining-tokens", "1000")
-			w.Header().Set("x-ratelimit-reset-tokens", "30s")
-		}))
+		vendor := ownHeadersVendor(&calls)
 		defer vendor.Close()
-		ctx := context.Background()
-		remainingAfter := func(prefix string, cost func(*http.Request) int) int {
-			lim := newLimiter(t, s.Client(t), policies.SlidingLog{Limit: 5000, Window: time.Minute}, Options{Prefix: prefix})
-			c := &http.Client{Transport: &Transport{Limiter: lim, Cost: cost}}
-			resp, err := c.Get(vendor.URL + "/openai")
-			if err != nil {
-				t.Fatal(err)
-			}
-			resp.Body.Close()
-			u, err := lim.Usage(ctx)
-			if err != nil {
-				t.Fatal(err)
-			}
-			return u.Remaining
+		quota := func(prefix string, mode Mode) *Limiter {
+			return newLimiter(t, s.Client(t), policies.SlidingLog{Limit: 5000, Window: time.Minute}, Options{Prefix: prefix, Mode: mode})
 		}
 		// Each count leaves the others what they spent, and a unit more
 		// for the jitter of their calls (see Usage.Others).
-		if got, want := remainingAfter("requests", nil), leftAfter(5000, 1, 3); got != want {
-			t.Errorf("a quota of requests has %d left, want %d: the vendor's 3 requests less what the others need more", got, want)
+		if _, u := getThrough(t, &Transport{Limiter: quota("requests", Block)}, vendor.URL+"/openai"); u.Remaining != leftAfter(5000, 1, 3) {
+			t.Errorf("a quota of requests has %d left, want %d: the vendor's 3 requests less what the others need more", u.Remaining, leftAfter(5000, 1, 3))
 		}
-		if got, want := remainingAfter("tokens", func(*http.Request) int { return 100 }), leftAfter(5000, 100, 1000); got != want {
-			t.Errorf("a quota of tokens has %d left, want %d: the vendor's 1000 tokens less what the others need more", got, want)
+		hundred := func(*http.Request) int { return 100 }
+		if _, u := getThrough(t, &Transport{Limiter: quota("tokens", Block), Cost: hundred}, vendor.URL+"/openai"); u.Remaining != leftAfter(5000, 100, 1000) {
+			t.Errorf("a quota of tokens has %d left, want %d: the vendor's 1000 tokens less what the others need more", u.Remaining, leftAfter(5000, 100, 1000))
 		}
 		// Requests and tokens in one quota: each rule follows its count.
 		both := newLimiter(t, s.Client(t), policies.All(
 			policies.PerCall{Policy: policies.SlidingLog{Limit: 500, Window: time.Minute}},
 			policies.SlidingCounter{Limit: 200_000, Window: time.Minute},
 		), Options{Prefix: "both"})
-		c := &http.Client{Transport: &Transport{Limiter: both, Cost: func(*http.Request) int { return 100 }}}
-		resp, err := c.Get(vendor.URL + "/openai")
-		if err != nil {
-			t.Fatal(err)
-		}
-		resp.Body.Close()
-		u, err := both.Usage(ctx)
-		if err != nil {
-			t.Fatal(err)
-		}
+		_, u := getThrough(t, &Transport{Limiter: both, Cost: hundred}, vendor.URL+"/openai")
 		if r, tk := leftAfter(500, 1, 3), leftAfter(200_000, 100, 1000); u.Rules[0].Remaining != r || u.Rules[1].Remaining != tk {
 			t.Errorf("requests and tokens left %d and %d, want %d and %d: each of the vendor's counts",
 				u.Rules[0].Remaining, u.Rules[1].Remaining, r, tk)
@@ -234,33 +196,58 @@ func TestTransport_HeedsTheVendorsOwnHeaders(t *testing.T) {
 
 		// A 403 with Retry-After is GitHub's secondary limit: the token
 		// pauses for that long, and its limit stays.
-		lim := newLimiter(t, s.Client(t), policies.SlidingLog{Limit: 5000, Window: time.Minute}, Options{Prefix: "secondary", Mode: FailFast})
-		c = &http.Client{Transport: &Transport{Limiter: lim}}
-		resp, err = c.Get(vendor.URL + "/github-secondary")
-		if err != nil {
-			t.Fatal(err)
-		}
-		resp.Body.Close()
-		u, err = lim.Usage(ctx)
-		if err != nil {
-			t.Fatal(err)
-		}
-		if resp.StatusCode != http.StatusForbidden || u.Paused < 25*time.Second || u.Rules[0].Limit != 5000 {
-			t.Errorf("a secondary limit: status %d, paused %v, limit %d; want the 403, a pause of 30s, the limit kept", resp.StatusCode, u.Paused, u.Rules[0].Limit)
+		status, u := getThrough(t, &Transport{Limiter: quota("secondary", FailFast)}, vendor.URL+"/github-secondary")
+		if status != http.StatusForbidden || u.Paused < 25*time.Second || u.Rules[0].Limit != 5000 {
+			t.Errorf("a secondary limit: status %d, paused %v, limit %d; want the 403, a pause of 30s, the limit kept", status, u.Paused, u.Rules[0].Limit)
 		}
 
-		lim = newLimiter(t, s.Client(t), policies.SlidingLog{Limit: 5000, Window: time.Minute}, Options{Prefix: "stripe"})
-		c = &http.Client{Transport: &Transport{Limiter: lim, DefaultPause: time.Millisecond}}
 		calls.Store(0)
-		resp, err = c.Get(vendor.URL + "/stripe")
-		if err != nil {
-			t.Fatal(err)
-		}
-		resp.Body.Close()
-		if resp.StatusCode != http.StatusTooManyRequests || calls.Load() != 1 {
-			t.Errorf("Stripe-Should-Retry: false: status %d after %d calls, want the 429 after one", resp.StatusCode, calls.Load())
+		status, _ = getThrough(t, &Transport{Limiter: quota("stripe", Block), DefaultPause: time.Millisecond}, vendor.URL+"/stripe")
+		if status != http.StatusTooManyRequests || calls.Load() != 1 {
+			t.Errorf("Stripe-Should-Retry: false: status %d after %d calls, want the 429 after one", status, calls.Load())
 		}
 	})
+}
+
+// ownHeadersVendor answers as three vendors do, by path: GitHub's
+// secondary limit (a 403 with Retry-After), Stripe's 429 that says not to
+// retry, and else OpenAI's counts of requests and tokens left. It counts
+// the calls it gets in calls.
+func ownHeadersVendor(calls *atomic.Int64) *httptest.Server {
+	return httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		calls.Add(1)
+		switch r.URL.Path {
+		case "/github-secondary":
+			w.Header().Set("retry-after", "30")
+			w.Header().Set("x-ratelimit-limit", "5000")
+			w.Header().Set("x-ratelimit-remaining", "4990")
+			w.WriteHeader(http.StatusForbidden)
+		case "/stripe":
+			w.Header().Set("Stripe-Should-Retry", "false")
+			w.WriteHeader(http.StatusTooManyRequests)
+		default:
+			w.Header().Set("x-ratelimit-remaining-requests", "3")
+			w.Header().Set("x-ratelimit-reset-requests", "20s")
+			w.Header().Set("x-ratelimit-remaining-tokens", "1000")
+			w.Header().Set("x-ratelimit-reset-tokens", "30s")
+		}
+	}))
+}
+
+// getThrough sends a GET to url through tr, and returns the answer's
+// status and the usage of tr's limiter after it.
+func getThrough(t *testing.T, tr *Transport, url string) (int, Usage) {
+	t.Helper()
+	resp, err := (&http.Client{Transport: tr}).Get(url)
+	if err != nil {
+		t.Fatal(err)
+	}
+	resp.Body.Close()
+	u, err := tr.Limiter.Usage(context.Background())
+	if err != nil {
+		t.Fatal(err)
+	}
+	return resp.StatusCode, u
 }
 
 // An LLM call admitted with an estimate is settled with what the vendor

@@ -572,21 +572,24 @@ func playEvents(ctx context.Context, wg *sync.WaitGroup, s schedule, r *sim.Redi
 			case "close":
 				replicas[e.Replica].drain()
 			case "deploy":
-				// The old version stopped everywhere, then the new one
-				// started, its rule of another kind over the same windows
-				// (see deployed), as the README says a deploy that changes
-				// a rule's kind must go.
-				var halted []*simReplica
-				for _, rep := range replicas {
-					if rep.halt() {
-						halted = append(halted, rep)
-					}
-				}
-				for _, rep := range halted {
-					rep.restart(s.deployed())
-				}
+				deploy(s, replicas)
 			}
 		})
+	}
+}
+
+// deploy stops the old version everywhere, then starts the new one, its
+// rule of another kind over the same windows (see deployed), as the README
+// says a deploy that changes a rule's kind must go.
+func deploy(s schedule, replicas []*simReplica) {
+	var halted []*simReplica
+	for _, rep := range replicas {
+		if rep.halt() {
+			halted = append(halted, rep)
+		}
+	}
+	for _, rep := range halted {
+		rep.restart(s.deployed())
 	}
 }
 

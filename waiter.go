@@ -85,25 +85,34 @@ func (l *Limiter) wait(ctx context.Context, c call) (*Permit, error) {
 			late, tooLate = l.late(r)
 		}
 		if tooLate {
-			// Arriving now would crowd the windows after the slot: book
-			// again, a bounded number of times. A late reply books that
-			// much ahead, so that the next reply arrives before its slot and
-			// the call waits instead of starting late. The lateness is
-			// noted either way, and the fleet's margin widens if its calls
-			// keep starting late: what delays the replies of a busy process
-			// delays its way to the vendor too.
-			if rebooks++; rebooks > maxRebooks {
-				l.cancel(ctx, c, r)
-				return nil, l.limited(late, lateReason)
-			}
-			if replyLate && !isOff(offLeads) {
-				c.lead += max(late, 0) // none when only the timing is unsure
+			if err := l.bookLate(ctx, &c, r, late, replyLate, &rebooks); err != nil {
+				return nil, err
 			}
 			giveBack = &r
 			continue
 		}
 		return l.permit(c, r, time.Since(start)), nil
 	}
+}
+
+// bookLate readies call c, whose reply or wake came too late for its slot
+// r, to book again: arriving now would crowd the windows after the slot.
+// It books again a bounded number of times (rebooks counts them); past
+// them, it gives r back and returns the error the call fails with. A late
+// reply books that much ahead, so that the next reply arrives before its
+// slot and the call waits instead of starting late. The lateness is noted
+// either way, and the fleet's margin widens if its calls keep starting
+// late: what delays the replies of a busy process delays its way to the
+// vendor too.
+func (l *Limiter) bookLate(ctx context.Context, c *call, r result, late time.Duration, replyLate bool, rebooks *int) error {
+	if *rebooks++; *rebooks > maxRebooks {
+		l.cancel(ctx, *c, r)
+		return l.limited(late, lateReason)
+	}
+	if replyLate && !isOff(offLeads) {
+		c.lead += max(late, 0) // none when only the timing is unsure
+	}
+	return nil
 }
 
 // waitLeft returns how long a call of Block mode that started waiting at

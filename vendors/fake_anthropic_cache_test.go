@@ -63,35 +63,10 @@ func newAnthropicCacheFake(requests, input int, window, latency time.Duration) *
 }
 
 func (v *anthropicCacheFake) ServeHTTP(w http.ResponseWriter, r *http.Request) {
-	var b struct {
-		System []struct {
-			Text         string          `json:"text"`
-			CacheControl json.RawMessage `json:"cache_control"`
-		} `json:"system"`
-		Messages []struct {
-			Content []struct {
-				Text string `json:"text"`
-			} `json:"content"`
-		} `json:"messages"`
-		MaxTokens int `json:"max_tokens"`
-	}
-	body, _ := io.ReadAll(r.Body)
-	if json.Unmarshal(body, &b) != nil || b.MaxTokens == 0 {
+	prefix, uncached, maxTokens, ok := readCacheRequest(r)
+	if !ok {
 		http.Error(w, "bad request", http.StatusBadRequest)
 		return
-	}
-	prefix, uncached := "", 0
-	for _, s := range b.System {
-		if len(s.CacheControl) > 0 {
-			prefix += s.Text
-		} else {
-			uncached += (len(s.Text) + 3) / 4
-		}
-	}
-	for _, m := range b.Messages {
-		for _, c := range m.Content {
-			uncached += (len(c.Text) + 3) / 4
-		}
 	}
 	prefixTokens := (len(prefix) + 3) / 4
 	now := time.Now()
@@ -104,7 +79,7 @@ func (v *anthropicCacheFake) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	counted := uncached + creation // cache reads are not counted
 	v.requests.refill(now)
 	v.input.refill(now)
-	ok := v.requests.level >= 1 && v.input.level >= float64(counted)
+	ok = v.requests.level >= 1 && v.input.level >= float64(counted)
 	h := w.Header()
 	h.Set("Content-Type", "application/json")
 	h.Set("anthropic-ratelimit-input-tokens-limit", strconv.Itoa(int(v.input.limit)))
@@ -145,7 +120,7 @@ func (v *anthropicCacheFake) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	}
 	fmt.Fprintf(w, `{"id":"msg_1","type":"message","role":"assistant","model":"claude-sonnet-4-5","content":[{"type":"text","text":"hi"}],"stop_reason":"end_turn",`+
 		`"usage":{"input_tokens":%d,"cache_creation_input_tokens":%d,"cache_read_input_tokens":%d,"output_tokens":%d}}`,
-		uncached, creation, cacheRead, b.MaxTokens/2)
+		uncached, creation, cacheRead, maxTokens/2)
 }
 
 func (v *anthropicCacheFake) results() (refused, early, reads, writes int, counted []int) {
@@ -155,3 +130,39 @@ func (v *anthropicCacheFake) results() (refused, early, reads, writes int, count
 }
 
 func (v *anthropicCacheFake) serve() *httptest.Server { return httptest.NewServer(v) }
+
+// readCacheRequest reads a Messages request's body as the fake counts it:
+// the text of its system blocks marked for the cache (the prefix), the
+// tokens of the rest (a token per four bytes), and its max_tokens; ok is
+// false for a body the API would refuse.
+func readCacheRequest(r *http.Request) (prefix string, uncached, maxTokens int, ok bool) {
+	var b struct {
+		System []struct {
+			Text         string          `json:"text"`
+			CacheControl json.RawMessage `json:"cache_control"`
+		} `json:"system"`
+		Messages []struct {
+			Content []struct {
+				Text string `json:"text"`
+			} `json:"content"`
+		} `json:"messages"`
+		MaxTokens int `json:"max_tokens"`
+	}
+	body, _ := io.ReadAll(r.Body)
+	if json.Unmarshal(body, &b) != nil || b.MaxTokens == 0 {
+		return "", 0, 0, false
+	}
+	for _, s := range b.System {
+		if len(s.CacheControl) > 0 {
+			prefix += s.Text
+		} else {
+			uncached += (len(s.Text) + 3) / 4
+		}
+	}
+	for _, m := range b.Messages {
+		for _, c := range m.Content {
+			uncached += (len(c.Text) + 3) / 4
+		}
+	}
+	return prefix, uncached, b.MaxTokens, true
+}

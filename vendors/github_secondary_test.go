@@ -12,6 +12,7 @@ import (
 	"time"
 
 	"github.com/google/go-github/v84/github"
+	"github.com/redis/go-redis/v9"
 
 	"github.com/throttlekit/throttle"
 	"github.com/throttlekit/throttle/internal/redistest"
@@ -85,29 +86,9 @@ func TestGitHub_OneSecondaryLimitAcrossCoreAndSearch(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	secondary := policies.Shared{Name: "github", Policy: policies.PerKey{Policy: policies.Concurrency{Max: perToken}}}
 	clients := make([]*github.Client, replicas)
 	for i := range clients {
-		core, err := throttle.New(s.Client(t), "github-core", policies.All(
-			policies.PerKey{Policy: policies.SlidingLog{Limit: 5000, Window: time.Hour}}, secondary))
-		if err != nil {
-			t.Fatal(err)
-		}
-		search, err := throttle.New(s.Client(t), "github-search", policies.All(
-			policies.PerKey{Policy: policies.SlidingLog{Limit: 3000, Window: time.Minute}}, secondary))
-		if err != nil {
-			t.Fatal(err)
-		}
-		tr := &throttle.Transport{
-			Base:    &http.Transport{MaxIdleConnsPerHost: workers},
-			Limiter: core,
-			Routes:  []throttle.Route{{Pattern: "/search/", Limiter: search}},
-			Keys:    tokens,
-			SetKey:  func(r *http.Request, key string) { r.Header.Set("Authorization", "Bearer "+key) },
-		}
-		c := github.NewClient(&http.Client{Transport: tr})
-		c.BaseURL = base
-		clients[i] = c
+		clients[i] = secondaryClient(t, s.Client(t), base, tokens, perToken, workers)
 	}
 	ctx := context.Background()
 	var failed sync.Map
@@ -138,4 +119,33 @@ func TestGitHub_OneSecondaryLimitAcrossCoreAndSearch(t *testing.T) {
 	if v.served["core"] == 0 || v.served["search"] == 0 {
 		t.Errorf("served %v, want both routes", v.served)
 	}
+}
+
+// secondaryClient is one replica's go-github client: core and search
+// through one Transport, each a quota of its own per token, and the
+// secondary limit of perToken requests in flight per token one
+// policies.Shared rule of both.
+func secondaryClient(t *testing.T, rdb *redis.Client, base *url.URL, tokens []string, perToken, workers int) *github.Client {
+	t.Helper()
+	secondary := policies.Shared{Name: "github", Policy: policies.PerKey{Policy: policies.Concurrency{Max: perToken}}}
+	core, err := throttle.New(rdb, "github-core", policies.All(
+		policies.PerKey{Policy: policies.SlidingLog{Limit: 5000, Window: time.Hour}}, secondary))
+	if err != nil {
+		t.Fatal(err)
+	}
+	search, err := throttle.New(rdb, "github-search", policies.All(
+		policies.PerKey{Policy: policies.SlidingLog{Limit: 3000, Window: time.Minute}}, secondary))
+	if err != nil {
+		t.Fatal(err)
+	}
+	tr := &throttle.Transport{
+		Base:    &http.Transport{MaxIdleConnsPerHost: workers},
+		Limiter: core,
+		Routes:  []throttle.Route{{Pattern: "/search/", Limiter: search}},
+		Keys:    tokens,
+		SetKey:  func(r *http.Request, key string) { r.Header.Set("Authorization", "Bearer "+key) },
+	}
+	c := github.NewClient(&http.Client{Transport: tr})
+	c.BaseURL = base
+	return c
 }
