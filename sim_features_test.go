@@ -39,9 +39,10 @@ import (
 //   - A per-key rule over five windows (simPolicy.Long): half the perkey
 //     schedules.
 //   - The script that finds a flush or a restart without its data
-//     (FoundBy): in a quarter each, Pause (feedback.lua) and Usage
-//     (usage.lua) right after it; else the next call's acquire, settle or
-//     cancel.
+//     (FoundBy): in a sixth each, Pause (feedback.lua) and Usage
+//     (usage.lua) right after it, and the Settle (settle.lua) or Cancel
+//     (cancel.lua) of a call acquired before it; else the next call's
+//     acquire.
 func drawFeatures(seed uint64, s *schedule) {
 	rng := rand.New(rand.NewPCG(seed, 0x6665617475726573))
 	s.Classes = 1 + rng.IntN(3)
@@ -78,21 +79,71 @@ func drawFeatures(seed uint64, s *schedule) {
 	if s.Policy.Kind == "perkey" && rng.IntN(2) == 0 {
 		s.Policy.Long = true
 	}
-	s.FoundBy = []string{"", "", "pause", "usage"}[rng.IntN(4)]
+	s.FoundBy = []string{"", "", "pause", "usage", "settle", "cancel"}[rng.IntN(6)]
 }
 
-// findLoss runs, on replica r's limiter, the script s.FoundBy names, as
-// the first after a flush or a restart: Pause (the feedback script, given only the
-// rules a vendor's answer is about) or Usage (the usage script). Acquire
-// finds the rest, and settle and cancel those that follow a call settled
-// or given back.
-func (s schedule) findLoss(ctx context.Context, r *simReplica) {
+// holdAcross returns, when s's losses are found by settle or cancel and e
+// is a flush or a kill, a permit replica r acquired in the two windows
+// before e and holds across it (its call never reaches the vendor), or nil
+// when none was admitted in that time.
+func (s schedule) holdAcross(ctx context.Context, e event, r *simReplica, start time.Time) *Permit {
+	if s.FoundBy != "settle" && s.FoundBy != "cancel" || e.Kind != "flush" && e.Kind != "kill" {
+		return nil
+	}
+	if !sleepUntil(ctx, e.At-2*s.Policy.longest()-time.Since(start)) {
+		return nil
+	}
+	c, cancel := context.WithDeadline(ctx, start.Add(e.At-5*time.Millisecond))
+	defer cancel()
+	for c.Err() == nil {
+		if p, err := r.lim.Load().Acquire(c, s.lossCall(1)...); err == nil {
+			return p
+		}
+		_ = sleep(c, 10*time.Millisecond)
+	}
+	return nil
+}
+
+// lossCost returns the cost of n units of a call holdAcross makes: in the
+// units kind, of its output.
+func (s schedule) lossCost(n int) []CallOption {
+	if s.Policy.Kind == "units" {
+		return []CallOption{CostIn("in", 1), CostIn("out", n)}
+	}
+	return []CallOption{Cost(n)}
+}
+
+// lossCall returns the options of a call of n units holdAcross makes, for
+// the first key when the calls name keys.
+func (s schedule) lossCall(n int) []CallOption {
+	opts := s.lossCost(n)
+	if s.Keys > 0 {
+		opts = append(opts, Key("k0"))
+	}
+	return opts
+}
+
+// findLoss runs, on replica r's limiter, the script s.FoundBy names as
+// the first after a flush or a restart: Pause (the feedback script, given
+// only the rules a vendor's answer is about), Usage (the usage script), or
+// held's Settle, two units higher, or Cancel (held from before the loss).
+// Otherwise the next call's acquire finds it.
+func (s schedule) findLoss(ctx context.Context, r *simReplica, held *Permit) {
 	lim := r.lim.Load()
 	switch s.FoundBy {
 	case "pause":
 		_ = lim.Pause(ctx, time.Millisecond)
 	case "usage":
 		_, _ = lim.Usage(ctx)
+	case "settle":
+		if held != nil {
+			_ = held.Settle(ctx, s.lossCost(3)...)
+			held.Release()
+		}
+	case "cancel":
+		if held != nil {
+			_ = held.Cancel(ctx)
+		}
 	}
 }
 

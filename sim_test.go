@@ -535,6 +535,7 @@ func playEvents(ctx context.Context, wg *sync.WaitGroup, s schedule, r *sim.Redi
 			})
 		}
 		wg.Go(func() {
+			held := s.holdAcross(ctx, e, replicas[e.Replica], start)
 			if !sleepUntil(ctx, e.At-time.Since(start)) {
 				return
 			}
@@ -543,10 +544,10 @@ func playEvents(ctx context.Context, wg *sync.WaitGroup, s schedule, r *sim.Redi
 				r.Kill()
 				sleepUntil(ctx, e.For)
 				r.Restart()
-				s.findLoss(ctx, replicas[e.Replica])
+				s.findLoss(ctx, replicas[e.Replica], held)
 			case "flush":
 				r.Flush()
-				s.findLoss(ctx, replicas[e.Replica])
+				s.findLoss(ctx, replicas[e.Replica], held)
 			case "scriptflush":
 				r.FlushScripts()
 			case "step":
