@@ -270,18 +270,8 @@ func run(s schedule) outcome {
 	}
 	var events sync.WaitGroup
 	playEvents(ctx, &events, s, redisDB, replicas, w, start)
-	// -sim.for's end cuts a run short (simCut): a few schedules cost
-	// minutes of CPU, and a run that began before the end must not hold
-	// CI's step past it.
 	if *simFor > 0 {
-		wg.Go(func() {
-			for !simCut.Load() {
-				if sleep(ctx, 10*time.Millisecond) != nil {
-					return
-				}
-			}
-			stop()
-		})
+		wg.Go(func() { cutAtEnd(ctx, stop) })
 	}
 	_ = sleep(ctx, s.Length-time.Since(start))
 	stop()
@@ -299,6 +289,19 @@ func run(s schedule) outcome {
 	defer w.mu.Unlock()
 	w.o.cut = simCut.Load()
 	return w.o
+}
+
+// cutAtEnd stops a run (stop) within 10 ms of its clock once -sim.for's
+// end has passed (simCut), or returns when ctx ends: a few schedules cost
+// minutes of CPU, and a run that began before the end must not hold CI's
+// step past it.
+func cutAtEnd(ctx context.Context, stop context.CancelFunc) {
+	for !simCut.Load() {
+		if sleep(ctx, 10*time.Millisecond) != nil {
+			return
+		}
+	}
+	stop()
 }
 
 // simAddr names replica i's server in run id: an address of its own, an
