@@ -4,6 +4,8 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"sync"
+	"sync/atomic"
 	"testing"
 	"testing/synctest"
 	"time"
@@ -63,6 +65,57 @@ func TestMove_RefundMovesASleepingCallOfAnotherReplica(t *testing.T) {
 		}
 		if used := ruleUsed(t, a); used != 80 {
 			t.Fatalf("the window holds %d units, want 80: the refunded call's 30 and the moved call's 50", used)
+		}
+	})
+}
+
+// A refund wakes the processes of the calls booked first after it, not
+// every process with a call booked: 16 replicas each sleep towards a slot
+// 30 s ahead, a refund leaves room for one, and at most roomNames of them
+// run a script to move (each of the 16 with the news told to everyone,
+// THROTTLE_OFF=room_names), while the first booked still moves into it.
+func TestMove_ARefundWakesTheProcessesBookedFirstOnly(t *testing.T) {
+	const replicas, roomNames = 16, 8 // roomNames: ROOM_NAMES in lua/lib.lua
+	redistest.Each(t, func(t *testing.T, s *redistest.Server) {
+		policy := policies.SlidingLog{Limit: 20, Window: 30 * time.Second}
+		a := newLimiter(t, s.Client(t), policy)
+		ctx := context.Background()
+		first, err := a.Acquire(ctx, Cost(20)) // an estimate of 20: the window is full
+		if err != nil {
+			t.Fatal(err)
+		}
+		var scripts atomic.Int64
+		bctx, stop := context.WithCancel(ctx)
+		moved := make(chan error, replicas)
+		var wg sync.WaitGroup
+		defer func() { stop(); wg.Wait() }() // the booked calls end with the test
+		for range replicas {
+			rdb := s.Client(t)
+			rdb.AddHook(countScripts{&scripts})
+			b := newLimiter(t, rdb, policy)
+			wg.Go(func() {
+				if _, err := b.Acquire(bctx, Cost(1)); bctx.Err() == nil {
+					moved <- err
+				}
+			})
+		}
+		waitBooked(t, a, 20+replicas)
+		waitSubscribed(t, s.Client(t), a, 1+replicas)
+		before := scripts.Load()
+		if err := first.Settle(ctx, Cost(19)); err != nil { // it used 19: room for one
+			t.Fatal(err)
+		}
+		select {
+		case err := <-moved:
+			if err != nil {
+				t.Fatal(err)
+			}
+		case <-time.After(15 * time.Second):
+			t.Fatal("no call booked 30 s ahead moved into the room of the refund within 15 s")
+		}
+		time.Sleep(300 * time.Millisecond) // the moves of every process told
+		if n := scripts.Load() - before; n > roomNames {
+			t.Fatalf("the refund of one unit set %d of %d replicas moving, want %d at most", n, replicas, roomNames)
 		}
 	})
 }

@@ -27,7 +27,7 @@ import (
 //
 //	q <epoch> <pause until> <now>    the quota's epoch and pause, after a loss or a pause
 //	k <pause key> <until> <now>      the pause of one key of a quota
-//	f <epoch> <until> <now>          units given back left room until then (move.go)
+//	f <epoch> <until> <now> [<ids>]  units given back left room until then, for the limiters named (move.go)
 //	l <epoch> <at> <now>             a limit in force dropped at: calls decided before book again (view.go)
 //
 // A quota of a group (policies.Shared) listens to the group's channel too,
@@ -298,6 +298,13 @@ func (h *hub) asleep() bool {
 	return false
 }
 
+// named reports whether the news of room names this limiter: its ids,
+// when given, list the limiters whose calls are booked first after the
+// room (movers in lua/lib.lua).
+func (l *Limiter) named(ids []string) bool {
+	return len(ids) == 0 || slices.Contains(strings.Split(ids[0], ","), l.id)
+}
+
 // gap tells every limiter of the hub that news may have gone unheard.
 func (h *hub) gap() {
 	h.mu.Lock()
@@ -333,7 +340,7 @@ func live(subs []weak.Pointer[Limiter], drop *Limiter) []weak.Pointer[Limiter] {
 // news applies a message of the quota's channel, or of its group's.
 func (l *Limiter) news(channel, payload string) {
 	f := strings.Fields(payload)
-	if len(f) != 4 {
+	if len(f) != 4 && (len(f) != 5 || f[0] != protocol.NewsRoom) {
 		return
 	}
 	// The group's news is of any quota's epoch: it only makes calls ask again.
@@ -364,7 +371,7 @@ func (l *Limiter) news(channel, payload string) {
 			l.noteLowered(us(a))
 		}
 	case protocol.NewsRoom:
-		if epoch, err := strconv.ParseInt(f[1], 10, 64); ofGroup || err == nil && epoch == l.view.epoch.Load() {
+		if epoch, err := strconv.ParseInt(f[1], 10, 64); (ofGroup || err == nil && epoch == l.view.epoch.Load()) && l.named(f[4:]) {
 			l.signalRoom()
 		}
 	}

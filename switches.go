@@ -81,6 +81,7 @@ var luaMechanisms = []mechanism{
 	"class_give_back", // lib.lua change_classes: a booking given back or settled stays in its class's log and demand
 	"class_logs",      // acquire.lua class_rules, fill_default: a class's calls are logged only while a share is held against them
 	"class_backlog",   // acquire.lua demand: a backlog served counts in its class's demand until its period leaves the demand's runs
+	"room_names",      // lib.lua movers: room given back is told to every process, not to those of the calls booked first after it
 	"groups",          // lib.lua GROUP: a quota of a group keeps the state of what it shares on its own meta, and tells its own channel
 }
 

@@ -181,6 +181,7 @@ var switchBreaks = map[mechanism][]string{
 	"class_logs":      {"^TestClasses_AClassThatCallsMidWindowFindsItsShareInIt$"},
 	"class_backlog":   {"^TestClasses_ABacklogServedLeavesItsClassesDemand$"},
 	"groups":          {"^TestShared_ACapLearnedHoldsInEveryQuota$"},
+	"room_names":      {"^TestMove_ARefundWakesTheProcessesBookedFirstOnly$"},
 }
 
 // TestSwitches_EachBreaksItsTest runs, for each switch of switchBreaks,

@@ -22,5 +22,5 @@ local rs = rules()
 margins(rs, 0)
 give_back(rs, b.id, cost, t, now)
 change_classes(rs, b.id, cost, NONE, t, b, now)
-announce_room(meta, rs, t + longest_window(rs), now)
+announce_room(meta, rs, t + longest_window(rs), now, function(r) return units(r, cost) end)
 return 1

@@ -863,15 +863,56 @@ local function booked_ahead(rs, now)
   return false
 end
 
+-- ROOM_NAMES is how many processes at most the news of room given back in
+-- a log names, and ROOM_LOOK how many units past what was given back it
+-- looks at to find them: the processes of the calls booked first after
+-- now, which take the room in the order they booked. The others' calls
+-- stay where they are: each of their processes would run a script to find
+-- no room left, hundreds of scripts for one refund in a fleet of hundreds.
+local ROOM_NAMES, ROOM_LOOK = 8, 8
+
+-- movers returns the processes (the limiter ids of the entries' members,
+-- as member writes them) of the calls booked first after now under the
+-- logs of rs that got units back (freed(r) of them), or nil when every
+-- process is told: a counter books no one by name, and feedback's room
+-- (freed nil) is a window's.
+local function movers(rs, now, freed)
+  if not freed or OFF.room_names then
+    return nil
+  end
+  local names, seen = {}, {}
+  for _, r in ipairs(rs) do
+    local u = freed(r)
+    if r.kind == COUNTER and u > 0 then
+      return nil
+    elseif r.kind == LOG and u > 0 then
+      local first = redis.call('ZRANGEBYSCORE', r.key, '(' .. str(now), '+inf', 'LIMIT', 0, math.min(u, 256) + ROOM_LOOK)
+      for _, m in ipairs(first) do
+        local id = string.match(m, '^[^:]+')
+        if id and not seen[id] then
+          seen[id] = true
+          names[#names + 1] = id
+          if #names == ROOM_NAMES then
+            return names
+          end
+        end
+      end
+    end
+  end
+  return names
+end
+
 -- announce_room tells the fleet that units given back (a refund, a booking
 -- given back) left room in windows up to until_, when calls are booked
--- ahead of now: each process with calls sleeping towards their slots then
--- asks, in one script call, to move them to the earliest slots that fit
--- (see Limiter.moveEarlier in Go). Room that no window from now on holds,
--- or that no booking waits for, is told to no one. Room in a shared rule
--- that holds bookings ahead is told to the group (see Groups), whose
+-- ahead of now: the processes movers names, or every process when it names
+-- none, with calls sleeping towards their slots then ask, in one script
+-- call each, to move them to the earliest slots that fit (see
+-- Limiter.moveEarlier in Go). freed(r) is how many units rule r got back;
+-- nil for room that any call may take. Room that no window from now on
+-- holds, or that no booking waits for, is told to no one. Room in a shared
+-- rule that holds bookings ahead is told to the group (see Groups), whose
 -- every quota may have booked them.
-local function announce_room(m, rs, until_, now)
+local function announce_room(m, rs, until_, now, freed)
   if until_ <= now or not m then
     return
   end
@@ -881,9 +922,17 @@ local function announce_room(m, rs, until_, now)
     list[#list + 1] = r
   end
   local channel = booked_ahead(shared, now) and GROUP or booked_ahead(own, now) and KEYS[1]
-  if channel then
-    redis.call('PUBLISH', channel, NEWS.room .. ' ' .. str(m.epoch) .. ' ' .. str(until_) .. ' ' .. str(now))
+  if not channel then
+    return
   end
+  local msg = NEWS.room .. ' ' .. str(m.epoch) .. ' ' .. str(until_) .. ' ' .. str(now)
+  local names = movers(rs, now, freed)
+  if names and #names == 0 then
+    return
+  elseif names then
+    msg = msg .. ' ' .. table.concat(names, ',')
+  end
+  redis.call('PUBLISH', channel, msg)
 end
 
 -- announce_lowered tells the fleet that a limit in force of the quota

@@ -55,6 +55,8 @@ if not stale then
   change_classes(rs, id, from, to, t, b, now)
 end
 if refunded then
-  announce_room(meta, rs, t + longest_window(rs), now)
+  announce_room(meta, rs, t + longest_window(rs), now, function(r)
+    return r.kind ~= CONCURRENCY and not r.per_call and math.max(units(r, from) - units(r, to), 0) or 0
+  end)
 end
 return 1

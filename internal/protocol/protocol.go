@@ -44,7 +44,7 @@ const (
 	NewsQuota   = "q" // epoch, pause, now: the quota's epoch and pause
 	NewsKey     = "k" // key, pause, now: the pause of one key
 	NewsLowered = "l" // epoch, now, now: a limit in force dropped
-	NewsRoom    = "f" // epoch, until, now: room freed up to until
+	NewsRoom    = "f" // epoch, until, now[, ids]: room freed up to until, for the limiters named
 )
 
 // Tuning values both sides use.
