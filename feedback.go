@@ -33,30 +33,6 @@ func (l *Limiter) Pause(ctx context.Context, d time.Duration, opts ...CallOption
 	return l.feedback(ctx, vendorSaid{pause: min(d, maxPause), units: unknownCount, calls: unknownCount}, result{}, opts)
 }
 
-// refused tells the quota that the vendor refused the permit's call for
-// being over its rate limit (a 429): every replica pauses for retryAfter
-// (none when it is 0; at most an hour), and, unless the limiter's
-// Options say WithoutLearning, the quota learns the vendor's cap from the
-// refusal: each rule counting calls over time takes as its limit what the fleet admitted
-// in the window before the call, which the vendor accepted (one refusal
-// lowers a limit by half at most; see policies.SlidingLog.Limit). The cap
-// holds for eight windows without a refusal, then rises back towards the
-// configured limit, step by step, while the fleet fills it.
-//
-// A Transport does so for a refusal the vendor says is about its rate
-// (Answer.AboutRate); call it from Do's fn (see PermitFrom) when the
-// vendor's client reports such a refusal itself. Do not call it for a
-// refusal about something else (a lock, a concurrency limit, a bill, a
-// vendor overloaded): Pause alone is right for those.
-func (p *Permit) refused(ctx context.Context, retryAfter time.Duration) error {
-	p, err := p.acting("Refused")
-	if err != nil {
-		return err
-	}
-	said := vendorSaid{pause: min(max(retryAfter, 0), maxPause), units: unknownCount, calls: unknownCount, learn: !p.l.s.noLearning, refused: true}
-	return p.l.feedback(ctx, said, p.r, p.opts())
-}
-
 // SetRemaining tells the quota how many units the vendor says are left
 // (X-RateLimit-Remaining), and, when known, how long until the vendor's window
 // resets. When our shared count believes more are left (another consumer of

@@ -261,3 +261,23 @@ func TestLimiter_TellsAWrapperWhatItNeeds(t *testing.T) {
 		t.Errorf("Paused(Key(b)) = %v: another key's pause", d)
 	}
 }
+
+// refused tells the quota that the vendor refused the permit's call for
+// being over its rate limit (a 429): every replica pauses for retryAfter
+// (none when it is 0; at most an hour), and, unless the limiter's
+// Options say WithoutLearning, the quota learns the vendor's cap from the
+// refusal: each rule counting calls over time takes as its limit what the fleet admitted
+// in the window before the call, which the vendor accepted (one refusal
+// lowers a limit by half at most; see policies.SlidingLog.Limit). The cap
+// holds for eight windows without a refusal, then rises back towards the
+// configured limit, step by step, while the fleet fills it.
+// It is the tests' shorthand for what Heard does with a 429 the vendor
+// says is about its rate (Answer.AboutRate).
+func (p *Permit) refused(ctx context.Context, retryAfter time.Duration) error {
+	p, err := p.acting("refused")
+	if err != nil {
+		return err
+	}
+	said := vendorSaid{pause: min(max(retryAfter, 0), maxPause), units: unknownCount, calls: unknownCount, learn: !p.l.s.noLearning, refused: true}
+	return p.l.feedback(ctx, said, p.r, p.opts())
+}

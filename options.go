@@ -105,8 +105,8 @@ type Options struct {
 	// is slog.Default().
 	Logger *slog.Logger
 	// Shadow puts the limiter in shadow mode: it decides and reports every
-	// call as usual (to its Observer, see Event.Shadow), and lets every
-	// call through at once, refused or not. Roll a limiter out in front of
+	// call (to its Observer, see Event.Shadow) as FailFast would, without
+	// waiting, and lets every call through at once, refused or not. Roll a limiter out in front of
 	// a live vendor this way, and watch what it would have done. It changes
 	// nothing the vendor or a live quota of the same name sees: it keeps
 	// its calls, pauses and learned caps under Prefix + ":shadow" (Usage,

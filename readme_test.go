@@ -4,8 +4,10 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"log"
 	"net/http"
 	"net/http/httptest"
+	"net/url"
 	"os"
 	"strings"
 	"sync"
@@ -52,7 +54,7 @@ func readmeClient() *redis.Client {
 func readmeUse(ctx context.Context, rdb *redis.Client) error {
 	sms, to, body := smsClient{}, "+15550100", "hello"
 	// README use
-	lim, err := throttle.New(rdb, "twilio-sms",
+	lim, err := throttle.New(rdb, "sms",
 		policies.SlidingLog{Limit: 100, Window: time.Second},
 		throttle.Options{Mode: throttle.Block}, // the default; or FailFast, Queue
 	)
@@ -63,14 +65,12 @@ func readmeUse(ctx context.Context, rdb *redis.Client) error {
 	msg, err := throttle.Do(ctx, lim, func(ctx context.Context) (*Message, error) {
 		return sms.Send(ctx, to, body)
 	})
-	if errors.Is(err, throttle.ErrLimited) {
-		return err // no slot before ctx's deadline; a *LimitedError says when to retry
-	}
-	// README end
 	if err != nil {
-		return err
+		return err // ErrLimited: no slot before ctx's deadline; a *LimitedError says when to retry
 	}
-	if msg == nil || msg.SID != to {
+	log.Printf("sent %s", msg.SID)
+	// README end
+	if msg.SID != to {
 		return errors.New("the message was not sent")
 	}
 	// README use
@@ -93,18 +93,19 @@ func readmeUse(ctx context.Context, rdb *redis.Client) error {
 
 func readmeHTTPClient(rdb *redis.Client) (*http.Client, error) {
 	// README http
-	core, err := throttle.New(rdb, "github-core", policies.PerKey{Policy: policies.SlidingLog{Limit: 5000, Window: time.Hour}})
+	// A vendor's API: 5000 calls an hour per token, of which search 30 a minute.
+	api, err := throttle.New(rdb, "vendor-api", policies.PerKey{Policy: policies.SlidingLog{Limit: 5000, Window: time.Hour}})
 	if err != nil {
 		return nil, err
 	}
-	search, err := throttle.New(rdb, "github-search", policies.PerKey{Policy: policies.SlidingLog{Limit: 30, Window: time.Minute}})
+	search, err := throttle.New(rdb, "vendor-search", policies.PerKey{Policy: policies.SlidingLog{Limit: 30, Window: time.Minute}})
 	if err != nil {
 		return nil, err
 	}
 	client := &http.Client{Transport: &throttle.Transport{ // no Limiter: other hosts are not limited
 		Routes: []throttle.Route{
-			{Pattern: "api.github.com/search/", Limiter: search},
-			{Pattern: "api.github.com/", Limiter: core},
+			{Pattern: "api.example.com/search/", Limiter: search},
+			{Pattern: "api.example.com/", Limiter: api},
 		},
 		Key: func(r *http.Request) string { return r.Header.Get("Authorization") }, // one quota per token
 	}}
@@ -149,10 +150,10 @@ func (c readmeCompletions) New(ctx context.Context, params string) (*readmeCompl
 	return out, nil
 }
 
-func readmeTrack(ctx context.Context, oai readmeSDK, params string) error {
+func readmeTrack(ctx context.Context, gateway readmeSDK, params string) error {
 	// README track
 	ctx, call := throttle.Track(ctx)
-	completion, err := oai.Chat.Completions.New(ctx, params)
+	completion, err := gateway.Chat.Completions.New(ctx, params)
 	if err == nil {
 		err = call.Settle(ctx, throttle.Cost(int(completion.Usage.TotalTokens)))
 	}
@@ -168,6 +169,7 @@ func readmeWorkers(ctx context.Context, rdb *redis.Client, policy policies.Polic
 	if err != nil {
 		return err
 	}
+	// A ctx that a shutdown signal does not cancel (context.WithoutCancel), so that Close drains.
 	f := throttle.Go(ctx, lim, sendSMS, throttle.Key(tenant), throttle.Priority(10)) // returns at once
 	// Stop taking jobs; wait until every job has run.
 	if err := lim.Close(ctx); err != nil {
@@ -188,10 +190,10 @@ func readmePolicies() (policies.Policy, policies.Policy) {
 		policies.PerKey{Policy: policies.SlidingLog{Limit: 10, Window: time.Second}},
 	)
 
-	// GitHub counts 5000/h per token: each key has its own quota, with no shared one.
-	github := policies.PerKey{Policy: policies.SlidingLog{Limit: 5000, Window: time.Hour}}
+	// An API that counts 5000/h per token: each key has its own quota, with no shared one.
+	perToken := policies.PerKey{Policy: policies.SlidingLog{Limit: 5000, Window: time.Hour}}
 	// README end
-	return sms, github
+	return sms, perToken
 }
 
 func readmeLLM(ctx context.Context, rdb *redis.Client) (*Reply, error) {
@@ -226,7 +228,7 @@ func readmeLLM(ctx context.Context, rdb *redis.Client) (*Reply, error) {
 // readmeRegionFiles hold the regions: this file, and, for the snippets
 // that call the vendors' SDKs, the vendors module's tests, which compile
 // and run them (the SDKs are no dependency of this module).
-var readmeRegionFiles = []string{"readme_test.go", "vendors/readme_openai_test.go",
+var readmeRegionFiles = []string{"readme_test.go",
 	"vendors/readme_github_test.go", "vendors/readme_shopify_test.go", "vendors/readme_stripe_test.go",
 	"vendors/readme_openai_models_test.go", "vendors/readme_anthropic_cache_test.go", "vendors/readme_twilio_test.go",
 	"observe/prometheus/readme_test.go", "observe/otel/readme_test.go"}
@@ -330,9 +332,7 @@ func TestREADME_SnippetsRun(t *testing.T) {
 		if err := readmeUse(ctx, rdb); err != nil {
 			t.Errorf("Use: %v", err)
 		}
-		if c, err := readmeHTTPClient(rdb); err != nil || c.Transport == nil {
-			t.Errorf("the HTTP client snippet: %v, %v", c, err)
-		}
+		checkReadmeHTTP(ctx, t, rdb)
 		core, err := throttle.New(rdb, "github-core", policies.PerKey{Policy: policies.SlidingLog{Limit: 5000, Window: time.Hour}})
 		if err != nil {
 			t.Fatal(err)
@@ -375,6 +375,56 @@ func TestREADME_SnippetsRun(t *testing.T) {
 	})
 }
 
+// checkReadmeHTTP sends a search and another request of one token through
+// the README's HTTP client, to a vendor served here in api.example.com's
+// place: each is counted in its route's quota, under its token.
+func checkReadmeHTTP(ctx context.Context, t *testing.T, rdb *redis.Client) {
+	t.Helper()
+	c, err := readmeHTTPClient(rdb)
+	if err != nil {
+		t.Fatalf("the HTTP client snippet: %v", err)
+	}
+	vendor := httptest.NewServer(http.HandlerFunc(func(http.ResponseWriter, *http.Request) {}))
+	defer vendor.Close()
+	c.Transport.(*throttle.Transport).Base = toServer{vendor.URL}
+	for _, path := range []string{"/search/issues", "/repos/a/b"} {
+		req, _ := http.NewRequestWithContext(ctx, http.MethodGet, "https://api.example.com"+path, nil)
+		req.Header.Set("Authorization", "token t1")
+		resp, err := c.Do(req)
+		if err != nil {
+			t.Fatalf("the HTTP client snippet, GET %s: %v", path, err)
+		}
+		resp.Body.Close()
+	}
+	for name, limit := range map[string]int{"vendor-search": 30, "vendor-api": 5000} {
+		window := map[string]time.Duration{"vendor-search": time.Minute, "vendor-api": time.Hour}[name]
+		lim, err := throttle.New(rdb, name, policies.PerKey{Policy: policies.SlidingLog{Limit: limit, Window: window}})
+		if err != nil {
+			t.Fatal(err)
+		}
+		u, err := lim.Usage(ctx, throttle.Key("token t1"))
+		if err != nil {
+			t.Fatal(err)
+		}
+		if u.Rules[0].Used != 1 {
+			t.Errorf("the HTTP client snippet: quota %s counts %d calls of the token, want 1", name, u.Rules[0].Used)
+		}
+	}
+}
+
+// toServer sends each request to the server at url, whatever its host.
+type toServer struct{ url string }
+
+func (s toServer) RoundTrip(r *http.Request) (*http.Response, error) {
+	u, err := url.Parse(s.url)
+	if err != nil {
+		return nil, err
+	}
+	r = r.Clone(r.Context())
+	r.URL.Scheme, r.URL.Host, r.Host = u.Scheme, u.Host, ""
+	return http.DefaultTransport.RoundTrip(r)
+}
+
 // checkReadmeTrack runs the README's Track snippet against the vendor at
 // url: the call admitted at its estimate is settled at what it used.
 func checkReadmeTrack(ctx context.Context, t *testing.T, rdb redis.UniversalClient, url string) {
@@ -383,9 +433,9 @@ func checkReadmeTrack(ctx context.Context, t *testing.T, rdb redis.UniversalClie
 	if err != nil {
 		t.Fatal(err)
 	}
-	var oai readmeSDK
-	oai.Chat.Completions.client = &http.Client{Transport: &throttle.Transport{Limiter: tracked, Cost: func(*http.Request) int { return 1200 }}}
-	if err := readmeTrack(ctx, oai, url); err != nil {
+	var gateway readmeSDK
+	gateway.Chat.Completions.client = &http.Client{Transport: &throttle.Transport{Limiter: tracked, Cost: func(*http.Request) int { return 1200 }}}
+	if err := readmeTrack(ctx, gateway, url); err != nil {
 		t.Errorf("Track: %v", err)
 	}
 	if u, err := tracked.Usage(ctx); err != nil || u.Rules[0].Used != 900 {

@@ -89,7 +89,7 @@ func TestTrack_BeforeTheCallThePermitSaysNoneWasMade(t *testing.T) {
 		"Settle":  call.Settle(ctx, Cost(1)),
 		"Cancel":  call.Cancel(ctx),
 		"Extend":  call.Extend(ctx, time.Second),
-		"Refused": call.refused(ctx, time.Second),
+		"refused": call.refused(ctx, time.Second),
 	}
 	_, _, checks["Heard"] = call.Heard(ctx, Answer{})
 	for method, err := range checks {

@@ -25,7 +25,8 @@ func readmeAnthropicCache(rdb *redis.Client) (anthropic.Client, error) {
 	if err != nil {
 		return anthropic.Client{}, err
 	}
-	client := anthropic.NewClient(option.WithHTTPClient(&http.Client{Transport: &throttle.Transport{Limiter: lim}}))
+	client := anthropic.NewClient(option.WithMaxRetries(0), // the quota waits: no SDK retry of its refusal
+		option.WithHTTPClient(&http.Client{Transport: &throttle.Transport{Limiter: lim}}))
 	// README end
 	return client, nil
 }

@@ -33,11 +33,12 @@ func readmeOpenAIModels(rdb *redis.Client) (openai.Client, error) {
 	if err != nil {
 		return openai.Client{}, err
 	}
-	client := openai.NewClient(option.WithHTTPClient(&http.Client{Transport: &throttle.Transport{
-		Routes: []throttle.Route{large, small},
-		// Charged as OpenAI counts it when it arrives; nothing is settled.
-		Cost: tokens.Cost(tokens.OpenAIChat, tokens.Estimate.Total, 30_000),
-	}}))
+	client := openai.NewClient(option.WithMaxRetries(0), // the quota waits: no SDK retry of its refusal
+		option.WithHTTPClient(&http.Client{Transport: &throttle.Transport{
+			Routes: []throttle.Route{large, small},
+			// Charged as OpenAI counts it when it arrives; nothing is settled.
+			Cost: tokens.Cost(tokens.OpenAIChat, tokens.Estimate.Total, 30_000),
+		}}))
 	// README end
 	return client, nil
 }
