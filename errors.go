@@ -163,7 +163,7 @@ var pauseCauses = map[string]string{
 	PausedByVendor: "the vendor asked the fleet to pause",
 	PausedByLoss:   "Redis lost the quota's data, and every limit counts as full for its window, whose calls the vendor still counts",
 	PausedByPolicy: "a deploy changed the policy, and a rule it added counts as full for its window: the calls before it are not in its data",
-	PausedByClock:  "Redis's clock stepped back, and the calls admitted before the step count as full for a window",
+	PausedByClock:  "Redis's clock stepped, and the calls admitted before the step count as full for a window",
 }
 
 // pausedError returns the error of the call r, refused while its quota was

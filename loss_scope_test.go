@@ -137,11 +137,27 @@ var pausesOfEveryCause = []struct {
 		}
 		return lim
 	}},
-	{PausedByClock, "clock stepped back", func(t *testing.T, ctx context.Context, rdb redis.UniversalClient, name string, clock *fixedClock) *Limiter {
+	{PausedByClock, "clock stepped", func(t *testing.T, ctx context.Context, rdb redis.UniversalClient, name string, clock *fixedClock) *Limiter {
 		lim := causeLimiter(t, rdb, name, causeLog, clock)
 		clock.Add(-time.Second)
 		return lim
 	}},
+}
+
+// A forward step of Redis's own clock, by more than the margin, shortened
+// every window by the step: the refusal after it names the clock, not a
+// loss of Redis's data (miniredis alone can step its clock).
+func TestPause_AForwardStepNamesTheClock(t *testing.T) {
+	s := redistest.Mini(t)
+	t0 := time.Now()
+	s.Mini.SetTime(t0)
+	lim := causeLimiter(t, s.Client(t), "forward", policies.SlidingLog{Limit: 10, Window: time.Minute}, nil)
+	s.Mini.SetTime(t0.Add(30 * time.Second))
+	_, err := lim.Acquire(context.Background())
+	var le *LimitedError
+	if !errors.As(err, &le) || le.PausedBy != PausedByClock || !strings.Contains(le.Reason, "clock stepped") {
+		t.Fatalf("the call after the step: %v; want refused, PausedBy %q, a reason saying the clock stepped", err, PausedByClock)
+	}
 }
 
 // observe, when set, receives the events of the limiters of

@@ -52,8 +52,9 @@ const (
 	// PausedByPolicy: a deploy added a rule (a kind or window the quota
 	// did not have); that rule alone counts as full for its window.
 	PausedByPolicy = "new policy"
-	// PausedByClock: Redis's clock went back; the calls admitted before
-	// the step lie ahead of it.
+	// PausedByClock: Redis's clock stepped back, and the calls admitted
+	// before the step lie ahead of it, or forward by more than the margin,
+	// which shortened every window by the step.
 	PausedByClock = "clock step"
 )
 

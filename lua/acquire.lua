@@ -753,7 +753,8 @@ local function check_meta(batch, meta)
   end
   describe(meta, batch.age, batch.described)
   if not found and meta.loss < batch.stepped then
-    lose(meta, now, batch.rs)
+    -- A forward step shortened the windows: a clock's loss, not Redis's.
+    lose(meta, now, batch.rs, PAUSED_BY_CLOCK)
     found = true
   end
   if batch.start then

@@ -780,12 +780,12 @@ local function check_loss(m, now, known, rs, span)
   return m, false, false
 end
 
--- lose counts the quota's data as lost now, under a new epoch: every rule
--- is blind from now on, and every process's sleeping calls, booked in the
--- old epoch, book again.
-local function lose(m, now, rs)
+-- lose counts the quota's data as lost now, under a new epoch, for cause by
+-- (PAUSED_BY_LOSS when nil): every rule is blind from now on, and every
+-- process's sleeping calls, booked in the old epoch, book again.
+local function lose(m, now, rs, by)
   m.epoch = now
-  blind.lost(m, now, rs, nil, PAUSED_BY_LOSS)
+  blind.lost(m, now, rs, nil, by or PAUSED_BY_LOSS)
 end
 
 -- check_seq finds a Redis that went back in time: a failover to a replica
@@ -831,8 +831,7 @@ local function check_clock(m, now, rs)
   end
   m.pause = back_by(m.pause, m.last_acquire - now, now)
   local before = m.pause
-  lose(m, now, rs)
-  m.lost_by = PAUSED_BY_CLOCK
+  lose(m, now, rs, PAUSED_BY_CLOCK)
   if m.pause > before then
     m.paused_by = PAUSED_BY_CLOCK
   end
