@@ -537,7 +537,7 @@ func (p *Permit) tell(ctx context.Context, said vendorSaid, pause time.Duration,
 		said.units.limit, said.calls.limit = 0, 0
 		return l.feedback(ctx, said, p.r, p.opts())
 	case (said.units.left >= 0 || said.calls.left >= 0) && countsCalls(l) &&
-		(l.cfg.hasConc || l.cfg.callRules || said.units.left < p.r.room || l.measuringOthers()):
+		(l.cfg.hasConc || l.cfg.callRules || said.units.left < p.r.room || l.measuringOthers() || l.firstCount()):
 		// The count only ever believes fewer are left after it admitted
 		// this call: when it believed no more than the vendor then, a call
 		// to Redis is saved. A Concurrency rule's free slots take part in
@@ -551,6 +551,16 @@ func (p *Permit) tell(ctx context.Context, said vendorSaid, pause time.Duration,
 		return l.feedback(ctx, said, p.r, p.opts())
 	}
 	return nil
+}
+
+// firstCount reports whether this is the limiter's first count of the
+// vendor in the quota's epoch, and notes it told: passed on, it tells the
+// quota that the vendor states its counts (the meta's counted), so that a
+// process deployed later may send scouts before it heard one itself
+// (Limiter.scouts).
+func (l *Limiter) firstCount() bool {
+	epoch := l.view.epoch.Load()
+	return l.view.countTold.Swap(epoch) != epoch
 }
 
 // noteOthers keeps what the feedback script said of the others' share,

@@ -104,7 +104,16 @@ var heardAnswers = []struct {
 		if p.remaining() != 9 {
 			t.Errorf("Remaining() = %d after the first call of 10, want 9", p.remaining())
 		}
+		// A limiter's first count of an epoch is passed on, once: it tells
+		// the quota that the vendor states its counts (firstCount).
 		before := scripts.Load()
+		if _, refused, err := p.Heard(ctx, Answer{Status: http.StatusOK, Requests: &Count{Remaining: 50}}); err != nil || refused {
+			t.Fatalf("Heard(200, 50 left) = %v, %v", refused, err)
+		}
+		if n := scripts.Load() - before; n != 1 {
+			t.Errorf("the limiter's first count ran %d scripts, want 1", n)
+		}
+		before = scripts.Load()
 		if _, refused, err := p.Heard(ctx, Answer{Status: http.StatusOK, Requests: &Count{Remaining: 50}}); err != nil || refused {
 			t.Fatalf("Heard(200, 50 left) = %v, %v", refused, err)
 		}

@@ -161,6 +161,53 @@ func TestBlind_AVendorsCountRebuildsALostQuotaInOneRoundTrip(t *testing.T) {
 	}
 }
 
+// A process deployed with a rule the quota did not have has heard no count
+// of the vendor, but its Transport reads every answer, and the vendor
+// stated its counts to the processes before it: the new rule's first call
+// goes out as a scout once the calls before the rule have reached the
+// vendor, and its answer rebuilds the rule, instead of two hours blind.
+func TestBlind_ANewProcessBehindATransportScoutsForItsNewRule(t *testing.T) {
+	t.Parallel()
+	redistest.Each(t, func(t *testing.T, s *redistest.Server) {
+		ctx := context.Background()
+		vendor := newGitHub(5000)
+		srv := httptest.NewServer(vendor)
+		defer srv.Close()
+		v1 := newLimiter(t, s.Client(t), hourlyPerToken, Options{Logger: quiet(), Mode: FailFast})
+		get := gitHubClient(v1, srv.URL)
+		for range 3 {
+			if status, err := get(ctx, "a"); err != nil || status != http.StatusOK {
+				t.Fatalf("before the deploy: %d, %v", status, err)
+			}
+		}
+		added := policies.PerKey{Policy: policies.SlidingLog{Limit: 5000, Window: 2 * time.Hour}}
+		v2, err := New(s.Client(t), v1.Name(), policies.All(hourlyPerToken, added), Options{Logger: quiet(), Mode: FailFast})
+		if err != nil {
+			t.Fatal(err)
+		}
+		get = gitHubClient(v2, srv.URL)
+		until := time.Now().Add(10 * time.Second)
+		for {
+			status, err := get(ctx, "a")
+			if err == nil && status == http.StatusOK {
+				break
+			}
+			if time.Now().After(until) {
+				t.Fatalf("the new process's calls 10 s after the deploy: %d, %v; want one sent as a scout", status, err)
+			}
+			time.Sleep(50 * time.Millisecond)
+		}
+		for i := range 3 {
+			if status, err := get(ctx, "a"); err != nil || status != http.StatusOK {
+				t.Fatalf("call %d after the scout's answer: %d, %v; want sent at once", i+1, status, err)
+			}
+		}
+		if sent, refused, _ := vendor.counts("a"); sent != 7 || refused != 0 {
+			t.Errorf("the vendor saw %d requests and refused %d, want 7 and 0", sent, refused)
+		}
+	})
+}
+
 // A vendor at its cap refuses the scout of each key, and tells when its
 // hour resets: no other call reaches it, the calls wait for that reset,
 // and no key sends a second scout.

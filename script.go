@@ -160,7 +160,7 @@ func (l *Limiter) acquireHead() protocol.Acquire {
 		ran = &scriptsRan{}
 	}
 	return protocol.Acquire{
-		Scout: l.view.counted.Load(), Ran: ran.n, RanIn: ran.epoch, Limiter: l.id,
+		Scout: l.scouts(), Ran: ran.n, RanIn: ran.epoch, Limiter: l.id,
 		Seen: l.view.scripts.Load(), Known: l.view.epoch.Load(), Delay: l.timing.delay().Microseconds(), Policy: l.cfg.policyID,
 		Stepped: l.newStep(),
 	}
@@ -343,4 +343,19 @@ func (l *Limiter) runOn(ctx context.Context, s *redis.Script, keys []string, arg
 // unavailable wraps an error of Redis, or of the way to it.
 func (l *Limiter) unavailable(err error) error {
 	return &unavailableError{Quota: l.name, Err: err, prefix: l.s.prefix}
+}
+
+// scouts says whether this limiter's calls may go out as scouts while a
+// rule is blind, as acquire.lua's scout argument: 1 when the vendor's
+// counts reached it, 2 when none did yet but a Transport reads every
+// answer of its calls (a process deployed since the vendor stated them),
+// else 0 (lua/lib.lua, Scouts).
+func (l *Limiter) scouts() int64 {
+	switch {
+	case l.view.counted.Load():
+		return 1
+	case l.view.reads.Load():
+		return 2
+	}
+	return 0
 }

@@ -127,8 +127,10 @@ type view struct {
 	lowered     atomic.Int64  // the Redis time (µs) a limit in force last dropped, as last told (see overtaken)
 	described   atomic.Int64  // the epoch whose meta holds this limiter's description, as far as it knows (describe.go)
 
-	ran     atomic.Pointer[scriptsRan] // this limiter's acquire scripts Redis answered, and in which epoch
-	counted atomic.Bool                // the vendor's counts reached this limiter: its calls may go out as scouts (lua/lib.lua, Scouts)
+	ran       atomic.Pointer[scriptsRan] // this limiter's acquire scripts Redis answered, and in which epoch
+	counted   atomic.Bool                // the vendor's counts reached this limiter: its calls may go out as scouts (lua/lib.lua, Scouts)
+	reads     atomic.Bool                // a Transport reads every answer of this limiter's calls (Limiter.scouts)
+	countTold atomic.Int64               // the epoch in which a count was last passed on to the quota (Limiter.firstCount)
 }
 
 // failover is what keeps calls going while Redis cannot decide them.

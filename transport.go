@@ -300,6 +300,9 @@ func (t *Transport) compile() *transport {
 	c.addRoutes(t.Routes)
 	c.holds, c.keyed = map[*Limiter]bool{}, map[*Limiter]bool{}
 	for _, lim := range append([]*Limiter{c.lim}, c.routeLimiters()...) {
+		if lim != nil {
+			lim.view.reads.Store(true)
+		}
 		c.holds[lim] = hasRule(lim, func(r policies.Rule) bool { return r.Kind == policies.KindConcurrency })
 		c.keyed[lim] = hasRule(lim, func(r policies.Rule) bool { return r.PerKey })
 	}

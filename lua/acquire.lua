@@ -629,7 +629,9 @@ local function read_args()
   local batch
   batch, at = ARGS.acquire(at)
   batch.rs = rules()
-  batch.scout = batch.scout and not OFF.rebuild
+  if OFF.rebuild then
+    batch.scout = 0
+  end
   if batch.limiter == '' then
     batch.limiter = nil
   end
@@ -853,7 +855,8 @@ local function load_rules(batch)
   for _, r in ipairs(batch.objs) do
     blind.read(r, batch.meta, now)
     -- A scout goes out only where the vendor's counts reach (rulesAbout in Go).
-    r.scout, r.about = batch.scout, r.kind ~= CONCURRENCY and (not r.per_key or not shared)
+    r.scout = batch.scout == 1 or batch.scout == 2 and batch.meta.counted > 0
+    r.about = r.kind ~= CONCURRENCY and (not r.per_key or not shared)
     if batch.back then
       drop_ahead(r)
     end

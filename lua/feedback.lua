@@ -261,6 +261,10 @@ if pause > 0 and now + pause > until_ then
   end
 end
 
+-- The vendor states its counts: any process's calls may go out as scouts.
+if meta and meta.counted == 0 and (left >= 0 or arg.calls_left >= 0 or arg.named > 0) then
+  meta.counted, dirty = 1, true
+end
 if dirty then
   write_meta(meta, rs)
 end

@@ -230,14 +230,17 @@ local META_REFRESH = 24 * 3600 * 1000000
 --   rules           the ids of the rules of the newest policy, comma-separated
 --                   (see check_policy);
 --   began           "id=t,...": the rules a deploy added, with when their
---                   data began, while they may still be blind (see Blind rules).
+--                   data began, while they may still be blind (see Blind rules);
+--   counted         1 once an answer of the vendor stated its counts
+--                   (feedback.lua): every process's calls may go out as
+--                   scouts, a process new since too (see Scouts).
 local META_FIELDS = {
   epoch = 0, pause = 0, refreshed = 0, period = -1, spread = 0,
   delay_max = -1, delay_min = -1, prev_delay_max = -1, prev_delay_min = -1,
   loss = 0, seq = 0, reserved_until = 0, reserved_share = 1,
   hold = 0, hold_until = 0, next_hold = 0, next_until = 0,
   caps_until = 0, warm_until = 0, warm_held = 0, last_acquire = 0,
-  classes_until = 0, paused_by = 0, policy_made = 0, lost_by = 0,
+  classes_until = 0, paused_by = 0, policy_made = 0, lost_by = 0, counted = 0,
   -- Kept as text, '' when missing.
   policies = '', policy = '', rules = '', began = '',
 }
@@ -964,7 +967,9 @@ end
 --
 -- Scouts. While a log or counter is blind for one key, one call may go
 -- out to learn where the vendor stands (a scout): the first of a process
--- that hears the vendor's counts (acquire.lua's scout argument), under a
+-- that hears the vendor's counts (acquire.lua's scout argument), or of any
+-- process once an answer stated them (the meta's counted: a process
+-- deployed with a new rule has heard none yet), under a
 -- rule that such counts reach, for a key that holds no unit since since,
 -- once the calls admitted before since have all reached the vendor
 -- (blind.settled). Its answer rebuilds the rule; a vendor at its cap
@@ -1362,9 +1367,15 @@ local OTHERS_KEPT = 6
 local OTHERS_TTL = 8
 local NO_MEASURE = -1000000000
 
--- others_period returns the period of time t for rule r.
+-- others_period returns the period of time t for rule r, a table's key:
+-- past OTHERS_KEY_FLOOR, since gopher-lua (miniredis's Lua) fills a table's
+-- array part with nils up to a positive integer key below 2^26, and an
+-- hourly rule's period of now is about three million: every script that
+-- read the others' share of such a rule took a hundred milliseconds there
+-- (Lua's own tables keep such keys in their hash part).
+local OTHERS_KEY_FLOOR = 2 ^ 27
 local function others_period(r, t)
-  return math.floor(t / math.max(math.floor(span_of(r) / OTHERS_PERIODS), 1))
+  return OTHERS_KEY_FLOOR + math.floor(t / math.max(math.floor(span_of(r) / OTHERS_PERIODS), 1))
 end
 
 -- others_share sets the share o.share in force at time t for rule r, in

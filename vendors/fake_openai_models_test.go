@@ -111,6 +111,9 @@ func (v *openaiModelsFake) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 		if now.Sub(v.start) >= v.window {
 			v.refused[b.Model]++
 		}
+		// "Unsuccessful requests contribute to your per-minute limit": a
+		// refused request counts as a request, its tokens not.
+		m.requests.add(now, 1)
 		v.mu.Unlock()
 		h.Set("retry-after-ms", "200")
 		w.WriteHeader(http.StatusTooManyRequests)

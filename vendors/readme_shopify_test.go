@@ -15,8 +15,8 @@ import (
 // The Shopify recipe of docs/VENDORS.md, compiled and run here.
 func readmeShopify(rdb *redis.Client) (*http.Client, error) {
 	// README shopify
-	// A bucket of 1,000 points restored at 50 a second holds what 20 s restore.
-	lim, err := throttle.New(rdb, "shopify-graphql", policies.PerKey{Policy: policies.SlidingLog{Limit: 1000, Window: 20 * time.Second}})
+	// Each answer states the store's bucket (throttleStatus): 1,000 points restored at 100 a second hold what 10 s restore.
+	lim, err := throttle.New(rdb, "shopify-graphql", policies.PerKey{Policy: policies.SlidingLog{Limit: 1000, Window: 10 * time.Second}})
 	if err != nil {
 		return nil, err
 	}

@@ -56,7 +56,7 @@ func TestREADME_ShopifyRecipeRuns(t *testing.T) {
 	if err := shopifyQuery(ctx, client, srv.URL, 250); err != nil {
 		t.Fatal(err)
 	}
-	lim, err := throttle.New(s.Client(t), "shopify-graphql", policies.PerKey{Policy: policies.SlidingLog{Limit: 1000, Window: 20 * time.Second}})
+	lim, err := throttle.New(s.Client(t), "shopify-graphql", policies.PerKey{Policy: policies.SlidingLog{Limit: 1000, Window: 10 * time.Second}})
 	if err != nil {
 		t.Fatal(err)
 	}

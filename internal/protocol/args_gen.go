@@ -98,7 +98,7 @@ func (a Charge) Append(args []any) []any {
 
 // Acquire is the arguments of acquire.lua.
 type Acquire struct {
-	Scout     bool   // the vendor's counts reached the caller: its calls may go out as scouts
+	Scout     int64  // 1 when the vendor's counts reached the caller, 2 when none did yet but a Transport reads every answer of its calls, else 0: its calls may go out as scouts (with 2, once an answer stated the quota's counts)
 	Ran       int64  // the caller's acquire scripts Redis answered in epoch ran_in
 	RanIn     int64  // the epoch of ran
 	Limiter   string // the caller's id
@@ -117,7 +117,7 @@ type Acquire struct {
 
 // Append appends the arguments of a in order.
 func (a Acquire) Append(args []any) []any {
-	return append(args, flag(a.Scout), a.Ran, a.RanIn, a.Limiter, a.Seen, a.Known, a.Delay, a.Policy, a.Described, a.Age, a.Stepped, a.Lates, a.Scopes, a.Gives, a.Calls)
+	return append(args, a.Scout, a.Ran, a.RanIn, a.Limiter, a.Seen, a.Known, a.Delay, a.Policy, a.Described, a.Age, a.Stepped, a.Lates, a.Scopes, a.Gives, a.Calls)
 }
 
 // Late is a bucket of lateness.

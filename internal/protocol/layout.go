@@ -99,7 +99,7 @@ var chargeLayout = Layout{Name: "Charge", Doc: "one call the Local fallback admi
 // scopes (each a pause key and one key per rule), Gives groups of Give
 // and Calls groups of Call.
 var acquireLayout = Layout{Name: "Acquire", Doc: "the arguments of acquire.lua", Fields: []Field{
-	{"scout", Flag, "the vendor's counts reached the caller: its calls may go out as scouts"},
+	{"scout", Int, "1 when the vendor's counts reached the caller, 2 when none did yet but a Transport reads every answer of its calls, else 0: its calls may go out as scouts (with 2, once an answer stated the quota's counts)"},
 	{"ran", Int, "the caller's acquire scripts Redis answered in epoch ran_in"},
 	{"ran_in", Int, "the epoch of ran"},
 	{"limiter", Text, "the caller's id"},
