@@ -158,6 +158,11 @@ func TestPause_AForwardStepNamesTheClock(t *testing.T) {
 	if !errors.As(err, &le) || le.PausedBy != PausedByClock || !strings.Contains(le.Reason, "clock stepped") {
 		t.Fatalf("the call after the step: %v; want refused, PausedBy %q, a reason saying the clock stepped", err, PausedByClock)
 	}
+	// The step's script admitted the call before the step was known; the
+	// booking it gave back on asking again leaves the log, data intact.
+	if used := ruleUsed(t, lim); used != 1 {
+		t.Errorf("the log holds %d units after the refused call, want the first call's 1", used)
+	}
 }
 
 // observe, when set, receives the events of the limiters of

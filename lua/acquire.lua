@@ -755,7 +755,10 @@ local function check_meta(batch, meta)
   end
   describe(meta, batch.age, batch.described)
   if not found and meta.loss < batch.stepped then
-    -- A forward step shortened the windows: a clock's loss, not Redis's.
+    -- A forward step shortened the windows: a clock's loss, not Redis's,
+    -- whose data is whole: the bookings of the epoch it ends are still
+    -- given back (give_back_bookings).
+    batch.whole_epoch = meta.epoch
     lose(meta, now, batch.rs, PAUSED_BY_CLOCK)
     found = true
   end
@@ -790,11 +793,12 @@ end
 -- give_back_bookings takes the bookings given back out of their rules,
 -- before anything is decided: their slots go to the calls of this batch as
 -- to any other. A booking of another epoch is gone with the data it was
--- written in.
+-- written in, but one of the epoch that a forward step of the clock ended
+-- in this script: that data is whole, and the booking's call asks again.
 local function give_back_bookings(batch)
   for g = 0, batch.ngive - 1 do
     local b = batch.give_args[g + 1]
-    if b.epoch == batch.meta.epoch then
+    if b.epoch == batch.meta.epoch or b.epoch == batch.whole_epoch then
       give_back(b.scope.rs, b.id, b.cost, b.slot, now)
       -- Its class's demand still counts it while the calls are decided:
       -- the call that gave it back books again (see leave_classes).
