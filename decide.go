@@ -330,7 +330,11 @@ func (l *Limiter) handBack() (complete bool, err error) {
 func (l *Limiter) moveEarlier(ctx context.Context, c call, r result) (result, woken, error) {
 	in, ok := l.timing.wakeIn(r.startsAt())
 	maxWait := in - l.timing.delay() - moveGain
-	if !ok || maxWait <= 0 || l.troubled() {
+	if !ok || maxWait <= 0 {
+		return r, wokenAtSlot, nil
+	}
+	if l.troubled() {
+		l.roomAfterTrouble()
 		return r, wokenAtSlot, nil
 	}
 	pass := l.failover.brk.allow()

@@ -95,6 +95,26 @@ func (l *Limiter) roomFor(r result) <-chan struct{} {
 	return l.room
 }
 
+// roomAfterTrouble wakes the calls waiting on room again once Redis's
+// trouble is over (troubleSpan after its last failure): a call that heard
+// of room while troubled did not move, and the news, told only to the
+// processes it names, may not come again.
+func (l *Limiter) roomAfterTrouble() {
+	l.roomMu.Lock()
+	defer l.roomMu.Unlock()
+	if l.roomRetry {
+		return
+	}
+	l.roomRetry = true
+	over := time.Unix(0, l.batches.lastFailure.Load()).Add(troubleSpan)
+	time.AfterFunc(time.Until(over), func() {
+		l.roomMu.Lock()
+		l.roomRetry = false
+		l.roomMu.Unlock()
+		l.signalRoom()
+	})
+}
+
 // troubleSpan is how long after a Redis failure this process's calls do
 // not move: a move is a script call the call does not need, and on a
 // failing Redis one that fails leaves the call to book again.

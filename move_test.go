@@ -120,6 +120,41 @@ func TestMove_ARefundWakesTheProcessesBookedFirstOnly(t *testing.T) {
 	})
 }
 
+// A call that hears of room while Redis failed one of its process's
+// script calls lately does not move then (troubled), but once that trouble
+// is over: the refund's news, told to the processes it names, does not
+// come again. Here the call is booked 10 s ahead; without the retry it
+// sleeps to that slot.
+func TestMove_ARoomHeardWhileTroubledMovesOnceTheTroubleIsOver(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		r := sim.NewRedis(func(int) time.Duration { return time.Millisecond })
+		t.Cleanup(r.Close)
+		lim := newLimiter(t, simClient(t, r, 0), policies.SlidingLog{Limit: 2, Window: 10 * time.Second}, Options{Logger: quiet()})
+		defer closeInBubble(lim)
+		ctx := context.Background()
+		first, err := lim.Acquire(ctx, Cost(2)) // an estimate of 2: the window is full
+		if err != nil {
+			t.Fatal(err)
+		}
+		began := time.Now()
+		started := make(chan time.Duration, 1)
+		go func() {
+			if _, err := lim.Acquire(ctx); err != nil { // booked 10 s ahead
+				t.Error(err)
+			}
+			started <- time.Since(began)
+		}()
+		time.Sleep(100 * time.Millisecond)
+		lim.batches.lastFailure.Store(time.Now().UnixNano()) // as after a Redis timeout
+		if err := first.Settle(ctx, Cost(1)); err != nil {  // room for the booked call
+			t.Fatal(err)
+		}
+		if took := <-started; took > 5*time.Second {
+			t.Fatalf("the booked call started %v after asking, at its slot: the room heard while troubled never moved it", took)
+		}
+	})
+}
+
 // waitBooked waits until the first rule of lim counts units, admitted and
 // booked: a call of another goroutine has its slot. opts name the scope
 // (a key) where the quota has a per-key rule.

@@ -81,10 +81,11 @@ type Limiter struct {
 
 	freed *freed // signals a concurrency slot freed in this process: the limiter's own, or its group's (policies.Shared)
 
-	roomMu   sync.Mutex    // guards room, roomLast and roomDue
-	room     chan struct{} // closed, and replaced, when the fleet gave units back (move.go)
-	roomLast time.Time     // when room was last closed
-	roomDue  bool          // a close is due at roomLast + roomEvery
+	roomMu    sync.Mutex    // guards room, roomLast, roomDue and roomRetry
+	room      chan struct{} // closed, and replaced, when the fleet gave units back (move.go)
+	roomLast  time.Time     // when room was last closed
+	roomDue   bool          // a close is due at roomLast + roomEvery
+	roomRetry bool          // a close is due when Redis's trouble is over (roomAfterTrouble)
 }
 
 // compiled is what New derives from the rules: the same for every call.
