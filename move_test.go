@@ -146,7 +146,7 @@ func TestMove_ARoomHeardWhileTroubledMovesOnceTheTroubleIsOver(t *testing.T) {
 		}()
 		time.Sleep(100 * time.Millisecond)
 		lim.batches.lastFailure.Store(time.Now().UnixNano()) // as after a Redis timeout
-		if err := first.Settle(ctx, Cost(1)); err != nil {  // room for the booked call
+		if err := first.Settle(ctx, Cost(1)); err != nil {   // room for the booked call
 			t.Fatal(err)
 		}
 		if took := <-started; took > 5*time.Second {
