@@ -31,6 +31,13 @@ type gitHub struct {
 	refused map[string]int       // of those, refused
 }
 
+// serve serves g until the test ends, and returns its URL.
+func (g *gitHub) serve(t *testing.T) string {
+	srv := httptest.NewServer(g)
+	t.Cleanup(srv.Close)
+	return srv.URL
+}
+
 func newGitHub(limit int) *gitHub {
 	return &gitHub{limit: limit, used: map[string]int{}, ends: map[string]time.Time{}, sent: map[string]int{}, refused: map[string]int{}}
 }
@@ -121,10 +128,9 @@ func TestBlind_AVendorsCountRebuildsALostQuotaInOneRoundTrip(t *testing.T) {
 			redistest.Each(t, func(t *testing.T, s *redistest.Server) {
 				ctx := context.Background()
 				vendor := newGitHub(5000)
-				srv := httptest.NewServer(vendor)
-				defer srv.Close()
+				url := vendor.serve(t)
 				lim := newLimiter(t, s.Client(t), hourlyPerToken, Options{Logger: quiet()})
-				get := gitHubClient(lim, srv.URL)
+				get := gitHubClient(lim, url)
 				for range 3 {
 					if status, err := get(ctx, "a"); err != nil || status != http.StatusOK {
 						t.Fatalf("before the loss: %d, %v", status, err)
@@ -171,10 +177,9 @@ func TestBlind_ANewProcessBehindATransportScoutsForItsNewRule(t *testing.T) {
 	redistest.Each(t, func(t *testing.T, s *redistest.Server) {
 		ctx := context.Background()
 		vendor := newGitHub(5000)
-		srv := httptest.NewServer(vendor)
-		defer srv.Close()
+		url := vendor.serve(t)
 		v1 := newLimiter(t, s.Client(t), hourlyPerToken, Options{Logger: quiet(), Mode: FailFast})
-		get := gitHubClient(v1, srv.URL)
+		get := gitHubClient(v1, url)
 		for range 3 {
 			if status, err := get(ctx, "a"); err != nil || status != http.StatusOK {
 				t.Fatalf("before the deploy: %d, %v", status, err)
@@ -185,7 +190,7 @@ func TestBlind_ANewProcessBehindATransportScoutsForItsNewRule(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		get = gitHubClient(v2, srv.URL)
+		get = gitHubClient(v2, url)
 		until := time.Now().Add(10 * time.Second)
 		for {
 			status, err := get(ctx, "a")
@@ -216,10 +221,9 @@ func TestBlind_AVendorAtItsCapRefusesOneScoutPerKey(t *testing.T) {
 	redistest.Each(t, func(t *testing.T, s *redistest.Server) {
 		ctx := context.Background()
 		vendor := newGitHub(5)
-		srv := httptest.NewServer(vendor)
-		defer srv.Close()
+		url := vendor.serve(t)
 		lim := newLimiter(t, s.Client(t), policies.PerKey{Policy: policies.SlidingLog{Limit: 5, Window: time.Hour}}, Options{Logger: quiet()})
-		get := gitHubClient(lim, srv.URL)
+		get := gitHubClient(lim, url)
 		tokens := []string{"a", "b"}
 		for _, token := range tokens {
 			for range 5 {
@@ -263,10 +267,9 @@ func TestBlind_AVendorWithoutCountsKeepsTheQuotaBlind(t *testing.T) {
 		ctx := context.Background()
 		vendor := newGitHub(5000)
 		vendor.silent = true
-		srv := httptest.NewServer(vendor)
-		defer srv.Close()
+		url := vendor.serve(t)
 		lim := newLimiter(t, s.Client(t), hourlyPerToken, Options{Logger: quiet()})
-		get := gitHubClient(lim, srv.URL)
+		get := gitHubClient(lim, url)
 		for range 3 {
 			if status, err := get(ctx, "a"); err != nil || status != http.StatusOK {
 				t.Fatalf("before the loss: %d, %v", status, err)
