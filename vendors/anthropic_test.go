@@ -2,9 +2,7 @@ package vendors
 
 import (
 	"context"
-	"encoding/json"
 	"fmt"
-	"io"
 	"net/http"
 	"net/http/httptest"
 	"strconv"
@@ -122,26 +120,12 @@ func (v *anthropicVendor) results() (served, refused int, output, input []int) {
 // its rate-limit headers, counting in v.
 func fakeAnthropic(v *anthropicVendor) *httptest.Server {
 	return httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-		var body struct {
-			Messages []struct {
-				Content []struct {
-					Text string `json:"text"`
-				} `json:"content"`
-			} `json:"messages"`
-			MaxTokens int `json:"max_tokens"`
-		}
-		b, _ := io.ReadAll(r.Body)
-		if err := json.Unmarshal(b, &body); err != nil || body.MaxTokens == 0 {
+		body, ok := readAnthropicRequest(r)
+		if !ok {
 			http.Error(w, "bad request", http.StatusBadRequest)
 			return
 		}
-		var texts []string
-		for _, m := range body.Messages {
-			for _, c := range m.Content {
-				texts = append(texts, c.Text)
-			}
-		}
-		prompt := promptTokens(texts...)
+		prompt := promptTokens(body.texts()...)
 		used, ok := v.admit(prompt, body.MaxTokens)
 		h := w.Header()
 		h.Set("Content-Type", "application/json")

@@ -131,25 +131,45 @@ func (v *anthropicCacheFake) results() (refused, early, reads, writes int, count
 
 func (v *anthropicCacheFake) serve() *httptest.Server { return httptest.NewServer(v) }
 
+// anthropicRequest is what the fakes read of a Messages request's body.
+type anthropicRequest struct {
+	System []struct {
+		Text         string          `json:"text"`
+		CacheControl json.RawMessage `json:"cache_control"`
+	} `json:"system"`
+	Messages []struct {
+		Content []struct {
+			Text string `json:"text"`
+		} `json:"content"`
+	} `json:"messages"`
+	MaxTokens int `json:"max_tokens"`
+}
+
+// readAnthropicRequest reads r's body; ok is false for a body the API
+// would refuse.
+func readAnthropicRequest(r *http.Request) (b anthropicRequest, ok bool) {
+	body, _ := io.ReadAll(r.Body)
+	return b, json.Unmarshal(body, &b) == nil && b.MaxTokens != 0
+}
+
+// texts returns the texts of the request's messages, block by block.
+func (b anthropicRequest) texts() []string {
+	var texts []string
+	for _, m := range b.Messages {
+		for _, c := range m.Content {
+			texts = append(texts, c.Text)
+		}
+	}
+	return texts
+}
+
 // readCacheRequest reads a Messages request's body as the fake counts it:
 // the text of its system blocks marked for the cache (the prefix), the
 // tokens of the rest (a token per four bytes), and its max_tokens; ok is
 // false for a body the API would refuse.
 func readCacheRequest(r *http.Request) (prefix string, uncached, maxTokens int, ok bool) {
-	var b struct {
-		System []struct {
-			Text         string          `json:"text"`
-			CacheControl json.RawMessage `json:"cache_control"`
-		} `json:"system"`
-		Messages []struct {
-			Content []struct {
-				Text string `json:"text"`
-			} `json:"content"`
-		} `json:"messages"`
-		MaxTokens int `json:"max_tokens"`
-	}
-	body, _ := io.ReadAll(r.Body)
-	if json.Unmarshal(body, &b) != nil || b.MaxTokens == 0 {
+	b, ok := readAnthropicRequest(r)
+	if !ok {
 		return "", 0, 0, false
 	}
 	for _, s := range b.System {
@@ -159,10 +179,8 @@ func readCacheRequest(r *http.Request) (prefix string, uncached, maxTokens int, 
 			uncached += (len(s.Text) + 3) / 4
 		}
 	}
-	for _, m := range b.Messages {
-		for _, c := range m.Content {
-			uncached += (len(c.Text) + 3) / 4
-		}
+	for _, text := range b.texts() {
+		uncached += (len(text) + 3) / 4
 	}
 	return prefix, uncached, b.MaxTokens, true
 }
