@@ -459,6 +459,7 @@ func (l *Limiter) noteAcquireReply(sc scope, rep acquireReply, n int, sent, recv
 // finishBatch hands each call of batch its decision in rep, and gives back
 // the booking of a caller that gave up meanwhile.
 func (l *Limiter) finishBatch(sc scope, batch []*request, rep acquireReply, stale bool, gaps uint64) {
+	answered := time.Now()
 	for i, req := range batch {
 		c := rep.calls[i]
 		if req.sc.id != sc.id {
@@ -471,6 +472,7 @@ func (l *Limiter) finishBatch(sc scope, batch []*request, rep acquireReply, stal
 			room:      c.room,
 			reason:    c.reason,
 			now:       rep.now,
+			answered:  answered,
 			pause:     c.pause,
 			pausedBy:  cmp.Or(rep.pausedFor(c.pause), c.blindBy),
 			scope:     req.sc,

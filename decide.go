@@ -365,9 +365,17 @@ func (l *Limiter) moveEarlier(ctx context.Context, c call, r result) (result, wo
 	if !moved.admitted {
 		// The script kept nothing: r was of an epoch Redis lost, and
 		// giving it back again changes nothing.
+		r.again = againLost
 		return r, wokenOvertaken, nil
 	}
-	return keptAsBooked(r, moved), afterMove(moved), nil
+	kept, how := keptAsBooked(r, moved), afterMove(moved)
+	switch {
+	case how == wokenOvertaken && moved.stale:
+		kept.again = againClock
+	case how == wokenOvertaken:
+		kept.again = againLate
+	}
+	return kept, how, nil
 }
 
 // keptAsBooked returns the booking a move gave a call that was booked as
@@ -381,7 +389,7 @@ func keptAsBooked(r, moved result) result {
 	if moved.slot() != r.slot() {
 		return moved
 	}
-	moved.now, moved.wait = r.now, r.wait
+	moved.now, moved.wait, moved.answered = r.now, r.wait, r.answered
 	moved.gaps, moved.margin = r.gaps, r.margin
 	moved.stale = moved.stale || r.stale
 	return moved

@@ -2,6 +2,7 @@ package throttle
 
 import (
 	"context"
+	"maps"
 	"sync"
 	"testing"
 	"time"
@@ -34,7 +35,8 @@ func testBookedBeforeADrop(t *testing.T, cancel bool) {
 	redistest.Each(t, func(t *testing.T, s *redistest.Server) {
 		ctx := context.Background()
 		const window = 500 * time.Millisecond
-		lim := newLimiter(t, s.Client(t), policies.SlidingLog{Limit: 10, Window: window}, Options{MaxWait: 10 * window})
+		reasons, observe := bookedAgain()
+		lim := newLimiter(t, s.Client(t), policies.SlidingLog{Limit: 10, Window: window}, Options{MaxWait: 10 * window, Observer: observe})
 		start := time.Now()
 		var first []*Permit
 		for range 10 {
@@ -68,7 +70,28 @@ func testBookedBeforeADrop(t *testing.T, cancel bool) {
 		if early > 5 {
 			t.Errorf("%d of the calls booked before the drop started within the window after the first ten (at %v), want 5 at most", early, starts)
 		}
+		if got := reasons(); got[againLowered] == 0 {
+			t.Errorf("the calls booked again for %v, want for a lowered limit", got)
+		}
 	})
+}
+
+// bookedAgain returns an Observer that counts the calls booked again, and
+// what returns the counts so far by reason (EventBookedAgain).
+func bookedAgain() (func() map[string]int, func(Event)) {
+	var mu sync.Mutex
+	seen := map[string]int{}
+	return func() map[string]int {
+			mu.Lock()
+			defer mu.Unlock()
+			return maps.Clone(seen)
+		}, func(e Event) {
+			if e.Kind == EventBookedAgain {
+				mu.Lock()
+				seen[e.Reason]++
+				mu.Unlock()
+			}
+		}
 }
 
 // bookTen starts ten calls of lim and returns once Redis holds their ten

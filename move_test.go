@@ -155,6 +155,58 @@ func TestMove_ARoomHeardWhileTroubledMovesOnceTheTroubleIsOver(t *testing.T) {
 	})
 }
 
+// A call whose move found nothing earlier keeps its booking, and its
+// deadline is reckoned from the slot it keeps: booked 10 s ahead with 12 s
+// to live, it starts at its slot, though 5 s later a refund too small for
+// it set it moving. Reckoned from the move, the wait it was booked with
+// (10 s) would end past its deadline, and the call would fail there.
+func TestMove_AKeptBookingStillMeetsItsDeadline(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		r := sim.NewRedis(func(int) time.Duration { return time.Millisecond })
+		t.Cleanup(r.Close)
+		var again, scripts atomic.Int64
+		rdb := simClient(t, r, 0)
+		rdb.AddHook(countScripts{&scripts})
+		lim := newLimiter(t, rdb, policies.SlidingLog{Limit: 10, Window: 10 * time.Second}, Options{Logger: quiet(),
+			Observer: func(e Event) {
+				if e.Kind == EventBookedAgain {
+					again.Add(1)
+				}
+			}})
+		defer closeInBubble(lim)
+		ctx := context.Background()
+		first, err := lim.Acquire(ctx, Cost(10)) // the window is full
+		if err != nil {
+			t.Fatal(err)
+		}
+		began := time.Now()
+		started := make(chan error, 1)
+		go func() {
+			ctx, cancel := context.WithTimeout(ctx, 12*time.Second)
+			defer cancel()
+			_, err := lim.Acquire(ctx, Cost(3)) // booked 10 s ahead
+			started <- err
+		}()
+		time.Sleep(5 * time.Second)
+		before := scripts.Load()
+		if err := first.Settle(ctx, Cost(9)); err != nil { // room for 1 unit: not for the booked call
+			t.Fatal(err)
+		}
+		if err := <-started; err != nil {
+			t.Fatalf("the booked call failed %v after asking: %v", time.Since(began), err)
+		}
+		if took := time.Since(began); took < 10*time.Second {
+			t.Fatalf("the booked call started %v after asking, before its slot", took)
+		}
+		if n := scripts.Load() - before; n < 2 {
+			t.Fatalf("%d script calls after the refund's, want its own and the booked call's move: the test shows nothing", n)
+		}
+		if n := again.Load(); n != 0 {
+			t.Fatalf("the call booked again %d times, want none", n)
+		}
+	})
+}
+
 // waitBooked waits until the first rule of lim counts units, admitted and
 // booked: a call of another goroutine has its slot. opts name the scope
 // (a key) where the quota has a per-key rule.

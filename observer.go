@@ -47,6 +47,22 @@ const (
 	// per window, as the vendor's counts measure them (0 when the others
 	// stopped). See Limiter.SetRemaining.
 	EventOthers EventKind = "others"
+	// EventBookedAgain: a call of Block or Queue mode gave its slot back
+	// and asked for another, which may come later: Reason says why, Wait is
+	// how long it had waited.
+	EventBookedAgain EventKind = "booked_again"
+)
+
+// The reasons of EventBookedAgain.
+const (
+	againLate     = "late"     // it would start too late in its slot (Redis's reply or its wake came late)
+	againPaused   = "paused"   // a pause it did not know of when it booked ends after its slot
+	againLost     = "lost"     // Redis lost the quota's data, and its booking with it
+	againUnheard  = "unheard"  // the quota's news had a gap: a pause or a lowered limit may have gone unheard
+	againLowered  = "lowered"  // a limit in force dropped after it booked (a cap learned, a share left to others)
+	againClock    = "clock"    // Redis's clock stepped forward as it booked
+	againRedis    = "redis"    // Redis failed while the call moved, and its booking may be gone
+	againOutdated = "outdated" // the fallback's decision was taken back by another process's
 )
 
 // Event is one thing a limiter did. Fields that do not apply to its Kind
@@ -84,6 +100,14 @@ type Event struct {
 	// PausedBy says why the quota was paused, as Usage.PausedBy does: for a
 	// call refused while it was (EventLimited), and for EventPaused.
 	PausedBy string
+	// Reason says why a call booked again (EventBookedAgain): "late" (its
+	// reply or its wake came too late to start in its slot), "paused" (a
+	// pause it did not know of ends after its slot), "lost" (Redis lost the
+	// quota's data), "unheard" (a gap in the quota's news), "lowered" (a
+	// limit in force dropped after it booked), "clock" (Redis's clock
+	// stepped forward), "redis" (Redis failed while the call moved) or
+	// "outdated" (the Local fallback's decision was taken back).
+	Reason string
 	// Err is the failure of a Redis round trip, or why a call was refused.
 	Err error
 }

@@ -287,7 +287,8 @@ func TestPause_AppliesToOneKeyOfPerKeyQuotas(t *testing.T) {
 
 func TestPause_WakingWaiterBooksAgain(t *testing.T) {
 	s := redistest.New(t)
-	lim := newLimiter(t, s.Client(t), policies.SlidingLog{Limit: 1, Window: 100 * time.Millisecond, Margin: time.Nanosecond})
+	reasons, observe := bookedAgain()
+	lim := newLimiter(t, s.Client(t), policies.SlidingLog{Limit: 1, Window: 100 * time.Millisecond, Margin: time.Nanosecond}, Options{Observer: observe})
 	ctx := context.Background()
 	if _, err := lim.Acquire(ctx); err != nil {
 		t.Fatal(err)
@@ -307,6 +308,9 @@ func TestPause_WakingWaiterBooksAgain(t *testing.T) {
 	p := <-done
 	if p != nil && p.waited < 390*time.Millisecond {
 		t.Errorf("the waiter went after %v, inside a 400ms pause", p.waited)
+	}
+	if got := reasons(); got[againPaused] != 1 {
+		t.Errorf("the waiter booked again for %v, want once for the pause", got)
 	}
 }
 

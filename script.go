@@ -248,6 +248,7 @@ type result struct {
 	remaining int
 	room      int           // remaining under the rules alone, for a call decided in Redis (see callReply)
 	now       time.Duration // Redis time since the Unix epoch
+	answered  time.Time     // when the reply that decided it arrived; zero when decided without Redis
 	done      time.Duration // Redis time the script ended
 	pause     time.Duration // Redis time until which the scope is paused, or 0
 	pausedBy  string        // why, as Usage.PausedBy says (see acquireReply.pausedFor)
@@ -261,6 +262,7 @@ type result struct {
 	gaps      uint64         // the gaps in the quota's news this process knew of when it was decided (see news.go)
 	local     bool           // decided without Redis (FailOpen, Local)
 	turn      uint64         // the Local fallback's turn that decided it (see local)
+	again     string         // why the call must give it back and book again (EventBookedAgain's Reason), once woken
 	// class is the call's class, and noted and logged the rules where it
 	// counts in it, as acquire.lua answered (see callReply): a booking
 	// given back, or settled, leaves its class too.
@@ -279,6 +281,16 @@ func (r result) booking(cost any) protocol.Booking {
 
 // slot is the Redis time of the call's booked slot.
 func (r result) slot() time.Duration { return r.now + r.wait }
+
+// left returns how long from now until the slot of r, by this process's
+// clock since r's reply arrived: r.wait is counted from when Redis decided
+// it, which a booking kept by a move (keptAsBooked) keeps.
+func (r result) left() time.Duration {
+	if r.answered.IsZero() {
+		return r.wait
+	}
+	return r.wait - time.Since(r.answered)
+}
 
 // startsAt is the Redis time from which the call can start: its slot, or
 // the end of the script that admitted it, if later. The script's own time

@@ -641,7 +641,8 @@ func TestGuard_LateWakeBooksAgain(t *testing.T) {
 		counter := &slowReplies{}
 		rdb.AddHook(counter)
 		clock := newClock()
-		lim := newLimiter(t, rdb, policies.SlidingLog{Limit: 1, Window: time.Second, Margin: 10 * ms}, Options{Clock: clock.Now})
+		reasons, observe := bookedAgain()
+		lim := newLimiter(t, rdb, policies.SlidingLog{Limit: 1, Window: time.Second, Margin: 10 * ms}, Options{Clock: clock.Now, Observer: observe})
 		ctx := context.Background()
 		if _, err := lim.Allow(ctx); err != nil {
 			t.Fatal(err)
@@ -667,6 +668,9 @@ func TestGuard_LateWakeBooksAgain(t *testing.T) {
 		}
 		if p.r.wait != 0 || p.r.now != time.Duration(clock.Now().UnixNano()) {
 			t.Errorf("booked again %v ahead at %v, want at once, at the late wake %v", p.r.wait, p.r.now, clock.Now())
+		}
+		if got := reasons(); got[againLate] != 1 || len(got) != 1 {
+			t.Errorf("booked again for %v, want once for its late wake", got)
 		}
 	})
 }

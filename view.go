@@ -103,9 +103,22 @@ func raise(a *atomic.Int64, v int64) {
 // quota's news, during which any of these may have gone unheard, or Redis
 // failed and the fleet began to decide without it (the Local fallback,
 // which counts this process's calls as it decides them).
-func (l *Limiter) overtaken(r result) bool {
-	return l.pausedPast(r.scope, r.slot()) || l.view.epoch.Load() != r.epoch || l.view.gaps.Load() != r.gaps ||
-		r.now < time.Duration(l.view.lowered.Load())*time.Microsecond && !isOff(offRebookLowered)
+func (l *Limiter) overtaken(r result) bool { return l.overtakenBy(r) != "" }
+
+// overtakenBy returns why r's slot is unusable (see overtaken), as an
+// EventBookedAgain's Reason says it, or "" when it is not.
+func (l *Limiter) overtakenBy(r result) string {
+	switch {
+	case l.pausedPast(r.scope, r.slot()):
+		return againPaused
+	case l.view.epoch.Load() != r.epoch:
+		return againLost
+	case l.view.gaps.Load() != r.gaps:
+		return againUnheard
+	case r.now < time.Duration(l.view.lowered.Load())*time.Microsecond && !isOff(offRebookLowered):
+		return againLowered
+	}
+	return ""
 }
 
 // noteLowered keeps the Redis time at which a limit in force dropped.

@@ -59,6 +59,7 @@ func (l *Limiter) wait(ctx context.Context, c call) (*Permit, error) {
 		}
 		if r.stale {
 			giveBack = &r
+			l.emitAgain(c, againClock, start)
 			continue
 		}
 		// A reply that came back later after the slot than the margin
@@ -71,15 +72,19 @@ func (l *Limiter) wait(ctx context.Context, c call) (*Permit, error) {
 			r, how, err = l.awaitSlot(ctx, c, r)
 			if failed := (*moveFailed)(nil); errors.As(err, &failed) {
 				c.moved = failed
+				l.emitAgain(c, againRedis, start)
 				continue
 			}
 			if err != nil {
 				return nil, err
 			}
-			if how == wokenOvertaken {
+			switch how {
+			case wokenOvertaken:
 				giveBack = &r
-			}
-			if how != wokenAtSlot {
+				l.emitAgain(c, r.again, start)
+				continue
+			case wokenLost:
+				l.emitAgain(c, againRedis, start)
 				continue
 			}
 			late, tooLate = l.late(r)
@@ -89,10 +94,17 @@ func (l *Limiter) wait(ctx context.Context, c call) (*Permit, error) {
 				return nil, err
 			}
 			giveBack = &r
+			l.emitAgain(c, againLate, start)
 			continue
 		}
 		return l.permit(c, r, time.Since(start)), nil
 	}
+}
+
+// emitAgain reports that call c, waiting since start, books again, and
+// why (EventBookedAgain).
+func (l *Limiter) emitAgain(c call, why string, start time.Time) {
+	l.emit(Event{Kind: EventBookedAgain, Cost: c.cost, Reason: why, Wait: time.Since(start)})
 }
 
 // bookLate readies call c, whose reply or wake came too late for its slot
@@ -167,9 +179,10 @@ func (l *Limiter) notAdmitted(ctx context.Context, r result, maxWait, busy time.
 // context's deadline, or the context ends first.
 func (l *Limiter) awaitSlot(ctx context.Context, c call, r result) (result, woken, error) {
 	for {
-		if deadline, ok := ctx.Deadline(); ok && time.Now().Add(r.wait).After(deadline) {
+		left := r.left() // from now, though a move kept the wait r was booked with
+		if deadline, ok := ctx.Deadline(); ok && left > 0 && time.Until(deadline) < left {
 			l.cancel(ctx, c, r)
-			return r, wokenAtSlot, l.limited(r.wait, "the slot lies beyond the context's deadline")
+			return r, wokenAtSlot, l.limited(left, "the slot lies beyond the context's deadline")
 		}
 		err := l.sleepToSlot(ctx, r, l.roomFor(r))
 		if errors.Is(err, errRoom) {
@@ -189,11 +202,12 @@ func (l *Limiter) awaitSlot(ctx context.Context, c call, r result) (result, woke
 		// slot, so the call gives its slot back and books again.
 		if r.local {
 			if l.failover.local != nil && !l.failover.local.claim(r) {
+				r.again = againOutdated
 				return r, wokenOvertaken, nil
 			}
 			return r, wokenAtSlot, nil
 		}
-		if l.overtaken(r) {
+		if r.again = l.overtakenBy(r); r.again != "" {
 			return r, wokenOvertaken, nil
 		}
 		return r, wokenAtSlot, nil
@@ -219,7 +233,7 @@ const wakeLead = 100 * time.Millisecond
 // which never wakes early either. It returns errRoom when room closes
 // first (see roomFor).
 func (l *Limiter) sleepToSlot(ctx context.Context, r result, room <-chan struct{}) error {
-	d := r.wait
+	d := r.left()
 	if r.local {
 		if l.failover.local == nil {
 			return sleep(ctx, d)

@@ -3,6 +3,7 @@ package vendors
 import (
 	"context"
 	"fmt"
+	"maps"
 	"math"
 	"math/rand/v2"
 	"net/http"
@@ -50,13 +51,14 @@ func (c llmCase) name() string {
 type llmFigures struct {
 	share              float64 // of the binding cap, after the first window
 	perWindow          []int
-	refused            int // 429s after the first window
-	calls, late, other int // calls, refused for a deadline, failed otherwise
+	refused            int            // 429s after the first window
+	calls, late, other int            // calls, refused for a deadline, failed otherwise
+	again              map[string]int // calls booked again, by reason (EventBookedAgain)
 }
 
 func (f llmFigures) String() string {
-	return fmt.Sprintf("%.3f of the binding cap, %d 429s after the first window, %d of %d calls refused for a deadline (%.1f%%), %d failed otherwise; per window %v",
-		f.share, f.refused, f.late, f.calls, 100*float64(f.late)/float64(max(f.calls, 1)), f.other, f.perWindow)
+	return fmt.Sprintf("%.3f of the binding cap, %d 429s after the first window, %d of %d calls refused for a deadline (%.1f%%), %d failed otherwise; booked again %v; per window %v",
+		f.share, f.refused, f.late, f.calls, 100*float64(f.late)/float64(max(f.calls, 1)), f.other, f.again, f.perWindow)
 }
 
 const (
@@ -91,8 +93,17 @@ func runLLMFleet(t *testing.T, c llmCase, d time.Duration) llmFigures {
 	defer srv.Close()
 	const replicas, workers = 3, 10
 	call := make([]func(ctx context.Context, prompt string) error, replicas)
+	var againMu sync.Mutex
+	again := map[string]int{}
+	observe := throttle.Options{Observer: func(e throttle.Event) {
+		if e.Kind == throttle.EventBookedAgain {
+			againMu.Lock()
+			again[e.Reason]++
+			againMu.Unlock()
+		}
+	}}
 	for i := range call {
-		lim, err := throttle.New(s.Client(t), "llm", policy)
+		lim, err := throttle.New(s.Client(t), "llm", policy, observe)
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -122,7 +133,9 @@ func runLLMFleet(t *testing.T, c llmCase, d time.Duration) llmFigures {
 	counts.mu.Lock()
 	refused := counts.refused
 	counts.mu.Unlock()
-	return llmFigures{share: share, perWindow: per, refused: refused, calls: int(calls.Load()), late: int(late.Load()), other: int(other.Load())}
+	againMu.Lock()
+	defer againMu.Unlock()
+	return llmFigures{share: share, perWindow: per, refused: refused, calls: int(calls.Load()), late: int(late.Load()), other: int(other.Load()), again: maps.Clone(again)}
 }
 
 // llmCaller returns a call through the SDK of c's vendor over hc, charged

@@ -37,6 +37,8 @@ const (
 	ShadowKey = attribute.Key("throttle.shadow")
 	// ToKey is where calls are decided after a switch: fallback or redis.
 	ToKey = attribute.Key("throttle.to")
+	// ReasonKey is why a call booked again (throttle.Event's Reason).
+	ReasonKey = attribute.Key("throttle.reason")
 )
 
 // Histogram bucket boundaries.
@@ -71,6 +73,7 @@ type Observer struct {
 	queueDepth       metric.Int64Gauge
 	margin           metric.Float64Gauge
 	capsLearned      metric.Int64Counter
+	bookedAgain      metric.Int64Counter
 	learnedLimit     metric.Int64Gauge
 	others           metric.Int64Gauge
 
@@ -173,6 +176,8 @@ func (o *Observer) makeQuotaInstruments(m *maker) {
 	m.keep(err)
 	o.capsLearned = m.counter("throttle.caps_learned", "{cap}",
 		"Times a vendor's refusal lowered the quota's limit in force to a cap learned from it.")
+	o.bookedAgain = m.counter("throttle.booked_again", "{call}",
+		"Calls that gave their slot back and asked for another, which may come later, by reason (throttle.reason: late, paused, lost, unheard, lowered, clock, redis, outdated; throttle.Event's Reason).")
 	o.learnedLimit = m.gauge("throttle.learned_limit", "{unit}",
 		"The lowest limit in force of the quota's rules after the latest cap learned from the vendor; Limiter.Usage says when it rose back.")
 	o.others = m.gauge("throttle.others", "{unit}",
@@ -260,6 +265,8 @@ func (o *Observer) Observe(e throttle.Event) {
 		o.learnedLimit.Record(ctx, int64(e.Limit), a.quota.rec...)
 	case throttle.EventOthers:
 		o.others.Record(ctx, int64(e.Others), a.quota.rec...)
+	case throttle.EventBookedAgain:
+		o.bookedAgain.Add(ctx, 1, metric.WithAttributes(QuotaKey.String(e.Quota), ReasonKey.String(e.Reason)))
 	}
 	// Only a limiter in Queue mode has a queue; others would report a
 	// gauge that is always 0.

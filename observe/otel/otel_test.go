@@ -203,6 +203,9 @@ func observeEveryKind(obs *throttleotel.Observer) {
 	ev(throttle.EventCapLearned, throttle.Event{Limit: 40})
 	ev(throttle.EventOthers, throttle.Event{Others: 25})
 	ev(throttle.EventOthers, throttle.Event{Others: 24})
+	ev(throttle.EventBookedAgain, throttle.Event{Reason: "late"})
+	ev(throttle.EventBookedAgain, throttle.Event{Reason: "lowered"})
+	ev(throttle.EventBookedAgain, throttle.Event{Reason: "late"})
 	obs.Observe(throttle.Event{Kind: throttle.EventAdmitted, Quota: "jobs", Mode: throttle.Queue, Cost: 1, Queued: 4})
 	obs.Observe(throttle.Event{Kind: throttle.EventLimited, Err: throttle.ErrQueueFull, Quota: "jobs", Mode: throttle.Queue, Queued: 2})
 }
@@ -238,6 +241,8 @@ var countersOfEveryKind = []struct {
 	{"throttle.vendor.limited", "{response}", sms, 2},
 	{"throttle.pauses", "{pause}", sms, 2},
 	{"throttle.caps_learned", "{cap}", sms, 2},
+	{"throttle.booked_again", "{call}", sms + ",throttle.reason=late", 2},
+	{"throttle.booked_again", "{call}", sms + ",throttle.reason=lowered", 1},
 }
 
 // checkHistogramsOfEveryKind checks the waits and Redis's round trips that

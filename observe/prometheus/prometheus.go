@@ -78,6 +78,7 @@ type Observer struct {
 	queueDepth       *prometheus.GaugeVec
 	margin           *prometheus.GaugeVec
 	capsLearned      *prometheus.CounterVec
+	bookedAgain      *prometheus.CounterVec
 	learnedLimit     *prometheus.GaugeVec
 	others           *prometheus.GaugeVec
 
@@ -190,6 +191,8 @@ func New(opts ...Option) *Observer {
 			"The smallest margin in force of the quota's windows: the configured Margin, or wider while the fleet's calls start late after their slots."),
 		capsLearned: counter("throttle_caps_learned_total",
 			"Times a vendor's refusal lowered the quota's limit in force to a cap learned from it.", "quota"),
+		bookedAgain: counter("throttle_booked_again_total",
+			"Calls that gave their slot back and asked for another, which may come later, by reason: late, paused, lost, unheard, lowered, clock, redis, outdated (throttle.Event's Reason).", "quota", "reason"),
 		learnedLimit: gauge("throttle_learned_limit",
 			"The lowest limit in force of the quota's rules after the latest cap learned from the vendor; Limiter.Usage says when it rose back."),
 		others: gauge("throttle_others_units",
@@ -215,7 +218,7 @@ func (o *Observer) collectors() []prometheus.Collector {
 	return []prometheus.Collector{
 		o.calls, o.units, o.wait, o.fallbackAdmitted, o.roundTrip, o.redisErrors, o.callsPerScript,
 		o.fallbackActive, o.fallbackSwitches, o.dataLost, o.vendorLimited, o.pauses, o.pauseSeconds, o.queueDepth, o.margin,
-		o.capsLearned, o.learnedLimit, o.others,
+		o.capsLearned, o.bookedAgain, o.learnedLimit, o.others,
 	}
 }
 
@@ -267,6 +270,8 @@ func (o *Observer) Observe(e throttle.Event) {
 		m.learnedLimit.Set(float64(e.Limit))
 	case throttle.EventOthers:
 		m.others.Set(float64(e.Others))
+	case throttle.EventBookedAgain:
+		o.bookedAgain.WithLabelValues(m.name, e.Reason).Inc()
 	}
 	if e.Mode == throttle.Queue {
 		m.queueOnce.Do(func() { m.queueDepth = o.queueDepth.WithLabelValues(m.name) })

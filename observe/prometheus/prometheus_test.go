@@ -192,6 +192,9 @@ func observeEveryKind(obs *throttleprom.Observer) {
 	ev(throttle.EventCapLearned, throttle.Event{Limit: 40})
 	ev(throttle.EventOthers, throttle.Event{Others: 25})
 	ev(throttle.EventOthers, throttle.Event{Others: 24})
+	ev(throttle.EventBookedAgain, throttle.Event{Reason: "late"})
+	ev(throttle.EventBookedAgain, throttle.Event{Reason: "lowered"})
+	ev(throttle.EventBookedAgain, throttle.Event{Reason: "late"})
 	// A limiter in Queue mode: the gauge follows its latest event.
 	obs.Observe(throttle.Event{Kind: throttle.EventAdmitted, Quota: "jobs", Mode: throttle.Queue, Cost: 1, Queued: 4})
 	obs.Observe(throttle.Event{Kind: throttle.EventLimited, Err: throttle.ErrQueueFull, Quota: "jobs", Mode: throttle.Queue, Queued: 2})
@@ -228,6 +231,8 @@ var countersOfEveryKind = []struct {
 	{"throttle_pauses_total", smsLabels, 2},
 	{"throttle_pause_seconds_total", smsLabels, 2},
 	{"throttle_caps_learned_total", smsLabels, 2},
+	{"throttle_booked_again_total", []string{"quota=sms", "reason=late", "service=billing"}, 2},
+	{"throttle_booked_again_total", []string{"quota=sms", "reason=lowered", "service=billing"}, 1},
 }
 
 // smsLabels are the labels of quota sms's series.
