@@ -115,7 +115,55 @@ func safety(s schedule, o outcome) []string {
 		}
 		return out
 	}
+	if s.rebuildsFromFixedWindows() {
+		return overWindowOrVendors(o, p.Limit, p.Window, s.rebuiltIn, all, units, "the rule")
+	}
 	return overWindow(o, p.Limit, p.Window, all, units, "the rule")
+}
+
+// rebuildsFromFixedWindows reports whether a rule of s, lost with Redis's
+// data or new with a deploy, is rebuilt from the counts of a vendor that
+// counts fixed windows: its first answer after the loss states what is
+// left of the vendor's window, and the rule then counts as the vendor does
+// (docs/FAILURES.md): the calls before the loss, which the vendor's new
+// window no longer counts, are not counted against the calls after it.
+func (s schedule) rebuildsFromFixedWindows() bool {
+	return s.Model != nil && s.Model.Counts == "fixed" && s.Model.Report != "" && s.rebuiltIn(0, s.Length)
+}
+
+// rebuiltIn reports whether a loss of Redis's data, a clock step or a
+// deploy falls within (from - a window, to]: a window of the rule around
+// it may hold the calls of before and those of the rebuilt rule.
+func (s schedule) rebuiltIn(from, to time.Duration) bool {
+	return slices.ContainsFunc(s.Events, func(e event) bool {
+		lost := e.Kind == "flush" || e.Kind == "kill" || e.Kind == "step" || e.Kind == "deploy"
+		return lost && e.At > from-s.Policy.Window && e.At <= to
+	})
+}
+
+// overWindowOrVendors is overWindow, but for the windows that rebuilt says
+// hold a rebuild of the rule: those are judged by the vendor's fixed window
+// their last call falls in, as the rebuilt rule counts.
+func overWindowOrVendors(o outcome, limit int, w time.Duration, rebuilt func(from, to time.Duration) bool, keep func(simArrival) bool,
+	count func(simArrival, time.Duration) int, what string) []string {
+	out := overWindowEnding(o, limit, w, keep, func(a simArrival) bool { return !rebuilt(a.at-w, a.at) }, count, what)
+	for _, a := range o.arrivals {
+		if !keep(a) || !rebuilt(a.at-w, a.at) {
+			continue
+		}
+		from, sum, charged := a.at-a.at%w, 0, 0
+		for _, b := range o.arrivals {
+			if keep(b) && b.at >= from && b.at <= a.at {
+				sum += count(b, a.at)
+				charged += max(count(b, b.answer)-count(b, b.at-1), 0)
+			}
+		}
+		if sum > limit+charged {
+			return append(out, fmt.Sprintf("%s, as the vendor counts after a rebuild: %d in the fixed window of %v from %v to %v, limit %d, %d of it charged by settles",
+				what, sum, w, from, a.at, limit, charged))
+		}
+	}
+	return out
 }
 
 // units is what the vendor counts of a's units at t (simArrival.counted).
@@ -127,6 +175,12 @@ func units(a simArrival, t time.Duration) int { return a.counted(t) }
 // limit by as much (Permit.Settle: the vendor counted it already), so the
 // window's limit grows by what its calls' settles charged.
 func overWindow(o outcome, limit int, w time.Duration, keep func(simArrival) bool, count func(simArrival, time.Duration) int, what string) []string {
+	return overWindowEnding(o, limit, w, keep, func(simArrival) bool { return true }, count, what)
+}
+
+// overWindowEnding is overWindow for the windows that end at an arrival
+// that ends keeps.
+func overWindowEnding(o outcome, limit int, w time.Duration, keep, ends func(simArrival) bool, count func(simArrival, time.Duration) int, what string) []string {
 	var in []simArrival
 	for _, a := range o.arrivals {
 		if keep(a) {
@@ -137,6 +191,9 @@ func overWindow(o outcome, limit int, w time.Duration, keep func(simArrival) boo
 	for i, a := range in {
 		for in[lo].at <= a.at-w {
 			lo++
+		}
+		if !ends(a) {
+			continue
 		}
 		sum, charged := 0, 0
 		for _, b := range in[lo : i+1] {
