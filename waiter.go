@@ -1,6 +1,7 @@
 package throttle
 
 import (
+	"cmp"
 	"context"
 	"errors"
 	"math/rand/v2"
@@ -78,13 +79,11 @@ func (l *Limiter) wait(ctx context.Context, c call) (*Permit, error) {
 			if err != nil {
 				return nil, err
 			}
-			switch how {
-			case wokenOvertaken:
-				giveBack = &r
-				l.emitAgain(c, r.again, start)
-				continue
-			case wokenLost:
-				l.emitAgain(c, againRedis, start)
+			if how != wokenAtSlot {
+				if how == wokenOvertaken {
+					giveBack = &r
+				}
+				l.emitAgain(c, cmp.Or(r.again, againRedis), start) // lost: Redis failed the move
 				continue
 			}
 			late, tooLate = l.late(r)

@@ -135,9 +135,8 @@ const (
 
 var refusals = [...]string{limited: OutcomeLimited, queueFull: OutcomeQueueFull, unavailable: OutcomeUnavailable}
 
-// New returns an Observer. Register it with a prometheus.Registerer to
-// export its metrics.
-func New(opts ...Option) *Observer {
+// newConfig returns the configuration opts make of the defaults.
+func newConfig(opts []Option) config {
 	c := config{
 		waitBuckets:      DefaultWaitBuckets,
 		roundTripBuckets: DefaultRoundTripBuckets,
@@ -147,6 +146,13 @@ func New(opts ...Option) *Observer {
 			o(&c)
 		}
 	}
+	return c
+}
+
+// New returns an Observer. Register it with a prometheus.Registerer to
+// export its metrics.
+func New(opts ...Option) *Observer {
+	c := newConfig(opts)
 	quota := []string{"quota"}
 	counter := func(name, help string, labels ...string) *prometheus.CounterVec {
 		return prometheus.NewCounterVec(prometheus.CounterOpts{Name: name, Help: help, ConstLabels: c.constLabels}, labels)
