@@ -203,7 +203,13 @@ func TestBlind_ANewProcessBehindATransportScoutsForItsNewRule(t *testing.T) {
 			time.Sleep(50 * time.Millisecond)
 		}
 		for i := range 3 {
-			if status, err := get(ctx, "a"); err != nil || status != http.StatusOK {
+			status, err := get(ctx, "a")
+			for tries := 0; lateOnly(err) && tries < 5; tries++ {
+				// A busy machine (the race detector, beside CI's other
+				// runs) answered too late to start in: not the rule's say.
+				status, err = get(ctx, "a")
+			}
+			if err != nil || status != http.StatusOK {
 				t.Fatalf("call %d after the scout's answer: %d, %v; want sent at once", i+1, status, err)
 			}
 		}
@@ -343,4 +349,12 @@ func TestBlind_OneScoutPerKeyOnceTheCallsBeforeTheLossHaveArrived(t *testing.T) 
 			t.Errorf("after the scout's answer: %+v, %v; want admitted, with the %d the vendor left less the call", d, err, 90-8-1)
 		}
 	})
+}
+
+// lateOnly reports whether err refused a call of FailFast only because each
+// admission came too late to start in (lateReason): its process or Redis
+// was slow, and the quota had room.
+func lateOnly(err error) bool {
+	var le *LimitedError
+	return errors.As(err, &le) && le.Reason == lateReason
 }
