@@ -368,14 +368,11 @@ func (l *Limiter) moveEarlier(ctx context.Context, c call, r result) (result, wo
 		r.again = againLost
 		return r, wokenOvertaken, nil
 	}
-	kept, how := keptAsBooked(r, moved), afterMove(moved)
-	switch {
-	case how == wokenOvertaken && moved.stale:
-		kept.again = againClock
-	case how == wokenOvertaken:
-		kept.again = againLate
+	kept := keptAsBooked(r, moved)
+	if kept.again = afterMove(moved); kept.again != "" {
+		return kept, wokenOvertaken, nil
 	}
-	return kept, how, nil
+	return kept, wokenAtSlot, nil
 }
 
 // keptAsBooked returns the booking a move gave a call that was booked as

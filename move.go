@@ -128,17 +128,20 @@ func (l *Limiter) troubled() bool {
 	return time.Since(time.Unix(0, l.batches.lastFailure.Load())) < troubleSpan
 }
 
-// afterMove says what a call does with the booking moved that a move gave
-// it: sleep towards it, or book again, giving it back, when it was decided
-// by a clock that had just stepped, or kept at a slot that passed while
-// the call waited for the script (behind another in the lane): it would
-// start after its slot by more than its lateness shows, which is measured
-// from the script's end.
-func afterMove(moved result) woken {
-	if moved.stale || moved.wait < 0 {
-		return wokenOvertaken
+// afterMove says why a call books again, giving back the booking moved
+// that a move gave it, as EventBookedAgain's Reason: it was decided by a
+// clock that had just stepped, or kept at a slot that passed while the
+// call waited for the script (behind another in the lane), and would start
+// after its slot by more than its lateness shows, which is measured from
+// the script's end. "" when the call sleeps towards it.
+func afterMove(moved result) string {
+	switch {
+	case moved.stale:
+		return againClock
+	case moved.wait < 0:
+		return againLate
 	}
-	return wokenAtSlot
+	return ""
 }
 
 // movesFirst puts the calls of batch that move their bookings first, in

@@ -282,10 +282,10 @@ func TestMove_KeptAtAPassedSlotBooksAgain(t *testing.T) {
 		if req.err != nil || !req.res.admitted || req.res.slot() != booked.slot() || req.res.wait >= 0 {
 			t.Fatalf("the moving call: %+v, %v; want its slot kept, %v ago", req.res, req.err, time.Millisecond)
 		}
-		if afterMove(req.res) != wokenOvertaken {
-			t.Fatal("a call kept at a slot already past sleeps towards it, and would start late unseen")
+		if why := afterMove(req.res); why != againLate {
+			t.Fatalf("a call kept at a slot already past books again for %q, want %q: without it, it sleeps towards it, and would start late unseen", why, againLate)
 		}
-		if afterMove(booked) != wokenAtSlot {
+		if afterMove(booked) != "" {
 			t.Fatal("a call kept at a slot ahead books again")
 		}
 	})
