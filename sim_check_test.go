@@ -116,7 +116,8 @@ func safety(s schedule, o outcome) []string {
 		return out
 	}
 	if s.rebuildsFromFixedWindows() {
-		return overWindowOrVendors(o, p.Limit, p.Window, s.rebuiltIn, all, units, "the rule")
+		rebuilt := func(a simArrival) bool { return s.rebuiltIn(a.at-p.Window, a.at) }
+		return overWindowOr(o, p.Limit, p.Window, all, rebuilt, units, "the rule")
 	}
 	return overWindow(o, p.Limit, p.Window, all, units, "the rule")
 }
@@ -141,31 +142,6 @@ func (s schedule) rebuiltIn(from, to time.Duration) bool {
 	})
 }
 
-// overWindowOrVendors is overWindow, but for the windows that rebuilt says
-// hold a rebuild of the rule: those are judged by the vendor's fixed window
-// their last call falls in, as the rebuilt rule counts.
-func overWindowOrVendors(o outcome, limit int, w time.Duration, rebuilt func(from, to time.Duration) bool, keep func(simArrival) bool,
-	count func(simArrival, time.Duration) int, what string) []string {
-	out := overWindowEnding(o, limit, w, keep, func(a simArrival) bool { return !rebuilt(a.at-w, a.at) }, count, what)
-	for _, a := range o.arrivals {
-		if !keep(a) || !rebuilt(a.at-w, a.at) {
-			continue
-		}
-		from, sum, charged := a.at-a.at%w, 0, 0
-		for _, b := range o.arrivals {
-			if keep(b) && b.at >= from && b.at <= a.at {
-				sum += count(b, a.at)
-				charged += max(count(b, b.answer)-count(b, b.at-1), 0)
-			}
-		}
-		if sum > limit+charged {
-			return append(out, fmt.Sprintf("%s, as the vendor counts after a rebuild: %d in the fixed window of %v from %v to %v, limit %d, %d of it charged by settles",
-				what, sum, w, from, a.at, limit, charged))
-		}
-	}
-	return out
-}
-
 // units is what the vendor counts of a's units at t (simArrival.counted).
 func units(a simArrival, t time.Duration) int { return a.counted(t) }
 
@@ -175,12 +151,13 @@ func units(a simArrival, t time.Duration) int { return a.counted(t) }
 // limit by as much (Permit.Settle: the vendor counted it already), so the
 // window's limit grows by what its calls' settles charged.
 func overWindow(o outcome, limit int, w time.Duration, keep func(simArrival) bool, count func(simArrival, time.Duration) int, what string) []string {
-	return overWindowEnding(o, limit, w, keep, func(simArrival) bool { return true }, count, what)
+	return overWindowOr(o, limit, w, keep, func(simArrival) bool { return false }, count, what)
 }
 
-// overWindowEnding is overWindow for the windows that end at an arrival
-// that ends keeps.
-func overWindowEnding(o outcome, limit int, w time.Duration, keep, ends func(simArrival) bool, count func(simArrival, time.Duration) int, what string) []string {
+// overWindowOr is overWindow, but a window that ends at an arrival fixed
+// holds is the vendor's fixed window [k*w, (k+1)*w) that arrival falls in,
+// as a rule rebuilt from the counts of a vendor that counts so counts.
+func overWindowOr(o outcome, limit int, w time.Duration, keep, fixed func(simArrival) bool, count func(simArrival, time.Duration) int, what string) []string {
 	var in []simArrival
 	for _, a := range o.arrivals {
 		if keep(a) {
@@ -192,20 +169,29 @@ func overWindowEnding(o outcome, limit int, w time.Duration, keep, ends func(sim
 		for in[lo].at <= a.at-w {
 			lo++
 		}
-		if !ends(a) {
-			continue
+		window, from := in[lo:i+1], a.at-w
+		if fixed(a) {
+			from = a.at - a.at%w
+			for len(window) > 0 && window[0].at < from {
+				window = window[1:]
+			}
 		}
 		sum, charged := 0, 0
-		for _, b := range in[lo : i+1] {
+		for _, b := range window {
 			sum += count(b, a.at)
 			if n := count(b, b.answer) - count(b, b.at-1); n > 0 {
 				charged += n
 			}
 		}
-		if sum > limit+charged {
-			return []string{fmt.Sprintf("%s: %d in the window of %v ending at %v, limit %d, %d of it charged by settles (replicas %v)",
-				what, sum, w, a.at, limit, charged, replicasOf(in[lo:i+1]))}
+		if sum <= limit+charged {
+			continue
 		}
+		if fixed(a) {
+			return []string{fmt.Sprintf("%s, as the vendor counts after a rebuild: %d in the fixed window of %v from %v to %v, limit %d, %d of it charged by settles (replicas %v)",
+				what, sum, w, from, a.at, limit, charged, replicasOf(window))}
+		}
+		return []string{fmt.Sprintf("%s: %d in the window of %v ending at %v, limit %d, %d of it charged by settles (replicas %v)",
+			what, sum, w, a.at, limit, charged, replicasOf(window))}
 	}
 	return nil
 }
