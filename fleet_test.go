@@ -169,16 +169,24 @@ func margin0(p policies.Policy) time.Duration {
 // one of its own.
 type fleetVendor struct {
 	url     string
-	here    *fakevendor.Vendor
+	here    fakevendor.Config
 	arrived *arrivalLog
 }
 
+// startVendorHere serves a vendor in this process, judged by when each
+// call left its replica (sentHeader): on a machine the race run and the
+// other tests keep busy, the vendor's handler here was itself scheduled
+// 100 ms late now and then, and counted two calls of one window in the
+// next, which no network between a fleet and its vendor does at the
+// margin these tests set. The margin's work against a vendor's own clock
+// is measured with the vendor apart (TestFleet_BusyMachine, and
+// bench/conditions at the default margin).
 func startVendorHere(t *testing.T, cfg fakevendor.Config) fleetVendor {
 	v := fakevendor.NewInProcess(cfg)
-	arrivals := &arrivalLog{}
+	arrivals := &arrivalLog{sent: true}
 	srv := httptest.NewServer(arrivals.record(v.Handler()))
 	t.Cleanup(srv.Close)
-	return fleetVendor{url: srv.URL, here: v, arrived: arrivals}
+	return fleetVendor{url: srv.URL, here: cfg, arrived: arrivals}
 }
 
 // vendorReport is what a vendor in its own process says at the end.
@@ -214,11 +222,12 @@ func startVendorApart(t *testing.T, cfg fakevendor.Config) fleetVendor {
 // results returns what the vendor saw: its counts, the utilization of its
 // cap, and the most calls it held at once.
 func (v fleetVendor) results(t *testing.T, limit int, window time.Duration) (fakevendor.Stats, float64, int) {
-	if v.here != nil {
+	if v.arrived != nil {
 		v.arrived.mu.Lock()
 		inFlight := v.arrived.maxInFlight
+		at := slices.Clone(v.arrived.at)
 		v.arrived.mu.Unlock()
-		return v.here.Stats(), v.arrived.utilization(limit, window), inFlight
+		return fakevendor.Replay(v.here, at), v.arrived.utilization(limit, window), inFlight
 	}
 	resp, err := http.Get(v.url + "/report")
 	if err != nil {
@@ -425,18 +434,26 @@ func (r *fleetRun) check() {
 	}
 }
 
-// arrivalLog records when each request reaches the vendor, and how many
-// are there at once.
+// arrivalLog records when each request reaches the vendor, or, with sent,
+// when it left its replica (sentHeader), and how many are at the vendor
+// at once.
 type arrivalLog struct {
+	sent        bool
 	mu          sync.Mutex
 	at          []time.Time
 	inFlight    int
 	maxInFlight int
 }
 
+// sentHeader carries, in nanoseconds since 1970, when get sent a request.
+const sentHeader = "X-Sent-At"
+
 func (a *arrivalLog) record(h http.Handler) http.Handler {
 	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		now := time.Now()
+		if ns, err := strconv.ParseInt(r.Header.Get(sentHeader), 10, 64); a.sent && err == nil {
+			now = time.Unix(0, ns)
+		}
 		a.mu.Lock()
 		a.at = append(a.at, now)
 		a.inFlight++
@@ -482,6 +499,7 @@ func get(ctx context.Context, c *http.Client, url string) (int, error) {
 	if err != nil {
 		return 0, err
 	}
+	req.Header.Set(sentHeader, strconv.FormatInt(time.Now().UnixNano(), 10))
 	resp, err := c.Do(req)
 	if err != nil {
 		return 0, err

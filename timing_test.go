@@ -501,7 +501,9 @@ func TestGuard_LateReplyWaitsForASlotAhead(t *testing.T) {
 	redistest.Each(t, func(t *testing.T, s *redistest.Server) {
 		// A margin of 100ms, so that a busy machine's wake-ups, which it
 		// allows 50ms, do not book again; the first reply comes 300ms late.
-		lim, slow, rdb := slowLimiter(t, s, 300*ms, policies.PerKey{Policy: policies.SlidingLog{Limit: 1, Window: time.Second, Margin: 100 * ms}})
+		again, observe := bookedAgain()
+		lim, slow, rdb := slowLimiter(t, s, 300*ms, policies.PerKey{Policy: policies.SlidingLog{Limit: 1, Window: time.Second, Margin: 100 * ms}},
+			Options{Observer: observe})
 		reports := &lateReports{}
 		rdb.AddHook(reports)
 		for _, k := range []string{"w1", "w2", "w3"} {
@@ -517,8 +519,13 @@ func TestGuard_LateReplyWaitsForASlotAhead(t *testing.T) {
 			t.Fatal(err)
 		}
 		took := time.Since(asked)
-		if n := slow.scripts.Load(); n != 2 {
-			t.Errorf("%d script calls, want 2: the late admission, then one that gives it back and books again", n)
+		// A busy machine may wake the call late for its second slot too
+		// (beside the race run, 100 ms late): each such wake books once
+		// more, and says it was late. Nothing else books again.
+		seen := again()
+		if n := slow.scripts.Load(); n != 2+int64(seen[againLate]-1) || seen[againLate] < 1 || len(seen) != 1 {
+			t.Errorf("%d script calls, booked again %v: want 2, the late admission, then one that gives it back and books again"+
+				" (and one more for each wake a busy machine made late)", n, seen)
 		}
 		// The second slot lies about the first reply's lateness ahead of
 		// the second script call: the call waited for it.

@@ -354,3 +354,18 @@ func (v *Vendor) Reset() {
 	v.all = ring{}
 	v.st = Stats{}
 }
+
+// Replay judges arrivals of cost 1 at the times given, in time order, as a
+// vendor with cfg would have, and returns what it saw. A test whose
+// vendor shares a loaded machine with its clients replays the times the
+// calls left them: the vendor's own handler, scheduled late by the
+// machine, would count arrivals later than any network would.
+func Replay(cfg Config, at []time.Time) Stats {
+	v := newVendor(cfg, time.Now, false)
+	at = slices.Clone(at)
+	slices.SortFunc(at, func(x, y time.Time) int { return x.Compare(y) })
+	for _, t := range at {
+		v.arrive(t, 1)
+	}
+	return v.Stats()
+}

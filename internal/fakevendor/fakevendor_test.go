@@ -668,3 +668,26 @@ func TestRingShrinks(t *testing.T) {
 		t.Fatalf("buf %d, want %d", len(r.buf), minRing)
 	}
 }
+
+// Replay judges the times given in order, whatever order they come in.
+func TestReplay(t *testing.T) {
+	start := time.Unix(1000, 0)
+	at := func(ms ...int) []time.Time {
+		var ts []time.Time
+		for _, m := range ms {
+			ts = append(ts, start.Add(time.Duration(m)*time.Millisecond))
+		}
+		return ts
+	}
+	cfg := Config{Limit: 2, Window: time.Second}
+	// Three in one window, given out of order: the last in time is over.
+	st := Replay(cfg, at(900, 0, 500))
+	if st.Accepted != 2 || st.OverCap != 1 || st.MaxInWindow != 3 {
+		t.Fatalf("three in a window of 2: %+v", st)
+	}
+	// Two a window apart each: none over.
+	st = Replay(cfg, at(1500, 0, 1000, 500))
+	if st.Accepted != 4 || st.OverCap != 0 || st.MaxInWindow != 2 {
+		t.Fatalf("two in each window: %+v", st)
+	}
+}
