@@ -82,17 +82,26 @@ func (l *Limiter) openRoom() {
 	l.roomLast = time.Now()
 }
 
-// roomFor returns the channel that closes when the fleet gives units back,
-// for a call booked as r, or nil when such a call does not move: decided
-// without Redis, or on a quota with a token bucket, which can take back
-// only its latest call's units.
-func (l *Limiter) roomFor(r result) <-chan struct{} {
-	if r.local || l.cfg.hasBucket || isOff(offMoves) {
-		return nil
-	}
+// roomNow returns the channel that closes the next time the fleet gives
+// units back. A call takes it before the script call that books or moves
+// it: news that comes while the reply is on its way, before the call
+// sleeps, wakes it all the same (taken after the reply, the channel of
+// that news was already closed, and the call slept through it).
+func (l *Limiter) roomNow() <-chan struct{} {
 	l.roomMu.Lock()
 	defer l.roomMu.Unlock()
 	return l.room
+}
+
+// roomFor returns room, the channel taken before a call was booked as r
+// (roomNow), or nil when such a call does not move: decided without
+// Redis, or on a quota with a token bucket, which can take back only its
+// latest call's units.
+func (l *Limiter) roomFor(r result, room <-chan struct{}) <-chan struct{} {
+	if r.local || l.cfg.hasBucket || isOff(offMoves) {
+		return nil
+	}
+	return room
 }
 
 // roomAfterTrouble wakes the calls waiting on room again once Redis's

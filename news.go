@@ -367,12 +367,22 @@ func (l *Limiter) news(channel, payload string) {
 	case protocol.NewsKey:
 		l.notePause(scope{keys: []string{l.cfg.shared[0], f[1]}}, us(now), us(a))
 	case protocol.NewsLowered:
-		if epoch, err := strconv.ParseInt(f[1], 10, 64); ofGroup || err == nil && epoch == l.view.epoch.Load() {
+		if ofGroup || l.ofEpoch(f[1]) {
 			l.noteLowered(us(a))
 		}
 	case protocol.NewsRoom:
-		if epoch, err := strconv.ParseInt(f[1], 10, 64); (ofGroup || err == nil && epoch == l.view.epoch.Load()) && l.named(f[4:]) {
+		if (ofGroup || l.ofEpoch(f[1])) && l.named(f[4:]) {
 			l.signalRoom()
 		}
 	}
+}
+
+// ofEpoch reports whether news of epoch s may be about this limiter's
+// calls: of its epoch, or of any while it knows none yet (the reply that
+// booked its first call is on its way; a move or a new booking of another
+// epoch's call keeps nothing, and the call books again).
+func (l *Limiter) ofEpoch(s string) bool {
+	epoch, err := strconv.ParseInt(s, 10, 64)
+	known := l.view.epoch.Load()
+	return err == nil && (epoch == known || known == 0)
 }

@@ -6,6 +6,7 @@ import (
 	"net/http"
 	"slices"
 	"strings"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -87,7 +88,12 @@ func TestShadow_ChangesNothingTheVendorOrTheLiveQuotaSees(t *testing.T) {
 	redistest.Each(t, func(t *testing.T, s *redistest.Server) {
 		ctx := context.Background()
 		policy := policies.SlidingLog{Limit: 10, Window: time.Minute}
-		live := replicaLimiter(t, s, "shadowed", policy)
+		var refusal atomic.Pointer[error]
+		live := replicaLimiter(t, s, "shadowed", policy, Options{Observer: func(e Event) {
+			if e.Kind == EventLimited {
+				refusal.Store(&e.Err)
+			}
+		}})
 		for range 3 {
 			p, err := live.Acquire(ctx)
 			if err != nil {
@@ -122,7 +128,14 @@ func TestShadow_ChangesNothingTheVendorOrTheLiveQuotaSees(t *testing.T) {
 		if got := limitInForce(t, live); got[0] != 10 {
 			t.Errorf("the live quota's limit in force is %v, want 10", got)
 		}
-		if d, err := live.Allow(ctx); err != nil || !d.OK {
+		// A busy machine may read a reply too late to start in (beside the
+		// race run, 16 ms late): that refusal says so, and the call is
+		// asked again. Any other refusal is the shadow fleet's doing.
+		d, err := live.Allow(ctx)
+		for tries := 0; err == nil && !d.OK && lateOnly(*refusal.Load()) && tries < 5; tries++ {
+			d, err = live.Allow(ctx)
+		}
+		if err != nil || !d.OK {
 			t.Errorf("the live quota refuses a call after the shadow fleet's refusals: %+v, %v", d, err)
 		}
 	})

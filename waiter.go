@@ -45,6 +45,7 @@ func (l *Limiter) wait(ctx context.Context, c call) (*Permit, error) {
 	rebooks := 0
 	for {
 		maxWait, reason := l.waitLeft(ctx, start)
+		room := l.roomNow()
 		r, err := l.acquire(ctx, c, max(maxWait, 0), giveBack)
 		giveBack = nil
 		c.queued = time.Time{} // its wait in the queue is over once it asked
@@ -70,7 +71,7 @@ func (l *Limiter) wait(ctx context.Context, c call) (*Permit, error) {
 		replyLate := tooLate
 		if !tooLate && r.wait > 0 {
 			var how woken
-			r, how, err = l.awaitSlot(ctx, c, r)
+			r, how, err = l.awaitSlot(ctx, c, r, room)
 			if failed := (*moveFailed)(nil); errors.As(err, &failed) {
 				c.moved = failed
 				l.emitAgain(c, againRedis, start)
@@ -172,20 +173,22 @@ func (l *Limiter) notAdmitted(ctx context.Context, r result, maxWait, busy time.
 }
 
 // awaitSlot sleeps until the slot of the booked call r, moving it earlier
-// each time the fleet gives units back (move.go), and returns the booking
-// it woke with and how: at its slot, overtaken meanwhile (to be given back),
-// or lost. It gives the booking back and fails when the slot lies beyond the
-// context's deadline, or the context ends first.
-func (l *Limiter) awaitSlot(ctx context.Context, c call, r result) (result, woken, error) {
+// each time the fleet gives units back (move.go) after room, taken before
+// r was booked, and returns the booking it woke with and how: at its slot,
+// overtaken meanwhile (to be given back), or lost. It gives the booking
+// back and fails when the slot lies beyond the context's deadline, or the
+// context ends first.
+func (l *Limiter) awaitSlot(ctx context.Context, c call, r result, room <-chan struct{}) (result, woken, error) {
 	for {
 		left := r.left() // from now, though a move kept the wait r was booked with
 		if deadline, ok := ctx.Deadline(); ok && left > 0 && time.Until(deadline) < left {
 			l.cancel(ctx, c, r)
 			return r, wokenAtSlot, l.limited(left, "the slot lies beyond the context's deadline")
 		}
-		err := l.sleepToSlot(ctx, r, l.roomFor(r))
+		err := l.sleepToSlot(ctx, r, l.roomFor(r, room))
 		if errors.Is(err, errRoom) {
 			var how woken
+			room = l.roomNow() // before the move's script call
 			if r, how, err = l.moveEarlier(ctx, c, r); err != nil || how != wokenAtSlot {
 				return r, how, err
 			}
