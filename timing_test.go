@@ -464,11 +464,11 @@ func TestGuard_LateReplyBooksAgainOnEveryPath(t *testing.T) {
 				first := time.Now()
 				// Block and Queue book the second slot ahead and sleep
 				// towards it: a busy machine may wake them later than the
-				// 5ms the margin allows, and they book once more.
-				most := int64(2)
-				if p.name == "Block" || p.name == "Queue" {
-					most = 2 + maxRebooks - 1
-				}
+				// 15ms the margin allows, and they book once more; on every
+				// path, it may read the second reply that late too (under
+				// -race beside other work, FailFast made 3 script calls).
+				// Never more than the rebooks allowed.
+				most := int64(2 + maxRebooks - 1)
 				if n := slow.scripts.Load(); n < 2 || n > most {
 					t.Errorf("%d script calls, want 2 (at most %d): the late admission, then one that gives it back and books again", n, most)
 				}

@@ -53,3 +53,31 @@ func TestReaders_ReadTheDocumentedFields(t *testing.T) {
 		}
 	}
 }
+
+// A document's operations, as GraphQL writes them: a mutation is found by
+// the first word of a definition, wherever the word appears elsewhere.
+func TestMutation_ReadsTheFirstWordOfEachDefinition(t *testing.T) {
+	tests := []struct {
+		doc  string
+		want bool
+	}{
+		{`mutation { addStar(input: {starrableId: "1"}) { clientMutationId } }`, true},
+		{`  mutation AddStar($id: ID!) { addStar(input: {starrableId: $id}) { clientMutationId } }`, true},
+		{`query { viewer { login } }`, false},
+		{`{ viewer { login } }`, false},
+		{`query($mutation: String = "mutation") { search(query: $mutation) { mutation } }`, false},
+		{"# mutation { addStar }\nquery { viewer { login } }", false},
+		{`query { a(s: """ } mutation { """) { b } }`, false},
+		{`query { a(s: "\" } mutation {") { b } }`, false},
+		{`fragment f on Mutation { addStar { clientMutationId } } query { viewer { ...f } }`, false},
+		{`query Q { viewer { login } } mutation M { addStar(input: {}) { clientMutationId } }`, true},
+		{`subscription { issueCreated { id } }`, false},
+		{``, false},
+		{`}}} mutation {`, true},
+	}
+	for _, tt := range tests {
+		if got := Mutation(tt.doc); got != tt.want {
+			t.Errorf("Mutation(%q) = %v, want %v", tt.doc, got, tt.want)
+		}
+	}
+}

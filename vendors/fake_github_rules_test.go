@@ -19,9 +19,9 @@ import (
 // requests a minute, graphql points an hour, a query's points the
 // requests its connections need, divided by 100), and secondary limits
 // (requests in flight across REST and GraphQL; points a minute per
-// endpoint, 1 a read and 5 a write, 1 a GraphQL query; content-creating
-// requests a minute and an hour). A fleet test compresses the minute and
-// the hour.
+// endpoint, 1 a read and 5 a write, 1 a GraphQL query and 5 a mutation;
+// content-creating requests a minute and an hour). A fleet test
+// compresses the minute and the hour.
 type githubRules struct {
 	minute, hour       time.Duration
 	core, graphql      int // an hour
@@ -57,9 +57,11 @@ func (g *githubFake) charge(r *http.Request, token string) (resource string, tak
 	add := func(name string, n int, l limit) { take[token+" "+name], limits[token+" "+name] = n, l }
 	switch p := r.URL.Path; {
 	case strings.HasSuffix(p, "/graphql"):
-		resource, cost = "graphql", graphqlCost(r)
+		var points int
+		cost, points = graphqlCost(r)
+		resource = "graphql"
 		add("graphql", cost, limit{rl.graphql, rl.hour})
-		add("points POST /graphql", 1, limit{rl.graphqlPoints, rl.minute})
+		add("points POST /graphql", points, limit{rl.graphqlPoints, rl.minute})
 	case strings.HasPrefix(p, "/search/code"):
 		resource = "code_search"
 		add(resource, 1, limit{rl.codeSearch, rl.minute})
@@ -82,16 +84,23 @@ func (g *githubFake) charge(r *http.Request, token string) (resource string, tak
 	return resource, take, limits, cost
 }
 
-// graphqlCost is a query's points as GitHub documents them: the requests
-// its connections need (the repositories, then each one's issues), over
-// 100, rounded, at least 1.
-func graphqlCost(r *http.Request) int {
+// graphqlCost is a request's points as GitHub documents them: of the
+// hour, the requests its connections need (the repositories, then each
+// one's issues), over 100, rounded, at least 1; of the minute's secondary
+// limit, 5 for a request with a mutation (its document begins with the
+// word), else 1.
+func graphqlCost(r *http.Request) (points, secondary int) {
 	var b struct {
+		Query     string          `json:"query"`
 		Variables struct{ N int } `json:"variables"`
 	}
 	body, _ := io.ReadAll(r.Body)
 	_ = json.Unmarshal(body, &b)
-	return max(1, int(math.Round(float64(1+b.Variables.N)/100)))
+	secondary = 1
+	if strings.HasPrefix(strings.TrimSpace(b.Query), "mutation") {
+		secondary = 5
+	}
+	return max(1, int(math.Round(float64(1+b.Variables.N)/100))), secondary
 }
 
 func (g *githubFake) ServeHTTP(w http.ResponseWriter, r *http.Request) {

@@ -1,12 +1,13 @@
 package vendors
 
 import (
+	"bytes"
 	"context"
+	"encoding/json"
 	"fmt"
 	"math/rand/v2"
 	"net/http"
 	"net/url"
-	"strings"
 	"testing"
 	"time"
 
@@ -33,13 +34,31 @@ func githubClient(t *testing.T, hc *http.Client, baseURL, token string) *github.
 // githubQuery posts a GraphQL query whose connections need 1 + n
 // requests, with an estimate of its points.
 func githubQuery(ctx context.Context, hc *http.Client, baseURL, token string, n, estimate int) error {
-	body := fmt.Sprintf(`{"query":"query($n: Int!) { viewer { repositories(first: $n) { nodes { issues(first: 100) { totalCount } } } } rateLimit { cost remaining } }","variables":{"n":%d}}`, n)
-	req, err := http.NewRequestWithContext(ctx, http.MethodPost, baseURL+"/graphql", strings.NewReader(body))
+	const query = "query($n: Int!) { viewer { repositories(first: $n) { nodes { issues(first: 100) { totalCount } } } } rateLimit { cost remaining } }"
+	return githubGraphQL(ctx, hc, baseURL, token, query, n, estimate)
+}
+
+// githubMutation posts a GraphQL mutation, a point of the hour's (GitHub
+// states no cost of a mutation in its body) and 5 of the minute's
+// secondary points.
+func githubMutation(ctx context.Context, hc *http.Client, baseURL, token string) error {
+	const mutation = `mutation { addComment(input: {subjectId: "I_1", body: "found"}) { clientMutationId } }`
+	return githubGraphQL(ctx, hc, baseURL, token, mutation, 0, 1)
+}
+
+// githubGraphQL posts the GraphQL document with $n, estimated at estimate
+// points.
+func githubGraphQL(ctx context.Context, hc *http.Client, baseURL, token, document string, n, estimate int) error {
+	body, err := json.Marshal(map[string]any{"query": document, "variables": map[string]int{"n": n}})
+	if err != nil {
+		return err
+	}
+	req, err := http.NewRequestWithContext(ctx, http.MethodPost, baseURL+"/graphql", bytes.NewReader(body))
 	if err != nil {
 		return err
 	}
 	req.Header.Set("Authorization", "Bearer "+token)
-	resp, err := readmeGitHubQuery(ctx, hc, req, estimate)
+	resp, err := readmeGitHubQuery(ctx, hc, req, document, estimate)
 	if err != nil {
 		return err
 	}
@@ -83,7 +102,7 @@ func TestREADME_GitHubRecipeRuns(t *testing.T) {
 	gql, err := throttle.New(s.Client(t), "github-graphql", policies.All(
 		policies.Shared{Name: "github", Policy: policies.All(policies.PerKey{Policy: policies.PerCall{Policy: policies.Concurrency{Max: 100}}})},
 		policies.PerKey{Policy: policies.SlidingLog{Limit: 5000, Window: time.Hour}},
-		policies.PerKey{Policy: policies.PerCall{Policy: policies.SlidingLog{Limit: 2000, Window: time.Minute}}}))
+		policies.Unit{Name: "secondary", Policy: policies.PerKey{Policy: policies.SlidingLog{Limit: 2000, Window: time.Minute}}}))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -125,7 +144,7 @@ func githubFleetTransport(t *testing.T, rdb *redis.Client, r githubRules) *http.
 	search := newLim("gh-search", policies.All(shared(inFlight), perToken(policies.PerCall{Policy: policies.SlidingLog{Limit: r.search, Window: r.minute}})))
 	codeSearch := newLim("gh-code-search", policies.All(shared(inFlight), perToken(policies.PerCall{Policy: policies.SlidingLog{Limit: r.codeSearch, Window: r.minute}})))
 	gql := newLim("gh-graphql", policies.All(shared(inFlight), perToken(policies.SlidingLog{Limit: r.graphql, Window: r.hour}),
-		perToken(policies.PerCall{Policy: policies.SlidingLog{Limit: r.graphqlPoints, Window: r.minute}})))
+		policies.Unit{Name: "secondary", Policy: perToken(policies.SlidingLog{Limit: r.graphqlPoints, Window: r.minute})}))
 	return &http.Client{Transport: &throttle.Transport{
 		Base: &http.Transport{MaxIdleConnsPerHost: 16},
 		Routes: []throttle.Route{
@@ -208,5 +227,51 @@ func TestGitHub_FleetKeepsEveryLimitOfAToken(t *testing.T) {
 		if got < 0.9 {
 			t.Errorf("%s: %.3f of the limit that binds it, want at least 0.9", res.name, got)
 		}
+	}
+}
+
+// GitHub's GraphQL takes 5 of a minute's secondary points for a request
+// with a mutation, 1 for a query (docs/VENDORS.md). A fleet of 3 × 10, half
+// of them sending mutations and half small queries, through the recipe's
+// transport and its CostIn of graphql.Mutation, against a fake that counts
+// so, with its minute compressed to 1 s: after the first minute no
+// refusal, and the secondary points at 0.9 or more of their limit.
+// Charged 1 a request, as a PerCall rule would, the mutations took five
+// times what the fleet counted, and the fake refused them.
+func TestGitHub_AMutationTakesFiveSecondaryPoints(t *testing.T) {
+	r := githubRules{minute: time.Second, hour: time.Second, core: 600, graphql: 100_000, search: 20, codeSearch: 5,
+		inFlight: 24, restPoints: 100, graphqlPoints: 100, createsMinute: 12, createsHour: 24, latency: 20 * time.Millisecond}
+	d := fleetRun(6*time.Second, 20*time.Second)
+	g := newGitHubFake(r)
+	srv := g.serve()
+	defer srv.Close()
+	s := redistest.Real(t)
+	const replicas, workers = 3, 10
+	clients := make([]*http.Client, replicas)
+	for i := range clients {
+		clients[i] = githubFleetTransport(t, s.Client(t), r)
+	}
+	ctx := context.Background()
+	runEachWorker(replicas, workers, d, func(i, j, _ int) {
+		var err error
+		if j < workers/2 {
+			err = githubMutation(ctx, clients[i], srv.URL, "token-a")
+		} else {
+			err = githubQuery(ctx, clients[i], srv.URL, "token-a", 0, 1)
+		}
+		if err != nil {
+			time.Sleep(10 * time.Millisecond)
+		}
+	})
+	g.mu.Lock()
+	t.Logf("%d refusals in the first minute, after it %v", g.early, g.refusd)
+	if len(g.refusd) != 0 {
+		t.Errorf("refusals after the first minute: %v, want none", g.refusd)
+	}
+	g.mu.Unlock()
+	got, per := g.counts.share("Bearer token-a points POST /graphql", d, r.minute)
+	t.Logf("secondary points: %.3f of the limit; per window %v", got, per)
+	if got < 0.9 {
+		t.Errorf("secondary points: %.3f of the limit, want at least 0.9", got)
 	}
 }

@@ -43,9 +43,10 @@ func readmeGitHub(rdb *redis.Client) (*http.Client, error) {
 	if err != nil {
 		return nil, err
 	}
+	// GraphQL's secondary points a minute: 1 a query, 5 a mutation (CostIn below).
+	secondary := policies.Unit{Name: "secondary", Policy: perToken(policies.SlidingLog{Limit: 2000, Window: time.Minute})}
 	gql, err := throttle.New(rdb, "github-graphql", policies.All(shared(inFlight),
-		perToken(policies.SlidingLog{Limit: 5000, Window: time.Hour}),                              // points
-		perToken(policies.PerCall{Policy: policies.SlidingLog{Limit: 2000, Window: time.Minute}}))) // 1 a query
+		perToken(policies.SlidingLog{Limit: 5000, Window: time.Hour}), secondary)) // points an hour
 	if err != nil {
 		return nil, err
 	}
@@ -69,11 +70,17 @@ func readmeGitHub(rdb *redis.Client) (*http.Client, error) {
 	return client, nil
 }
 
-// readmeGitHubQuery sends a GraphQL query through the recipe's client.
-func readmeGitHubQuery(ctx context.Context, client *http.Client, req *http.Request, estimate int) (*http.Response, error) {
+// readmeGitHubQuery sends a GraphQL request of query (a query or a
+// mutation) through the recipe's client.
+func readmeGitHubQuery(ctx context.Context, client *http.Client, req *http.Request, query string, estimate int) (*http.Response, error) {
 	// README github-query
-	// A query is admitted at its estimate in points, settled to rateLimit { cost }.
-	ctx, _ = throttle.Track(ctx, throttle.Cost(estimate))
+	// A query is admitted at its estimate in points, settled to rateLimit { cost };
+	// it takes 1 of the minute's secondary points, a mutation 5.
+	secondary := 1
+	if graphql.Mutation(query) {
+		secondary = 5
+	}
+	ctx, _ = throttle.Track(ctx, throttle.Cost(estimate), throttle.CostIn("secondary", secondary))
 	resp, err := client.Do(req.WithContext(ctx))
 	if err != nil {
 		return nil, err
