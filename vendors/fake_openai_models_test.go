@@ -44,8 +44,35 @@ func (c *strictLog) add(now time.Time, n int) {
 // max_completion_tokens), and never adjusted to its usage.
 type openaiModel struct {
 	requests, tokens strictLog
-	counted          []int // tokens counted, per window of the run
-	arrivals         []arrival
+	// The same limits enforced in slices of the window (sliced), each
+	// slice its share: nil when the fake enforces the window alone.
+	sliceRequests, sliceTokens *strictLog
+	counted                    []int // tokens counted, per window of the run
+	arrivals                   []arrival
+}
+
+// fits reports whether a request of n tokens fits every limit now.
+func (m *openaiModel) fits(now time.Time, n int) bool {
+	ok := m.requests.fits(now, 1) && m.tokens.fits(now, n)
+	if m.sliceTokens != nil {
+		ok = ok && m.sliceRequests.fits(now, 1) && m.sliceTokens.fits(now, n)
+	}
+	return ok
+}
+
+// add counts a request of n tokens now: a refused one counts as a request,
+// its tokens not.
+func (m *openaiModel) add(now time.Time, n int) {
+	m.requests.add(now, 1)
+	if m.sliceRequests != nil {
+		m.sliceRequests.add(now, 1)
+	}
+	if n > 0 {
+		m.tokens.add(now, n)
+		if m.sliceTokens != nil {
+			m.sliceTokens.add(now, n)
+		}
+	}
 }
 
 // arrival is a request the fake counted: when, and its tokens.
@@ -76,6 +103,17 @@ func newOpenAIModelsFake(window, latency time.Duration, limits map[string][2]int
 	return v
 }
 
+// sliced makes the fake enforce each model's limits in n slices of its
+// window as well, each slice its share, as OpenAI says it may ("60,000
+// requests/minute may be enforced as 1,000 requests/second"): a burst
+// that a sliding window of the whole accepts is refused there.
+func (v *openaiModelsFake) sliced(n int) {
+	for _, m := range v.models {
+		m.sliceRequests = &strictLog{limit: m.requests.limit / n, window: v.window / time.Duration(n)}
+		m.sliceTokens = &strictLog{limit: m.tokens.limit / n, window: v.window / time.Duration(n)}
+	}
+}
+
 func (v *openaiModelsFake) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	var b struct {
 		Model    string `json:"model"`
@@ -102,7 +140,7 @@ func (v *openaiModelsFake) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 		http.Error(w, `{"error":{"code":"model_not_found"}}`, http.StatusNotFound)
 		return
 	}
-	ok := m.requests.fits(now, 1) && m.tokens.fits(now, counted)
+	ok := m.fits(now, counted)
 	h := w.Header()
 	h.Set("Content-Type", "application/json")
 	h.Set("x-ratelimit-limit-requests", strconv.Itoa(m.requests.limit))
@@ -113,15 +151,14 @@ func (v *openaiModelsFake) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 		}
 		// "Unsuccessful requests contribute to your per-minute limit": a
 		// refused request counts as a request, its tokens not.
-		m.requests.add(now, 1)
+		m.add(now, 0)
 		v.mu.Unlock()
 		h.Set("retry-after-ms", "200")
 		w.WriteHeader(http.StatusTooManyRequests)
 		fmt.Fprintf(w, `{"error":{"message":"Rate limit reached for %s","type":"tokens","code":"rate_limit_exceeded"}}`, b.Model)
 		return
 	}
-	m.requests.add(now, 1)
-	m.tokens.add(now, counted)
+	m.add(now, counted)
 	k := int(now.Sub(v.start) / v.window)
 	for len(m.counted) <= k {
 		m.counted = append(m.counted, 0)

@@ -241,7 +241,7 @@ func TestGitHub_FleetKeepsEveryLimitOfAToken(t *testing.T) {
 func TestGitHub_AMutationTakesFiveSecondaryPoints(t *testing.T) {
 	r := githubRules{minute: time.Second, hour: time.Second, core: 600, graphql: 100_000, search: 20, codeSearch: 5,
 		inFlight: 24, restPoints: 100, graphqlPoints: 100, createsMinute: 12, createsHour: 24, latency: 20 * time.Millisecond}
-	d := fleetRun(6*time.Second, 20*time.Second)
+	d := fleetRun(6*time.Second, 10*time.Second)
 	g := newGitHubFake(r)
 	srv := g.serve()
 	defer srv.Close()

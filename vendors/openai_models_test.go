@@ -2,6 +2,7 @@ package vendors
 
 import (
 	"context"
+	"fmt"
 	"net/http"
 	"strings"
 	"testing"
@@ -128,4 +129,85 @@ func TestOpenAI_TwoModelsEachAtItsOwnCap(t *testing.T) {
 			t.Errorf("%s: %.3f of its tokens cap, want at least 0.85", model, got)
 		}
 	}
+}
+
+// OpenAI may enforce a limit in slices shorter than its minute (its rate
+// limits page: "60,000 requests/minute may be enforced as 1,000
+// requests/second"). A fleet of 3 × 10 openai-go clients of one model
+// against a fake that enforces its 2 s window in four slices of 500 ms,
+// each a quarter of the limits, every request 250 tokens as OpenAI counts
+// it. The recipe's rule of a slice's share beside the window's
+// (docs/VENDORS.md) keeps the fleet clear of the slices: after the first
+// window no 429, and at least 0.85 of the tokens cap. Without it, the
+// fleet's burst of a window's calls meets a slice's limit, and the 429s
+// teach the fleet a cap of what the vendor accepted: a slice's share a
+// window, a quarter of the cap.
+func TestOpenAI_ALimitEnforcedInSlicesIsKeptByASliceRule(t *testing.T) {
+	const window, slices = 2 * time.Second, 4
+	limits := map[string][2]int{"gpt-4o": {40, 4000}}
+	d := fleetRun(6*time.Second, 10*time.Second) // each case
+	for _, sliceRule := range []bool{true, false} {
+		v := newOpenAIModelsFake(window, 100*time.Millisecond, limits)
+		v.sliced(slices)
+		srv := v.serve()
+		s := redistest.Real(t)
+		clients := make([]openai.Client, 3)
+		for i := range clients {
+			clients[i] = openaiSlicedClient(t, s.Client(t), srv.URL, window, limits["gpt-4o"], slices, sliceRule)
+		}
+		start := time.Now()
+		runEachWorker(3, 10, d, func(i, _, _ int) {
+			ctx, cancel := context.WithTimeout(context.Background(), 2*time.Second) // a caller's deadline
+			defer cancel()
+			_, err := clients[i].Chat.Completions.New(ctx, openai.ChatCompletionNewParams{
+				Model:               "gpt-4o",
+				Messages:            []openai.ChatCompletionMessageParamUnion{openai.UserMessage(openaiModelsPrompt)},
+				MaxCompletionTokens: openai.Int(150), // 250 tokens as OpenAI counts the call
+			})
+			if err != nil {
+				time.Sleep(10 * time.Millisecond)
+			}
+		})
+		srv.Close()
+		v.mu.Lock()
+		refused := v.refused["gpt-4o"]
+		v.mu.Unlock()
+		got := v.rate("gpt-4o", start, start.Add(d))
+		t.Logf("with the slice rule %v: %.3f of the tokens cap; tokens per window %v; %d 429s after the first window",
+			sliceRule, got, v.counts("gpt-4o"), refused)
+		switch {
+		case sliceRule && refused != 0:
+			t.Errorf("with the slice rule: %d 429s after the first window, want none", refused)
+		case sliceRule && got < 0.85:
+			t.Errorf("with the slice rule: %.3f of the tokens cap, want at least 0.85", got)
+		case !sliceRule && refused == 0 && got >= 0.5:
+			// Its first burst meets a slice's limit: the 429s teach the
+			// fleet a cap of what the vendor accepted, a slice's share a
+			// window (0.25 of the cap here).
+			t.Errorf("without the slice rule: no 429 and %.3f of the cap, so the fake's slices test nothing", got)
+		}
+	}
+}
+
+// openaiSlicedClient is the recipe's client of one model whose limits
+// (requests and tokens a window) the vendor enforces in slices: with
+// sliceRule, a rule of each limit's slice share beside the window's.
+func openaiSlicedClient(t *testing.T, rdb *redis.Client, baseURL string, window time.Duration, limits [2]int, slices int, sliceRule bool) openai.Client {
+	rules := []policies.Policy{
+		policies.PerCall{Policy: policies.SlidingLog{Limit: limits[0], Window: window}},
+		policies.SlidingCounter{Limit: limits[1], Window: window},
+	}
+	if sliceRule {
+		slice := window / time.Duration(slices)
+		rules = append(rules,
+			policies.PerCall{Policy: policies.SlidingLog{Limit: limits[0] / slices, Window: slice}},
+			policies.SlidingCounter{Limit: limits[1] / slices, Window: slice})
+	}
+	lim, err := throttle.New(rdb, fmt.Sprintf("openai-sliced-%v", sliceRule), policies.All(rules...))
+	if err != nil {
+		t.Fatal(err)
+	}
+	hc := &http.Client{Transport: &throttle.Transport{Base: &http.Transport{MaxIdleConnsPerHost: 16}, Limiter: lim,
+		Cost: tokens.Cost(tokens.OpenAIChat, tokens.Estimate.Total, limits[1])}}
+	return openai.NewClient(option.WithAPIKey("sk-test"), option.WithBaseURL(baseURL+"/"), option.WithMaxRetries(0), option.WithHTTPClient(hc))
 }
