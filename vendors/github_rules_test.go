@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"math/rand/v2"
 	"net/http"
+	"net/http/httptest"
 	"net/url"
 	"testing"
 	"time"
@@ -164,6 +165,20 @@ func githubFleetTransport(t *testing.T, rdb *redis.Client, r githubRules) *http.
 	}}
 }
 
+// githubRulesFleet serves a fake with rules, and gives each of replicas a
+// client through the recipe's transport, on one redis-server.
+func githubRulesFleet(t *testing.T, r githubRules, replicas int) (*githubFake, *httptest.Server, []*http.Client) {
+	g := newGitHubFake(r)
+	srv := g.serve()
+	t.Cleanup(srv.Close)
+	s := redistest.Real(t)
+	clients := make([]*http.Client, replicas)
+	for i := range clients {
+		clients[i] = githubFleetTransport(t, s.Client(t), r)
+	}
+	return g, srv, clients
+}
+
 // A fleet of 3 × 10 go-github and GraphQL clients on one token, through
 // the recipe, against a fake that counts as GitHub documents with its
 // minute compressed to 1 s and its hour to 3 s: after the first hour, no
@@ -176,15 +191,8 @@ func TestGitHub_FleetKeepsEveryLimitOfAToken(t *testing.T) {
 	r := githubRules{minute: time.Second, hour: 3 * time.Second, core: 600, graphql: 120, search: 20, codeSearch: 5,
 		inFlight: 24, restPoints: 100, graphqlPoints: 200, createsMinute: 12, createsHour: 24, latency: 20 * time.Millisecond}
 	d := fleetRun(9*time.Second, 21*time.Second)
-	g := newGitHubFake(r)
-	srv := g.serve()
-	defer srv.Close()
-	s := redistest.Real(t)
 	const replicas, workers = 3, 10
-	clients := make([]*http.Client, replicas)
-	for i := range clients {
-		clients[i] = githubFleetTransport(t, s.Client(t), r)
-	}
+	g, srv, clients := githubRulesFleet(t, r, replicas)
 	ctx := context.WithValue(context.Background(), github.BypassRateLimitCheck, true)
 	runEachWorker(replicas, workers, d, func(i, j, _ int) {
 		gh := githubClient(t, clients[i], srv.URL, "token-a")
@@ -242,15 +250,8 @@ func TestGitHub_AMutationTakesFiveSecondaryPoints(t *testing.T) {
 	r := githubRules{minute: time.Second, hour: time.Second, core: 600, graphql: 100_000, search: 20, codeSearch: 5,
 		inFlight: 24, restPoints: 100, graphqlPoints: 100, createsMinute: 12, createsHour: 24, latency: 20 * time.Millisecond}
 	d := fleetRun(6*time.Second, 10*time.Second)
-	g := newGitHubFake(r)
-	srv := g.serve()
-	defer srv.Close()
-	s := redistest.Real(t)
 	const replicas, workers = 3, 10
-	clients := make([]*http.Client, replicas)
-	for i := range clients {
-		clients[i] = githubFleetTransport(t, s.Client(t), r)
-	}
+	g, srv, clients := githubRulesFleet(t, r, replicas)
 	ctx := context.Background()
 	runEachWorker(replicas, workers, d, func(i, j, _ int) {
 		var err error
