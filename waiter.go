@@ -41,15 +41,13 @@ const lateReason = "every slot came too late to start in: Redis's replies or thi
 func (l *Limiter) wait(ctx context.Context, c call) (*Permit, error) {
 	start := time.Now()
 	busy := busyFirst
-	var giveBack *result // a booking to give back in the next script call
-	rebooks := 0
+	giveBack, rebooks := (*result)(nil), 0 // a booking to give back in the next script call
 	for {
 		maxWait, reason := l.waitLeft(ctx, start)
 		room := l.roomNow()
 		r, err := l.acquire(ctx, c, max(maxWait, 0), giveBack)
-		giveBack = nil
-		c.queued = time.Time{} // its wait in the queue is over once it asked
-		c.moved = nil
+		// Its wait in the queue is over once it asked.
+		giveBack, c.queued, c.moved = nil, time.Time{}, nil
 		if err != nil {
 			return nil, err
 		}
