@@ -54,11 +54,13 @@ func (e *moveFailed) Unwrap() error { return e.err }
 const roomEvery = 20 * time.Millisecond
 
 // signalRoom wakes every call of this limiter sleeping towards its slot,
-// to move earlier: the fleet gave units back. Within roomEvery of the last
-// time it did, it does so once that time is out.
-func (l *Limiter) signalRoom() {
+// to move earlier: the fleet gave units back, at Redis's time at (0 when
+// no new units were given back). Within roomEvery of the last time it did,
+// it does so once that time is out.
+func (l *Limiter) signalRoom(at time.Duration) {
 	l.roomMu.Lock()
 	defer l.roomMu.Unlock()
+	l.roomAt = max(l.roomAt, at)
 	if l.roomDue {
 		return
 	}
@@ -93,6 +95,14 @@ func (l *Limiter) roomNow() <-chan struct{} {
 	return l.room
 }
 
+// roomSince reports whether units were given back at or after Redis's
+// time t: the script that booked a call at t saw those given back before.
+func (l *Limiter) roomSince(t time.Duration) bool {
+	l.roomMu.Lock()
+	defer l.roomMu.Unlock()
+	return l.roomAt >= t
+}
+
 // roomFor returns room, the channel taken before a call was booked as r
 // (roomNow), or nil when such a call does not move: decided without
 // Redis, or on a quota with a token bucket, which can take back only its
@@ -120,7 +130,7 @@ func (l *Limiter) roomAfterTrouble() {
 		l.roomMu.Lock()
 		l.roomRetry = false
 		l.roomMu.Unlock()
-		l.signalRoom()
+		l.signalRoom(0)
 	})
 }
 

@@ -81,8 +81,9 @@ type Limiter struct {
 
 	freed *freed // signals a concurrency slot freed in this process: the limiter's own, or its group's (policies.Shared)
 
-	roomMu    sync.Mutex    // guards room, roomLast, roomDue and roomRetry
+	roomMu    sync.Mutex    // guards room, roomAt, roomLast, roomDue and roomRetry
 	room      chan struct{} // closed, and replaced, when the fleet gave units back (move.go)
+	roomAt    time.Duration // Redis's time of the latest units given back that this limiter heard of
 	roomLast  time.Time     // when room was last closed
 	roomDue   bool          // a close is due at roomLast + roomEvery
 	roomRetry bool          // a close is due when Redis's trouble is over (roomAfterTrouble)

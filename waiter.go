@@ -187,6 +187,9 @@ func (l *Limiter) awaitSlot(ctx context.Context, c call, r result, room <-chan s
 		if errors.Is(err, errRoom) {
 			var how woken
 			room = l.roomNow() // before the move's script call
+			if !l.roomSince(r.now) {
+				continue // units given back before r was decided: its script saw them
+			}
 			if r, how, err = l.moveEarlier(ctx, c, r); err != nil || how != wokenAtSlot {
 				return r, how, err
 			}
