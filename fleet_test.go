@@ -335,10 +335,17 @@ type fleetRun struct {
 
 // observe keeps the widest margin of the fleet's script calls.
 func (r *fleetRun) observe(e Event) {
-	for m := int64(e.Margin); e.Kind == EventRedis; {
-		old := r.widest.Load()
-		if m <= old || r.widest.CompareAndSwap(old, m) {
-			break
+	if e.Kind == EventRedis {
+		keepWidest(&r.widest, int64(e.Margin))
+	}
+}
+
+// keepWidest raises widest to m when m is wider.
+func keepWidest(widest *atomic.Int64, m int64) {
+	for {
+		old := widest.Load()
+		if m <= old || widest.CompareAndSwap(old, m) {
+			return
 		}
 	}
 }

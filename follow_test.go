@@ -168,12 +168,7 @@ func startFollowers(t *testing.T, s *redistest.Server, url string, policy polici
 				case EventCapLearned:
 					f.learned.Add(1)
 				case EventRedis:
-					for m := int64(e.Margin); ; {
-						old := f.widest.Load()
-						if m <= old || f.widest.CompareAndSwap(old, m) {
-							break
-						}
-					}
+					keepWidest(&f.widest, int64(e.Margin))
 				}
 			}})
 		if err != nil {

@@ -46,7 +46,7 @@ func (l *Limiter) wait(ctx context.Context, c call) (*Permit, error) {
 		maxWait, reason := l.waitLeft(ctx, start)
 		room := l.roomNow()
 		r, err := l.acquire(ctx, c, max(maxWait, 0), giveBack)
-		// Its wait in the queue is over once it asked.
+		// Spent once it asked: the booking given back, the queue's wait, a failed move.
 		giveBack, c.queued, c.moved = nil, time.Time{}, nil
 		if err != nil {
 			return nil, err
