@@ -17,13 +17,15 @@ import (
 
 // describedPolicy has a rule of each kind, a per-key rule, a named unit and
 // a rule counting calls, so that every field of a rule goes through the
-// description.
+// description. Its windows are minutes: the two Usage reads of its test
+// must see the same counts, and beside the race run a second (or a token
+// a fifth of a second) could go by between them.
 var describedPolicy = policies.All(
-	policies.SlidingLog{Limit: 50, Window: time.Second, Margin: 7 * time.Millisecond},
+	policies.SlidingLog{Limit: 50, Window: time.Minute, Margin: 7 * time.Millisecond},
 	policies.SlidingCounter{Limit: 1000, Window: time.Minute, Buckets: 12},
-	policies.PerKey{Policy: policies.TokenBucket{Rate: 5, Per: time.Second, Burst: 3}},
+	policies.PerKey{Policy: policies.TokenBucket{Rate: 5, Per: time.Minute, Burst: 3}},
 	policies.PerCall{Policy: policies.Concurrency{Max: 4, Lease: 30 * time.Second}},
-	policies.Unit{Name: "tokens", Policy: policies.SlidingLog{Limit: 900, Window: time.Second}},
+	policies.Unit{Name: "tokens", Policy: policies.SlidingLog{Limit: 900, Window: time.Minute}},
 )
 
 // A quota's first call stores its policy with its meta: Quotas lists the
