@@ -20,7 +20,9 @@ const (
 	// class above them its share. It is the default.
 	Block Mode = "Block"
 	// FailFast runs the call only if it fits now, and otherwise returns an
-	// error matching ErrLimited at once.
+	// error matching ErrLimited at once. It waits only for Redis: a reply
+	// read too late to start in asks again for the moment that much ahead
+	// (milliseconds; see Limiter.Allow).
 	FailFast Mode = "FailFast"
 	// Queue puts the call in a bounded local queue, served by Priority and
 	// then in arrival order; the calls at the head book their slots as in

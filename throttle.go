@@ -348,8 +348,10 @@ type Decision struct {
 	Remaining int
 }
 
-// Allow admits the call now if it fits, and counts it; it never waits and
-// never books a slot. Limits are reported in the Decision, not as an error;
+// Allow admits the call now if it fits, and counts it; it never waits for
+// the quota. When this process reads Redis's replies later than the margin
+// allows a call to start, it asks again for the moment that much ahead,
+// and sleeps those few milliseconds: the call starts on time. Limits are reported in the Decision, not as an error;
 // the error is for bad options and Redis failures. Under a
 // policies.Concurrency limit, a call Allow admits holds its slots until the
 // lease runs out, since no Permit releases them: use Acquire there.

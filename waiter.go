@@ -265,27 +265,46 @@ func (l *Limiter) sleepToSlot(ctx context.Context, r result, room <-chan struct{
 // now decides a call that runs now or not at all (FailFast, Allow, shadow
 // mode), with the same late-start guard as Block mode: an admission that
 // arrives too late to start in is given back and asked again, a bounded
-// number of times, and then refused with reasonLate.
+// number of times, and then refused with reasonLate. As in Block mode
+// (bookLate), a reply that came late asks that much ahead: the call sleeps
+// the few milliseconds to its slot and starts on time, where a busy
+// process would read each reply of "now" too late. It is admitted only if
+// it fits then; it never waits for the quota.
 func (l *Limiter) now(ctx context.Context, c call) (result, error) {
 	var giveBack *result
 	for tries := 0; ; tries++ {
-		r, err := l.acquire(ctx, c, 0, giveBack)
+		r, err := l.acquire(ctx, c, c.lead, giveBack)
 		if err != nil || !r.admitted {
 			return r, err
 		}
+		giveBack = &r
 		if r.stale && tries < maxRebooks {
-			giveBack = &r
 			continue
 		}
 		late, tooLate := l.late(r)
+		replyLate := tooLate
+		if !tooLate && r.wait > 0 {
+			// Booked ahead after a late reply: sleep to the slot. A pause
+			// or a loss meanwhile books again, as a Block call's does.
+			if err := l.sleepToSlot(ctx, r, nil); err != nil {
+				l.cancel(ctx, c, r)
+				return result{}, err
+			}
+			if l.overtakenBy(r) != "" {
+				continue // the next script refuses while paused
+			}
+			late, tooLate = l.late(r)
+		}
 		if !tooLate {
 			return r, nil
 		}
-		if tries == maxRebooks {
+		if tries >= maxRebooks {
 			l.cancel(ctx, c, r)
 			return result{reason: reasonLate, wait: late, remaining: 0}, nil
 		}
-		giveBack = &r
+		if replyLate && !isOff(offLeads) {
+			c.lead += max(late, 0)
+		}
 	}
 }
 
