@@ -206,13 +206,19 @@ type Transport struct {
 // hour for the rest. A nil Limiter lets the requests that match through
 // without limit.
 //
-// Pattern is a host, which may be left out, then a path, as in
-// http.ServeMux ("api.github.com/search/", "/v1/chat/"): a path ending in a
-// slash matches every path under it, any other path matches only itself,
-// and no host matches any host. A host with a port matches that port only;
-// host names compare without regard to case. A pattern without a slash is
-// invalid. Match, when set instead of Pattern, reports whether a request
-// matches; it must not modify the request.
+// Pattern is a method, which may be left out, a host, which may be left
+// out, then a path, as in http.ServeMux ("api.github.com/search/",
+// "/v1/chat/", "GET /repos/{owner}/{repo}/issues"): a path ending in a
+// slash matches every path under it, any other path matches only itself;
+// a segment {name} matches any one segment, a last segment {name...} the
+// rest of the path, a last {$} the path's end. No host matches any host,
+// no method any method, and GET matches HEAD too. A host with a port
+// matches that port only; host names compare without regard to case. A
+// vendor that limits each endpoint (Stripe's 25 calls a second, GitHub's
+// 900 points a minute) takes a Route per endpoint, in the vendor's own
+// notation. A pattern without a slash is invalid. Match, when set instead
+// of Pattern, reports whether a request matches; it must not modify the
+// request.
 type Route struct {
 	Pattern string                   // the requests the route takes, as in http.ServeMux (above)
 	Match   func(*http.Request) bool // instead of Pattern: whether a request is the route's
@@ -372,13 +378,23 @@ func (t *transport) settle(ctx context.Context, lim *Limiter, p *Permit, n int) 
 
 // matchPattern returns what matches the requests of a Route's Pattern.
 func matchPattern(pattern string) (func(*http.Request) bool, error) {
-	host, path, ok := strings.Cut(pattern, "/")
+	method, rest, hasMethod := strings.Cut(pattern, " ")
+	if !hasMethod {
+		method, rest = "", pattern
+	} else if method == "" || strings.ToUpper(method) != method || strings.ContainsAny(method, "/{}") {
+		return nil, fmt.Errorf("pattern %q: %q is not a method", pattern, method)
+	}
+	host, path, ok := strings.Cut(strings.TrimLeft(rest, " "), "/")
 	if !ok {
 		return nil, fmt.Errorf("pattern %q needs a path starting with /", pattern)
 	}
-	host, path = strings.ToLower(host), "/"+path
+	segments, err := patternSegments(pattern, "/"+path)
+	if err != nil {
+		return nil, err
+	}
+	host = strings.ToLower(host)
 	return func(r *http.Request) bool {
-		if r.URL == nil {
+		if r.URL == nil || (method != "" && r.Method != method && !(method == http.MethodGet && r.Method == http.MethodHead)) {
 			return false
 		}
 		if host != "" {
@@ -394,11 +410,50 @@ func matchPattern(pattern string) (func(*http.Request) bool, error) {
 		if p == "" {
 			p = "/"
 		}
-		if strings.HasSuffix(path, "/") {
-			return strings.HasPrefix(p, path)
-		}
-		return p == path
+		return matchSegments(segments, strings.Split(p, "/"))
 	}, nil
+}
+
+// patternSegments splits a pattern's path at its slashes, and checks its
+// wildcards: each a whole segment, {name...} the last. A path ending in a
+// slash ends in the segment "{...}", which matches the rest of the path.
+func patternSegments(pattern, path string) ([]string, error) {
+	segments := strings.Split(path, "/")
+	if strings.HasSuffix(path, "/") {
+		segments[len(segments)-1] = "{...}"
+	}
+	for i, seg := range segments {
+		open, close := strings.Count(seg, "{"), strings.Count(seg, "}")
+		wild := strings.HasPrefix(seg, "{") && strings.HasSuffix(seg, "}")
+		if open+close != 0 && (!wild || open != 1 || close != 1) {
+			return nil, fmt.Errorf("pattern %q: a wildcard must be a whole segment, got %q", pattern, seg)
+		}
+		if (strings.HasSuffix(seg, "...}") || seg == "{$}") && i != len(segments)-1 {
+			return nil, fmt.Errorf("pattern %q: %q must be the last segment", pattern, seg)
+		}
+	}
+	return segments, nil
+}
+
+// matchSegments reports whether a request's path, split at its slashes,
+// matches a pattern's segments.
+func matchSegments(pattern, path []string) bool {
+	for i, seg := range pattern {
+		if i >= len(path) {
+			return false
+		}
+		if strings.HasSuffix(seg, "...}") {
+			return true // the rest after the slash, whatever it is
+		}
+		if seg == "{$}" {
+			return path[i] == "" && i == len(path)-1 // the path ends in its slash
+		}
+		if seg == path[i] || (strings.HasPrefix(seg, "{") && path[i] != "") {
+			continue
+		}
+		return false
+	}
+	return len(path) == len(pattern)
 }
 
 // RoundTrip takes req through the limiter, sends it, feeds the vendor's

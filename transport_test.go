@@ -943,13 +943,33 @@ func TestRoute_PatternMatches(t *testing.T) {
 		{"/health", "https://any.example/health", true},
 		{"/health", "https://any.example/healthz", false},
 		{"/", "https://any.example/anything", true},
+		{"/", "https://any.example", true},
+		// An endpoint in a vendor's notation: a method, wildcards.
+		{"GET /repos/{owner}/{repo}/issues", "https://api.github.com/repos/o/r/issues", true},
+		{"GET /repos/{owner}/{repo}/issues", "HEAD https://api.github.com/repos/o/r/issues", true},
+		{"GET /repos/{owner}/{repo}/issues", "POST https://api.github.com/repos/o/r/issues", false},
+		{"POST /repos/{owner}/{repo}/issues", "POST https://api.github.com/repos/o/r/issues", true},
+		{"GET /repos/{owner}/{repo}/issues", "https://api.github.com/repos/o/r/pulls", false},
+		{"GET /repos/{owner}/{repo}/issues", "https://api.github.com/repos/o/r/issues/12", false},
+		{"GET /repos/{owner}/{repo}/issues", "https://api.github.com/repos/o//issues", false},
+		{"GET /repos/{owner}/{repo}/issues", "https://api.github.com/repos/o/issues", false},
+		{"GET api.github.com/v1/payment_intents/{id}", "https://api.github.com/v1/payment_intents/pi_1", true},
+		{"GET api.github.com/v1/payment_intents/{id}", "https://uploads.github.com/v1/payment_intents/pi_1", false},
+		{"/files/{path...}", "https://any.example/files/a/b/c", true},
+		{"/files/{path...}", "https://any.example/files", false},
+		{"/files/{$}", "https://any.example/files/", true},
+		{"/files/{$}", "https://any.example/files/a", false},
 	}
 	for _, tt := range tests {
 		tr := (&Transport{Routes: []Route{{Pattern: tt.pattern, Limiter: &Limiter{}}}}).compile()
 		if tr.err != nil {
 			t.Fatalf("Route{Pattern: %q}: %v", tt.pattern, tr.err)
 		}
-		req := mustRequest(t, context.Background(), http.MethodGet, tt.url, nil)
+		method, url, ok := strings.Cut(tt.url, " ")
+		if !ok {
+			method, url = http.MethodGet, tt.url
+		}
+		req := mustRequest(t, context.Background(), method, url, nil)
 		if got := tr.routeFor(req).lim != nil; got != tt.want {
 			t.Errorf("Route{Pattern: %q} matches %s: %v, want %v", tt.pattern, tt.url, got, tt.want)
 		}
@@ -974,6 +994,12 @@ func TestTransport_BadFieldsFailEveryRequest(t *testing.T) {
 	}{
 		{"route without a path", func(tr *Transport) { tr.Routes = append(tr.Routes, Route{Pattern: "api.github.com"}) },
 			`throttle: Transport.Routes[2]: pattern "api.github.com" needs a path starting with /`},
+		{"route with a method in lower case", func(tr *Transport) { tr.Routes = append(tr.Routes, Route{Pattern: "get /x"}) },
+			`throttle: Transport.Routes[2]: pattern "get /x": "get" is not a method`},
+		{"route with a wildcard inside a segment", func(tr *Transport) { tr.Routes = append(tr.Routes, Route{Pattern: "/v1/pi_{id}"}) },
+			`throttle: Transport.Routes[2]: pattern "/v1/pi_{id}": a wildcard must be a whole segment, got "pi_{id}"`},
+		{"route with {rest...} before the end", func(tr *Transport) { tr.Routes = append(tr.Routes, Route{Pattern: "/files/{p...}/x"}) },
+			`throttle: Transport.Routes[2]: pattern "/files/{p...}/x": "{p...}" must be the last segment`},
 		{"route with neither Pattern nor Match", func(tr *Transport) { tr.Routes = append([]Route{{}}, tr.Routes...) },
 			`throttle: Transport.Routes[0]: pattern "" needs a path starting with /`},
 		{"route with Pattern and Match", func(tr *Transport) { tr.Routes[1].Pattern = "/search/" },
