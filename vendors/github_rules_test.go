@@ -9,6 +9,7 @@ import (
 	"net/http"
 	"net/http/httptest"
 	"net/url"
+	"strings"
 	"testing"
 	"time"
 
@@ -88,6 +89,9 @@ func TestREADME_GitHubRecipeRuns(t *testing.T) {
 	if _, _, err := c.Issues.ListByRepo(ctx, "o", "r", nil); err != nil {
 		t.Fatal(err)
 	}
+	if _, _, err := c.PullRequests.List(ctx, "o", "r", nil); err != nil {
+		t.Fatal(err)
+	}
 	if _, _, err := c.Issues.Create(ctx, "o", "r", &github.IssueRequest{Title: github.Ptr("found")}); err != nil {
 		t.Fatal(err)
 	}
@@ -125,12 +129,12 @@ func TestREADME_GitHubRecipeRuns(t *testing.T) {
 // minute and hour are compressed for a fleet's run.
 func githubFleetTransport(t *testing.T, rdb *redis.Client, r githubRules) *http.Client {
 	perToken := func(p policies.Policy) policies.Policy { return policies.PerKey{Policy: p} }
-	inFlight := perToken(policies.PerCall{Policy: policies.Concurrency{Max: r.inFlight}})
-	hour := perToken(policies.PerCall{Policy: policies.SlidingLog{Limit: r.core, Window: r.hour}})
-	shared := func(p ...policies.Policy) policies.Policy {
-		return policies.Shared{Name: "gh", Policy: policies.All(p...)}
+	calls := func(limit int, window time.Duration) policies.Policy {
+		return perToken(policies.PerCall{Policy: policies.SlidingLog{Limit: limit, Window: window}})
 	}
-	points := perToken(policies.SlidingLog{Limit: r.restPoints, Window: r.minute})
+	inFlight := perToken(policies.PerCall{Policy: policies.Concurrency{Max: r.inFlight}})
+	reads := policies.Shared{Name: "gh", Policy: policies.All(inFlight, calls(r.core, r.hour))}
+	writes := policies.Shared{Name: "gh", Policy: policies.All(inFlight, calls(r.core, r.hour), calls(r.createsMinute, r.minute), calls(r.createsHour, r.hour))}
 	newLim := func(name string, p policies.Policy) *throttle.Limiter {
 		lim, err := throttle.New(rdb, name, p)
 		if err != nil {
@@ -138,23 +142,33 @@ func githubFleetTransport(t *testing.T, rdb *redis.Client, r githubRules) *http.
 		}
 		return lim
 	}
-	core := newLim("gh-core", policies.All(shared(hour, inFlight), points))
-	creates := newLim("gh-creates", policies.All(shared(hour, inFlight), points,
-		perToken(policies.PerCall{Policy: policies.SlidingLog{Limit: r.createsMinute, Window: r.minute}}),
-		perToken(policies.PerCall{Policy: policies.SlidingLog{Limit: r.createsHour, Window: r.hour}})))
-	search := newLim("gh-search", policies.All(shared(inFlight), perToken(policies.PerCall{Policy: policies.SlidingLog{Limit: r.search, Window: r.minute}})))
-	codeSearch := newLim("gh-code-search", policies.All(shared(inFlight), perToken(policies.PerCall{Policy: policies.SlidingLog{Limit: r.codeSearch, Window: r.minute}})))
-	gql := newLim("gh-graphql", policies.All(shared(inFlight), perToken(policies.SlidingLog{Limit: r.graphql, Window: r.hour}),
+	var routes []throttle.Route
+	for _, e := range []struct{ name, pattern string }{
+		{"gh-issues", "GET /repos/{owner}/{repo}/issues"},
+		{"gh-pulls", "GET /repos/{owner}/{repo}/pulls"},
+		{"gh-new-issue", "POST /repos/{owner}/{repo}/issues"},
+		{"gh-other-posts", "POST /"},
+		{"gh-other-core", "/"},
+	} {
+		limits := reads
+		if strings.HasPrefix(e.pattern, "POST ") {
+			limits = writes
+		}
+		lim := newLim(e.name, policies.All(limits, perToken(policies.SlidingLog{Limit: r.restPoints, Window: r.minute})))
+		routes = append(routes, throttle.Route{Pattern: e.pattern, Limiter: lim, Resource: "core"})
+	}
+	flying := policies.Shared{Name: "gh", Policy: inFlight}
+	search := newLim("gh-search", policies.All(flying, calls(r.search, r.minute)))
+	codeSearch := newLim("gh-code-search", policies.All(flying, calls(r.codeSearch, r.minute)))
+	gql := newLim("gh-graphql", policies.All(flying, perToken(policies.SlidingLog{Limit: r.graphql, Window: r.hour}),
 		policies.Unit{Name: "secondary", Policy: perToken(policies.SlidingLog{Limit: r.graphqlPoints, Window: r.minute})}))
 	return &http.Client{Transport: &throttle.Transport{
 		Base: &http.Transport{MaxIdleConnsPerHost: 16},
-		Routes: []throttle.Route{
+		Routes: append([]throttle.Route{
 			{Pattern: "/graphql", Limiter: gql, Resource: "graphql", FromBody: graphql.GitHub},
 			{Pattern: "/search/code", Limiter: codeSearch, Resource: "code_search"},
 			{Pattern: "/search/", Limiter: search, Resource: "search"},
-			{Match: func(r *http.Request) bool { return r.Method == http.MethodPost }, Limiter: creates, Resource: "core"},
-			{Pattern: "/", Limiter: core, Resource: "core"},
-		},
+		}, routes...),
 		Key: func(r *http.Request) string { return r.Header.Get("Authorization") },
 		Cost: func(r *http.Request) int {
 			if r.Method == http.MethodGet || r.Method == http.MethodHead || r.URL.Path == "/graphql" {
@@ -274,5 +288,47 @@ func TestGitHub_AMutationTakesFiveSecondaryPoints(t *testing.T) {
 	t.Logf("secondary points: %.3f of the limit; per window %v", got, per)
 	if got < 0.9 {
 		t.Errorf("secondary points: %.3f of the limit, want at least 0.9", got)
+	}
+}
+
+// GitHub's secondary limit of 900 points a minute is per REST endpoint
+// (docs/VENDORS.md): a fleet of 3 × 10 go-github clients, half listing a
+// repository's issues and half its pull requests, through the recipe's
+// quota per endpoint, against a fake that counts so with its minute
+// compressed to 1 s: after the first minute no refusal, and each
+// endpoint's points at 0.9 or more of their limit. With one points rule
+// per token, as the recipe had before, the two endpoints shared one
+// limit, each at about half of its own.
+func TestGitHub_EachRESTEndpointHasItsOwnPoints(t *testing.T) {
+	r := githubRules{minute: time.Second, hour: time.Second, core: 100_000, graphql: 100_000, search: 20, codeSearch: 5,
+		inFlight: 24, restPoints: 100, graphqlPoints: 100, createsMinute: 12, createsHour: 24, latency: 20 * time.Millisecond}
+	d := fleetRun(6*time.Second, 10*time.Second)
+	const replicas, workers = 3, 10
+	g, srv, clients := githubRulesFleet(t, r, replicas)
+	ctx := context.WithValue(context.Background(), github.BypassRateLimitCheck, true)
+	runEachWorker(replicas, workers, d, func(i, j, _ int) {
+		gh := githubClient(t, clients[i], srv.URL, "token-a")
+		var err error
+		if j%2 == 0 {
+			_, _, err = gh.Issues.ListByRepo(ctx, "o", "r", nil)
+		} else {
+			_, _, err = gh.PullRequests.List(ctx, "o", "r", nil)
+		}
+		if err != nil {
+			time.Sleep(10 * time.Millisecond)
+		}
+	})
+	g.mu.Lock()
+	t.Logf("%d refusals in the first minute, after it %v", g.early, g.refusd)
+	if len(g.refusd) != 0 {
+		t.Errorf("refusals after the first minute: %v, want none", g.refusd)
+	}
+	g.mu.Unlock()
+	for _, endpoint := range []string{"GET /repos/o/r/issues", "GET /repos/o/r/pulls"} {
+		got, per := g.counts.share("Bearer token-a points "+endpoint, d, r.minute)
+		t.Logf("%s: %.3f of its points; per window %v", endpoint, got, per)
+		if got < 0.9 {
+			t.Errorf("%s: %.3f of its points, want at least 0.9", endpoint, got)
+		}
 	}
 }

@@ -2,7 +2,6 @@ package vendors
 
 import (
 	"net/http"
-	"strings"
 	"time"
 
 	"github.com/redis/go-redis/v9"
@@ -21,27 +20,23 @@ func readmeStripe(rdb *redis.Client, key string, apiURL *string) (*stripe.Client
 		policies.SlidingLog{Limit: 100, Window: time.Second},
 		policies.Concurrency{Max: 20}, // Stripe does not publish it: set it below its refusals
 	)}
-	endpoint := func(method, path string) (throttle.Route, error) {
-		lim, err := throttle.New(rdb, "stripe "+method+" "+path, policies.All(account, policies.SlidingLog{Limit: 25, Window: time.Second}))
-		match := func(r *http.Request) bool { return r.Method == method && strings.HasPrefix(r.URL.Path, path) }
-		return throttle.Route{Match: match, Limiter: lim}, err
-	}
 	var routes []throttle.Route
-	for _, e := range [][2]string{{"POST", "/v1/payment_intents"}, {"GET", "/v1/payment_intents/"},
-		{"GET", "/v1/customers/"}, {"POST", "/v1/refunds"}} {
-		route, err := endpoint(e[0], e[1])
+	for _, e := range []struct{ name, pattern string }{ // a quota per endpoint, as Stripe names it
+		{"stripe-create-intent", "POST /v1/payment_intents"},
+		{"stripe-read-intent", "GET /v1/payment_intents/{id}"},
+		{"stripe-read-customer", "GET /v1/customers/{id}"},
+		{"stripe-refund", "POST /v1/refunds"},
+		{"stripe-others", "/"}, // every other endpoint, as one
+	} {
+		lim, err := throttle.New(rdb, e.name, policies.All(account, policies.SlidingLog{Limit: 25, Window: time.Second}))
 		if err != nil {
 			return nil, err
 		}
-		routes = append(routes, route)
-	}
-	others, err := endpoint("", "/") // every other endpoint, as one
-	if err != nil {
-		return nil, err
+		routes = append(routes, throttle.Route{Pattern: e.pattern, Limiter: lim})
 	}
 	sc := stripe.NewClient(key, stripe.WithBackends(stripe.NewBackendsWithConfig(&stripe.BackendConfig{
 		URL:               apiURL,
-		HTTPClient:        &http.Client{Transport: &throttle.Transport{Limiter: others.Limiter, Routes: routes}},
+		HTTPClient:        &http.Client{Transport: &throttle.Transport{Routes: routes}},
 		MaxNetworkRetries: stripe.Int64(0), // the Transport retries, knowing Stripe's reasons
 	})))
 	// README end
