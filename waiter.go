@@ -290,8 +290,12 @@ func (l *Limiter) now(ctx context.Context, c call) (result, error) {
 				l.cancel(ctx, c, r)
 				return result{}, err
 			}
-			if l.overtakenBy(r) != "" {
-				continue // the next script refuses while paused
+			if l.outdated(r) {
+				if tries < 2*maxRebooks {
+					continue // the next script refuses while paused
+				}
+				l.cancel(ctx, c, r)
+				return result{reason: reasonLate, wait: late, remaining: 0}, nil
 			}
 			late, tooLate = l.late(r)
 		}
@@ -306,6 +310,16 @@ func (l *Limiter) now(ctx context.Context, c call) (result, error) {
 			c.lead += max(late, 0)
 		}
 	}
+}
+
+// outdated reports whether the booking r, woken at its slot, must book
+// again: the vendor asked the fleet to pause, Redis lost the booking, or
+// the Local fallback's turn that decided it has ended (see awaitSlot).
+func (l *Limiter) outdated(r result) bool {
+	if r.local {
+		return l.failover.local != nil && !l.failover.local.claim(r)
+	}
+	return l.overtakenBy(r) != ""
 }
 
 // late returns how late after its slot the call r would start now, beyond
