@@ -22,7 +22,14 @@ type count struct {
 	window time.Duration
 	k      int64 // the window counted
 	n      int
-	served []int // units taken, per window of the run
+	served []int    // units taken, per window of the run
+	taken  []taking // units taken, by when, from the start
+}
+
+// taking is n units taken at, from the counts' start.
+type taking struct {
+	at time.Duration
+	n  int
 }
 
 // newCounts starts the windows at a whole second, as the vendors' epoch
@@ -48,6 +55,7 @@ func (c *counts) take(now time.Time, n map[string]int, limits map[string]limit) 
 			k.served = append(k.served, 0)
 		}
 		k.served[k.k] += units
+		k.taken = append(k.taken, taking{now.Sub(c.start), units})
 	}
 	return ""
 }
@@ -94,6 +102,38 @@ func (c *counts) share(name string, d, skip time.Duration) (float64, []int) {
 		sum += n
 	}
 	return float64(sum) / float64(k.limit*(windows-first)), served
+}
+
+// meanShare returns the units served of name in a window, averaged over
+// every window that starts at skip or later and ends by the run's end d,
+// as a share of the limit. A fleet that sends a window's units in one
+// burst, a window and its margin apart, fills each window from a burst on,
+// and half of the fixed windows of a short run can hold one burst fewer
+// than another run's: their share moved by a whole burst (8 or 9 of 9
+// windows, 0.889 or 1.000, on one fleet). The windows from every moment
+// count each burst by how long it lies in them, so that the figure is the
+// fleet's rate, not the phase of its bursts.
+func (c *counts) meanShare(name string, d, skip time.Duration) float64 {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	k := c.c[name]
+	if k == nil || d-skip < k.window {
+		return 0
+	}
+	// Each unit taken at t counts in the windows that start in (t-W, t]:
+	// the length of that span within [skip, d-W], over the span's length.
+	from, to := skip, d-k.window
+	sum := 0.0
+	for _, a := range k.taken {
+		lo, hi := max(a.at-k.window, from), min(a.at, to)
+		if hi > lo {
+			sum += float64(a.n) * float64(hi-lo)
+		}
+	}
+	if to == from {
+		return 0
+	}
+	return sum / float64(to-from) / float64(k.limit)
 }
 
 // limit is n units per window of per.
