@@ -818,7 +818,7 @@ func TestGuard_BooksAgainABoundedNumberOfTimes(t *testing.T) {
 		h.mu.Lock()
 		h.scripts = 0
 		// Each reply comes back three times later than the last.
-		h.delays = []time.Duration{40 * ms, 120 * ms, 360 * ms, 1080 * ms}
+		h.delays = []time.Duration{20 * ms, 60 * ms, 180 * ms, 540 * ms}
 		h.mu.Unlock()
 		_, err := lim.Acquire(context.Background(), Key("a"))
 		var le *LimitedError
