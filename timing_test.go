@@ -806,30 +806,7 @@ func TestGuard_FailFastAsksAheadOfItsLateReplies(t *testing.T) {
 func TestGuard_BooksAgainABoundedNumberOfTimes(t *testing.T) {
 	t.Parallel()
 	redistest.Each(t, func(t *testing.T, s *redistest.Server) {
-		rdb := s.Client(t)
-		h := &growingReplies{}
-		rdb.AddHook(h)
-		lim := newLimiter(t, rdb, policies.PerKey{Policy: policies.SlidingLog{Limit: 1, Window: 100 * ms, Margin: 30 * ms}}, Options{Mode: FailFast})
-		for _, k := range []string{"w1", "w2", "w3"} { // the usual delay of the replies
-			if _, err := lim.Allow(context.Background(), Key(k)); err != nil {
-				t.Fatal(err)
-			}
-		}
-		h.mu.Lock()
-		h.scripts = 0
-		// Each reply comes back three times later than the last.
-		h.delays = []time.Duration{20 * ms, 60 * ms, 180 * ms, 540 * ms}
-		h.mu.Unlock()
-		_, err := lim.Acquire(context.Background(), Key("a"))
-		var le *LimitedError
-		if !errors.As(err, &le) || le.Reason != lateReason {
-			t.Fatalf("err %v, want a LimitedError saying every slot came too late", err)
-		}
-		h.mu.Lock()
-		if h.scripts != 2+maxRebooks {
-			t.Errorf("%d script calls, want %d: the first, %d more, and one giving the last slot back", h.scripts, 2+maxRebooks, maxRebooks)
-		}
-		h.mu.Unlock()
+		lim := exhaustRebooks(t, s, 30*ms, []time.Duration{20 * ms, 60 * ms, 180 * ms, 540 * ms}, Options{Mode: FailFast})
 		u, err := lim.Usage(context.Background(), Key("a"))
 		if err != nil {
 			t.Fatal(err)
@@ -838,6 +815,39 @@ func TestGuard_BooksAgainABoundedNumberOfTimes(t *testing.T) {
 			t.Errorf("the failed call still holds %d used and %d booked units", r.Used, r.Booked)
 		}
 	})
+}
+
+// exhaustRebooks makes a call of key "a", on a limiter of one call per
+// 100 ms with margin, whose script replies come back late by each of
+// delays in turn (growing three-fold: each later than the call asked
+// ahead), and checks that it fails with ErrLimited saying every slot came
+// too late, after the first script call, maxRebooks more, and one giving
+// the last slot back. It returns the limiter.
+func exhaustRebooks(t *testing.T, s *redistest.Server, margin time.Duration, delays []time.Duration, opts ...Options) *Limiter {
+	t.Helper()
+	rdb := s.Client(t)
+	h := &growingReplies{}
+	rdb.AddHook(h)
+	lim := newLimiter(t, rdb, policies.PerKey{Policy: policies.SlidingLog{Limit: 1, Window: 100 * ms, Margin: margin}}, opts...)
+	for _, k := range []string{"w1", "w2", "w3"} { // the usual delay of the replies
+		if _, err := lim.Allow(context.Background(), Key(k)); err != nil {
+			t.Fatal(err)
+		}
+	}
+	h.mu.Lock()
+	h.scripts, h.delays = 0, delays
+	h.mu.Unlock()
+	_, err := lim.Acquire(context.Background(), Key("a"))
+	var le *LimitedError
+	if !errors.As(err, &le) || le.Reason != lateReason {
+		t.Fatalf("err %v, want a LimitedError saying every slot came too late", err)
+	}
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	if h.scripts != 2+maxRebooks {
+		t.Errorf("%d script calls, want %d: the first, %d more, and one giving the last slot back", h.scripts, 2+maxRebooks, maxRebooks)
+	}
+	return lim
 }
 
 // growingReplies delays the replies of script calls by each of its delays
@@ -879,31 +889,9 @@ func (*growingReplies) ProcessPipelineHook(next redis.ProcessPipelineHook) redis
 func TestGuard_BlockBooksAgainABoundedNumberOfTimes(t *testing.T) {
 	long(t)
 	redistest.Each(t, func(t *testing.T, s *redistest.Server) {
-		rdb := s.Client(t)
-		h := &growingReplies{}
-		rdb.AddHook(h)
-		lim := newLimiter(t, rdb, policies.PerKey{Policy: policies.SlidingLog{Limit: 1, Window: 100 * ms, Margin: 10 * ms}})
-		for _, k := range []string{"w1", "w2", "w3"} { // the usual delay of the replies
-			if _, err := lim.Allow(context.Background(), Key(k)); err != nil {
-				t.Fatal(err)
-			}
-		}
-		h.mu.Lock()
-		h.scripts = 0
 		// Each booking lies as far ahead as the replies before it were
 		// late; each reply comes back three times later than the last.
-		h.delays = []time.Duration{60 * ms, 180 * ms, 540 * ms, 1620 * ms}
-		h.mu.Unlock()
-		_, err := lim.Acquire(context.Background(), Key("a"))
-		var le *LimitedError
-		if !errors.As(err, &le) || le.Reason != lateReason {
-			t.Fatalf("err %v, want a LimitedError saying every slot came too late", err)
-		}
-		h.mu.Lock()
-		defer h.mu.Unlock()
-		if h.scripts != 2+maxRebooks {
-			t.Errorf("%d script calls, want %d: the first, %d more, and one giving the last slot back", h.scripts, 2+maxRebooks, maxRebooks)
-		}
+		exhaustRebooks(t, s, 10*ms, []time.Duration{60 * ms, 180 * ms, 540 * ms, 1620 * ms})
 	})
 }
 
