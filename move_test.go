@@ -106,7 +106,10 @@ func TestMove_ARefundWakesTheProcessesBookedFirstOnly(t *testing.T) {
 		for range replicas {
 			rdb := s.Client(t)
 			rdb.AddHook(countScripts{&scripts})
-			b := newLimiter(t, rdb, policy, Options{Observer: observe})
+			// miniredis runs each script in the test's process, one at a
+			// time: beside the race run, sixteen moves at once took longer
+			// than the default second to answer.
+			b := newLimiter(t, rdb, policy, Options{Observer: observe, RedisTimeout: 10 * time.Second})
 			wg.Go(func() {
 				if _, err := b.Acquire(bctx, Cost(1)); bctx.Err() == nil {
 					moved <- err
