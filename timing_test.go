@@ -806,7 +806,7 @@ func TestGuard_FailFastAsksAheadOfItsLateReplies(t *testing.T) {
 func TestGuard_BooksAgainABoundedNumberOfTimes(t *testing.T) {
 	t.Parallel()
 	redistest.Each(t, func(t *testing.T, s *redistest.Server) {
-		lim := exhaustRebooks(t, s, 30*ms, []time.Duration{20 * ms, 60 * ms, 180 * ms, 540 * ms}, Options{Mode: FailFast})
+		lim := exhaustRebooks(t, s, 30*ms, []time.Duration{40 * ms, 120 * ms, 360 * ms, 1080 * ms}, Options{Mode: FailFast})
 		u, err := lim.Usage(context.Background(), Key("a"))
 		if err != nil {
 			t.Fatal(err)
