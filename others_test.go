@@ -375,3 +375,47 @@ func TestOthers_CallsInFlightWhenTheVendorAnswersAreTheFleets(t *testing.T) {
 		}
 	})
 }
+
+// A vendor's count is about one of its limits: a quota of two rules that
+// count calls takes a count stating a limit for the rule of that limit
+// alone (about_rules in feedback.lua). Taken for every rule, a count of
+// the minute's 10 charged the hour's rule the 95 calls the minute had not
+// left, and measured the minute's others by the hour's calls.
+func TestOthers_ACountIsAboutTheRuleOfItsLimit(t *testing.T) {
+	redistest.Each(t, func(t *testing.T, s *redistest.Server) {
+		ctx := context.Background()
+		policy := policies.All(policies.SlidingLog{Limit: 10, Window: 10 * time.Second},
+			policies.SlidingLog{Limit: 100, Window: 100 * time.Second})
+		lim := newLimiter(t, s.Client(t), policy, Options{Mode: FailFast, WithoutLearning: true})
+		var last *Permit
+		for range 3 {
+			p, err := lim.Acquire(ctx)
+			if err != nil {
+				t.Fatal(err)
+			}
+			last = p
+		}
+		// The minute's count: 2 left of 10, the others spent 5 of it.
+		if _, _, err := last.Heard(ctx, Answer{Status: http.StatusOK, Requests: &Count{Remaining: 2, Reset: 10 * time.Second, Limit: 10}}); err != nil {
+			t.Fatal(err)
+		}
+		// The hour's count: 60 left of 100, the others spent 37 of it, and
+		// none of the minute's beyond the five above.
+		if _, _, err := last.Heard(ctx, Answer{Status: http.StatusOK, Requests: &Count{Remaining: 60, Reset: 100 * time.Second, Limit: 100}}); err != nil {
+			t.Fatal(err)
+		}
+		u, err := lim.Usage(ctx)
+		if err != nil {
+			t.Fatal(err)
+		}
+		minute, hour := u.Rules[0], u.Rules[1]
+		if minute.Remaining > 2 || hour.Remaining < 30 || hour.Remaining > 60 {
+			t.Errorf("remaining %d of the minute, want at most 2, and %d of the hour, want 30 to 60: each count charges its own rule",
+				minute.Remaining, hour.Remaining)
+		}
+		if minute.Others > 8 || hour.Others < 37 {
+			t.Errorf("the minute leaves others %d, want at most 8, the hour %d, want at least 37: each count measures its own rule's others",
+				minute.Others, hour.Others)
+		}
+	})
+}

@@ -174,6 +174,7 @@ var switchBreaks = map[mechanism][]string{
 	"learned_caps":    {"^TestRefused_DropsByHalfAtMost$"},
 	"charges":         {"^TestSetRemaining_AnswersOfCallsInFlightChargeTheGapOnce$", "+off=others"},
 	"others":          {"^TestOthers_RefusedCallsAreNotTheFleets$"},
+	"about":           {"^TestOthers_ACountIsAboutTheRuleOfItsLimit$"},
 	"reserve":         {"^TestLocal_BackOnRedisReservesTheOthersShare$"},
 	"classes":         {"^TestClasses_AHigherPriorityFindsItsShareAtOnce$"},
 	"class_news":      {"^TestClasses_ANewKeyIsHeardByTheCallsBookedAhead$"},

@@ -30,7 +30,8 @@
 -- left, reset and the limit speak of the other rules, but for those that
 -- count a named unit (policies.Unit): for each, ARGS.named, its place among
 -- the rules (from 1), the units of it left (or -1) and microseconds until
--- their reset (or 0): each such rule follows its own count alone.
+-- their reset (or 0): each such rule follows its own count alone. A count
+-- taken by several rules is about those of its limit (about_rules).
 --
 -- When the vendor has fewer units left than a rule believes (another consumer
 -- of the same API key, a restart), the rule is charged the difference, under
@@ -96,6 +97,74 @@ read_caps(rs, meta, now)
 for _, r in ipairs(rs) do
   blind.read(r, meta, now)
 end
+-- Each rule's count: the vendor's units, its requests for a rule that
+-- counts calls, a named unit's own.
+local function count_of(i, r)
+  if r.per_call then
+    return 'calls', arg.calls_left, arg.calls_reset, arg.calls_limit
+  elseif own[i] then
+    return 'own' .. i, own[i].left, own[i].reset, 0
+  end
+  return 'units', left, reset, arg.limit
+end
+
+-- takers lists, for each count, the places of the rules that take it.
+local takers = {}
+for i, r in ipairs(rs) do
+  if r.kind ~= CONCURRENCY then
+    local which = count_of(i, r)
+    takers[which] = takers[which] or {}
+    table.insert(takers[which], i)
+  end
+end
+
+-- about_rules returns the places, among is (the takers of one count), of
+-- the rules the count is about: the one rule that takes it; else those
+-- whose limit it states (as configured or in force); else, when it states
+-- none, those of the shortest window its reset fits in (the longest
+-- window when none holds it, the shortest when it gives no reset). One
+-- count taken for every rule would measure, or charge, a rule by another
+-- limit's calls: GitHub's core count of 5,000 calls an hour, read by a
+-- quota that also keeps content creation's 80 a minute, measured its
+-- minute's others as what the hour counted beyond the minute's calls.
+local function about_rules(is, reset, vlimit)
+  if #is <= 1 or OFF.about then
+    return is
+  end
+  local out = {}
+  if vlimit > 0 then
+    for _, i in ipairs(is) do
+      if rs[i].conf == vlimit or rs[i].limit == vlimit then
+        table.insert(out, i)
+      end
+    end
+    return out
+  end
+  local fit, longest
+  for _, i in ipairs(is) do
+    local w = span_of(rs[i])
+    if w >= reset and (not fit or w < fit) then
+      fit = w
+    end
+    longest = math.max(longest or w, w)
+  end
+  for _, i in ipairs(is) do
+    if span_of(rs[i]) == (fit or longest) then
+      table.insert(out, i)
+    end
+  end
+  return out
+end
+
+-- about[i] says whether rule i's count is about it.
+local about = {}
+for which, is in pairs(takers) do
+  local _, _, rst, vlimit = count_of(is[1], rs[is[1]])
+  for _, i in ipairs(about_rules(is, rst, vlimit)) do
+    about[i] = true
+  end
+end
+
 -- dropped_shared: a shared rule's limit in force dropped, which the
 -- group hears (see announce_lowered).
 local lowered, dropped, dropped_shared = 0, 0, false
@@ -103,7 +172,7 @@ if learn then
   local cu = meta.caps_until
   for _, r in ipairs(rs) do
     local vlimit = r.per_call and arg.calls_limit or arg.limit
-    if r.kind ~= CONCURRENCY and learn_cap(r, as_of, meta, now, vlimit) then
+    if r.kind ~= CONCURRENCY and (vlimit <= 0 or about[r.i]) and learn_cap(r, as_of, meta, now, vlimit) then
       lowered, dropped, dropped_shared = 1, 1, dropped_shared or r.shared
     end
   end
@@ -234,7 +303,7 @@ if meta and not learn then
       left, vlimit = own[i].left, 0
     end
     local limit = r.limit
-    if left >= 0 and note_others(r, left, vlimit) then
+    if left >= 0 and about[i] and note_others(r, left, vlimit) then
       write_limits(r, meta, now)
       if r.limit < limit then
         dropped, dropped_shared = 1, dropped_shared or r.shared
@@ -298,7 +367,7 @@ for i, r in ipairs(rs) do
   elseif own[i] then
     left, reset = own[i].left, own[i].reset
   end
-  if left >= 0 then
+  if left >= 0 and about[i] then
     local free
     if r.kind == LOG then
       free = r.limit - redis.call('ZCOUNT', r.key, '(' .. str(now - r.window), str(taken)) - charged_after(r, taken)
@@ -365,25 +434,10 @@ local function rebuild(r, left, reset, vlimit, alone)
   return true
 end
 
--- Each rule's count: the vendor's units, its requests for a rule that
--- counts calls, a named unit's own.
-local function count_of(i, r)
-  if r.per_call then
-    return 'calls', arg.calls_left, arg.calls_reset, arg.calls_limit
-  elseif own[i] then
-    return 'own' .. i, own[i].left, own[i].reset, 0
-  end
-  return 'units', left, reset, arg.limit
-end
-
-local takers, seen_until = {}, 0
-for i, r in ipairs(rs) do
-  local which = count_of(i, r)
-  takers[which] = (takers[which] or 0) + 1
-end
+local seen_until = 0
 for i, r in ipairs(rs) do
   local which, l, rst, vlimit = count_of(i, r)
-  if rebuild(r, l, rst, vlimit, takers[which] == 1) then
+  if rebuild(r, l, rst, vlimit, #(takers[which] or {}) == 1) then
     seen_until = math.max(seen_until, r.blind_until)
   end
 end
