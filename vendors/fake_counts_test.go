@@ -117,23 +117,30 @@ func (c *counts) meanShare(name string, d, skip time.Duration) float64 {
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	k := c.c[name]
-	if k == nil || d-skip < k.window {
+	if k == nil {
 		return 0
 	}
+	return windowsMean(k.taken, skip, d, k.window) / float64(k.limit)
+}
+
+// windowsMean returns the units of taken (at times from the run's start)
+// in a window of the given length, averaged over every window that starts
+// at from or later and ends by to; 0 when none fits.
+func windowsMean(taken []taking, from, to, window time.Duration) float64 {
 	// Each unit taken at t counts in the windows that start in (t-W, t]:
-	// the length of that span within [skip, d-W], over the span's length.
-	from, to := skip, d-k.window
+	// the length of that span within [from, to-W], over the span's length.
+	last := to - window
+	if last <= from {
+		return 0
+	}
 	sum := 0.0
-	for _, a := range k.taken {
-		lo, hi := max(a.at-k.window, from), min(a.at, to)
+	for _, a := range taken {
+		lo, hi := max(a.at-window, from), min(a.at, last)
 		if hi > lo {
 			sum += float64(a.n) * float64(hi-lo)
 		}
 	}
-	if to == from {
-		return 0
-	}
-	return sum / float64(to-from) / float64(k.limit)
+	return sum / float64(last-from)
 }
 
 // limit is n units per window of per.

@@ -174,19 +174,19 @@ func (v *openaiModelsFake) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 		b.Model, prompt, completion, prompt+completion)
 }
 
-// rate returns the tokens of model counted from `from` to `to`, as a
-// share of its cap over that span, wherever the fake's windows fall on it.
+// rate returns the tokens of model counted in a window, averaged over
+// every window from `from` to `to` (windowsMean), as a share of its cap:
+// the fleet's rate, wherever its bursts fall. Summed over the span, the
+// tokens of a burst more or less in it moved the share by a tenth.
 func (v *openaiModelsFake) rate(model string, from, to time.Time) float64 {
 	v.mu.Lock()
 	defer v.mu.Unlock()
 	m := v.models[model]
-	sum := 0
+	taken := make([]taking, 0, len(m.arrivals))
 	for _, a := range m.arrivals {
-		if !a.at.Before(from) && a.at.Before(to) {
-			sum += a.tokens
-		}
+		taken = append(taken, taking{a.at.Sub(from), a.tokens})
 	}
-	return float64(sum) / (float64(m.tokens.limit) * float64(to.Sub(from)) / float64(v.window))
+	return windowsMean(taken, 0, to.Sub(from), v.window) / float64(m.tokens.limit)
 }
 
 // counts returns each model's tokens counted per window.

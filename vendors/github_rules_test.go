@@ -200,7 +200,12 @@ func githubRulesFleet(t *testing.T, r githubRules, replicas int) (*githubFake, *
 // that binds it (the fleet's first seconds warm its quotas up): reads at the endpoint's points, creates at content
 // creation an hour, searches at their minute, GraphQL at its points an
 // hour, as GitHub counted them (each query admitted at 5 points, settled
-// to its rateLimit { cost }: 3 on average).
+// to its rateLimit { cost }: 3 on average), in a window from any moment
+// (meanShare). The fleet sends each minute's reads in a burst of about
+// 300 ms, a window and its margin apart: the burst drifts across the
+// fake's fixed windows, and while it straddles their edges, for eight to
+// ten of them every thirty, each holds 0.87 of the limit; a run's fixed
+// windows read 0.944 or 1.000 by where the drift fell, for one rate.
 func TestGitHub_FleetKeepsEveryLimitOfAToken(t *testing.T) {
 	r := githubRules{minute: time.Second, hour: 3 * time.Second, core: 600, graphql: 120, search: 20, codeSearch: 5,
 		inFlight: 24, restPoints: 100, graphqlPoints: 200, createsMinute: 12, createsHour: 24, latency: 20 * time.Millisecond}
@@ -244,7 +249,8 @@ func TestGitHub_FleetKeepsEveryLimitOfAToken(t *testing.T) {
 	}
 	g.mu.Unlock()
 	for _, res := range results {
-		got, per := g.counts.share(res.count, d, r.hour)
+		_, per := g.counts.share(res.count, d, r.hour)
+		got := g.counts.meanShare(res.count, d, r.hour)
 		t.Logf("%s: %.3f of the limit; per window %v", res.name, got, per)
 		if got < 0.9 {
 			t.Errorf("%s: %.3f of the limit that binds it, want at least 0.9", res.name, got)
