@@ -419,3 +419,55 @@ func TestOthers_ACountIsAboutTheRuleOfItsLimit(t *testing.T) {
 		}
 	})
 }
+
+// An answer comes its call's latency after the call's slot (an LLM's,
+// seconds): the fleet's record of the vendor's window before the slot is
+// kept that much longer, or the measure of the others takes the calls
+// that left the record, not the vendor's window, for other consumers'
+// (Answers' lag in lua/lib.lua). A counter of 40 buckets, a burst of 10,
+// then a call 0.9 of a window later, answered late by 0.3 of one: the
+// first late answer finds the record short and measures nothing; the
+// lag it leaves keeps the next burst, whose late answer measures the 5
+// units another consumer spent, and no more. Without the lag, the first
+// measured the burst as others' (10) and the second the same.
+func TestOthers_ALateAnswerFindsTheRecordOfItsWindow(t *testing.T) {
+	redistest.Each(t, func(t *testing.T, s *redistest.Server) {
+		ctx := context.Background()
+		const window = 500 * time.Millisecond
+		lim := newLimiter(t, s.Client(t), policies.SlidingCounter{Limit: 40, Window: window, Buckets: 40},
+			Options{Mode: FailFast, WithoutLearning: true})
+		round := func(others int) int {
+			for range 10 {
+				if _, err := lim.Acquire(ctx); err != nil {
+					t.Fatal(err)
+				}
+			}
+			time.Sleep(window * 9 / 10)
+			p, err := lim.Acquire(ctx)
+			if err != nil {
+				t.Fatal(err)
+			}
+			time.Sleep(window * 3 / 10)
+			// A call now trims the record as of now.
+			if _, err := lim.Acquire(ctx); err != nil {
+				t.Fatal(err)
+			}
+			left := 40 - 11 - others
+			if _, _, err := p.Heard(ctx, Answer{Status: http.StatusOK, Requests: &Count{Remaining: left, Limit: 40}}); err != nil {
+				t.Fatal(err)
+			}
+			u, err := lim.Usage(ctx)
+			if err != nil {
+				t.Fatal(err)
+			}
+			return u.Rules[0].Others
+		}
+		if got := round(0); got != 0 {
+			t.Errorf("the first late answer: the quota leaves others %d, want 0: the record it found was short, and no one else spent", got)
+		}
+		time.Sleep(2 * window) // the first round leaves every window
+		if got := round(5); got < 5 || got > 7 {
+			t.Errorf("the second late answer: the quota leaves others %d, want 5 and the spare of their share: the lag kept the record of its window", got)
+		}
+	})
+}

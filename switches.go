@@ -77,6 +77,7 @@ var luaMechanisms = []mechanism{
 	"reserve",         // acquire.lua reserve: back from Local, Redis admits the whole limit
 	"others",          // feedback.lua note_others: no share is left to other consumers of the key
 	"about",           // feedback.lua about_rules: a vendor's count is about every rule that takes its kind of count
+	"lag",             // lib.lua note_lag, lag_of: the record is kept for its widest window alone, and a late answer measures what is left of it
 	"classes",         // acquire.lua class_rules: no share is held for higher priorities and lighter keys
 	"class_news",      // acquire.lua announce_class: the calls booked ahead do not hear of a new class
 	"class_give_back", // lib.lua change_classes: a booking given back or settled stays in its class's log and demand

@@ -175,6 +175,7 @@ var switchBreaks = map[mechanism][]string{
 	"charges":         {"^TestSetRemaining_AnswersOfCallsInFlightChargeTheGapOnce$", "+off=others"},
 	"others":          {"^TestOthers_RefusedCallsAreNotTheFleets$"},
 	"about":           {"^TestOthers_ACountIsAboutTheRuleOfItsLimit$"},
+	"lag":             {"^TestOthers_ALateAnswerFindsTheRecordOfItsWindow$"},
 	"reserve":         {"^TestLocal_BackOnRedisReservesTheOthersShare$"},
 	"classes":         {"^TestClasses_AHigherPriorityFindsItsShareAtOnce$"},
 	"class_news":      {"^TestClasses_ANewKeyIsHeardByTheCallsBookedAhead$"},

@@ -84,10 +84,11 @@ local TRIM_EVERY = 8
 -- decides from.
 local function load(r)
   if r.kind == LOG then
-    -- Entries are kept as long as the widest margin could count them; the
-    -- window in force counts those after now - r.window.
+    -- Entries are kept as long as the widest margin could count them, and
+    -- the answers' lag (r.kept); the window in force counts those after
+    -- now - r.window.
     if now % TRIM_EVERY == 0 or OFF.lazy_trim then
-      r.long = redis.call('ZREMRANGEBYSCORE', r.key, '-inf', str(now - r.keep)) > LONG_WORK
+      r.long = redis.call('ZREMRANGEBYSCORE', r.key, '-inf', str(now - r.kept)) > LONG_WORK
     end
     r.n = redis.call('ZCOUNT', r.key, '(' .. str(now - r.window), '+inf')
     if r.blind then
@@ -96,9 +97,10 @@ local function load(r)
     end
   elseif r.kind == COUNTER then
     -- The oldest bucket a window ending now may touch, as earliest_counter
-    -- counts them; older ones are dropped once no margin could count them.
+    -- counts them; older ones are dropped once no margin could count them
+    -- and no answer measure them (r.kept).
     local oldest = oldest_bucket(r, now)
-    local kept = bucket_of(now, r.width) - math.ceil(r.keep / r.width)
+    local kept = bucket_of(now, r.width) - math.ceil(r.kept / r.width)
     local raw = redis.call('HGETALL', r.key)
     r.counts, r.bs, r.n, r.scout_free = {}, {}, 0, r.blind
     for k = 1, #raw, 2 do
@@ -678,7 +680,7 @@ local function read_fleet(batch)
     roll_hold(meta, now)
   end
   batch.spread = fleet_spread(meta, now)
-  batch.margin = margins(batch.objs, batch.spread, held_spread(meta, now), meta and meta.warm_held > now)
+  batch.margin = margins(batch.objs, batch.spread, held_spread(meta, now), meta and meta.warm_held > now, lag_of(meta, now))
   return meta
 end
 
@@ -1619,9 +1621,9 @@ local function write_back_rules(objs)
     if not r.recorded then
       -- nothing to keep
     elseif r.kind == LOG then
-      expire(r.key, math.max((r.tmax - now + r.keep) / 1000, least))
+      expire(r.key, math.max((r.tmax - now + r.kept) / 1000, least))
     elseif r.kind == COUNTER then
-      expire(r.key, math.max((r.tmax - now + r.keep + r.width) / 1000, least))
+      expire(r.key, math.max((r.tmax - now + r.kept + r.width) / 1000, least))
     elseif r.kind == CONCURRENCY then
       expire(r.key, (r.tmax - now + r.lease) / 1000)
     end

@@ -83,10 +83,13 @@ end
 
 local rs = rules()
 local meta = read_meta(true)
-margins(rs, fleet_spread(meta, now), held_spread(meta, now), meta and meta.warm_held > now)
+-- The record was kept for the lag in force until now; this answer's
+-- lateness holds it for the next ones (Answers' lag in lib.lua).
+margins(rs, fleet_spread(meta, now), held_spread(meta, now), meta and meta.warm_held > now, lag_of(meta, now))
+local lag_changed = note_lag(meta, arg.late, arg.span, now)
 local known = arg.known
 local learn = arg.refused and arg.as_of > 0
-local dirty, found = false, false
+local dirty, found = lag_changed, false
 if meta or learn or pause > 0 and KEYS[2] == KEYS[1] then
   meta, dirty, found = check_loss(meta, now, known, rs, policy_span)
 end
@@ -243,6 +246,11 @@ end
 local function sent_in_window(r, span)
   local d = math.max(fleet_spread(meta, now), r.margin / 4, 1000)
   local lo, hi = as_of - span - d, as_of + arg.late + d
+  if as_of - span < now - r.kept and not OFF.lag then
+    -- The record may have dropped part of the vendor's window: no measure
+    -- (see Answers' lag in lib.lua).
+    return nil
+  end
   if r.kind == COUNTER then
     -- Every bucket the bounds touch counts whole.
     local n = 0
@@ -277,7 +285,11 @@ local function note_others(r, left, vlimit)
     o.vlim = vlimit
   end
   local base = o.vlim > 0 and o.vlim or (r.cap and r.cap.lim or r.conf)
-  local m = math.floor(1000 * (base - left - sent_in_window(r, span_of(r))) + 0.5)
+  local sent = sent_in_window(r, span_of(r))
+  if not sent then
+    return false
+  end
+  local m = math.floor(1000 * (base - left - sent) + 0.5)
   local i = others_period(r, now)
   o.p[i] = math.max(o.p[i] or NO_MEASURE, m)
   others_share(r, o, now)
@@ -369,12 +381,20 @@ for i, r in ipairs(rs) do
   end
   if left >= 0 and about[i] then
     local free
+    -- What the rule held free in the window the vendor counted: from
+    -- the call's arrival, the earliest it may have taken its counts (and
+    -- as the measure of the others reads it), to the latest. From now's
+    -- window instead, an answer that came a call's latency after its slot
+    -- took the fleet's calls that left the window since for room the
+    -- vendor still counted, and charged them: a tenth of an LLM fleet's
+    -- window of 40 buckets, a call 100 ms long.
+    local from = OFF.lag and now or as_of
     if r.kind == LOG then
-      free = r.limit - redis.call('ZCOUNT', r.key, '(' .. str(now - r.window), str(taken)) - charged_after(r, taken)
+      free = r.limit - redis.call('ZCOUNT', r.key, '(' .. str(from - r.window), str(taken)) - charged_after(r, taken)
     elseif r.kind == COUNTER then
       local used = 0
       local raw = redis.call('HGETALL', r.key)
-      local oldest = oldest_bucket(r, now)
+      local oldest = oldest_bucket(r, from)
       for k = 1, #raw, 2 do
         local b = tonumber(raw[k])
         if b >= oldest and b * r.width <= taken then

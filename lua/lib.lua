@@ -241,6 +241,7 @@ local META_FIELDS = {
   hold = 0, hold_until = 0, next_hold = 0, next_until = 0,
   caps_until = 0, warm_until = 0, warm_held = 0, last_acquire = 0,
   classes_until = 0, paused_by = 0, policy_made = 0, lost_by = 0, counted = 0,
+  lag = 0, lag_until = 0,
   -- Kept as text, '' when missing.
   policies = '', policy = '', rules = '', began = '',
 }
@@ -278,6 +279,7 @@ local GROUP_FIELDS = {
   period = true, spread = true, lates = true, delay_max = true, delay_min = true,
   prev_delay_max = true, prev_delay_min = true, hold = true, hold_until = true,
   next_hold = true, next_until = true, warm_held = true, caps_until = true, classes_until = true,
+  lag = true, lag_until = true,
 }
 
 -- group_raw holds the group key's fields as read_meta read them, or nil.
@@ -680,9 +682,53 @@ local function warm_hold(rs)
   return keep
 end
 
+-- Answers' lag. A vendor's count is measured against the fleet's record
+-- of the vendor's window before the call's slot (sent_in_window in
+-- feedback.lua), and the answer that brings it comes the call's latency
+-- after the slot: an LLM's, seconds after. The record is kept that much
+-- longer than its widest window (r.kept: a tenth of the window more, up
+-- to MAX_MARGIN, as a log's margin may grow, and the lag), or the measure
+-- would miss the calls that left the record but not the vendor's window,
+-- and take them for other consumers' (a counter of 40 buckets of a 2 s
+-- window, answers 105 ms late: a third of the window's tokens). The
+-- meta's lag is the longest lateness of the latest answers, no longer
+-- than the policy's longest window, held for LAG_HOLD of those; each quota
+-- of a group keeps the group's, since any of them trims a shared rule. An
+-- answer that comes while the record was kept for less measures nothing.
+local LAG_HOLD = 8
+
+-- note_lag makes meta m's lag hold an answer late by late after its slot,
+-- span being the policy's longest window, and reports whether m changed:
+-- a longer lag at once, a lag run out anew, a lag at least half of this
+-- one's for LAG_HOLD more windows once half of its hold has passed.
+local function note_lag(m, late, span, now)
+  if not m or late <= 0 or span <= 0 or OFF.lag then
+    return false
+  end
+  late = math.min(late, span)
+  if late > m.lag or now >= m.lag_until then
+    m.lag, m.lag_until = late, now + LAG_HOLD * span
+    return true
+  elseif 2 * late >= m.lag and m.lag_until - now < LAG_HOLD * span / 2 then
+    m.lag_until = now + LAG_HOLD * span
+    return true
+  end
+  return false
+end
+
+-- lag_of returns the lag meta m holds now, 0 for none.
+local function lag_of(m, now)
+  if not m or OFF.lag or now >= m.lag_until then
+    return 0
+  end
+  return m.lag
+end
+
 -- margins sets, for each windowed rule, the margin in force (r.margin), the
--- window it widens (r.window), and the span its data must be kept (r.keep: the
--- widest the window can grow, so that no entry it may count is dropped).
+-- window it widens (r.window), the span its data must be kept for its own
+-- decisions (r.keep: the widest the window can grow, so that no entry it
+-- may count is dropped), and that span and lag (see Answers' lag), which
+-- its data is kept for (r.kept).
 -- spread is the fleet's, held the widest that calls booked earlier hold
 -- (see held_spread): the margin in force keeps half of what each gives;
 -- warm is true while the calls a warming quota admitted at once are held,
@@ -690,7 +736,7 @@ end
 -- It returns the smallest guarded margin the fleet's spread gives, a token
 -- bucket's own margin included, which a call booked now is held to (see
 -- late in waiter.go), or 0 when no rule is guarded.
-local function margins(rs, spread, held, warm)
+local function margins(rs, spread, held, warm, lag)
   if OFF.spread_margins then
     spread, held = 0, 0
   end
@@ -716,6 +762,7 @@ local function margins(rs, spread, held, warm)
         end
       end
       r.margin, r.window, r.keep = m, w + m, w + ceiling
+      r.kept = w + math.max(ceiling, math.min(math.floor(w / 10), MAX_MARGIN)) + (lag or 0)
     elseif r.kind == BUCKET and r.margin >= GUARDED and not OFF.bucket_margin then
       -- A token bucket's margin does not grow, but its calls are held to
       -- it all the same: one that starts late bunches with the calls after
