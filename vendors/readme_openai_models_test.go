@@ -21,7 +21,7 @@ func readmeOpenAIModels(rdb *redis.Client) (openai.Client, error) {
 	perModel := func(model string, requests, perMinute int) (throttle.Route, error) {
 		lim, err := throttle.New(rdb, "openai "+model, policies.All(
 			policies.PerCall{Policy: policies.SlidingLog{Limit: requests, Window: time.Minute}},
-			policies.SlidingCounter{Limit: perMinute, Window: time.Minute}, // tokens
+			policies.SlidingCounter{Limit: perMinute, Window: time.Minute, Buckets: 40}, // tokens
 		))
 		return throttle.Route{Match: tokens.Model(model), Limiter: lim}, err
 	}
