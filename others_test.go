@@ -425,29 +425,30 @@ func TestOthers_ACountIsAboutTheRuleOfItsLimit(t *testing.T) {
 // kept that much longer, or the measure of the others takes the calls
 // that left the record, not the vendor's window, for other consumers'
 // (Answers' lag in lua/lib.lua). A counter of 40 buckets, a burst of 10,
-// then a call 0.9 of a window later, answered late by 0.3 of one: the
-// first late answer finds the record short and measures nothing; the
-// lag it leaves keeps the next burst, whose late answer measures the 5
-// units another consumer spent, and no more. Without the lag, the first
-// measured the burst as others' (10) and the second the same.
+// then a call 0.75 of a window later: its answer, 0.7 of a window late,
+// finds the record short and measures nothing; the lag it leaves keeps
+// the next burst, and the next such call's answer, 0.45 of a window late,
+// measures the 5 units another consumer spent, and no more. Without the
+// lag, the first measured the burst as others' (10) and the second the
+// same.
 func TestOthers_ALateAnswerFindsTheRecordOfItsWindow(t *testing.T) {
 	redistest.Each(t, func(t *testing.T, s *redistest.Server) {
 		ctx := context.Background()
 		const window = 500 * time.Millisecond
 		lim := newLimiter(t, s.Client(t), policies.SlidingCounter{Limit: 40, Window: window, Buckets: 40},
 			Options{Mode: FailFast, WithoutLearning: true})
-		round := func(others int) int {
+		round := func(others int, late time.Duration) int {
 			for range 10 {
 				if _, err := lim.Acquire(ctx); err != nil {
 					t.Fatal(err)
 				}
 			}
-			time.Sleep(window * 9 / 10)
+			time.Sleep(window * 75 / 100)
 			p, err := lim.Acquire(ctx)
 			if err != nil {
 				t.Fatal(err)
 			}
-			time.Sleep(window * 3 / 10)
+			time.Sleep(late)
 			// A call now trims the record as of now.
 			if _, err := lim.Acquire(ctx); err != nil {
 				t.Fatal(err)
@@ -462,11 +463,11 @@ func TestOthers_ALateAnswerFindsTheRecordOfItsWindow(t *testing.T) {
 			}
 			return u.Rules[0].Others
 		}
-		if got := round(0); got != 0 {
+		if got := round(0, window*7/10); got != 0 {
 			t.Errorf("the first late answer: the quota leaves others %d, want 0: the record it found was short, and no one else spent", got)
 		}
 		time.Sleep(2 * window) // the first round leaves every window
-		if got := round(5); got < 5 || got > 7 {
+		if got := round(5, window*45/100); got < 5 || got > 7 {
 			t.Errorf("the second late answer: the quota leaves others %d, want 5 and the spare of their share: the lag kept the record of its window", got)
 		}
 	})
