@@ -422,6 +422,12 @@ func TestClasses_ANewKeyIsHeardByTheCallsBookedAhead(t *testing.T) {
 				continue
 			}
 			// 7 of 7 here, 4 to 7 under -race beside two busy loops; 0 off.
+			// Beside CI's race run, one try in a few found 0 of 7 (the news
+			// came after the heavy key's calls had started): the run is
+			// made again, and fails when three tries all fall short.
+			if admitted < 3 && try < 3 {
+				continue
+			}
 			if admitted < 3 {
 				t.Errorf("%d of the light key's %d calls admitted in the window the heavy key had booked before it came, want at least 3", admitted, counted)
 			}

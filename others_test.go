@@ -430,38 +430,23 @@ func TestOthers_ACountIsAboutTheRuleOfItsLimit(t *testing.T) {
 // the next burst, and the next such call's answer, 0.45 of a window late,
 // measures the 5 units another consumer spent, and no more. Without the
 // lag, the first measured the burst as others' (10) and the second the
-// same.
+// same. A burst whose slots spread over more than a fifth of a window (a
+// busy machine) is tried again, up to three times: its first calls may
+// lie outside the vendor's window.
 func TestOthers_ALateAnswerFindsTheRecordOfItsWindow(t *testing.T) {
 	redistest.Each(t, func(t *testing.T, s *redistest.Server) {
-		ctx := context.Background()
 		const window = 500 * time.Millisecond
 		lim := newLimiter(t, s.Client(t), policies.SlidingCounter{Limit: 40, Window: window, Buckets: 40},
 			Options{Mode: FailFast, WithoutLearning: true})
 		round := func(others int, late time.Duration) int {
-			for range 10 {
-				if _, err := lim.Acquire(ctx); err != nil {
-					t.Fatal(err)
+			for try := 1; ; try++ {
+				got, tight := lateAnswerRound(t, lim, window, others, late)
+				if tight || try == 3 {
+					return got
 				}
+				t.Logf("try %d: the burst's slots spread over more than a fifth of a window", try)
+				time.Sleep(2 * window)
 			}
-			time.Sleep(window * 75 / 100)
-			p, err := lim.Acquire(ctx)
-			if err != nil {
-				t.Fatal(err)
-			}
-			time.Sleep(late)
-			// A call now trims the record as of now.
-			if _, err := lim.Acquire(ctx); err != nil {
-				t.Fatal(err)
-			}
-			left := 40 - 11 - others
-			if _, _, err := p.Heard(ctx, Answer{Status: http.StatusOK, Requests: &Count{Remaining: left, Limit: 40}}); err != nil {
-				t.Fatal(err)
-			}
-			u, err := lim.Usage(ctx)
-			if err != nil {
-				t.Fatal(err)
-			}
-			return u.Rules[0].Others
 		}
 		if got := round(0, window*7/10); got != 0 {
 			t.Errorf("the first late answer: the quota leaves others %d, want 0: the record it found was short, and no one else spent", got)
@@ -471,4 +456,45 @@ func TestOthers_ALateAnswerFindsTheRecordOfItsWindow(t *testing.T) {
 			t.Errorf("the second late answer: the quota leaves others %d, want 5 and the spare of their share: the lag kept the record of its window", got)
 		}
 	})
+}
+
+// lateAnswerRound sends a burst of 10 calls, a call 0.75 of a window
+// later, answered late by late with a count of the burst's calls in the
+// vendor's window, that call and others, and returns the others' share
+// the quota leaves then, and whether the burst's slots lay within a fifth
+// of a window.
+func lateAnswerRound(t *testing.T, lim *Limiter, window time.Duration, others int, late time.Duration) (int, bool) {
+	ctx := context.Background()
+	var burst []*Permit
+	for range 10 {
+		p, err := lim.Acquire(ctx)
+		if err != nil {
+			t.Fatal(err)
+		}
+		burst = append(burst, p)
+	}
+	time.Sleep(window * 75 / 100)
+	p, err := lim.Acquire(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	time.Sleep(late)
+	// A call now trims the record as of now.
+	if _, err := lim.Acquire(ctx); err != nil {
+		t.Fatal(err)
+	}
+	counted := 1 + others // the call, the others, and the burst's calls in the window
+	for _, b := range burst {
+		if b.r.slot() > p.r.slot()-window {
+			counted++
+		}
+	}
+	if _, _, err := p.Heard(ctx, Answer{Status: http.StatusOK, Requests: &Count{Remaining: 40 - counted, Limit: 40}}); err != nil {
+		t.Fatal(err)
+	}
+	u, err := lim.Usage(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return u.Rules[0].Others, burst[len(burst)-1].r.slot()-burst[0].r.slot() <= window/5
 }
