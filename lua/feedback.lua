@@ -84,9 +84,10 @@ end
 local rs = rules()
 local meta = read_meta(true)
 -- The record was kept for the lag in force until now; this answer's
--- lateness holds it for the next ones (Answers' lag in lib.lua).
+-- lateness, until this script ran, holds it for the next ones (Answers'
+-- lag in lib.lua).
 margins(rs, fleet_spread(meta, now), held_spread(meta, now), meta and meta.warm_held > now, lag_of(meta, now))
-local lag_changed = note_lag(meta, arg.late, arg.span, now)
+local lag_changed = note_lag(meta, math.max(arg.late, arg.as_of > 0 and now - as_of or 0), arg.span, now)
 local known = arg.known
 local learn = arg.refused and arg.as_of > 0
 local dirty, found = lag_changed, false
