@@ -607,13 +607,16 @@ func checkEveryKeyExpires(t *testing.T, rdb redis.UniversalClient, name string) 
 }
 
 // SCRIPT FLUSH (a new Redis, a failover) costs no call: each script call
-// that meets NOSCRIPT sends the script again, and every call runs.
+// that meets NOSCRIPT sends the script again, and every call runs. The
+// margin is wide: beside CI's race run, the replies of a Redis flushed
+// without a pause came later than a 30 ms margin allows, and 77 of 800
+// calls were refused as late, which is not what this test measures.
 func TestScriptFlush_CostsNoCall(t *testing.T) {
 	redistest.Each(t, func(t *testing.T, s *redistest.Server) {
 		rdb := s.Client(t)
 		noscript := &noscriptCounter{}
 		rdb.AddHook(noscript)
-		lim := newLimiter(t, rdb, policies.SlidingLog{Limit: 100_000, Window: time.Second})
+		lim := newLimiter(t, rdb, policies.SlidingLog{Limit: 100_000, Window: time.Second, Margin: 400 * time.Millisecond})
 		var ran atomic.Int64
 		ctx := context.Background()
 		stop := make(chan struct{})
