@@ -90,10 +90,11 @@ margins(rs, fleet_spread(meta, now), held_spread(meta, now), meta and meta.warm_
 local lag_changed = note_lag(meta, math.max(arg.late, arg.as_of > 0 and now - as_of or 0), arg.span, now)
 local known = arg.known
 local learn = arg.refused and arg.as_of > 0
-local dirty, found = lag_changed, false
+local dirty, found = false, false
 if meta or learn or pause > 0 and KEYS[2] == KEYS[1] then
   meta, dirty, found = check_loss(meta, now, known, rs, policy_span)
 end
+dirty = dirty or lag_changed
 read_caps(rs, meta, now)
 -- Which rules are blind (see Blind rules in lib.lua): their record misses
 -- calls the vendor counts, so it measures no others, and a count may
