@@ -91,6 +91,11 @@ func callTenants(t *testing.T, rdb redis.UniversalClient, p policies.Policy, loa
 			}
 			t.Cleanup(func() { _ = lim.Close(ctx) })
 			permit, err := lim.Acquire(ctx, Key(tenant))
+			for tries := 0; lateOnly(err) && tries < 5; tries++ {
+				// Beside CI's race run, a call booked again until its
+				// bound and was refused as too late: not the rule's say.
+				permit, err = lim.Acquire(ctx, Key(tenant))
+			}
 			if err != nil {
 				t.Fatalf("%s: %v", tenant, err)
 			}

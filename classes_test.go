@@ -403,12 +403,12 @@ func TestClasses_ALowerPriorityKeepsATenth(t *testing.T) {
 // calls find room in that window instead of after it. Without the news
 // (class_news off) the heavy key's bookings fill that window and every
 // light call in it is refused.
-func TestClasses_ANewKeyIsHeardByTheCallsBookedAhead(t *testing.T) {
+func classesANewKeyIsHeardByTheCallsBookedAhead(t *testing.T) {
 	// Not in parallel: on wall-clock time, its news and slots must not
 	// wait behind the package's other tests on a busy machine (under
 	// -race, in parallel, miniredis's replies and the news came so late
 	// that the heavy key's calls ran at their slots unmoved: 0 of 7).
-	redistest.Each(t, func(t *testing.T, s *redistest.Server) {
+	eachSideBySide(t, func(t *testing.T, s *redistest.Server) {
 		for try := 1; ; try++ {
 			admitted, counted, first := newKeyAfterBookings(t, s, try)
 			t.Logf("try %d: the light key first asked %v after the heavy key's first call; its calls admitted in the heavy key's booked window: %d of %d",
@@ -610,7 +610,9 @@ func TestClasses_ThousandsOfClassesLeaveInOneScriptCall(t *testing.T) {
 		c := newClassRun(t, s, policies.All(
 			policies.SlidingLog{Limit: 100, Window: time.Second},
 			policies.PerKey{Policy: policies.SlidingLog{Limit: 10, Window: time.Second}},
-		), Options{})
+			// The script that reads 9,000 classes took over the default
+			// second on miniredis under -race beside CI's other steps.
+		), Options{RedisTimeout: 30 * time.Second})
 		if !c.try(Key("first")) {
 			t.Fatal("the first call of an empty quota refused")
 		}

@@ -1,6 +1,7 @@
 package throttle
 
 import (
+	"cmp"
 	"context"
 	"errors"
 	"strings"
@@ -319,20 +320,56 @@ func (l *Limiter) handBack() (complete bool, err error) {
 }
 
 // moveEarlier asks Redis to move the booking r of call c to the earliest
-// slot that fits, moveGain earlier than its own at least. It returns the
-// booking the call then holds: r when it is too close to its slot to ask,
-// or Redis cannot be asked now (the breaker is open, calls are decided
-// without Redis); the moved or kept booking; or, with wokenOvertaken,
-// nothing the script could keep (r was of a lost epoch); with wokenLost,
-// nothing known (Redis failed the script call, which may or may not have
-// given r back). The error is the caller's context's, or a *moveFailed
-// when Redis could not be reached: the move was the call's script call.
+// slot that fits, moveGain earlier than its own at least (see move). It
+// returns r, unasked, when the call is too close to its slot to ask.
 func (l *Limiter) moveEarlier(ctx context.Context, c call, r result) (result, woken, error) {
 	in, ok := l.timing.wakeIn(r.startsAt())
 	maxWait := in - l.timing.delay() - moveGain
 	if !ok || maxWait <= 0 {
 		return r, wokenAtSlot, nil
 	}
+	return l.move(ctx, c, r, maxWait)
+}
+
+// keepPlace asks Redis whether call c, woken at the slot of its booking r
+// after a limit in force dropped, still fits there: a move that may find
+// nothing earlier, and keeps the slot only if the call's units still fit
+// every window that ends at it (fits_behind in lua/acquire.lua). The calls
+// at the front of the queue keep their places, and those the lower limit
+// leaves no room for book again, behind. It returns the booking kept, or,
+// with wokenOvertaken or wokenLost, none: the call books again.
+func (l *Limiter) keepPlace(ctx context.Context, c call, r result) (result, woken, error) {
+	if !l.keepsChecked() {
+		return r, wokenOvertaken, nil
+	}
+	kept, how, err := l.move(ctx, c, r, 0)
+	if err == nil && how == wokenAtSlot && kept.slot() <= r.slot() {
+		// Not asked (Redis is in trouble, or decided without), or kept
+		// unchecked: it books again, as any call overtaken.
+		if kept.again = l.overtakenBy(kept); kept.again != "" {
+			return kept, wokenOvertaken, nil
+		}
+	}
+	return kept, how, err
+}
+
+// keepsChecked reports whether the script checks a slot a move keeps
+// against the limits in force (moves.fits_behind): not a token bucket's,
+// whose one time holds the bookings after the slot too.
+func (l *Limiter) keepsChecked() bool {
+	return !l.cfg.hasBucket && !isOff(offKeepPlace)
+}
+
+// move asks Redis to move the booking r of call c to the earliest slot
+// that fits within maxWait. It returns the booking the call then holds: r
+// when Redis cannot be asked now (the breaker is open, calls are decided
+// without Redis); the moved or kept booking; or, with wokenLost, nothing:
+// the script kept nothing (r was of a lost epoch, or no longer fits at its
+// slot under a limit lowered since: either way nothing of it is left to
+// give back), or Redis failed the script call, which may or may not have
+// given r back. The error is the caller's context's, or a *moveFailed
+// when Redis could not be reached: the move was the call's script call.
+func (l *Limiter) move(ctx context.Context, c call, r result, maxWait time.Duration) (result, woken, error) {
 	if l.troubled() {
 		l.roomAfterTrouble()
 		return r, wokenAtSlot, nil
@@ -363,13 +400,14 @@ func (l *Limiter) moveEarlier(ctx context.Context, c call, r result) (result, wo
 	}
 	l.redisAnswered()
 	if !moved.admitted {
-		// The script kept nothing: r was of an epoch Redis lost, and
-		// giving it back again changes nothing.
-		r.again = againLost
-		return r, wokenOvertaken, nil
+		r.again = cmp.Or(l.overtakenBy(r), againLowered)
+		return r, wokenLost, nil
 	}
-	kept := keptAsBooked(r, moved)
-	if kept.again = afterMove(moved); kept.again != "" {
+	kept := l.keptAsBooked(r, moved)
+	if kept.again = afterMove(moved); kept.again == againLate && kept.done <= kept.slot() {
+		kept.again = "" // kept at a slot that passed, checked: its lateness counts from the slot
+	}
+	if kept.again != "" {
 		return kept, wokenOvertaken, nil
 	}
 	return kept, wokenAtSlot, nil
@@ -377,16 +415,26 @@ func (l *Limiter) moveEarlier(ctx context.Context, c call, r result) (result, wo
 
 // keptAsBooked returns the booking a move gave a call that was booked as
 // r. A move that found nothing earlier keeps r's slot: the script gave the
-// booking back and took the same slot again, which leaves every window as
-// it found it, but not as the limit in force, the news or the margin may
-// have moved since r was decided. Such a booking keeps what r was decided
-// with (its time, its news gaps, its margin), so that overtaken still sees
-// it as the booking it is.
-func keptAsBooked(r, moved result) result {
+// booking back and took the same slot again if the call still fits there
+// (fits_behind in lua/acquire.lua), under the limits in force now. Such a
+// booking keeps r's news gaps and margin, so that overtaken still sees a
+// gap in the news since r, and the lateness it is held to is r's. It is
+// decided at the move's time, so that a limit lowered before the move no
+// longer overtakes it; but not when a token bucket's slot was kept
+// unchecked, or the scope is paused past the slot: then it keeps r's time
+// too, and books again when it wakes.
+func (l *Limiter) keptAsBooked(r, moved result) result {
 	if moved.slot() != r.slot() {
 		return moved
 	}
-	moved.now, moved.wait, moved.answered = r.now, r.wait, r.answered
+	if !l.keepsChecked() || moved.pause > moved.slot() {
+		moved.now, moved.wait, moved.answered = r.now, r.wait, r.answered
+	} else if moved.wait < 0 {
+		// Kept at a slot that passed while the call waited for the script:
+		// it starts as late as that, which its lateness must show (late
+		// counts from the script's end otherwise; see startsAt).
+		moved.done = moved.slot()
+	}
 	moved.gaps, moved.margin = r.gaps, r.margin
 	moved.stale = moved.stale || r.stale
 	return moved

@@ -327,10 +327,16 @@ func driveOthers(t *testing.T, s *redistest.Server) {
 		clock.Add(10 * time.Millisecond)
 	}
 	ctx := context.Background()
-	if got := limitInForce(t, lim); got[0] != 57 || got[1] >= 100 {
-		t.Fatalf("limits in force %v, want 57 for the log (100 stated, less 40 and a few units more left to the other consumer), and the counter's lowered", got)
+	// 57: 100 stated, less 40 and 3 more left to the other consumer; 58
+	// when the measure errs a unit low, as it did once beside CI's race
+	// run ([58 58]; the measure errs only low, lua/lib.lua's Others' share).
+	if got := limitInForce(t, lim); got[0] < 57 || got[0] > 58 || got[1] >= 100 {
+		t.Fatalf("limits in force %v, want 57 or 58 for the log (100 stated, less 40 and a few units more left to the other consumer), and the counter's lowered", got)
 	}
-	clock.Add(3 * time.Second)
+	// A count of one call, the fleet less busy than when it measured the
+	// others: their share is held up to four windows (Others' share in
+	// lua/lib.lua), and gone after.
+	clock.Add(5 * time.Second)
 	mustAllow(t, lim)
 	if err := lim.SetRemaining(ctx, 99, time.Second); err != nil {
 		t.Fatal(err)

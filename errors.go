@@ -178,6 +178,9 @@ func (l *Limiter) pausedError(r result, reason string) error {
 
 // limitName names the field a rule's limit comes from, with its value.
 func limitName(r policies.Rule) string {
+	if r.Paces {
+		return fmt.Sprintf("the %d a part of a window admits (Spread.Most of the limit)", r.Limit)
+	}
 	switch r.Kind {
 	case policies.KindTokenBucket:
 		return fmt.Sprintf("TokenBucket.Burst %d (1 when not set)", r.Limit)

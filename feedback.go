@@ -145,7 +145,8 @@ func (l *Limiter) feedback(ctx context.Context, said vendorSaid, r result, opts 
 // about, and their keys after the scope's two: the shared ones, or the
 // key's own when there are none; a named unit's rules only with their own
 // unit's count, and never to learn a cap, since a refusal does not say
-// which of the vendor's counts it is about (policies.Unit). named holds,
+// which of the vendor's counts it is about (policies.Unit); never a part
+// of a window (policies.Spread), which no vendor counts. named holds,
 // for each of those, its place among rules and its count, as feedback.lua
 // takes them.
 func (l *Limiter) rulesAbout(sc scope, said vendorSaid) (keys []string, rules []policies.Rule, named []protocol.Named) {
@@ -156,8 +157,8 @@ func (l *Limiter) rulesAbout(sc scope, said vendorSaid) (keys []string, rules []
 			about = r.PerKey
 		}
 		c, counted := said.named[r.Unit]
-		if r.Unit != "" && (!counted || said.learn) {
-			about = false
+		if r.Unit != "" && (!counted || said.learn) || r.Paces {
+			about = false // a Spread's part is the fleet's own
 		}
 		if about && r.Kind != policies.KindConcurrency {
 			keys = append(keys, sc.keys[2+i])
@@ -520,8 +521,12 @@ func (p *Permit) tell(ctx context.Context, said vendorSaid, pause time.Duration,
 	}
 	switch {
 	case learn && !l.s.noLearning:
+		// Its counts measure the others' share too (lua/feedback.lua), but
+		// charge nothing: the cap or the pause it teaches holds the fleet.
 		said.pause, said.learn = pause, true
-		said.units.left, said.calls.left = -1, -1
+		if isOff(offLearnMeasures) {
+			said.units.left, said.calls.left = -1, -1
+		}
 		return l.feedback(ctx, said, p.r, p.opts())
 	case pause > 0 && said.refused:
 		// The refusal is noted with the pause (see refusedCost).

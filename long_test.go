@@ -4,6 +4,8 @@ import (
 	"os"
 	"strconv"
 	"testing"
+
+	"github.com/throttlekit/throttle/internal/redistest"
 )
 
 // longEnv names the environment variable that runs the long tests: fleets,
@@ -36,4 +38,51 @@ func figureWithoutRace(t testing.TB) {
 	if raceEnabled {
 		t.Skip("a long figure: .ci/run runs it without -race")
 	}
+}
+
+// TestBookedAhead runs, side by side without -race, the tests that book
+// calls a window of a second ahead on the wall clock and watch when they
+// start: each keeps a core idle for its 3 s, and one after the other
+// they held the README's go test ./... 10 s longer. Each subtest is named
+// as the test it was, and runs alone beside the package's parallel tests;
+// under -race they run one after the other.
+func TestBookedAhead(t *testing.T) {
+	for _, c := range []struct {
+		name string
+		run  func(*testing.T)
+	}{
+		{"TestLowered_CallsBookedBeforeADropBookAgain", loweredCallsBookedBeforeADropBookAgain},
+		{"TestLowered_AKeptMoveStillBooksAgain", loweredAKeptMoveStillBooksAgain},
+		{"TestShared_CallsOfEveryQuotaBookedBeforeADropBookAgain", sharedCallsOfEveryQuotaBookedBeforeADropBookAgain},
+		{"TestClasses_ANewKeyIsHeardByTheCallsBookedAhead", classesANewKeyIsHeardByTheCallsBookedAhead},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			if !raceEnabled {
+				t.Parallel()
+			}
+			c.run(t)
+		})
+	}
+}
+
+// eachSideBySide runs fn once per backend, as redistest.Each does, the two
+// at once without -race: a test that waits out windows on the wall clock
+// keeps a core idle, and the README's go test ./... keeps to its 90 s. The
+// test itself runs alone, not beside the package's parallel tests (its
+// slots must not wait behind theirs); under -race the two run one after
+// the other, as the detector slows every reply.
+func eachSideBySide(t *testing.T, fn func(t *testing.T, s *redistest.Server)) {
+	t.Helper()
+	if raceEnabled {
+		redistest.Each(t, fn)
+		return
+	}
+	t.Run("miniredis", func(t *testing.T) {
+		t.Parallel()
+		fn(t, redistest.Mini(t))
+	})
+	t.Run("redis", func(t *testing.T) {
+		t.Parallel()
+		fn(t, redistest.Real(t))
+	})
 }

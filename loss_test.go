@@ -569,6 +569,10 @@ func TestLocal_BackOnRedisReservesTheOthersShare(t *testing.T) {
 		if _, err := lim.handBack(); err != nil {
 			t.Fatal(err)
 		}
+		// Usage reads the limit in force as the calls meet it.
+		if u, err := lim.Usage(ctx); err != nil || u.Rules[0].Limit != 5 || u.Remaining != 5 {
+			t.Errorf("Usage during the reserve: %+v, %v; want a limit in force of 5, 5 remaining", u, err)
+		}
 		for i := range 5 {
 			if d, err := lim.Allow(ctx); err != nil || !d.OK {
 				t.Fatalf("call %d of the reserved share of 5: %+v, %v", i+1, d, err)

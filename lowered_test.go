@@ -5,9 +5,11 @@ import (
 	"maps"
 	"sync"
 	"testing"
+	"testing/synctest"
 	"time"
 
 	"github.com/throttlekit/throttle/internal/redistest"
+	"github.com/throttlekit/throttle/internal/sim"
 	"github.com/throttlekit/throttle/policies"
 )
 
@@ -15,15 +17,16 @@ import (
 // refusal here; equally a larger share left to other consumers) book again
 // when they wake at their slots, against the limit in force: they do not
 // all go out into a window the vendor has just said is smaller.
-func TestLowered_CallsBookedBeforeADropBookAgain(t *testing.T) {
+func loweredCallsBookedBeforeADropBookAgain(t *testing.T) {
 	testBookedBeforeADrop(t, false)
 }
 
-// A move that finds nothing earlier keeps the call's slot, and the booking
-// it keeps is the one made before the drop: it books again all the same
-// when it wakes. Here a call given back after the drop sets every call
-// booked ahead moving, and none fits earlier under the lowered limit.
-func TestLowered_AKeptMoveStillBooksAgain(t *testing.T) {
+// A move that finds nothing earlier keeps the call's slot only if the call
+// still fits there under the lowered limit (fits_behind in
+// lua/acquire.lua); the others book again. Here a call given back after
+// the drop sets every call booked ahead moving, and none fits earlier
+// under the lowered limit.
+func loweredAKeptMoveStillBooksAgain(t *testing.T) {
 	testBookedBeforeADrop(t, true)
 }
 
@@ -32,7 +35,7 @@ func TestLowered_AKeptMoveStillBooksAgain(t *testing.T) {
 // first ten back after it), and checks that at most 5 of the ten booked
 // ahead start in the window after the first ten.
 func testBookedBeforeADrop(t *testing.T, cancel bool) {
-	redistest.Each(t, func(t *testing.T, s *redistest.Server) {
+	eachSideBySide(t, func(t *testing.T, s *redistest.Server) {
 		ctx := context.Background()
 		// A window of a second: the ten must still be booked ahead when
 		// the limit drops, and beside the race run they took longer than
@@ -41,14 +44,7 @@ func testBookedBeforeADrop(t *testing.T, cancel bool) {
 		reasons, observe := bookedAgain()
 		lim := newLimiter(t, s.Client(t), policies.SlidingLog{Limit: 10, Window: window}, Options{MaxWait: 10 * window, Observer: observe})
 		start := time.Now()
-		var first []*Permit
-		for range 10 {
-			p, err := lim.Acquire(ctx)
-			if err != nil {
-				t.Fatal(err)
-			}
-			first = append(first, p)
-		}
+		first := admitTen(t, lim, 0)
 		// Ten more, booked a window ahead while the limit is 10.
 		started := bookTen(t, lim, start)
 		// The vendor refuses a call of the first ten: the cap drops to 5.
@@ -77,6 +73,21 @@ func testBookedBeforeADrop(t *testing.T, cancel bool) {
 			t.Errorf("the calls booked again for %v, want for a lowered limit", got)
 		}
 	})
+}
+
+// admitTen acquires ten calls of lim, gap apart, and returns their permits.
+func admitTen(t *testing.T, lim *Limiter, gap time.Duration) []*Permit {
+	t.Helper()
+	var first []*Permit
+	for range 10 {
+		p, err := lim.Acquire(context.Background())
+		if err != nil {
+			t.Fatal(err)
+		}
+		first = append(first, p)
+		time.Sleep(gap)
+	}
+	return first
 }
 
 // bookedAgain returns an Observer that counts the calls booked again, and
@@ -138,4 +149,61 @@ func bookTen(t *testing.T, lim *Limiter, start time.Time) func() []time.Duration
 		wg.Wait()
 		return starts
 	}
+}
+
+// A limit in force that drops while calls are booked windows ahead sends
+// back only the calls it leaves no room for. Each call, woken at its slot
+// after the drop, keeps it if its units still fit the window that ends
+// there (fits_behind in lua/acquire.lua): the calls at the front keep
+// their places, and a call behind them goes to the back of the queue only
+// where the lower limit has no room. Before, each woken call booked again
+// from its slot, and a queue booked several windows deep filled every
+// window it could take, so nearly every call went to the back. Virtual
+// time: 10 calls admitted and 30 booked up to three windows ahead, 10 ms
+// apart; the limit halves (a refusal) 500 ms in.
+func TestLowered_TheCallsAheadKeepTheirPlacesWhereTheLowerLimitLeavesRoom(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		r := sim.NewRedis(func(int) time.Duration { return time.Millisecond })
+		t.Cleanup(r.Close)
+		reasons, observe := bookedAgain()
+		const window = time.Second
+		lim := newLimiter(t, simClient(t, r, 0), policies.SlidingLog{Limit: 10, Window: window}, Options{Logger: quiet(), Observer: observe, MaxWait: time.Minute})
+		defer closeInBubble(lim)
+		ctx := context.Background()
+		start := time.Now()
+		first := admitTen(t, lim, 10*time.Millisecond)
+		var wg sync.WaitGroup
+		began := make([]time.Duration, 30)
+		for i := range began {
+			wg.Go(func() {
+				p, err := lim.Acquire(ctx)
+				if err != nil {
+					t.Error(err)
+					return
+				}
+				began[i] = time.Since(start)
+				p.Release()
+			})
+			time.Sleep(10 * time.Millisecond)
+		}
+		time.Sleep(time.Until(start.Add(window / 2)))
+		if err := first[9].refused(ctx, 0); err != nil {
+			t.Fatal(err)
+		}
+		if got := limitInForce(t, lim); got[0] != 5 {
+			t.Fatalf("limit in force %v after the refusal, want 5", got)
+		}
+		wg.Wait()
+		// Every window after the drop holds 5 calls at most: the calls kept
+		// at their slots and those booked again share the lower limit.
+		w := window + policies.DefaultMargin
+		if n := mostWithin(began, w); n > 5 {
+			t.Fatalf("%d calls started within %v (%v), want 5 at most", n, w, began)
+		}
+		back := reasons()[againLowered]
+		t.Logf("%d of the 30 calls booked ahead went to the back of the queue; they started from %v to %v", back, began[0], began[len(began)-1])
+		if back == 0 || back > 20 {
+			t.Errorf("%d of the 30 calls booked ahead booked again after the drop, want some, and 20 at most (each window ahead keeps about half)", back)
+		}
+	})
 }

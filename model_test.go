@@ -71,7 +71,7 @@ func TestScript_MovesMatchModel(t *testing.T) {
 		if stats.earlier < 3*seeds || stats.kept < 3*seeds {
 			t.Fatalf("the histories moved %d calls earlier and kept %d at their slots: too few to tell", stats.earlier, stats.kept)
 		}
-		t.Logf("moved %d calls earlier, kept %d", stats.earlier, stats.kept)
+		t.Logf("moved %d calls earlier, kept %d, sent %d back (a class's hold lowered its limit since they were booked)", stats.earlier, stats.kept, stats.sentBack)
 	})
 }
 
@@ -330,16 +330,20 @@ func (mh *modelHistory) checkMove(req *request, moving map[*request]held, size i
 	}
 	want := m.AcquireIn(now, pause, r.member, c.key, c.priority, c.cost, maxWait)
 	if moved && !want.Admitted {
-		want = m.KeepIn(now, r.member, c.key, c.priority, c.cost, h.r.slot().Microseconds())
+		if kept, ok := m.KeepIn(now, r.member, c.key, c.priority, c.cost, h.r.slot().Microseconds()); ok {
+			want = kept
+		}
 	}
 	got := model.Decision{Admitted: r.admitted, Wait: r.wait.Microseconds(), Remaining: r.remaining, Room: r.room, Busy: r.reason == reasonBusy}
 	if got != want {
 		t.Fatalf("%s: moving %v, key %s cost %d maxWait %v (batch of %d): script %+v, model %+v", where, moved, c.key, c.cost, req.maxWait, size, got, want)
 	}
-	if moved && r.slot() > h.r.slot() {
+	if moved && r.admitted && r.slot() > h.r.slot() {
 		t.Fatalf("%s: a call moved from slot %d to %d, later", where, h.r.slot().Microseconds(), r.slot().Microseconds())
 	}
 	switch {
+	case moved && !r.admitted:
+		mh.run.moves.sentBack++
 	case moved && r.slot() < h.r.slot():
 		mh.run.moves.earlier++
 	case moved:
@@ -360,7 +364,7 @@ type modelRun struct {
 }
 
 // moveStats counts what the moves of model histories did.
-type moveStats struct{ earlier, kept int }
+type moveStats struct{ earlier, kept, sentBack int }
 
 // checkSeed replays the random history of seed on lim and on the model:
 // every decision must agree, the model keep its promise, and no window in

@@ -519,3 +519,33 @@ func TestMove_RoomGivenBackBeforeABookingDoesNotMoveIt(t *testing.T) {
 		}
 	})
 }
+
+// A move that finds nothing earlier keeps its slot, whose units its own
+// booking gave back at the script's start: no call of the same script
+// call takes them first. Here a call that also moves, but whose booking is
+// of a lost epoch (so nothing is given back, and it books as a new call),
+// comes first in the batch, its old slot being earlier (simulation seed
+// 304023: 6 in a window of 5).
+func TestMove_AKeptMoveKeepsItsUnitsFromTheCallsBeforeIt(t *testing.T) {
+	redistest.Each(t, func(t *testing.T, s *redistest.Server) {
+		lim, _, booked := bookBehindOne(t, s)
+		lost := booked
+		lost.member, lost.epoch, lost.wait = lim.newMember(), booked.epoch-1, booked.wait-time.Millisecond
+		mk := func(late *result) *request {
+			c := call{cost: 1, moves: true}
+			return &request{sc: lim.scopeFor(c), c: c, maxWait: time.Second, member: lim.newMember(), late: late, done: make(chan struct{})}
+		}
+		first, moving := mk(&lost), mk(&booked)
+		lim.decide(first.sc, []*request{first, moving})
+		if moving.err != nil || !moving.res.admitted || moving.res.slot() != booked.slot() {
+			t.Fatalf("the moving call: %+v, %v; want its slot %v kept", moving.res, moving.err, booked.slot())
+		}
+		if first.err != nil {
+			t.Fatalf("the call of a lost epoch's booking: %v", first.err)
+		}
+		if first.res.admitted && first.res.slot() < booked.slot()+10*time.Millisecond {
+			t.Errorf("the call of a lost epoch's booking: admitted at %v, %v after the kept slot, in a log of 1 in 10 ms: the kept move's units taken twice",
+				first.res.slot(), first.res.slot()-booked.slot())
+		}
+	})
+}

@@ -7,10 +7,12 @@ import (
 	"slices"
 	"sync"
 	"testing"
+	"testing/synctest"
 	"time"
 
 	"github.com/throttlekit/throttle/internal/fakevendor"
 	"github.com/throttlekit/throttle/internal/redistest"
+	"github.com/throttlekit/throttle/internal/sim"
 	"github.com/throttlekit/throttle/policies"
 )
 
@@ -238,10 +240,14 @@ func (k *sharedKey) dump(t *testing.T, window, end time.Duration) {
 
 // leftToOthers is what a rule leaves other consumers of the key who spent
 // n units of a window of the vendor's limit of base (see others_reserve in
-// lua/lib.lua), or nothing with the switch others off.
+// lua/lib.lua): n rounded up to a step of a sixty-fourth of base, and a
+// sixteenth more; nothing with the switch others off.
 func leftToOthers(n, base int) int {
 	if n < 1 || isOff("others") {
 		return 0
+	}
+	if q := max(base/64, 1); !isOff("others_steady") {
+		n = min((n+q-1)/q*q, base)
 	}
 	return n + min(n/16+1, max((base-n)/2, 1))
 }
@@ -300,6 +306,64 @@ func TestOthers_RefusedCallsAreNotTheFleets(t *testing.T) {
 		// share off, which the switch table checks.
 		if want := 3; u.Rules[0].Others != want {
 			t.Errorf("the quota leaves others %d, want %d: they spent 2 of the vendor's 6", u.Rules[0].Others, want)
+		}
+	})
+}
+
+// A count that says nothing is left teaches the limit it states, and a
+// refusal a pause: each measures the others too (feedback.lua, a count that
+// teaches). The last answer of a burst is the one whose count holds the
+// whole burst, and a refusal's says the vendor was full without it; left
+// out, a fleet whose bursts each ended in such an answer measured the
+// others low for windows (simulation seed 333146: a share of 3 for others
+// spending 5, and their calls refused in 2 of 4 replays).
+func TestOthers_ACountThatTeachesMeasuresThemToo(t *testing.T) {
+	answers := map[string]Answer{
+		"nothing left": {Status: http.StatusOK, Requests: &Count{Remaining: 0, Limit: 10}},
+		"a refusal": {Status: http.StatusTooManyRequests, RetryAfter: time.Millisecond, HasRetryAfter: true, AboutRate: true,
+			Requests: &Count{Remaining: 0, Limit: 10}},
+	}
+	redistest.Each(t, func(t *testing.T, s *redistest.Server) {
+		for name, a := range answers {
+			t.Run(name, func(t *testing.T) {
+				ctx := context.Background()
+				// Three replicas, at most three calls each: a process that
+				// calls four times in quick succession takes spare
+				// admissions (spare.go), in the fleet's record though never
+				// sent (TestOthers_RefusedCallsAreNotTheFleets).
+				policy := policies.SlidingLog{Limit: 10, Window: 10 * time.Second}
+				var lims []*Limiter
+				for range 3 {
+					lims = append(lims, newLimiter(t, s.Client(t), policy, Options{Mode: FailFast}))
+				}
+				lim := lims[0]
+				var last *Permit
+				for i := range 7 {
+					p, err := lims[i%3].Acquire(ctx)
+					if err != nil {
+						t.Fatal(err)
+					}
+					last = p
+				}
+				// The vendor counted the fleet's 7 (6 of a refusal) and the
+				// others' 3 (4).
+				if _, _, err := last.Heard(ctx, a); err != nil {
+					t.Fatal(err)
+				}
+				u, err := lim.Usage(ctx)
+				if err != nil {
+					t.Fatal(err)
+				}
+				// What they spent and a spare of one (others_reserve); none
+				// with the measure off.
+				want := 3 + 1
+				if a.Status != http.StatusOK {
+					want = 4 + 1
+				}
+				if u.Rules[0].Others != want {
+					t.Errorf("the quota leaves others %d, want %d", u.Rules[0].Others, want)
+				}
+			})
 		}
 	})
 }
@@ -516,4 +580,137 @@ func lateAnswerRound(t *testing.T, lim *Limiter, window time.Duration, others in
 		t.Fatal(err)
 	}
 	return u.Rules[0].Others, burst[len(burst)-1].r.slot()-burst[0].r.slot() <= window/5
+}
+
+// A fleet whose estimates are 5% under the vendor's count (OpenAI's, with
+// tokens.Estimate) measures "others" that scale with its own calls: a
+// twentieth of what it sent. In a lull, when it sent little, the measures
+// are low, though the share is there again with its next full window: the
+// share is held while no count since saw the fleet as busy as the one that
+// measured it. Others that stop while the fleet stays as busy are let go
+// a window and a half after, as before. A log of 100 in 10 s, in virtual
+// time: 80 calls and a count of 84, then, 12 s later, 20 calls and a count
+// of 21, and 20 s in, one more call counted as 22 (the lull): the share
+// of 4 stays (2 off). Others of 4 that stop while the fleet sends 80 again
+// are gone 20 s in.
+func TestOthers_AShareThatScalesWithTheFleetHoldsThroughALull(t *testing.T) {
+	for _, c := range []struct {
+		name         string
+		second       int // calls 12 s in
+		vendorSecond int // what the vendor counts of them
+		vendorLast   int // and of them and one more, 20 s in
+		least, most  int // Others 20 s in
+	}{
+		{"lull", 20, 21, 22, 5, 100},
+		{"others stopped", 80, 80, 81, 0, 1},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			synctest.Test(t, func(t *testing.T) {
+				lim := measuringLimiter(t, 100)
+				heardAfter(t, lim, 80, 1, 100-84, 100)
+				time.Sleep(12 * time.Second)
+				heardAfter(t, lim, c.second, 1, 100-c.vendorSecond, 100)
+				time.Sleep(8 * time.Second)
+				heardAfter(t, lim, 1, 1, 100-c.vendorLast, 100)
+				u, err := lim.Usage(context.Background())
+				if err != nil {
+					t.Fatal(err)
+				}
+				if o := u.Rules[0].Others; o < c.least || o > c.most {
+					t.Errorf("the rule leaves others %d 20 s in, want %d to %d", o, c.least, c.most)
+				}
+			})
+		})
+	}
+}
+
+// measuringLimiter returns a FailFast limiter of a log of limit units in
+// 10 s on a simulated Redis, closed at the end of the bubble it is made in.
+func measuringLimiter(t *testing.T, limit int) *Limiter {
+	r := sim.NewRedis(func(int) time.Duration { return time.Millisecond })
+	t.Cleanup(r.Close)
+	lim := newLimiter(t, simClient(t, r, 0), policies.SlidingLog{Limit: limit, Window: 10 * time.Second},
+		Options{Mode: FailFast, WithoutLearning: true, Logger: quiet()})
+	t.Cleanup(func() { closeInBubble(lim) })
+	return lim
+}
+
+// heardAfter admits n calls of cost units each, and has the last hear the
+// vendor's count of left units of limit.
+func heardAfter(t *testing.T, lim *Limiter, n, cost, left, limit int) {
+	t.Helper()
+	ctx := context.Background()
+	var last *Permit
+	for range n {
+		p, err := lim.Acquire(ctx, Cost(cost))
+		if err != nil {
+			t.Fatal(err)
+		}
+		last = p
+	}
+	if _, _, err := last.Heard(ctx, Answer{Status: http.StatusOK, Requests: &Count{Remaining: left, Reset: 10 * time.Second, Limit: limit}}); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// The measures of a share held steady differ by a few units from one
+// burst to the next: the share is left in steps of a sixty-fourth of the
+// vendor's limit, so that a rise within a step does not lower the limit in
+// force, and every call booked ahead need not book again. A log of 16,000
+// tokens in 10 s: 8,000 sent, the vendor counts 8,400 (others 400); 3 s
+// later 1,000 more, the vendor counts 9,450 (450): the limit in force
+// stays (off: 15,574 then 15,521).
+func TestOthers_AShareWithinItsStepLowersNothing(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		lim := measuringLimiter(t, 16_000)
+		limit := func() (int, int) {
+			u, err := lim.Usage(context.Background())
+			if err != nil {
+				t.Fatal(err)
+			}
+			return u.Rules[0].Limit, u.Rules[0].Others
+		}
+		heardAfter(t, lim, 1, 8_000, 16_000-8_400, 16_000)
+		first, others := limit()
+		if others < 400 {
+			t.Fatalf("the rule leaves others %d after a count of 400 more than the fleet sent, want at least 400", others)
+		}
+		time.Sleep(3 * time.Second)
+		heardAfter(t, lim, 1, 1_000, 16_000-9_450, 16_000)
+		if second, _ := limit(); second != first {
+			t.Errorf("the limit in force went from %d to %d for others measured at 400 then 450, want it to stay", first, second)
+		}
+	})
+}
+
+// A count taken at the call's arrival (Anthropic's, an OpenAI count sent
+// at arrival) holds the fleet's calls still in flight then at their
+// estimate, though some of them settled lower since: the charge reads
+// those units as the vendor does, as the measure of the others does, and
+// charges no gap they explain. A log of 1,000 tokens: two calls of 400,
+// the first settled to 100 after the second arrived, whose count says 200
+// left (800 counted): 500 left, not 200 (charge_refunds off).
+func TestOthers_ACountTakenAtArrivalChargesNoRefund(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		lim := measuringLimiter(t, 1000)
+		ctx := context.Background()
+		first := acquire(t, lim, Cost(400))
+		second := acquire(t, lim, Cost(400))
+		time.Sleep(50 * time.Millisecond)
+		if err := first.Settle(ctx, Cost(100)); err != nil {
+			t.Fatal(err)
+		}
+		time.Sleep(10 * time.Millisecond)
+		a := Answer{Status: http.StatusOK, Tokens: &Count{Remaining: 200, Reset: 10 * time.Second, Limit: 1000}}
+		if _, _, err := second.Heard(ctx, a); err != nil {
+			t.Fatal(err)
+		}
+		u, err := lim.Usage(ctx)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if got := u.Rules[0].Remaining; got != 500 {
+			t.Errorf("%d tokens left after a count taken before the first call settled, want 500: the settled units are no gap", got)
+		}
+	})
 }

@@ -140,6 +140,10 @@ func TestPath_ACallGoesDownThroughEachFileOnce(t *testing.T) {
 // the entry point goes down through each file once and comes back up the
 // same way.
 func TestPath_FollowingCtxFromAnEntryPointIsATree(t *testing.T) {
+	// Type-checking go-redis from source takes 9 s of a core: .ci/run's
+	// switches step runs it (THROTTLE_LONG=1, without -race), the README's
+	// test command leaves it out.
+	long(t)
 	if raceEnabled {
 		// Type-checking go-redis from source takes 20 s under -race, and
 		// one goroutine does it: .ci/run runs it without.

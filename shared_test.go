@@ -323,8 +323,8 @@ func TestShared_AQuotaWarmingUpWidensTheMarginOfEveryQuota(t *testing.T) {
 // A cap one quota of a group learns reaches the calls another quota
 // booked ahead in the shared rule: they book again when they wake, and
 // at most the cap of them start in the window after a's calls.
-func TestShared_CallsOfEveryQuotaBookedBeforeADropBookAgain(t *testing.T) {
-	redistest.Each(t, func(t *testing.T, s *redistest.Server) {
+func sharedCallsOfEveryQuotaBookedBeforeADropBookAgain(t *testing.T) {
+	eachSideBySide(t, func(t *testing.T, s *redistest.Server) {
 		ctx := context.Background()
 		// A window of a second: the 20 units are in the quota for a
 		// window, and beside the race run, b's ten calls took longer than
@@ -467,4 +467,47 @@ func TestShared_AGroupsSignalIsItsClients(t *testing.T) {
 			t.Errorf("group %q of a closed fleet still held", key.group)
 		}
 	}
+}
+
+// A clock that steps back is met by each quota of a group at its own next
+// script, and the shared rule's data is of the old clock only until the
+// first meets it: that one drops what the rule held ahead, and books its
+// calls after the window it then counts as full. The next quota to meet
+// the step keeps those bookings; dropped, it would book their window again
+// (the simulation's seed 306079: 8 calls in a window of 7).
+func TestShared_AClockStepKeepsWhatTheFirstQuotaBooked(t *testing.T) {
+	redistest.Each(t, func(t *testing.T, s *redistest.Server) {
+		ctx, cancel := context.WithCancel(context.Background())
+		defer cancel()
+		clock := newClock()
+		p := policies.Shared{Name: "v", Policy: policies.SlidingLog{Limit: 4, Window: 10 * time.Second}}
+		opts := Options{Clock: clock.Now, Logger: quiet()}
+		a, b := newRoute(t, s.Client(t), "a", p, opts), newRoute(t, s.Client(t), "b", p, opts)
+		for _, lim := range []*Limiter{a, b} {
+			if d, err := lim.Allow(ctx); err != nil || !d.OK {
+				t.Fatalf("%s before the step: %+v, %v", lim.Name(), d, err)
+			}
+		}
+		clock.Add(-time.Hour)
+		done := make(chan error, 1)
+		go func() {
+			_, err := a.Acquire(ctx)
+			done <- err
+		}()
+		// a meets the step, books after the window, and sleeps to it.
+		for deadline := time.Now().Add(5 * time.Second); usageOf(t, a).Rules[0].Booked != 1; {
+			if time.Now().After(deadline) {
+				t.Fatal("a's call was not booked ahead within 5 s")
+			}
+			time.Sleep(time.Millisecond)
+		}
+		if d, err := b.Allow(ctx); err != nil || d.OK {
+			t.Fatalf("b after the step: %+v, %v; want refused, the rule counting as full", d, err)
+		}
+		if got := usageOf(t, b).Rules[0].Booked; got != 1 {
+			t.Errorf("the shared rule holds %d bookings after b met the step, want a's 1", got)
+		}
+		cancel()
+		<-done
+	})
 }

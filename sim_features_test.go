@@ -38,6 +38,9 @@ import (
 //     and drains it.
 //   - A per-key rule over five windows (simPolicy.Long): half the perkey
 //     schedules.
+//   - Spread (policies.Spread, no tenth of a window takes more than a
+//     sixth of its limit): one in eight of the log and counter schedules,
+//     their costs at most a sixth of the limit.
 //   - The script that finds a flush or a restart without its data
 //     (FoundBy): in a sixth each, Pause (feedback.lua) and Usage
 //     (usage.lua) right after it, and the Settle (settle.lua) or Cancel
@@ -80,6 +83,13 @@ func drawFeatures(seed uint64, s *schedule) {
 		s.Policy.Long = true
 	}
 	s.FoundBy = []string{"", "", "pause", "usage", "settle", "cancel"}[rng.IntN(6)]
+	// Under Local, each replica keeps its share of a part (New says so).
+	local := s.OnError == Local && s.Policy.Limit/6 < s.Replicas
+	if (s.Policy.Kind == "log" || s.Policy.Kind == "counter") && rng.IntN(8) == 0 && !local {
+		// A call may cost up to what a part admits.
+		s.Policy.Spread = true
+		s.MaxCost = min(s.MaxCost, s.Policy.smallest())
+	}
 }
 
 // holdAcross returns, when s's losses are found by settle or cancel and e
@@ -184,7 +194,7 @@ type simPlan struct {
 
 // plan draws worker k's next call.
 func (s schedule) plan(rng *rand.Rand, k uint64) simPlan {
-	cost := 1 + rng.IntN(s.MaxCost)
+	cost := s.MinCost + 1 + rng.IntN(s.MaxCost-s.MinCost)
 	p := simPlan{a: simArrival{cost: cost, actual: cost}}
 	if s.Keys > 0 {
 		n := rng.IntN(s.Keys)
@@ -255,7 +265,10 @@ func sharedPolicy(limit int, w time.Duration) policies.Policy {
 // smallest returns the smallest limit a call's cost counts under, which a
 // settled cost cannot pass.
 func (p simPolicy) smallest() int {
-	if p.Kind == "perkey" {
+	switch {
+	case p.Spread:
+		return max(p.Limit/6, 1)
+	case p.Kind == "perkey":
 		return max(p.Limit/2, 1)
 	}
 	return p.Limit

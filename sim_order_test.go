@@ -62,9 +62,19 @@ func priorities(s schedule, o outcome) []string {
 // deadline while calls that began after it reached the vendor within that
 // deadline with more than its cost and a tenth of the limit (the
 // tolerance: calls a round trip apart may be decided in either order, and
-// a refused call's booking is given back to those after it).
+// a refused call's booking is given back to those after it). Not where
+// costs are settled lower: a Block call whose slot lies past its deadline
+// fails when it asks (README, Modes), and the units settled after that
+// go to the calls that ask later (seed 322070: 5 units within a refused
+// call's deadline, all freed by settles after it; 0 with costs settled
+// higher or not at all). Nor where calls are given back (Permit.Cancel),
+// for the same reason (seed 305871: 3 units within a refused call's
+// deadline, where 2 are allowed, in 2 replays of 3).
 func firstCome(s schedule, o outcome) []string {
 	if !s.ordered() || s.Policy.Kind != "log" || s.Deadline == 0 || !s.ArrivalOrder && s.classes() > 1 {
+		return nil
+	}
+	if s.Settle == "lower" || s.Settle == "both" || s.Cancel {
 		return nil
 	}
 	for _, c := range o.calls {

@@ -26,6 +26,7 @@ type schedule struct {
 	Vendor   time.Duration   // the one-way delay to the vendor, jitter aside
 	Deadline time.Duration   // of each call's context; 0 for none
 	MaxCost  int
+	MinCost  int             `json:",omitempty"` // each call costs more than this, up to MaxCost
 	Keys     int             // tenants the calls are for (a perkey policy), 0 for no key
 	Join     []time.Duration // when each replica starts calling
 	Length   time.Duration   // the run's length
@@ -41,6 +42,10 @@ type schedule struct {
 	Cancel       bool         `json:",omitempty"` // a call in five given back before it leaves
 	Model        *vendorModel `json:",omitempty"` // how the vendor counts and answers (sim_vendor_test.go); nil: a strict count
 	FoundBy      string       `json:",omitempty"` // pause or usage: the script a replica runs right after each flush or restart, which finds the loss; "": the next call's
+	// Interactive, when set, makes the last replica run no workers but
+	// start a call of priority 10 every Interactive, each in a goroutine
+	// of its own (bench/priority's interactive calls).
+	Interactive time.Duration `json:",omitempty"`
 }
 
 // simPolicy is the quota's policy, in words a schedule can print.
@@ -50,6 +55,7 @@ type simPolicy struct {
 	Window time.Duration
 	Keyed  bool `json:",omitempty"` // a PerKey rule beside, at the whole limit: the keys' fair shares, no limit of their own
 	Long   bool `json:",omitempty"` // perkey: each key's rule counts over five windows (a daily rule beside a per-minute one)
+	Spread bool `json:",omitempty"` // a log or counter's windows spread (policies.Spread: no tenth takes more than a sixth)
 }
 
 // event is a fault, or a change of the fleet, at a time of the run.
@@ -67,6 +73,11 @@ func (s schedule) String() string {
 
 // policy returns the schedule's policy.
 func (p simPolicy) policy() policies.Policy {
+	if p.Spread {
+		q := p
+		q.Spread = false
+		return policies.Spread{Policy: q.policy()}
+	}
 	if p.Keyed {
 		// Calls may name a key only when a PerKey rule counts keys; one
 		// at the whole limit limits no key, and leaves the keys' fair
@@ -275,6 +286,11 @@ func (s schedule) shrink() []schedule {
 		c.Events = slices.DeleteFunc(slices.Clone(s.Events), func(e event) bool {
 			return e.Replica >= c.Replicas && e.Kind != "kill" && e.Kind != "flush" && e.Kind != "deploy"
 		})
+		for i := range c.Events {
+			// A fault of the whole server stays; the replica it names (the
+			// one that holds a permit across it, holdAcross) must exist.
+			c.Events[i].Replica = min(c.Events[i].Replica, c.Replicas-1)
+		}
 		if c.OnError != Local || c.Policy.Limit >= 2*c.Replicas {
 			out = append(out, c)
 		}

@@ -147,16 +147,28 @@ func (l *Limiter) spareUsable(p *pool) bool {
 	return l.lates.latest() <= r.margin/spareShare
 }
 
-// heldSpares returns how many usable spare admissions this process holds
-// for scope sc, and the cost of each.
-func (l *Limiter) heldSpares(sc scope) (n, cost int) {
+// heldSpares returns how many unused spare admissions of each cost this
+// process holds in Redis's log for scope sc. Those it may no longer take
+// (spareUsable) count too: its next script call gives them back before it
+// decides, so they are free for that call as well. Those of an epoch since
+// lost are in no log.
+func (l *Limiter) heldSpares(sc scope) map[int]int {
 	l.spares.mu.Lock()
 	defer l.spares.mu.Unlock()
 	p := l.spares.pools[sc.id]
-	if p == nil || len(p.members) == 0 || !l.spareUsable(p) {
-		return 0, 0
+	if p == nil {
+		return nil
 	}
-	return len(p.members), p.r.cost
+	epoch, held := l.view.epoch.Load(), map[int]int{}
+	if p.r.epoch == epoch && len(p.members) > 0 {
+		held[p.r.cost] += len(p.members)
+	}
+	for _, s := range p.stale {
+		if s.epoch == epoch {
+			held[s.cost]++
+		}
+	}
+	return held
 }
 
 // dropSpares moves p's unused spares to those to give back.

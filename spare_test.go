@@ -2,6 +2,7 @@ package throttle
 
 import (
 	"context"
+	"math"
 	"strconv"
 	"sync"
 	"sync/atomic"
@@ -55,28 +56,52 @@ func used(t *testing.T, l *Limiter, opts ...CallOption) int {
 // then refuses every pool, rightly.)
 func TestSpare_CallsInQuickSuccessionShareScriptCalls(t *testing.T) {
 	redistest.Each(t, func(t *testing.T, s *redistest.Server) {
-		lim, scripts := spareLimiter(t, s, policies.SlidingLog{Limit: 100_000, Window: time.Minute, Margin: 200 * time.Millisecond})
-		ctx := context.Background()
 		const calls = 400
-		for range calls {
-			p, err := lim.Acquire(ctx)
-			if err != nil {
-				t.Fatal(err)
+		// Beside CI's race run, 400 calls once took 8 s, no longer in
+		// quick succession (184 script calls): the run is made again on a
+		// limiter of its own, and fails when three all make too many.
+		for try := 1; ; try++ {
+			lim, n := quickSuccession(t, s, calls)
+			if n > calls/3 && try < 3 {
+				continue
 			}
-			p.Release()
+			if n > calls/3 {
+				t.Errorf("%d script calls for %d calls in quick succession, want at most %d", n, calls, calls/3)
+			}
+			checkSparesGivenBack(t, s, lim, calls)
+			return
 		}
-		n := scripts.Load()
-		held := spareCount(lim)
-		t.Logf("%d calls, %d script calls, %d spares unused", calls, n, held)
-		if n > calls/3 {
-			t.Errorf("%d script calls for %d calls in quick succession, want at most %d", n, calls, calls/3)
-		}
-		logSize := func() int { return int(s.Client(t).ZCard(ctx, lim.cfg.shared[2]).Val()) }
-		if got := logSize(); got < calls || got > calls+maxSpares {
-			t.Errorf("the log holds %d entries after %d calls, want %d to %d (spares not yet given back)", got, calls, calls, calls+maxSpares)
-		}
-		eventually(t, "the unused spares are given back", func() bool { return logSize() == calls })
 	})
+}
+
+// quickSuccession makes calls calls one after the other on a new limiter
+// and returns it and the script calls they took.
+func quickSuccession(t *testing.T, s *redistest.Server, calls int) (*Limiter, int64) {
+	lim, scripts := spareLimiter(t, s, policies.SlidingLog{Limit: 100_000, Window: time.Minute, Margin: 200 * time.Millisecond})
+	ctx := context.Background()
+	began := time.Now()
+	for range calls {
+		p, err := lim.Acquire(ctx)
+		if err != nil {
+			t.Fatal(err)
+		}
+		p.Release()
+	}
+	n := scripts.Load()
+	t.Logf("%d calls in %v, %d script calls, %d spares unused", calls, time.Since(began).Round(time.Millisecond), n, spareCount(lim))
+	return lim, n
+}
+
+// checkSparesGivenBack checks that lim's log holds its calls and its
+// unused spares, which it gives back soon after.
+func checkSparesGivenBack(t *testing.T, s *redistest.Server, lim *Limiter, calls int) {
+	t.Helper()
+	ctx := context.Background()
+	logSize := func() int { return int(s.Client(t).ZCard(ctx, lim.cfg.shared[2]).Val()) }
+	if got := logSize(); got < calls || got > calls+maxSpares {
+		t.Errorf("the log holds %d entries after %d calls, want %d to %d (spares not yet given back)", got, calls, calls, calls+maxSpares)
+	}
+	eventually(t, "the unused spares are given back", func() bool { return logSize() == calls })
 }
 
 // Usage counts this process's unused spares as free, not as used: a process
@@ -95,13 +120,23 @@ func TestSpare_UsageCountsOwnSparesAsFree(t *testing.T) {
 		if spareCount(lim) == 0 {
 			t.Fatal("no spares pooled: the test shows nothing")
 		}
-		u, err := lim.Usage(ctx)
-		if err != nil {
-			t.Fatal(err)
+		checkUsage := func(when string) {
+			t.Helper()
+			u, err := lim.Usage(ctx)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if r := u.Rules[0]; r.Used != calls || r.Remaining != limit-calls {
+				t.Errorf("Usage %s: %d used, %d remaining after %d calls, want %d and %d", when, r.Used, r.Remaining, calls, calls, limit-calls)
+			}
 		}
-		if r := u.Rules[0]; r.Used != calls || r.Remaining != limit-calls {
-			t.Errorf("Usage: %d used, %d remaining after %d calls, want %d and %d", r.Used, r.Remaining, calls, calls, limit-calls)
-		}
+		checkUsage("with spares to take")
+		// Spares the process may no longer take (a limit in force lowered
+		// since, or a call late by more than their share of the margin) stay
+		// in the log until its next script call gives them back: used by no
+		// call still.
+		lim.noteLowered(time.Duration(math.MaxInt64 / 2))
+		checkUsage("with spares it may no longer take")
 	})
 }
 

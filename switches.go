@@ -44,6 +44,9 @@ const (
 	offForwardSteps   mechanism = "forward_steps"   // batch.go newStep: a forward step is not told to the script
 	offMoves          mechanism = "moves"           // move.go movable: room given back moves no sleeping call
 	offRebookLowered  mechanism = "rebook_lowered"  // view.go overtaken: a call booked before a limit dropped keeps its slot
+	offKeepPlace      mechanism = "keep_place"      // one of luaMechanisms, read in Go too: decide.go keepPlace, keptAsBooked
+	offLearnMeasures  mechanism = "learn_measures"  // feedback.go tell: an answer that teaches a cap or a pause measures no others' share
+	offSpreadParts    mechanism = "spread_parts"    // throttle.go New: a policies.Spread's parts are dropped
 
 	// feedback.go Heard: a refusal about calls in flight pauses, as any other.
 	offConcRefusals mechanism = "concurrency_refusals"
@@ -69,13 +72,18 @@ var luaMechanisms = []mechanism{
 	"seq",             // lib.lua check_seq: a Redis gone back in time is not found
 	"own_seq",         // acquire.lua count_own: a limiter's own scripts are not counted, only the quota's
 	"back_steps",      // lib.lua check_clock: a clock gone back is not found
+	"moves_first",     // acquire.lua moves.order: the calls are decided as they came, moves among them
+	"keep_place",      // acquire.lua fits_behind, decide.go keepPlace: a move keeps its slot unchecked, and a call booked before a limit dropped books again behind
+	"group_clock",     // acquire.lua check_meta: every quota of a group that meets a clock gone back drops what its shared rules hold ahead
 	"policy_ids",      // lib.lua check_policy: a changed policy starts at once
 	"blind_rules",     // lib.lua blind.read, blind.lost, check_policy: a loss or a new rule pauses the whole quota for its longest window
 	"rebuild",         // acquire.lua blind.floor, feedback.lua rebuild: no scout goes out, and no vendor's count ends a rule's blindness
 	"learned_caps",    // feedback.lua: a vendor's refusal teaches no cap
 	"charges",         // feedback.lua charged_after: every answer charges its whole gap
+	"charge_refunds",  // feedback.lua: a charge reads units settled back since the call's arrival as gone, though the vendor's count may hold them
 	"reserve",         // acquire.lua reserve: back from Local, Redis admits the whole limit
 	"others",          // feedback.lua note_others: no share is left to other consumers of the key
+	"others_steady",   // lib.lua others_share, others_reserve: a measure leaves the share a window and a half after it, though no measure since saw the fleet as busy, and the share is left to the unit, not in steps
 	"about",           // feedback.lua about_rules: a vendor's count is about every rule that takes its kind of count
 	"lag",             // lib.lua note_lag, lag_of: the record is kept for its widest window alone, and a late answer measures what is left of it
 	"classes",         // acquire.lua class_rules: no share is held for higher priorities and lighter keys
@@ -90,8 +98,8 @@ var luaMechanisms = []mechanism{
 // goMechanisms are the mechanisms decided in Go.
 var goMechanisms = []mechanism{
 	offSleepToSlot, offGuard, offDoubt, offLeads, offSpares, offBatches, offAbandon,
-	offNews, offBreaker, offAskTimeout, offQueuedFailures, offHandBack, offForwardSteps, offMoves, offRebookLowered,
-	offConcRefusals,
+	offNews, offBreaker, offAskTimeout, offQueuedFailures, offHandBack, offForwardSteps, offMoves, offRebookLowered, offLearnMeasures,
+	offConcRefusals, offSpreadParts,
 }
 
 // switchedOff holds the mechanisms THROTTLE_OFF turns off, offErr what is

@@ -161,6 +161,9 @@ func New(rdb redis.UniversalClient, name string, policy policies.Policy, opts ..
 	if err != nil {
 		return nil, fmt.Errorf("throttle: quota %q: %w", name, err)
 	}
+	if isOff(offSpreadParts) {
+		rules = slices.DeleteFunc(rules, func(r policies.Rule) bool { return r.Paces })
+	}
 	s, err := newSettings(name, opts)
 	if err != nil {
 		return nil, err

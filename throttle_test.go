@@ -299,15 +299,24 @@ func TestBlock_WaitsForItsSlot(t *testing.T) {
 		lim := newLimiter(t, s.Client(t), policies.SlidingLog{Limit: 2, Window: window, Margin: time.Nanosecond})
 		ctx := context.Background()
 		start := time.Now()
-		for i := range 6 {
+		var slots [6]time.Duration
+		for i := range slots {
 			p, err := lim.Acquire(ctx)
 			if err != nil {
 				t.Fatal(err)
 			}
 			// A sequential caller fills the window, waits for it to pass,
-			// and fills it again: calls 2 and 4 wait a whole window.
-			if i%2 == 0 && i > 0 && p.waited < window/2 {
-				t.Errorf("call %d waited %v, want about %v", i, p.waited, window)
+			// and fills it again: each call's slot (Redis's time, which a
+			// stall of this process does not move) is a window after the
+			// slot of the call two before it, and the call returns no
+			// earlier than its slot (the same machine's clock; a
+			// millisecond for the reading of Redis's).
+			slots[i] = p.r.slot()
+			if i >= 2 && slots[i]-slots[i-2] < window {
+				t.Errorf("call %d booked %v after call %d, want at least %v", i, slots[i]-slots[i-2], i-2, window)
+			}
+			if early := slots[i] - time.Duration(time.Now().UnixMicro())*time.Microsecond; early > time.Millisecond {
+				t.Errorf("call %d returned %v before its slot", i, early)
 			}
 			p.Release()
 		}

@@ -766,7 +766,11 @@ func TestTransport_PausesTheFleet(t *testing.T) {
 			{"429 Retry-After date", 429, []string{"Retry-After", date(5 * time.Second)}, 3900 * time.Millisecond, 5 * time.Second, 429},
 			{"429 X-RateLimit-Reset epoch", 429, []string{"X-RateLimit-Remaining", "0", "X-RateLimit-Reset", epoch(8 * time.Second)}, 6900 * time.Millisecond, 8 * time.Second, 429},
 			{"429 X-RateLimit-Reset delta", 429, []string{"X-RateLimit-Remaining", "0", "X-RateLimit-Reset", "4"}, 3900 * time.Millisecond, 4 * time.Second, 429},
-			{"429 IETF RateLimit", 429, []string{"RateLimit", `"default";r=0;t=6`, "RateLimit-Policy", `"default";q=100;w=60`}, 5900 * time.Millisecond, 6 * time.Second, 429},
+			// Without its RateLimit-Policy: a limit of 100 stated, with
+			// nothing left after the fleet's one call, measures others
+			// that spent 99, and the share holds the fleet for a window
+			// (TestOthers_ACountThatTeachesMeasuresThemToo).
+			{"429 IETF RateLimit", 429, []string{"RateLimit", `"default";r=0;t=6`}, 5900 * time.Millisecond, 6 * time.Second, 429},
 			{"429 without a hint: the default pause", 429, nil, 1900 * time.Millisecond, 2500 * time.Millisecond, 429},
 			{"429 Retry-After beyond maxPause", 429, []string{"Retry-After", "999999999"}, maxPause - time.Second, maxPause, 429},
 			{"503 Retry-After", 503, []string{"Retry-After", "2"}, 1900 * time.Millisecond, 2 * time.Second, 503},
@@ -1141,7 +1145,10 @@ func TestTransport_QueueServesHigherPriorityFirst(t *testing.T) {
 	t.Parallel()
 	s := redistest.Mini(t)
 	srv := newVendorServer(t, answer(http.StatusOK, "ok"))
-	lim := replicaLimiter(t, s, "queue", policies.SlidingLog{Limit: 1, Window: 200 * time.Millisecond, Margin: time.Nanosecond}, Options{Mode: Queue})
+	// The window is long enough for the low and the high request to queue
+	// before the booked one starts, on a machine that stalls the test for
+	// a second.
+	lim := replicaLimiter(t, s, "queue", policies.SlidingLog{Limit: 1, Window: 2 * time.Second, Margin: time.Nanosecond}, Options{Mode: Queue})
 	client := &http.Client{Transport: &Transport{
 		Limiter:  lim,
 		Priority: func(r *http.Request) int { n, _ := strconv.Atoi(r.URL.Query().Get("p")); return n },

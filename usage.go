@@ -95,12 +95,15 @@ type RuleUsage struct {
 	// Limit is the limit in force: Rule.Limit, or lower while a cap learned
 	// from the vendor's refusals holds (see Permit.Heard). For a
 	// TokenBucket, the units of a burst's span, whose rate falls with it.
-	// It also leaves Others their share.
+	// It also leaves Others their share, and, for a window after a replica
+	// comes back from the Local fallback, is the share of it that replicas
+	// still on the fallback leave (1/ExpectedReplicas): what the calls meet.
 	Limit int
 	// Others is the units per window the rule leaves other consumers of
 	// the vendor's key: what the vendor's counts show they spend, beside
-	// the fleet, smoothed, and a sixteenth more (see Limiter.SetRemaining);
-	// 0 when no one else spends it.
+	// the fleet, smoothed, in steps of a sixty-fourth of the vendor's
+	// limit, and a sixteenth more (see Limiter.SetRemaining); 0 when no
+	// one else spends it.
 	Others int
 }
 
@@ -128,10 +131,13 @@ func (l *Limiter) Usage(ctx context.Context, opts ...CallOption) (Usage, error) 
 	}
 	// This process's spare admissions (spare.go) are free for its calls, not
 	// used by any.
-	spares, cost := l.heldSpares(sc)
+	spares := l.heldSpares(sc)
 	for i, r := range l.cfg.rules {
 		w := v[protocol.UsageSize+protocol.RuleSize*i:]
-		held := spares * unitsOf(r, call{cost: cost})
+		held := 0
+		for cost, n := range spares {
+			held += n * unitsOf(r, call{cost: cost})
+		}
 		u.Rules = append(u.Rules, RuleUsage{
 			Rule:      r,
 			Used:      max(int(w[protocol.RuleUsed])-held, 0),

@@ -210,7 +210,9 @@ func (l *Limiter) awaitSlot(ctx context.Context, c call, r result, room <-chan s
 			}
 			return r, wokenAtSlot, nil
 		}
-		if r.again = l.overtakenBy(r); r.again != "" {
+		if r.again = l.overtakenBy(r); r.again == againLowered {
+			return l.keepPlace(ctx, c, r)
+		} else if r.again != "" {
 			return r, wokenOvertaken, nil
 		}
 		return r, wokenAtSlot, nil

@@ -36,6 +36,12 @@ type fleet struct {
 	keyUsed   []int
 }
 
+// slack is the margin of the fleet's quotas: a call starts late in its
+// slot by up to half of it, so that a reply of miniredis under -race beside
+// CI's other work (tens of milliseconds late, four times running) does not
+// refuse a call of an empty quota as too late to start in.
+const slack = time.Second
+
 // startFleet fills rdb with the quotas the page shows: "saturated", a log
 // of 10 a minute with its 10 calls; "paused", paused for an hour by the
 // vendor; "capped", which learned a cap from a refusal; "tenants", with
@@ -45,23 +51,23 @@ func startFleet(t *testing.T, rdb redis.UniversalClient) fleet {
 	t.Helper()
 	ctx := context.Background()
 	var f fleet
-	saturated := newLimiter(t, rdb, "saturated", policies.SlidingLog{Limit: 10, Window: time.Minute})
+	saturated := newLimiter(t, rdb, "saturated", policies.SlidingLog{Limit: 10, Window: time.Minute, Margin: slack})
 	for i := range 10 {
 		if _, err := saturated.Acquire(ctx); err != nil {
 			t.Fatalf("saturated: call %d: %v", i+1, err)
 		}
 	}
-	paused := newLimiter(t, rdb, "paused", policies.SlidingLog{Limit: 100, Window: time.Second})
+	paused := newLimiter(t, rdb, "paused", policies.SlidingLog{Limit: 100, Window: time.Second, Margin: slack})
 	if _, err := paused.Acquire(ctx); err != nil {
 		t.Fatal(err)
 	}
 	if err := paused.Pause(ctx, time.Hour); err != nil {
 		t.Fatal(err)
 	}
-	f.capped = learnCap(t, newLimiter(t, rdb, "capped", policies.SlidingLog{Limit: 100, Window: time.Minute}))
+	f.capped = learnCap(t, newLimiter(t, rdb, "capped", policies.SlidingLog{Limit: 100, Window: time.Minute, Margin: slack}))
 	tenants := policies.All(
-		policies.SlidingLog{Limit: 1000, Window: time.Minute},
-		policies.PerKey{Policy: policies.SlidingLog{Limit: 10, Window: time.Minute}},
+		policies.SlidingLog{Limit: 1000, Window: time.Minute, Margin: slack},
+		policies.PerKey{Policy: policies.SlidingLog{Limit: 10, Window: time.Minute, Margin: slack}},
 	)
 	loads := []struct {
 		key string

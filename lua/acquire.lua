@@ -1,92 +1,67 @@
--- acquire.lua: admit, book or refuse a batch of calls against every rule of
--- a quota, atomically, in the order given. Calls that run at the same moment in
--- one process share one script call; each is decided as if alone, after the
--- ones before it. A call is recorded only when it is admitted or booked; a
--- refused call writes nothing but its class's demand (see Classes).
+-- acquire.lua: admit, book or refuse a batch of calls against every rule
+-- of a quota, atomically, each as if alone after the ones before it. Only
+-- admitted and booked calls are written; a refused call writes only its
+-- class's demand.
 --
--- KEYS and ARGV as in lib.lua; after the rules, ARGS.acquire (the caller,
--- what it last saw of the quota, its timing and policy, and how many of
--- each group follow: see internal/protocol), then:
---   for each lateness bucket its calls fell in since its last report,
---   ARGS.late (see note_timing in lib.lua);
---   for each scope (key of the quota) but the first, the one of KEYS, its
---   pause key and then one key per rule, in the order of the rules (a
---   shared rule's key is the one in KEYS);
---   for each booking to give back (a call that would start too late books
---   again in the same script call), ARGS.give: the booking as its answer
---   gave it, and its scope (1..s);
---   for each call, ARGS.call: its id, unique across the fleet; its cost;
---   the longest wait in microseconds it accepts (0 admits only now); the
---   least, in microseconds (a call whose last slot came back from Redis
---   too late to start in asks for one that far ahead, so that the reply
---   arrives before it); its scope (1..s); for a call that moves its
---   booking earlier, the booking's place among those given back (1..g),
---   else 0: when nothing earlier fits, the call keeps its slot (see
---   decide); and its class's name and priority (see Classes), the name
---   "" for a call of no class (ArrivalOrder).
+-- KEYS and ARGV as in lib.lua. After the rules, ARGS.acquire: the caller,
+-- what it last saw of the quota, its timing and policy, and each group's
+-- size (internal/protocol). Then per lateness bucket, ARGS.late (see
+-- note_timing in lib.lua); per scope after the first (the one of KEYS),
+-- its pause key and one key per rule in rule order (a shared rule's as in
+-- KEYS); per booking to give back, ARGS.give: the booking as its answer
+-- gave it, and its scope (1..s); per call, ARGS.call: its id, unique
+-- across the fleet; its cost; the longest wait it accepts (0 admits only
+-- now); its lead, the least wait (docs/PROTOCOL.md 3.8); its scope (1..s);
+-- for a call that moves its booking, that booking's place among those
+-- given back (1..g), else 0; its class's name ("" under ArrivalOrder) and
+-- priority (see Classes). All times are in µs.
 --
 -- Returns REPLY.acquire {now, pause, epoch, lost, margin, done, seq, paused,
--- paused_by}, then for each call REPLY.answer {admitted, wait, remaining,
+-- paused_by}, then per call REPLY.answer {admitted, wait, remaining,
 -- reason, blind_by, pause, noted, logged, room}:
---   now        the time the script used, in microseconds;
---   pause      the time until which the quota or the first scope's key is
---              paused, or 0; after each call, the same for the call's scope;
+--   now        the time the script used;
+--   pause      until when the quota or scope 1's key is paused, or 0; in an
+--              answer, the same for the call's scope;
 --   epoch      the quota's epoch;
---   lost       1 when this call found that Redis lost the quota's data;
---   margin     the smallest margin in force of the guarded windows, in
---              microseconds, or 0 when no window is guarded (see margins);
---   done       the time the script ended (now, for a script that did little:
---              see LONG_WORK): a call admitted now starts no earlier, and the
---              caller measures the reply's trip from it;
+--   lost       1 when this script found that Redis lost the quota's data;
+--   margin     the smallest margin in force of the guarded windows, or 0;
+--   done       when the script ended, or now if short (LONG_WORK); a call
+--              admitted now starts no earlier, and replies are timed from it;
 --   seq        the quota's count of scripts run, this one included;
---   paused     the time until which the quota itself is paused, or 0;
---   paused_by  why (PAUSED_BY_* in lib.lua), or 0: a call's pause that ends
+--   paused     until when the quota itself is paused, or 0;
+--   paused_by  why (PAUSED_BY_* in lib.lua), or 0; a call's pause that ends
 --              later is its key's, which only the vendor sets;
---   admitted   1 when the call was admitted (wait 0) or booked (wait > 0), else 0;
---   wait       microseconds from now until the call's slot; when refused, how long
---              until it would fit (its retry-after);
---   remaining  units still free now under the tightest rule, after the call,
---              its class's own log included (see Classes);
---   reason     REASON.admitted (0) admitted; REASON.too_far (1) refused: the slot
---              lies beyond the wait accepted; REASON.busy (2) refused: a
---              concurrency rule is full (no slot can be booked, since no one
---              knows when a holder will finish; wait is then the time until the
---              first lease runs out); REASON.share (3) refused: the call is
---              larger than the quota's share reserved after a Local outage
---              (wait: until the reserve ends);
---   blind_by   when a blind rule refused it, why (PAUSED_BY_*), else 0
---              (see Blind rules in lib.lua);
+--   admitted   1 admitted (wait 0) or booked (wait > 0), else 0;
+--   wait       from now to the slot; when refused, until it would fit;
+--   remaining  units free now under the tightest rule after the call, its
+--              class's own log included;
+--   reason     REASON.admitted (0); refused: REASON.too_far (1), the slot is
+--              beyond the wait accepted; REASON.busy (2), a concurrency rule
+--              is full (wait: to its first lease's end); REASON.share (3),
+--              over the share reserved after a Local outage (wait: its end);
+--   blind_by   when a blind rule refused the call, why (PAUSED_BY_*), or 0;
 --   noted      for a call admitted or booked, the rules whose class demand
---              counts it, rule i as the bit 2^(i-1) (see Classes); else 0;
+--              counts it, rule i as bit 2^(i-1); else 0;
 --   logged     the same for the rules whose class's own log holds it;
---   room       as remaining, under the rules alone: a class's own log, which
---              narrows what its calls take, is no count a vendor keeps.
+--   room       remaining under the rules alone: what a vendor's count is
+--              read against.
 
 local now = clock()
 
--- A script that reads, writes or drops more than LONG_WORK entries of a
--- log, reads a log by rank, or decides more than LONG_CALLS calls, reads the clock
--- again when it ends (done, in its reply); one that did less ends within a
--- fraction of a millisecond of now, which it answers for done instead,
--- sparing a command: the least margin a call is guarded by allows it 2.5 ms.
+-- Long scripts read the clock again for done: over LONG_WORK log entries
+-- read, written or dropped, a read by rank, or over LONG_CALLS calls.
+-- Others answer now, saving a command (docs/PROTOCOL.md 2.2).
 local LONG_WORK = 256
 local LONG_CALLS = 16
 
--- A log drops the entries that have left every window in about one script
--- in TRIM_EVERY, by the microsecond the script runs at (not by the quota's
--- count of scripts, which a key touched every other script would never
--- meet): the searches count and read only the entries after a window's
--- start, so older ones cost only the memory of a few scripts' calls, and
--- the trim a command in most scripts.
+-- A log drops what left every window in about one script in TRIM_EVERY,
+-- by the microsecond it runs at. Searches skip older entries anyway.
 local TRIM_EVERY = 8
 
--- load drops what has left every window and reads the state each rule
--- decides from.
+-- load drops what left every window and reads the state r decides from.
 local function load(r)
   if r.kind == LOG then
-    -- Entries are kept as long as the widest margin could count them, and
-    -- the answers' lag (r.kept); the window in force counts those after
-    -- now - r.window.
+    -- r.kept covers the widest margin and the answers' lag.
     if now % TRIM_EVERY == 0 or OFF.lazy_trim then
       r.long = redis.call('ZREMRANGEBYSCORE', r.key, '-inf', str(now - r.kept)) > LONG_WORK
     end
@@ -96,9 +71,7 @@ local function load(r)
       r.scout_free = redis.call('ZCOUNT', r.key, str(r.since), '+inf') == 0
     end
   elseif r.kind == COUNTER then
-    -- The oldest bucket a window ending now may touch, as earliest_counter
-    -- counts them; older ones are dropped once no margin could count them
-    -- and no answer measure them (r.kept).
+    -- Buckets older than r.kept, which nothing counts, are dropped.
     local oldest = oldest_bucket(r, now)
     local kept = bucket_of(now, r.width) - math.ceil(r.kept / r.width)
     local raw = redis.call('HGETALL', r.key)
@@ -136,8 +109,7 @@ local function load(r)
   r.tmax = now
 end
 
--- free is the units the rule has free now, bookings ahead counted: none
--- in a blind log or counter (see Blind rules in lib.lua).
+-- free returns the units rule r has free now, bookings ahead counted.
 local function free(r)
   if r.kind == BUCKET then
     return bucket_free(r, r.tat, now)
@@ -147,9 +119,8 @@ local function free(r)
   return r.limit - r.n
 end
 
--- blind.floor returns the earliest time a blind log or counter r admits a
--- call at: once the calls before its data began have reached the vendor,
--- for a scout (see Scouts in lib.lua), else the end of its blindness.
+-- blind.floor returns when a blind log or counter r admits a call: for a
+-- scout, blind.settled (docs/PROTOCOL.md 6.1); else its blindness's end.
 function blind.floor(r)
   if r.scout and r.about and r.scout_free then
     return blind.settled(r)
@@ -157,16 +128,11 @@ function blind.floor(r)
   return r.blind_until
 end
 
--- A log's entries after the first time a search needs, read once per
--- script into memory (r.seg: the scores after lo, ascending, with the
--- entries the script records since, which record adds) unless there are
--- more than SEGMENT of them: each call of a batch then searches among them
--- without asking Redis again, where reading them by rank costs a count and
--- two reads each.
+-- A log with at most SEGMENT entries after a search's start is read once
+-- per script into r.seg. It is searched in memory (docs/PROTOCOL.md 3.2).
 local SEGMENT = 1024
 
--- first_after returns the index of the first of the ascending scores s
--- that is greater than x, or #s + 1.
+-- first_after returns the first i with s[i] > x in ascending s, or #s + 1.
 local function first_after(s, x)
   local lo, hi = 1, #s + 1
   while lo < hi do
@@ -188,8 +154,7 @@ local function seg_insert(s, score, n)
   end
 end
 
--- record writes the call into the state the next call of the batch decides
--- from.
+-- record writes the call into the state the batch's next call decides from.
 local function record(r, t, id, cost)
   r.tmax = math.max(r.tmax, t)
   r.recorded = true
@@ -198,8 +163,7 @@ local function record(r, t, id, cost)
   if r.kind == LOG or r.kind == CONCURRENCY then
     local score = t
     if r.kind == CONCURRENCY then
-      -- A concurrency slot is held from now, even for a booked call, until
-      -- the call releases it or its lease runs out.
+      -- A concurrency slot is held from now, booked or not, to t + lease.
       score = t + r.lease
     end
     if score ~= r.at then
@@ -220,7 +184,6 @@ local function record(r, t, id, cost)
   elseif r.kind == COUNTER then
     local b = bucket_of(t, r.width)
     if not r.counts[b] then
-      -- A bucket newly in use takes its place among the others.
       local i = #r.bs + 1
       while i > 1 and r.bs[i - 1] > b do
         i = i - 1
@@ -237,8 +200,7 @@ local function record(r, t, id, cost)
   end
 end
 
--- flush writes what the batch recorded in rule r to Redis, in as few
--- commands as it can.
+-- flush writes what the batch recorded in rule r to Redis.
 local function flush(r)
   if r.pending then
     for i = 1, #r.pending, 1000 do
@@ -256,16 +218,12 @@ local function flush(r)
   end
 end
 
--- How much of a log one call may read, in entries, before it settles for
--- the time after the log's last entries. A log is read by rank, a few
--- entries at a time where the search needs them, so that a call reads
--- about as many entries as its search steps over, not the whole log.
+-- A call reads SCAN log entries at most, FIRST_READ to MAX_READ at a time.
 local SCAN = OFF.read_budget and math.huge or 512
 local FIRST_READ = 4
 local MAX_READ = 256
 
--- scores returns the scores of the entries of ranks from .. from+n-1 (from
--- 0), fewer at the end of the log.
+-- scores returns the scores of ranks from .. from+n-1 (from 0) of key.
 local function scores(key, from, n)
   local raw = redis.call('ZRANGE', key, from, from + n - 1, 'WITHSCORES')
   local out = {}
@@ -275,10 +233,8 @@ local function scores(key, from, n)
   return out
 end
 
--- log_tail returns the earliest time >= t after every entry of the log at
--- which the new units fit: past the last entry, and a window after the
--- entry that has room units after it. Two lookups by rank find it, however
--- long the log.
+-- log_tail returns the earliest time >= t past the log's last entry and a
+-- window after the entry with room entries after it. It always fits.
 local function log_tail(r, t, room)
   flush(r)
   local total = redis.call('ZCARD', r.key)
@@ -287,10 +243,8 @@ local function log_tail(r, t, room)
   return math.max(t, tonumber(last[2]), tonumber(nth[2]) + r.window)
 end
 
--- segment returns log r's segment holding every entry after lo, reading
--- it if need be; nil for a log with more than SEGMENT entries after the
--- first lo a search of this script needed (booked far ahead), which is
--- read by rank (earliest_log).
+-- segment returns log r's segment of every entry after lo, read if need
+-- be. It is nil when over SEGMENT entries follow: earliest_log reads those.
 local function segment(r, lo)
   local seg = r.seg
   if seg == false or seg and seg.lo <= lo then
@@ -311,8 +265,7 @@ local function segment(r, lo)
   return r.seg
 end
 
--- earliest_in_segment is earliest_log among the ascending scores s, which
--- hold every entry after t - w: the same pass, in memory.
+-- earliest_in_segment is earliest_log in memory, over all scores after t - w.
 local function earliest_in_segment(r, s, t, room, budget)
   local w = r.window
   local j = first_after(s, t - w)
@@ -333,24 +286,15 @@ local function earliest_in_segment(r, s, t, room, budget)
 end
 
 -- earliest_log returns the earliest time >= t at which cost more units fit
--- in every window of the log that would hold them: a window of length
--- w = r.window may already hold room = limit - cost units.
---
--- Any room+1 consecutive entries s[j] .. s[j+room] that lie within w of each
--- other forbid exactly the times in the open interval (s[j+room] - w,
--- s[j] + w): a call there would share one window with all of them. Those
--- intervals start and end in ascending order, so one pass from the first
--- entry after t - w finds the first allowed time. Bookings ahead count like
--- any other entry, so a freed booking can never let a window overfill, and
--- a gap between bookings is used when it is wide enough. A pass longer than
--- the budget (a log booked far ahead) settles for the time after the whole
--- log, which is always allowed.
+-- the log. A window of length w = r.window may hold room = limit - cost
+-- others. Room+1 entries within w forbid (s[j+room] - w, s[j] + w); one
+-- pass finds the first allowed time (docs/PROTOCOL.md 3.2).
 local function earliest_log(r, t, cost, budget)
   local room, w = r.limit - cost, r.window
   r.long = true
   flush(r)
-  -- j, the rank of the first entry after t - w; a and b hold the scores of
-  -- the entries from rank j and from rank j + room, read as needed.
+  -- j is the rank of the first entry after t - w. a and b hold the scores
+  -- from ranks j and j + room, read as needed.
   local j = redis.call('ZCOUNT', r.key, '-inf', str(t - w))
   local a, b, i, n = {}, {}, 1, FIRST_READ
   while true do
@@ -376,10 +320,8 @@ local function earliest_log(r, t, cost, budget)
       t = a[i] + w
     end
     if a[i + 1] == a[i] and a[#a] == a[i] then
-      -- The entries after it at the same time (the units of one call),
-      -- to the end of what was read and beyond, forbid no time it does
-      -- not, or none before t: on to the first entry after them, by its
-      -- rank, rather than read them.
+      -- The next entries at its time (one call's units) forbid nothing new
+      -- before t: skip them by rank rather than read them.
       j = redis.call('ZCOUNT', r.key, '-inf', str(a[i]))
       i, n = #a + 1, FIRST_READ
       budget.left = budget.left - 1
@@ -390,18 +332,10 @@ local function earliest_log(r, t, cost, budget)
   end
 end
 
--- earliest_counter returns the earliest time >= t at which cost more units fit
--- a sliding counter. A window of length w that ends in bucket j may touch
--- buckets j-m .. j; each is counted in full, the partly expired one too, so no
--- window ever holds more than the limit. The units at t fall in bucket k and
--- into the windows ending in buckets k .. k+m, which must all have room.
---
--- Put another way, the m+1 buckets from i on hold W(i) units, and a window
--- too full to take the call (W(i) > limit - cost) forbids buckets i .. i+m.
--- W changes only where a bucket that holds units enters (at i = b - m) or
--- leaves (at i = b + 1), so one sweep over the buckets that hold units,
--- r.bs in ascending order, finds the first bucket no full window forbids:
--- the work follows the buckets in use, not the span they cover.
+-- earliest_counter returns the earliest time >= t at which cost more units
+-- fit a counter. The m+1 buckets from i on hold W(i); W(i) > limit - cost
+-- forbids buckets i .. i+m. W changes only where a bucket in use enters or
+-- leaves, so one sweep over r.bs finds k (docs/PROTOCOL.md 3.3).
 local function earliest_counter(r, t, cost)
   local width, room = r.width, r.limit - cost
   if r.n <= room then
@@ -431,8 +365,7 @@ local function earliest_counter(r, t, cost)
       leave = leave + 1
     end
     if w > room then
-      -- W stays this high until its next change: the windows from at to
-      -- there forbid buckets at .. (next - 1) + m.
+      -- W holds until nxt: those windows forbid buckets up to nxt - 1 + m.
       local nxt = bs[leave] + 1
       if enter <= n then
         nxt = math.min(nxt, bs[enter] - m)
@@ -448,11 +381,7 @@ local function earliest_counter(r, t, cost)
   return k * width
 end
 
--- paced returns the earliest time >= t at least r.pace away from every
--- entry of log r (see Pacing in lib.lua), reading the entries from t - r.pace
--- on, PACE_READ at most. A log whose entries lie closer together than that
--- read covers settles for r.pace after its last entry. The time is one the
--- rules must settle from again.
+-- paced returns the earliest time >= t at least r.pace from log r's entries.
 local PACE_READ = 16
 local PACED_SCAN = 32
 local function paced(r, t)
@@ -472,11 +401,7 @@ local function paced(r, t)
   return math.max(t, tonumber(last[2]) + r.pace)
 end
 
--- search_from returns the time from which a search by rank of log r for
--- cost units, asked from t, begins, and the log's hint as it was before
--- the search: so the calls of a batch, and the calls of later batches
--- through the log's hint, do not each read a log booked far ahead again
--- (see read_hint in lib.lua).
+-- search_from returns where a search of log r from t begins, and its hint.
 local function search_from(r, t, cost)
   local from = t
   if r.hint == nil then
@@ -484,23 +409,14 @@ local function search_from(r, t, cost)
   end
   local h = r.hint
   if h and h.c <= cost and h.t <= t and h.w <= r.window and h.at > from then
-    -- The search begins at the hint.
     from = h.at
   end
   return from, h
 end
 
--- keep_hint makes the hint of log r say what a search for cost units,
--- asked from t, found: no room before at; h is the hint the search began
--- with.
---
--- A search that began at the hint, or from within the times it holds
--- for, found no room from the hint's at to its own either: the new hint
--- holds from the old one's t, so that a call asked from later (one that
--- books ahead of its late reply) does not make the calls asked from now
--- read the log again. A search from beyond the hint's at (from a paced
--- time past room the hint stops at) leaves the hint as it was, unless
--- that room is already past.
+-- keep_hint makes log r's hint say that a search for cost units from t
+-- found no room before at. h is the hint it began with. A search begun in
+-- h's span keeps h's t. One begun past h.at leaves h, unless h.at is past.
 local function keep_hint(r, h, t, cost, at)
   local joins = h and h.c <= cost and h.w <= r.window and h.t <= t and h.at >= t
   if not h or cost < h.c or h.t > t or h.w > r.window or cost == h.c and at > h.at and (joins or h.at < now) then
@@ -513,23 +429,18 @@ local function keep_hint(r, h, t, cost, at)
   end
 end
 
--- earliest_in_log returns the earliest time >= t at which log r takes cost
--- more units, searching its entries only where the searches before this
--- one have not.
+-- earliest_in_log returns the earliest time >= t log r takes cost more units.
 local function earliest_in_log(r, t, cost, budget)
   -- Only a log too full to take the call outright needs its entries read.
   if r.n <= r.limit - cost then
     return t
   end
-  -- The time a search of this script found for cost units fits them
-  -- until a call is recorded: the rounds over the rules of a policy ask
-  -- again there, and need not read the log again.
+  -- r.fits holds the last answer for the rounds, until a call is recorded.
   if r.fits and r.fits.c == cost and r.fits.at == t and not OFF.fits then
     return t
   end
   if r.n <= SEGMENT and not OFF.segment then
-    -- Short enough to be read whole from a window before the search's
-    -- start: searched in memory, with no hint to read or write.
+    -- Short: read whole into memory, with no hint to read or write.
     local seg = segment(r, t - r.window)
     if seg then
       local at = earliest_in_segment(r, seg.s, t, r.limit - cost, budget)
@@ -538,10 +449,8 @@ local function earliest_in_log(r, t, cost, budget)
     end
   end
   local from, h = search_from(r, t, cost)
-  -- A search that settled for the log's tail leaves the hint there too:
-  -- room deeper in the log than one search reads stays unused, as it
-  -- would for every later call anyway, until entries taken out of the
-  -- log lower the hint.
+  -- A search that settled for the log's tail leaves the hint there too.
+  -- Deeper room stays unused until entries taken out lower the hint.
   local at = earliest_log(r, from, cost, budget)
   r.fits = { c = cost, at = at }
   keep_hint(r, h, t, cost, at)
@@ -549,8 +458,7 @@ local function earliest_in_log(r, t, cost, budget)
 end
 
 -- earliest returns the earliest time >= t at which rule r takes cost more
--- units; NEVER for a full concurrency rule, since no one knows when a
--- holder will finish.
+-- units. A full concurrency rule gives NEVER: its holders' end is unknown.
 local function earliest(r, t, cost, budget)
   if r.blind and (r.kind == LOG or r.kind == COUNTER) then
     t = math.max(t, blind.floor(r))
@@ -560,8 +468,7 @@ local function earliest(r, t, cost, budget)
   elseif r.kind == COUNTER then
     return earliest_counter(r, t, cost)
   elseif r.kind == BUCKET then
-    -- GCRA: the call conforms once its units fit under the burst above the
-    -- theoretical arrival time.
+    -- GCRA: the call conforms once its units fit in the burst above TAT.
     return math.max(t, r.tat - (r.limit - cost) * r.interval)
   elseif r.n + cost <= r.limit then
     return t
@@ -569,17 +476,10 @@ local function earliest(r, t, cost, budget)
   return NEVER
 end
 
--- The steps of the script. They share one table, batch: the arguments of
--- the batch of calls, and what each step learns for the ones after it.
+-- The script's steps share one table, batch: arguments and what each learns.
 
--- read_scopes reads the scopes from ARGV[arg] on, into batch.scopes and
--- batch.objs, and returns the place after them.
---
--- The calls of one script call may be for several keys of the quota: the
--- first key's rules are in KEYS; each other key comes as its pause key and
--- then one key per rule, a shared rule's key as in KEYS. A rule whose key
--- is the first scope's is the same rule for both: one object, read,
--- decided and written once. objs holds each rule object once.
+-- read_scopes reads the scopes into batch.scopes, returning the place after
+-- them. A rule on scope 1's key is one object; batch.objs lists each once.
 local function read_scopes(batch, arg)
   local rs = batch.rs
   batch.scopes = { { rs = rs, pause_key = KEYS[2] } }
@@ -611,12 +511,11 @@ local function read_scopes(batch, arg)
   return arg
 end
 
--- call_args returns call c (from 0) of the batch, as ARGS.call read it,
--- once only: with its cost read, its scope, its rules, the booking it
--- moves (one given back in this script, or nil), and the fields read_call
--- fills.
+-- call_args returns call c (from 0) of the batch; call it once. It adds
+-- its cost read, scope rules, read_call's fields and the booking it moves.
 local function call_args(batch, c)
   local call = batch.call_args[c + 1]
+  call.index = c
   local sc = batch.scopes[call.scope]
   call.cost, call.scope, call.rs, call.pause = read_cost(call.cost), sc, sc.rs, sc.pause
   call.remaining, call.after, call.too_big, call.room, call.room_after = NEVER, NEVER, false, NEVER, NEVER
@@ -624,8 +523,7 @@ local function call_args(batch, c)
   return call
 end
 
--- read_args reads the rules and the arguments of the script's own (see
--- the header), in their order, and returns the table the steps share.
+-- read_args returns batch, holding the rules and the script's arguments.
 local function read_args()
   local at = after_rules()
   local batch
@@ -645,7 +543,6 @@ local function read_args()
   end
   batch.nscopes, batch.ncalls, batch.ngive = batch.scopes, batch.calls, batch.gives
   at = read_scopes(batch, at)
-  -- The bookings to give back, each with its cost read and its scope.
   batch.give_args = batch.ngive > 0 and {} or nil
   for g = 1, batch.ngive do
     local b
@@ -663,10 +560,8 @@ local function read_args()
   return batch
 end
 
--- read_fleet reads the quota's meta, nil when missing, and folds into it
--- what the calling process reports of its calls' timing; from the fleet's
--- spread it sets the margins in force of every rule (see margins in
--- lib.lua), and whether the quota warms up.
+-- read_fleet returns the meta, nil when missing, with the caller's timing
+-- folded in. It sets the margins in force and whether the quota warms up.
 local function read_fleet(batch)
   local meta = read_meta(true)
   if meta and now - meta.refreshed > META_REFRESH then
@@ -684,44 +579,26 @@ local function read_fleet(batch)
   return meta
 end
 
--- describe keeps in meta m the policy a limiter described, text, with its
--- age in microseconds: the newest limiter's,
--- made last by the script's clock (now less its age), whatever order the
--- fleet describes in. An old version's limiter may describe last: its
--- first call came late, or a loss made every limiter describe again.
+-- describe keeps in meta m the policy text of the limiter made last. Its
+-- time is the script's clock less its age in µs (docs/PROTOCOL.md 1.2).
 local function describe(m, age, text)
   if text ~= '' and now - age >= m.policy_made then
     m.policy, m.policy_made = text, now - age
   end
 end
 
--- Each limiter's own count. The quota's count of scripts run (seq) finds
--- a Redis gone back in time only if the caller saw a count that Redis
--- lost, and the other processes' scripts make it up again. So the quota
--- also counts each limiter's own acquire scripts of the epoch, in the
--- hash <meta key without meta>ran, by the limiter's id: a limiter never
--- has more scripts answered than Redis counts for it, unless Redis lost
--- them (see check_seq in lib.lua). The hash starts again with each
--- epoch, and lives as long as the meta key.
-
--- check_meta finds whether Redis lost the quota's data (see Losses in
--- lib.lua): a missing or changed meta key may mean that it did (see
--- check_loss), and so do a count of scripts run behind the caller's, a
--- clock gone back, and a clock the caller saw step forward. It counts this
--- script among those run: batch.meta is then the meta to write back, and
--- batch.found true when this script found a loss.
+-- check_meta finds a loss (docs/PROTOCOL.md 6.1-6.3) and counts this
+-- script; batch.meta is the meta to write back, batch.found true on a loss.
 local function check_meta(batch, meta)
-  -- count_own counts this script in the caller's own count, and reports
-  -- whether the quota's data is lost: found already, or a count behind the
-  -- scripts the caller had answered in this epoch (batch.ran, counted in
-  -- epoch batch.ran_in). epoch is the one the meta had when read.
+  -- count_own counts this script in <meta key without meta>ran by limiter
+  -- id. It returns true on a loss: found, or counted at most batch.ran in
+  -- epoch batch.ran_in (docs/PROTOCOL.md 6.2). epoch is the one read.
   local function count_own(batch, meta, epoch, found)
     if not batch.limiter or OFF.own_seq then
       return found
     end
     local key = string.sub(KEYS[1], 1, -5) .. 'ran'
     if meta.epoch ~= epoch then
-      -- A new epoch, a new count.
       redis.call('DEL', key)
     end
     local n = redis.call('HINCRBY', key, batch.limiter, 1)
@@ -746,8 +623,12 @@ local function check_meta(batch, meta)
   local step = meta.last_acquire - now
   if not found and not created and check_clock(meta, now, batch.rs) then
     found, batch.back = true, step
-    -- The description's time is by the clock that went back; all describe again.
+    -- policy_made is by the clock that went back; all describe again.
     meta.policy_made = 0
+    -- A shared rule's data is of the old clock only until the first of
+    -- its group's quotas meets the step: the others keep what it booked.
+    -- A group that kept no time (its key lost) drops it, as before.
+    batch.back_shared = meta.group_acquire > now + CLOCK_BACK or meta.group_acquire == 0 or OFF.group_clock
   end
   meta.seq = meta.seq + 1
   check_policy(meta, now, batch.policy, batch.rs, created)
@@ -757,9 +638,7 @@ local function check_meta(batch, meta)
   end
   describe(meta, batch.age, batch.described)
   if not found and meta.loss < batch.stepped then
-    -- A forward step shortened the windows: a clock's loss, not Redis's,
-    -- whose data is whole: the bookings of the epoch it ends are still
-    -- given back (give_back_bookings).
+    -- A forward step: the data is whole, so its epoch's bookings go back.
     batch.whole_epoch = meta.epoch
     lose(meta, now, batch.rs, PAUSED_BY_CLOCK)
     found = true
@@ -768,57 +647,28 @@ local function check_meta(batch, meta)
     meta.warm_until = now + batch.span
   end
   meta.last_acquire = now
+  if GROUP then
+    meta.group_acquire = now
+  end
   batch.meta, batch.found = meta, count_own(batch, meta, epoch, found)
 end
 
--- reserve lowers every limit to its reserved share while the quota is
--- reserved. Replicas of the Local fallback may still be deciding without
--- Redis, each within 1/n of each limit: until they are all back, Redis
--- keeps to the share none of them takes.
-local function reserve(batch)
-  local meta = batch.meta
-  batch.reserved = meta.reserved_until > now and meta.reserved_share > 1 and not OFF.reserve
-  if not batch.reserved then
-    return
-  end
-  for _, r in ipairs(batch.objs) do
-    r.whole = { limit = r.limit, interval = r.interval }
-    r.limit = math.max(math.floor(r.limit / meta.reserved_share), 1)
-    if r.kind == BUCKET then
-      -- A share of the rate and of the burst: a longer interval alone
-      -- would lengthen the burst's span with it.
-      r.interval = r.interval * meta.reserved_share
-    end
-  end
-end
-
--- give_back_bookings takes the bookings given back out of their rules,
--- before anything is decided: their slots go to the calls of this batch as
--- to any other. A booking of another epoch is gone with the data it was
--- written in, but one of the epoch that a forward step of the clock ended
--- in this script: that data is whole, and the booking's call asks again.
+-- give_back_bookings takes the bookings given back out of their rules
+-- first. Only the meta's epoch counts, or the epoch a forward step ended.
 local function give_back_bookings(batch)
   for g = 0, batch.ngive - 1 do
     local b = batch.give_args[g + 1]
     if b.epoch == batch.meta.epoch or b.epoch == batch.whole_epoch then
       give_back(b.scope.rs, b.id, b.cost, b.slot, now)
-      -- Its class's demand still counts it while the calls are decided:
-      -- the call that gave it back books again (see leave_classes).
+      -- Its class demand stays until the calls are decided (leave_classes).
       change_classes(b.scope.rs, b.id, b.cost, NONE, b.slot, b, now, 'logs')
       batch.given[g + 1] = b
     end
   end
 end
 
--- drop_ahead forgets, in the script that finds Redis's clock gone back,
--- what rule r holds ahead of the clock: the calls the old clock admitted
--- and booked, which now lie as far ahead as the clock went back. The data
--- counts as lost (the quota pauses for its windows, a bucket refills from
--- empty, a concurrency rule counts as taken for a lease, and the calls
--- booked in the old epoch book again), so those entries would only hold
--- the rule full for as long as the step: an hour back, an hour refused.
--- A key of the quota that this script does not touch (another key of a
--- PerKey rule) keeps them, and its calls wait out the step.
+-- drop_ahead drops what rule r holds ahead of a clock gone back. Kept, it
+-- would hold the rule full as long as the step (docs/PROTOCOL.md 5.8).
 local function drop_ahead(r)
   if r.kind == LOG or r.kind == CONCURRENCY then
     redis.call('ZREMRANGEBYSCORE', r.key, '(' .. str(now), '+inf')
@@ -838,9 +688,8 @@ local function drop_ahead(r)
   end
 end
 
--- back_key_pause moves the pause of one key of the quota, set by a clock
--- that has since gone back by step, to the new clock (see back_by in
--- lib.lua); the quota's own pause is in its meta.
+-- back_key_pause moves a key's pause, set by a clock since gone back by
+-- step, to the new clock (back_by in lib.lua). The quota's is in its meta.
 local function back_key_pause(key, step)
   if key == KEYS[1] then
     return
@@ -851,8 +700,7 @@ local function back_key_pause(key, step)
   end
 end
 
--- load_rules reads the state every rule decides from, raises the learned
--- caps the fleet fills, and reads each scope's pause.
+-- load_rules loads every rule, raises the caps the fleet fills, reads pauses.
 local function load_rules(batch)
   local shared = false
   for _, r in ipairs(batch.rs) do
@@ -860,10 +708,10 @@ local function load_rules(batch)
   end
   for _, r in ipairs(batch.objs) do
     blind.read(r, batch.meta, now)
-    -- A scout goes out only where the vendor's counts reach (rulesAbout in Go).
+    -- Scouts go only where the vendor's counts reach (rulesAbout in Go).
     r.scout = batch.scout == 1 or batch.scout == 2 and batch.meta.counted > 0
     r.about = r.kind ~= CONCURRENCY and (not r.per_key or not shared)
-    if batch.back then
+    if batch.back and (batch.back_shared or not (GROUP and r.shared)) then
       drop_ahead(r)
     end
     load(r)
@@ -879,22 +727,12 @@ local function load_rules(batch)
   end
 end
 
--- A quota warming up knows nothing yet of how many calls its fleet can
--- start at once. Many small replicas that start together each ask for one
--- call at a time, and cannot start a burst of them when it is due: Redis
--- answers a burst of scripts at the end of its turn, a few cores run the
--- replies one after the other. So while the quota warms up, a script that
--- decides one call paces it (see Pacing in lib.lua) when the log's latest
--- WARM_PACERS entries are the lone calls of as many other limiters, the
--- latest less than the pace before it: the calls of a burst of small
--- replicas spread over the window instead of starting late. A few
--- replicas, a lone limiter's calls, and a process's batch, which it starts
--- together, are admitted at once.
+-- Warm-up pacing (docs/PROTOCOL.md 3.9): a warming quota's lone call is
+-- paced when the latest WARM_PACERS entries are other limiters' lone calls.
 local WARM_PACERS = 8
 
--- crowded reports whether the latest WARM_PACERS entries of log r are the
--- calls of as many limiters other than own, the latest less than pace
--- before now.
+-- crowded reports whether log r's latest WARM_PACERS entries are calls of
+-- as many limiters other than own. The latest must be under pace ago.
 local function crowded(r, own, pace)
   local last = redis.call('ZRANGE', r.key, -WARM_PACERS, -1, 'WITHSCORES')
   if #last == 2 * WARM_PACERS and tonumber(last[#last]) > now - pace then
@@ -910,8 +748,7 @@ local function crowded(r, own, pace)
   return false
 end
 
--- pace_warm_start paces the guarded logs of the script's one call while
--- the quota warms up, when the other replicas crowd them (see above).
+-- pace_warm_start paces a warming script's one call where others crowd.
 local function pace_warm_start(batch)
   if not batch.warming or batch.ncalls ~= 1 or OFF.warm_pacing then
     return
@@ -928,44 +765,19 @@ local function pace_warm_start(batch)
   end
 end
 
--- Classes. The calls of a quota fall into classes: their priority and,
--- under a rule that every key shares, their key ("<priority>/<key>"; a
--- rule per key drops the key). Each log or counter rule keeps in its ':cl'
--- hash the units each class booked, by the period of a quarter window of
--- their slots, for a window and a half and as far ahead as they are
--- booked, and the units of its calls that had to wait or were refused, by
--- the period they asked in: a class's demand is the most it booked in a
--- run of four periods from four periods ago on (scaled up to a window
--- while it is younger than one), and what of it waited in the last
--- window. Where a quota serves several classes, a call books, besides every rule of its
--- scope, in a log (or counter) of its class alone, whose limit is the
--- rule's less what it holds for the classes that rank above the call's
--- (class_hold): the whole demand of every higher priority (a tenth of
--- the limit at least for one younger than a window); at its own
--- priority, each lighter class's demand up to the max-min fair share of
--- what the higher ones leave; and, while the call's class alone could
--- fill the rule, a tenth of it for the lower priorities that call at all.
--- A thirty-second and one unit more covers the jitter of their calls. So a
--- class above finds its share free whenever it comes, and the call takes
--- every unit left but that spare; every class keeps at least a tenth of
--- the limit, so none starves for ever. A quota of one class (every call
--- of priority 0, no key) reads nothing more: the meta says until when some
--- class called (classes_until in lib.lua), and the ':cl' and ':c:' keys
--- are touched only by a quota that serves classes.
--- A booking given back, or settled at another cost, changes its class's
--- log and demand with the rule's (change_classes in lib.lua). The rule's
--- own log still holds every call: a class's log only ever narrows what
--- its calls may take, so a class measured wrong costs that class room,
--- never the cap.
+-- Classes (docs/PROTOCOL.md 3.13): a priority and, under a rule every key
+-- shares, a key. ':cl' keeps what each class booked and waited, by period
+-- of a quarter window. A call also books in its class's own log,
+-- ':c:<class>', whose limit is the rule's less class_hold. The rule's own
+-- log holds every call, so a class measured wrong costs room, never the cap.
 local CLASS_KEPT = 6
 local CLASS_FLOOR = 10
 local CLASS_TTL = 60000
--- The field of ':cl' that keeps the period a new class was last told in
--- (announce_class); no class's name starts with '~'.
+-- The ':cl' field of when a new class was last told; no name starts '~'.
 local CLASS_TOLD = '~told'
 
--- read_class reads class name of rule r from its field v of ':cl': into
--- r.cls, or r.cls_gone when no period of it is left from oldest on.
+-- read_class reads class name of rule r from its field v of ':cl'. It goes
+-- into r.cls, or r.cls_gone when no period of it is left from oldest on.
 local function read_class(r, name, v, oldest)
   local c, any = { p = {}, w = {}, a = {}, prio = tonumber(string.match(name, '^(%-?%d+)') or '0') }, false
   for pi, u, w, a in string.gmatch(v, CLASS_PART) do
@@ -981,9 +793,7 @@ local function read_class(r, name, v, oldest)
   end
 end
 
--- read_classes reads, once per script, the classes of rule r: r.cls maps
--- each class's name to its priority and its units by period (p); the
--- classes with no period left go to r.cls_gone.
+-- read_classes reads rule r's classes into r.cls, once per script.
 local function read_classes(r)
   if r.cls then
     return
@@ -1001,11 +811,8 @@ local function read_classes(r)
 end
 
 -- demand returns the units per window in force class c of rule r books,
--- in thousandths: the most in four periods in a row from four periods
--- before the current one on, scaled up to a window while c is younger
--- than one (c.young), with what of it waited in the last
--- window, scaled to the window's margin. Thousandths, rounded down at
--- each step, keep every sum exact.
+-- in thousandths so sums stay exact. It is the most booked in four periods
+-- in a row, scaled up while c is young, plus what waited.
 local function demand(r, c)
   if c.d then
     return c.d
@@ -1023,11 +830,8 @@ local function demand(r, c)
       while j <= #ps and ps[j] < ps[i] + CLASS_PERIODS do
         local u = c.p[ps[j]]
         if ps[j] <= cur - CLASS_PERIODS and not OFF.class_backlog then
-          -- Units booked ahead into the oldest period the runs read, a
-          -- window back: a backlog served and leaving the window, not
-          -- what the class books by a window. In a later period it still
-          -- fills the window, and the class's next calls need the room
-          -- beside it.
+          -- Units booked ahead into the oldest period read, a window
+          -- back, are a backlog leaving the window: they count no more.
           u = math.max(u - (c.a[ps[j]] or 0), 0)
         end
         sum, j = sum + u, j + 1
@@ -1041,23 +845,18 @@ local function demand(r, c)
   if c.young then
     d = math.floor(d * CLASS_PERIODS / age)
   end
-  -- What waited, or was refused, in the last window, on top: a class
-  -- refused at once (FailFast) shows its demand only so; a class whose calls
-  -- queue for the next free slot books them all there, where they fill
-  -- its share, and the calls after them wait in turn; the larger share
-  -- lets the queue drain within a window.
+  -- What waited or was refused in the last window counts too. A FailFast
+  -- class shows demand only so, and a queue drains within a window.
   for pi = cur - CLASS_PERIODS + 1, cur do
     d = d + (c.w[pi] or 0) * 1000
   end
-  -- Four periods span the window the vendor counts; the window in force,
-  -- its margin included, holds that much more of an even stream.
+  -- Scaled from the vendor's window (four periods) to the window in force.
   c.d = math.floor(d * r.window / span_of(r))
   return c.d
 end
 
--- fair_share returns the max-min fair share of room among demands ds: the
--- level under which each demand is met whole, and above which every
--- larger one gets the level.
+-- fair_share returns the max-min fair share of room among demands ds.
+-- Each demand under it is met whole; each above it gets it.
 local function fair_share(ds, room)
   table.sort(ds)
   for i, d in ipairs(ds) do
@@ -1070,8 +869,11 @@ local function fair_share(ds, room)
   return NEVER
 end
 
--- class_hold returns the units rule r holds, against a call of class name
--- and priority prio, for the classes that rank above it (see Classes).
+-- class_hold returns what rule r holds against class name at prio: higher
+-- classes' demand, a young one's a tenth at least. Lighter peers' demand
+-- counts up to the fair share. While name could fill the rule, so does
+-- each lower class's, up to a tenth. A thirty-second and one unit are
+-- added, and every class keeps a tenth.
 local function class_hold(r, name, prio)
   local own = r.cls[name]
   local mine = own and demand(r, own) or 0
@@ -1081,8 +883,7 @@ local function class_hold(r, name, prio)
     if n ~= name then
       local d = demand(r, c)
       if c.prio > prio then
-        -- A higher class younger than a window has shown too little of
-        -- its demand to hold it: a tenth of the limit at least.
+        -- A class younger than a window has shown too little of its demand.
         above = above + (c.young and math.max(d, floor * 1000) or d)
       elseif c.prio < prio then
         lower = lower + math.min(d, floor * 1000)
@@ -1109,9 +910,7 @@ local function class_hold(r, name, prio)
   return math.min(hold + math.floor(hold / 32) + 1, r.limit - floor)
 end
 
--- class_rule returns the rule of class name under rule r: a log or
--- counter of that class's calls alone, read once per script and written
--- with the batch's other rules.
+-- class_rule returns rule r's log or counter of class name's calls alone.
 local function class_rule(batch, r, name)
   r.vrules = r.vrules or {}
   local v = r.vrules[name]
@@ -1132,23 +931,15 @@ local function class_rule(batch, r, name)
   return v
 end
 
--- classes_until makes the quota's meta say that rule r may hold shares
--- for classes until two windows after t: a call of the default class
--- ("0") reads the classes only until then, once every period of the last
--- class's demand has passed.
+-- classes_until makes the meta say rule r may hold class shares until two
+-- windows after t. Calls of the default class ("0") read classes until then.
 local function classes_until(batch, r, t)
   local m = batch.meta
   m.classes_until = math.max(m.classes_until, math.max(t, now) + 2 * span_of(r))
 end
 
--- announce_class tells the fleet that class name, which rule r had not
--- seen, calls: the calls the rule booked ahead before it held nothing for
--- it, and book again when they wake at their slots (announce_lowered),
--- against the share the rule now holds for it; a higher class's calls, or
--- a light key's, then find that share in the window those bookings would
--- have filled. Once a period per rule at most, and only while the rule
--- holds bookings ahead: each sleeping call books again once per
--- announcement it slept through.
+-- announce_class tells calls booked ahead to book again (announce_lowered):
+-- class name is new to rule r. Once a period per rule, while any are ahead.
 local function announce_class(batch, r, name)
   if OFF.class_news or r.cls[name] or r.cls_add[name] then
     return
@@ -1162,21 +953,10 @@ local function announce_class(batch, r, name)
   announce_lowered(batch.meta, now, r.shared)
 end
 
--- A class's calls are logged in its own log from its first (with nothing
--- held against them, logged and not searched), so that a share held
--- against it later counts what it took before. The default class ('0')
--- calls alone unlogged: a quota of one class reads and writes nothing
--- more. So when a class first calls under a rule whose classes noted none
--- in the periods kept, every entry of the rule in the widest window that
--- may count it is a call of the default class: fill_default copies those
--- up to now (a counter's buckets up to now's) into its log, the newest
--- BACKFILL at most, before any call books in it. A copied entry given
--- back would stay in that log until it left the window, and the calls
--- booked ahead book again as they wake (announce_class): copied too, each
--- would count twice in the window it books again in, and the default
--- class would lose that much of its room for a window. So they are not:
--- one of a process that missed the news counts in the rule alone, which
--- costs the classes above room, never the cap.
+-- fill_default copies the rule's entries up to now into the default
+-- class's log, the newest BACKFILL at most. It runs when a first other
+-- class calls, so all are default-class calls. Bookings ahead are not
+-- copied (docs/PROTOCOL.md 3.13).
 local BACKFILL = 4096
 
 local function fill_default(r)
@@ -1217,10 +997,8 @@ local function fill_default(r)
   end
 end
 
--- class_rules adds to call's rules the rule of its class under each log
--- and counter that serves several classes, with the limit that leaves the
--- classes above it their share, and notes in call.classes where its units
--- count towards its class's demand.
+-- class_rules adds to call's rules its class's rule under each log and
+-- counter that serves classes; call.classes notes where the call counts.
 local function class_rules(batch, call)
   if OFF.classes or call.class == '' then
     return
@@ -1269,9 +1047,8 @@ local function class_rules(batch, call)
   call.rs = rs or call.rs
 end
 
--- note_classes adds the units of call to its classes' demand: booked at
--- t, or refused (t nil). A call that waits, or is refused, counts among
--- the units that waited too.
+-- note_classes adds call's units to its classes' demand, booked at t or
+-- refused (t nil). A call that waits or is refused counts as waited too.
 local function note_classes(batch, call, t)
   for _, cc in ipairs(call.classes or {}) do
     local r = cc.r
@@ -1295,14 +1072,13 @@ local function note_classes(batch, call, t)
   end
 end
 
--- write_classes writes back the classes of rule r that the batch booked
--- in, and drops those with no period left; the hash lives a window and a
--- half past its latest booking.
+-- write_classes writes back rule r's classes the batch changed and drops
+-- those gone. The hash lives a window and a half past its latest period.
 local function write_classes(r)
   if not r.cls_add then
     return
   end
-  -- In chunks, as zadd in lib.lua: thousands of keys' classes may leave in one period.
+  -- In chunks, as zadd in lib.lua: thousands of classes may leave at once.
   for i = 1, #r.cls_gone, 1000 do
     redis.call('HDEL', r.key .. ':cl', unpack(r.cls_gone, i, math.min(i + 999, #r.cls_gone)))
   end
@@ -1336,20 +1112,16 @@ local function write_classes(r)
 end
 
 -- leave_classes takes the bookings given back out of their classes'
--- demand, once the calls are decided and the classes written: read while
--- the calls were decided, a class whose calls all book again at once
--- would have shown no demand, and held no share.
+-- demand once the calls are decided, lest a class booking again lose it.
 local function leave_classes(batch)
   for _, b in pairs(batch.given) do
     change_classes(b.scope.rs, b.id, b.cost, NONE, b.slot, b, now, 'demand')
   end
 end
 
--- read_call reads call c of the batch, with the units still free under the
--- tightest rule of its scope, now (remaining) and once it is in (after),
--- its class's own log included, and the same of the rules alone (room,
--- room_after). It returns, instead, an error reply for a call that costs
--- more than a rule's configured limit.
+-- read_call reads call c, with the units free under its scope's tightest
+-- rule now and after it (class logs included; room: the rules alone). It
+-- returns an error reply instead for a cost above a configured limit.
 local function read_call(batch, c)
   local call = call_args(batch, c)
   class_rules(batch, call)
@@ -1361,7 +1133,6 @@ local function read_call(batch, c)
       -- Only while the quota is reserved, or a learned cap is below cost.
       call.too_big = true
     end
-    -- Units free under the tightest rule, and once the call is in.
     local f = free(r)
     call.remaining = math.min(call.remaining, math.max(f, 0))
     call.after = math.min(call.after, math.max(f - u, 0))
@@ -1378,9 +1149,8 @@ local function read_call(batch, c)
   return call
 end
 
--- start_from returns the time from which the rules look for the call's
--- slot, no earlier than its lead from now and its scope's pause, and
--- whether they are to look at all.
+-- start_from returns when the call's search starts, and whether to search
+-- at all. It is no earlier than the call's lead and its scope's pause.
 local function start_from(batch, call)
   local t = math.max(now + call.lead, call.pause)
   if not call.too_big then
@@ -1388,23 +1158,18 @@ local function start_from(batch, call)
   end
   for _, r in ipairs(call.rs) do
     if (r.whole and r.whole.limit or r.limit) < units(r, call.cost) then
-      -- Larger than a learned cap: no slot can be booked under a cap that
-      -- may not rise: refused, with a hint of when it may have.
+      -- Larger than a learned cap: refused, with when the cap may have risen.
       call.maxwait = -1
       return math.max(t, r.cap and r.cap.next + span_of(r) or t), false
     end
   end
-  -- Larger than the reserved share only: no slot can be booked while
-  -- replicas still deciding without Redis may yet hand back calls they
-  -- booked ahead, at times any slot booked now could share a window with.
-  -- Refused, with the reserve's end for when to ask again: every replica
-  -- has handed back by then.
+  -- Larger than the reserved share only: refused until the reserve ends,
+  -- when every replica has handed back (docs/PROTOCOL.md 3.10).
   call.reserved_until = batch.meta.reserved_until
   return NEVER, false
 end
 
--- paced_all returns the earliest time >= t that every paced log of rules
--- rs allows (see paced).
+-- paced_all returns the earliest time >= t every paced log of rs allows.
 local function paced_all(rs, t)
   local p = t
   for _, r in ipairs(rs) do
@@ -1415,12 +1180,10 @@ local function paced_all(rs, t)
   return p
 end
 
--- settle returns the earliest time from t on that every rule of the call
--- allows, paced where the call may wait that long; NEVER when a rule
--- cannot say. Each rule can only push the time later, and only to one of
--- finitely many times, so this settles; should the rules push each other
--- on for long, the logs settle for their tails, which no rule pushes
--- further.
+-- settle returns the earliest time from t that every rule of the call
+-- allows, paced if the call may wait that long. It is NEVER when a rule
+-- cannot say. After 16 rounds, the logs settle for their tails
+-- (docs/PROTOCOL.md 3.1).
 local budget = { left = SCAN } -- each call's, set anew by settle
 
 local function settle(call, t, moved)
@@ -1444,13 +1207,8 @@ local function settle(call, t, moved)
       end
     end
     if not moved and paces > 0 and t < NEVER then
-      -- Paced once the rules agree, if the call may wait that long; the
-      -- rules then settle again from the paced time, within a short read:
-      -- the time the rules agreed on was room left among the log's
-      -- bookings (a booking given back), and the paced time lies among
-      -- them too, where a log booked far ahead would be read to its end.
-      -- Past that read, the log settles for its tail, which is paced once
-      -- more.
+      -- Paced once the rules agree, if the call may wait that long; they
+      -- settle again within PACED_SCAN entries (docs/PROTOCOL.md 3.9).
       paces = paces - 1
       local p = paced_all(call.rs, t)
       if p > t and p - now <= call.maxwait then
@@ -1466,9 +1224,7 @@ local function settle(call, t, moved)
   return t
 end
 
--- busy_for returns how long until a slot may free for a call of cost that
--- the concurrency rules of rs cannot take: the first lease to run out in
--- each full rule, the latest of those.
+-- busy_for returns how long until each full concurrency rule frees a slot.
 local function busy_for(rs, cost)
   local hint = 0
   for _, r in ipairs(rs) do
@@ -1482,9 +1238,8 @@ local function busy_for(rs, cost)
   return hint
 end
 
--- blind.cause returns why a blind rule of the call refused it (PAUSED_BY_*
--- in lib.lua), or 0: busy, a concurrency rule taken for a lease; else a
--- log or counter that admits nothing within the wait the call accepts.
+-- blind.cause returns why a blind rule refused the call, or 0. With busy it
+-- is a concurrency rule; else a log or counter beyond the call's wait.
 function blind.cause(call, busy)
   for _, r in ipairs(call.rs) do
     if r.blind and busy == (r.kind == CONCURRENCY) and
@@ -1506,11 +1261,11 @@ function blind.scouts(call, t)
   return false
 end
 
--- answer appends a call's answer to the reply (see the header), with the
--- units free its call.remaining and call.room say.
+-- answer writes call's answer at its place in the reply (see the header):
+-- the calls may be decided out of their order (moves.order).
 local function answer(batch, call, admitted, wait, reason, blind_by)
   local out = batch.out
-  local n = #out
+  local n = REPLY.acquire.size + call.index * REPLY.answer.size
   out[n + REPLY.answer.admitted] = admitted
   out[n + REPLY.answer.wait] = wait == 0 and 0 or str(wait)
   out[n + REPLY.answer.remaining] = call.remaining
@@ -1527,12 +1282,72 @@ local function answer(batch, call, admitted, wait, reason, blind_by)
   out[n + REPLY.answer.noted], out[n + REPLY.answer.logged], out[n + REPLY.answer.room] = noted, logged, call.room
 end
 
--- decide decides call c of the batch and appends its answer to the reply:
--- refused, with when it would fit, or recorded in every rule of its scope
--- at its slot. A call that moves its booking and finds nothing earlier
--- than its slot keeps that slot: given back and taken again, it leaves
--- every window as it found it. It returns, instead, an error reply for a
--- call no rule can ever take.
+-- A move's steps: the order of a script call's decisions, and the check
+-- of a slot kept.
+local moves = {}
+
+-- moves.order returns the calls' places (from 0): the moves whose own
+-- booking was given back first, then the others as they came. A move
+-- that finds nothing earlier keeps its slot; a call decided before it
+-- could take the units its booking gave back there (seed 304023: a move
+-- of a booking of a lost epoch, decided as a new call, took them).
+function moves.order(batch)
+  local first, rest = {}, {}
+  for c = 0, batch.ncalls - 1 do
+    local m = batch.call_args[c + 1].moves
+    if m > 0 and batch.given[m] and not OFF.moves_first then
+      first[#first + 1] = c
+    else
+      rest[#rest + 1] = c
+    end
+  end
+  for _, c in ipairs(rest) do
+    first[#first + 1] = c
+  end
+  return first
+end
+
+-- moves.fits_behind reports whether the call's units still fit, at its
+-- slot, each window of its searched logs and counters that ends there,
+-- and each of its concurrency rules now: the check a kept move passes.
+-- When every booking at or before a slot passes it, so does every window
+-- through the slot; the bookings after it are checked when they move or
+-- are decided, so a limit in force lowered since the call was booked
+-- (a cap, the others' share, a class's hold) keeps the calls at the front
+-- in their places and sends the last back (docs/PROTOCOL.md 3.8). A
+-- token bucket's one time holds the bookings after the slot too: it keeps
+-- its slot unchecked, as before, and its caller books again.
+function moves.fits_behind(call, slot)
+  for _, r in ipairs(call.rs) do
+    local u = units(r, call.cost)
+    if r.blind and r.kind ~= BUCKET then
+      return false
+    elseif r.kind == LOG then
+      flush(r)
+      if redis.call('ZCOUNT', r.key, '(' .. str(slot - r.window), str(slot)) + u > r.limit then
+        return false
+      end
+    elseif r.kind == COUNTER then
+      local k, from, n = bucket_of(slot, r.width), oldest_bucket(r, slot), u
+      for b, m in pairs(r.counts) do
+        if b >= from and b <= k then
+          n = n + m
+        end
+      end
+      if n > r.limit then
+        return false
+      end
+    elseif r.kind == CONCURRENCY and r.n + u > r.limit then
+      return false
+    end
+  end
+  return true
+end
+
+-- decide decides call c and writes its answer: refused, or recorded at
+-- its slot. A move finding nothing earlier keeps its slot if it still fits
+-- there (moves.fits_behind), else it is refused and its caller books again. It
+-- returns an error reply for a call no rule can ever take.
 local function decide(batch, c)
   local call, err = read_call(batch, c)
   if err then
@@ -1542,7 +1357,7 @@ local function decide(batch, c)
   t = settle(call, t, moved)
   local refused = call.reserved_until or t == NEVER or t - now > call.maxwait
     or call.moves and t >= call.moves.slot
-  if call.moves and refused then
+  if call.moves and refused and (OFF.keep_place or moves.fits_behind(call, call.moves.slot)) then
     t, refused, call.moves.kept = call.moves.slot, false, true
   end
   if refused then
@@ -1569,7 +1384,7 @@ local function decide(batch, c)
       call.remaining, call.room = 0, 0
     end
     if scout then
-      -- Any count the vendor gives of a scout is news (see Scouts in lib.lua).
+      -- Any count the vendor gives of a scout is news (docs/PROTOCOL.md 6.1).
       call.room = -1
     end
     if t <= now then
@@ -1579,11 +1394,9 @@ local function decide(batch, c)
   end
 end
 
--- write_back_meta writes the meta back, holding what the calls decided
--- need held: the calls admitted at once while the quota warms up, and the
--- spread they were booked with (see Holds in lib.lua). Every acquire
--- script writes it, since its count of scripts run moves. A loss found, or
--- a pause that grew, is told to the fleet.
+-- write_back_meta writes the meta, which seq changes in every script, with
+-- the holds (docs/PROTOCOL.md 5.6, 5.7). It tells the fleet of a loss found
+-- or a pause that grew.
 local function write_back_meta(batch)
   local meta, latest = batch.meta, 0
   for _, r in ipairs(batch.objs) do
@@ -1604,8 +1417,7 @@ local function write_back_meta(batch)
 end
 
 -- write_back_rules writes what the calls recorded in every rule, and the
--- logs' hints that moved. Each key must outlive its latest entry by a
--- window.
+-- hints that moved. Each key outlives its latest entry by a window.
 local function write_back_rules(objs)
   for _, r in ipairs(objs) do
     flush(r)
@@ -1613,10 +1425,8 @@ local function write_back_rules(objs)
     if r.hint_changed then
       write_hint(r, now)
     end
-    -- A class's log is written only by its own calls while a share is
-    -- held against them: kept a minute at least, so that a Redis whose
-    -- clock runs apart from the one the scripts are given (see SLACK) does
-    -- not drop it between two of them.
+    -- A class's log lives a minute at least, lest a Redis clock apart from
+    -- the scripts' (see SLACK) drop it between two writes.
     local least = r.class_of and CLASS_TTL or 0
     if not r.recorded then
       -- nothing to keep
@@ -1632,14 +1442,11 @@ end
 
 local batch = read_args()
 check_meta(batch, read_fleet(batch))
--- Limits the vendor taught the fleet (see read_caps in lib.lua).
-read_caps(batch.objs, batch.meta, now)
-reserve(batch)
+batch.reserved = limits_in_force(batch.objs, batch.meta, now)
 give_back_bookings(batch)
 load_rules(batch)
 pace_warm_start(batch)
--- The reply's header (see the top); done is known only once the calls
--- are decided and written.
+-- The reply's header; done is set once the calls are decided and written.
 local quota_paused = batch.meta.pause > now
 batch.out = {}
 batch.out[REPLY.acquire.now], batch.out[REPLY.acquire.pause] = str(now), str(batch.scopes[1].pause)
@@ -1648,7 +1455,7 @@ batch.out[REPLY.acquire.margin], batch.out[REPLY.acquire.done] = str(batch.margi
 batch.out[REPLY.acquire.seq] = str(batch.meta.seq)
 batch.out[REPLY.acquire.paused] = quota_paused and str(batch.meta.pause) or 0
 batch.out[REPLY.acquire.paused_by] = quota_paused and batch.meta.paused_by or 0
-for c = 0, batch.ncalls - 1 do
+for _, c in ipairs(moves.order(batch)) do
   local err = decide(batch, c)
   if err then
     return err

@@ -1,14 +1,8 @@
--- cancel.lua: give back the booking of a call that stopped waiting, so that
--- its slot goes to the next caller.
+-- cancel.lua: give back the booking of a call that stopped waiting.
 --
--- KEYS and ARGV as in lib.lua; after the rules, ARGS.cancel: the booking,
--- as acquire.lua answered for it. A booking of another epoch is gone with
--- the data it was written in, and nothing is given back.
---
--- The room it leaves is told to the fleet when calls are booked ahead
--- (announce_room in lib.lua).
---
--- Returns 1.
+-- KEYS and ARGV as in lib.lua; after the rules, ARGS.cancel: the booking
+-- as acquire.lua answered for it. Nothing is given back in another epoch,
+-- whose data is gone. The fleet hears of the room (announce_room). Returns 1.
 
 local now = clock()
 local at = after_rules()

@@ -1,63 +1,24 @@
 -- feedback.lua: what the vendor said, made known to the whole fleet.
---
--- KEYS and ARGV as in lib.lua; the rules passed are the ones the vendor's
--- answer is about (the shared ones, or the ones of one key); after them
--- ARGS.feedback, with
---   as_of     the time, in microseconds, of the call whose answer carried the
---             vendor's count, or 0 for now: units after it are calls on their way
---             that the vendor has not counted yet;
---   pause     a pause in microseconds from now (a 429 with Retry-After): no call
---             in the scope of KEYS[2] is admitted before it ends; 0 for none. A
---             pause only ever lengthens one already in force.
---   left      the units the vendor says are left, or -1 when it did not say.
---   reset     microseconds until the vendor's window resets, or 0 when unknown;
---   known     the quota's epoch as the calling process last saw it, or
---             0: a pause must not hide a loss of the quota's data (see check_loss);
---   refused   1 when the vendor refused the call of as_of for being over its
---             limit, so that the rules learn a cap (see learn_cap in lib.lua), else 0;
---   limit     the limit the vendor stated with its refusal, or 0; then the same
---             three of the vendor's counts of requests, for the rules that count calls
---             (see units in lib.lua): calls_left (or -1), calls_reset (or 0),
---             calls_limit (or 0);
---   late      how long after its slot the answer to the call of as_of came, in
---             microseconds (0 when unknown): the vendor took its counts at the
---             latest then, with the fleet's calls in flight at their estimate;
---   refused_cost  when the vendor refused the call of as_of, its cost (as
---             read_cost in lib.lua reads it, under the rules passed), else "";
---   span      the longest window of the whole policy in microseconds, its margin's
---             ceiling included: a loss this script finds counts every rule as full for it;
---   named     the number of ARGS.named that follow.
--- left, reset and the limit speak of the other rules, but for those that
--- count a named unit (policies.Unit): for each, ARGS.named, its place among
--- the rules (from 1), the units of it left (or -1) and microseconds until
--- their reset (or 0): each such rule follows its own count alone. A count
--- taken by several rules is about those of its limit (about_rules).
---
--- When the vendor has fewer units left than a rule believes (another consumer
--- of the same API key, a restart), the rule is charged the difference, under
--- id, so that the fleet slows down before the vendor answers 429. The
--- charge leaves the rule's window when the vendor's window resets. The
--- charges of a rule are also listed in r.key .. ':ch' (member "id:units",
--- scored by the time they sit at): a charge may sit after the time of the
--- next answer's call, and the next answer must count it all the same, or
--- the answers of calls in flight together would each charge the gap again.
---
--- Each count also measures what other consumers of the key spend (see
--- Others' share in lib.lua, and note_others below).
---
--- When a rule's limit in force drops (a cap learned, a larger share left to
--- others), the fleet is told (announce_lowered in lib.lua): calls booked
--- before the drop, against the limit before it, book again at their slots.
---
--- Returns REPLY.feedback {now, pause until (or 0), units charged, lowered,
--- cap, others, measuring, dropped},
--- the time and the pause first as in every script's reply that has them:
--- lowered is 1 when a rule's cap dropped; cap the lowest limit in force of
--- a capped rule, or -1 when no rule is capped; others the most units a rule
--- leaves other consumers of the key (others_reserve), or 0; dropped 1
--- when a rule's limit in force dropped; measuring 1
--- while a rule keeps a share, which every count the vendor gives should
--- measure, not only those that say fewer are left than the fleet believed.
+-- KEYS and ARGV as in lib.lua, for the rules the answer is about; then
+-- ARGS.feedback (docs/PROTOCOL.md 2.6), times in µs:
+--   id            the id the charges are made under;
+--   as_of         the time of the call whose answer carried the counts, or 0;
+--   pause         a pause from now (a 429's Retry-After), or 0;
+--   left, reset   units left (or -1); time until the window resets (or 0);
+--   known         the quota's epoch as the caller last saw it, or 0;
+--   refused       1 when the vendor refused the call of as_of as over limit;
+--   limit         the limit the vendor stated, or 0;
+--   calls_left, calls_reset, calls_limit  the same for requests (PerCall);
+--   late          how long after its slot the answer came, or 0;
+--   refused_cost  the refused call's cost (read_cost), else "";
+--   span          the policy's longest window, margin ceiling included;
+--   named         how many ARGS.named follow: a rule's place (from 1), its
+--                 named unit's left (or -1) and reset (or 0).
+
+-- Returns REPLY.feedback: now, pause until (or 0), units charged, lowered
+-- (1: a cap dropped), cap (the lowest capped limit, or -1), others (the
+-- most a rule leaves others), measuring (1: a rule keeps a share), dropped
+-- (1: a limit in force dropped).
 
 local now = clock()
 -- The arguments, read once (see the header).
@@ -73,8 +34,7 @@ for _ = 1, arg.named do
   n, a = ARGS.named(a)
   own[n.rule] = { left = n.left, reset = n.reset }
 end
--- The longest window of the whole policy, margin ceiling included: a loss
--- this script finds pauses the quota for it (see loss_pause).
+-- The policy's longest window, for loss_pause (with blind rules off).
 local policy_span = arg.span
 local as_of = arg.as_of
 if as_of <= 0 or as_of > now then
@@ -83,9 +43,7 @@ end
 
 local rs = rules()
 local meta = read_meta(true)
--- The record was kept for the lag in force until now; this answer's
--- lateness, until this script ran, holds it for the next ones (Answers'
--- lag in lib.lua).
+-- Margins use the lag so far; this answer's lateness holds it (note_lag).
 margins(rs, fleet_spread(meta, now), held_spread(meta, now), meta and meta.warm_held > now, lag_of(meta, now))
 local lag_changed = note_lag(meta, math.max(arg.late, arg.as_of > 0 and now - as_of or 0), arg.span, now)
 local known = arg.known
@@ -96,14 +54,11 @@ if meta or learn or pause > 0 and KEYS[2] == KEYS[1] then
 end
 dirty = dirty or lag_changed
 read_caps(rs, meta, now)
--- Which rules are blind (see Blind rules in lib.lua): their record misses
--- calls the vendor counts, so it measures no others, and a count may
--- rebuild it (see rebuild below).
+-- Blind rules measure no others, and a count may rebuild them (rebuild).
 for _, r in ipairs(rs) do
   blind.read(r, meta, now)
 end
--- Each rule's count: the vendor's units, its requests for a rule that
--- counts calls, a named unit's own.
+-- count_of returns rule i's count: its name, left, reset and stated limit.
 local function count_of(i, r)
   if r.per_call then
     return 'calls', arg.calls_left, arg.calls_reset, arg.calls_limit
@@ -123,15 +78,9 @@ for i, r in ipairs(rs) do
   end
 end
 
--- about_rules returns the places, among is (the takers of one count), of
--- the rules the count is about: the one rule that takes it; else those
--- whose limit it states (as configured or in force); else, when it states
--- none, those of the shortest window its reset fits in (the longest
--- window when none holds it, the shortest when it gives no reset). One
--- count taken for every rule would measure, or charge, a rule by another
--- limit's calls: GitHub's core count of 5,000 calls an hour, read by a
--- quota that also keeps content creation's 80 a minute, measured its
--- minute's others as what the hour counted beyond the minute's calls.
+-- about_rules returns the places, among is (a count's takers), of the
+-- rules it is about. Those are the lone taker, or those of the limit it
+-- states, or of the shortest window its reset fits in (else the longest).
 local function about_rules(is, reset, vlimit)
   if #is <= 1 or OFF.about then
     return is
@@ -170,15 +119,17 @@ for which, is in pairs(takers) do
   end
 end
 
--- dropped_shared: a shared rule's limit in force dropped, which the
--- group hears (see announce_lowered).
+-- dropped_shared: a shared rule's limit in force dropped; the group hears.
+-- capped[i]: rule i's cap was learned from this refusal.
 local lowered, dropped, dropped_shared = 0, 0, false
+local capped = {}
 if learn then
   local cu = meta.caps_until
   for _, r in ipairs(rs) do
     local vlimit = r.per_call and arg.calls_limit or arg.limit
     if r.kind ~= CONCURRENCY and (vlimit <= 0 or about[r.i]) and learn_cap(r, as_of, meta, now, vlimit) then
       lowered, dropped, dropped_shared = 1, 1, dropped_shared or r.shared
+      capped[r.i] = true
     end
   end
   dirty = dirty or meta.caps_until ~= cu
@@ -193,20 +144,14 @@ local function listed_in(key, lo, hi)
   return n
 end
 
--- charged_in returns the units charged to rule r that sit in (lo, hi], or
--- after lo for no hi: in its record, but not sent by the fleet.
+-- charged_in returns the units charged to rule r in (lo, hi], or after lo
+-- for no hi: in its record, but not sent by the fleet.
 local function charged_in(r, lo, hi)
   return listed_in(r.key .. ':ch', lo, hi)
 end
 
--- A call the vendor refused is still in the fleet's record (a vendor may
--- count refused calls too: the record errs on the safe side), but the
--- vendor's counts most often leave it out: it is listed in r.key .. ':rj'
--- (as a charge is in ':ch') for the measure of the others, which would
--- otherwise take each refused call of the fleet for room the others left,
--- and the next refusals would follow. A vendor that counts refused calls
--- is measured high while the fleet's calls are refused, which leaves
--- more room until they stop.
+-- Refused calls stay in the record, but the vendor mostly leaves them out:
+-- ':rj' lists them for the others' measure (docs/PROTOCOL.md 3.11).
 if arg.refused_cost ~= '' and arg.as_of > 0 and not OFF.others then
   local cost = read_cost(arg.refused_cost)
   for _, r in ipairs(rs) do
@@ -220,31 +165,31 @@ if arg.refused_cost ~= '' and arg.as_of > 0 and not OFF.others then
   end
 end
 
--- refunded_in returns the units of rule r refunded (settle.lua) since the
--- call of as_of, from calls booked in (lo, hi]: until such a call ended,
--- the vendor counted it at its estimate.
+-- refunded_in returns rule r's units refunded (settle.lua) since the call
+-- of as_of, of calls booked in (lo, hi]; r.refunds caches the list.
 local function refunded_in(r, lo, hi)
+  if not r.refunds then
+    r.refunds = {}
+    for _, m in ipairs(redis.call('ZRANGEBYSCORE', r.key .. ':rf', '(' .. str(as_of), '+inf')) do
+      local t, u = string.match(m, '^(%-?%d+):.*:(%d+)$')
+      if t then
+        r.refunds[#r.refunds + 1] = { tonumber(t), tonumber(u) }
+      end
+    end
+  end
   local n = 0
-  for _, m in ipairs(redis.call('ZRANGEBYSCORE', r.key .. ':rf', '(' .. str(as_of), '+inf')) do
-    local t, u = string.match(m, '^(%-?%d+):.*:(%d+)$')
-    t = tonumber(t)
-    if t and t > lo and t <= hi then
-      n = n + tonumber(u)
+  for _, f in ipairs(r.refunds) do
+    if f[1] > lo and f[1] <= hi then
+      n = n + f[2]
     end
   end
   return n
 end
 
 -- sent_in_window returns the units of rule r the fleet had sent in the
--- vendor's window when the vendor counted the call of as_of, at its
--- arrival: its record from a window before the call's slot to the call's
--- start (its slot and its own lateness), each bound widened by the
--- fleet's spread (calls booked a little earlier or later may have reached
--- the vendor in that window), charges aside, and the units refunded since
--- the slot still in (the vendor counted those calls as estimated), the
--- calls it refused aside. Each
--- bound errs towards more sent, so that a measure of the others errs low
--- rather than high.
+-- vendor's window span, as of the call of as_of; nil if the record may miss
+-- some. Its bounds, widened by the spread, err towards more sent, so that a
+-- measure errs low. Charges and refused calls are out, refunds since in.
 local function sent_in_window(r, span)
   local d = math.max(fleet_spread(meta, now), r.margin / 4, 1000)
   local lo, hi = as_of - span - d, as_of + arg.late + d
@@ -270,19 +215,15 @@ local function sent_in_window(r, span)
     listed_in(r.key .. ':rj', lo, hi)
 end
 
--- note_others measures, from the vendor's count of units left of a rule r
--- as of the call of as_of, what others spent in the vendor's window: what
--- the vendor counted (its limit, stated as vlimit or else the rule's, less
--- what is left) less what the fleet sent (sent_in_window), and adds the
--- measure to the others' share (see Others' share in lib.lua). A rule
--- with no share keeps none until a measure gives half a unit, and drops
--- its share when it falls under a tenth. It reports whether the share
--- changed.
+-- note_others measures what others spent in the vendor's window: its limit
+-- (vlimit, else the rule's) less left, less what the fleet sent. It adds
+-- it to rule r's share (Others' share in lib.lua); a share starts at half
+-- a unit and ends under a tenth. It reports whether the share changed.
 local function note_others(r, left, vlimit)
   if OFF.others or not meta or r.blind or (r.kind ~= LOG and r.kind ~= COUNTER) then
     return false
   end
-  local o = r.oth or { vlim = 0, p = {}, share = NO_MEASURE }
+  local o = r.oth or { vlim = 0, p = {}, sent = {}, share = NO_MEASURE }
   if vlimit > 0 then
     o.vlim = vlimit
   end
@@ -293,7 +234,9 @@ local function note_others(r, left, vlimit)
   end
   local m = math.floor(1000 * (base - left - sent) + 0.5)
   local i = others_period(r, now)
-  o.p[i] = math.max(o.p[i] or NO_MEASURE, m)
+  if m > (o.p[i] or NO_MEASURE) then
+    o.p[i], o.sent[i] = m, math.max(sent, 0)
+  end
   others_share(r, o, now)
   if not r.oth and o.share < 500 then
     return false
@@ -306,8 +249,11 @@ local function note_others(r, left, vlimit)
   return true
 end
 
--- Each count the vendor gave measures the others' share of its rules.
-if meta and not learn then
+-- Each count the vendor gave measures the others' share of its rules, one
+-- that teaches (a refusal, whose call ':rj' above takes out of the fleet's
+-- side, or a count of 0 left) too, but for a rule whose cap it taught: the
+-- cap holds what the vendor accepted.
+if meta then
   local cu = meta.caps_until
   for i, r in ipairs(rs) do
     local left, vlimit = arg.left, arg.limit
@@ -317,7 +263,7 @@ if meta and not learn then
       left, vlimit = own[i].left, 0
     end
     local limit = r.limit
-    if left >= 0 and about[i] and note_others(r, left, vlimit) then
+    if left >= 0 and about[i] and not capped[i] and note_others(r, left, vlimit) then
       write_limits(r, meta, now)
       if r.limit < limit then
         dropped, dropped_shared = 1, dropped_shared or r.shared
@@ -358,8 +304,8 @@ if dropped == 1 then
   announce_lowered(meta, now, dropped_shared)
 end
 
--- charged_after returns the units charged to rule r that sit after time t
--- and within its window, and drops the charges that left it.
+-- charged_after returns the units charged to rule r after time t, within
+-- its window, and drops the charges that left it.
 local function charged_after(r, t)
   if OFF.charges then
     return 0
@@ -368,9 +314,8 @@ local function charged_after(r, t)
   return charged_in(r, t)
 end
 
--- The counts were taken at the latest when the answer came: the fleet's
--- calls booked until then are in them, at their estimate or max_tokens
--- while in flight, as they are in the fleet's record.
+-- The counts were taken when the answer came, at the latest. They hold
+-- the fleet's calls booked until then, in flight at their estimate.
 local taken = math.min(as_of + arg.late, now)
 local charged = 0
 local calls_left, calls_reset = arg.calls_left, arg.calls_reset
@@ -381,15 +326,10 @@ for i, r in ipairs(rs) do
   elseif own[i] then
     left, reset = own[i].left, own[i].reset
   end
-  if left >= 0 and about[i] then
+  if left >= 0 and about[i] and not learn then
     local free
-    -- What the rule held free in the window the vendor counted: from
-    -- the call's arrival, the earliest it may have taken its counts (and
-    -- as the measure of the others reads it), to the latest. From now's
-    -- window instead, an answer that came a call's latency after its slot
-    -- took the fleet's calls that left the window since for room the
-    -- vendor still counted, and charged them: a tenth of an LLM fleet's
-    -- window of 40 buckets, a call 100 ms long.
+    -- Free in the window the vendor counted: from the call's arrival to
+    -- when it took its counts. From now, it would charge calls gone since.
     local from = OFF.lag and now or as_of
     if r.kind == LOG then
       free = r.limit - redis.call('ZCOUNT', r.key, '(' .. str(from - r.window), str(taken)) - charged_after(r, taken)
@@ -408,12 +348,18 @@ for i, r in ipairs(rs) do
       local tat = tat_of(r.key)
       free = bucket_free(r, tat, now)
     end
-    -- A vendor's count that says fewer are left than the fleet believed
-    -- leaves the others the spare of their share too: the fleet takes
-    -- what the vendor says is left, but not its last units.
+    if free and r.kind ~= BUCKET and not OFF.charge_refunds then
+      -- Still count units settled back since the call's arrival: a count
+      -- taken then holds them at their estimate (docs/PROTOCOL.md 3.11).
+      free = free - refunded_in(r, from - r.window, taken)
+    end
+    -- A count below the fleet's belief also leaves the others their spare.
+    -- The fleet takes what the vendor says is left, but not its last units.
     left = math.max(left - (r.spare or 0), 0)
     if free and free > left then
-      -- Charged units sit where they leave the window as the vendor's resets.
+      -- The gap is charged where it leaves the window as the vendor's
+      -- resets. ':ch' lists it, so that the answers of calls in flight
+      -- together charge it once.
       local at = now
       if reset > 0 and r.kind ~= BUCKET then
         at = math.min(now, math.max(now + reset - r.window, now - r.window + 1))
@@ -429,23 +375,15 @@ for i, r in ipairs(rs) do
   end
 end
 
--- Blind rules rebuilt. A rule is blind after a loss or a deploy that
--- added it (see Blind rules in lib.lua). A vendor's count of a call decided
--- once its data began speaks of what the vendor counts that the data does
--- not hold: the charge above took the data to it, so the rule, for the
--- key passed, decides with its data again (its :rb notes when). A count
--- rebuilds a rule only when it is the rule's: passed to that rule alone,
--- or stating the rule's limit, and resetting within its window (stated in
--- whole seconds). The call must have been decided in the epoch the caller
--- knows, once every call admitted before the data began had reached the
--- vendor (blind.settled): they are all in its count.
+-- Blind rules rebuilt. The charge above took the data to the vendor's
+-- count, so a rule whose own count it is decides with it again for this
+-- key (docs/PROTOCOL.md 2.6). RESET_SLACK (µs) allows whole-second resets.
 local RESET_SLACK = 1000000
 
--- rebuild ends the blindness of rule r from the vendor's count (left,
--- reset, the limit it stated), alone when no other rule passed takes the
--- same count, and reports whether it did.
+-- rebuild ends rule r's blindness from the vendor's count, alone when no
+-- other rule takes it, and reports whether it did.
 local function rebuild(r, left, reset, vlimit, alone)
-  if OFF.rebuild or left < 0 or arg.as_of <= 0 or not meta or known ~= meta.epoch then
+  if OFF.rebuild or learn or left < 0 or arg.as_of <= 0 or not meta or known ~= meta.epoch then
     return false
   end
   if not r.blind or arg.as_of < blind.settled(r) or reset > span_of(r) + r.margin + RESET_SLACK or

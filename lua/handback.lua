@@ -1,23 +1,14 @@
--- handback.lua: a process back on Redis after deciding calls without it
--- (the Local fallback) tells Redis of the calls it admitted that still count
--- in a window, at their own times, and reserves the quota for the replicas
--- that may still decide without Redis.
+-- handback.lua: a process back from the Local fallback tells Redis of the
+-- calls it admitted that still count, at their own times. It reserves the
+-- quota for replicas still deciding without Redis (docs/PROTOCOL.md 6.8).
 --
--- KEYS and ARGV as in lib.lua; after the rules, ARGS.handback:
---   replicas  the replicas the quota is divided among (Options.ExpectedReplicas), n;
---   span      how long, in microseconds, other replicas may still decide
---             without Redis and their calls still count: until then Redis
---             admits only 1/n of each limit, the share no replica on the
---             fallback takes;
---   charges   the number of charges;
--- then for each charge ARGS.charge: the rule's index (from 1), the time of
--- the call in microseconds (for a concurrency slot still held, when its
--- lease ends; 0 or less when the process does not know Redis's clock: that
--- many microseconds from now, negated), its units, and its id. A call the
--- fallback booked ahead keeps its time, or the vendor would see it after
--- Redis had let it leave its windows.
---
--- Returns 1.
+-- KEYS and ARGV as in lib.lua; after the rules, ARGS.handback: replicas,
+-- n (Options.ExpectedReplicas); span, how long in µs others may still
+-- decide without Redis, until when Redis admits 1/n of each limit; and
+-- the number of charges. Then per charge, ARGS.charge: the rule's index
+-- (from 1); the call's time in µs, for a concurrency slot its lease's end
+-- (0 or less: that many µs from now, negated, when the process does not
+-- know Redis's clock); its units; its id. Returns 1.
 
 local now = clock()
 local arg = after_rules()
@@ -39,7 +30,6 @@ for _ = 1, a.charges do
     at = now - at
   end
   if r and r.kind == CONCURRENCY then
-    -- A slot still held: taken until its lease ends (at).
     zadd(r.key, str(at), id, 1, units)
     expire(r.key, (at - now) / 1000)
   elseif r then

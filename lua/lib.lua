@@ -1,39 +1,20 @@
--- lib.lua: what every throttle script shares. It is prepended to each script,
--- so every script is one self-contained EVAL.
---
--- A quota is a list of rules, each kept in its own key. Every script that
--- touches rules receives them the same way:
---
--- KEYS[1]        the quota's meta key (see read_meta): its epoch, a time before
---                which no call is admitted (set when the vendor answers 429), and
---                the fleet's timing as its processes report it.
--- KEYS[2]        the pause key of the call's key: a time before which no call
---                of that key is admitted; or KEYS[1] again.
--- KEYS[2+i]      the key of rule i, for n rules;
--- KEYS[3+n] ..   every other key the script may touch, declared (a rule's
---                hint, cap, charges, refunds, refusals and classes, the
---                group's key, the keys of a batch's other scopes: see
---                declared in keys.go); a script reaches them by name, and
---                touches no key not in KEYS.
---
--- ARGV follows the layouts of internal/protocol. ARGS.x(i) reads layout x
--- from ARGV[i] on, by name; lua.go folds it, and the other names consts.lua
--- lists, into the script as it loads it.
--- ARGV[1]        now in microseconds, or "0" to read Redis TIME (the default, so
---                that the whole fleet shares one clock).
--- ARGV[2]        n, the number of rules; then n rules (ARGS.rule, read by rules).
--- The script's own arguments start at after_rules(), in its layout.
---
--- No script calls redis.replicate_commands: since Redis 5 scripts replicate
--- their effects, and some hosted services reject the call.
+-- lib.lua: what every throttle script shares, prepended to each script.
+-- KEYS[1] is the meta key; KEYS[2] the call's pause key, or KEYS[1] again.
+-- KEYS[2+i] is rule i's key; from KEYS[3+n] on come the other keys a script
+-- may touch (declared in keys.go). A script touches no key outside KEYS.
+-- ARGV[1] is now in µs, or "0" to read Redis TIME: the fleet shares a clock.
+-- ARGV[2] is n, then n rules (ARGS.rule); the script's own layout starts at
+-- after_rules(). ARGS.x(i) reads layout x from ARGV[i] by name. No script
+-- calls redis.replicate_commands: some hosted services reject it
+-- (docs/PROTOCOL.md 2, 2.1).
 
--- OFF names the mechanisms turned off to measure again what they buy
--- (docs/PROTOCOL.md, section 7, and switches.go): empty but in such runs.
+-- OFF names the mechanisms switched off for a measuring run (switches.go,
+-- docs/PROTOCOL.md 7). It is empty in every other run.
 local OFF = {}
 local NEVER = math.huge
 
--- Redis receives times and counts as integers: Lua's tostring would print a
--- microsecond timestamp in exponent form and lose digits.
+-- str writes a time or count as an integer: Lua's tostring would print a
+-- µs timestamp in exponent form and lose digits.
 local function str(x)
   return string.format('%.0f', x)
 end
@@ -47,17 +28,11 @@ local function clock()
   return now
 end
 
--- rules returns the rules of the call, each with its key, kind and
--- parameters by name:
---   limit     a log's or counter's limit, a bucket's burst, a concurrency
---             rule's maximum;
---   window    a log's or counter's window, its configured margin included;
---   width     a counter's bucket width;
---   interval  a bucket's emission interval per unit;
---   lease     a concurrency rule's lease;
---   margin    a log's or counter's configured margin, a bucket's own;
---   shared    true for a rule every quota of the group shares.
--- All times are in microseconds.
+-- rules returns the call's rules, each with its key, kind and flags, and
+-- its parameters by name, in µs but limit (docs/PROTOCOL.md 2.1). limit is
+-- a bucket's burst, or a concurrency rule's maximum; window includes the
+-- configured margin; width is a counter's bucket width, interval a bucket's
+-- per unit. shared is true for a rule every quota of the group shares.
 local function rules()
   local rs, at = {}, 3
   for i = 1, tonumber(ARGV[2]) do
@@ -75,19 +50,16 @@ local function rules()
     if r.kind ~= CONCURRENCY then
       r.lease = nil
     end
-    -- The configured limit, or burst, and interval: a learned cap (see
-    -- read_caps) and the Local fallback's reserve may lower limit and
-    -- interval.
+    -- conf and conf_interval stay as configured: a learned cap (read_caps)
+    -- and the Local fallback's reserve may lower limit and interval.
     r.conf, r.conf_interval = r.limit, r.interval
     rs[i] = r
   end
   return rs
 end
 
--- read_cost reads a call's cost: one number, its units under every rule,
--- or, on a quota whose rules count units of several names (policies.Unit),
--- its units under each rule in the rules' order, comma-separated. total
--- is the sum of the numbers.
+-- read_cost reads a call's cost: one number for every rule, or for named
+-- units (policies.Unit) one per rule, comma-separated. total is their sum.
 local function read_cost(s)
   local n = tonumber(s)
   if n then
@@ -149,9 +121,8 @@ local function zrem(key, id, first, last)
   end
 end
 
--- Every expiry gets this much slack, in milliseconds: Redis expires keys by
--- its own clock, which can differ from the time a script was given (the
--- client's clock, or a test's).
+-- SLACK, in ms, is added to every expiry: Redis expires keys by its own
+-- clock, which may differ from the time a script was given.
 local SLACK = 1000
 
 -- expire makes key live at least ms milliseconds: an older, longer booking
@@ -163,77 +134,48 @@ local function expire(key, ms)
   end
 end
 
--- The meta key is refreshed about daily, and lives META_TTL milliseconds
--- after its last refresh, or twice the longest window of the quota if that
--- is longer: an idle quota's meta key goes away, but never while a window's
--- data may still be in Redis, lest its absence look like a loss.
+-- The meta key lives META_TTL ms after its refresh (every META_REFRESH µs),
+-- or twice the longest window: its absence must not look like a loss.
 local META_TTL = 30 * 24 * 3600 * 1000
 local META_REFRESH = 24 * 3600 * 1000000
 
--- The meta key is a hash of these fields, each a number but policies and
--- lates:
---   epoch           when the quota's data was first written, in
---                   microseconds;
---   pause           a time before which no call of the quota is admitted;
+-- The meta key is a hash of these fields, numbers but for lates, policies,
+-- policy, rules and began; times are in µs, lists comma-separated:
+--   epoch           when the quota's data was first written;
+--   pause           no call of the quota is admitted before it;
 --   refreshed       when the key's expiry was last pushed back;
 --   period          the timing period (now // TIMING_PERIOD) lates is of;
 --   spread          the fleet's spread in force (see note_timing);
---   lates           the histogram of the period's latenesses, comma-separated
---                   counts per LATE_BUCKETS bucket;
---   delay_max, delay_min
---                   the longest and shortest usual delay from Redis that the
---                   fleet's processes reported in the period;
---   prev_delay_max, prev_delay_min
---                   the same in the period before, or -1;
---   loss            when Redis was last found to have lost the quota's data,
---                   or 0;
---   policies        the ids of the policies the quota ran under lately,
---                   newest first, comma-separated (see check_policy);
---   reserved_until, reserved_share
---                   until then, Redis admits only 1/reserved_share of each
---                   limit: replicas of the Local fallback may still be
---                   deciding without Redis (see handback.lua);
---   seq             how many acquire scripts have run in this epoch: a Redis
---                   whose count is behind what a caller saw has gone back in
---                   time (see check_seq);
---   hold, hold_until
---                   a spread held until then: calls were booked with the
---                   margins it gave, and may start as late as those allow,
---                   so the margins keep room for them until they have all
---                   left their windows (see held_spread);
---   next_hold, next_until
---                   the same for the calls booked since the fleet's spread
---                   fell below hold, with the narrower margins it gave: the
---                   hold that follows when hold_until passes;
---   caps_until      until then, rules of the quota may have learned caps
---                   (see read_caps): before it, scripts read them; after it,
---                   they spare the reads;
---   classes_until   until then, rules of the quota may hold shares for
---                   classes of calls (see Classes in acquire.lua): before
---                   it, every call reads them; after it, only a call of a
---                   class does;
---   warm_until, warm_held
---                   until warm_until, the quota warms up; until warm_held,
---                   the calls it admitted at once while it did are held (see
---                   Warming up);
+--   lates           the period's latenesses: counts per LATE_BUCKETS bucket;
+--   delay_max, delay_min  the period's longest and shortest usual delays;
+--   prev_delay_max, prev_delay_min  the same in the period before, or -1;
+--   loss            when Redis last lost the quota's data, or 0;
+--   policies        the ids of the policies run lately, newest first;
+--   reserved_until, reserved_share  until then, Redis admits only
+--                   1/reserved_share of each limit (see handback.lua);
+--   seq             the acquire scripts run in this epoch (see check_seq);
+--   hold, hold_until  a spread held until then (see Holds);
+--   next_hold, next_until  the hold that follows when hold_until passes;
+--   caps_until      until then, a rule may have a cap or share (read_caps);
+--   classes_until   until then, a rule may hold class shares (acquire.lua);
+--   warm_until      the quota warms up until then (see Warming up);
+--   warm_held       until then, the calls admitted at once while it warmed
+--                   up are held;
 --   paused_by       why pause was last set: one of PAUSED_BY_*, or 0;
---   policy          the newest policy's description, as the process that
---                   runs it sent it (JSON: see description in describe.go),
---                   so that a tool reads the quota without being told its
---                   policy;
---   policy_made     when the limiter that described it was made (see
---                   describe in acquire.lua): an older one's does not
---                   replace it;
---   last_acquire    when the last acquire script of the quota ran;
---   lost_by         why loss was last set: PAUSED_BY_LOSS, or
---                   PAUSED_BY_CLOCK for a clock gone back (0 reads as a loss);
---   rules           the ids of the rules of the newest policy, comma-separated
---                   (see check_policy);
---   began           "id=t,...": the rules a deploy added, with when their
---                   data began, while they may still be blind (see Blind rules);
---   counted         1 once an answer of the vendor stated its counts
---                   (feedback.lua): every process's calls may go out as
---                   scouts, a process new since too (see Scouts).
+--   policy          the newest policy's JSON description (describe.go);
+--   policy_made     when the limiter that described it was made: an older
+--                   one's does not replace it (describe in acquire.lua);
+--   last_acquire    when the quota's last acquire script ran;
+--   lost_by         why loss was set: PAUSED_BY_LOSS (0 reads so), or
+--                   PAUSED_BY_CLOCK for a clock step;
+--   rules           the ids of the newest policy's rules (check_policy);
+--   began           "id=t,...": the rules a deploy added and when their
+--                   data began, while they may be blind (see Blind rules);
+--   counted         1 once an answer stated the vendor's counts (Scouts);
+--   lag, lag_until  the answers' lag, and until when it holds (Answers' lag);
+--   group_acquire   when the group's last acquire script ran (a group's
+--                   quota only): it tells whose script first met a clock
+--                   gone back, and drops what the shared rules hold ahead.
 local META_FIELDS = {
   epoch = 0, pause = 0, refreshed = 0, period = -1, spread = 0,
   delay_max = -1, delay_min = -1, prev_delay_max = -1, prev_delay_min = -1,
@@ -241,36 +183,25 @@ local META_FIELDS = {
   hold = 0, hold_until = 0, next_hold = 0, next_until = 0,
   caps_until = 0, warm_until = 0, warm_held = 0, last_acquire = 0,
   classes_until = 0, paused_by = 0, policy_made = 0, lost_by = 0, counted = 0,
-  lag = 0, lag_until = 0,
+  lag = 0, lag_until = 0, group_acquire = 0,
   -- Kept as text, '' when missing.
   policies = '', policy = '', rules = '', began = '',
 }
 
--- Why the quota's pause was last set (the meta's paused_by) is one of
--- PAUSED_BY_* (consts.lua): feedback.lua's refusal or pause asked, a loss
--- (check_loss, lose), a new policy (check_policy), a clock gone back
--- (check_clock).
+-- paused_by is one of PAUSED_BY_* (consts.lua): the vendor, a clock gone
+-- back (check_clock), or, with blind rules off, a loss or a new policy.
 
--- pause_for lengthens the quota's pause in meta m to until, if that is
--- later, noting why.
+-- pause_for lengthens meta m's pause to until_, if later, noting why.
 local function pause_for(m, until_, why)
   if until_ > m.pause then
     m.pause, m.paused_by = until_, why
   end
 end
 
--- Groups. The quotas that declare a policies.Shared rule form a group,
--- named by its Name. Each keeps its meta key, but the state of what they
--- share is kept on one key of the group, which every quota of it reads and
--- writes: the fields of GROUP_FIELDS. The group's processes are one fleet
--- at the vendor: the spread of their calls sets the margin every quota
--- searches a shared log with, and the holds keep the margins that calls
--- of any quota were booked with. And every quota reads a shared rule's
--- learned cap, others' share and classes while any quota may have them.
--- The group's key is "P:{Name}//group", built from the meta key,
--- "P:{Name}/<quota>:meta" (a quota of no group has "P:{<quota>}:meta"):
--- after the tag, "/" marks a group. News about a shared rule goes to the
--- channel named as the group's key, which every quota of it listens to.
+-- Groups. The quotas that declare a policies.Shared rule of one Name form a
+-- group. Its key, "P:{Name}//group", holds the GROUP_FIELDS of every quota
+-- of it, and names its channel. GROUP is built from the meta key: after the
+-- tag, "/" marks a group's quota (docs/PROTOCOL.md 3.12).
 local GROUP = not OFF.groups and KEYS[1] and string.match(KEYS[1], '^[^}]*}/')
 if GROUP then
   GROUP = GROUP .. '/group'
@@ -279,7 +210,7 @@ local GROUP_FIELDS = {
   period = true, spread = true, lates = true, delay_max = true, delay_min = true,
   prev_delay_max = true, prev_delay_min = true, hold = true, hold_until = true,
   next_hold = true, next_until = true, warm_held = true, caps_until = true, classes_until = true,
-  lag = true, lag_until = true,
+  lag = true, lag_until = true, group_acquire = true,
 }
 
 -- group_raw holds the group key's fields as read_meta read them, or nil.
@@ -319,13 +250,10 @@ local function meta_from(m)
   return m
 end
 
--- read_meta returns the meta as a table, its numbers by name (each
--- missing one as in META_FIELDS), or nil when the key is missing. The
--- fields as read are kept in raw (the group's in graw), so that
--- write_meta writes only those that changed; lates is kept as text
--- (lates_text) until a report needs it. With group, a quota of a group
--- takes the fields of GROUP_FIELDS from the group's key; a script that
--- reads none of them (cancel, settle, handback) spares the read.
+-- read_meta returns the meta by field (missing ones as in META_FIELDS), or
+-- nil when the key is missing. raw and graw keep the fields as read, so
+-- write_meta writes only changes. With group, GROUP_FIELDS are read from
+-- the group's key; cancel, settle and handback need none.
 local function read_meta(group)
   if group and GROUP and not group_raw then
     group_raw = hash(GROUP)
@@ -356,10 +284,8 @@ local function histogram(m)
   return m.lates
 end
 
--- write_meta writes the fields of the meta m that changed since it was
--- read, each to its key (see Groups); an expiry is pushed back when the
--- meta or the group's key is new, or the meta refreshed (see META_TTL),
--- for the longest window of rules rs.
+-- write_meta writes the fields of meta m that changed, each to its key.
+-- A new or refreshed key's expiry is pushed back (see META_TTL).
 local function write_meta(m, rs)
   local args, gargs = {}, {}
   local function put(f, v)
@@ -405,17 +331,12 @@ local function write_meta(m, rs)
   end
 end
 
--- Timing: each process reports, with its calls, how much later than its
--- usual delay its calls since its last report started after their slots
--- (see timing.go), as counts per bucket of lateness. Bucket 0 holds
--- latenesses under 1ms, bucket k those under 2^(k/2) ms. The fleet's spread
--- is the SPREAD_QUANTILE of the latenesses of all its calls over a period:
--- how much later after its slot one call may start than another, but for
--- the few that the late-start guard books again. It is computed when a
--- period ends, and raised during a period as soon as enough calls show more.
--- So one slow process among many widens the margin only as much as its
--- share of the calls, and a fleet that calms down narrows it within two
--- periods.
+-- Timing. Processes report how late after their slots, beyond their usual
+-- delays, their calls started (timing.go): counts per lateness bucket.
+-- Bucket 0 holds latenesses under 1 ms, bucket k those under 2^(k/2) ms.
+-- The fleet's spread is their SPREAD_QUANTILE over a TIMING_PERIOD (µs).
+-- It is raised within a period once SPREAD_SAMPLES calls show more
+-- (docs/PROTOCOL.md 5.3, 5.4).
 local TIMING_PERIOD = 2000000
 local SPREAD_QUANTILE = 0.99
 local SPREAD_SAMPLES = 50
@@ -446,9 +367,8 @@ local function quantile(h)
   return 0, total
 end
 
--- note_timing folds a process's report (a list of ARGS.late, the latenesses
--- n in bucket k, or nil for none; its usual delay from Redis, or -1) into
--- the meta, and reports whether it changed.
+-- note_timing folds a process's report (ARGS.late list, or nil) and usual
+-- delay (µs, or -1) into meta m. It reports whether m changed.
 local function note_timing(m, now, report, delay)
   local p = math.floor(now / TIMING_PERIOD)
   local known = delay < 0 or m.period == p and delay <= m.delay_max and delay >= m.delay_min
@@ -456,16 +376,8 @@ local function note_timing(m, now, report, delay)
     return false
   end
   if m.period ~= p then
-    -- A new period: the last one, if it saw enough calls, says the spread;
-    -- a fleet idle for a period or more starts from nothing, and so does a
-    -- fleet whose quota warmed up during the last one: what its calls
-    -- measured then was the start's burst (connections opened, scripts
-    -- answered at once), which the warm-up's margins and holds cover, not
-    -- how the fleet runs. Its processes' usual delays too: each was read
-    -- off the fastest of the replies of that burst, all of them held up in
-    -- Redis's long turns. The spread rises again as soon as enough calls
-    -- of the new period show it, and the delays as soon as the processes
-    -- report them, with their next script calls.
+    -- A new period: after an idle one, or a warm-up's, spread and delays
+    -- restart, since a warm-up's burst is not how the fleet runs.
     local q, n = quantile(histogram(m))
     if m.period == p - 1 and m.warm_until > m.period * TIMING_PERIOD then
       m.spread = 0
@@ -502,9 +414,8 @@ local function note_timing(m, now, report, delay)
   return true
 end
 
--- fleet_spread returns the fleet's spread as of now, 0 when unknown: the
--- lateness of its calls beyond each process's usual delay, and how much the
--- usual delays of its processes differ.
+-- fleet_spread returns the fleet's spread now in µs, 0 when unknown: the
+-- calls' lateness, plus how much the processes' usual delays differ.
 local function fleet_spread(m, now)
   if not m or m.period < math.floor(now / TIMING_PERIOD) - 1 then
     return 0
@@ -520,20 +431,11 @@ local function fleet_spread(m, now)
   return m.spread
 end
 
--- Holds. A call booked with a margin may start as late as half of it (the
--- late-start guard), and the calls booked after it keep that margin from
--- it. So when the fleet's spread falls, the calls already booked with the
--- wider margins it gave keep their room: a new booking keeps from them half
--- its own margin and half theirs (see margins), which covers how late they
--- may start and how much the way to the vendor may differ now; and is
--- itself held to the narrower margin it was given. The widest spread still
--- held is hs, until hu; the calls booked since the spread fell below it
--- are held at ns, until nu, and take over when hu passes. A saturated
--- fleet, always booking a window ahead, so narrows its margins within two
--- windows of its spread falling, instead of never.
+-- Holds. When the spread falls, calls booked with its wider margins keep
+-- their room until they have left their windows (docs/PROTOCOL.md 5.6).
 
--- roll_hold ends the hold of hs once its calls have left their windows,
--- and reports whether the meta changed.
+-- roll_hold makes next_hold the hold once hold_until has passed. It
+-- reports whether the meta changed.
 local function roll_hold(m, now)
   if m.hold_until > now or m.next_until <= 0 or OFF.next_hold then
     return false
@@ -542,8 +444,7 @@ local function roll_hold(m, now)
   return true
 end
 
--- held_spread returns the widest spread that calls booked earlier still
--- hold, 0 when none.
+-- held_spread returns the widest spread earlier calls still hold, or 0.
 local function held_spread(m, now)
   if not m or OFF.holds then
     return 0
@@ -555,16 +456,13 @@ local function held_spread(m, now)
   return 0
 end
 
--- spread_in_force returns the widest spread a call of the fleet may start
--- with now: the fleet's, or a wider one still held for the calls booked
--- with it.
+-- spread_in_force returns the widest spread a call may start with now.
 local function spread_in_force(m, now)
   return math.max(fleet_spread(m, now), held_spread(m, now))
 end
 
--- hold_spread holds spread, the fleet's as the calls of this script were
--- booked with it, until the calls booked up to slot have left the windows
--- of rules rs, and the latest of them may have started. It reports whether
+-- hold_spread holds spread, this script's calls' own, until the calls
+-- booked up to slot have left the windows of rules rs. It reports whether
 -- the meta changed.
 local function hold_spread(m, now, spread, slot, rs)
   if spread <= 0 or OFF.holds then
@@ -593,36 +491,14 @@ local function hold_spread(m, now, spread, slot, rs)
   return false
 end
 
--- Margins. A window's margin absorbs the spread between the decision in
--- Redis and the arrival at the vendor. A log's configured margin is a floor:
--- when the fleet's spread needs more, the margin in force grows to twice the
--- spread (half of the margin for the start of calls, which the late-start
--- guard holds to it, half for the way to the vendor), up to a ceiling of a
--- tenth of the window, at most one second. A counter keeps its configured
--- margin: it counts whole buckets, far coarser than the spread, and a wider
--- margin would cost it a whole bucket of the quota. A margin under GUARDED
--- is a choice to run without one, and never grows.
+-- Margins. A log's margin grows from its configured one to twice the
+-- fleet's spread, up to margin_ceiling (a tenth of the window, MAX_MARGIN
+-- at most). A counter's never grows: it would cost a whole bucket. Neither
+-- does one under GUARDED (docs/PROTOCOL.md 3.7).
 
--- Pacing. A saturated log admits each window's calls where the window
--- before admitted its calls, all at once when those came at once. A fleet
--- that cannot start so many calls at the same moment (a thousand small
--- replicas on a few cores; a Redis that answers a burst of scripts one at a
--- time) starts the last of them late, and its spread widens the margin.
--- Past the margin's ceiling, widening is no longer enough: a call that may
--- wait is then booked at least the log's average gap between calls
--- (window / limit) away from every entry of the log. A window's calls
--- spread over it, and the windows after it keep that spread, since each
--- call is booked a window after one before it; a saturated fleet admits no
--- fewer calls so (it can admit no more than a limit per window in force
--- anyway). The first burst so paced waits up to a window longer, once. A
--- narrower gap (a quarter of it was tried) leaves the calls in bursts at
--- that gap's rate, with the rest of each window empty, and starts them
--- later.
---
--- A quota warming up paces the lone calls of many replicas too (see
--- acquire.lua). A paced time may lie among the log's bookings (room left by
--- a booking given back, too close to its neighbours): the rules settle from
--- it within a short read, or else for the log's tail, paced once more.
+-- Pacing. When the spread outgrows the widest margin, a log's calls that
+-- may wait are booked r.pace (window / limit) from every entry (paced in
+-- acquire.lua; docs/PROTOCOL.md 3.9).
 
 local function margin_ceiling(r)
   if r.kind ~= LOG or r.margin < GUARDED then
@@ -631,26 +507,15 @@ local function margin_ceiling(r)
   return math.max(r.margin, math.min(math.floor((r.window - r.margin) / 10), MAX_MARGIN))
 end
 
--- Warming up. A fleet that starts calling a quota, new or idle for a
--- minute or a window, knows nothing yet of its spread, and its first calls
--- are the slowest to reach the vendor: each opens a connection (a TLS
--- handshake takes tens of milliseconds), while the calls a window later
--- find them open. So the quota warms up for its longest window: the calls
--- it admits at once meanwhile may reach the vendor as late as the widest
--- margin allows, up to WARM_MARGIN, and until they have left their windows
--- (wh), every log's margin in force keeps half that from them and half its
--- own margin, as for calls booked with a margin that wide (see margins).
--- The margins a call is held to, and pacing, still follow the spread
--- measured.
+-- Warming up. A quota new or idle warms up for its longest window: its
+-- first calls open connections, and reach the vendor late. Until warm_held,
+-- the margins keep room as for WARM_MARGIN (docs/PROTOCOL.md 5.7).
 
--- The margin the calls admitted at once while a quota warms up may take,
--- up to the ceiling: a new connection's DNS, TCP and TLS round trips to a
--- vendor across a continent.
+-- WARM_MARGIN (µs): a new connection's round trips across a continent.
 local WARM_MARGIN = 200000
 
 -- longest_window returns the longest window of rules rs: as configured
--- before margins widens them (how long a quota warms up), as in force
--- after.
+-- before margins runs, as in force after.
 local function longest_window(rs)
   local span = 0
   for _, r in ipairs(rs) do
@@ -661,17 +526,14 @@ local function longest_window(rs)
   return span
 end
 
--- starting reports whether the fleet starts calling the quota now: it is
--- new, or no acquire script ran for longer than span or WARM_IDLE, after
--- which the vendor's window is empty and its servers have closed the
--- connections the fleet kept open.
+-- starting reports whether the quota is new, or idle for longer than span
+-- and WARM_IDLE: the vendor has then closed the fleet's connections.
 local function starting(m, now, span)
   return not m or now - m.last_acquire > math.max(span, WARM_IDLE)
 end
 
--- warm_hold returns how long the calls admitted at once while the quota
--- warms up are held: until the widest window they may be counted in has
--- passed. Read after margins.
+-- warm_hold returns how long (µs) the calls a warming quota admits at once
+-- are held: the widest keep of rules rs. Call it after margins.
 local function warm_hold(rs)
   local keep = 0
   for _, r in ipairs(rs) do
@@ -682,25 +544,16 @@ local function warm_hold(rs)
   return keep
 end
 
--- Answers' lag. A vendor's count is measured against the fleet's record
--- of the vendor's window before the call's slot (sent_in_window in
--- feedback.lua), and the answer that brings it comes the call's latency
--- after the slot: an LLM's, seconds after. The record is kept that much
--- longer than its widest window (r.kept: a tenth of the window more, up
--- to MAX_MARGIN, as a log's margin may grow, and the lag), or the measure
--- would miss the calls that left the record but not the vendor's window,
--- and take them for other consumers' (a counter of 40 buckets of a 2 s
--- window, answers 105 ms late: a third of the window's tokens). The
--- meta's lag is the longest lateness of the latest answers, no longer
--- than the policy's longest window, held for LAG_HOLD of those; each quota
--- of a group keeps the group's, since any of them trims a shared rule. An
--- answer that comes while the record was kept for less measures nothing.
+-- Answers' lag. A vendor's count comes the call's latency after its slot.
+-- Each rule's record is kept that much longer (r.kept), or the others'
+-- measure would count the fleet's calls that left it. The meta's lag, at
+-- most the policy's longest window, holds LAG_HOLD windows. An answer that
+-- comes while the record was kept for less measures nothing.
 local LAG_HOLD = 8
 
--- note_lag makes meta m's lag hold an answer late by late after its slot,
--- span being the policy's longest window, and reports whether m changed:
--- a longer lag at once, a lag run out anew, a lag at least half of this
--- one's for LAG_HOLD more windows once half of its hold has passed.
+-- note_lag makes meta m's lag hold an answer late µs after its slot (span:
+-- the policy's longest window). A longer lag replaces it; one at least half
+-- as long renews it once half its hold passed. It reports whether m changed.
 local function note_lag(m, late, span, now)
   if not m or late <= 0 or span <= 0 or OFF.lag then
     return false
@@ -724,18 +577,12 @@ local function lag_of(m, now)
   return m.lag
 end
 
--- margins sets, for each windowed rule, the margin in force (r.margin), the
--- window it widens (r.window), the span its data must be kept for its own
--- decisions (r.keep: the widest the window can grow, so that no entry it
--- may count is dropped), and that span and lag (see Answers' lag), which
--- its data is kept for (r.kept).
--- spread is the fleet's, held the widest that calls booked earlier hold
--- (see held_spread): the margin in force keeps half of what each gives;
--- warm is true while the calls a warming quota admitted at once are held,
--- which gives a margin of WARM_MARGIN, up to the ceiling (see Warming up).
--- It returns the smallest guarded margin the fleet's spread gives, a token
--- bucket's own margin included, which a call booked now is held to (see
--- late in waiter.go), or 0 when no rule is guarded.
+-- margins sets, for each log and counter, r.margin and r.window in force.
+-- r.keep is the widest the window may grow; r.kept how long its data is
+-- kept (keep, or a tenth of the window more, plus lag). spread is the
+-- fleet's, held the widest still held; warm says a warm-up's calls are
+-- held. It returns the least guarded margin, a bucket's included, which a
+-- call booked now is held to (late in waiter.go), or 0.
 local function margins(rs, spread, held, warm, lag)
   if OFF.spread_margins then
     spread, held = 0, 0
@@ -764,9 +611,8 @@ local function margins(rs, spread, held, warm, lag)
       r.margin, r.window, r.keep = m, w + m, w + ceiling
       r.kept = w + math.max(ceiling, math.min(math.floor(w / 10), MAX_MARGIN)) + (lag or 0)
     elseif r.kind == BUCKET and r.margin >= GUARDED and not OFF.bucket_margin then
-      -- A token bucket's margin does not grow, but its calls are held to
-      -- it all the same: one that starts late bunches with the calls after
-      -- it at the vendor.
+      -- A bucket's margin does not grow, but its calls are held to it: a late
+      -- one bunches with the calls after it at the vendor.
       if least == 0 or r.margin < least then
         least = r.margin
       end
@@ -775,22 +621,12 @@ local function margins(rs, spread, held, warm, lag)
   return least
 end
 
--- Losses. A missing meta key means a new quota, or a Redis that lost its
--- data (a restart without persistence, a failover to a replica that lagged,
--- FLUSHALL). A caller that knew an epoch tells them apart; so does a caller
--- that finds an epoch other than the one it knew: another process, new,
--- met the empty Redis first. The vendor still counts the calls Redis
--- forgot, as many as full windows in the worst case, so from the loss on,
--- every rule is blind (see Blind rules): a log or counter counts as full
--- for its window, a token bucket as empty at the loss, refilling from
--- there, a concurrency rule as taken until a lease has run out, since its
--- holders may still be running.
+-- Losses. A missing meta key means a new quota or a lost Redis; a caller
+-- that knew an epoch tells them apart. From a loss on, every rule is blind
+-- (docs/PROTOCOL.md 6.1).
 
--- loss_pause returns the time until which the windows of rules rs count as
--- full after a loss at time at. A script given only some of the policy's
--- rules (feedback: those an answer is about) passes the policy's longest
--- window too, as span: every rule of the policy still counts what Redis
--- forgot. Only with blind rules switched off does a loss pause the quota.
+-- loss_pause returns the end of a pause for a loss at time at: the longest
+-- window of rs, or span, the policy's (feedback). Blind rules off only.
 local function loss_pause(rs, at, span)
   return at + math.max(longest_window(rs), span or 0)
 end
@@ -798,9 +634,8 @@ end
 -- The functions of blind rules (see Blind rules, below).
 local blind = {}
 
--- blind.lost notes in meta m a loss at time at, found for cause by (one of
--- PAUSED_BY_*): every rule of the quota is blind from then on. With blind
--- rules switched off, the whole quota pauses for its longest window.
+-- blind.lost notes a loss at time at, for cause by: every rule is blind
+-- from then. With blind rules off, the quota pauses instead.
 function blind.lost(m, at, rs, span, by)
   m.loss, m.lost_by = at, by
   if OFF.blind_rules then
@@ -808,10 +643,9 @@ function blind.lost(m, at, rs, span, by)
   end
 end
 
--- check_loss finds a loss the caller knew nothing of: m is the meta read
--- (nil when missing), known the epoch the caller knew (0 for none). It
--- returns the meta to use, whether it changed, and whether this call found
--- the loss; span is as for loss_pause.
+-- check_loss finds a loss the caller did not know of: m is the meta read
+-- (or nil), known the caller's epoch (or 0), span as for loss_pause. It
+-- returns the meta to use, whether it changed, and whether it found a loss.
 local function check_loss(m, now, known, rs, span)
   if not m then
     m = new_meta(now)
@@ -822,29 +656,22 @@ local function check_loss(m, now, known, rs, span)
     return m, true, false
   end
   if known > 0 and known ~= m.epoch and m.loss < m.epoch and not OFF.epochs then
-    -- The data was lost before this epoch began; what the fleet admitted
-    -- since is in it.
+    -- Lost before this epoch began: the fleet's calls since are in it.
     blind.lost(m, m.epoch, rs, span, PAUSED_BY_LOSS)
     return m, true, true
   end
   return m, false, false
 end
 
--- lose counts the quota's data as lost now, under a new epoch, for cause by
--- (PAUSED_BY_LOSS when nil): every rule is blind from now on, and every
--- process's sleeping calls, booked in the old epoch, book again.
+-- lose counts the data as lost now, under a new epoch, for cause by
+-- (PAUSED_BY_LOSS when nil): sleeping calls book again.
 local function lose(m, now, rs, by)
   m.epoch = now
   blind.lost(m, now, rs, nil, by or PAUSED_BY_LOSS)
 end
 
--- check_seq finds a Redis that went back in time: a failover to a replica
--- that missed the latest writes, a restart from an old snapshot. The meta
--- key is there, with its epoch, but its count of scripts run is behind the
--- one the caller saw (seen, in the caller's epoch known). The bookings
--- Redis forgot still run, and the vendor still counts the calls: the data
--- counts as lost, under a new epoch, so that every process's sleeping
--- calls book again. It returns whether it found a loss.
+-- check_seq finds a Redis gone back in time: its script count is behind
+-- seen, the caller's in epoch known. It returns whether it found a loss.
 local function check_seq(m, now, known, seen, rs)
   if known <= 0 or known ~= m.epoch or seen <= m.seq or OFF.seq then
     return false
@@ -853,11 +680,9 @@ local function check_seq(m, now, known, seen, rs)
   return true
 end
 
--- back_by returns a time t set by a clock that has since gone back by
--- step, by the new clock: as far from the new now as it was from the old
--- one. The step is measured from the quota's last acquire script, so a
--- quota idle before the step has its times moved back less than the step,
--- and they end no sooner than they should. A time already past stays.
+-- back_by returns time t, set before the clock went back by step, on the
+-- new clock; a past time stays. The step counts from the last acquire, so
+-- an idle quota's times move back less, and end no sooner than they should.
 local function back_by(t, step, now)
   if t <= now then
     return t
@@ -865,15 +690,9 @@ local function back_by(t, step, now)
   return math.max(t - step, now)
 end
 
--- check_clock finds a Redis whose clock went back (NTP stepped it, a
--- failover to a host whose clock is behind): the calls admitted before the
--- step now lie ahead of its clock, as if booked, and once the step passes a
--- window they lie beyond every window of the calls it admits now, which the
--- vendor still counts with them. When the clock is behind the time of the
--- quota's last acquire script by more than CLOCK_BACK, the data counts as
--- lost, under a new epoch, so that every process's sleeping calls, booked
--- by the old clock, book again. A smaller step only lengthens windows. It
--- returns whether it found a loss.
+-- check_clock finds a clock gone back by over CLOCK_BACK µs since the
+-- last acquire: the data counts as lost, and sleeping calls book again. A
+-- smaller step only lengthens windows (docs/PROTOCOL.md 6.3).
 local CLOCK_BACK = 5000
 local function check_clock(m, now, rs)
   if m.last_acquire <= now + CLOCK_BACK or OFF.back_steps then
@@ -888,16 +707,13 @@ local function check_clock(m, now, rs)
   return true
 end
 
--- announce tells every process listening on the quota's channel (named as
--- its meta key) what one script learned (see news.go): the quota's epoch
--- and pause after a loss or a pause, or the pause of one key.
+-- announce_quota tells the quota's channel its epoch and pause (news.go).
 local function announce_quota(m, now)
   redis.call('PUBLISH', KEYS[1], NEWS.quota .. ' ' .. str(m.epoch) .. ' ' .. str(m.pause) .. ' ' .. str(now))
 end
 
--- booked_ahead reports whether some log or counter of rules rs holds units
--- booked after now: calls sleep towards slots that room given back may
--- bring forward. A counter is not read: it says so whenever it counts.
+-- booked_ahead reports whether a log or counter of rs holds units booked
+-- after now. A counter is not read: it always says so.
 local function booked_ahead(rs, now)
   for _, r in ipairs(rs) do
     if r.kind == COUNTER then
@@ -912,19 +728,14 @@ local function booked_ahead(rs, now)
   return false
 end
 
--- ROOM_NAMES is how many processes at most the news of room given back in
--- a log names, and ROOM_LOOK how many units past what was given back it
--- looks at to find them: the processes of the calls booked first after
--- now, which take the room in the order they booked. The others' calls
--- stay where they are: each of their processes would run a script to find
--- no room left, hundreds of scripts for one refund in a fleet of hundreds.
+-- ROOM_NAMES is how many processes at most the news of a log's room names,
+-- ROOM_LOOK how many units past the room it reads. Told to all, a fleet of
+-- hundreds would run hundreds of scripts per refund (docs/PROTOCOL.md 3.8).
 local ROOM_NAMES, ROOM_LOOK = 8, 8
 
--- movers returns the processes (the limiter ids of the entries' members,
--- as member writes them) of the calls booked first after now under the
--- logs of rs that got units back (freed(r) of them), or nil when every
--- process is told: a counter books no one by name, and feedback's room
--- (freed nil) is a window's.
+-- movers returns the limiter ids of the first calls booked after now in
+-- the logs of rs that got units back (freed(r)). nil tells all: a counter
+-- books no one by name, and feedback's room (freed nil) is a window's.
 local function movers(rs, now, freed)
   if not freed or OFF.room_names then
     return nil
@@ -951,16 +762,10 @@ local function movers(rs, now, freed)
   return names
 end
 
--- announce_room tells the fleet that units given back (a refund, a booking
--- given back) left room in windows up to until_, when calls are booked
--- ahead of now: the processes movers names, or every process when it names
--- none, with calls sleeping towards their slots then ask, in one script
--- call each, to move them to the earliest slots that fit (see
--- Limiter.moveEarlier in Go). freed(r) is how many units rule r got back;
--- nil for room that any call may take. Room that no window from now on
--- holds, or that no booking waits for, is told to no one. Room in a shared
--- rule that holds bookings ahead is told to the group (see Groups), whose
--- every quota may have booked them.
+-- announce_room tells the fleet that units given back left room up to
+-- until_, so calls booked ahead move earlier (Limiter.moveEarlier in Go).
+-- freed(r) is rule r's units back; nil for room any call may take. Room no
+-- booking waits for is told to no one; a shared rule's goes to the group.
 local function announce_room(m, rs, until_, now, freed)
   if until_ <= now or not m then
     return
@@ -984,12 +789,9 @@ local function announce_room(m, rs, until_, now, freed)
   redis.call('PUBLISH', channel, msg)
 end
 
--- announce_lowered tells the fleet that a limit in force of the quota
--- dropped now (a cap learned, a larger share left to other consumers of
--- the key): each process's calls booked before it, against the limit
--- before, book again when they wake at their slots (see overtaken in Go).
--- A shared rule's drop is told to the group, whose every quota books in
--- it (see Groups).
+-- announce_lowered tells the fleet that a limit in force dropped now: calls
+-- booked before book again at their slots (overtaken in Go). A shared
+-- rule's drop is told to the group.
 local function announce_lowered(m, now, shared)
   if m then
     local channel = shared and GROUP or KEYS[1]
@@ -1002,29 +804,16 @@ local function announce_key(until_, now)
 end
 
 -- Blind rules. A rule is blind while the vendor may count calls its data
--- does not hold: from a loss of the quota's data (every rule), or from
--- the moment a deploy added it (see check_policy), its since. A blind log
--- or counter counts as full until since plus its window in force; a token
--- bucket counts as empty at since, refilling from there; a concurrency
--- rule counts as taken until since plus a lease. The rules whose data is
--- intact keep deciding. A rule sees again when that time has passed, or
--- when a vendor's count rebuilds its data for one key (see rebuild in
--- feedback.lua), which <rule key>:rb notes: the time of the rebuild,
--- kept until the blindness would have ended.
---
--- Scouts. While a log or counter is blind for one key, one call may go
--- out to learn where the vendor stands (a scout): the first of a process
--- that hears the vendor's counts (acquire.lua's scout argument), or of any
--- process once an answer stated them (the meta's counted: a process
--- deployed with a new rule has heard none yet), under a
--- rule that such counts reach, for a key that holds no unit since since,
--- once the calls admitted before since have all reached the vendor
--- (blind.settled). Its answer rebuilds the rule; a vendor at its cap
--- refuses it, and tells when it resets.
+-- lacks: since a loss, or since the deploy that added it. Until since plus
+-- its window, lease or burst span, it counts as full (a bucket as empty).
+-- A vendor's count may rebuild it sooner for a key: <rule key>:rb holds when.
 
--- blind.id returns the id of rule r, as compile in throttle.go names its
--- key: the key without the quota's base (or the group's, for a shared
--- rule, "shared:" before it), and a per-key rule's without its key's hash.
+-- Scouts. While a log or counter is blind for a key, one call may go out
+-- to learn where the vendor stands. It goes once blind.settled has passed,
+-- from a process that heard the vendor's counts, or from any once the
+-- meta's counted is set. Its answer rebuilds the rule (docs/PROTOCOL.md 6.1).
+
+-- blind.id returns rule r's id, as compile in throttle.go names its key.
 function blind.id(r)
   if r.id then
     return r.id
@@ -1053,10 +842,9 @@ function blind.began(m)
   return m.began_t
 end
 
--- blind.settled returns when the calls admitted before rule r's data
--- began have all reached the vendor: since plus the widest margin its
--- window may take (a call starts within half its margin after its slot,
--- and reaches the vendor within the other half). Read after margins.
+-- blind.settled returns when the calls admitted before rule r's data began
+-- have all reached the vendor: since plus the widest margin its window may
+-- take. Call it after margins.
 function blind.settled(r)
   if r.keep then
     return r.since + r.keep - (r.window - r.margin)
@@ -1075,10 +863,8 @@ function blind.span(r)
   return r.lease
 end
 
--- blind.read sets, for rule r of meta m, r.since (when its data began, or
--- 0 when it is whole), r.blind_by (why: PAUSED_BY_LOSS, _CLOCK or
--- _POLICY), r.blind_until and r.blind (blind now). A rule rebuilt since
--- its data began, by a vendor's count, is whole.
+-- blind.read sets r.since (0 when whole), r.blind_by (a PAUSED_BY_*),
+-- r.blind_until and r.blind for rule r of meta m.
 function blind.read(r, m, now)
   r.blind, r.since = false, m and m.loss or 0
   if OFF.blind_rules or not m then
@@ -1106,9 +892,8 @@ function blind.read(r, m, now)
   r.blind = true
 end
 
--- blind.begin notes, in meta m, that the rules of rs not in the newest
--- policy's (m.rules) begin now, and drops the notes of rules no longer
--- in the policy or no longer blind.
+-- blind.begin notes that the rules of rs new to the policy begin now, and
+-- drops the notes of rules no longer blind or in it.
 function blind.begin(m, now, rs)
   local known, began = {}, blind.began(m)
   for id in string.gmatch(m.rules, '[^,]+') do
@@ -1137,17 +922,9 @@ function blind.ids(rs)
   return table.concat(ids, ',')
 end
 
--- check_policy notes that the quota runs under policy id (see
--- policyID in throttle.go), and reports whether the meta changed. A policy
--- the quota has not run under lately comes with a deploy that changed its
--- rules: a rule of a kind or window the newest policy did not have starts
--- on a key of its own, empty, while the vendor still counts the calls the
--- old rules admitted; so that rule alone begins blind (see Blind rules),
--- and the rules whose data is intact keep deciding. A rule a deploy
--- removes keeps its data: a later deploy that brings it back finds it
--- blind. A new quota takes its first policy as it is, and so does a
--- policy the quota ran under lately (a rollback, or the old version of a
--- rolling deploy): each counts only its own rules' calls.
+-- check_policy notes that the quota runs under policy id, and reports
+-- whether the meta changed. A deploy's new rules start blind; a new quota,
+-- or a policy run lately, starts none (docs/PROTOCOL.md 6.4).
 local function check_policy(m, now, id, rs, new)
   local ids = {}
   for x in string.gmatch(m.policies, '[^,]+') do
@@ -1177,9 +954,8 @@ local function check_policy(m, now, id, rs, new)
   return true
 end
 
--- pause_until returns the time before which the call's scope is paused,
--- given the quota's own pause; key is the scope's pause key, KEYS[2] when
--- not given.
+-- pause_until returns when the call's scope is no longer paused, given the
+-- quota's pause; key is the scope's pause key, KEYS[2] by default.
 local function pause_until(quota_pause, key)
   local p = quota_pause
   key = key or KEYS[2]
@@ -1210,27 +986,20 @@ local function bucket_of(t, width)
   return math.floor(t / width)
 end
 
--- oldest_bucket returns the oldest bucket of counter r that a window ending
--- at t touches: a window counts every bucket it touches in full, the partly
--- expired one too (see earliest_counter in acquire.lua).
+-- oldest_bucket returns the oldest bucket of counter r a window ending at t
+-- touches: each counts in full (see earliest_counter in acquire.lua).
 local function oldest_bucket(r, t)
   return bucket_of(t, r.width) - math.ceil(r.window / r.width)
 end
 
--- bucket_free returns the units token bucket r has free at now, its
--- theoretical arrival time being tat: its burst, less what is still to
--- drain.
+-- bucket_free returns the units token bucket r has free at now, given tat.
 local function bucket_free(r, tat, now)
   return math.floor((r.limit * r.interval - math.max(0, tat - now)) / r.interval)
 end
 
--- A log's hint, in the key r.key .. ':next', remembers where the last
--- search of the log ended, so that a log booked far ahead is not read again
--- from the start by every call: "t:at:c:w" says that, with window w, no
--- time from t to at fit c more units. Entries only added keep it true for
--- every call costing c or more, asked from t or later, with a window of w or
--- more. Taking entries out can make room again, but only within a window of
--- them: change lowers the hint below that.
+-- A log's hint, in r.key .. ':next', is "t:at:c:w": with a window of w or
+-- more, no time from t to at fits c more units. Added entries keep it
+-- true; change lowers it when units are taken out (docs/PROTOCOL.md 3.2).
 local function read_hint(r)
   if OFF.hint then
     return false
@@ -1255,12 +1024,8 @@ local function write_hint(r, now)
 end
 
 -- lower_hint makes the hint of log r say nothing after time t, for units
--- taken out at time slot. Units of a slot already past make room only at
--- times from now on and within a window of it; when the log's entries from
--- now on already forbid every such time to a call of one unit (the
--- limit-th of them lies within the hint's window of now: those entries hold
--- a full window between now and the first of them plus a window), the
--- hint stays, as true as it was.
+-- taken out at slot. For a slot past, it stays when the limit-th entry from
+-- now lies within the hint's window of now: the hint is still true then.
 local function lower_hint(r, t, slot, now)
   local h = read_hint(r)
   if not h or h.at <= t then
@@ -1278,10 +1043,8 @@ local function lower_hint(r, t, slot, now)
   write_hint(r, now)
 end
 
--- change applies a change of units (positive: charge, negative: refund) to the
--- rule for the call id whose slot was at time t. Sliding counter, token bucket
--- and log rules change their count; a concurrency rule is not a count of units
--- over time, so only release.lua changes it.
+-- change moves call id's units in rule r from `from` to `to`, at slot t.
+-- A concurrency rule counts no units over time: release.lua changes it.
 local function change(r, id, from, to, t, now)
   if from == to then
     return
@@ -1309,16 +1072,14 @@ local function change(r, id, from, to, t, now)
       set_tat(r.key, math.max(tat, now) + (to - from) * r.interval, '', now)
     elseif last == id then
       -- Only the latest call can give units back: the bucket keeps one time,
-      -- not a history, and taking an earlier call's units out of it would
-      -- let a new call land on a later booking. Other refunds are dropped,
-      -- which errs on the safe side.
+      -- not a history. Other refunds are dropped, on the safe side.
       set_tat(r.key, tat - (from - to) * r.interval, to > 0 and id or '', now)
     end
   end
 end
 
--- give_back takes the units of call id, of cost, booked at time t, out of
--- every rule of rs: a booking given back frees its slot for the next call.
+-- give_back takes the units of call id, of cost, booked at t, out of every
+-- rule of rs.
 local function give_back(rs, id, cost, t, now)
   for _, r in ipairs(rs) do
     if r.kind == CONCURRENCY then
@@ -1329,35 +1090,20 @@ local function give_back(rs, id, cost, t, now)
   end
 end
 
--- Learned caps. A vendor may lower its cap without warning, and answer 429
--- past it. When it refuses a call for being over its limit (feedback.lua,
--- told so by the transport or by Permit.Refused), each counting rule the
--- refusal is about learns a cap (see learn_cap): half its limit at first,
--- then what the fleet had admitted in the vendor's window before a refused
--- call, which the vendor did accept. One refusal drops the limit in force
--- by half at most, so that a refusal about something else (a limit of one
--- endpoint, another consumer of the same key) costs little and is soon
--- made good; a token bucket keeps no history, and halves. From then on
--- every script decides against the cap.
---
--- After CAP_HOLD windows without a refusal, while the fleet fills its
--- capped window, the cap rises, by a step that doubles at each window, back
--- to the configured limit: a vendor that raises its cap again is followed.
--- A refusal during the rise ends it: the cap drops to what the vendor
--- accepted, and holds again.
---
+-- Learned caps. A vendor may lower its cap without warning. When it
+-- refuses a call as over its limit, the rules the refusal is about learn a
+-- cap (learn_cap). After CAP_HOLD windows without a refusal, it rises by a
+-- step that doubles each window (raise_caps; docs/PROTOCOL.md 3.10).
+
 -- The cap of rule r is kept in r.key .. ':cap' as "lim:at:from:next:step":
---   lim   the limit in force, below the configured one; for a token bucket,
---         the units of its burst's span, whose rate falls with it;
+--   lim   the limit in force, below the configured one (a bucket's: its
+--         burst span's units, its rate falling with it);
 --   at    when it last dropped;
---   from  the limit in force before that drop: a refusal of a call decided
---         before the drop drops from there again, not from lim, so that the
---         refusals of the calls in flight at a drop do not compound;
+--   from  the limit before that drop: refusals of calls decided before it
+--         lower from there, so that they do not compound;
 --   next  the earliest time it may rise;
 --   step  how much it rises then.
--- The same key keeps the others' share of the rule (see Others' share
--- below) after those five; lim is then the configured
--- limit when no cap was learned.
+-- The others' share follows; lim is then the configured limit if no cap.
 local CAP_HOLD = 8
 local CAP_FIRST_STEP = 16
 local CAP_TTL = 24 * 3600 * 1000
@@ -1381,58 +1127,44 @@ local function set_limit(r, lim)
   r.limit = lim
 end
 
--- Others' share. Other consumers of the vendor's key (a cron job, another
--- service) spend its limit too. Each vendor's count that reaches
--- feedback.lua measures them: what the vendor counted in its window, less
--- what the fleet sent in the same window, is what others sent (see
--- note_others there). A measure errs only low: the fleet's calls close to
--- the one counted count as sent, though some reach the vendor after it (in
--- a burst, the first answers measure the others far too low, the last
--- ones right). So the share is the largest measure of the last window and
--- a half (the fleet's bursts come a window and a margin apart, and their
--- last answers later), kept by periods of a quarter window: a count that
--- measures the others too low does not lower it, and one that measures
--- them too high (a call of the fleet that reached the vendor far earlier
--- than the calls before it) makes the fleet leave more room than needed,
--- never less, for a window and a half. Only the last answer of a burst
--- measures the others right: a smoother statistic (the second largest of
--- a period) measured them a unit low, and let their calls meet full
--- windows. The rule's limit in
--- force leaves the others their share (others_reserve): the fleet's
--- bookings stay within what the others leave, so that their calls find
--- room, instead of taking each unit the moment it frees. The share follows
--- the others down when they stop: their units leave the vendor's window,
--- the measures fall with them, and the periods that saw them are dropped
--- a window and a half later.
--- It is kept as ":vlim:i/top,i/top,...": the vendor's limit as it last
--- stated it (0 when unknown), then, for each period i (the time divided
--- by a period's length) of the last window and a half, its largest
--- measure, in thousandths of a unit per window; for OTHERS_TTL windows
--- after the last measure.
+-- Others' share. Other consumers of the vendor's key spend its limit too.
+-- Each count measures them (note_others in feedback.lua), and the limit in
+-- force leaves them their share (docs/PROTOCOL.md 3.11).
+-- It follows the cap's five fields in ':cap', as ":vlim:i/top/sent,...":
+--   vlim  the vendor's limit as it last stated it, 0 when unknown;
+--   i     a period kept (see others_period);
+--   top   its largest measure, in thousandths of a unit per window;
+--   sent  the units the fleet had sent in the vendor's window then.
+-- It is kept OTHERS_TTL windows after the last measure.
 local OTHERS_PERIODS = 4
 local OTHERS_KEPT = 6
+local OTHERS_HELD = 16
 local OTHERS_TTL = 8
 local NO_MEASURE = -1000000000
 
--- others_period returns the period of time t for rule r, a table's key:
--- past OTHERS_KEY_FLOOR, since gopher-lua (miniredis's Lua) fills a table's
--- array part with nils up to a positive integer key below 2^26, and an
--- hourly rule's period of now is about three million: every script that
--- read the others' share of such a rule took a hundred milliseconds there
--- (Lua's own tables keep such keys in their hash part).
+-- others_period returns the period of time t for rule r, a table key:
+-- past OTHERS_KEY_FLOOR, out of gopher-lua's array (docs/PROTOCOL.md 1.4).
 local OTHERS_KEY_FLOOR = 2 ^ 27
 local function others_period(r, t)
   return OTHERS_KEY_FLOOR + math.floor(t / math.max(math.floor(span_of(r) / OTHERS_PERIODS), 1))
 end
 
--- others_share sets the share o.share in force at time t for rule r, in
--- thousandths of a unit per window, and drops the periods that left the
--- window.
+-- others_share sets o.share, in thousandths of a unit per window, at time
+-- t. It drops periods past OTHERS_KEPT, but keeps a steady share's (at most
+-- an eighth of what the fleet sent) up to OTHERS_HELD, till the fleet is
+-- seen busy again.
 local function others_share(r, o, t)
-  local cur, share = others_period(r, t), NO_MEASURE
+  local cur, share, busy = others_period(r, t), NO_MEASURE, 0
   for i, p in pairs(o.p) do
-    if i < cur - OTHERS_KEPT then
-      o.p[i] = nil
+    if i >= cur - OTHERS_KEPT and p >= 0 then
+      busy = math.max(busy, o.sent[i] or 0)
+    end
+  end
+  for i, p in pairs(o.p) do
+    local sent = o.sent[i] or 0
+    local held = i >= cur - OTHERS_HELD and not OFF.others_steady and 8 * p <= 1000 * sent and 10 * busy < 9 * sent
+    if i < cur - OTHERS_KEPT and not held then
+      o.p[i], o.sent[i] = nil, nil
     else
       share = math.max(share, p)
     end
@@ -1440,24 +1172,21 @@ local function others_share(r, o, t)
   o.share = share
 end
 
--- others_reserve returns the units a rule leaves others of base, the
--- vendor's limit, from their share o: its whole units, and a sixteenth of
--- them and one more, for the jitter of their calls (a window of an even
--- pace holds one call more at times) and for the measures, which err low;
--- that more is at most half the room the share leaves. None for a share
--- under a unit.
+-- others_reserve returns the units left to others of base, the vendor's
+-- limit, from share o: 0 under a unit, else rounded up to a sixty-fourth
+-- of base. A spare of a sixteenth and one, at most half the room left,
+-- covers their jitter.
 local function others_reserve(o, base)
   if not o or o.share < 1000 then
     return 0
   end
-  local share = math.floor(o.share / 1000)
+  local q = OFF.others_steady and 1 or math.max(math.floor(base / 64), 1)
+  local share = math.min(math.ceil(o.share / 1000 / q) * q, base)
   return share + math.min(math.floor(share / 16) + 1, math.max(math.floor((base - share) / 2), 1))
 end
 
--- apply_limits makes the limit in force of rule r its learned cap, or its
--- configured limit, less what the vendor's limit leaves others (r.reserve):
--- the vendor's stated limit, or, when it stated none, that same cap or
--- limit. r.spare is the part of the reserve beyond the others' share.
+-- apply_limits makes r.limit the cap or configured limit less r.reserve,
+-- what base leaves others; r.spare is the reserve beyond their share.
 local function apply_limits(r)
   local lim = r.cap and r.cap.lim or r.conf
   r.reserve, r.spare = 0, 0
@@ -1488,9 +1217,9 @@ local function read_caps(rs, m, now)
       end
       local vlim, periods = string.match(rest or '', '^:(%d+):(.*)$')
       if vlim and not OFF.others then
-        local o = { vlim = tonumber(vlim), p = {} }
-        for i, top in string.gmatch(periods, '(%-?%d+)/(%-?%d+)') do
-          o.p[tonumber(i)] = tonumber(top)
+        local o = { vlim = tonumber(vlim), p = {}, sent = {} }
+        for i, top, sent in string.gmatch(periods, '(%-?%d+)/(%-?%d+)/?(%d*)') do
+          o.p[tonumber(i)], o.sent[tonumber(i)] = tonumber(top), tonumber(sent)
         end
         others_share(r, o, now)
         r.oth = o
@@ -1500,6 +1229,29 @@ local function read_caps(rs, m, now)
       end
     end
   end
+end
+
+-- limits_in_force sets the limit in force of each rule of rs: its learned
+-- cap and what it leaves others (read_caps), then, while replicas on the
+-- Local fallback may still decide within 1/n each, the share none of them
+-- takes (docs/PROTOCOL.md 3.10, 6.8). r.whole keeps the limit before that
+-- share. It returns whether the share is reserved. feedback.lua reads the
+-- caps alone: the vendor counts the whole limit, the fallback's calls too.
+local function limits_in_force(rs, m, now)
+  read_caps(rs, m, now)
+  if not m or m.reserved_until <= now or m.reserved_share <= 1 or OFF.reserve then
+    return false
+  end
+  for _, r in ipairs(rs) do
+    r.whole = { limit = r.limit, interval = r.interval }
+    r.limit = math.max(math.floor(r.limit / m.reserved_share), 1)
+    if r.kind == BUCKET then
+      -- A share of the rate and of the burst: a longer interval alone
+      -- would lengthen the burst's span with it.
+      r.interval = r.interval * m.reserved_share
+    end
+  end
+  return true
 end
 
 -- write_limits keeps rule r's cap and others' share, or drops the key when
@@ -1522,7 +1274,7 @@ local function write_limits(r, m, now)
   if r.oth then
     local ps = {}
     for i, p in pairs(r.oth.p) do
-      ps[#ps + 1] = str(i) .. '/' .. str(p)
+      ps[#ps + 1] = str(i) .. '/' .. str(p) .. '/' .. str(r.oth.sent[i] or 0)
     end
     v = v .. ':' .. str(r.oth.vlim) .. ':' .. table.concat(ps, ',')
     ttl = math.max(ttl, math.ceil(OTHERS_TTL * span_of(r) / 1000))
@@ -1561,18 +1313,11 @@ local function accepted_before(r, t)
 end
 
 -- learn_cap lowers rule r's cap after the vendor refused a call decided at
--- time as_of, and reports whether the cap dropped. A first refusal halves
--- the limit in force: what the fleet admitted before the refused call says
--- little then, since the vendor may have counted it under a higher cap
--- that it has just lowered. A refusal of a call decided under the cap
--- lowers it to what the fleet admitted in the vendor's window before the
--- call, which the vendor accepted, and by half at most. A refusal of a call
--- decided before the cap's last drop (the calls in flight at a drop) lowers
--- it only to that count, never below half the limit before the drop.
---
--- A vendor that states its limit with the refusal (x-ratelimit-limit and
--- the like: vlimit > 0) is taken at its word, within the same bound of
--- half.
+-- as_of, and reports whether it dropped. A first refusal halves the limit.
+-- A later one lowers it to what the fleet admitted before the call
+-- (accepted_before); for a call decided before the last drop, from the
+-- limit before it. vlimit is the limit the vendor stated, or 0. A drop
+-- halves the limit at most (docs/PROTOCOL.md 3.10).
 local function learn_cap(r, as_of, m, now, vlimit)
   if OFF.learned_caps then
     return false
@@ -1608,10 +1353,8 @@ local function learn_cap(r, as_of, m, now, vlimit)
   return false
 end
 
--- raise_caps raises, by their steps, the caps of rules rs whose hold has
--- ended and whose capped window the fleet fills (r.n, read by load): a cap
--- the fleet does not reach learns nothing from rising. It reports whether
--- a cap changed.
+-- raise_caps raises the caps of rules rs whose hold ended and whose window
+-- the fleet fills (r.n). It reports whether a cap changed.
 local function raise_caps(rs, m, now)
   local raised = false
   for _, r in ipairs(rs) do
@@ -1633,22 +1376,16 @@ local function raise_caps(rs, m, now)
   return raised
 end
 
--- Classes' bookings given back. A call of a class (see Classes in
--- acquire.lua) counts under each log or counter rule that serves classes
--- in its class's demand (the ':cl' hash) and, where the rule held a share
--- against it, in its class's own log; acquire.lua answers, for each call,
--- where (classes_of). A booking given back (cancel.lua, a call that books
--- again or moves in acquire.lua) or settled at another cost (settle.lua)
--- changes those counts too: left there, a call that books again would
--- count twice in its class, which would then hold less room, and lose it.
+-- Classes' bookings given back. A booking given back, or settled at another
+-- cost, leaves its class's demand (':cl') and log too. Otherwise a call
+-- that books again would count twice (docs/PROTOCOL.md 3.13).
 local CLASS_PERIODS = 4
 
 -- NONE is the cost of a booking given back.
 local NONE = { all = 0, total = 0 }
 
--- A class's field of ':cl' lists its periods, each
--- "period:units:waited[/ahead]": CLASS_PART reads one, class_part writes
--- one (ahead left out when 0).
+-- A class's field of ':cl' lists its periods as "period:units:waited[/ahead]"
+-- (ahead left out when 0): CLASS_PART reads one, class_part writes one.
 local CLASS_PART = '(%-?%d+):(%d+):(%d+)/?(%d*)'
 
 local function class_part(pi, u, w, a)
@@ -1669,9 +1406,8 @@ local function class_name(r, class, prio)
   return class
 end
 
--- change_period changes by d the units that class name booked in the
--- period of time t under rule r, in its ':cl' field, never below 0, and
--- those of them booked ahead too for a booking that was (ahead).
+-- change_period changes by d the units class name booked in t's period
+-- under rule r (never below 0), and its ahead too for a booking ahead.
 local function change_period(r, name, t, d, ahead)
   local key = r.key .. ':cl'
   local v = redis.call('HMGET', key, name)[1]
@@ -1693,14 +1429,9 @@ local function change_period(r, name, t, d, ahead)
   redis.call('HSET', key, name, table.concat(parts, ','))
 end
 
--- change_classes applies to the classes of call id, booked at t, the
--- change of its cost from cost `from` to `to` (read_cost; to is NONE for a
--- booking given back): in its classes' own logs, and, unless logs_only,
--- in their demand; part 'logs' or 'demand' changes that part alone.
--- where is the booking (ARGS.booking) as acquire.lua answered for the
--- call (classes_of there): its class and priority and, by the rules'
--- places, where it counted (noted 0 for a call of no class), and whether
--- it was booked ahead of its script's time.
+-- change_classes applies call id's change of cost, `from` to `to` (NONE
+-- when given back), to its classes' logs and demand; part limits it to
+-- 'logs' or 'demand'. where is the booking as acquire.lua answered it.
 local function change_classes(rs, id, from, to, t, where, now, part)
   local noted, logged, ahead, class = where.noted, where.logged, where.ahead, where.class
   if noted == 0 or OFF.class_give_back then

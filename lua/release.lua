@@ -1,10 +1,7 @@
--- release.lua: free the concurrency slots of a finished call, or extend their
--- lease for a call still running.
+-- release.lua: free a call's concurrency slots, or extend their lease.
 --
--- KEYS and ARGV as in lib.lua; after the rules, ARGS.release: the call's id,
--- its cost, and 0 to release, otherwise the new lease in microseconds from
--- now.
---
+-- KEYS and ARGV as in lib.lua; after the rules, ARGS.release: the call's
+-- id, its cost, and 0 to release, else the new lease in µs from now.
 -- Returns the number of units still held by the call (0 after a release).
 
 local now = clock()

@@ -1,25 +1,13 @@
--- settle.lua: replace the estimated cost a call was admitted with by the cost
--- the vendor counted (LLM tokens, GraphQL points), in the same windows: the
--- difference is refunded or charged at the call's slot, so that the shared
--- count matches the vendor's. A charge may fill a window past its limit: the
--- vendor has counted those units already, and later calls wait for them.
+-- settle.lua: replace a call's estimated cost by the cost the vendor
+-- counted. The difference is refunded or charged at the call's slot. A
+-- charge may fill a window past its limit: the vendor counted it already.
 --
--- KEYS and ARGV as in lib.lua; after the rules, ARGS.settle: the booking as
--- acquire.lua answered for it, its cost the one the call was admitted
--- with, and the actual cost. The units of a call of another epoch are gone
--- with the data they were written in, so they are not refunded, only
--- charged.
---
--- A refund is told to the fleet when calls are booked ahead (announce_room
--- in lib.lua): their processes move them into the room it left.
---
--- Returns 1.
+-- KEYS and ARGV as in lib.lua; after the rules, ARGS.settle: the booking
+-- as acquire.lua answered for it (cost as admitted) and the actual cost.
+-- A refund is told to the fleet (announce_room in lib.lua). Returns 1.
 
--- note_refund lists the units n of call id, booked at t, that rule r
--- refunded now, in r.key .. ':rf' (member "t:id:n", scored by now), for a
--- window: a vendor's count taken while the call was on its way counted
--- them, and the measure of the others must too (sent_in_window in
--- feedback.lua).
+-- note_refund lists in r.key .. ':rf', for a window, the n units of call
+-- id booked at t that rule r refunded now: the others' measure counts them.
 local function note_refund(r, id, t, n, now)
   if OFF.others then
     return

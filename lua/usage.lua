@@ -1,38 +1,33 @@
--- usage.lua: read how full each rule of a quota is, without changing
--- anything: no entry is trimmed, no expiry moved, so it can run as often as a
--- dashboard likes.
---
+-- usage.lua: read how full each rule of a quota is, changing nothing: no
+-- trim, no expiry moved. A dashboard may run it as often as it likes.
 -- KEYS and ARGV as in lib.lua: the time and the rules alone.
 --
 -- Returns REPLY.usage {now, pause, spread, epoch, paused_by, loss}, then for
 -- each rule REPLY.rule {used, booked, remaining, next, margin, limit, others}:
 --   spread     the fleet's spread of call starts (see note_timing in lib.lua);
---   epoch      the quota's epoch (see the meta in lib.lua), or 0 for none;
+--   epoch      the quota's epoch, or 0 for none;
 --   pause      until when no call of the quota, or of the key, fits: the
---              vendor's pause, or the end of a rule's blindness (see Blind
---              rules in lib.lua), whichever is later;
+--              vendor's pause or a blind rule's end, whichever is later;
 --   paused_by  why (PAUSED_BY_* in lib.lua), or 0;
 --   loss       when Redis was last found to have lost the quota's data, or 0;
 --   used       units admitted in the window ending now;
 --   booked     units booked for later by waiting calls;
---   remaining  units a call could take now (limit - used - booked, at least 0);
---   next       microseconds until one more unit fits, 0 when one fits now;
---   margin     the margin in force, in microseconds (0 for a rule with none);
---   limit      the limit in force: the configured one, or a cap learned from
---              the vendor's refusals (see read_caps in lib.lua), less the
---              others' share;
---   others     the units per window the rule leaves other consumers of
---              the vendor's key (see others_reserve in lib.lua).
+--   remaining  units a call could take now (limit - used - booked, >= 0);
+--   next       µs until one more unit fits, 0 when one fits now;
+--   margin     the margin in force in µs (0 for a rule with none);
+--   limit      the limit in force: the configured one or a learned cap
+--              (read_caps in lib.lua), less the others' share;
+--   others     the units per window it leaves the vendor's other consumers
+--              (others_reserve in lib.lua).
 
 local now = clock()
 local meta = read_meta(true)
--- A quota of a group that made no call yet has the group's state (see
--- Groups in lib.lua); a new meta holds nothing else.
+-- With no meta yet, a new one holds only the group's state, if any.
 local state = meta or new_meta(now)
 local spread = spread_in_force(state, now)
 local rs = rules()
 margins(rs, fleet_spread(state, now), held_spread(state, now), state.warm_held > now)
-read_caps(rs, state, now)
+limits_in_force(rs, state, now)
 local quota_pause = meta and meta.pause or 0
 local pause = pause_until(quota_pause)
 local paused_by = 0

@@ -287,6 +287,8 @@ func holds(p Policy, is func(Policy) bool) bool {
 		return holds(p.Policy, is)
 	case Shared:
 		return holds(p.Policy, is)
+	case Spread:
+		return holds(p.Policy, is)
 	case all:
 		for _, q := range p {
 			if holds(q, is) {
@@ -347,6 +349,9 @@ type Rule struct {
 	// Shared names the quotas that share the rule: a Shared policy's Name
 	// (see Shared), or "" for a rule of the quota's own.
 	Shared string
+	// Paces marks a rule of a part of another's window (Spread): the
+	// fleet's own, which no vendor's answer is about.
+	Paces bool
 }
 
 // ID names the rule by what its data means, for the Redis key that holds

@@ -75,13 +75,45 @@ func (g *githubFake) charge(r *http.Request, token string) (resource string, tak
 			points = 5
 		}
 		add("core", 1, limit{rl.core, rl.hour})
-		add("points "+r.Method+" "+p, points, limit{rl.restPoints, rl.minute})
+		add("points "+endpoint(r), points, limit{rl.restPoints, rl.minute})
 		if r.Method == http.MethodPost {
 			add("creates a minute", 1, limit{rl.createsMinute, rl.minute})
 			add("creates an hour", 1, limit{rl.createsHour, rl.hour})
 		}
 	}
 	return resource, take, limits, cost
+}
+
+// githubEndpoints are the REST endpoints the fake knows, as GitHub's REST
+// reference names them: its secondary limit of 900 points a minute is per
+// endpoint, so that a repository's issues and another's are one count.
+var githubEndpoints = func() *http.ServeMux {
+	mux := http.NewServeMux()
+	for _, e := range []string{
+		"GET /repos/{owner}/{repo}", "GET /repos/{owner}/{repo}/issues", "POST /repos/{owner}/{repo}/issues",
+		"GET /repos/{owner}/{repo}/issues/{issue_number}", "PATCH /repos/{owner}/{repo}/issues/{issue_number}",
+		"GET /repos/{owner}/{repo}/issues/{issue_number}/comments", "POST /repos/{owner}/{repo}/issues/{issue_number}/comments",
+		"GET /repos/{owner}/{repo}/pulls", "POST /repos/{owner}/{repo}/pulls", "GET /repos/{owner}/{repo}/pulls/{pull_number}",
+		"GET /users/{username}", "GET /user", "GET /orgs/{org}/repos",
+	} {
+		mux.Handle(e, http.NotFoundHandler())
+	}
+	return mux
+}()
+
+// endpoint returns the REST endpoint r calls, as GitHub's reference names
+// it ("GET /repos/{owner}/{repo}/issues"), or "" when the fake knows no
+// such endpoint (it answers 404: a count by the literal path would let a
+// fleet spend 900 points a minute on each repository).
+func endpoint(r *http.Request) string {
+	_, pattern := githubEndpoints.Handler(r)
+	return pattern
+}
+
+// isREST reports whether r calls a REST endpoint of the core resource.
+func isREST(r *http.Request) bool {
+	p := r.URL.Path
+	return !strings.HasSuffix(p, "/graphql") && !strings.HasPrefix(p, "/search/")
 }
 
 // graphqlCost is a request's points as GitHub documents them: of the
@@ -104,6 +136,11 @@ func graphqlCost(r *http.Request) (points, secondary int) {
 }
 
 func (g *githubFake) ServeHTTP(w http.ResponseWriter, r *http.Request) {
+	if isREST(r) && endpoint(r) == "" {
+		w.WriteHeader(http.StatusNotFound)
+		fmt.Fprintf(w, `{"message":"Not Found: the fake knows no endpoint %s %s"}`, r.Method, r.URL.Path)
+		return
+	}
 	token := r.Header.Get("Authorization")
 	now := time.Now()
 	resource, take, limits, cost := g.charge(r, token)

@@ -9,6 +9,7 @@ import (
 	"net/http"
 	"net/http/httptest"
 	"net/url"
+	"strconv"
 	"strings"
 	"testing"
 	"time"
@@ -217,8 +218,8 @@ func TestGitHub_FleetKeepsEveryLimitOfAToken(t *testing.T) {
 		gh := githubClient(t, clients[i], srv.URL, "token-a")
 		var err error
 		switch j {
-		case 0, 1, 5, 6, 7:
-			_, _, err = gh.Issues.ListByRepo(ctx, "o", "r", nil)
+		case 0, 1, 5, 6, 7: // four repositories' issues, one endpoint's points
+			_, _, err = gh.Issues.ListByRepo(ctx, "o", "r"+strconv.Itoa(i*workers+j), nil)
 		case 2:
 			_, _, err = gh.Issues.Create(ctx, "o", "r", &github.IssueRequest{Title: github.Ptr("found")})
 		case 3:
@@ -236,7 +237,7 @@ func TestGitHub_FleetKeepsEveryLimitOfAToken(t *testing.T) {
 	results := []struct {
 		name, count string
 	}{
-		{"reads, points of the endpoint", tok + "points GET /repos/o/r/issues"},
+		{"reads, points of the endpoint", tok + "points GET /repos/{owner}/{repo}/issues"},
 		{"creates, an hour", tok + "creates an hour"},
 		{"search, a minute", tok + "search"},
 		{"code search, a minute", tok + "code_search"},
@@ -289,8 +290,10 @@ func TestGitHub_AMutationTakesFiveSecondaryPoints(t *testing.T) {
 }
 
 // GitHub's secondary limit of 900 points a minute is per REST endpoint
-// (docs/VENDORS.md): a fleet of 3 × 10 go-github clients, half listing a
-// repository's issues and half its pull requests, through the recipe's
+// (docs/VENDORS.md): a fleet of 3 × 10 go-github clients, half listing
+// issues and half pull requests, each of a repository of its own (an
+// endpoint is its template: a fake counting each path apart let the
+// workers' 30 repositories take 30 times the points), through the recipe's
 // quota per endpoint, against a fake that counts so with its minute
 // compressed to 1 s: after the first minute no refusal, and each
 // endpoint's points at 0.9 or more of their limit, in a window from any
@@ -307,16 +310,17 @@ func TestGitHub_EachRESTEndpointHasItsOwnPoints(t *testing.T) {
 	runEachWorker(replicas, workers, d, func(i, j, _ int) {
 		gh := githubClient(t, clients[i], srv.URL, "token-a")
 		var err error
+		repo := "r" + strconv.Itoa(i*workers+j)
 		if j%2 == 0 {
-			_, _, err = gh.Issues.ListByRepo(ctx, "o", "r", nil)
+			_, _, err = gh.Issues.ListByRepo(ctx, "o", repo, nil)
 		} else {
-			_, _, err = gh.PullRequests.List(ctx, "o", "r", nil)
+			_, _, err = gh.PullRequests.List(ctx, "o", repo, nil)
 		}
 		if err != nil {
 			time.Sleep(10 * time.Millisecond)
 		}
 	})
-	g.judgeMinutes(t, d, "Bearer token-a points GET /repos/o/r/issues", "Bearer token-a points GET /repos/o/r/pulls")
+	g.judgeMinutes(t, d, "Bearer token-a points GET /repos/{owner}/{repo}/issues", "Bearer token-a points GET /repos/{owner}/{repo}/pulls")
 }
 
 // judgeMinutes checks a fleet's run of d against g: no refusal after the
@@ -338,5 +342,45 @@ func (g *githubFake) judgeMinutes(t *testing.T, d time.Duration, names ...string
 		if got < 0.9 {
 			t.Errorf("%s: %.3f of its limit, want at least 0.9", name, got)
 		}
+	}
+}
+
+// The GitHub fake counts a REST endpoint's points by its template, as
+// GitHub's docs name endpoints: issues listed of two repositories take one
+// endpoint's points, a pull request list another's; a path it knows no
+// endpoint for is answered 404, not counted apart.
+func TestGitHubFake_CountsAnEndpointByItsTemplate(t *testing.T) {
+	g := newGitHubFake(githubRules{minute: time.Minute, hour: time.Hour, core: 5000, graphql: 5000, search: 30, codeSearch: 10,
+		inFlight: 100, restPoints: 900, graphqlPoints: 2000, createsMinute: 80, createsHour: 500})
+	srv := g.serve()
+	defer srv.Close()
+	gh := githubClient(t, srv.Client(), srv.URL, "token-a")
+	ctx := context.WithValue(context.Background(), github.BypassRateLimitCheck, true)
+	for _, repo := range []string{"r", "s", "t"} {
+		if _, _, err := gh.Issues.ListByRepo(ctx, "o", repo, nil); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if _, _, err := gh.PullRequests.List(ctx, "p", "q", nil); err != nil {
+		t.Fatal(err)
+	}
+	if _, _, err := gh.Issues.Create(ctx, "o", "r", &github.IssueRequest{Title: github.Ptr("found")}); err != nil {
+		t.Fatal(err)
+	}
+	now := time.Now()
+	for name, want := range map[string]int{
+		"points GET /repos/{owner}/{repo}/issues":  3,
+		"points GET /repos/{owner}/{repo}/pulls":   1,
+		"points POST /repos/{owner}/{repo}/issues": 5,
+		"points GET /repos/o/r/issues":             0,
+	} {
+		l := limit{900, time.Minute}
+		if left, _ := g.counts.state(now, "Bearer token-a "+name, l); 900-left != want {
+			t.Errorf("%s: %d points, want %d", name, 900-left, want)
+		}
+	}
+	_, resp, err := gh.Repositories.ListBranches(ctx, "o", "r", nil)
+	if resp == nil || resp.StatusCode != http.StatusNotFound {
+		t.Errorf("an endpoint the fake does not know: %v, %v; want 404", resp, err)
 	}
 }

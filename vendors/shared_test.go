@@ -196,6 +196,11 @@ func sharedKeyRun(t *testing.T, k *sharedKey, srv *httptest.Server, call func(re
 	cap := float64(sharedLimit)
 	t.Logf("the other consumer: %d of %d refused (%d of %d after the fleet's first window); the fleet: %d while the other spent %d (%.3f of what it left), %d refused after its first two windows, %d refused in all; %.3f of the cap in a window from four windows after the other stopped",
 		turned, sent, turnedWarm, sentWarm, fleet, others, float64(fleet)/left, refused, len(k.fleet[1]), float64(after)/cap)
+	if refused > 0 || turned > 0 {
+		k.mu.Lock()
+		t.Logf("refused, since the other consumer started: the fleet's at %v, the other's at %v", k.fleet[1], k.other[1])
+		k.mu.Unlock()
+	}
 	// 0-2 of 96 in 15 of 16 runs on 11-27, 3 in a CI run on 11-28 (after
 	// a cold start that measured the others low); 18-20 without the share.
 	if turnedWarm*25 > sentWarm {

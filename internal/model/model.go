@@ -240,7 +240,7 @@ func (m *Model) fitsIn(r Rule, log []entry, limit int, t int64, cost int) bool {
 			}
 		}
 		for _, u := range ends {
-			if units(log, u-w, u)+cost > limit {
+			if m.endingAt(r, log, u)+cost > limit {
 				return false
 			}
 		}
@@ -257,17 +257,27 @@ func (m *Model) fitsIn(r Rule, log []entry, limit int, t int64, cost int) bool {
 		}
 	}
 	for _, j := range ends {
-		n := 0
-		for _, e := range log {
-			if b := floorDiv(e.at, r.Width); b >= j-span && b <= j {
-				n += e.cost
-			}
-		}
-		if n+cost > limit {
+		if m.endingAt(r, log, j*r.Width)+cost > limit {
 			return false
 		}
 	}
 	return true
+}
+
+// endingAt returns the units log, of a Log or Counter rule r, holds in the
+// window that ends at t: (t-w, t] for a log, a counter's buckets j-span
+// .. j for t's bucket j.
+func (m *Model) endingAt(r Rule, log []entry, t int64) int {
+	if r.Kind == Log {
+		return units(log, t-m.window(r), t)
+	}
+	j, n := floorDiv(t, r.Width), 0
+	for _, e := range log {
+		if b := floorDiv(e.at, r.Width); b >= j-counterSpan(r) && b <= j {
+			n += e.cost
+		}
+	}
+	return n
 }
 
 // used is the units log, of a Log or Counter rule r, holds in the window
@@ -439,23 +449,54 @@ func (m *Model) earliest(key string, cls []callClass, start, now int64, cost int
 }
 
 // Keep books call id again at slot, as it was before it was given back to
-// move earlier (Cancel, then an Acquire that found nothing earlier), and
-// returns the decision the script answers a kept call with.
-func (m *Model) Keep(now int64, id, key string, cost int, slot int64) Decision {
+// move earlier (Cancel, then an Acquire that found nothing earlier), if it
+// still fits there, and returns the decision the script answers a kept
+// call with; false when it no longer fits (the Acquire's refusal stands).
+func (m *Model) Keep(now int64, id, key string, cost int, slot int64) (Decision, bool) {
 	return m.KeepIn(now, id, key, 0, cost, slot)
 }
 
 // KeepIn is Keep for a call of priority prio. It follows the AcquireIn
-// that found nothing earlier for the call: the call was kept, not refused.
-func (m *Model) KeepIn(now int64, id, key string, prio, cost int, slot int64) Decision {
+// that found nothing earlier for the call: the call is kept, not refused,
+// if its cost still fits each window that ends at slot (and each
+// concurrency rule now), under the limits in force, its classes' too.
+func (m *Model) KeepIn(now int64, id, key string, prio, cost int, slot int64) (Decision, bool) {
 	cls := m.callClasses(key, prio, cost)
+	if !m.fitsBehind(key, cls, slot, now, cost) {
+		return Decision{}, false
+	}
 	m.unnoteRefused(cls, cost)
 	m.record(now, id, key, cost, slot)
 	m.noteClasses(cls, id, cost, slot)
 	if slot <= now {
 		m.atOnce = true
 	}
-	return Decision{Admitted: true, Wait: slot - now}
+	return Decision{Admitted: true, Wait: slot - now}, true
+}
+
+// fitsBehind reports whether cost more units at slot keep the window that
+// ends there within each limit: of every Log and Counter rule, of each
+// class log held against the call (cls), and each Concurrency rule now.
+// A Bucket keeps its slot unchecked.
+func (m *Model) fitsBehind(key string, cls []callClass, slot, now int64, cost int) bool {
+	for i, r := range m.rules {
+		switch r.Kind {
+		case Log, Counter:
+			if m.endingAt(r, m.logs[m.name(i, key)], slot)+cost > r.Limit {
+				return false
+			}
+		case Concurrency:
+			if !m.fits(i, key, slot, now, cost) {
+				return false
+			}
+		}
+	}
+	for _, cl := range cls {
+		if cl.limit > 0 && m.endingAt(m.rules[cl.i], m.classLogs[cl.log], slot)+cost > cl.limit {
+			return false
+		}
+	}
+	return true
 }
 
 // record books call id of cost units for key at t, decided at now.

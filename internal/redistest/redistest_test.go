@@ -352,7 +352,19 @@ func runFake(t *testing.T, fn func(tb testing.TB)) *fakeTB {
 	return f
 }
 
+// harness skips a test of the harness's own clusters and sentinels (5 s
+// each of servers started and stopped) unless CI=true or THROTTLE_LONG=1:
+// .ci/run runs them; the README's test command, whose tests use the same
+// starts, leaves them out.
+func harness(t *testing.T) {
+	t.Helper()
+	if os.Getenv("CI") != "true" && os.Getenv("THROTTLE_LONG") != "1" {
+		t.Skip("a test of the harness's clusters and sentinels: set CI=true or THROTTLE_LONG=1")
+	}
+}
+
 func TestStartCluster(t *testing.T) {
+	harness(t)
 	t.Parallel()
 	c := StartCluster(t)
 	checkCluster(t, c)
@@ -378,6 +390,7 @@ func TestStartCluster(t *testing.T) {
 }
 
 func TestStartClusterWithoutCLI(t *testing.T) {
+	harness(t)
 	t.Parallel()
 	bin := serverPath(t)
 	c := startCluster(t, bin, "")

@@ -12,12 +12,14 @@ import (
 )
 
 func TestStartClusterWithReplicas(t *testing.T) {
+	harness(t)
 	t.Parallel()
 	c := StartClusterWithReplicas(t)
 	checkReplicatedCluster(t, c)
 }
 
 func TestStartClusterWithReplicasWithoutCLI(t *testing.T) {
+	harness(t)
 	t.Parallel()
 	c := startReplicatedCluster(t, serverPath(t), "")
 	checkReplicatedCluster(t, c)
@@ -74,6 +76,7 @@ func checkReplicatedCluster(t *testing.T, c *ReplicatedCluster) {
 }
 
 func TestMigration_MovesKeysAndOwnership(t *testing.T) {
+	harness(t)
 	t.Parallel()
 	c := StartCluster(t)
 	ctx := ctxT(t)
@@ -166,6 +169,7 @@ func waitOK(t *testing.T, fn func() error) {
 // A detached replica keeps what it had at the cut and nothing after, and
 // takes over with just that.
 func TestDetachReplicas_PromotesAReplicaThatLags(t *testing.T) {
+	harness(t)
 	t.Parallel()
 	c := StartClusterWithReplicas(t)
 	ctx := ctxT(t)

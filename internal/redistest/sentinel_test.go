@@ -10,12 +10,14 @@ import (
 )
 
 func TestStartSentinel(t *testing.T) {
+	harness(t)
 	t.Parallel()
 	checkSentinel(t, StartSentinel(t))
 }
 
 // Without redis-sentinel on PATH, redis-server --sentinel does the job.
 func TestStartSentinelWithRedisServer(t *testing.T) {
+	harness(t)
 	t.Parallel()
 	bin := serverPath(t)
 	checkSentinel(t, startSentinel(t, bin, bin))
