@@ -2,6 +2,7 @@ package throttle
 
 import (
 	"context"
+	"fmt"
 	"net/http"
 	"net/http/httptest"
 	"slices"
@@ -359,6 +360,64 @@ func TestOthers_ACountThatTeachesMeasuresThemToo(t *testing.T) {
 				want := 3 + 1
 				if a.Status != http.StatusOK {
 					want = 4 + 1
+				}
+				if u.Rules[0].Others != want {
+					t.Errorf("the quota leaves others %d, want %d", u.Rules[0].Others, want)
+				}
+			})
+		}
+	})
+}
+
+// A measure of the others that reaches all the room the limit in force
+// left them (their share and its spare) does not say how much more they
+// asked: the vendor refused it and counts none of it. The share doubles
+// then, so that it reaches what they ask in a few counts, not a spare a
+// window (the simulation's seed 420466: a unit a window, and the other
+// consumer's calls refused for two windows). Others who spent less than
+// their room asked no more. Off (others_grow): 4 and a spare of 1, as they
+// spent.
+func TestOthers_AShareGrowsWhileTheOthersSpendAllItLeaves(t *testing.T) {
+	redistest.Each(t, func(t *testing.T, s *redistest.Server) {
+		for _, left := range []int{0, 1} {
+			t.Run(fmt.Sprint(left, " left"), func(t *testing.T) {
+				ctx := context.Background()
+				// Eight replicas, at most two calls each: no spare
+				// admissions (TestOthers_RefusedCallsAreNotTheFleets).
+				policy := policies.SlidingLog{Limit: 20, Window: 10 * time.Second}
+				var lims []*Limiter
+				for range 8 {
+					lims = append(lims, newLimiter(t, s.Client(t), policy, Options{Mode: FailFast}))
+				}
+				var calls int
+				acquire := func(n int) *Permit {
+					var last *Permit
+					for range n {
+						p, err := lims[calls%8].Acquire(ctx)
+						if err != nil {
+							t.Fatalf("call %d: %v", calls, err)
+						}
+						calls, last = calls+1, p
+					}
+					return last
+				}
+				// The others spent 3 of 20 beside the fleet's 7: a share of 3
+				// and a spare of 1 (others_reserve), a limit in force of 16.
+				if _, _, err := acquire(7).Heard(ctx, Answer{Status: http.StatusOK, Requests: &Count{Remaining: 10, Limit: 20}}); err != nil {
+					t.Fatal(err)
+				}
+				// The fleet fills its 16; the others spent their 4, or 3 of
+				// them with a unit left.
+				if _, _, err := acquire(9).Heard(ctx, Answer{Status: http.StatusOK, Requests: &Count{Remaining: left, Limit: 20}}); err != nil {
+					t.Fatal(err)
+				}
+				u, err := lims[0].Usage(ctx)
+				if err != nil {
+					t.Fatal(err)
+				}
+				want := 3 + 1
+				if left == 0 {
+					want = 8 + 1
 				}
 				if u.Rules[0].Others != want {
 					t.Errorf("the quota leaves others %d, want %d", u.Rules[0].Others, want)

@@ -72,6 +72,9 @@ type outcome struct {
 
 	refusals   []simRefusal // by a modelled vendor
 	otherCalls int          // its other consumer's
+	// otherSeen is when the vendor first counted a call of its other
+	// consumer: before, no count showed the fleet that it was there.
+	otherSeen time.Duration
 }
 
 type simArrival struct {

@@ -181,6 +181,7 @@ var switchBreaks = map[mechanism][]string{
 	"charge_refunds":  {"^TestOthers_ACountTakenAtArrivalChargesNoRefund$"},
 	"others":          {"^TestOthers_RefusedCallsAreNotTheFleets$"},
 	"about":           {"^TestOthers_ACountIsAboutTheRuleOfItsLimit$"},
+	"others_grow":     {"^TestOthers_AShareGrowsWhileTheOthersSpendAllItLeaves$"},
 	"others_steady":   {"^TestOthers_AShareThatScalesWithTheFleetHoldsThroughALull$", "^TestOthers_AShareWithinItsStepLowersNothing$"},
 	"lag":             {"^TestOthers_ALateAnswerFindsTheRecordOfItsWindow$"},
 	"reserve":         {"^TestLocal_BackOnRedisReservesTheOthersShare$"},

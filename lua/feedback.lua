@@ -233,9 +233,17 @@ local function note_others(r, left, vlimit)
     return false
   end
   local m = math.floor(1000 * (base - left - sent) + 0.5)
+  local grown = (r.reserve or 0) > 0 and m >= 1000 * r.reserve and not OFF.others_grow
+  if grown then
+    -- The others spent all the room left to them, share and spare: the
+    -- vendor refuses what more they ask and counts none of it. The share
+    -- doubles, at most halfway to the limit (docs/PROTOCOL.md 3.11).
+    m = math.min(2 * m, math.floor((1000 * base + m) / 2))
+  end
   local i = others_period(r, now)
   if m > (o.p[i] or NO_MEASURE) then
-    o.p[i], o.sent[i] = m, math.max(sent, 0)
+    -- A grown measure is not held steady: it is no estimate's error.
+    o.p[i], o.sent[i] = m, grown and 0 or math.max(sent, 0)
   end
   others_share(r, o, now)
   if not r.oth and o.share < 500 then
