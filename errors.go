@@ -99,7 +99,8 @@ var ErrLimited = errors.New("throttle: rate limited")
 type LimitedError struct {
 	// Quota is the limiter's name.
 	Quota string
-	// RetryAfter is how long until the call would fit, as Redis saw it.
+	// RetryAfter is how long until the call would fit, as Redis saw it;
+	// never negative.
 	RetryAfter time.Duration
 	// Reason says why the call was refused, when the quota being full now
 	// is not the whole story: the slot lay beyond MaxWait or the context's
@@ -130,7 +131,7 @@ func (e *LimitedError) Is(target error) bool { return target == ErrLimited }
 const shareReason = "the call is larger than one replica's share of a limit (Limit / ExpectedReplicas), the most a replica admits while replicas may decide without Redis"
 
 func (l *Limiter) limited(retryAfter time.Duration, reason string) error {
-	return &LimitedError{Quota: l.name, RetryAfter: retryAfter, Reason: reason}
+	return &LimitedError{Quota: l.name, RetryAfter: max(retryAfter, 0), Reason: reason}
 }
 
 // refused returns the error of a call that Redis did not admit now, which
@@ -173,7 +174,7 @@ func (l *Limiter) pausedError(r result, reason string) error {
 	if cause == "" {
 		cause = "for a reason this version does not know"
 	}
-	return &LimitedError{Quota: l.name, RetryAfter: r.wait, Reason: reason + ": " + cause, PausedBy: r.pausedBy}
+	return &LimitedError{Quota: l.name, RetryAfter: max(r.wait, 0), Reason: reason + ": " + cause, PausedBy: r.pausedBy}
 }
 
 // limitName names the field a rule's limit comes from, with its value.

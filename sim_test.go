@@ -545,6 +545,9 @@ func (r *simReplica) backOff(version context.Context, rng *rand.Rand, err error)
 	switch {
 	case err == nil:
 	case errors.As(err, &le):
+		if le.RetryAfter < 0 {
+			panic(fmt.Sprintf("seed %d: a refusal says to retry %v from now: %v", r.w.s.Seed, le.RetryAfter, le))
+		}
 		// As a client that honours Retry-After does: the hint and up to
 		// as much again at random, so that refused workers do not all
 		// come back at once, within 10 ms and a window.

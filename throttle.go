@@ -372,7 +372,7 @@ func (l *Limiter) Allow(ctx context.Context, opts ...CallOption) (Decision, erro
 	if r.admitted {
 		l.emitOutcome(c, l.permit(c, r, 0), nil, false)
 	} else {
-		d.RetryAfter = r.wait
+		d.RetryAfter = max(r.wait, 0)
 		l.emitOutcome(c, nil, l.refused(r, "Allow"), false)
 	}
 	return d, nil

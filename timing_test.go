@@ -960,3 +960,26 @@ func TestTiming_UnsureAfterAStepWhileRepliesAreSlow(t *testing.T) {
 		t.Errorf("unsure %v after a reply as fast as before the step, want 0", u)
 	}
 }
+
+// A refusal never says to retry in the past. A FailFast call booked ahead
+// after a late reply, and outdated each time it woke at its slot (a pause
+// or a loss meanwhile), was refused as late with the lateness read while
+// its slot still lay ahead: a negative RetryAfter (the simulation's
+// client, retrying after it, panicked in rand.Int64N). Every refusal's
+// wait, whatever its reason, comes out at 0 or more.
+func TestGuard_ARefusalNeverSaysToRetryInThePast(t *testing.T) {
+	l := &Limiter{name: "q"}
+	for _, r := range []result{
+		{reason: reasonLate, wait: -5 * time.Millisecond},
+		{reason: reasonShare, wait: -time.Millisecond},
+		{reason: reasonBusy, wait: -time.Millisecond},
+		{reason: reasonBusy, wait: -time.Millisecond, pausedBy: PausedByLoss},
+		{wait: -time.Millisecond, pausedBy: PausedByVendor},
+		{wait: -time.Millisecond},
+	} {
+		var le *LimitedError
+		if err := l.refused(r, "FailFast"); !errors.As(err, &le) || le.RetryAfter < 0 {
+			t.Errorf("refused(%+v) = %v, want a LimitedError to retry at 0 or later", r, err)
+		}
+	}
+}

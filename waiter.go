@@ -297,7 +297,8 @@ func (l *Limiter) now(ctx context.Context, c call) (result, error) {
 					continue // the next script refuses while paused
 				}
 				l.cancel(ctx, c, r)
-				return result{reason: reasonLate, wait: late, remaining: 0}, nil
+				// late was read before the sleep, while the slot lay ahead.
+				return result{reason: reasonLate, wait: max(late, 0), remaining: 0}, nil
 			}
 			late, tooLate = l.late(r)
 		}
