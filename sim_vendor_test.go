@@ -271,16 +271,14 @@ func (w *world) otherConsumer(ctx context.Context, v *simVendor) {
 		w.mu.Lock()
 		w.o.otherCalls++
 		w.mu.Unlock()
-		ok, _, bySettles := v.call(1, 1, 0)
-		if ok {
+		if ok, _, bySettles := v.call(1, 1, 0); !ok {
+			w.refused(simRefusal{at: w.since(), other: true, bySettles: bySettles})
+		} else {
 			w.mu.Lock()
 			if w.o.otherSeen == 0 {
 				w.o.otherSeen = w.since()
 			}
 			w.mu.Unlock()
-		}
-		if !ok {
-			w.refused(simRefusal{at: w.since(), other: true, bySettles: bySettles})
 		}
 	}
 }
