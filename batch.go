@@ -424,6 +424,31 @@ func (l *Limiter) newStep() int64 {
 	return (at - by/2).Microseconds()
 }
 
+// stepUntold reports whether Redis decided the reply rep by its clock after
+// a forward step that the quota's data had not yet counted as a loss: rep's
+// time is past the step and within a window of it, its epoch (the time of
+// the quota's last loss, which the step's loss sets) before it. Such
+// decisions read windows the step ended early: they go back, and the next
+// script call tells the step again, whoever told it before (newStep).
+//
+// Whether this reply was the first to show the step does not tell it: the
+// process's limiters on a server share one timing, and a reply of one quota
+// may come after another quota's reply showed the step, its script decided
+// by the new clock all the same (seed 446016: two quotas under one shared
+// rule, 16 and 17 calls in the shared rule's window of 15).
+func (l *Limiter) stepUntold(rep acquireReply) bool {
+	seq, by, at := l.timing.step()
+	if seq == 0 || by <= l.cfg.minMargin {
+		return false
+	}
+	mid := at - by/2 // between the old clock's times and the new one's
+	if rep.now < mid || rep.now > at+l.cfg.longest || rep.epoch >= mid.Microseconds() {
+		return false
+	}
+	l.seenStep.Store(seq - 1)
+	return true
+}
+
 // failBatch fails every call of batch with err, the failure of a script
 // call that took d.
 func (l *Limiter) failBatch(batch []*request, d time.Duration, err error) {
@@ -448,6 +473,9 @@ func (l *Limiter) noteAcquireReply(sc scope, rep acquireReply, n int, sent, recv
 	// ask again, the step now known.
 	after, by, _ := l.timing.step()
 	stale = after > before && by > l.cfg.minMargin
+	if !isOff(offStepEpoch) {
+		stale = l.stepUntold(rep)
+	}
 	l.notePause(sc, rep.now, rep.pause)
 	newEpoch := l.view.epoch.Load() != rep.epoch
 	l.noteEpoch(rep.epoch, rep.lost)

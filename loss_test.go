@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"log/slog"
+	"slices"
 	"strconv"
 	"strings"
 	"sync/atomic"
@@ -841,5 +842,85 @@ func TestLocal_ACallBegunAfterTheChargesMakesTheHandBackTryAgain(t *testing.T) {
 	lo.admits = admits
 	if !lo.claim(ahead) || lo.handedBack(admits) {
 		t.Error("a call begun after the charges were taken did not make the hand-back try again")
+	}
+}
+
+// A reply decided by Redis's clock after a forward step is stale until the
+// quota's data has counted the step, whether or not this reply was the one
+// that showed it: two quotas of one process share what it knows of the
+// server's clock, and b's script, sent before a's reply showed the step and
+// answered after it, read windows the step had ended early.
+func TestClockStep_AReplyAnsweredAfterAnotherShowedTheStepIsStale(t *testing.T) {
+	s := redistest.Mini(t)
+	t0 := time.Now()
+	s.Mini.SetTime(t0)
+	rdb := s.Client(t)
+	var hold atomic.Bool
+	ran, release := make(chan struct{}), make(chan struct{})
+	rdb.AddHook(holdHook{hold: &hold, name: t.Name() + "-b", ran: ran, release: release})
+	policy := policies.SlidingLog{Limit: 10, Window: time.Minute}
+	ctx := context.Background()
+	mk := func(name string) *Limiter {
+		l, err := New(rdb, t.Name()+"-"+name, policy, Options{Logger: quiet()})
+		if err != nil {
+			t.Fatal(err)
+		}
+		return l
+	}
+	a, b := mk("a"), mk("b")
+	for _, l := range []*Limiter{a, b} {
+		if d, err := l.Allow(ctx, Cost(10)); err != nil || !d.OK {
+			t.Fatalf("%s before the step: %+v, %v", l.Name(), d, err)
+		}
+	}
+	s.Mini.SetTime(t0.Add(61 * time.Second))
+	hold.Store(true)
+	got := make(chan Decision, 1)
+	go func() {
+		d, err := b.Allow(ctx, Cost(10))
+		if err != nil {
+			t.Errorf("b after the step: %v", err)
+		}
+		got <- d
+	}()
+	<-ran // b's script ran by the new clock; its reply is held
+	hold.Store(false)
+	if d, err := a.Allow(ctx); err != nil || d.OK {
+		t.Errorf("a after the step: %+v, %v; want refused, its quota counting as full", d, err)
+	}
+	close(release)
+	if d := <-got; d.OK {
+		t.Errorf("b's call, decided after the step and read after a's reply showed it, was admitted: 20 in a window of 10 at the vendor")
+	}
+}
+
+// holdHook holds the reply of the first script call of quota name made
+// while hold is set: it tells ran once Redis answered, and hands the reply
+// on once release is closed.
+type holdHook struct {
+	hold         *atomic.Bool
+	name         string
+	ran, release chan struct{}
+}
+
+func (holdHook) DialHook(next redis.DialHook) redis.DialHook { return next }
+
+func (holdHook) ProcessPipelineHook(next redis.ProcessPipelineHook) redis.ProcessPipelineHook {
+	return next
+}
+
+func (h holdHook) ProcessHook(next redis.ProcessHook) redis.ProcessHook {
+	return func(ctx context.Context, cmd redis.Cmder) error {
+		mine := scriptOf(cmd) == "acquire" && slices.ContainsFunc(cmd.Args(), func(a any) bool {
+			s, _ := a.(string)
+			return strings.Contains(s, "{"+h.name+"}")
+		})
+		if !mine || !h.hold.CompareAndSwap(true, false) {
+			return next(ctx, cmd)
+		}
+		err := next(ctx, cmd)
+		close(h.ran)
+		<-h.release
+		return err
 	}
 }

@@ -152,6 +152,7 @@ var switchBreaks = map[mechanism][]string{
 	offQueuedFailures: {"^TestQueue_ACallQueuedBehindFailuresFailsAtItsTurn$"},
 	offHandBack:       {"^TestLocal_HandsBackTheCallsThatBeganNotThoseBookedAhead$"},
 	offForwardSteps:   {"^TestClockStep_ForwardStepCountsAsALoss$"},
+	offStepEpoch:      {"^TestClockStep_AReplyAnsweredAfterAnotherShowedTheStepIsStale$"},
 	offMoves:          {"^TestMove_RefundMovesASleepingCallOfAnotherReplica$"},
 	offRebookLowered:  {"^TestBookedAhead$/^TestLowered_CallsBookedBeforeADropBookAgain$"},
 	offSpreadParts:    {"^TestSpread_ABurstTakesAPartsShare$"},

@@ -280,8 +280,13 @@ func (l *Limiter) now(ctx context.Context, c call) (result, error) {
 			return r, err
 		}
 		giveBack = &r
-		if r.stale && tries < maxRebooks {
-			continue
+		if r.stale {
+			if tries < maxRebooks {
+				continue
+			}
+			// Each reply came from a clock that had stepped: none is sure.
+			l.cancel(ctx, c, r)
+			return result{reason: reasonLate, remaining: 0}, nil
 		}
 		late, tooLate := l.late(r)
 		replyLate := tooLate

@@ -637,8 +637,9 @@ local function check_meta(batch, meta)
     blind.begin(meta, now, batch.rs)
   end
   describe(meta, batch.age, batch.described)
-  if not found and meta.loss < batch.stepped then
+  if not found and meta.epoch < batch.stepped then
     -- A forward step: the data is whole, so its epoch's bookings go back.
+    -- The epoch, not the loss: the caller finds a reply stale by it.
     batch.whole_epoch = meta.epoch
     lose(meta, now, batch.rs, PAUSED_BY_CLOCK)
     found = true
