@@ -4,6 +4,7 @@ import (
 	"context"
 	"maps"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"testing/synctest"
 	"time"
@@ -204,6 +205,55 @@ func TestLowered_TheCallsAheadKeepTheirPlacesWhereTheLowerLimitLeavesRoom(t *tes
 		t.Logf("%d of the 30 calls booked ahead went to the back of the queue; they started from %v to %v", back, began[0], began[len(began)-1])
 		if back == 0 || back > 20 {
 			t.Errorf("%d of the 30 calls booked ahead booked again after the drop, want some, and 20 at most (each window ahead keeps about half)", back)
+		}
+	})
+}
+
+// A limit lowered before Redis's clock went back holds no booking decided
+// after the step: the step counts as a loss, and a loss's new epoch is by
+// the new clock, behind the time the limit dropped at by the step's length.
+// Kept as it was, that time overtook every booking of the new epoch, and
+// each call woken at its slot booked again, for as long as the step.
+func TestLowered_ALimitLoweredBeforeAClockStepBackOvertakesNoLaterBooking(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		r := sim.NewRedis(func(int) time.Duration { return time.Millisecond })
+		t.Cleanup(r.Close)
+		reasons, observe := bookedAgain()
+		lim := newLimiter(t, simClient(t, r, 0), policies.SlidingLog{Limit: 10, Window: time.Second}, Options{Logger: quiet(), Observer: observe, MaxWait: time.Minute})
+		defer closeInBubble(lim)
+		first := admitTen(t, lim, 10*time.Millisecond)
+		if err := first[9].refused(context.Background(), 0); err != nil {
+			t.Fatal(err)
+		}
+		if got := limitInForce(t, lim); got[0] != 5 {
+			t.Fatalf("limit in force %v after the refusal, want 5", got)
+		}
+		r.Step(-time.Hour)
+		// The step holds the quota full for a window: these calls are booked
+		// ahead, and wake at their slots.
+		start := time.Now()
+		var wg sync.WaitGroup
+		var failed atomic.Int32
+		for range 10 {
+			wg.Go(func() {
+				ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+				defer cancel()
+				p, err := lim.Acquire(ctx)
+				if err != nil {
+					failed.Add(1)
+					return
+				}
+				p.Release()
+			})
+		}
+		wg.Wait()
+		if n := failed.Load(); n > 0 {
+			t.Errorf("%d of 10 calls made after the step were not admitted within 10 s (%v of them booked again for a limit lowered before the step)", n, reasons()[againLowered])
+		}
+		took := time.Since(start)
+		t.Logf("10 calls after the step: %v, %d booked again for a lower limit", took, reasons()[againLowered])
+		if took > 5*time.Second {
+			t.Errorf("10 calls at 5 a second after a window's hold took %v, want under 5 s", took)
 		}
 	})
 }

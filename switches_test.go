@@ -153,6 +153,7 @@ var switchBreaks = map[mechanism][]string{
 	offHandBack:       {"^TestLocal_HandsBackTheCallsThatBeganNotThoseBookedAhead$"},
 	offForwardSteps:   {"^TestClockStep_ForwardStepCountsAsALoss$"},
 	offStepEpoch:      {"^TestClockStep_AReplyAnsweredAfterAnotherShowedTheStepIsStale$"},
+	offLoweredEpoch:   {"^TestLowered_ALimitLoweredBeforeAClockStepBackOvertakesNoLaterBooking$"},
 	offMoves:          {"^TestMove_RefundMovesASleepingCallOfAnotherReplica$"},
 	offRebookLowered:  {"^TestBookedAhead$/^TestLowered_CallsBookedBeforeADropBookAgain$"},
 	offSpreadParts:    {"^TestSpread_ABurstTakesAPartsShare$"},

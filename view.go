@@ -48,6 +48,15 @@ const pauseSweep = 256
 func (l *Limiter) noteEpoch(epoch int64, lost bool) {
 	if old := l.view.epoch.Swap(epoch); old != epoch && old != 0 {
 		l.view.scripts.Store(0)
+		// The new epoch's bookings were all decided after it, so a limit
+		// lowered before it overtakes none of them; but a loss that Redis's
+		// clock going back made has its epoch by the new clock, and a limit
+		// lowered by the old one would lie ahead of every booking for the
+		// length of the step: each call woken at its slot would book again,
+		// an hour's step an hour long (seed 448396).
+		if !isOff(offLoweredEpoch) {
+			lower(&l.view.lowered, epoch)
+		}
 		l.s.logger.Warn("throttle: Redis lost the quota's data; every limit counts as full for one window",
 			"quota", l.name, "old_epoch", old, "epoch", epoch, "detected_here", lost)
 		l.emit(Event{Kind: EventDataLost})
@@ -90,6 +99,16 @@ func raise(a *atomic.Int64, v int64) {
 	for {
 		old := a.Load()
 		if v <= old || a.CompareAndSwap(old, v) {
+			return
+		}
+	}
+}
+
+// lower lowers a to v, if v is less.
+func lower(a *atomic.Int64, v int64) {
+	for {
+		old := a.Load()
+		if v >= old || a.CompareAndSwap(old, v) {
 			return
 		}
 	}
