@@ -132,3 +132,43 @@ func TestSimCheck_ClassesShortOfTheCapAreReportedNotFailed(t *testing.T) {
 		t.Errorf("two classes at half the cap: %v, want efficiency reported open", v)
 	}
 }
+
+// The other consumer on the fleet's key is judged from two windows after
+// the vendor first counted one of its calls: before, no count told the
+// fleet of it. One never counted is not judged at all (seed 520993: each
+// of its calls came while the fleet's bursts held the window full, the
+// last one as the run ended).
+func TestSimCheck_AnOtherConsumerIsJudgedOnceTheVendorCountedIt(t *testing.T) {
+	const ms = time.Millisecond
+	s := schedule{Policy: simPolicy{Kind: "counter", Limit: 5, Window: 500 * ms}, OnError: FailClosed, Mode: Block, Length: 3 * time.Second,
+		Latency: []time.Duration{0}, Join: []time.Duration{0}, Model: &vendorModel{Counts: "sliding", At: "arrival", Report: "response", Other: 1}}
+	o := outcome{otherCalls: 6}
+	for at := 500 * ms; at <= s.Length; at += 500 * ms {
+		o.refusals = append(o.refusals, simRefusal{at: at, rate: true, other: true})
+	}
+	if v := othersRefused(s, o); len(v) != 0 {
+		t.Errorf("never counted: %v, want not judged", v)
+	}
+	o.otherSeen = 400 * ms
+	if v := othersRefused(s, o); len(v) != 1 || !strings.Contains(v[0], "4 of its 6 calls refused") {
+		t.Errorf("first counted at 400 ms: %v, want the 4 refusals from 1.4 s on judged", v)
+	}
+}
+
+// A worker that settles its cost does so before its next call: a round
+// trip to Redis more per call, which the demand that efficiency asks of a
+// schedule counts (seed 521540: Redis 25 ms away, windows of 100 ms, 8
+// workers of costs up to 10 could ask for 0.87 of the cap, where 1.7 was
+// counted, and the check asked of them what they could not ask for).
+func TestSimCheck_ASettleIsARoundTripOfTheWorkersDemand(t *testing.T) {
+	const ms = time.Millisecond
+	s := schedule{Replicas: 2, Workers: 4, Policy: simPolicy{Kind: "log", Limit: 50, Window: 100 * ms}, OnError: FailClosed, Mode: Block,
+		Latency: []time.Duration{27 * ms, 25 * ms}, Join: []time.Duration{0, 0}, Length: 1500 * ms, MaxCost: 10, Classes: 1}
+	if !s.saturates() {
+		t.Fatalf("demand %.1f a window without settles, want it to saturate a cap of 50", s.demand())
+	}
+	s.Settle = "lower"
+	if s.saturates() {
+		t.Errorf("demand %.1f a window with a settle after each call, want it short of 1.5 times a cap of 50", s.demand())
+	}
+}

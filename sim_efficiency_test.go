@@ -130,11 +130,17 @@ func (s schedule) saturates() bool {
 }
 
 // demand returns the units per window the workers could ask for at most,
-// each a call at a time, a round trip to Redis and the vendor's time apart.
+// each a call at a time, a round trip to Redis and the vendor's time apart,
+// and one more round trip where each settles its cost before its next call
+// (seed 521540: Redis 25 ms away, windows of 100 ms; its workers could ask
+// for 0.87 of the cap, not the 1.7 counted without the settles).
 func (s schedule) demand() float64 {
 	sum := 0.0
 	for i := range s.Replicas {
 		trip := 2*(s.Latency[i]+s.Jitter) + 2*s.Vendor + 6*time.Millisecond
+		if s.Settle != "" {
+			trip += 2 * (s.Latency[i] + s.Jitter)
+		}
 		sum += float64(s.Workers) * float64(s.Policy.Window) / float64(trip) * float64(1+s.MinCost+s.MaxCost) / 2
 	}
 	return sum

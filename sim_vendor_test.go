@@ -361,10 +361,12 @@ func othersRefused(s schedule, o outcome) []string {
 	// which hold only the calls it accepted: a consumer all of whose calls
 	// came while the fleet's bursts held the vendor's window full is not
 	// in any count (seed 420466: its first call counted 2.2 s in).
-	seen := o.otherSeen + 2*s.Policy.Window
 	if o.otherSeen == 0 {
-		seen = s.Length
+		// Never counted: no count told the fleet of it (seed 520993: its
+		// one call judged was the one made as the run ended).
+		return nil
 	}
+	seen := o.otherSeen + 2*s.Policy.Window
 	refused := 0
 	for _, r := range o.refusals {
 		if r.other && !r.bySettles && !s.learning(r.at) && r.at >= seen {
