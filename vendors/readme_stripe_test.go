@@ -2,6 +2,7 @@ package vendors
 
 import (
 	"net/http"
+	"strings"
 	"time"
 
 	"github.com/redis/go-redis/v9"
@@ -15,9 +16,13 @@ import (
 // nil for api.stripe.com.
 func readmeStripe(rdb *redis.Client, key string, apiURL *string) (*stripe.Client, error) {
 	// README stripe
-	// Live mode: 100 a second in all, 25 per endpoint (25 and 25 in test mode).
+	// 100 a second in all in live mode, 25 in a sandbox (a test key); 25 per endpoint.
+	global := 100
+	if strings.HasPrefix(key, "sk_test_") || strings.HasPrefix(key, "rk_test_") {
+		global = 25
+	}
 	account := policies.Shared{Name: "stripe", Policy: policies.All(
-		policies.SlidingLog{Limit: 100, Window: time.Second},
+		policies.SlidingLog{Limit: global, Window: time.Second},
 		policies.Concurrency{Max: 20}, // Stripe does not publish it: set it below its refusals
 	)}
 	var routes []throttle.Route

@@ -87,3 +87,40 @@ func TestStripe_FleetKeepsTheRateAndTheConcurrencyLimiters(t *testing.T) {
 		t.Errorf("%.3f of the global rate, want at least 0.9", share)
 	}
 }
+
+// The recipe with a test key (a sandbox): 25 a second in all, which binds
+// before any endpoint's 25. A fleet of 3 × 10 stripe-go clients against a
+// fake of the sandbox's limiters: after the first 2 s no refusal, and 0.9
+// or more of 25 a second; the live key's 100 would meet global-rate
+// refusals at once.
+func TestStripe_ATestKeyKeepsTheSandboxRate(t *testing.T) {
+	d := fleetRun(8*time.Second, 20*time.Second)
+	v := newStripeFake(25, 25, 20, map[string]time.Duration{"POST /v1/payment_intents": 150 * time.Millisecond})
+	srv := v.serve()
+	defer srv.Close()
+	s := redistest.Real(t)
+	clients := make([]*stripe.Client, 3)
+	for i := range clients {
+		sc, err := readmeStripe(s.Client(t), "sk_test_x", stripe.String(srv.URL))
+		if err != nil {
+			t.Fatal(err)
+		}
+		clients[i] = sc
+	}
+	ctx := context.Background()
+	runEachWorker(3, 10, d, func(i, j, _ int) {
+		if err := stripeCall(ctx, clients[i], j); err != nil {
+			time.Sleep(10 * time.Millisecond)
+		}
+	})
+	share, per := v.counts.share("global", d, 2*time.Second)
+	v.mu.Lock()
+	defer v.mu.Unlock()
+	t.Logf("stripe-go, a test key: %.3f of 25 a second; per second %v; %d refusals in the first 2 s, after them %v", share, per, v.early, v.refused)
+	if len(v.refused) != 0 {
+		t.Errorf("refusals after the first 2 s: %v, want none", v.refused)
+	}
+	if share < 0.9 {
+		t.Errorf("%.3f of the sandbox's 25 a second, want at least 0.9", share)
+	}
+}
