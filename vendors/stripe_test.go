@@ -58,23 +58,7 @@ func TestStripe_FleetKeepsTheRateAndTheConcurrencyLimiters(t *testing.T) {
 		"POST /v1/payment_intents": 150 * time.Millisecond, "GET /v1/payment_intents/{id}": 30 * time.Millisecond,
 		"GET /v1/customers/{id}": 30 * time.Millisecond, "POST /v1/refunds": 30 * time.Millisecond,
 	})
-	srv := v.serve()
-	defer srv.Close()
-	s := redistest.Real(t)
-	clients := make([]*stripe.Client, 3)
-	for i := range clients {
-		sc, err := readmeStripe(s.Client(t), "sk_live_x", stripe.String(srv.URL))
-		if err != nil {
-			t.Fatal(err)
-		}
-		clients[i] = sc
-	}
-	ctx := context.Background()
-	runEachWorker(3, 10, d, func(i, j, _ int) {
-		if err := stripeCall(ctx, clients[i], j); err != nil {
-			time.Sleep(10 * time.Millisecond)
-		}
-	})
+	stripeFleet(t, v, "sk_live_x", d)
 	share, per := v.counts.share("global", d, time.Second)
 	v.mu.Lock()
 	defer v.mu.Unlock()
@@ -96,12 +80,28 @@ func TestStripe_FleetKeepsTheRateAndTheConcurrencyLimiters(t *testing.T) {
 func TestStripe_ATestKeyKeepsTheSandboxRate(t *testing.T) {
 	d := fleetRun(8*time.Second, 20*time.Second)
 	v := newStripeFake(25, 25, 20, map[string]time.Duration{"POST /v1/payment_intents": 150 * time.Millisecond})
+	stripeFleet(t, v, "sk_test_x", d)
+	share, per := v.counts.share("global", d, 2*time.Second)
+	v.mu.Lock()
+	defer v.mu.Unlock()
+	t.Logf("stripe-go, a test key: %.3f of 25 a second; per second %v; %d refusals in the first 2 s, after them %v", share, per, v.early, v.refused)
+	if len(v.refused) != 0 {
+		t.Errorf("refusals after the first 2 s: %v, want none", v.refused)
+	}
+	if share < 0.9 {
+		t.Errorf("%.3f of the sandbox's 25 a second, want at least 0.9", share)
+	}
+}
+
+// stripeFleet runs 3 replicas of the recipe with key, 10 stripe-go clients
+// each, each calling one endpoint (stripeCall) against fake v for d.
+func stripeFleet(t *testing.T, v *stripeFake, key string, d time.Duration) {
 	srv := v.serve()
 	defer srv.Close()
 	s := redistest.Real(t)
 	clients := make([]*stripe.Client, 3)
 	for i := range clients {
-		sc, err := readmeStripe(s.Client(t), "sk_test_x", stripe.String(srv.URL))
+		sc, err := readmeStripe(s.Client(t), key, stripe.String(srv.URL))
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -113,14 +113,4 @@ func TestStripe_ATestKeyKeepsTheSandboxRate(t *testing.T) {
 			time.Sleep(10 * time.Millisecond)
 		}
 	})
-	share, per := v.counts.share("global", d, 2*time.Second)
-	v.mu.Lock()
-	defer v.mu.Unlock()
-	t.Logf("stripe-go, a test key: %.3f of 25 a second; per second %v; %d refusals in the first 2 s, after them %v", share, per, v.early, v.refused)
-	if len(v.refused) != 0 {
-		t.Errorf("refusals after the first 2 s: %v, want none", v.refused)
-	}
-	if share < 0.9 {
-		t.Errorf("%.3f of the sandbox's 25 a second, want at least 0.9", share)
-	}
 }
