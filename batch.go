@@ -469,11 +469,13 @@ func (l *Limiter) noteAcquireReply(sc scope, rep acquireReply, n int, sent, recv
 	l.emit(Event{Kind: EventRedis, Duration: recvd - sent, Calls: n, Margin: rep.margin})
 	before, _, _ := l.timing.step()
 	l.timing.observe(rep.now, rep.done, sent, recvd)
-	// Decided by a clock that just stepped forward: the calls go back and
-	// ask again, the step now known.
-	after, by, _ := l.timing.step()
-	stale = after > before && by > l.cfg.minMargin
-	if !isOff(offStepEpoch) {
+	// Decided by a clock that stepped forward before the quota counted the
+	// step: the calls go back and ask again, the step told (stepUntold).
+	// With step_epoch off, only the reply that showed the step is stale.
+	if isOff(offStepEpoch) {
+		after, by, _ := l.timing.step()
+		stale = after > before && by > l.cfg.minMargin
+	} else {
 		stale = l.stepUntold(rep)
 	}
 	l.notePause(sc, rep.now, rep.pause)
