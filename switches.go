@@ -49,6 +49,9 @@ const (
 	offKeepPlace      mechanism = "keep_place"      // one of luaMechanisms, read in Go too: decide.go keepPlace, keptAsBooked
 	offLearnMeasures  mechanism = "learn_measures"  // feedback.go tell: an answer that teaches a cap or a pause measures no others' share
 	offSpreadParts    mechanism = "spread_parts"    // throttle.go New: a policies.Spread's parts are dropped
+	offEndedAtSlot    mechanism = "ended_at_slot"   // waiter.go endedAtSlot: a call whose context ended as it woke keeps its slot
+	offUnsent         mechanism = "unsent"          // transport.go failed: a request given no connection keeps its units
+	offDeadlineGuard  mechanism = "deadline_guard"  // waiter.go untilDeadline: a slot may lie up to the context's deadline
 
 	// feedback.go Heard: a refusal about calls in flight pauses, as any other.
 	offConcRefusals mechanism = "concurrency_refusals"
@@ -102,7 +105,7 @@ var luaMechanisms = []mechanism{
 var goMechanisms = []mechanism{
 	offSleepToSlot, offGuard, offDoubt, offLeads, offSpares, offBatches, offAbandon,
 	offNews, offBreaker, offAskTimeout, offQueuedFailures, offHandBack, offForwardSteps, offStepEpoch, offLoweredEpoch, offMoves, offRebookLowered, offLearnMeasures,
-	offConcRefusals, offSpreadParts,
+	offConcRefusals, offSpreadParts, offEndedAtSlot, offUnsent, offDeadlineGuard,
 }
 
 // switchedOff holds the mechanisms THROTTLE_OFF turns off, offErr what is

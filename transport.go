@@ -10,6 +10,7 @@ import (
 	"slices"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/cenkalti/backoff/v4"
@@ -574,9 +575,10 @@ func (t *transport) send(ctx context.Context, rt route, p *Permit, req *http.Req
 	// The request sent carries its permit, which the caller finds with
 	// PermitFrom(resp.Request.Context()): to settle the call's cost
 	// from the body, once read.
-	resp, err := t.base.RoundTrip(req.WithContext(withPermit(traceStart(req.Context(), p), p)))
+	var conn atomic.Bool
+	resp, err := t.base.RoundTrip(req.WithContext(withPermit(traceStart(req.Context(), p, &conn), p)))
 	if err != nil {
-		p.Release()
+		t.failed(ctx, p, conn.Load())
 		return nil, 0, false, err
 	}
 	v := parseVendorLimits(resp.Header, time.Now())
@@ -616,12 +618,35 @@ func (t *transport) send(ctx context.Context, rt route, p *Permit, req *http.Req
 // reports no write (not an *http.Transport, or one that failed before
 // writing) leaves the call started when Acquire returned.
 // Hooks of a trace already in ctx still run.
-func traceStart(ctx context.Context, p *Permit) context.Context {
-	return httptrace.WithClientTrace(ctx, &httptrace.ClientTrace{WroteRequest: func(w httptrace.WroteRequestInfo) {
-		if w.Err == nil {
-			p.Start()
-		}
-	}})
+// GotConn sets conn: from then on the request may be written, whatever
+// becomes of its context (see failed).
+func traceStart(ctx context.Context, p *Permit, conn *atomic.Bool) context.Context {
+	return httptrace.WithClientTrace(ctx, &httptrace.ClientTrace{
+		GotConn: func(httptrace.GotConnInfo) { conn.Store(true) },
+		WroteRequest: func(w httptrace.WroteRequestInfo) {
+			if w.Err == nil {
+				p.Start()
+			}
+		},
+	})
+}
+
+// failed ends the permit p of a request its base failed. A request to
+// which an *http.Transport gave no connection was never written: its
+// context ended first (woken at a slot just before its deadline), or the
+// dial failed. It gives its call back (Permit.Cancel), whose units would
+// otherwise hold a slot no call used. Once a connection is got, the
+// request may be written even after its context ends, and the vendor may
+// count it: it is released, its units kept. A base of another type tells
+// nothing of its connections, and is released too.
+func (t *transport) failed(ctx context.Context, p *Permit, conn bool) {
+	if _, ok := t.base.(*http.Transport); ok && !conn && !isOff(offUnsent) {
+		ctx, stop := context.WithTimeout(context.WithoutCancel(ctx), feedbackTimeout)
+		defer stop()
+		_ = p.Cancel(ctx) // a failed Cancel releases too: its units stay counted
+		return
+	}
+	p.Release()
 }
 
 // routeFor returns the route of req: the first that matches, or the

@@ -95,8 +95,26 @@ func (l *Limiter) wait(ctx context.Context, c call) (*Permit, error) {
 			l.emitAgain(c, againLate, start)
 			continue
 		}
+		if err := l.endedAtSlot(ctx, c, r); err != nil {
+			return nil, err
+		}
 		return l.permit(c, r, time.Since(start)), nil
 	}
+}
+
+// endedAtSlot gives back the slot of call c, admitted as r, when its
+// context ended as it woke: the call cannot leave, and its units would
+// hold a slot that no call uses. A slot just before the deadline wakes its
+// call after it as often as not (a timer fires late, Redis's reply was
+// slow), and each such call wasted its slot where the next booked could
+// have moved into it.
+func (l *Limiter) endedAtSlot(ctx context.Context, c call, r result) error {
+	err := ctx.Err()
+	if err == nil || isOff(offEndedAtSlot) {
+		return nil
+	}
+	l.cancel(ctx, c, r)
+	return err
 }
 
 // emitAgain reports that call c, waiting since start, books again, and
@@ -132,12 +150,28 @@ func (l *Limiter) bookLate(ctx context.Context, c *call, r result, late time.Dur
 func (l *Limiter) waitLeft(ctx context.Context, start time.Time) (time.Duration, string) {
 	maxWait := l.s.maxWait - time.Since(start)
 	reason := "the slot lies beyond MaxWait " + l.s.maxWait.String()
-	if deadline, ok := ctx.Deadline(); ok && (time.Until(deadline) < maxWait || !l.s.maxWaitSet) {
+	if untilDeadline, ok := l.untilDeadline(ctx); ok && (untilDeadline < maxWait || !l.s.maxWaitSet) {
 		// Without Options.MaxWait, the deadline alone bounds the wait.
-		maxWait = time.Until(deadline)
+		maxWait = untilDeadline
 		reason = "the slot lies beyond the context's deadline"
 	}
 	return maxWait, reason
+}
+
+// untilDeadline returns how long from now a call may still be given a
+// slot before ctx's deadline, and false when ctx has none: until the
+// deadline, less half the smallest guarded margin. A call may start that
+// late in its slot (see late), and one given a slot closer to its deadline
+// wakes after it as often as not, its slot then used by no call.
+func (l *Limiter) untilDeadline(ctx context.Context) (time.Duration, bool) {
+	deadline, ok := ctx.Deadline()
+	if !ok {
+		return 0, false
+	}
+	if isOff(offDeadlineGuard) {
+		return time.Until(deadline), true
+	}
+	return time.Until(deadline) - l.cfg.guardMin/2, true
 }
 
 // notAdmitted handles the call r that got no slot. When a full concurrency
@@ -179,7 +213,7 @@ func (l *Limiter) notAdmitted(ctx context.Context, r result, maxWait, busy time.
 func (l *Limiter) awaitSlot(ctx context.Context, c call, r result, room <-chan struct{}) (result, woken, error) {
 	for {
 		left := r.left() // from now, though a move kept the wait r was booked with
-		if deadline, ok := ctx.Deadline(); ok && left > 0 && time.Until(deadline) < left {
+		if untilDeadline, ok := l.untilDeadline(ctx); ok && left > 0 && untilDeadline < left {
 			l.cancel(ctx, c, r)
 			return r, wokenAtSlot, l.limited(left, "the slot lies beyond the context's deadline")
 		}
