@@ -264,6 +264,40 @@ func TestRefused_EveryCountingPolicy(t *testing.T) {
 	})
 }
 
+// A first refusal that the fleet's own record explains teaches no cap:
+// its calls, settled above their estimates, held more than the limit in
+// the vendor's window with the refused one (a vendor that counts a call's
+// cost when it ends). One the record does not explain halves the limit.
+func TestRefused_ARefusalTheFleetsOwnRecordExplainsTeachesNoCap(t *testing.T) {
+	redistest.Each(t, func(t *testing.T, s *redistest.Server) {
+		ctx := context.Background()
+		clock := newClock()
+		lim := newLimiter(t, s.Client(t), policies.SlidingLog{Limit: 10, Window: time.Second, Margin: time.Millisecond},
+			Options{Mode: FailFast, Clock: clock.Now})
+		ps := admit(t, lim, clock, 6, time.Millisecond)
+		for _, p := range ps[:5] {
+			if err := p.Settle(ctx, Cost(2)); err != nil {
+				t.Fatal(err)
+			}
+		}
+		if err := ps[5].refused(ctx, 0); err != nil {
+			t.Fatal(err)
+		}
+		if got := limitInForce(t, lim); got[0] != 10 {
+			t.Errorf("limit in force %v after a refusal of the 11th unit the fleet sent, want the configured 10", got)
+		}
+		// A window later, six calls at 1 and a refusal: unexplained.
+		clock.Add(2 * time.Second)
+		ps = admit(t, lim, clock, 6, time.Millisecond)
+		if err := ps[5].refused(ctx, 0); err != nil {
+			t.Fatal(err)
+		}
+		if got := limitInForce(t, lim); got[0] != 5 {
+			t.Errorf("limit in force %v after a refusal of the 6th unit of 10, want 5", got)
+		}
+	})
+}
+
 func TestRefused_PerKeyCapsAreTheKeysOwn(t *testing.T) {
 	redistest.Each(t, func(t *testing.T, s *redistest.Server) {
 		clock := newClock()

@@ -84,6 +84,7 @@ var luaMechanisms = []mechanism{
 	"blind_rules",     // lib.lua blind.read, blind.lost, check_policy: a loss or a new rule pauses the whole quota for its longest window
 	"rebuild",         // acquire.lua blind.floor, feedback.lua rebuild: no scout goes out, and no vendor's count ends a rule's blindness
 	"learned_caps",    // feedback.lua: a vendor's refusal teaches no cap
+	"first_cap",       // lib.lua learn_cap: a first refusal halves the limit though the fleet had admitted more than it, the call with them
 	"charges",         // feedback.lua charged_after: every answer charges its whole gap
 	"charge_refunds",  // feedback.lua: a charge reads units settled back since the call's arrival as gone, though the vendor's count may hold them
 	"reserve",         // acquire.lua reserve: back from Local, Redis admits the whole limit

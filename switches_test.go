@@ -182,6 +182,7 @@ var switchBreaks = map[mechanism][]string{
 	"blind_rules":     {"^TestDeploy_ANewRuleStartsBlindAlone$"},
 	"rebuild":         {"^TestBlind_AVendorsCountRebuildsALostQuotaInOneRoundTrip$"},
 	"learned_caps":    {"^TestRefused_DropsByHalfAtMost$"},
+	"first_cap":       {"^TestRefused_ARefusalTheFleetsOwnRecordExplainsTeachesNoCap$"},
 	"charges":         {"^TestSetRemaining_AnswersOfCallsInFlightChargeTheGapOnce$", "+off=others"},
 	"charge_refunds":  {"^TestOthers_ACountTakenAtArrivalChargesNoRefund$"},
 	"others":          {"^TestOthers_RefusedCallsAreNotTheFleets$"},

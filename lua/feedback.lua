@@ -125,9 +125,11 @@ local lowered, dropped, dropped_shared = 0, 0, false
 local capped = {}
 if learn then
   local cu = meta.caps_until
+  local cost = arg.refused_cost ~= '' and read_cost(arg.refused_cost)
   for _, r in ipairs(rs) do
     local vlimit = r.per_call and arg.calls_limit or arg.limit
-    if r.kind ~= CONCURRENCY and (vlimit <= 0 or about[r.i]) and learn_cap(r, as_of, meta, now, vlimit) then
+    local n = cost and units(r, cost) or 0
+    if r.kind ~= CONCURRENCY and (vlimit <= 0 or about[r.i]) and learn_cap(r, as_of, n, meta, now, vlimit) then
       lowered, dropped, dropped_shared = 1, 1, dropped_shared or r.shared
       capped[r.i] = true
     end

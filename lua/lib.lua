@@ -1312,19 +1312,26 @@ local function accepted_before(r, t)
   return nil
 end
 
--- learn_cap lowers rule r's cap after the vendor refused a call decided at
--- as_of, and reports whether it dropped. A first refusal halves the limit.
+-- learn_cap lowers rule r's cap after the vendor refused a call of n units
+-- decided at as_of, and reports whether it dropped. A first refusal halves
+-- the limit, unless the fleet had admitted more than it with the call.
 -- A later one lowers it to what the fleet admitted before the call
 -- (accepted_before); for a call decided before the last drop, from the
 -- limit before it. vlimit is the limit the vendor stated, or 0. A drop
 -- halves the limit at most (docs/PROTOCOL.md 3.10).
-local function learn_cap(r, as_of, m, now, vlimit)
+local function learn_cap(r, as_of, n, m, now, vlimit)
   if OFF.learned_caps then
     return false
   end
   local c = r.cap
   local lim, from
   if not c then
+    if n > 0 and not OFF.first_cap and (accepted_before(r, as_of) or 0) + n > r.conf then
+      -- The fleet's own record explains the refusal: with the call, the
+      -- vendor's window held more than the configured limit (costs
+      -- settled above their estimates, counted at the end).
+      return false
+    end
     lim, from = math.ceil(r.conf / 2), r.conf
   elseif as_of < c.at then
     lim, from = math.max(accepted_before(r, as_of) or 0, math.ceil(c.from / 2)), c.from
