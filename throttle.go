@@ -382,10 +382,12 @@ func (l *Limiter) Allow(ctx context.Context, opts ...CallOption) (Decision, erro
 // once the call may run; the caller runs the call and then calls Release.
 // In Block mode it waits for its slot, and fails at once with ErrLimited when
 // the slot lies beyond the context's deadline or Options.MaxWait, as
-// golang.org/x/time/rate's Wait does for a deadline. Unlike Wait, a call
-// whose context has no deadline waits a minute at most when MaxWait is not
-// set. If the context ends while it waits, it gives its slot back and
-// returns the context's error.
+// golang.org/x/time/rate's Wait does for a deadline; a slot within half the
+// smallest margin of the deadline counts as beyond it, since the call may
+// start that late. Unlike Wait, a call whose context has no deadline waits
+// a minute at most when MaxWait is not set. If the context ends while it
+// waits, or as it wakes, it gives its slot back and returns the context's
+// error.
 func (l *Limiter) Acquire(ctx context.Context, opts ...CallOption) (*Permit, error) {
 	p, err := l.acquirePermit(ctx, opts)
 	if err == nil {

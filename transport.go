@@ -95,7 +95,9 @@ const (
 // returns a response or an error, never both. The permit of a request is
 // released when the response's body is closed, which frees its slot under a
 // policies.Concurrency, or at once when the quota has none; the caller must
-// close the body, as always.
+// close the body, as always. A request that an *http.Transport base failed
+// before it got a connection (a dial refused, a context ended) was never
+// sent: its call is given back (Permit.Cancel), and counts for nothing.
 //
 // Set a Transport's fields before its first request: the first request
 // reads and checks them, and later changes are not seen. A Transport must
