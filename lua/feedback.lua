@@ -123,12 +123,13 @@ end
 -- capped[i]: rule i's cap was learned from this refusal.
 local lowered, dropped, dropped_shared = 0, 0, false
 local capped = {}
+-- The refused call's cost, read once for its caps and its ':rj' entry.
+local refused_cost = arg.refused_cost ~= '' and read_cost(arg.refused_cost) or nil
 if learn then
   local cu = meta.caps_until
-  local cost = arg.refused_cost ~= '' and read_cost(arg.refused_cost)
   for _, r in ipairs(rs) do
     local vlimit = r.per_call and arg.calls_limit or arg.limit
-    local n = cost and units(r, cost) or 0
+    local n = refused_cost and units(r, refused_cost) or 0
     if r.kind ~= CONCURRENCY and (vlimit <= 0 or about[r.i]) and learn_cap(r, as_of, n, meta, now, vlimit) then
       lowered, dropped, dropped_shared = 1, 1, dropped_shared or r.shared
       capped[r.i] = true
@@ -154,10 +155,9 @@ end
 
 -- Refused calls stay in the record, but the vendor mostly leaves them out:
 -- ':rj' lists them for the others' measure (docs/PROTOCOL.md 3.11).
-if arg.refused_cost ~= '' and arg.as_of > 0 and not OFF.others then
-  local cost = read_cost(arg.refused_cost)
+if refused_cost and arg.as_of > 0 and not OFF.others then
   for _, r in ipairs(rs) do
-    local n = units(r, cost)
+    local n = units(r, refused_cost)
     if n > 0 and (r.kind == LOG or r.kind == COUNTER) then
       local key = r.key .. ':rj'
       redis.call('ZREMRANGEBYSCORE', key, '-inf', str(now - r.window))
