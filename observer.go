@@ -63,6 +63,7 @@ const (
 	againClock    = "clock"    // Redis's clock stepped forward as it booked
 	againRedis    = "redis"    // Redis failed while the call moved, and its booking may be gone
 	againOutdated = "outdated" // the fallback's decision was taken back by another process's
+	againYielded  = "yielded"  // a call of its process that asked before it, too late for its own slot, took its slot
 )
 
 // Event is one thing a limiter did. Fields that do not apply to its Kind
@@ -105,8 +106,10 @@ type Event struct {
 	// pause it did not know of ends after its slot), "lost" (Redis lost the
 	// quota's data), "unheard" (a gap in the quota's news), "lowered" (a
 	// limit in force dropped after it booked), "clock" (Redis's clock
-	// stepped forward), "redis" (Redis failed while the call moved) or
-	// "outdated" (the Local fallback's decision was taken back).
+	// stepped forward), "redis" (Redis failed while the call moved),
+	// "outdated" (the Local fallback's decision was taken back) or
+	// "yielded" (a call of the same Limiter that asked before it, too late
+	// for its own slot, took its slot).
 	Reason string
 	// Err is the failure of a Redis round trip, or why a call was refused.
 	Err error

@@ -160,6 +160,7 @@ var switchBreaks = map[mechanism][]string{
 	offEndedAtSlot:    {"^TestDeadline_ACallWhoseContextEndedAsItWokeGivesItsSlotBack$"},
 	offUnsent:         {"^TestTransport_ARequestNeverSentGivesItsUnitsBack$"},
 	offDeadlineGuard:  {"^TestDeadline_NoSlotWithinHalfAMarginOfTheDeadline$"},
+	offKeepTurn:       {"^TestPlace_ALateCallTakesTheSlotOfACallThatAskedAfterIt$"},
 	offConcRefusals:   {"^TestTransport_AConcurrencyRefusalGoesToTheConcurrencyRule$"},
 	offLearnMeasures:  {"^TestOthers_ACountThatTeachesMeasuresThemToo$"},
 	"spread_margins":  {"^TestMargin_FollowsTheFleetsSpread$"},

@@ -87,6 +87,8 @@ type Limiter struct {
 	roomLast  time.Time     // when room was last closed
 	roomDue   bool          // a close is due at roomLast + roomEvery
 	roomRetry bool          // a close is due when Redis's trouble is over (roomAfterTrouble)
+
+	sleepers sync.Map // *sleeper: the calls asleep towards their slots in Redis, for a late call to take one (place.go)
 }
 
 // compiled is what New derives from the rules: the same for every call.

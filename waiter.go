@@ -39,13 +39,14 @@ const lateReason = "every slot came too late to start in: Redis's replies or thi
 // the call; a waiter never polls, except for a concurrency slot, whose
 // release no one can foresee.
 func (l *Limiter) wait(ctx context.Context, c call) (*Permit, error) {
-	start := time.Now()
-	busy := busyFirst
-	giveBack, rebooks := (*result)(nil), 0 // a booking to give back in the next script call
+	start, busy := time.Now(), busyFirst
+	// A booking to give back in the next script call; one taken from a
+	// call that asked after this one (keepTurn), to sleep to without asking.
+	giveBack, taken, rebooks := (*result)(nil), (*result)(nil), 0
 	for {
 		maxWait, reason := l.waitLeft(ctx, start)
 		room := l.roomNow()
-		r, err := l.acquire(ctx, c, max(maxWait, 0), giveBack)
+		r, err := l.nextBooking(ctx, c, max(maxWait, 0), giveBack, &taken)
 		// Spent once it asked: the booking given back, the queue's wait, a failed move.
 		giveBack, c.queued, c.moved = nil, time.Time{}, nil
 		if err != nil {
@@ -69,7 +70,7 @@ func (l *Limiter) wait(ctx context.Context, c call) (*Permit, error) {
 		replyLate := tooLate
 		if !tooLate && r.wait > 0 {
 			var how woken
-			r, how, err = l.awaitSlot(ctx, c, r, room)
+			r, how, err = l.awaitSlot(ctx, c, r, room, start)
 			if failed := (*moveFailed)(nil); errors.As(err, &failed) {
 				c.moved = failed
 				l.emitAgain(c, againRedis, start)
@@ -88,10 +89,9 @@ func (l *Limiter) wait(ctx context.Context, c call) (*Permit, error) {
 			late, tooLate = l.late(r)
 		}
 		if tooLate {
-			if err := l.bookLate(ctx, &c, r, late, replyLate, &rebooks); err != nil {
+			if giveBack, taken, err = l.bookLate(ctx, &c, r, late, replyLate, &rebooks, start); err != nil {
 				return nil, err
 			}
-			giveBack = &r
 			l.emitAgain(c, againLate, start)
 			continue
 		}
@@ -123,24 +123,39 @@ func (l *Limiter) emitAgain(c call, why string, start time.Time) {
 	l.emit(Event{Kind: EventBookedAgain, Cost: c.cost, Reason: why, Wait: time.Since(start)})
 }
 
-// bookLate readies call c, whose reply or wake came too late for its slot
-// r, to book again: arriving now would crowd the windows after the slot.
-// It books again a bounded number of times (rebooks counts them); past
-// them, it gives r back and returns the error the call fails with. A late
-// reply books that much ahead, so that the next reply arrives before its
-// slot and the call waits instead of starting late. The lateness is noted
-// either way, and the fleet's margin widens if its calls keep starting
-// late: what delays the replies of a busy process delays its way to the
-// vendor too.
-func (l *Limiter) bookLate(ctx context.Context, c *call, r result, late time.Duration, replyLate bool, rebooks *int) error {
+// bookLate readies call c, which began to wait at start and whose reply or
+// wake came too late for its slot r, to book again: arriving now would
+// crowd the windows after the slot. It books again a bounded number of
+// times (rebooks counts them); past them, it gives r back and returns the
+// error the call fails with. A late reply books that much ahead, so that
+// the next reply arrives before its slot and the call waits instead of
+// starting late. The lateness is noted either way, and the fleet's margin
+// widens if its calls keep starting late: what delays the replies of a
+// busy process delays its way to the vendor too. It returns r, to give
+// back in the next script call, or the booking of a call that asked after
+// c, when c takes it (keepTurn): then that call gives r back.
+func (l *Limiter) bookLate(ctx context.Context, c *call, r result, late time.Duration, replyLate bool, rebooks *int, start time.Time) (giveBack, taken *result, err error) {
 	if *rebooks++; *rebooks > maxRebooks {
 		l.cancel(ctx, *c, r)
-		return l.limited(late, lateReason)
+		return nil, nil, l.limited(late, lateReason)
 	}
 	if replyLate && !isOff(offLeads) {
 		c.lead += max(late, 0) // none when only the timing is unsure
 	}
-	return nil
+	if taken = l.keepTurn(ctx, *c, r, start); taken != nil {
+		return nil, taken, nil
+	}
+	return &r, nil, nil
+}
+
+// nextBooking returns the booking *taken, when call c took one, and else
+// asks Redis for c's slot within maxWait, giving giveBack back (acquire).
+func (l *Limiter) nextBooking(ctx context.Context, c call, maxWait time.Duration, giveBack *result, taken **result) (result, error) {
+	if r := *taken; r != nil {
+		*taken = nil
+		return *r, nil
+	}
+	return l.acquire(ctx, c, maxWait, giveBack)
 }
 
 // waitLeft returns how long a call of Block mode that started waiting at
@@ -204,20 +219,25 @@ func (l *Limiter) notAdmitted(ctx context.Context, r result, maxWait, busy time.
 	return min(2*busy, busyMax), nil
 }
 
-// awaitSlot sleeps until the slot of the booked call r, moving it earlier
-// each time the fleet gives units back (move.go) after room, taken before
-// r was booked, and returns the booking it woke with and how: at its slot,
-// overtaken meanwhile (to be given back), or lost. It gives the booking
-// back and fails when the slot lies beyond the context's deadline, or the
-// context ends first.
-func (l *Limiter) awaitSlot(ctx context.Context, c call, r result, room <-chan struct{}) (result, woken, error) {
+// awaitSlot sleeps until the slot of the booked call r, which began to
+// wait at start, moving it earlier each time the fleet gives units back
+// (move.go) after room, taken before r was booked, and returns the booking
+// it woke with and how: at its slot, overtaken meanwhile (to be given
+// back: a late call that asked before it may have taken its own, see
+// keepTurn), or lost. It gives the booking back and fails when the slot
+// lies beyond the context's deadline, or the context ends first.
+func (l *Limiter) awaitSlot(ctx context.Context, c call, r result, room <-chan struct{}, start time.Time) (result, woken, error) {
 	for {
 		left := r.left() // from now, though a move kept the wait r was booked with
 		if untilDeadline, ok := l.untilDeadline(ctx); ok && left > 0 && untilDeadline < left {
 			l.cancel(ctx, c, r)
 			return r, wokenAtSlot, l.limited(left, "the slot lies beyond the context's deadline")
 		}
-		err := l.sleepToSlot(ctx, r, l.roomFor(r, room))
+		s := l.asleep(r, start)
+		err := l.sleepToSlot(ctx, r, l.roomFor(r, room), s.wake())
+		if late := l.awake(s); late != nil {
+			return l.yield(ctx, *late)
+		}
 		if errors.Is(err, errRoom) {
 			var how woken
 			room = l.roomNow() // before the move's script call
@@ -270,8 +290,8 @@ const wakeLead = 100 * time.Millisecond
 // start late against what the process then knows, and book again. Without
 // a reading, or decided by the Local fallback, it sleeps the whole wait,
 // which never wakes early either. It returns errRoom when room closes
-// first (see roomFor).
-func (l *Limiter) sleepToSlot(ctx context.Context, r result, room <-chan struct{}) error {
+// first (see roomFor), and at once when taken closes (see keepTurn).
+func (l *Limiter) sleepToSlot(ctx context.Context, r result, room, taken <-chan struct{}) error {
 	d := r.left()
 	if r.local {
 		if l.failover.local == nil {
@@ -283,11 +303,11 @@ func (l *Limiter) sleepToSlot(ctx context.Context, r result, room <-chan struct{
 	defer l.view.asleep.Add(-1)
 	in, ok := l.timing.wakeIn(r.startsAt())
 	if !ok || isOff(offSleepToSlot) {
-		return sleepOr(ctx, d, room)
+		return sleepOr(ctx, d, room, taken)
 	}
 	d = min(d, in)
 	if lead := min(d/2, wakeLead); lead > 0 {
-		if err := sleepOr(ctx, d-lead, room); err != nil {
+		if err := sleepOr(ctx, d-lead, room, taken); err != nil {
 			return err
 		}
 		d = lead
@@ -295,7 +315,7 @@ func (l *Limiter) sleepToSlot(ctx context.Context, r result, room <-chan struct{
 			d = min(d, in)
 		}
 	}
-	return sleepOr(ctx, d, room)
+	return sleepOr(ctx, d, room, taken)
 }
 
 // now decides a call that runs now or not at all (FailFast, Allow, shadow
@@ -327,7 +347,7 @@ func (l *Limiter) now(ctx context.Context, c call) (result, error) {
 		if !tooLate && r.wait > 0 {
 			// Booked ahead after a late reply: sleep to the slot. A pause
 			// or a loss meanwhile books again, as a Block call's does.
-			if err := l.sleepToSlot(ctx, r, nil); err != nil {
+			if err := l.sleepToSlot(ctx, r, nil, nil); err != nil {
 				l.cancel(ctx, c, r)
 				return result{}, err
 			}
@@ -544,14 +564,17 @@ func (f *freed) signal() {
 	f.mu.Unlock()
 }
 
-func sleep(ctx context.Context, d time.Duration) error { return sleepOr(ctx, d, nil) }
+func sleep(ctx context.Context, d time.Duration) error { return sleepOr(ctx, d, nil, nil) }
 
-// sleepOr sleeps d, and returns errRoom when room closes first.
-func sleepOr(ctx context.Context, d time.Duration, room <-chan struct{}) error {
+// sleepOr sleeps d, and returns errRoom when room closes first; it
+// returns at once, with no error, when taken closes first.
+func sleepOr(ctx context.Context, d time.Duration, room, taken <-chan struct{}) error {
 	t := time.NewTimer(d)
 	defer t.Stop()
 	select {
 	case <-t.C:
+		return nil
+	case <-taken:
 		return nil
 	case <-room:
 		return errRoom

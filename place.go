@@ -1,0 +1,135 @@
+package throttle
+
+import (
+	"context"
+	"maps"
+	"slices"
+	"time"
+)
+
+// A call whose wake or reply came too late for its slot keeps its place
+// among the calls of its limiter (docs/PROTOCOL.md 3.8): it takes the
+// booking of a call that asked after it, asleep towards a slot further
+// ahead, and that call books again in its stead, giving the late booking
+// back. The bookings in Redis stay as they were; only their callers trade.
+// A call of another process is never taken: it would learn of it only by
+// news, and start at its slot if the news came late.
+
+// sleeper is a call of Block or Queue mode asleep towards its slot in
+// Redis, registered in Limiter.sleepers while it sleeps.
+type sleeper struct {
+	start time.Time     // when the call began to wait
+	r     result        // its booking
+	taken chan struct{} // closed once a late call took the booking
+	late  result        // the late call's booking, to give back in its stead
+}
+
+// asleep registers the call that began to wait at start, about to sleep
+// towards its booking r, for a late call to take; nil when none may.
+func (l *Limiter) asleep(r result, start time.Time) *sleeper {
+	if r.local || isOff(offKeepTurn) {
+		return nil
+	}
+	s := &sleeper{start: start, r: r, taken: make(chan struct{})}
+	l.sleepers.Store(s, nil)
+	return s
+}
+
+// wake returns the channel closed when a late call takes s's booking.
+func (s *sleeper) wake() <-chan struct{} {
+	if s == nil {
+		return nil
+	}
+	return s.taken
+}
+
+// awake takes s out of the sleepers as its call wakes. It returns the late
+// booking the call holds instead of its own when a late call took that,
+// or nil.
+func (l *Limiter) awake(s *sleeper) *result {
+	if s == nil {
+		return nil
+	}
+	if _, ok := l.sleepers.LoadAndDelete(s); ok {
+		return nil
+	}
+	<-s.taken // the taker wrote late before it closed taken
+	return &s.late
+}
+
+// keepTurn finds, for call c that began to wait at start and whose booking
+// r came too late to start in, the booking of a call of this limiter that
+// began to wait after it, asleep towards the earliest slot far enough
+// ahead (c's lead) and within c's wait, that r's call may take (takes). It
+// hands that call r to give back, and returns the booking taken, settled
+// to r's units when it held more; nil when there is none.
+func (l *Limiter) keepTurn(ctx context.Context, c call, r result, start time.Time) *result {
+	if r.local || isOff(offKeepTurn) {
+		return nil
+	}
+	maxWait, _ := l.waitLeft(ctx, start)
+	var best *sleeper
+	l.sleepers.Range(func(k, _ any) bool {
+		s := k.(*sleeper)
+		left := s.r.left()
+		if s.start.After(start) && left > c.lead && left <= maxWait && l.takes(r, s.r) &&
+			(best == nil || s.r.slot() < best.r.slot()) {
+			best = s
+		}
+		return true
+	})
+	if best == nil {
+		return nil
+	}
+	if _, ok := l.sleepers.LoadAndDelete(best); !ok {
+		return nil // it woke meanwhile, or another late call took it
+	}
+	best.late = r
+	close(best.taken)
+	taken := best.r
+	l.settleTaken(ctx, r, &taken)
+	return &taken
+}
+
+// takes reports whether a call booked as r may take the booking b: the
+// same keys, class and epoch, and as many units of each kind or more (the
+// same, under a token bucket, which takes back only its latest call's
+// units: see settleTaken).
+func (l *Limiter) takes(r, b result) bool {
+	if b.local || b.epoch != r.epoch || b.class != r.class || b.prio != r.prio ||
+		!slices.Equal(b.scope.keys, r.scope.keys) || b.cost < r.cost || len(b.named) != len(r.named) {
+		return false
+	}
+	for name, n := range r.named {
+		if m, ok := b.named[name]; !ok || m < n {
+			return false
+		}
+	}
+	return !l.cfg.hasBucket || b.cost == r.cost && maps.Equal(b.named, r.named)
+}
+
+// settleTaken gives back, in one settle script call, what the booking
+// taken holds beyond the units of r, the late booking that takes it, and
+// makes taken r's units. When Redis fails the script call, the rest may
+// stay booked until its window passes: the call never gives back more
+// than its own units, which is all Redis holds if the script ran.
+func (l *Limiter) settleTaken(ctx context.Context, r result, taken *result) {
+	if taken.cost == r.cost && maps.Equal(taken.named, r.named) {
+		return
+	}
+	args := l.settleArgs(*taken, l.costArg(taken.cost, taken.named), l.costArg(r.cost, r.named))
+	_ = l.runBooking(ctx, scripts.settle, *taken, args).Err()
+	taken.cost, taken.named = r.cost, r.named
+}
+
+// yield hands a call whose booking a late call took that call's late
+// booking r: it gives r back and books again (wokenOvertaken), or, when its
+// context ended meanwhile, gives r back now and fails.
+func (l *Limiter) yield(ctx context.Context, r result) (result, woken, error) {
+	if err := ctx.Err(); err != nil {
+		l.cancel(ctx, call{cost: r.cost, named: r.named}, r)
+		return r, wokenAtSlot, err
+	}
+	r.again = againYielded
+	return r, wokenOvertaken, nil
+}
