@@ -30,21 +30,7 @@ func TestPlace_ALateCallTakesTheSlotOfACallThatAskedAfterIt(t *testing.T) {
 		if _, err := lim.Allow(ctx); err != nil {
 			t.Fatal(err)
 		}
-		permits := make([]chan *Permit, 3)
-		for i := range permits {
-			permits[i] = make(chan *Permit, 1)
-			go func() {
-				p, err := lim.Acquire(ctx)
-				if err != nil {
-					t.Error(err)
-				}
-				permits[i] <- p
-			}()
-			// Each asks once the one before sleeps towards its slot.
-			for lim.view.asleep.Load() < int64(i+1) {
-				time.Sleep(ms)
-			}
-		}
+		permits := bookInTurn(t, lim, 1, 1, 1)
 		clock.Add(1200 * ms)
 		var slots [3]time.Duration
 		for i, ch := range permits {
@@ -84,20 +70,7 @@ func TestPlace_ALateCallGivesBackWhatTheSlotItTookHoldsBeyondItsUnits(t *testing
 		if _, err := lim.Allow(ctx, Cost(2)); err != nil {
 			t.Fatal(err)
 		}
-		permits := make([]chan *Permit, 2)
-		for i := range permits {
-			permits[i] = make(chan *Permit, 1)
-			go func() {
-				p, err := lim.Acquire(ctx, Cost(i+1))
-				if err != nil {
-					t.Error(err)
-				}
-				permits[i] <- p
-			}()
-			for lim.view.asleep.Load() < int64(i+1) {
-				time.Sleep(ms)
-			}
-		}
+		permits := bookInTurn(t, lim, 1, 2)
 		clock.Add(1200 * ms)
 		first := <-permits[0]
 		if first == nil {
@@ -120,4 +93,25 @@ func TestPlace_ALateCallGivesBackWhatTheSlotItTookHoldsBeyondItsUnits(t *testing
 			second.Release()
 		}
 	})
+}
+
+// bookInTurn starts a call of lim for each cost, each once the one before
+// sleeps towards its slot, and returns where each one's permit comes (nil
+// when it failed).
+func bookInTurn(t *testing.T, lim *Limiter, costs ...int) []chan *Permit {
+	permits := make([]chan *Permit, len(costs))
+	for i, cost := range costs {
+		permits[i] = make(chan *Permit, 1)
+		go func() {
+			p, err := lim.Acquire(context.Background(), Cost(cost))
+			if err != nil {
+				t.Error(err)
+			}
+			permits[i] <- p
+		}()
+		for lim.view.asleep.Load() < int64(i+1) {
+			time.Sleep(ms)
+		}
+	}
+	return permits
 }
