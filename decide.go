@@ -4,6 +4,7 @@ import (
 	"cmp"
 	"context"
 	"errors"
+	"maps"
 	"strings"
 	"time"
 
@@ -438,4 +439,18 @@ func (l *Limiter) keptAsBooked(r, moved result) result {
 	moved.gaps, moved.margin = r.gaps, r.margin
 	moved.stale = moved.stale || r.stale
 	return moved
+}
+
+// settleTaken gives back, in one settle script call, what the booking
+// taken holds beyond the units of r, the late booking that takes it, and
+// makes taken r's units. When Redis fails the script call, the rest may
+// stay booked until its window passes: the call never gives back more
+// than its own units, which is all Redis holds if the script ran.
+func (l *Limiter) settleTaken(ctx context.Context, r result, taken *result) {
+	if taken.cost == r.cost && maps.Equal(taken.named, r.named) {
+		return
+	}
+	args := l.settleArgs(*taken, l.costArg(taken.cost, taken.named), l.costArg(r.cost, r.named))
+	_ = l.runBooking(ctx, scripts.settle, *taken, args).Err()
+	taken.cost, taken.named = r.cost, r.named
 }

@@ -2,14 +2,14 @@ package throttle
 
 import (
 	"cmp"
-	"context"
 	"maps"
 	"slices"
 	"time"
 )
 
 // A call whose wake or reply came too late for its slot keeps its place
-// among the calls of its limiter (docs/PROTOCOL.md 3.8): it takes the
+// among the calls of its limiter (keepTurn in waiter.go; docs/PROTOCOL.md
+// 3.8): it takes the
 // booking of a call that asked after it, asleep towards a slot further
 // ahead, and that call books again in its stead, giving the late booking
 // back. The bookings in Redis stay as they were; only their callers trade.
@@ -58,39 +58,6 @@ func (l *Limiter) awake(s *sleeper) *result {
 	return &s.late
 }
 
-// keepTurn finds, for call c that began to wait at start and whose booking
-// r came too late to start in, the booking of a call of this limiter that
-// began to wait after it, asleep towards the earliest slot far enough
-// ahead (c's lead) and within c's wait, that r's call may take (takes). It
-// hands that call r to give back, and returns the booking taken, settled
-// to r's units when it held more; nil when there is none.
-func (l *Limiter) keepTurn(ctx context.Context, c call, r result, start time.Time) *result {
-	if r.local || isOff(offKeepTurn) {
-		return nil
-	}
-	maxWait, _ := l.waitLeft(ctx, start)
-	var best *sleeper
-	l.sleepers.Range(func(k, _ any) bool {
-		s := k.(*sleeper)
-		left := s.r.left()
-		if s.start.After(start) && left > c.lead && left <= maxWait && l.takes(r, s.r) && (best == nil || s.before(best)) {
-			best = s
-		}
-		return true
-	})
-	if best == nil {
-		return nil
-	}
-	if _, ok := l.sleepers.LoadAndDelete(best); !ok {
-		return nil // it woke meanwhile, or another late call took it
-	}
-	best.late = r
-	close(best.taken)
-	taken := best.r
-	l.settleTaken(ctx, r, &taken)
-	return &taken
-}
-
 // before orders the sleepers a late call may take: by slot, then by when
 // they began to wait, then by id, so that one run of the simulation takes
 // the same whatever order sleepers' map is read in.
@@ -113,30 +80,4 @@ func (l *Limiter) takes(r, b result) bool {
 		}
 	}
 	return !l.cfg.hasBucket || b.cost == r.cost && maps.Equal(b.named, r.named)
-}
-
-// settleTaken gives back, in one settle script call, what the booking
-// taken holds beyond the units of r, the late booking that takes it, and
-// makes taken r's units. When Redis fails the script call, the rest may
-// stay booked until its window passes: the call never gives back more
-// than its own units, which is all Redis holds if the script ran.
-func (l *Limiter) settleTaken(ctx context.Context, r result, taken *result) {
-	if taken.cost == r.cost && maps.Equal(taken.named, r.named) {
-		return
-	}
-	args := l.settleArgs(*taken, l.costArg(taken.cost, taken.named), l.costArg(r.cost, r.named))
-	_ = l.runBooking(ctx, scripts.settle, *taken, args).Err()
-	taken.cost, taken.named = r.cost, r.named
-}
-
-// yield hands a call whose booking a late call took that call's late
-// booking r: it gives r back and books again (wokenOvertaken), or, when its
-// context ended meanwhile, gives r back now and fails.
-func (l *Limiter) yield(ctx context.Context, r result) (result, woken, error) {
-	if err := ctx.Err(); err != nil {
-		l.cancel(ctx, call{cost: r.cost, named: r.named}, r)
-		return r, wokenAtSlot, err
-	}
-	r.again = againYielded
-	return r, wokenOvertaken, nil
 }

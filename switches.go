@@ -52,7 +52,7 @@ const (
 	offEndedAtSlot    mechanism = "ended_at_slot"   // waiter.go endedAtSlot: a call whose context ended as it woke keeps its slot
 	offUnsent         mechanism = "unsent"          // transport.go failed: a request given no connection keeps its units
 	offDeadlineGuard  mechanism = "deadline_guard"  // waiter.go untilDeadline: a slot may lie up to the context's deadline
-	offKeepTurn       mechanism = "keep_turn"       // place.go keepTurn: a late call books again behind the calls that asked after it
+	offKeepTurn       mechanism = "keep_turn"       // waiter.go keepTurn: a late call books again behind the calls that asked after it
 
 	// feedback.go Heard: a refusal about calls in flight pauses, as any other.
 	offConcRefusals mechanism = "concurrency_refusals"

@@ -582,3 +582,48 @@ func sleepOr(ctx context.Context, d time.Duration, room, taken <-chan struct{}) 
 		return ctx.Err()
 	}
 }
+
+// keepTurn finds, for call c that began to wait at start and whose booking
+// r came too late to start in, the booking of a call of this limiter that
+// began to wait after it, asleep towards the earliest slot far enough
+// ahead (c's lead) and within c's wait, that r's call may take (takes). It
+// hands that call r to give back, and returns the booking taken, settled
+// to r's units when it held more; nil when there is none.
+func (l *Limiter) keepTurn(ctx context.Context, c call, r result, start time.Time) *result {
+	if r.local || isOff(offKeepTurn) {
+		return nil
+	}
+	maxWait, _ := l.waitLeft(ctx, start)
+	var best *sleeper
+	l.sleepers.Range(func(k, _ any) bool {
+		s := k.(*sleeper)
+		left := s.r.left()
+		if s.start.After(start) && left > c.lead && left <= maxWait && l.takes(r, s.r) && (best == nil || s.before(best)) {
+			best = s
+		}
+		return true
+	})
+	if best == nil {
+		return nil
+	}
+	if _, ok := l.sleepers.LoadAndDelete(best); !ok {
+		return nil // it woke meanwhile, or another late call took it
+	}
+	best.late = r
+	close(best.taken)
+	taken := best.r
+	l.settleTaken(ctx, r, &taken)
+	return &taken
+}
+
+// yield hands a call whose booking a late call took that call's late
+// booking r: it gives r back and books again (wokenOvertaken), or, when its
+// context ended meanwhile, gives r back now and fails.
+func (l *Limiter) yield(ctx context.Context, r result) (result, woken, error) {
+	if err := ctx.Err(); err != nil {
+		l.cancel(ctx, call{cost: r.cost, named: r.named}, r)
+		return r, wokenAtSlot, err
+	}
+	r.again = againYielded
+	return r, wokenOvertaken, nil
+}
