@@ -9,12 +9,11 @@ import (
 
 // A call whose wake or reply came too late for its slot keeps its place
 // among the calls of its limiter (keepTurn in waiter.go; docs/PROTOCOL.md
-// 3.8): it takes the
-// booking of a call that asked after it, asleep towards a slot further
-// ahead, and that call books again in its stead, giving the late booking
-// back. The bookings in Redis stay as they were; only their callers trade.
-// A call of another process is never taken: it would learn of it only by
-// news, and start at its slot if the news came late.
+// 3.8): it takes the booking of a call that asked after it, asleep towards
+// a slot further ahead, and that call books again in its stead, giving the
+// late booking back. The bookings in Redis stay as they were; only their
+// callers trade. A call of another process is never taken: it would learn
+// of it only by news, and start at its slot if the news came late.
 
 // sleeper is a call of Block or Queue mode asleep towards its slot in
 // Redis, registered in Limiter.sleepers while it sleeps.
