@@ -64,12 +64,12 @@ func (s *sleeper) before(o *sleeper) bool {
 	return cmp.Or(cmp.Compare(s.r.slot(), o.r.slot()), s.start.Compare(o.start), cmp.Compare(s.r.member, o.r.member)) < 0
 }
 
-// takes reports whether a call booked as r may take the booking b: the
-// same keys, class and epoch, and as many units of each kind or more (the
+// takes reports whether a call booked as r may take the booking b (in
+// Redis: asleep registers no other): the same keys, class and epoch, and as many units of each kind or more (the
 // same, under a token bucket, which takes back only its latest call's
 // units: see settleTaken).
 func (l *Limiter) takes(r, b result) bool {
-	if b.local || b.epoch != r.epoch || b.class != r.class || b.prio != r.prio ||
+	if b.epoch != r.epoch || b.class != r.class || b.prio != r.prio ||
 		!slices.Equal(b.scope.keys, r.scope.keys) || b.cost < r.cost || len(b.named) != len(r.named) {
 		return false
 	}

@@ -590,8 +590,8 @@ func sleepOr(ctx context.Context, d time.Duration, room, taken <-chan struct{}) 
 // hands that call r to give back, and returns the booking taken, settled
 // to r's units when it held more; nil when there is none.
 func (l *Limiter) keepTurn(ctx context.Context, c call, r result, start time.Time) *result {
-	if r.local || isOff(offKeepTurn) {
-		return nil
+	if r.local {
+		return nil // with keep_turn off, asleep registers no sleeper either
 	}
 	maxWait, _ := l.waitLeft(ctx, start)
 	var best *sleeper
