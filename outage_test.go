@@ -179,9 +179,14 @@ func TestOutage_NoCallWaitsForRedisLongerThanTheTimeout(t *testing.T) {
 }
 
 // After an outage the fleet is back as soon as Redis answers: no call is
-// refused by the breaker a second after Redis answers again, and the first
+// refused by the breaker 1.5 s after Redis answers again, and the first
 // call is admitted within a second after the pause that the loss of the
-// quota's data imposes (a window from when it was found).
+// quota's data imposes (a window from when it was found). The breaker's
+// last refusal usually comes 20-90 ms after Redis answers; but once a
+// client's pool has failed PoolSize dials, go-redis dials again only once
+// a second, and its calls, the breaker's probes among them, fail until
+// then: 1.013 s in a CI run beside the race detector (12-06), so the bound
+// is that second and the longest gap between probes (375 ms), rounded up.
 //
 // The breaker's probes draw a growing backoff from their own failures
 // only: were each failed call to draw it, the calls in flight when the
@@ -235,8 +240,8 @@ func TestOutage_BackWithinASecondOfRedis(t *testing.T) {
 	if firstOK.IsZero() || firstOK.Sub(pauseEnds) > time.Second {
 		t.Errorf("the first call after the restart was admitted %v after the loss's pause ended, want within 1s", firstOK.Sub(pauseEnds))
 	}
-	if d := lastBreaker.Sub(back); d > time.Second {
-		t.Errorf("the breaker refused calls until %v after Redis answered again, want within 1s", d)
+	if d := lastBreaker.Sub(back); d > 1500*time.Millisecond {
+		t.Errorf("the breaker refused calls until %v after Redis answered again, want within 1.5s", d)
 	}
 }
 
