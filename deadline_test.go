@@ -166,17 +166,6 @@ func TestTransport_ARequestNeverSentGivesItsUnitsBack(t *testing.T) {
 	})
 }
 
-// closedAddr returns an address nothing listens on.
-func closedAddr(t *testing.T) string {
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	addr := ln.Addr().String()
-	ln.Close()
-	return addr
-}
-
 // hangingUpServer returns the address of a server that reads each
 // request and closes the connection without an answer.
 func hangingUpServer(t *testing.T) string {
