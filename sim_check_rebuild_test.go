@@ -172,3 +172,46 @@ func TestSimCheck_ASettleIsARoundTripOfTheWorkersDemand(t *testing.T) {
 		t.Errorf("demand %.1f a window with a settle after each call, want it short of 1.5 times a cap of 50", s.demand())
 	}
 }
+
+// Efficiency does not read the time the fleet kept quiet as the vendor
+// asked: a refusal's pause, and a window after it while the vendor's
+// window fills again. The rest of the span is still read (seed 486584's
+// halved limit is found after a short pause), when two windows of it are
+// left (seed 544494: pauses of a second in a run of 1.5 s).
+func TestSimCheck_EfficiencyDoesNotReadAPauseTheVendorAsked(t *testing.T) {
+	const ms = time.Millisecond
+	s := schedule{Replicas: 1, Workers: 8, Policy: simPolicy{Kind: "log", Limit: 10, Window: 100 * ms}, OnError: FailClosed, Mode: Block,
+		Latency: []time.Duration{0}, Join: []time.Duration{0}, Length: 2000 * ms, Classes: 1,
+		Model: &vendorModel{Counts: "sliding", At: "arrival"}}
+	// The cap used whole but from 700 ms to 1.4 s, where the fleet was
+	// quiet: under half the cap over the steady span.
+	full := func(quiet func(time.Duration) bool) outcome {
+		var o outcome
+		for at := 0 * ms; at < s.Length; at += 10 * ms {
+			if !quiet(at) {
+				o.arrivals = append(o.arrivals, simArrival{at: at, cost: 1, actual: 1})
+			}
+		}
+		return o
+	}
+	o := full(func(at time.Duration) bool { return at >= 700*ms && at < 1400*ms })
+	if v := efficiency(s, o); len(v) != 1 || !strings.HasPrefix(v[0], "efficiency:") {
+		t.Errorf("quiet for 700 ms with no refusal: %v, want efficiency short", v)
+	}
+	o.refusals = []simRefusal{{at: 700 * ms, rate: true, pause: 600 * ms}}
+	if v := efficiency(s, o); len(v) != 0 {
+		t.Errorf("quiet for the 600 ms a refusal asked and a window: %v, want no violation", v)
+	}
+	o.refusals[0].pause = 100 * ms
+	if v := efficiency(s, o); len(v) != 1 || !strings.HasPrefix(v[0], "efficiency:") {
+		t.Errorf("quiet for 700 ms after a refusal that asked 100 ms: %v, want efficiency short", v)
+	}
+	// A pause of 1.25 s from 300 ms in a run of 1.8 s leaves 150 ms of
+	// the span to read: not judged, however quiet.
+	s.Length = 1800 * ms
+	o = full(func(at time.Duration) bool { return at >= 300*ms })
+	o.refusals = []simRefusal{{at: 300 * ms, rate: true, pause: 1250 * ms}}
+	if v := efficiency(s, o); len(v) != 0 {
+		t.Errorf("a pause of 1.25 s from 300 ms in a run of 1.8 s: %v, want not judged", v)
+	}
+}

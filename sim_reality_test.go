@@ -247,7 +247,7 @@ func TestSim_SpreadKeepsEachTenthToASixth(t *testing.T) {
 			t.Errorf("spread %v: %s", spread, broken[0])
 		}
 		busiest := busiestIn(o, s.Policy.Window/10)
-		use := usedBetween(o, s.Policy.Limit, s.Policy.Window, 2*time.Second, s.Length-s.Policy.Window)
+		use, _ := usedBetween(o, s.Policy.Limit, s.Policy.Window, 2*time.Second, s.Length-s.Policy.Window, nil)
 		ceiling := float64(s.Policy.Window) / float64(s.Policy.Window+policies.DefaultMargin)
 		t.Logf("| spread %v | %d | %.3f | %.3f |", spread, busiest, use, use/ceiling)
 		switch {
