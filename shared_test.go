@@ -511,3 +511,53 @@ func TestShared_AClockStepKeepsWhatTheFirstQuotaBooked(t *testing.T) {
 		<-done
 	})
 }
+
+// A loss of Redis's data found by one quota of a group is told to the
+// group: the calls its other quotas booked before it book again at their
+// slots, and find their own quota's loss, instead of starting unseen by
+// the shared rule's new data, beside the calls the first quota admits once
+// its loss's window has passed (seed 544962: 32 in a window of 30, the
+// calls of a quota whose processes ran no script between the flush and
+// their slots).
+func TestShared_ALossFoundByOneQuotaBooksTheOthersCallsAgain(t *testing.T) {
+	redistest.Each(t, func(t *testing.T, s *redistest.Server) {
+		ctx := context.Background()
+		const window = time.Second
+		p := policies.Shared{Name: "v", Policy: policies.SlidingLog{Limit: 1, Window: window}}
+		a := newRoute(t, s.Client(t), "a", p, Options{Logger: quiet()})
+		b := newRoute(t, s.Client(t), "b", p, Options{Logger: quiet()})
+		first, err := a.Acquire(ctx)
+		if err != nil {
+			t.Fatal(err)
+		}
+		first.Release()
+		admitted := make(chan time.Time, 1)
+		go func() {
+			if p, err := b.Acquire(ctx); err == nil {
+				p.Release()
+			}
+			admitted <- time.Now()
+		}()
+		waitBooked(t, a, 2)
+		waitSubscribedTo(t, s.Client(t), b.cfg.groupKey, 2)
+		time.Sleep(300 * time.Millisecond) // the flush comes well after the booking
+		if err := s.Client(t).FlushAll(ctx).Err(); err != nil {
+			t.Fatal(err)
+		}
+		flushed := time.Now()
+		if err := a.Pause(ctx, time.Millisecond); err != nil { // finds the loss
+			t.Fatal(err)
+		}
+		select {
+		case at := <-admitted:
+			// a counts the shared rule full for a window from the loss, and
+			// admits again after it: b's call, in no data since the flush,
+			// must not start within that window.
+			if d := at.Sub(flushed); d < window {
+				t.Errorf("b's call, booked before the flush, started %v after it, want a window (%v) or more: unseen by the shared rule's new data", d.Round(time.Millisecond), window)
+			}
+		case <-time.After(20 * time.Second):
+			t.Fatal("b's call not admitted 20 s after the flush")
+		}
+	})
+}

@@ -641,6 +641,13 @@ function blind.lost(m, at, rs, span, by)
   if OFF.blind_rules then
     pause_for(m, loss_pause(rs, at, span), by)
   end
+  if GROUP then
+    -- The group's shared rules were lost too: the calls its other quotas
+    -- booked before book again at their slots, as after a drop (their
+    -- processes may run no script till then; their own quota's news of
+    -- the loss comes only from a script of that quota).
+    redis.call('PUBLISH', GROUP, NEWS.lowered .. ' ' .. str(m.epoch) .. ' ' .. str(at) .. ' ' .. str(at))
+  end
 end
 
 -- check_loss finds a loss the caller did not know of: m is the meta read
