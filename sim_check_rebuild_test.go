@@ -1,6 +1,7 @@
 package throttle
 
 import (
+	"math"
 	"strings"
 	"testing"
 	"time"
@@ -213,5 +214,21 @@ func TestSimCheck_EfficiencyDoesNotReadAPauseTheVendorAsked(t *testing.T) {
 	o.refusals = []simRefusal{{at: 300 * ms, rate: true, pause: 1250 * ms}}
 	if v := efficiency(s, o); len(v) != 0 {
 		t.Errorf("a pause of 1.25 s from 300 ms in a run of 1.8 s: %v, want not judged", v)
+	}
+}
+
+// Under Spread, a part's calls may cost up to its limit: the ceiling
+// counts the half of a call's cost a part holds unused on average, and
+// nothing for calls of one unit (seed 544800).
+func TestSimCheck_ASpreadPartsCeilingCountsItsCallsCosts(t *testing.T) {
+	const ms = time.Millisecond
+	s := schedule{Policy: simPolicy{Kind: "log", Limit: 50, Window: 200 * ms, Spread: true}, MaxCost: 1}
+	one := s.ceiling()
+	if want := 8 * 200.0 / (20 + 30) / 50; math.Abs(one-want) > 1e-9 {
+		t.Errorf("calls of 1: ceiling %.3f, want the part's %.3f", one, want)
+	}
+	s.MaxCost = 8
+	if got, want := s.ceiling(), one*(8-3.5)/8; math.Abs(got-want) > 1e-9 {
+		t.Errorf("calls of up to 8 on a part of 8: ceiling %.3f, want %.3f", got, want)
 	}
 }

@@ -71,9 +71,15 @@ func (s schedule) ceiling() float64 {
 	}
 	if s.Policy.Spread {
 		// A part's rule binds where its limit, at least a unit, over its
-		// tenth of the window and margin, is less than the window's.
+		// tenth of the window and margin, is less than the window's. Its
+		// calls cost up to its limit: the call whose turn it is waits for
+		// room for all of its cost, and a part holds on average half a
+		// call's cost less than its limit (seed 544800: a part of 8 units,
+		// calls of 1 to 8, at 0.81-0.88 of the ceiling without it).
 		w := s.Policy.Window
-		part := float64(max(s.Policy.Limit/6, 1)) * float64(w) / float64(w/policies.DefaultSpreadParts+policies.DefaultMargin+4*s.Jitter)
+		limit := float64(max(s.Policy.Limit/6, 1))
+		filled := (limit - float64(max(s.MaxCost-1, 0))/2) / limit
+		part := limit * filled * float64(w) / float64(w/policies.DefaultSpreadParts+policies.DefaultMargin+4*s.Jitter)
 		if s.Policy.Kind == "counter" {
 			part *= 1 - 1/float64(policies.DefaultBuckets)
 		}
