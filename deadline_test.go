@@ -132,7 +132,7 @@ func TestDeadline_ACallWhoseContextEndedAsItWokeGivesItsSlotBack(t *testing.T) {
 // it, and keeps them, as the vendor may have counted it.
 func TestTransport_ARequestNeverSentGivesItsUnitsBack(t *testing.T) {
 	redistest.Each(t, func(t *testing.T, s *redistest.Server) {
-		closed := closedAddr(t)
+		closed := redistest.ClosedAddr(t)
 		hangUp := hangingUpServer(t)
 		srv := newVendorServer(t, answer(http.StatusOK, "ok"))
 		for _, tt := range []struct {

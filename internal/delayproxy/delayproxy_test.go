@@ -12,6 +12,7 @@ import (
 	"time"
 
 	"github.com/throttlekit/throttle/internal/delayproxy"
+	"github.com/throttlekit/throttle/internal/redistest"
 )
 
 // slack is how much longer than the configured delays a round trip may take
@@ -353,13 +354,7 @@ func TestHalfClose_DeliversDataBeforeEOF(t *testing.T) {
 }
 
 func TestNew_UnreachableTargetClosesClient(t *testing.T) {
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	target := ln.Addr().String()
-	ln.Close()
-
+	target := redistest.ClosedAddr(t)
 	p := delayproxy.Start(t, target)
 	c := dial(t, p.Addr())
 	c.SetReadDeadline(time.Now().Add(5 * time.Second))
