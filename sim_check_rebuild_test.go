@@ -232,3 +232,21 @@ func TestSimCheck_ASpreadPartsCeilingCountsItsCallsCosts(t *testing.T) {
 		t.Errorf("calls of up to 8 on a part of 8: ceiling %.3f, want %.3f", got, want)
 	}
 }
+
+// A replica admits a call again after a fault, unless its calls' deadline
+// ends before a script call's answer can come back: it then admits only
+// from spares, by chance (seed 547386).
+func TestSimCheck_RecoveryIsNotAskedOfDeadlinesShorterThanARoundTrip(t *testing.T) {
+	const ms = time.Millisecond
+	s := schedule{Replicas: 1, Workers: 4, Policy: simPolicy{Kind: "log", Limit: 50, Window: 100 * ms}, OnError: FailClosed, Mode: Block,
+		Latency: []time.Duration{5 * ms}, Join: []time.Duration{0}, Length: 6 * time.Second, Classes: 1, Deadline: 50 * ms,
+		Events: []event{{At: 500 * ms, Kind: "flush"}}}
+	o := outcome{arrivals: []simArrival{{at: 100 * ms, cost: 1, actual: 1}}}
+	if v := recovered(s, o); len(v) != 1 || !strings.Contains(v[0], "admitted no call") {
+		t.Errorf("Redis 5 ms away, deadlines of 50 ms, nothing after the flush: %v, want the replica found not recovered", v)
+	}
+	s.Latency[0] = 30 * ms
+	if v := recovered(s, o); len(v) != 0 {
+		t.Errorf("Redis 30 ms away, deadlines of 50 ms: %v, want not judged", v)
+	}
+}

@@ -370,6 +370,14 @@ func recovered(s schedule, o outcome) []string {
 			if !slices.ContainsFunc(o.arrivals, func(a simArrival) bool { return a.replica == i && a.at < e.At }) {
 				continue // it admitted none before either: a deadline shorter than its round trips
 			}
+			if s.Deadline > 0 && s.Deadline < 2*(s.Latency[i]+s.Jitter) {
+				// Its calls end before a script call's answer can come back:
+				// only a spare taken by an earlier call's script call admits
+				// one, by chance (seed 547386: deadlines of 20 ms, Redis 25 ms
+				// away; 5 of 1,421 calls admitted, none by one replica in the
+				// 1.9 s after a flush in 3 of 6 replays).
+				continue
+			}
 			if !slices.ContainsFunc(o.arrivals, func(a simArrival) bool { return a.replica == i && a.at >= end && a.at <= end+bound }) {
 				return []string{fmt.Sprintf("replica %d admitted no call within %v after the %s that ended at %v", i, bound, e.Kind, end)}
 			}
