@@ -250,3 +250,28 @@ func TestSimCheck_RecoveryIsNotAskedOfDeadlinesShorterThanARoundTrip(t *testing.
 		t.Errorf("Redis 30 ms away, deadlines of 50 ms: %v, want not judged", v)
 	}
 }
+
+// First come, first served against deadlines: a call refused for its
+// deadline fails the check when calls that began a round trip after it
+// took more than its cost and a tenth of the limit before its deadline,
+// less the half margin within which the deadline guard refuses a slot by
+// design (seed 547751).
+func TestSimCheck_FirstComeAllowsTheDeadlineGuardsHalfMargin(t *testing.T) {
+	const ms = time.Millisecond
+	s := schedule{Replicas: 2, Workers: 4, Policy: simPolicy{Kind: "log", Limit: 10, Window: time.Second}, OnError: FailClosed, Mode: Block,
+		Latency: []time.Duration{ms, ms}, Join: []time.Duration{0, 0}, Length: 3 * time.Second, Classes: 1, Deadline: 50 * ms}
+	refused := &LimitedError{Reason: "the slot lies beyond the context's deadline"}
+	calls := func(arrived time.Duration) outcome {
+		o := outcome{calls: []simCall{{replica: 0, began: 1000 * ms, end: 1002 * ms, err: refused, cost: 1}}}
+		for range 4 {
+			o.calls = append(o.calls, simCall{replica: 1, began: 1020 * ms, arrived: arrived, cost: 1})
+		}
+		return o
+	}
+	if v := firstCome(s, calls(1030*ms)); len(v) != 1 || !strings.Contains(v[0], "took 4 units within it") {
+		t.Errorf("4 units taken 20 ms before the refused call's deadline: %v, want first come broken", v)
+	}
+	if v := firstCome(s, calls(1040*ms)); len(v) != 0 {
+		t.Errorf("4 units taken within half a margin of the refused call's deadline: %v, want no violation", v)
+	}
+}

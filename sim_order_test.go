@@ -5,6 +5,8 @@ import (
 	"fmt"
 	"slices"
 	"time"
+
+	"github.com/throttlekit/throttle/policies"
 )
 
 // The checkers of the order calls are served in: priorities, and first
@@ -81,9 +83,14 @@ func firstCome(s schedule, o outcome) []string {
 		if !errors.Is(c.err, ErrLimited) {
 			continue
 		}
+		// A slot within half a margin of the deadline is refused by
+		// design (the deadline guard, docs/PROTOCOL.md 3.8: the call may
+		// start that late): the calls after it may take those (seed 547751:
+		// a slot 11 ms before the deadline, refused, taken 40 ms later).
+		by := c.began + s.Deadline - policies.DefaultMargin/2
 		later := 0
 		for _, l := range o.calls {
-			if l.arrived != 0 && l.began > c.began+s.trip() && l.arrived <= c.began+s.Deadline {
+			if l.arrived != 0 && l.began > c.began+s.trip() && l.arrived <= by {
 				later += l.cost
 			}
 		}
