@@ -65,9 +65,9 @@ func (s *sleeper) before(o *sleeper) bool {
 }
 
 // takes reports whether a call booked as r may take the booking b (in
-// Redis: asleep registers no other): the same keys, class and epoch, and as many units of each kind or more (the
-// same, under a token bucket, which takes back only its latest call's
-// units: see settleTaken).
+// Redis: asleep registers no other): the same keys, class and epoch, and
+// as many units of each kind or more (the same, under a token bucket,
+// which takes back only its latest call's units: see settleTaken).
 func (l *Limiter) takes(r, b result) bool {
 	if b.epoch != r.epoch || b.class != r.class || b.prio != r.prio ||
 		!slices.Equal(b.scope.keys, r.scope.keys) || b.cost < r.cost || len(b.named) != len(r.named) {

@@ -634,6 +634,16 @@ end
 -- The functions of blind rules (see Blind rules, below).
 local blind = {}
 
+-- announce_lowered tells the fleet that a limit in force dropped now: calls
+-- booked before book again at their slots (overtaken in Go). A shared
+-- rule's drop is told to the group.
+local function announce_lowered(m, now, shared)
+  if m then
+    local channel = shared and GROUP or KEYS[1]
+    redis.call('PUBLISH', channel, NEWS.lowered .. ' ' .. str(m.epoch) .. ' ' .. str(now) .. ' ' .. str(now))
+  end
+end
+
 -- blind.lost notes a loss at time at, for cause by: every rule is blind
 -- from then. With blind rules off, the quota pauses instead.
 function blind.lost(m, at, rs, span, by)
@@ -646,7 +656,7 @@ function blind.lost(m, at, rs, span, by)
     -- booked before book again at their slots, as after a drop (their
     -- processes may run no script till then; their own quota's news of
     -- the loss comes only from a script of that quota).
-    redis.call('PUBLISH', GROUP, NEWS.lowered .. ' ' .. str(m.epoch) .. ' ' .. str(at) .. ' ' .. str(at))
+    announce_lowered(m, at, true)
   end
 end
 
@@ -794,16 +804,6 @@ local function announce_room(m, rs, until_, now, freed)
     msg = msg .. ' ' .. table.concat(names, ',')
   end
   redis.call('PUBLISH', channel, msg)
-end
-
--- announce_lowered tells the fleet that a limit in force dropped now: calls
--- booked before book again at their slots (overtaken in Go). A shared
--- rule's drop is told to the group.
-local function announce_lowered(m, now, shared)
-  if m then
-    local channel = shared and GROUP or KEYS[1]
-    redis.call('PUBLISH', channel, NEWS.lowered .. ' ' .. str(m.epoch) .. ' ' .. str(now) .. ' ' .. str(now))
-  end
 end
 
 local function announce_key(until_, now)
