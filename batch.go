@@ -38,6 +38,7 @@ type request struct {
 	maxWait time.Duration
 	member  string
 	late    *result // a booking of this call to give back first: it would start too late
+	asked   time.Time
 	done    chan struct{}
 	// deadline is when the call stops waiting for Redis, in Unix
 	// nanoseconds: the Redis timeout after it asked, moved out each time
@@ -66,7 +67,7 @@ const (
 // one it probes for may have been promoted since).
 func (l *Limiter) decideInRedis(ctx context.Context, sc scope, c call, maxWait time.Duration, late *result, probe bool) (result, error) {
 	l.listen()
-	req := &request{sc: sc, c: c, maxWait: maxWait, member: l.newMember(), late: late, done: make(chan struct{})}
+	req := &request{sc: sc, c: c, maxWait: maxWait, member: l.newMember(), late: late, asked: time.Now(), done: make(chan struct{})}
 	if !probe && l.failedWhileQueued(c) {
 		return result{}, l.unavailable(errQueuedBehindFailures)
 	}
@@ -207,7 +208,7 @@ func (l *Limiter) take(ln *lane) []*request {
 	for len(ln.pending) > 0 && len(batch) < most {
 		req := ln.pending[0]
 		ln.pending = ln.pending[1:]
-		if req.state.Load() == requestWaiting {
+		if req.state.Load() == requestWaiting && req.aged() {
 			batch = append(batch, req)
 		}
 	}
@@ -215,6 +216,31 @@ func (l *Limiter) take(ln *lane) []*request {
 		l.batches.lane = nil
 	}
 	return batch
+}
+
+// errOutrun is the answer to a move that waited in the lane until it
+// could no longer pay (see aged): it was not sent, and the call sleeps on
+// towards the slot it holds.
+var errOutrun = errors.New("throttle: a move outrun by its slot")
+
+// aged counts the time req waited in the lane out of its maxWait, which
+// runs from when it asked: the script measures it from its own now, and
+// would otherwise book a call past its deadline by that time (seed 548683:
+// calls that waited 400 ms behind the script calls ahead of them, booked
+// past their deadlines, refused as they slept, their slots idle). A move
+// earlier (moveEarlier) that waited all the time its move could gain is
+// not sent: its reply would come after the slot it holds, and make the
+// call late for it (the same seed: ten calls of a window booked again
+// behind the queue). It reports whether req is still to be decided; lanesMu
+// is held.
+func (req *request) aged() bool {
+	waited := time.Since(req.asked)
+	if req.c.moves && req.maxWait > 0 && req.maxWait <= waited {
+		req.finish(result{}, errOutrun) // a check (keepPlace, maxWait 0) is always sent
+		return false
+	}
+	req.maxWait = max(req.maxWait-waited, 0)
+	return true
 }
 
 // drain decides batch, then every call that queued in the lane meanwhile,

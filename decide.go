@@ -322,10 +322,14 @@ func (l *Limiter) handBack() (complete bool, err error) {
 
 // moveEarlier asks Redis to move the booking r of call c to the earliest
 // slot that fits, moveGain earlier than its own at least (see move). It
-// returns r, unasked, when the call is too close to its slot to ask.
+// returns r, unasked, when the call is too close to its slot to ask: the
+// move's reply comes a round trip from now, and a slot the script finds
+// at its own now starts the call then; a move asked later than that gains
+// nothing, and one that finds nothing earlier makes the call late for its
+// own slot. The wait runs from the script's now, a one-way delay ahead.
 func (l *Limiter) moveEarlier(ctx context.Context, c call, r result) (result, woken, error) {
 	in, ok := l.timing.wakeIn(r.startsAt())
-	maxWait := in - l.timing.delay() - moveGain
+	maxWait := in - 2*l.timing.delay() - moveGain
 	if !ok || maxWait <= 0 {
 		return r, wokenAtSlot, nil
 	}
@@ -384,6 +388,10 @@ func (l *Limiter) move(ctx context.Context, c call, r result, maxWait time.Durat
 	asked := time.Now()
 	moved, err := l.decideInRedis(ctx, r.scope, c, maxWait, &r, false)
 	switch {
+	case errors.Is(err, errOutrun):
+		// Not sent: r is held as it was.
+		l.failover.brk.abort(pass)
+		return r, wokenAtSlot, nil
 	case err != nil && ctx.Err() != nil:
 		// The script call goes on; what it booked is given back (abandon).
 		l.failover.brk.abort(pass)

@@ -369,6 +369,60 @@ func TestClockStep_BackwardStepHoldsTheQuotaAWindowNotTheStep(t *testing.T) {
 	}
 }
 
+// A Redis gone back to an older copy of the quota (a failover to a replica
+// whose replication stopped earlier) whose clock went back too finds the
+// loss by its count of scripts, or by an epoch the fleet knows and the copy
+// does not (a loss came after the copy), and drops what the rules of the
+// copy hold ahead of the new clock all the same, counting the loss from the
+// new clock: the quota is held a window, not the step (seed 554485: a
+// replica promoted with a copy from before a step of an hour back; a token
+// bucket refused every call with a retry after of 59 minutes).
+func TestClockStep_ABackwardStepFoundWithALossHoldsTheQuotaAWindow(t *testing.T) {
+	for _, p := range []policies.Policy{
+		policies.SlidingLog{Limit: 10, Window: time.Minute},
+		policies.SlidingCounter{Limit: 10, Window: time.Minute},
+		policies.TokenBucket{Rate: 10, Per: time.Minute, Burst: 10},
+		policies.Concurrency{Max: 10, Lease: time.Minute},
+	} {
+		for _, lossAfter := range []bool{false, true} {
+			redistest.Each(t, func(t *testing.T, s *redistest.Server) {
+				olderCopyAndStepBack(t, s.Client(t), p, lossAfter)
+			})
+		}
+	}
+}
+
+// olderCopyAndStepBack is a case of
+// TestClockStep_ABackwardStepFoundWithALossHoldsTheQuotaAWindow: a copy
+// older than the last script, or than the last loss (lossAfter).
+func olderCopyAndStepBack(t *testing.T, rdb redis.UniversalClient, p policies.Policy, lossAfter bool) {
+	clock := newClock()
+	lim := newLimiter(t, rdb, p, Options{Clock: clock.Now, Logger: quiet()})
+	ctx := context.Background()
+	if d, err := lim.Allow(ctx, Cost(10)); err != nil || !d.OK {
+		t.Fatalf("%#v: the first call: %+v, %v", p, d, err)
+	}
+	copied := copyQuota(t, rdb, lim.name)
+	clock.Add(time.Second)
+	if lossAfter {
+		if err := rdb.FlushAll(ctx).Err(); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if _, err := lim.Allow(ctx); err != nil { // a script the copy misses, and a loss it finds
+		t.Fatal(err)
+	}
+	restoreQuota(t, rdb, copied)
+	clock.Add(-time.Hour)
+	if d, err := lim.Allow(ctx); err != nil || d.OK {
+		t.Fatalf("%#v, a loss after the copy %v: after the older copy and the step back: %+v, %v; want refused, the quota counting as full", p, lossAfter, d, err)
+	}
+	clock.Add(2*time.Minute + policies.DefaultMargin)
+	if d, err := lim.Allow(ctx); err != nil || !d.OK {
+		t.Errorf("%#v, a loss after the copy %v: two windows after: %+v, %v; want admitted", p, lossAfter, d, err)
+	}
+}
+
 // A pause set before Redis's clock went back (the vendor's, or after a
 // loss) ends as far from the new clock as it was from the old: the quota's
 // (a loss's, in the simulation) and a key's alike, not an hour later (seed 41089: a loss's pause set by

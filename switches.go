@@ -77,7 +77,7 @@ var luaMechanisms = []mechanism{
 	"epochs",          // lib.lua check_loss: a missing meta key is a new quota
 	"seq",             // lib.lua check_seq: a Redis gone back in time is not found
 	"own_seq",         // acquire.lua count_own: a limiter's own scripts are not counted, only the quota's
-	"back_steps",      // lib.lua check_clock: a clock gone back is not found
+	"back_steps",      // lib.lua clock_back: a clock gone back is not found
 	"moves_first",     // acquire.lua moves.order: the calls are decided as they came, moves among them
 	"keep_place",      // acquire.lua fits_behind, decide.go keepPlace: a move keeps its slot unchecked, and a call booked before a limit dropped books again behind
 	"group_clock",     // acquire.lua check_meta: every quota of a group that meets a clock gone back drops what its shared rules hold ahead

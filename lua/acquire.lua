@@ -615,13 +615,21 @@ local function check_meta(batch, meta)
   local created = meta == nil
   local epoch = meta and meta.epoch
   batch.pause_before = meta and meta.pause or 0
+  local step = clock_back(meta, now)
   local _, found
   meta, _, found = check_loss(meta, now, batch.known, batch.rs)
   if not found and check_seq(meta, now, batch.known, batch.seen, batch.rs) then
     found = true
   end
-  local step = meta.last_acquire - now
-  if not found and not created and check_clock(meta, now, batch.rs) then
+  if step > 0 then
+    -- A loss found otherwise leaves what the rules hold ahead all the same.
+    local before = meta.pause
+    if not found then
+      lose(meta, now, batch.rs, PAUSED_BY_CLOCK)
+    end
+    if meta.pause > before then
+      meta.paused_by = PAUSED_BY_CLOCK
+    end
     found, batch.back = true, step
     -- policy_made is by the clock that went back; all describe again.
     meta.policy_made = 0

@@ -189,7 +189,7 @@ local META_FIELDS = {
 }
 
 -- paused_by is one of PAUSED_BY_* (consts.lua): the vendor, a clock gone
--- back (check_clock), or, with blind rules off, a loss or a new policy.
+-- back (clock_back), or, with blind rules off, a loss or a new policy.
 
 -- pause_for lengthens meta m's pause to until_, if later, noting why.
 local function pause_for(m, until_, why)
@@ -674,7 +674,8 @@ local function check_loss(m, now, known, rs, span)
   end
   if known > 0 and known ~= m.epoch and m.loss < m.epoch and not OFF.epochs then
     -- Lost before this epoch began: the fleet's calls since are in it.
-    blind.lost(m, m.epoch, rs, span, PAUSED_BY_LOSS)
+    -- An epoch ahead of a clock gone back began by now at the latest.
+    blind.lost(m, math.min(m.epoch, now), rs, span, PAUSED_BY_LOSS)
     return m, true, true
   end
   return m, false, false
@@ -707,21 +708,20 @@ local function back_by(t, step, now)
   return math.max(t - step, now)
 end
 
--- check_clock finds a clock gone back by over CLOCK_BACK µs since the
--- last acquire: the data counts as lost, and sleeping calls book again. A
--- smaller step only lengthens windows (docs/PROTOCOL.md 6.3).
+-- clock_back returns how far the clock went back since meta m's last
+-- acquire, when by over CLOCK_BACK µs (0 when it did not, or m is new):
+-- the data counts as lost, and sleeping calls book again; a smaller step
+-- only lengthens windows (docs/PROTOCOL.md 6.3). It moves m's pause, set
+-- by the old clock, to the new one before any loss is counted, by the step
+-- or found otherwise (a Redis gone back to an older copy, its clock too).
 local CLOCK_BACK = 5000
-local function check_clock(m, now, rs)
-  if m.last_acquire <= now + CLOCK_BACK or OFF.back_steps then
-    return false
+local function clock_back(m, now)
+  if not m or m.last_acquire <= now + CLOCK_BACK or OFF.back_steps then
+    return 0
   end
-  m.pause = back_by(m.pause, m.last_acquire - now, now)
-  local before = m.pause
-  lose(m, now, rs, PAUSED_BY_CLOCK)
-  if m.pause > before then
-    m.paused_by = PAUSED_BY_CLOCK
-  end
-  return true
+  local step = m.last_acquire - now
+  m.pause = back_by(m.pause, step, now)
+  return step
 end
 
 -- announce_quota tells the quota's channel its epoch and pause (news.go).
