@@ -338,18 +338,23 @@ func TestQueue_ACallQueuedBehindFailuresFailsAtItsTurn(t *testing.T) {
 	})
 }
 
+// oneOfEachKind returns a rule of each kind, 10 a minute.
+func oneOfEachKind() []policies.Policy {
+	return []policies.Policy{
+		policies.SlidingLog{Limit: 10, Window: time.Minute},
+		policies.SlidingCounter{Limit: 10, Window: time.Minute},
+		policies.TokenBucket{Rate: 10, Per: time.Minute, Burst: 10},
+		policies.Concurrency{Max: 10, Lease: time.Minute},
+	}
+}
+
 // Redis's clock gone back an hour leaves the calls the old clock admitted
 // an hour ahead of the new one: the loss it counts as pauses the quota for
 // a window, and then the quota admits again, rather than hold the log full
 // for the hour of the step (seed 41089: a replica refused with a retry
 // after of an hour).
 func TestClockStep_BackwardStepHoldsTheQuotaAWindowNotTheStep(t *testing.T) {
-	for _, p := range []policies.Policy{
-		policies.SlidingLog{Limit: 10, Window: time.Minute},
-		policies.SlidingCounter{Limit: 10, Window: time.Minute},
-		policies.TokenBucket{Rate: 10, Per: time.Minute, Burst: 10},
-		policies.Concurrency{Max: 10, Lease: time.Minute},
-	} {
+	for _, p := range oneOfEachKind() {
 		redistest.Each(t, func(t *testing.T, s *redistest.Server) {
 			clock := newClock()
 			lim := newLimiter(t, s.Client(t), p, Options{Clock: clock.Now, Logger: quiet()})
@@ -378,12 +383,7 @@ func TestClockStep_BackwardStepHoldsTheQuotaAWindowNotTheStep(t *testing.T) {
 // replica promoted with a copy from before a step of an hour back; a token
 // bucket refused every call with a retry after of 59 minutes).
 func TestClockStep_ABackwardStepFoundWithALossHoldsTheQuotaAWindow(t *testing.T) {
-	for _, p := range []policies.Policy{
-		policies.SlidingLog{Limit: 10, Window: time.Minute},
-		policies.SlidingCounter{Limit: 10, Window: time.Minute},
-		policies.TokenBucket{Rate: 10, Per: time.Minute, Burst: 10},
-		policies.Concurrency{Max: 10, Lease: time.Minute},
-	} {
+	for _, p := range oneOfEachKind() {
 		for _, lossAfter := range []bool{false, true} {
 			redistest.Each(t, func(t *testing.T, s *redistest.Server) {
 				olderCopyAndStepBack(t, s.Client(t), p, lossAfter)
