@@ -275,3 +275,25 @@ func TestSimCheck_FirstComeAllowsTheDeadlineGuardsHalfMargin(t *testing.T) {
 		t.Errorf("4 units taken within half a margin of the refused call's deadline: %v, want no violation", v)
 	}
 }
+
+// Recovery after a fault allows a worker to wait for the calls ahead of it
+// in the queue: under a per-key rule, the queue of a key every call may
+// ask for, which its own rule serves at half the limit a key window (seed
+// 564771: 20 replicas of one worker, calls of up to 10 units on skewed
+// keys; a replica's first call after a flush waited 1.3 s in one replay,
+// past 2.1 s in another).
+func TestSimCheck_RecoveryWaitsForAHotKeysQueue(t *testing.T) {
+	const ms = time.Millisecond
+	s := schedule{Replicas: 20, Workers: 1, Policy: simPolicy{Kind: "perkey", Limit: 50, Window: 100 * ms}, OnError: FailClosed, Mode: Queue,
+		Latency: make([]time.Duration, 20), Join: make([]time.Duration, 20), Length: 4 * time.Second, Classes: 1, MaxCost: 10, Keys: 3,
+		Events: []event{{At: 700 * ms, Kind: "flush"}}}
+	after := func(d time.Duration) outcome {
+		return outcome{arrivals: []simArrival{{at: 100 * ms, cost: 1, actual: 1}, {at: 700*ms + d, cost: 10, actual: 10}}}
+	}
+	if v := recovered(s, after(2300*ms)); len(v) != 0 {
+		t.Errorf("a call 2.3 s after the flush, behind 20 workers' calls of up to 10 units on a key served 25 a window: %v, want recovered", v)
+	}
+	if v := recovered(s, after(2700*ms)); len(v) != 1 || !strings.Contains(v[0], "admitted no call") {
+		t.Errorf("a call 2.7 s after the flush: %v, want the replica found not recovered", v)
+	}
+}

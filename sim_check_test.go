@@ -422,8 +422,15 @@ func (s schedule) left() map[int]time.Duration {
 func (s schedule) recovery() time.Duration {
 	far := slices.Max(s.Latency)
 	// A saturated fleet serves its calls in turn: a worker waits for the
-	// others' calls ahead of it.
-	queue := time.Duration((s.Replicas*s.Workers*s.MaxCost+s.Policy.Limit-1)/s.Policy.Limit) * s.Policy.Window
+	// others' calls ahead of it. Under a per-key rule they may all ask for
+	// one key, whose own rule admits half the limit a key window (seed
+	// 564771: skewed keys, calls of up to 10 units, the hot key's queue
+	// twice what the shared limit would serve).
+	limit, window := s.Policy.Limit, s.Policy.Window
+	if s.Policy.Kind == "perkey" && s.Keys > 0 {
+		limit, window = max(s.Policy.Limit/2, 1), s.Policy.keyWindow()
+	}
+	queue := time.Duration((s.Replicas*s.Workers*s.MaxCost+limit-1)/limit) * window
 	return 2*s.Policy.longest() + queue + 1500*time.Millisecond + 4*far + s.Vendor
 }
 
