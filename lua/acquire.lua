@@ -622,13 +622,14 @@ local function check_meta(batch, meta)
     found = true
   end
   if step > 0 then
-    -- A loss found otherwise leaves what the rules hold ahead all the same.
-    local before = meta.pause
+    -- The step counts as a loss, unless one was found otherwise; what the
+    -- rules hold ahead drops either way (batch.back, load_rules).
     if not found then
+      local before = meta.pause
       lose(meta, now, batch.rs, PAUSED_BY_CLOCK)
-    end
-    if meta.pause > before then
-      meta.paused_by = PAUSED_BY_CLOCK
+      if meta.pause > before then
+        meta.paused_by = PAUSED_BY_CLOCK
+      end
     end
     found, batch.back = true, step
     -- policy_made is by the clock that went back; all describe again.

@@ -709,11 +709,11 @@ local function back_by(t, step, now)
 end
 
 -- clock_back returns how far the clock went back since meta m's last
--- acquire, when by over CLOCK_BACK µs (0 when it did not, or m is new):
--- the data counts as lost, and sleeping calls book again; a smaller step
--- only lengthens windows (docs/PROTOCOL.md 6.3). It moves m's pause, set
--- by the old clock, to the new one before any loss is counted, by the step
--- or found otherwise (a Redis gone back to an older copy, its clock too).
+-- acquire, when by over CLOCK_BACK µs (0 when it did not, or m is new),
+-- and moves m's pause, set by the old clock, to the new one before any
+-- loss is counted: check_meta counts the step as one, unless a loss was
+-- found otherwise (a Redis gone back to an older copy, its clock too). A
+-- smaller step only lengthens windows (docs/PROTOCOL.md 6.3).
 local CLOCK_BACK = 5000
 local function clock_back(m, now)
   if not m or m.last_acquire <= now + CLOCK_BACK or OFF.back_steps then
