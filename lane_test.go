@@ -35,9 +35,9 @@ func laneRedis(t *testing.T, limit int) (*sim.Redis, func(i int, o Options) *Lim
 // A call's wait runs from when it asked, not from when the script call
 // that decides it runs: a call that waited 190 ms in the lane, behind its
 // process's script call on a Redis 100 ms away, is not booked past its
-// deadline. Its deadline of 700 ms is 685 ms of wait, and the slot its
-// script finds lies 600 ms after it runs, 790 ms after the call asked:
-// the script refuses it, and the window never holds it (virtual time: the
+// deadline. Its deadline of 700 ms is 685 ms of wait, 495 ms left when its
+// script runs, and the slot its script finds lies 665 ms after that: the
+// script refuses it, and the window never holds it (virtual time: the
 // same each run). Counted from the script, it would be booked there, hold
 // the slot from other calls until its own process found it past the
 // deadline and gave it back, and fail all the same (seed 548683: calls
@@ -51,7 +51,7 @@ func TestLane_ACallsWaitRunsFromWhenItAsked(t *testing.T) {
 		defer closeInBubble(lim)
 		defer closeInBubble(look)
 		ctx := context.Background()
-		for range 2 { // the window is full until 1.1 s, then 1.3 s
+		for range 2 { // the window is full for a second, from each
 			p, err := lim.Acquire(ctx)
 			if err != nil {
 				t.Fatal(err)
@@ -60,14 +60,14 @@ func TestLane_ACallsWaitRunsFromWhenItAsked(t *testing.T) {
 		}
 		var wg sync.WaitGroup
 		defer wg.Wait()
-		wg.Go(func() { // asks first: its script call runs at 0.5 s, booked at 1.1 s
+		wg.Go(func() { // asks first (t): its script call runs at t+100 ms
 			if p, err := lim.Acquire(ctx); err == nil {
 				p.Release()
 			}
 		})
 		time.Sleep(10 * time.Millisecond)
 		var err error
-		wg.Go(func() { // waits in the lane until 0.6 s; its script runs at 0.7 s
+		wg.Go(func() { // waits in the lane until t+200 ms; its script runs at t+300 ms
 			dctx, cancel := context.WithTimeout(ctx, 700*time.Millisecond)
 			defer cancel()
 			var p *Permit
@@ -75,7 +75,7 @@ func TestLane_ACallsWaitRunsFromWhenItAsked(t *testing.T) {
 				p.Release()
 			}
 		})
-		time.Sleep(390 * time.Millisecond) // 0.8 s: after its script, before a give-back could reach Redis
+		time.Sleep(390 * time.Millisecond) // t+400 ms: after its script, before a give-back could reach Redis
 		held := look.cfg.shared[2]
 		if n := len(mustMembers(t, r, held)); n != 3 {
 			t.Errorf("the window holds %d bookings after the late asker's script, want 3: it was booked past its deadline", n)
@@ -105,9 +105,10 @@ func mustMembers(t *testing.T, r *sim.Redis, key string) []string {
 // again, behind the queue (seed 548683: ten calls of a window booked
 // again, most then refused for their deadlines). Here a call C sleeps
 // towards its slot 1 s ahead, and a call of another process gives back
-// the slot before it (a Cancel) when C's slot is 150 ms away (less than a
-// round trip), or 250 ms away while C's process waits 150 ms more for a
-// script call of another of its calls (virtual time: the same each run).
+// the slot before it (a Cancel), and the news reaches C's process when
+// C's slot is 150 ms away (less than a round trip), or 250 ms away while
+// C's process waits 180 ms more for the script call of another of its
+// calls (virtual time: the same each run).
 // C goes at its slot, not booked again.
 func TestLane_AMoveThatCannotGainIsNotMade(t *testing.T) {
 	for _, tc := range []struct {
