@@ -103,9 +103,7 @@ type RuleUsage struct {
 	// the vendor's key: what the vendor's counts show they spend, beside
 	// the fleet, smoothed, in steps of a sixty-fourth of the vendor's
 	// limit, and a sixteenth more (see Limiter.SetRemaining); 0 when no
-	// one else spends it. While a sliding log leaves others a share, its
-	// calls that may wait are spread over the window, so that the vendor's
-	// counts come across it and the others find room at any moment.
+	// one else spends it.
 	Others int
 }
 

@@ -381,24 +381,24 @@ local function earliest_counter(r, t, cost)
   return k * width
 end
 
--- paced returns the earliest time >= t at least pace from log r's entries.
+-- paced returns the earliest time >= t at least r.pace from log r's entries.
 local PACE_READ = 16
 local PACED_SCAN = 32
-local function paced(r, t, pace)
+local function paced(r, t)
   flush(r)
-  local raw = redis.call('ZRANGEBYSCORE', r.key, '(' .. str(t - pace), '+inf', 'WITHSCORES', 'LIMIT', 0, PACE_READ)
+  local raw = redis.call('ZRANGEBYSCORE', r.key, '(' .. str(t - r.pace), '+inf', 'WITHSCORES', 'LIMIT', 0, PACE_READ)
   for k = 2, #raw, 2 do
     local e = tonumber(raw[k])
-    if e >= t + pace then
+    if e >= t + r.pace then
       return t
     end
-    t = math.max(t, e + pace)
+    t = math.max(t, e + r.pace)
   end
   if #raw < 2 * PACE_READ then
     return t
   end
   local last = redis.call('ZRANGE', r.key, -1, -1, 'WITHSCORES')
-  return math.max(t, tonumber(last[2]) + pace)
+  return math.max(t, tonumber(last[2]) + r.pace)
 end
 
 -- search_from returns where a search of log r from t begins, and its hint.
@@ -1183,9 +1183,8 @@ end
 local function paced_all(rs, t)
   local p = t
   for _, r in ipairs(rs) do
-    local pace = r.pace or r.share_pace
-    if pace and pace > 0 then
-      p = math.max(p, paced(r, t, pace))
+    if r.pace and r.pace > 0 then
+      p = math.max(p, paced(r, t))
     end
   end
   return p

@@ -1202,11 +1202,6 @@ local function apply_limits(r)
     r.reserve = others_reserve(r.oth, base)
     r.spare = math.max(r.reserve - math.floor(r.oth.share / 1000), 0)
     lim = math.min(lim, base - r.reserve)
-    if r.kind == LOG and r.reserve > 0 and lim > 0 and not OFF.others_pacing then
-      -- Calls that may wait are spread over the window, so that the
-      -- vendor's counts come across it (docs/PROTOCOL.md 3.11).
-      r.share_pace = math.floor(3 * (r.window - r.margin) / (4 * lim))
-    end
   end
   set_limit(r, lim)
 end
