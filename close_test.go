@@ -42,7 +42,7 @@ func TestClose_LeavesNoGoroutineRunning(t *testing.T) {
 			_, _ = lim.Acquire(c)
 			cancel()
 		}
-		lim.signalRoom(math.MaxInt64) // units given back after every booking
+		lim.room.signal(math.MaxInt64) // units given back after every booking
 		f := Go(ctx, other, func(context.Context) (int, error) { time.Sleep(20 * time.Millisecond); return 1, nil })
 		for _, l := range []*Limiter{lim, other} {
 			if err := l.Close(ctx); err != nil {

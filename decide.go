@@ -376,7 +376,7 @@ func (l *Limiter) keepsChecked() bool {
 // when Redis could not be reached: the move was the call's script call.
 func (l *Limiter) move(ctx context.Context, c call, r result, maxWait time.Duration) (result, woken, error) {
 	if l.troubled() {
-		l.roomAfterTrouble()
+		l.room.afterTrouble(time.Unix(0, l.batches.lastFailure.Load()))
 		return r, wokenAtSlot, nil
 	}
 	pass := l.failover.brk.allow()

@@ -4,6 +4,7 @@ import (
 	"cmp"
 	"errors"
 	"slices"
+	"sync"
 	"time"
 )
 
@@ -53,58 +54,90 @@ func (e *moveFailed) Unwrap() error { return e.err }
 // script calls per roomEvery, however many refunds it hears.
 const roomEvery = 20 * time.Millisecond
 
-// signalRoom wakes every call of this limiter sleeping towards its slot,
-// to move earlier: the fleet gave units back, at Redis's time at (0 when
-// no new units were given back). Within roomEvery of the last time it did,
-// it does so once that time is out.
-func (l *Limiter) signalRoom(at time.Duration) {
-	l.roomMu.Lock()
-	defer l.roomMu.Unlock()
-	l.roomAt = max(l.roomAt, at)
-	if l.roomDue {
+// roomNews tells a limiter's calls sleeping towards their slots that the
+// fleet gave units back, at most once per roomEvery; its lock guards it.
+type roomNews struct {
+	mu    sync.Mutex
+	ch    chan struct{} // closed, and replaced, when the fleet gave units back
+	at    time.Duration // Redis's time of the latest units given back heard of
+	last  time.Time     // when ch was last closed
+	due   bool          // a close is due at last + roomEvery
+	retry bool          // a close is due when Redis's trouble is over (afterTrouble)
+}
+
+func newRoomNews() roomNews { return roomNews{ch: make(chan struct{})} }
+
+// signal wakes every call sleeping towards its slot, to move earlier: the
+// fleet gave units back, at Redis's time at (0 when no new units were
+// given back). Within roomEvery of the last time it did, it does so once
+// that time is out.
+func (n *roomNews) signal(at time.Duration) {
+	n.mu.Lock()
+	defer n.mu.Unlock()
+	n.at = max(n.at, at)
+	if n.due {
 		return
 	}
-	if wait := time.Until(l.roomLast.Add(roomEvery)); wait > 0 {
-		l.roomDue = true
+	if wait := time.Until(n.last.Add(roomEvery)); wait > 0 {
+		n.due = true
 		time.AfterFunc(wait, func() {
-			l.roomMu.Lock()
-			defer l.roomMu.Unlock()
-			l.roomDue = false
-			l.openRoom()
+			n.mu.Lock()
+			defer n.mu.Unlock()
+			n.due = false
+			n.open()
 		})
 		return
 	}
-	l.openRoom()
+	n.open()
 }
 
-// openRoom wakes the calls waiting on room; roomMu is held.
-func (l *Limiter) openRoom() {
-	close(l.room)
-	l.room = make(chan struct{})
-	l.roomLast = time.Now()
+// open wakes the calls waiting on the news; mu is held.
+func (n *roomNews) open() {
+	close(n.ch)
+	n.ch = make(chan struct{})
+	n.last = time.Now()
 }
 
-// roomNow returns the channel that closes the next time the fleet gives
+// now returns the channel that closes the next time the fleet gives
 // units back. A call takes it before the script call that books or moves
 // it: news that comes while the reply is on its way, before the call
 // sleeps, wakes it all the same (taken after the reply, the channel of
 // that news was already closed, and the call slept through it).
-func (l *Limiter) roomNow() <-chan struct{} {
-	l.roomMu.Lock()
-	defer l.roomMu.Unlock()
-	return l.room
+func (n *roomNews) now() <-chan struct{} {
+	n.mu.Lock()
+	defer n.mu.Unlock()
+	return n.ch
 }
 
-// roomSince reports whether units were given back at or after Redis's
-// time t: the script that booked a call at t saw those given back before.
-func (l *Limiter) roomSince(t time.Duration) bool {
-	l.roomMu.Lock()
-	defer l.roomMu.Unlock()
-	return l.roomAt >= t
+// since reports whether units were given back at or after Redis's time t:
+// the script that booked a call at t saw those given back before.
+func (n *roomNews) since(t time.Duration) bool {
+	n.mu.Lock()
+	defer n.mu.Unlock()
+	return n.at >= t
+}
+
+// afterTrouble wakes the calls waiting on the news again once Redis's
+// trouble is over (troubleSpan after its last failure, at failed): a call
+// that heard of room while troubled did not move, and the news, told only
+// to the processes it names, may not come again.
+func (n *roomNews) afterTrouble(failed time.Time) {
+	n.mu.Lock()
+	defer n.mu.Unlock()
+	if n.retry {
+		return
+	}
+	n.retry = true
+	time.AfterFunc(time.Until(failed.Add(troubleSpan)), func() {
+		n.mu.Lock()
+		n.retry = false
+		n.mu.Unlock()
+		n.signal(0)
+	})
 }
 
 // roomFor returns room, the channel taken before a call was booked as r
-// (roomNow), or nil when such a call does not move: decided without
+// (roomNews.now), or nil when such a call does not move: decided without
 // Redis, or on a quota with a token bucket, which can take back only its
 // latest call's units.
 func (l *Limiter) roomFor(r result, room <-chan struct{}) <-chan struct{} {
@@ -112,26 +145,6 @@ func (l *Limiter) roomFor(r result, room <-chan struct{}) <-chan struct{} {
 		return nil
 	}
 	return room
-}
-
-// roomAfterTrouble wakes the calls waiting on room again once Redis's
-// trouble is over (troubleSpan after its last failure): a call that heard
-// of room while troubled did not move, and the news, told only to the
-// processes it names, may not come again.
-func (l *Limiter) roomAfterTrouble() {
-	l.roomMu.Lock()
-	defer l.roomMu.Unlock()
-	if l.roomRetry {
-		return
-	}
-	l.roomRetry = true
-	over := time.Unix(0, l.batches.lastFailure.Load()).Add(troubleSpan)
-	time.AfterFunc(time.Until(over), func() {
-		l.roomMu.Lock()
-		l.roomRetry = false
-		l.roomMu.Unlock()
-		l.signalRoom(0)
-	})
 }
 
 // troubleSpan is how long after a Redis failure this process's calls do

@@ -331,7 +331,7 @@ func TestMove_KeptAtAPassedSlotBooksAgain(t *testing.T) {
 // process moving twice at most: at once, and once when roomEvery is out.
 func TestMove_RefundsHeardTogetherMoveOnce(t *testing.T) {
 	synctest.Test(t, func(t *testing.T) {
-		l := &Limiter{room: make(chan struct{})}
+		l := &Limiter{room: newRoomNews()}
 		closed := func(ch <-chan struct{}) bool {
 			select {
 			case <-ch:
@@ -340,21 +340,21 @@ func TestMove_RefundsHeardTogetherMoveOnce(t *testing.T) {
 				return false
 			}
 		}
-		first := l.roomNow()
-		l.signalRoom(0)
+		first := l.room.now()
+		l.room.signal(0)
 		if !closed(first) {
 			t.Fatal("the first refund's news moved no call")
 		}
-		second := l.roomNow()
+		second := l.room.now()
 		for range 50 {
-			l.signalRoom(0)
+			l.room.signal(0)
 		}
 		if closed(second) {
 			t.Fatal("the calls moved again at once")
 		}
 		time.Sleep(roomEvery)
 		synctest.Wait()
-		third := l.roomNow()
+		third := l.room.now()
 		if !closed(second) || closed(third) {
 			t.Fatalf("after roomEvery: the refunds heard meanwhile moved the calls %v, and again %v; want once", closed(second), closed(third))
 		}
@@ -405,7 +405,7 @@ func TestMove_AFailedMoveEndsTheCallWithinTheTimeout(t *testing.T) {
 		r.Freeze()
 		defer r.Thaw()
 		moved := time.Now()
-		lim.signalRoom(math.MaxInt64) // units given back after every booking
+		lim.room.signal(math.MaxInt64) // units given back after every booking
 		err := <-errs
 		if !errors.Is(err, ErrUnavailable) {
 			t.Fatalf("the call whose move Redis did not answer: %v, want ErrUnavailable", err)
@@ -418,7 +418,7 @@ func TestMove_AFailedMoveEndsTheCallWithinTheTimeout(t *testing.T) {
 
 // A refund whose news comes while the reply that booked a call is on its
 // way, before the call sleeps, moves it all the same: the call took the
-// channel of that news before it asked (roomNow). Here the reply is held
+// channel of that news before it asked (roomNews.now). Here the reply is held
 // until the other process's refund was heard; taken after the reply, the
 // channel was a new one, and the call slept to its slot 10 s ahead.
 func TestMove_ARefundHeardBeforeTheCallSleepsMovesIt(t *testing.T) {
@@ -484,7 +484,7 @@ func (h *refundOnReply) ProcessPipelineHook(next redis.ProcessPipelineHook) redi
 
 // News of units given back before a call was booked does not set it
 // moving: the script that booked it saw that room. Taken before the
-// script call (roomNow), the channel of such news is closed when the call
+// script call (roomNews.now), the channel of such news is closed when the call
 // goes to sleep; without the check, each call booked while a fleet's
 // refunds come made a move for nothing (an LLM fleet whose calls settle:
 // 1.5-4.4% of its calls refused for their deadlines, 0-0.5% with it).
@@ -507,12 +507,12 @@ func TestMove_RoomGivenBackBeforeABookingDoesNotMoveIt(t *testing.T) {
 		defer func() { stop(); <-done }()
 		time.Sleep(time.Second)
 		before := scripts.Load()
-		lim.signalRoom(time.Duration(time.Now().Add(-time.Minute).UnixMicro()) * time.Microsecond) // before it was booked
+		lim.room.signal(time.Duration(time.Now().Add(-time.Minute).UnixMicro()) * time.Microsecond) // before it was booked
 		time.Sleep(time.Second)
 		if n := scripts.Load() - before; n != 0 {
 			t.Fatalf("news of room given back before the booking made %d script calls, want none", n)
 		}
-		lim.signalRoom(time.Duration(time.Now().UnixMicro()) * time.Microsecond) // after it
+		lim.room.signal(time.Duration(time.Now().UnixMicro()) * time.Microsecond) // after it
 		time.Sleep(time.Second)
 		if n := scripts.Load() - before; n != 1 {
 			t.Fatalf("news of room given back after the booking made %d script calls, want the one move", n)

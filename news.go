@@ -372,7 +372,7 @@ func (l *Limiter) news(channel, payload string) {
 		}
 	case protocol.NewsRoom:
 		if (ofGroup || l.ofEpoch(f[1])) && l.named(f[4:]) {
-			l.signalRoom(us(now))
+			l.room.signal(us(now))
 		}
 	}
 }

@@ -81,12 +81,7 @@ type Limiter struct {
 
 	freed *freed // signals a concurrency slot freed in this process: the limiter's own, or its group's (policies.Shared)
 
-	roomMu    sync.Mutex    // guards room, roomAt, roomLast, roomDue and roomRetry
-	room      chan struct{} // closed, and replaced, when the fleet gave units back (move.go)
-	roomAt    time.Duration // Redis's time of the latest units given back that this limiter heard of
-	roomLast  time.Time     // when room was last closed
-	roomDue   bool          // a close is due at roomLast + roomEvery
-	roomRetry bool          // a close is due when Redis's trouble is over (roomAfterTrouble)
+	room roomNews // tells the calls sleeping towards their slots of units given back (move.go); its own lock
 
 	sleepers sync.Map // *sleeper: the calls asleep towards their slots in Redis, for a late call to take one (place.go)
 }
@@ -171,7 +166,7 @@ func New(rdb redis.UniversalClient, name string, policy policies.Policy, opts ..
 		return nil, err
 	}
 	warnIgnoredSwitches(s.logger)
-	l := &Limiter{rdb: rdb, name: name, s: s, id: newID(), room: make(chan struct{}), timing: timingFor(rdb, s.clock)}
+	l := &Limiter{rdb: rdb, name: name, s: s, id: newID(), room: newRoomNews(), timing: timingFor(rdb, s.clock)}
 	l.cfg.rules, l.failover.brk = rules, newBreaker()
 	l.born = time.Now()
 	// The steps of Redis's clock that the process's other limiters on the

@@ -45,7 +45,7 @@ func (l *Limiter) wait(ctx context.Context, c call) (*Permit, error) {
 	giveBack, taken, rebooks := (*result)(nil), (*result)(nil), 0
 	for {
 		maxWait, reason := l.waitLeft(ctx, start)
-		room := l.roomNow()
+		room := l.room.now()
 		r, err := l.nextBooking(ctx, c, max(maxWait, 0), giveBack, &taken)
 		// Spent once it asked: the booking given back, the queue's wait, a failed move.
 		giveBack, c.queued, c.moved = nil, time.Time{}, nil
@@ -240,8 +240,8 @@ func (l *Limiter) awaitSlot(ctx context.Context, c call, r result, room <-chan s
 		}
 		if errors.Is(err, errRoom) {
 			var how woken
-			room = l.roomNow() // before the move's script call
-			if !l.roomSince(r.now) {
+			room = l.room.now() // before the move's script call
+			if !l.room.since(r.now) {
 				continue // units given back before r was decided: its script saw them
 			}
 			if r, how, err = l.moveEarlier(ctx, c, r); err != nil || how != wokenAtSlot {
