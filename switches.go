@@ -92,6 +92,7 @@ var luaMechanisms = []mechanism{
 	"others",          // feedback.lua note_others: no share is left to other consumers of the key
 	"others_steady",   // lib.lua others_share, others_reserve: a measure leaves the share a window and a half after it, though no measure since saw the fleet as busy, and the share is left to the unit, not in steps
 	"others_grow",     // feedback.lua note_others: a measure that reaches the whole reserve (the others' share and spare all spent) counts what they spent, not twice that
+	"others_pacing",   // lib.lua apply_limits, acquire.lua paced_all: a log that leaves others a share does not pace the calls that may wait once half its limit in force is in the window
 	"about",           // feedback.lua about_rules: a vendor's count is about every rule that takes its kind of count
 	"lag",             // lib.lua note_lag, lag_of: the record is kept for its widest window alone, and a late answer measures what is left of it
 	"classes",         // acquire.lua class_rules: no share is held for higher priorities and lighter keys

@@ -189,6 +189,7 @@ var switchBreaks = map[mechanism][]string{
 	"others":          {"^TestOthers_RefusedCallsAreNotTheFleets$"},
 	"about":           {"^TestOthers_ACountIsAboutTheRuleOfItsLimit$"},
 	"others_grow":     {"^TestOthers_AShareGrowsWhileTheOthersSpendAllItLeaves$"},
+	"others_pacing":   {"^TestOthers_AFleetStartingBesideTheOtherConsumerLeavesItsShare$"},
 	"others_steady":   {"^TestOthers_AShareThatScalesWithTheFleetHoldsThroughALull$", "^TestOthers_AShareWithinItsStepLowersNothing$"},
 	"lag":             {"^TestOthers_ALateAnswerFindsTheRecordOfItsWindow$"},
 	"reserve":         {"^TestLocal_BackOnRedisReservesTheOthersShare$"},

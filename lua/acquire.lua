@@ -381,24 +381,24 @@ local function earliest_counter(r, t, cost)
   return k * width
 end
 
--- paced returns the earliest time >= t at least r.pace from log r's entries.
+-- paced returns the earliest time >= t at least pace from log r's entries.
 local PACE_READ = 16
 local PACED_SCAN = 32
-local function paced(r, t)
+local function paced(r, t, pace)
   flush(r)
-  local raw = redis.call('ZRANGEBYSCORE', r.key, '(' .. str(t - r.pace), '+inf', 'WITHSCORES', 'LIMIT', 0, PACE_READ)
+  local raw = redis.call('ZRANGEBYSCORE', r.key, '(' .. str(t - pace), '+inf', 'WITHSCORES', 'LIMIT', 0, PACE_READ)
   for k = 2, #raw, 2 do
     local e = tonumber(raw[k])
-    if e >= t + r.pace then
+    if e >= t + pace then
       return t
     end
-    t = math.max(t, e + r.pace)
+    t = math.max(t, e + pace)
   end
   if #raw < 2 * PACE_READ then
     return t
   end
   local last = redis.call('ZRANGE', r.key, -1, -1, 'WITHSCORES')
-  return math.max(t, tonumber(last[2]) + r.pace)
+  return math.max(t, tonumber(last[2]) + pace)
 end
 
 -- search_from returns where a search of log r from t begins, and its hint.
@@ -1183,8 +1183,17 @@ end
 local function paced_all(rs, t)
   local p = t
   for _, r in ipairs(rs) do
-    if r.pace and r.pace > 0 then
-      p = math.max(p, paced(r, t))
+    local pace = r.pace
+    if not pace and r.share_pace then
+      -- A share's pace holds once half the limit in force is in the
+      -- window: a few calls go at once (docs/PROTOCOL.md 3.11).
+      flush(r)
+      if 2 * redis.call('ZCOUNT', r.key, '(' .. str(t - span_of(r)), str(t)) >= r.limit then
+        pace = r.share_pace
+      end
+    end
+    if pace and pace > 0 then
+      p = math.max(p, paced(r, t, pace))
     end
   end
   return p

@@ -1202,6 +1202,11 @@ local function apply_limits(r)
     r.reserve = others_reserve(r.oth, base)
     r.spare = math.max(r.reserve - math.floor(r.oth.share / 1000), 0)
     lim = math.min(lim, base - r.reserve)
+    if r.kind == LOG and r.reserve > 0 and lim > 0 and not OFF.others_pacing then
+      -- Once half of it is in the window, calls that may wait are spread
+      -- over it, and the vendor's counts with them (docs/PROTOCOL.md 3.11).
+      r.share_pace = math.floor(3 * (r.window - r.margin) / (4 * lim))
+    end
   end
   set_limit(r, lim)
 end
