@@ -4,8 +4,11 @@ import (
 	"context"
 	"math"
 	"runtime"
+	"slices"
 	"strings"
+	"sync"
 	"testing"
+	"testing/synctest"
 	"time"
 
 	"github.com/throttlekit/throttle/internal/redistest"
@@ -52,6 +55,13 @@ func TestClose_LeavesNoGoroutineRunning(t *testing.T) {
 		if _, err := f.Wait(); err != nil {
 			t.Error(err)
 		}
+		for _, l := range []*Limiter{lim, other} {
+			l.work.mu.Lock()
+			if n := len(l.work.timers); n > 0 {
+				t.Errorf("%d timers of the limiter still pending after Close", n)
+			}
+			l.work.mu.Unlock()
+		}
 		// A goroutine's last act is to close the channel Close waits for;
 		// it may not have returned yet when Close does (CI once saw the
 		// news' goroutine runnable at its closing brace). One that is left
@@ -70,6 +80,51 @@ func TestClose_LeavesNoGoroutineRunning(t *testing.T) {
 		}
 		if len(left) > 0 {
 			t.Errorf("%d goroutines of the limiter still run after Close:\n%s", len(left), strings.Join(left, "\n\n"))
+		}
+	})
+}
+
+// Close neither waits out the limiter's timers (the news of room given
+// back, the spares' return) nor leaves them to fire after it: it runs at
+// once what a pending one would, and waits for a function a timer started.
+// One set after Close began runs at once.
+func TestClose_RunsItsTimersAtOnceAndWaitsForThem(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		var (
+			r   running
+			mu  sync.Mutex
+			ran []string
+		)
+		note := func(what string) {
+			mu.Lock()
+			defer mu.Unlock()
+			ran = append(ran, what)
+		}
+		r.after(time.Hour, func() { note("pending") })
+		r.after(time.Millisecond, func() { time.Sleep(time.Second); note("fired") })
+		time.Sleep(2 * time.Millisecond) // the second has fired: its function runs for a second
+		start := time.Now()
+		if err := r.close(context.Background()); err != nil {
+			t.Fatal(err)
+		}
+		if d := time.Since(start); d > time.Second {
+			t.Errorf("Close took %v: it waited out a pending timer", d)
+		}
+		mu.Lock()
+		got := slices.Sorted(slices.Values(ran))
+		mu.Unlock()
+		if !slices.Equal(got, []string{"fired", "pending"}) {
+			t.Errorf("Close returned when %q had run, want both the pending and the fired timer's functions", got)
+		}
+		r.after(time.Hour, func() { note("late") })
+		if err := r.close(context.Background()); err != nil {
+			t.Fatal(err)
+		}
+		time.Sleep(2 * time.Hour)
+		mu.Lock()
+		defer mu.Unlock()
+		if len(ran) != 3 || ran[2] != "late" {
+			t.Errorf("after Close, ran %q, want a timer set after it run at once, and nothing more", ran)
 		}
 	})
 }

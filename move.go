@@ -57,6 +57,7 @@ const roomEvery = 20 * time.Millisecond
 // roomNews tells a limiter's calls sleeping towards their slots that the
 // fleet gave units back, at most once per roomEvery; its lock guards it.
 type roomNews struct {
+	work  *running // the limiter's: its timers end with Close
 	mu    sync.Mutex
 	ch    chan struct{} // closed, and replaced, when the fleet gave units back
 	at    time.Duration // Redis's time of the latest units given back heard of
@@ -65,7 +66,7 @@ type roomNews struct {
 	retry bool          // a close is due when Redis's trouble is over (afterTrouble)
 }
 
-func newRoomNews() roomNews { return roomNews{ch: make(chan struct{})} }
+func newRoomNews(work *running) roomNews { return roomNews{work: work, ch: make(chan struct{})} }
 
 // signal wakes every call sleeping towards its slot, to move earlier: the
 // fleet gave units back, at Redis's time at (0 when no new units were
@@ -80,7 +81,7 @@ func (n *roomNews) signal(at time.Duration) {
 	}
 	if wait := time.Until(n.last.Add(roomEvery)); wait > 0 {
 		n.due = true
-		time.AfterFunc(wait, func() {
+		n.work.after(wait, func() {
 			n.mu.Lock()
 			defer n.mu.Unlock()
 			n.due = false
@@ -128,7 +129,7 @@ func (n *roomNews) afterTrouble(failed time.Time) {
 		return
 	}
 	n.retry = true
-	time.AfterFunc(time.Until(failed.Add(troubleSpan)), func() {
+	n.work.after(time.Until(failed.Add(troubleSpan)), func() {
 		n.mu.Lock()
 		n.retry = false
 		n.mu.Unlock()

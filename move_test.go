@@ -331,7 +331,8 @@ func TestMove_KeptAtAPassedSlotBooksAgain(t *testing.T) {
 // process moving twice at most: at once, and once when roomEvery is out.
 func TestMove_RefundsHeardTogetherMoveOnce(t *testing.T) {
 	synctest.Test(t, func(t *testing.T) {
-		l := &Limiter{room: newRoomNews()}
+		l := &Limiter{}
+		l.room = newRoomNews(&l.work)
 		closed := func(ch <-chan struct{}) bool {
 			select {
 			case <-ch:

@@ -311,7 +311,7 @@ func (l *Limiter) fillSpares(sc scope, margin time.Duration, last callReply, con
 	gen := p.gen
 	// Past a quarter of the margin, the spares can no longer be used: unless
 	// a call of the scope gives them back first, a timer does.
-	time.AfterFunc(margin/spareShare+time.Millisecond, func() { l.returnSpares(sc, gen) })
+	l.work.after(margin/spareShare+time.Millisecond, func() { l.returnSpares(sc, gen) })
 }
 
 // returnSpares gives back the spares of scope sc taken by fill gen, if they

@@ -166,7 +166,8 @@ func New(rdb redis.UniversalClient, name string, policy policies.Policy, opts ..
 		return nil, err
 	}
 	warnIgnoredSwitches(s.logger)
-	l := &Limiter{rdb: rdb, name: name, s: s, id: newID(), room: newRoomNews(), timing: timingFor(rdb, s.clock)}
+	l := &Limiter{rdb: rdb, name: name, s: s, id: newID(), timing: timingFor(rdb, s.clock)}
+	l.room = newRoomNews(&l.work)
 	l.cfg.rules, l.failover.brk = rules, newBreaker()
 	l.born = time.Now()
 	// The steps of Redis's clock that the process's other limiters on the
@@ -412,7 +413,9 @@ func (l *Limiter) acquirePermit(ctx context.Context, opts []CallOption) (*Permit
 // the limiter's subscription to its quota's news (what other replicas learn
 // of pauses and losses), which the last limiter on a client closes, and
 // gives back the spare admissions the limiter holds. When it returns nil,
-// no goroutine the limiter started is left. Close does not close the Redis
+// no goroutine the limiter started is left, and no timer it set: what one
+// would do later (wake calls, give spares back) is done at once. Close
+// does not close the Redis
 // client, which belongs to the caller.
 func (l *Limiter) Close(ctx context.Context) error {
 	if err := l.made(); err != nil {
