@@ -244,11 +244,12 @@ var errHandBackBusy = errors.New("throttle: the Local fallback admitted calls wh
 // a try was on its way is handed back by the next try, with the others
 // again, which counts them twice in Redis for a window rather than never.
 func (l *Limiter) awaitHandBack(ctx context.Context) error {
-	l.failover.handMu.Lock()
-	h := l.failover.handing
+	lo := l.failover.local
+	lo.mu.Lock()
+	h := lo.handing
 	if h == nil {
 		h = &handing{done: make(chan struct{})}
-		l.failover.handing = h
+		lo.handing = h
 		l.work.start(func() {
 			h.err = errHandBackBusy
 			for try := 0; try < 3 && errors.Is(h.err, errHandBackBusy); try++ {
@@ -257,13 +258,13 @@ func (l *Limiter) awaitHandBack(ctx context.Context) error {
 					h.err = errHandBackBusy
 				}
 			}
-			l.failover.handMu.Lock()
-			l.failover.handing = nil
-			l.failover.handMu.Unlock()
+			lo.mu.Lock()
+			lo.handing = nil
+			lo.mu.Unlock()
 			close(h.done)
 		})
 	}
-	l.failover.handMu.Unlock()
+	lo.mu.Unlock()
 	select {
 	case <-h.done:
 		return h.err

@@ -34,6 +34,7 @@ type local struct {
 	on        atomic.Bool   // a turn is on; written under mu
 	turn      uint64        // the turns begun so far
 	ended     chan struct{} // closed when the turn ends
+	handing   *handing      // the hand-back on its way to Redis, or nil (Limiter.awaitHandBack)
 }
 
 type localEntry struct {

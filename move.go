@@ -55,18 +55,18 @@ func (e *moveFailed) Unwrap() error { return e.err }
 const roomEvery = 20 * time.Millisecond
 
 // roomNews tells a limiter's calls sleeping towards their slots that the
-// fleet gave units back, at most once per roomEvery; its lock guards it.
+// fleet gave units back, at most once per roomEvery; its lock guards the
+// fields below it.
 type roomNews struct {
-	work  *running // the limiter's: its timers end with Close
-	mu    sync.Mutex
-	ch    chan struct{} // closed, and replaced, when the fleet gave units back
-	at    time.Duration // Redis's time of the latest units given back heard of
-	last  time.Time     // when ch was last closed
-	due   bool          // a close is due at last + roomEvery
-	retry bool          // a close is due when Redis's trouble is over (afterTrouble)
-}
+	work *running  // the limiter's: its timers end with Close
+	wake broadcast // signalled when the fleet gave units back
 
-func newRoomNews(work *running) roomNews { return roomNews{work: work, ch: make(chan struct{})} }
+	mu    sync.Mutex
+	at    time.Duration // Redis's time of the latest units given back heard of
+	last  time.Time     // when wake was last signalled
+	due   bool          // a signal is due at last + roomEvery
+	retry bool          // a signal is due when Redis's trouble is over (afterTrouble)
+}
 
 // signal wakes every call sleeping towards its slot, to move earlier: the
 // fleet gave units back, at Redis's time at (0 when no new units were
@@ -94,8 +94,7 @@ func (n *roomNews) signal(at time.Duration) {
 
 // open wakes the calls waiting on the news; mu is held.
 func (n *roomNews) open() {
-	close(n.ch)
-	n.ch = make(chan struct{})
+	n.wake.signal()
 	n.last = time.Now()
 }
 
@@ -104,11 +103,7 @@ func (n *roomNews) open() {
 // it: news that comes while the reply is on its way, before the call
 // sleeps, wakes it all the same (taken after the reply, the channel of
 // that news was already closed, and the call slept through it).
-func (n *roomNews) now() <-chan struct{} {
-	n.mu.Lock()
-	defer n.mu.Unlock()
-	return n.ch
-}
+func (n *roomNews) now() <-chan struct{} { return n.wake.wait() }
 
 // since reports whether units were given back at or after Redis's time t:
 // the script that booked a call at t saw those given back before.

@@ -332,7 +332,7 @@ func TestMove_KeptAtAPassedSlotBooksAgain(t *testing.T) {
 func TestMove_RefundsHeardTogetherMoveOnce(t *testing.T) {
 	synctest.Test(t, func(t *testing.T) {
 		l := &Limiter{}
-		l.room = newRoomNews(&l.work)
+		l.room.work = &l.work
 		closed := func(ch <-chan struct{}) bool {
 			select {
 			case <-ch:
@@ -549,4 +549,47 @@ func TestMove_AKeptMoveKeepsItsUnitsFromTheCallsBeforeIt(t *testing.T) {
 				first.res.slot(), first.res.slot()-booked.slot())
 		}
 	})
+}
+
+// A broadcast's signal closes the channel every waiter took before it, and
+// no other: signals from many goroutines at once never close a channel
+// twice (a panic), nor leave a waiter that took its channel before the
+// last signal asleep.
+func TestBroadcast_WakesEveryWaiterOfItsSignals(t *testing.T) {
+	var b broadcast
+	first := b.wait()
+	if b.wait() != first {
+		t.Fatal("two waits before a signal returned two channels")
+	}
+	b.signal()
+	select {
+	case <-first:
+	default:
+		t.Fatal("a signal left the channel taken before it open")
+	}
+	next := b.wait()
+	select {
+	case <-next:
+		t.Fatal("the channel taken after a signal is closed already")
+	default:
+	}
+	var wg sync.WaitGroup
+	taken := make(chan (<-chan struct{}), 64*100)
+	for range 64 {
+		wg.Go(func() {
+			for range 100 {
+				taken <- b.wait()
+				b.signal()
+			}
+		})
+	}
+	wg.Wait()
+	close(taken)
+	for ch := range taken {
+		select {
+		case <-ch:
+		default:
+			t.Fatal("a channel taken before a signal is still open after it")
+		}
+	}
 }

@@ -44,8 +44,8 @@ func TestProtocol_LatenessBucketsAgree(t *testing.T) {
 	bucketOf := func(late time.Duration) int {
 		var c lates
 		c.note(late)
-		for b, n := range c.n {
-			if n > 0 {
+		for b := range c.n {
+			if c.n[b].Load() > 0 {
 				return b
 			}
 		}

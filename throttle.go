@@ -134,10 +134,8 @@ type view struct {
 
 // failover is what keeps calls going while Redis cannot decide them.
 type failover struct {
-	brk     *breaker   // keeps calls away from a failing Redis; its own lock
-	local   *local     // the Local fallback, or nil; its own lock
-	handMu  sync.Mutex // guards handing
-	handing *handing   // the hand-back on its way to Redis, or nil
+	brk   *breaker // keeps calls away from a failing Redis; its own lock
+	local *local   // the Local fallback, or nil; its own lock
 }
 
 // New returns a Limiter for the quota called name on rdb (a Client,
@@ -167,7 +165,7 @@ func New(rdb redis.UniversalClient, name string, policy policies.Policy, opts ..
 	}
 	warnIgnoredSwitches(s.logger)
 	l := &Limiter{rdb: rdb, name: name, s: s, id: newID(), timing: timingFor(rdb, s.clock)}
-	l.room = newRoomNews(&l.work)
+	l.room.work = &l.work
 	l.cfg.rules, l.failover.brk = rules, newBreaker()
 	l.born = time.Now()
 	// The steps of Redis's clock that the process's other limiters on the

@@ -4,6 +4,7 @@ import (
 	"math"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/redis/go-redis/v9"
@@ -68,11 +69,11 @@ type timing struct {
 }
 
 // lates counts how late a limiter's calls started since it last reported
-// them to the fleet, by bucket (see lateBuckets).
+// them to the fleet, by bucket (see lateBuckets), without a lock: a call
+// noted while a report is read counts in this report or the next.
 type lates struct {
-	mu  sync.Mutex
-	n   [lateBuckets]int
-	max time.Duration // the latest of them
+	n   [lateBuckets]atomic.Int64
+	max atomic.Int64 // the latest of them, in nanoseconds
 }
 
 // minReadings is how many replies a process observes before it tells the
@@ -288,33 +289,28 @@ func (c *lates) note(late time.Duration) {
 	if late >= time.Millisecond {
 		b = min(int(2*math.Log2(float64(late)/float64(time.Millisecond)))+1, lateBuckets-1)
 	}
-	c.mu.Lock()
-	c.n[b]++
-	c.max = max(c.max, late)
-	c.mu.Unlock()
+	c.n[b].Add(1)
+	for {
+		m := c.max.Load()
+		if int64(late) <= m || c.max.CompareAndSwap(m, int64(late)) {
+			return
+		}
+	}
 }
 
 // latest returns the latest of the latenesses noted since the last report.
-func (c *lates) latest() time.Duration {
-	c.mu.Lock()
-	defer c.mu.Unlock()
-	return c.max
-}
+func (c *lates) latest() time.Duration { return time.Duration(c.max.Load()) }
 
 // report returns the latenesses noted since the last report, as the script
 // takes them: n calls in bucket k, for each bucket that holds some.
 func (c *lates) report() []protocol.Late {
-	c.mu.Lock()
-	defer c.mu.Unlock()
 	var out []protocol.Late
-	for i, n := range c.n {
-		if n == 0 {
-			continue
+	c.max.Store(0)
+	for i := range c.n {
+		if n := c.n[i].Swap(0); n > 0 {
+			out = append(out, protocol.Late{Bucket: int64(i), N: n})
 		}
-		out = append(out, protocol.Late{Bucket: int64(i), N: int64(n)})
-		c.n[i] = 0
 	}
-	c.max = 0
 	return out
 }
 

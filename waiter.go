@@ -6,6 +6,7 @@ import (
 	"errors"
 	"math/rand/v2"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/redis/go-redis/v9"
@@ -490,11 +491,34 @@ func (l *Limiter) sleepBusy(ctx context.Context, d, leaseEnds time.Duration) err
 // slot of the limiter, or of any limiter of its group.
 func (l *Limiter) signalFreed() { l.freed.signal() }
 
-// freed is closed, and replaced, when a concurrency slot frees in this
-// process.
+// broadcast wakes everyone waiting on it at once, without a lock: signal
+// closes the channel that wait returned and puts a new one in its place.
+// Its zero value is ready.
+type broadcast struct{ ch atomic.Pointer[chan struct{}] }
+
+// wait returns the channel the next signal closes.
+func (b *broadcast) wait() <-chan struct{} {
+	if p := b.ch.Load(); p != nil {
+		return *p
+	}
+	ch := make(chan struct{})
+	if b.ch.CompareAndSwap(nil, &ch) {
+		return ch
+	}
+	return *b.ch.Load()
+}
+
+// signal wakes everyone waiting.
+func (b *broadcast) signal() {
+	ch := make(chan struct{})
+	if old := b.ch.Swap(&ch); old != nil {
+		close(*old)
+	}
+}
+
+// freed signals a concurrency slot freed in this process.
 type freed struct {
-	mu    sync.Mutex
-	ch    chan struct{}
+	broadcast
 	users int // limiters of its group; guarded by groups.mu
 }
 
@@ -520,14 +544,14 @@ type groupKey struct {
 // own when it has none.
 func (l *Limiter) freedFor() *freed {
 	if l.cfg.group == "" {
-		return &freed{ch: make(chan struct{})}
+		return &freed{}
 	}
 	key := groupKey{l.rdb, l.s.keyPrefix(), l.cfg.group}
 	groups.mu.Lock()
 	defer groups.mu.Unlock()
 	f := groups.m[key]
 	if f == nil {
-		f = &freed{ch: make(chan struct{})}
+		f = &freed{}
 		groups.m[key] = f
 	}
 	f.users++
@@ -547,21 +571,6 @@ func (l *Limiter) leaveGroup() {
 			delete(groups.m, key)
 		}
 	}
-}
-
-// wait returns the channel the next signal closes.
-func (f *freed) wait() <-chan struct{} {
-	f.mu.Lock()
-	defer f.mu.Unlock()
-	return f.ch
-}
-
-// signal wakes everyone waiting.
-func (f *freed) signal() {
-	f.mu.Lock()
-	close(f.ch)
-	f.ch = make(chan struct{})
-	f.mu.Unlock()
 }
 
 func sleep(ctx context.Context, d time.Duration) error { return sleepOr(ctx, d, nil, nil) }
