@@ -85,10 +85,13 @@ func TestClose_LeavesNoGoroutineRunning(t *testing.T) {
 }
 
 // Close neither waits out the limiter's timers (the news of room given
-// back, the spares' return) nor leaves them to fire after it: it runs at
-// once what a pending one would, and waits for a function a timer started.
-// One set after Close began runs at once.
-func TestClose_RunsItsTimersAtOnceAndWaitsForThem(t *testing.T) {
+// back, the spares' return) nor leaves them to fire after it: it drops
+// those still pending, waits for a function a timer already started, and
+// sets no timer once it began. A timer run at Close instead, or set after
+// it, woke a sleeping call that, with Redis in trouble, set the next at
+// once: a loop that never let Close return (the simulation's seeds from
+// 237 on, in virtual time).
+func TestClose_DropsItsTimersAndWaitsForThoseThatFired(t *testing.T) {
 	synctest.Test(t, func(t *testing.T) {
 		var (
 			r   running
@@ -111,20 +114,20 @@ func TestClose_RunsItsTimersAtOnceAndWaitsForThem(t *testing.T) {
 			t.Errorf("Close took %v: it waited out a pending timer", d)
 		}
 		mu.Lock()
-		got := slices.Sorted(slices.Values(ran))
+		got := slices.Clone(ran)
 		mu.Unlock()
-		if !slices.Equal(got, []string{"fired", "pending"}) {
-			t.Errorf("Close returned when %q had run, want both the pending and the fired timer's functions", got)
+		if !slices.Equal(got, []string{"fired"}) {
+			t.Errorf("Close returned when %q had run, want the fired timer's function alone", got)
 		}
-		r.after(time.Hour, func() { note("late") })
+		r.after(0, func() { note("late") })
 		if err := r.close(context.Background()); err != nil {
 			t.Fatal(err)
 		}
 		time.Sleep(2 * time.Hour)
 		mu.Lock()
 		defer mu.Unlock()
-		if len(ran) != 3 || ran[2] != "late" {
-			t.Errorf("after Close, ran %q, want a timer set after it run at once, and nothing more", ran)
+		if !slices.Equal(ran, []string{"fired"}) {
+			t.Errorf("after Close, ran %q, want nothing more", ran)
 		}
 	})
 }

@@ -13,8 +13,8 @@ type running struct {
 	mu     sync.Mutex
 	n      int
 	closed bool
-	idle   chan struct{}          // closed once closed and no call runs
-	timers map[*time.Timer]func() // set by after and not yet fired, each with its f
+	idle   chan struct{}        // closed once closed and no call runs
+	timers map[*time.Timer]bool // set by after and not yet fired
 }
 
 // enter counts a call in, and reports false once Close began.
@@ -37,21 +37,22 @@ func (r *running) start(f func()) {
 	go r.run(f)
 }
 
-// after runs f in a goroutine once d has passed, as start does. Close
-// does not wait out d: it stops the timers still pending and runs their
-// f at once (they wake, or give back, what waits on them), and waits for
-// every f. Once close began, after runs f at once.
+// after runs f in a goroutine once d has passed, as start does, unless
+// close begins first. Close does not wait out d: it drops the timers still
+// pending, and after sets none once it began, since what they do is
+// either done by Close itself (the spares given back) or not needed once
+// the calls end (the news that wakes a sleeping call early). It waits for
+// an f a timer already started.
 func (r *running) after(d time.Duration, f func()) {
 	r.mu.Lock()
 	defer r.mu.Unlock()
-	r.n++
 	if r.closed {
-		go r.run(f)
 		return
 	}
 	if r.timers == nil {
-		r.timers = make(map[*time.Timer]func())
+		r.timers = make(map[*time.Timer]bool)
 	}
+	r.n++
 	var t *time.Timer
 	t = time.AfterFunc(d, func() {
 		r.mu.Lock()
@@ -59,7 +60,7 @@ func (r *running) after(d time.Duration, f func()) {
 		r.mu.Unlock()
 		r.run(f)
 	})
-	r.timers[t] = f
+	r.timers[t] = true
 }
 
 // run runs f, counted in by start or after.
@@ -84,16 +85,16 @@ func (r *running) settle() {
 	}
 }
 
-// close stops counting calls in, runs at once what the pending timers of
-// after would run, and waits until the calls, goroutines and timers
-// counted have left, or ctx ends.
+// close stops counting calls in, drops the pending timers of after, and
+// waits until the calls, goroutines and timers counted have left, or ctx
+// ends.
 func (r *running) close(ctx context.Context) error {
 	r.mu.Lock()
 	r.closed = true
-	for t, f := range r.timers {
+	for t := range r.timers {
 		if t.Stop() {
 			delete(r.timers, t)
-			go r.run(f)
+			r.n--
 		}
 	}
 	if r.n == 0 {
