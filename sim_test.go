@@ -134,8 +134,11 @@ func TestSim_Schedules(t *testing.T) {
 		})
 		began, until := time.Now(), time.Now().Add(*simFor)
 		time.AfterFunc(*simFor, func() { simCut.Store(true) })
+		var under atomic.Uint64
+		defer time.AfterFunc(*simFor+simGrace, func() { simHung(under.Load()) }).Stop()
 		n := 0
 		for seed := *simFrom; time.Now().Before(until) && n != most; seed++ {
+			under.Store(seed)
 			if checkSchedule(t, drawSchedule(seed), true) {
 				n++
 			}
@@ -159,6 +162,21 @@ func TestSim_Schedules(t *testing.T) {
 // simCut is set when -sim.for's time has passed: the run under way stops
 // within 10 ms of its clock, and is not judged.
 var simCut atomic.Bool
+
+// simGrace is how long past -sim.for's end the run under way may take to
+// stop and close before simHung reports it.
+const simGrace = 30 * time.Second
+
+// simHung reports a run that did not stop after -sim.for's end, and ends
+// the process: its bubble's clock no longer moves (goroutines that never
+// all wait, a loop in virtual time), so the cut never comes, and a CI
+// step would wait for its timeout with no seed named.
+func simHung(seed uint64) {
+	buf := make([]byte, 1<<24)
+	buf = buf[:runtime.Stack(buf, true)]
+	fmt.Fprintf(os.Stderr, "seed %d did not stop %v after -sim.for's end: its clock no longer moves (a loop in virtual time?)\nreplay: go test -run TestSim_Schedules -sim.seed %d -v .\n\n%s", seed, simGrace, seed, buf)
+	os.Exit(1)
+}
 
 // checkSchedule runs s and reports what it broke; with shrink, it also
 // reports the smallest schedule that still breaks it, and how to replay
