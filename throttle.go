@@ -411,10 +411,8 @@ func (l *Limiter) acquirePermit(ctx context.Context, opts []CallOption) (*Permit
 // the limiter's subscription to its quota's news (what other replicas learn
 // of pauses and losses), which the last limiter on a client closes, and
 // gives back the spare admissions the limiter holds. When it returns nil,
-// no goroutine the limiter started is left, and no timer it set: what one
-// would do later (wake calls, give spares back) is done at once. Close
-// does not close the Redis
-// client, which belongs to the caller.
+// no goroutine the limiter started is left, and no timer it set. Close
+// does not close the Redis client, which belongs to the caller.
 func (l *Limiter) Close(ctx context.Context) error {
 	if err := l.made(); err != nil {
 		return err
