@@ -494,7 +494,9 @@ func (l *Limiter) noteAcquireReply(sc scope, rep acquireReply, n int, sent, recv
 	l.answered()
 	l.emit(Event{Kind: EventRedis, Duration: recvd - sent, Calls: n, Margin: rep.margin})
 	before, _, _ := l.timing.step()
-	l.timing.observe(rep.now, rep.done, sent, recvd)
+	if back, prev := l.timing.observe(rep.now, rep.done, sent, recvd); back {
+		l.timing.hiddenStep(rep.now, time.Duration(rep.epoch)*time.Microsecond, prev, sent, recvd)
+	}
 	// Decided by a clock that stepped forward before the quota counted the
 	// step: the calls go back and ask again, the step told (stepUntold).
 	// With step_epoch off, only the reply that showed the step is stale.

@@ -43,6 +43,7 @@ const (
 	offHandBack       mechanism = "hand_back"       // decide.go handBack: Redis is not told of the fallback's calls
 	offForwardSteps   mechanism = "forward_steps"   // batch.go newStep: a forward step is not told to the script
 	offStepEpoch      mechanism = "step_epoch"      // batch.go stepUntold: only the reply that shows a step is stale
+	offHiddenSteps    mechanism = "hidden_steps"    // timing.go hiddenStep: a step forward after a step back, both after a process's last reply, is not counted
 	offLoweredEpoch   mechanism = "lowered_epoch"   // view.go noteEpoch: a limit lowered before a new epoch stays in force for its bookings
 	offMoves          mechanism = "moves"           // move.go movable: room given back moves no sleeping call
 	offRebookLowered  mechanism = "rebook_lowered"  // view.go overtaken: a call booked before a limit dropped keeps its slot
@@ -107,7 +108,7 @@ var luaMechanisms = []mechanism{
 // goMechanisms are the mechanisms decided in Go.
 var goMechanisms = []mechanism{
 	offSleepToSlot, offGuard, offDoubt, offLeads, offSpares, offBatches, offAbandon,
-	offNews, offBreaker, offAskTimeout, offQueuedFailures, offHandBack, offForwardSteps, offStepEpoch, offLoweredEpoch, offMoves, offRebookLowered, offLearnMeasures,
+	offNews, offBreaker, offAskTimeout, offQueuedFailures, offHandBack, offForwardSteps, offStepEpoch, offHiddenSteps, offLoweredEpoch, offMoves, offRebookLowered, offLearnMeasures,
 	offConcRefusals, offSpreadParts, offEndedAtSlot, offUnsent, offDeadlineGuard, offKeepTurn,
 }
 

@@ -147,6 +147,7 @@ var switchBreaks = map[mechanism][]string{
 	offSpares:         {"^TestSpare_TermsFollowTheMarginAndTheRoomLeft$"},
 	offAbandon:        {"^TestBatch_CallersThatLeaveDoNotHoldTheCallsBehindThem$"},
 	offNews:           {"^TestSim_Regressions$/^(701|10462)$"},
+	offHiddenSteps:    {"^TestSim_Regressions$/^720739$"},
 	offBreaker:        {"^TestBreaker_StopsAskingADeadRedisAndComesBack$"},
 	offAskTimeout:     {"^TestSim_Schedules$/^142$", "-sim.n=143"},
 	offQueuedFailures: {"^TestQueue_ACallQueuedBehindFailuresFailsAtItsTurn$"},

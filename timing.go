@@ -66,6 +66,7 @@ type timing struct {
 	steps    uint64        // forward steps of Redis's clock seen
 	stepBy   time.Duration // the size of the last one
 	stepAt   time.Duration // the Redis time, by the new clock, of the reply that showed it
+	last     time.Duration // local time of the latest reply observed
 }
 
 // lates counts how late a limiter's calls started since it last reported
@@ -138,16 +139,19 @@ func (k *timing) roll(at time.Duration) {
 // request sent at local time asked and answered at local time recvd.
 //
 // The script ran from Redis time began to Redis time redisNow; that part of
-// the round trip is Redis's work, not the way to it.
-func (k *timing) observe(began, redisNow, asked, recvd time.Duration) {
+// the round trip is Redis's work, not the way to it. It reports whether
+// the reply showed the clocks moved back, and when the reply before it
+// came (see hiddenStep).
+func (k *timing) observe(began, redisNow, asked, recvd time.Duration) (back bool, prev time.Duration) {
 	if k.clock != nil {
-		return // the time is given: lateness is read off that clock
+		return false, 0 // the time is given: lateness is read off that clock
 	}
 	k.mu.Lock()
 	defer k.mu.Unlock()
 	k.roll(recvd)
 	off, rtt := recvd-redisNow, recvd-asked
 	k.readings++
+	prev, k.last = k.last, max(k.last, recvd)
 	// The reply's delay is between zero and the round trip, so the offset
 	// of the clocks lies within [off - rtt, off]; each reading narrows it.
 	// A reading that falls outside what the others allow means that the
@@ -161,6 +165,8 @@ func (k *timing) observe(began, redisNow, asked, recvd time.Duration) {
 			// and windows measured by it end early.
 			k.steps++
 			k.stepBy, k.stepAt = -ahead-off, redisNow
+		} else {
+			back = true
 		}
 		k.keepTrip(recvd)
 		k.fast, k.ahead, k.trip = [2]minimum{}, [2]minimum{}, [2]minimum{}
@@ -169,6 +175,27 @@ func (k *timing) observe(began, redisNow, asked, recvd time.Duration) {
 	k.fast[0].add(off)
 	k.ahead[0].add(redisNow - asked)
 	k.trip[0].add(rtt - (redisNow - began))
+	return back, prev
+}
+
+// hiddenStep counts a forward step that a step back hid. A reply that
+// shows the clocks moved back, to a process with no reply since before,
+// shows only the sum of what Redis's clock did meanwhile: an hour back,
+// then a second forward, reads as a step back. Redis counted the step
+// back as a loss (its epoch, lostAt by the new clock) after the reply
+// before this one (at local time prev); so no more time can have passed
+// since the loss than since that reply, and a clock further past the loss
+// than that stepped forward after it, by the difference (seed 720739: 6
+// in a window of 5).
+func (k *timing) hiddenStep(redisNow, lostAt, prev, asked, recvd time.Duration) {
+	by := redisNow - lostAt - (recvd - prev) - (recvd - asked)
+	if lostAt <= 0 || by <= clockStep || isOff(offHiddenSteps) {
+		return
+	}
+	k.mu.Lock()
+	defer k.mu.Unlock()
+	k.steps++
+	k.stepBy, k.stepAt = by, redisNow
 }
 
 // keepTrip keeps the least round trip known before a reset at local time

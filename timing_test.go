@@ -61,6 +61,46 @@ func TestTiming_ForgetsWhatAClockStepContradicts(t *testing.T) {
 	}
 }
 
+// Redis's clock steps an hour back, and a second forward, both after a
+// process's last reply: its next reply shows an hour less a second back.
+// The quota's epoch (the loss that counted the step back) lies further
+// behind that reply's time than the process's own time since its last
+// reply allows: the second forward is counted, as a step seen alone is.
+// Seen alone, a step back counts no step; nor does a loss found between
+// the two replies by a clock that did not step.
+func TestTiming_AStepForwardHiddenByAStepBackIsCounted(t *testing.T) {
+	for _, c := range []struct {
+		name  string
+		moved time.Duration // Redis's clock between the replies, beyond the second they are apart
+		lost  time.Duration // the loss's time, by the new clock, after the first reply
+		steps uint64
+		by    time.Duration
+	}{
+		{"an hour back, then a second forward", -time.Hour + time.Second, 500 * ms, 1, time.Second - 500*ms},
+		{"an hour back", -time.Hour, 500 * ms, 0, 0},
+		{"a loss, no step", 0, 500 * ms, 0, 0},
+	} {
+		k := newTiming(nil)
+		t0 := 2 * time.Hour // Redis's clock, and ours, at the first reply
+		k.observe(t0+2*ms, t0+2*ms, t0, t0+4*ms)
+		asked := t0 + time.Second
+		redisNow := asked + 2*ms + c.moved
+		back, prev := k.observe(redisNow, redisNow, asked, asked+4*ms)
+		if back != (c.moved < 0) {
+			t.Errorf("%s: observe reported a move back %v", c.name, back)
+		}
+		if back {
+			// The loss counted the step back, by the new clock.
+			lostAt := t0 - time.Hour + c.lost
+			k.hiddenStep(redisNow, lostAt, prev, asked, asked+4*ms)
+		}
+		steps, by, _ := k.step()
+		if steps != c.steps || by < c.by-10*ms || by > c.by {
+			t.Errorf("%s: %d steps, the last of %v; want %d, of %v at most and 10 ms less at least", c.name, steps, by, c.steps, c.by)
+		}
+	}
+}
+
 func TestTiming_ReportsLatenessesOnceByBucket(t *testing.T) {
 	var c lates
 	if r := c.report(); len(r) != 0 {
