@@ -494,7 +494,10 @@ func (l *Limiter) noteAcquireReply(sc scope, rep acquireReply, n int, sent, recv
 	l.answered()
 	l.emit(Event{Kind: EventRedis, Duration: recvd - sent, Calls: n, Margin: rep.margin})
 	before, _, _ := l.timing.step()
-	if back, prev := l.timing.observe(rep.now, rep.done, sent, recvd); back {
+	back, prev := l.timing.observe(rep.now, rep.done, sent, recvd)
+	if was := l.view.replied.Swap(rep.epoch); back && was != 0 && was != rep.epoch {
+		// A loss since this limiter's last reply, and the clocks moved
+		// back: a step forward may hide behind it.
 		l.timing.hiddenStep(rep.now, time.Duration(rep.epoch)*time.Microsecond, prev, sent, recvd)
 	}
 	// Decided by a clock that stepped forward before the quota counted the

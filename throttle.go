@@ -115,6 +115,7 @@ type compiled struct {
 // told it: atomics and a sync.Map, read and written without a lock.
 type view struct {
 	epoch       atomic.Int64  // the quota's epoch as last seen; 0 before the first decision
+	replied     atomic.Int64  // the quota's epoch in this limiter's latest reply, 0 before it (hiddenStep)
 	scripts     atomic.Int64  // the quota's count of scripts run, as last seen in that epoch
 	pauses      sync.Map      // scope pause key -> local time.Time the pause ends
 	pausesAdded atomic.Uint64 // pauses noted since the last sweep of the map

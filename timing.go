@@ -182,11 +182,13 @@ func (k *timing) observe(began, redisNow, asked, recvd time.Duration) (back bool
 // shows the clocks moved back, to a process with no reply since before,
 // shows only the sum of what Redis's clock did meanwhile: an hour back,
 // then a second forward, reads as a step back. Redis counted the step
-// back as a loss (its epoch, lostAt by the new clock) after the reply
-// before this one (at local time prev); so no more time can have passed
-// since the loss than since that reply, and a clock further past the loss
-// than that stepped forward after it, by the difference (seed 720739: 6
-// in a window of 5).
+// back as a loss (its epoch, lostAt by the new clock, newer than the
+// limiter's last reply saw) after the reply before this one (at local
+// time prev); so no more time can have passed since the loss than since
+// that reply, and a clock further past the loss than that stepped forward
+// after it, by the difference (seed 720739: 6 in a window of 5). A reply
+// of the same epoch as the last (a failover to a server whose clock is
+// behind) is not read so: its loss may be hours old.
 func (k *timing) hiddenStep(redisNow, lostAt, prev, asked, recvd time.Duration) {
 	by := redisNow - lostAt - (recvd - prev) - (recvd - asked)
 	if lostAt <= 0 || by <= clockStep || isOff(offHiddenSteps) {
