@@ -319,12 +319,7 @@ func (c *lates) note(late time.Duration) {
 		b = min(int(2*math.Log2(float64(late)/float64(time.Millisecond)))+1, lateBuckets-1)
 	}
 	c.n[b].Add(1)
-	for {
-		m := c.max.Load()
-		if int64(late) <= m || c.max.CompareAndSwap(m, int64(late)) {
-			return
-		}
-	}
+	raise(&c.max, int64(late))
 }
 
 // latest returns the latest of the latenesses noted since the last report.
