@@ -518,8 +518,12 @@ func TestShared_AClockStepKeepsWhatTheFirstQuotaBooked(t *testing.T) {
 // the shared rule's new data, beside the calls the first quota admits once
 // its loss's window has passed (seed 544962: 32 in a window of 30, the
 // calls of a quota whose processes ran no script between the flush and
-// their slots).
+// their slots). It waits out a window on the wall clock and bounds only
+// how early b's call starts: it runs beside the package's parallel tests.
 func TestShared_ALossFoundByOneQuotaBooksTheOthersCallsAgain(t *testing.T) {
+	if !raceEnabled {
+		t.Parallel()
+	}
 	redistest.Each(t, func(t *testing.T, s *redistest.Server) {
 		ctx := context.Background()
 		const window = time.Second
