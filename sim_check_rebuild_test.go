@@ -297,3 +297,30 @@ func TestSimCheck_RecoveryWaitsForAHotKeysQueue(t *testing.T) {
 		t.Errorf("a call 2.7 s after the flush: %v, want the replica found not recovered", v)
 	}
 }
+
+// First come, first served from a process's first answer: a call that
+// began while its process's first script call opened the connection asks
+// when that call is answered (outcome.asked), so the calls of other
+// processes that began before then may be decided first (seed 728573);
+// once its process has been answered, a call is judged from when it began.
+func TestSimCheck_FirstComeCountsFromAProcesssFirstAnswer(t *testing.T) {
+	const ms = time.Millisecond
+	s := schedule{Replicas: 2, Workers: 4, Policy: simPolicy{Kind: "log", Limit: 10, Window: time.Second}, OnError: FailClosed, Mode: Block,
+		Latency: []time.Duration{ms, ms}, Join: []time.Duration{0, 0}, Length: 3 * time.Second, Classes: 1, Deadline: 100 * ms}
+	refused := &LimitedError{Reason: "the slot lies beyond the context's deadline"}
+	o := outcome{calls: []simCall{{replica: 0, began: 1000 * ms, end: 1050 * ms, err: refused, cost: 1}}}
+	for range 4 {
+		o.calls = append(o.calls, simCall{replica: 1, began: 1030 * ms, arrived: 1060 * ms, cost: 1})
+	}
+	if v := firstCome(s, o); len(v) != 1 || !strings.Contains(v[0], "took 4 units within it") {
+		t.Errorf("4 units of calls that began 30 ms after the refused one, its process answered before: %v, want first come broken", v)
+	}
+	o.firstReply = map[int]time.Duration{0: 1045 * ms, 1: 10 * ms}
+	if v := firstCome(s, o); len(v) != 0 {
+		t.Errorf("4 units of calls that began before the refused call's process had its first answer: %v, want no violation", v)
+	}
+	o.firstReply[0] = 500 * ms
+	if v := firstCome(s, o); len(v) != 1 {
+		t.Errorf("the refused call's process answered long before it began: %v, want first come broken", v)
+	}
+}

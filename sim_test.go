@@ -69,6 +69,9 @@ type outcome struct {
 	scripts  int  // EVALSHA and EVAL commands sent, NOSCRIPT fallbacks counted twice
 	cut      bool // cut short at -sim.for's end (simCut), and not judged
 	closes   []simClose
+	// firstReply is, per replica, when its client's first script call
+	// was answered (see outcome.asked).
+	firstReply map[int]time.Duration
 
 	refusals   []simRefusal // by a modelled vendor
 	otherCalls int          // its other consumer's
@@ -283,7 +286,7 @@ func run(s schedule) outcome {
 			// durably blocked), and miniredis has none to send.
 			MaintNotificationsConfig: &maintnotifications.Config{Mode: maintnotifications.ModeDisabled},
 		})
-		rep.rdb.AddHook(scriptCounter{w})
+		rep.rdb.AddHook(scriptCounter{w, i})
 		rep.lim.Store(rep.newLimiter(s.Policy, "sim"))
 		if s.Policy.Kind == "shared" {
 			rep.lim2 = rep.newLimiter(s.Policy, "sim-b")
@@ -730,27 +733,35 @@ type quietRedis struct{}
 
 func (quietRedis) Printf(context.Context, string, ...any) {}
 
-// scriptCounter counts the script calls a replica's client sends into its
-// world's outcome.
-type scriptCounter struct{ w *world }
+// scriptCounter counts the script calls replica i's client sends into its
+// world's outcome, and notes when the first was answered.
+type scriptCounter struct {
+	w *world
+	i int
+}
 
 func (scriptCounter) DialHook(next redis.DialHook) redis.DialHook { return next }
 
 func (h scriptCounter) ProcessHook(next redis.ProcessHook) redis.ProcessHook {
 	return func(ctx context.Context, cmd redis.Cmder) error {
-		h.count([]redis.Cmder{cmd})
-		return next(ctx, cmd)
+		n := h.count([]redis.Cmder{cmd})
+		err := next(ctx, cmd)
+		h.answered(n)
+		return err
 	}
 }
 
 func (h scriptCounter) ProcessPipelineHook(next redis.ProcessPipelineHook) redis.ProcessPipelineHook {
 	return func(ctx context.Context, cmds []redis.Cmder) error {
-		h.count(cmds)
-		return next(ctx, cmds)
+		n := h.count(cmds)
+		err := next(ctx, cmds)
+		h.answered(n)
+		return err
 	}
 }
 
-func (h scriptCounter) count(cmds []redis.Cmder) {
+// count adds the script calls among cmds to the outcome, and returns them.
+func (h scriptCounter) count(cmds []redis.Cmder) int {
 	n := 0
 	for _, c := range cmds {
 		if name := c.Name(); name == "evalsha" || name == "eval" {
@@ -761,5 +772,21 @@ func (h scriptCounter) count(cmds []redis.Cmder) {
 		h.w.mu.Lock()
 		h.w.o.scripts += n
 		h.w.mu.Unlock()
+	}
+	return n
+}
+
+// answered notes the replica's first script call answered, if n > 0.
+func (h scriptCounter) answered(n int) {
+	if n == 0 {
+		return
+	}
+	h.w.mu.Lock()
+	defer h.w.mu.Unlock()
+	if h.w.o.firstReply == nil {
+		h.w.o.firstReply = map[int]time.Duration{}
+	}
+	if _, ok := h.w.o.firstReply[h.i]; !ok {
+		h.w.o.firstReply[h.i] = h.w.since()
 	}
 }
