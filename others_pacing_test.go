@@ -19,7 +19,10 @@ import (
 // the counts come across it: the share grows to what the other consumer
 // asks in the first windows. Without pacing, 27-40 of the other
 // consumer's 60 calls of the last four seconds were refused, and 68-76 of
-// 96; with it, 0-6 of either (docs/TESTING.md has the runs).
+// 96; with it, 0-6 of either (docs/TESTING.md has the runs). A counter,
+// which keeps no entries to pace from, caps each bucket at four thirds of
+// its even share once half the limit in force is in the window: 4-24 of
+// either refused without, 0-2 with it.
 //
 // The bounds are the figures reached, not the 2% promised: the share is
 // measured a unit low now and then, and an even pace holds one call more
@@ -34,15 +37,18 @@ func TestOthers_AFleetStartingBesideTheOtherConsumerLeavesItsShare(t *testing.T)
 		length = 8 * window
 	)
 	for _, c := range []struct {
+		kind                     string
 		replicas, workers, other int
 		refused, used            float64 // the most of its calls refused, the least of what it leaves the fleet takes
 	}{
-		{2, 2, limit * 2 / 5, 0.1, 0.5},
-		{3, 4, limit / 4, 0.1, 0.5},
+		{"log", 2, 2, limit * 2 / 5, 0.1, 0.5},
+		{"log", 3, 4, limit / 4, 0.1, 0.5},
+		{"counter", 2, 2, limit * 2 / 5, 0.1, 0.5},
+		{"counter", 3, 4, limit / 4, 0.1, 0.5},
 	} {
-		t.Run(fmt.Sprintf("%d replicas of %d, another consumer spending %d", c.replicas, c.workers, c.other), func(t *testing.T) {
+		t.Run(fmt.Sprintf("a %s, %d replicas of %d, another consumer spending %d", c.kind, c.replicas, c.workers, c.other), func(t *testing.T) {
 			t.Parallel()
-			s := schedule{Seed: 1, Replicas: c.replicas, Workers: c.workers, Policy: simPolicy{Kind: "log", Limit: limit, Window: window},
+			s := schedule{Seed: 1, Replicas: c.replicas, Workers: c.workers, Policy: simPolicy{Kind: c.kind, Limit: limit, Window: window},
 				Mode: Block, OnError: FailClosed, Vendor: time.Millisecond, MaxCost: 1, Length: length, Classes: 1,
 				Model: &vendorModel{Counts: "sliding", At: "arrival", Report: "response", Other: c.other}}
 			for range c.replicas {

@@ -1179,11 +1179,31 @@ local function start_from(batch, call)
   return NEVER, false
 end
 
--- paced_all returns the earliest time >= t every paced log of rs allows.
-local function paced_all(rs, t)
+-- paced_all returns the earliest time >= t every paced log of rs allows,
+-- and every counter that leaves others a share, for cost more units.
+local function paced_all(rs, t, cost)
   local p = t
   for _, r in ipairs(rs) do
     local pace = r.pace
+    if r.share_per then
+      -- A counter keeps no entries to pace from: once half the limit in
+      -- force is in the window ending at a bucket, the bucket takes at
+      -- most share_per units (docs/PROTOCOL.md 3.11).
+      local width, counts, c = r.width, r.counts, units(r, cost)
+      local m, k = math.ceil(r.window / width), bucket_of(t, width)
+      local w = 0
+      for b = k - m, k do
+        w = w + (counts[b] or 0)
+      end
+      for _ = 0, m do
+        if 2 * w < r.limit or (counts[k] or 0) + c <= r.share_per then
+          p = math.max(p, k * width)
+          break
+        end
+        w = w + (counts[k + 1] or 0) - (counts[k - m] or 0)
+        k = k + 1
+      end
+    end
     if not pace and r.share_pace then
       -- A share's pace holds once half the limit in force is in the
       -- window: a few calls go at once (docs/PROTOCOL.md 3.11).
@@ -1229,7 +1249,7 @@ local function settle(call, t, moved)
       -- Paced once the rules agree, if the call may wait that long; they
       -- settle again within PACED_SCAN entries (docs/PROTOCOL.md 3.9).
       paces = paces - 1
-      local p = paced_all(call.rs, t)
+      local p = paced_all(call.rs, t, call.cost)
       if p > t and p - now <= call.maxwait then
         unpaced, t, moved = unpaced or t, p, true
         budget.left = math.min(budget.left, PACED_SCAN)

@@ -1206,6 +1206,9 @@ local function apply_limits(r)
       -- Once half of it is in the window, calls that may wait are spread
       -- over it, and the vendor's counts with them (docs/PROTOCOL.md 3.11).
       r.share_pace = math.floor(3 * (r.window - r.margin) / (4 * lim))
+    elseif r.kind == COUNTER and r.reserve > 0 and lim > 0 and not OFF.others_pacing then
+      -- A counter's bucket then takes at most four thirds of its even share.
+      r.share_per = math.ceil(4 * lim * r.width / (3 * r.window))
     end
   end
   set_limit(r, lim)
