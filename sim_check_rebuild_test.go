@@ -324,3 +324,30 @@ func TestSimCheck_FirstComeCountsFromAProcesssFirstAnswer(t *testing.T) {
 		t.Errorf("the refused call's process answered long before it began: %v, want first come broken", v)
 	}
 }
+
+// A higher priority waits for lower ones no more than one window's limit
+// and, for each window it waited, the tenth (a unit at least) each lower
+// class keeps (seed 601373: two lower classes of a limit of 5, a unit a
+// window each).
+func TestSimCheck_PrioritiesAllowEachLowerClassItsTenth(t *testing.T) {
+	const ms = time.Millisecond
+	s := schedule{Replicas: 2, Workers: 4, Policy: simPolicy{Kind: "counter", Limit: 5, Window: time.Second}, OnError: FailClosed, Mode: Queue,
+		Latency: []time.Duration{ms, ms}, Join: []time.Duration{0, 0}, Length: 6 * time.Second, Classes: 3}
+	calls := func(priority, lowerUnits int) outcome {
+		o := outcome{calls: []simCall{{replica: 0, priority: priority, began: 100 * ms, arrived: 4100 * ms, cost: 1}}}
+		for i := range lowerUnits {
+			o.calls = append(o.calls, simCall{replica: 1, priority: i % priority, began: 200 * ms, arrived: time.Duration(300+i*200) * ms, cost: 1})
+		}
+		return o
+	}
+	// 4 s waited: 5 windows, a unit each for each lower class.
+	if v := priorities(s, calls(2, 15)); len(v) != 0 {
+		t.Errorf("a call of priority 2 waited 4 s while its two lower classes took 15 units: %v, want no violation (5 + 2 × 5 allowed)", v)
+	}
+	if v := priorities(s, calls(2, 16)); len(v) != 1 {
+		t.Errorf("a call of priority 2 waited 4 s while its two lower classes took 16 units: %v, want priorities broken", v)
+	}
+	if v := priorities(s, calls(1, 11)); len(v) != 1 {
+		t.Errorf("a call of priority 1 waited 4 s while its one lower class took 11 units: %v, want priorities broken (5 + 5 allowed)", v)
+	}
+}

@@ -46,8 +46,10 @@ func (o outcome) asked(c simCall) time.Duration {
 // beyond one window's turn: while a call of a higher priority waited, the
 // calls of lower priorities that began after it (a round trip after, at
 // least) reached the vendor with at most a window's limit, and a tenth of
-// the limit for each window it waited (each class keeps a tenth, so that
-// none starves).
+// the limit (a unit at least) for each lower class and each window it
+// waited (each class keeps a tenth, so that none starves: seed 601373, a
+// counter of 5 a second, where the two classes below the waiting one kept
+// a unit a window each).
 func priorities(s schedule, o outcome) []string {
 	if !s.ordered() || s.ArrivalOrder || s.classes() < 2 {
 		return nil
@@ -57,7 +59,8 @@ func priorities(s schedule, o outcome) []string {
 			continue
 		}
 		waited := h.arrived - h.began
-		allowed := s.Policy.Limit + int(waited/s.Policy.Window+1)*max(s.Policy.Limit/10, 1)
+		lower := min(h.priority, s.classes()) // the classes below it: priorities 0 to h.priority-1
+		allowed := s.Policy.Limit + int(waited/s.Policy.Window+1)*lower*max(s.Policy.Limit/10, 1)
 		overtook := 0
 		for _, l := range o.calls {
 			if l.priority < h.priority && l.arrived != 0 && l.began > o.asked(h)+s.trip() && l.arrived < h.arrived {
