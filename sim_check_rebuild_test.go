@@ -251,6 +251,17 @@ func TestSimCheck_RecoveryIsNotAskedOfDeadlinesShorterThanARoundTrip(t *testing.
 	}
 }
 
+// firstComeSchedule returns the schedule the first come, first served
+// checker tests judge (two replicas 1 ms from Redis, Block, a log of 10 a
+// second, one class, deadlines of deadline), and the error of a call
+// refused for its deadline.
+func firstComeSchedule(deadline time.Duration) (schedule, error) {
+	const ms = time.Millisecond
+	s := schedule{Replicas: 2, Workers: 4, Policy: simPolicy{Kind: "log", Limit: 10, Window: time.Second}, OnError: FailClosed, Mode: Block,
+		Latency: []time.Duration{ms, ms}, Join: []time.Duration{0, 0}, Length: 3 * time.Second, Classes: 1, Deadline: deadline}
+	return s, &LimitedError{Reason: "the slot lies beyond the context's deadline"}
+}
+
 // First come, first served against deadlines: a call refused for its
 // deadline fails the check when calls that began a round trip after it
 // took more than its cost and a tenth of the limit before its deadline,
@@ -258,9 +269,7 @@ func TestSimCheck_RecoveryIsNotAskedOfDeadlinesShorterThanARoundTrip(t *testing.
 // design (seed 547751).
 func TestSimCheck_FirstComeAllowsTheDeadlineGuardsHalfMargin(t *testing.T) {
 	const ms = time.Millisecond
-	s := schedule{Replicas: 2, Workers: 4, Policy: simPolicy{Kind: "log", Limit: 10, Window: time.Second}, OnError: FailClosed, Mode: Block,
-		Latency: []time.Duration{ms, ms}, Join: []time.Duration{0, 0}, Length: 3 * time.Second, Classes: 1, Deadline: 50 * ms}
-	refused := &LimitedError{Reason: "the slot lies beyond the context's deadline"}
+	s, refused := firstComeSchedule(50 * ms)
 	calls := func(arrived time.Duration) outcome {
 		o := outcome{calls: []simCall{{replica: 0, began: 1000 * ms, end: 1002 * ms, err: refused, cost: 1}}}
 		for range 4 {
@@ -305,9 +314,7 @@ func TestSimCheck_RecoveryWaitsForAHotKeysQueue(t *testing.T) {
 // once its process has been answered, a call is judged from when it began.
 func TestSimCheck_FirstComeCountsFromAProcesssFirstAnswer(t *testing.T) {
 	const ms = time.Millisecond
-	s := schedule{Replicas: 2, Workers: 4, Policy: simPolicy{Kind: "log", Limit: 10, Window: time.Second}, OnError: FailClosed, Mode: Block,
-		Latency: []time.Duration{ms, ms}, Join: []time.Duration{0, 0}, Length: 3 * time.Second, Classes: 1, Deadline: 100 * ms}
-	refused := &LimitedError{Reason: "the slot lies beyond the context's deadline"}
+	s, refused := firstComeSchedule(100 * ms)
 	o := outcome{calls: []simCall{{replica: 0, began: 1000 * ms, end: 1050 * ms, err: refused, cost: 1}}}
 	for range 4 {
 		o.calls = append(o.calls, simCall{replica: 1, began: 1030 * ms, arrived: 1060 * ms, cost: 1})

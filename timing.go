@@ -163,8 +163,7 @@ func (k *timing) observe(began, redisNow, asked, recvd time.Duration) (back bool
 		if okA && off < -ahead-clockStep {
 			// Redis's clock is ahead of where it can be: it stepped forward,
 			// and windows measured by it end early.
-			k.steps++
-			k.stepBy, k.stepAt = -ahead-off, redisNow
+			k.stepped(-ahead-off, redisNow)
 		} else {
 			back = true
 		}
@@ -196,8 +195,14 @@ func (k *timing) hiddenStep(redisNow, lostAt, prev, asked, recvd time.Duration) 
 	}
 	k.mu.Lock()
 	defer k.mu.Unlock()
+	k.stepped(by, redisNow)
+}
+
+// stepped counts a forward step of Redis's clock by by, shown by a reply
+// at Redis time at (by the new clock); mu is held.
+func (k *timing) stepped(by, at time.Duration) {
 	k.steps++
-	k.stepBy, k.stepAt = by, redisNow
+	k.stepBy, k.stepAt = by, at
 }
 
 // keepTrip keeps the least round trip known before a reset at local time
