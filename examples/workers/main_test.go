@@ -1,6 +1,7 @@
 package main
 
 import (
+	"bytes"
 	"context"
 	"io"
 	"testing"
@@ -8,7 +9,8 @@ import (
 )
 
 func TestRun_SendsEveryJobUnderTheCap(t *testing.T) {
-	rep, err := run(context.Background(), config{Jobs: 60, Workers: 3, Tenants: 3, Limit: 30, TenantLimit: 12, Window: 500 * time.Millisecond}, io.Discard)
+	var out bytes.Buffer // the run's report, each job not sent with its error
+	rep, err := run(context.Background(), config{Jobs: 60, Workers: 3, Tenants: 3, Limit: 30, TenantLimit: 12, Window: 500 * time.Millisecond}, &out)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -16,7 +18,7 @@ func TestRun_SendsEveryJobUnderTheCap(t *testing.T) {
 		t.Errorf("submitted %d, sent %d, failed %d: a job went missing", rep.Submitted, rep.Sent, rep.Failed)
 	}
 	if rep.Failed != 0 || rep.OverCap != 0 {
-		t.Errorf("%d jobs failed and the provider saw %d over its cap", rep.Failed, rep.OverCap)
+		t.Errorf("%d jobs failed and the provider saw %d over its cap; the run's report:\n%s", rep.Failed, rep.OverCap, out.String())
 	}
 }
 
