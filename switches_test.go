@@ -268,7 +268,9 @@ func TestSwitches_EachBreaksItsTest(t *testing.T) {
 // throttle_switches, and runs both with THROTTLE_OFF=breaker,epochs. Only
 // the tagged build turns them off; the other keeps both, and warns once
 // that THROTTLE_OFF has no effect: what reads it is not even linked in.
+// It compiles the package twice: heavy.
 func TestSwitches_AProgramBuiltWithoutTheTagIgnoresThem(t *testing.T) {
+	heavy(t)
 	t.Parallel() // builds and runs another program
 	for _, tagged := range []bool{false, true} {
 		t.Run(fmt.Sprintf("tagged=%v", tagged), func(t *testing.T) {
