@@ -53,7 +53,7 @@ if meta or learn or pause > 0 and KEYS[2] == KEYS[1] then
   meta, dirty, found = check_loss(meta, now, known, rs, policy_span)
 end
 dirty = dirty or lag_changed
-read_caps(rs, meta, now)
+limits_in_force(rs, meta, now, true)
 -- Blind rules measure no others, and a count may rebuild them (rebuild).
 for _, r in ipairs(rs) do
   blind.read(r, meta, now)

@@ -50,7 +50,7 @@ local function rules()
     if r.kind ~= CONCURRENCY then
       r.lease = nil
     end
-    -- conf and conf_interval stay as configured: a learned cap (read_caps)
+    -- conf and conf_interval stay as configured: a learned cap (limits_in_force)
     -- and the Local fallback's reserve may lower limit and interval.
     r.conf, r.conf_interval = r.limit, r.interval
     rs[i] = r
@@ -156,7 +156,7 @@ local META_REFRESH = 24 * 3600 * 1000000
 --   seq             the acquire scripts run in this epoch (see check_seq);
 --   hold, hold_until  a spread held until then (see Holds);
 --   next_hold, next_until  the hold that follows when hold_until passes;
---   caps_until      until then, a rule may have a cap or share (read_caps);
+--   caps_until      until then, a rule may have a cap or share (limits_in_force);
 --   classes_until   until then, a rule may hold class shares (acquire.lua);
 --   warm_until      the quota warms up until then (see Warming up);
 --   warm_held       until then, the calls admitted at once while it warmed
@@ -1192,9 +1192,13 @@ local function others_reserve(o, base)
   return share + math.min(math.floor(share / 16) + 1, math.max(math.floor((base - share) / 2), 1))
 end
 
--- apply_limits makes r.limit the cap or configured limit less r.reserve,
--- what base leaves others; r.spare is the reserve beyond their share.
-local function apply_limits(r)
+-- apply_limits sets rule r's limit in force, the one place it is made:
+-- the cap or configured limit, less r.reserve, what the vendor's limit
+-- leaves others (r.spare the part of it beyond their share); then, given
+-- `share` > 1 (the replicas that may still decide on the Local fallback),
+-- 1/share of it, r.whole keeping the limit before (docs/PROTOCOL.md 3.10,
+-- 3.11, 6.8).
+local function apply_limits(r, share)
   local lim = r.cap and r.cap.lim or r.conf
   r.reserve, r.spare = 0, 0
   if r.oth and r.kind ~= BUCKET then
@@ -1212,16 +1216,31 @@ local function apply_limits(r)
     end
   end
   set_limit(r, lim)
+  if share then
+    r.whole = { limit = r.limit, interval = r.interval }
+    r.limit = math.max(math.floor(r.limit / share), 1)
+    if r.kind == BUCKET then
+      -- A share of the rate and of the burst: a longer interval alone
+      -- would lengthen the burst's span with it.
+      r.interval = r.interval * share
+    end
+  end
 end
 
--- read_caps applies the learned caps and the others' shares of rules rs,
--- when the meta says some rule of the quota may have one.
-local function read_caps(rs, m, now)
-  if not m or m.caps_until <= now then
-    return
+-- limits_in_force reads the learned caps and the others' shares of rules
+-- rs, when the meta says some rule of the quota may have one, and sets
+-- each rule's limit in force (apply_limits): with the Local fallback's
+-- reserve unless whole. feedback.lua asks for the whole limits: the vendor
+-- counts the fallback's calls too. It returns whether the reserve is in
+-- force.
+local function limits_in_force(rs, m, now, whole)
+  local caps = m and m.caps_until > now
+  local share = not whole and m and m.reserved_until > now and m.reserved_share > 1 and not OFF.reserve and m.reserved_share
+  if not caps and not share then
+    return false
   end
   for _, r in ipairs(rs) do
-    if r.kind ~= CONCURRENCY then
+    if caps and r.kind ~= CONCURRENCY then
       local v = redis.call('GET', r.key .. ':cap')
       local lim, at, from, nxt, step, rest
       if v then
@@ -1239,34 +1258,12 @@ local function read_caps(rs, m, now)
         others_share(r, o, now)
         r.oth = o
       end
-      if r.cap or r.oth then
-        apply_limits(r)
-      end
+    end
+    if r.cap or r.oth or share then
+      apply_limits(r, share)
     end
   end
-end
-
--- limits_in_force sets the limit in force of each rule of rs: its learned
--- cap and what it leaves others (read_caps), then, while replicas on the
--- Local fallback may still decide within 1/n each, the share none of them
--- takes (docs/PROTOCOL.md 3.10, 6.8). r.whole keeps the limit before that
--- share. It returns whether the share is reserved. feedback.lua reads the
--- caps alone: the vendor counts the whole limit, the fallback's calls too.
-local function limits_in_force(rs, m, now)
-  read_caps(rs, m, now)
-  if not m or m.reserved_until <= now or m.reserved_share <= 1 or OFF.reserve then
-    return false
-  end
-  for _, r in ipairs(rs) do
-    r.whole = { limit = r.limit, interval = r.interval }
-    r.limit = math.max(math.floor(r.limit / m.reserved_share), 1)
-    if r.kind == BUCKET then
-      -- A share of the rate and of the burst: a longer interval alone
-      -- would lengthen the burst's span with it.
-      r.interval = r.interval * m.reserved_share
-    end
-  end
-  return true
+  return share and true or false
 end
 
 -- write_limits keeps rule r's cap and others' share, or drops the key when

@@ -16,7 +16,7 @@
 --   next       µs until one more unit fits, 0 when one fits now;
 --   margin     the margin in force in µs (0 for a rule with none);
 --   limit      the limit in force: the configured one or a learned cap
---              (read_caps in lib.lua), less the others' share;
+--              (limits_in_force in lib.lua), less the others' share;
 --   others     the units per window it leaves the vendor's other consumers
 --              (others_reserve in lib.lua).
 
