@@ -369,6 +369,11 @@ func (l *Limiter) news(channel, payload string) {
 	case protocol.NewsLowered:
 		if ofGroup || l.ofEpoch(f[1]) {
 			l.noteLowered(us(a))
+			// A share may have risen: this process's counts measure the
+			// others too, though no reply of its own said so (see tell).
+			if !isOff(offLoweredMeasure) {
+				l.measureOthers()
+			}
 		}
 	case protocol.NewsRoom:
 		if (ofGroup || l.ofEpoch(f[1])) && l.named(f[4:]) {

@@ -369,6 +369,48 @@ func TestOthers_ACountThatTeachesMeasuresThemToo(t *testing.T) {
 	})
 }
 
+// A process passes on the vendor's counts that say more is left than it
+// believed only while it measures the others (tell), and it learns that a
+// rule keeps their share from its own replies. News that a limit in force
+// dropped (a share rose, a cap was learned) makes every process measure:
+// else a share measured by one replica lapses when that replica is cut off
+// from Redis, the others' counts being saved, and the other consumer is
+// refused for windows (the simulation's seed 613919, 30 runs in 40). Off
+// (lowered_measures): b never measures.
+func TestOthers_EveryProcessMeasuresOnceALimitDrops(t *testing.T) {
+	redistest.Each(t, func(t *testing.T, s *redistest.Server) {
+		ctx := context.Background()
+		policy := policies.SlidingLog{Limit: 10, Window: 10 * time.Second}
+		rdb := s.Client(t)
+		a := newLimiter(t, rdb, policy, Options{Mode: FailFast})
+		b := newLimiter(t, s.Client(t), policy, Options{Mode: FailFast})
+		pa, err := a.Acquire(ctx)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if _, err := b.Acquire(ctx); err != nil {
+			t.Fatal(err)
+		}
+		waitSubscribed(t, rdb, a, 2)
+		if b.measuringOthers() {
+			t.Fatal("b measures the others before any count")
+		}
+		// The vendor counted the fleet's 2 and 6 of others': a's count
+		// measures them, and the limit in force drops.
+		if _, _, err := pa.Heard(ctx, Answer{Status: http.StatusOK, Requests: &Count{Remaining: 2, Limit: 10}}); err != nil {
+			t.Fatal(err)
+		}
+		u, err := a.Usage(ctx)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if u.Rules[0].Others < 6 {
+			t.Fatalf("the quota leaves others %d, want 6 and a spare", u.Rules[0].Others)
+		}
+		waitFor(t, b.measuringOthers, "b measuring the others after the drop")
+	})
+}
+
 // A measure of the others that reaches all the room the limit in force
 // left them (their share and its spare) does not say how much more they
 // asked: the vendor refused it and counts none of it. The share doubles

@@ -164,6 +164,7 @@ var switchBreaks = map[mechanism][]string{
 	offKeepTurn:       {"^TestPlace_ALateCallTakesTheSlotOfACallThatAskedAfterIt$"},
 	offConcRefusals:   {"^TestTransport_AConcurrencyRefusalGoesToTheConcurrencyRule$"},
 	offLearnMeasures:  {"^TestOthers_ACountThatTeachesMeasuresThemToo$"},
+	offLoweredMeasure: {"^TestOthers_EveryProcessMeasuresOnceALimitDrops$"},
 	"spread_margins":  {"^TestMargin_FollowsTheFleetsSpread$"},
 	"bucket_margin":   {"^TestGuard_TokenBucketLateReplyBooksAgain$"},
 	"holds":           {"^TestMargin_NarrowsWhileTheFleetBooksAhead$"},
