@@ -92,22 +92,33 @@ func run(ctx context.Context, cfg config, out io.Writer) (report, error) {
 	fmt.Fprintf(out, "sending %d messages for %d tenants through %d workers; provider cap %d per %v, %d per tenant\n",
 		cfg.Jobs, cfg.Tenants, cfg.Workers, cfg.Limit, cfg.Window, cfg.TenantLimit)
 	rep := report{PerTenant: map[string]int{}}
-	futures := submit(ctx, cfg, workers, provider, &rep)
+	jobs := submit(ctx, cfg, workers, provider, &rep)
 
-	// Stop taking jobs, and let every queue drain.
+	// Wait for every job. A queued call fails only when the quota cannot
+	// take it (ErrLimited: its every slot came too late on a machine this
+	// slow, say): the job goes again after the wait the error gives, as a
+	// job runner would, a few times at most.
+	for _, j := range jobs {
+		_, err := j.sent.Wait()
+		var limited *throttle.LimitedError
+		for again := 0; again < 3 && errors.As(err, &limited); again++ {
+			time.Sleep(limited.RetryAfter)
+			_, err = j.send().Wait()
+		}
+		if err != nil {
+			rep.Failed++
+			fmt.Fprintln(out, "not sent:", err)
+		} else {
+			rep.Sent++
+		}
+	}
+
+	// Stop taking jobs; every queue has drained.
 	drain, cancel := context.WithTimeout(context.Background(), time.Minute)
 	defer cancel()
 	for _, lim := range workers {
 		if err := lim.Close(drain); err != nil {
 			fmt.Fprintln(out, "drain:", err)
-		}
-	}
-	for _, f := range futures {
-		if _, err := f.Wait(); err != nil {
-			rep.Failed++
-			fmt.Fprintln(out, "not sent:", err)
-		} else {
-			rep.Sent++
 		}
 	}
 	rep.OverCap = provider.Stats().OverCap
@@ -142,14 +153,21 @@ func newWorkers(opt *redis.Options, cfg config) ([]*throttle.Limiter, func(), er
 	return workers, closeAll, nil
 }
 
+// job is one message handed to a worker: its future, and how to hand it
+// over again.
+type job struct {
+	sent *throttle.Future[string]
+	send func() *throttle.Future[string]
+}
+
 // submit hands cfg.Jobs messages to the workers in turn until ctx ends, and
-// returns their futures.
-func submit(ctx context.Context, cfg config, workers []*throttle.Limiter, provider *fakeapi.Vendor, rep *report) []*throttle.Future[string] {
+// returns them.
+func submit(ctx context.Context, cfg config, workers []*throttle.Limiter, provider *fakeapi.Vendor, rep *report) []job {
 	var mu sync.Mutex
-	var futures []*throttle.Future[string]
+	var jobs []job
 	// A signal stops the submitting, not the jobs already queued: they run
 	// with a context the signal does not cancel, and drain on Close.
-	jobs := context.WithoutCancel(ctx)
+	queued := context.WithoutCancel(ctx)
 	for i := range cfg.Jobs {
 		if ctx.Err() != nil {
 			break
@@ -170,10 +188,13 @@ func submit(ctx context.Context, cfg config, workers []*throttle.Limiter, provid
 			return tenant, nil
 		}
 		lim := workers[i%len(workers)]
-		futures = append(futures, throttle.Go(jobs, lim, send, throttle.Key(tenant), throttle.Priority(priority)))
+		again := func() *throttle.Future[string] {
+			return throttle.Go(queued, lim, send, throttle.Key(tenant), throttle.Priority(priority))
+		}
+		jobs = append(jobs, job{sent: again(), send: again})
 		rep.Submitted++
 	}
-	return futures
+	return jobs
 }
 
 // printReport writes what each tenant sent, and the run's totals.
