@@ -29,16 +29,6 @@ func long(t testing.TB) {
 	}
 }
 
-// heavy skips a test that takes seconds of both cores (it builds a
-// program) unless CI=true or THROTTLE_LONG=1: .ci/run runs it in its race
-// run, with CI=true, and a plain go test ./... leaves it out.
-func heavy(t testing.TB) {
-	t.Helper()
-	if !longRun() && os.Getenv("CI") != "true" {
-		t.Skip("heavy test: run it with THROTTLE_LONG=1 or CI=true (as .ci/run does)")
-	}
-}
-
 // figureWithoutRace skips a long test under -race: its figures (a margin
 // or a cap over many windows of a given clock) take the race detector half
 // a minute of CPU each to replay, and the paths it runs are raced by the

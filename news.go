@@ -371,7 +371,7 @@ func (l *Limiter) news(channel, payload string) {
 			l.noteLowered(us(a))
 			// A share may have risen: this process's counts measure the
 			// others too, though no reply of its own said so (see tell).
-			if !isOff(offLoweredMeasure) {
+			if !isOff(offLoweredMeasures) {
 				l.measureOthers()
 			}
 		}

@@ -29,32 +29,32 @@ type mechanism string
 
 // The mechanisms decided in Go.
 const (
-	offSleepToSlot    mechanism = "sleep_to_slot"    // waiter.go sleepToSlot: sleep the wait from the reply instead
-	offGuard          mechanism = "guard"            // waiter.go late: no call is too late
-	offDoubt          mechanism = "doubt"            // timing.go unsure: no doubt after a clock step
-	offLeads          mechanism = "leads"            // waiter.go wait: a late reply books from now, not ahead
-	offSpares         mechanism = "spares"           // spare.go mayPool: no spare admissions
-	offBatches        mechanism = "batches"          // batch.go take: one call per script call
-	offAbandon        mechanism = "abandon"          // batch.go abandon: given back at once, holding the lane
-	offNews           mechanism = "news"             // news.go listen: no subscription to the quota's channel
-	offBreaker        mechanism = "breaker"          // breaker.go allow: every call asks Redis
-	offAskTimeout     mechanism = "ask_timeout"      // batch.go askDeadline: the timeout runs from the call's own script call
-	offQueuedFailures mechanism = "queued_failures"  // batch.go failedWhileQueued: a queued call waits its own timeout
-	offHandBack       mechanism = "hand_back"        // decide.go handBack: Redis is not told of the fallback's calls
-	offForwardSteps   mechanism = "forward_steps"    // batch.go newStep: a forward step is not told to the script
-	offStepEpoch      mechanism = "step_epoch"       // batch.go stepUntold: only the reply that shows a step is stale
-	offHiddenSteps    mechanism = "hidden_steps"     // timing.go hiddenStep: a step forward after a step back, both after a process's last reply, is not counted
-	offLoweredEpoch   mechanism = "lowered_epoch"    // view.go noteEpoch: a limit lowered before a new epoch stays in force for its bookings
-	offMoves          mechanism = "moves"            // move.go movable: room given back moves no sleeping call
-	offRebookLowered  mechanism = "rebook_lowered"   // view.go overtaken: a call booked before a limit dropped keeps its slot
-	offKeepPlace      mechanism = "keep_place"       // one of luaMechanisms, read in Go too: decide.go keepPlace, keptAsBooked
-	offLearnMeasures  mechanism = "learn_measures"   // feedback.go tell: an answer that teaches a cap or a pause measures no others' share
-	offLoweredMeasure mechanism = "lowered_measures" // news.go news: a process whose replies never said a rule keeps a share saves its counts after a drop
-	offSpreadParts    mechanism = "spread_parts"     // throttle.go New: a policies.Spread's parts are dropped
-	offEndedAtSlot    mechanism = "ended_at_slot"    // waiter.go endedAtSlot: a call whose context ended as it woke keeps its slot
-	offUnsent         mechanism = "unsent"           // transport.go failed: a request given no connection keeps its units
-	offDeadlineGuard  mechanism = "deadline_guard"   // waiter.go untilDeadline: a slot may lie up to the context's deadline
-	offKeepTurn       mechanism = "keep_turn"        // waiter.go keepTurn: a late call books again behind the calls that asked after it
+	offSleepToSlot     mechanism = "sleep_to_slot"    // waiter.go sleepToSlot: sleep the wait from the reply instead
+	offGuard           mechanism = "guard"            // waiter.go late: no call is too late
+	offDoubt           mechanism = "doubt"            // timing.go unsure: no doubt after a clock step
+	offLeads           mechanism = "leads"            // waiter.go wait: a late reply books from now, not ahead
+	offSpares          mechanism = "spares"           // spare.go mayPool: no spare admissions
+	offBatches         mechanism = "batches"          // batch.go take: one call per script call
+	offAbandon         mechanism = "abandon"          // batch.go abandon: given back at once, holding the lane
+	offNews            mechanism = "news"             // news.go listen: no subscription to the quota's channel
+	offBreaker         mechanism = "breaker"          // breaker.go allow: every call asks Redis
+	offAskTimeout      mechanism = "ask_timeout"      // batch.go askDeadline: the timeout runs from the call's own script call
+	offQueuedFailures  mechanism = "queued_failures"  // batch.go failedWhileQueued: a queued call waits its own timeout
+	offHandBack        mechanism = "hand_back"        // decide.go handBack: Redis is not told of the fallback's calls
+	offForwardSteps    mechanism = "forward_steps"    // batch.go newStep: a forward step is not told to the script
+	offStepEpoch       mechanism = "step_epoch"       // batch.go stepUntold: only the reply that shows a step is stale
+	offHiddenSteps     mechanism = "hidden_steps"     // timing.go hiddenStep: a step forward after a step back, both after a process's last reply, is not counted
+	offLoweredEpoch    mechanism = "lowered_epoch"    // view.go noteEpoch: a limit lowered before a new epoch stays in force for its bookings
+	offMoves           mechanism = "moves"            // move.go movable: room given back moves no sleeping call
+	offRebookLowered   mechanism = "rebook_lowered"   // view.go overtaken: a call booked before a limit dropped keeps its slot
+	offKeepPlace       mechanism = "keep_place"       // one of luaMechanisms, read in Go too: decide.go keepPlace, keptAsBooked
+	offLearnMeasures   mechanism = "learn_measures"   // feedback.go tell: an answer that teaches a cap or a pause measures no others' share
+	offLoweredMeasures mechanism = "lowered_measures" // news.go news: a process whose replies never said a rule keeps a share saves its counts after a drop
+	offSpreadParts     mechanism = "spread_parts"     // throttle.go New: a policies.Spread's parts are dropped
+	offEndedAtSlot     mechanism = "ended_at_slot"    // waiter.go endedAtSlot: a call whose context ended as it woke keeps its slot
+	offUnsent          mechanism = "unsent"           // transport.go failed: a request given no connection keeps its units
+	offDeadlineGuard   mechanism = "deadline_guard"   // waiter.go untilDeadline: a slot may lie up to the context's deadline
+	offKeepTurn        mechanism = "keep_turn"        // waiter.go keepTurn: a late call books again behind the calls that asked after it
 
 	// feedback.go Heard: a refusal about calls in flight pauses, as any other.
 	offConcRefusals mechanism = "concurrency_refusals"
@@ -109,7 +109,7 @@ var luaMechanisms = []mechanism{
 // goMechanisms are the mechanisms decided in Go.
 var goMechanisms = []mechanism{
 	offSleepToSlot, offGuard, offDoubt, offLeads, offSpares, offBatches, offAbandon,
-	offNews, offBreaker, offAskTimeout, offQueuedFailures, offHandBack, offForwardSteps, offStepEpoch, offHiddenSteps, offLoweredEpoch, offMoves, offRebookLowered, offLearnMeasures, offLoweredMeasure,
+	offNews, offBreaker, offAskTimeout, offQueuedFailures, offHandBack, offForwardSteps, offStepEpoch, offHiddenSteps, offLoweredEpoch, offMoves, offRebookLowered, offLearnMeasures, offLoweredMeasures,
 	offConcRefusals, offSpreadParts, offEndedAtSlot, offUnsent, offDeadlineGuard, offKeepTurn,
 }
 

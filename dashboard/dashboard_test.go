@@ -353,14 +353,11 @@ func TestPage_RendersInChromium(t *testing.T) {
 }
 
 // chromium returns the browser's binary, or skips the test without one
-// (fails it when CI=true). The browser takes seconds of both cores to
-// start, three times: the test runs with CI=true or THROTTLE_LONG=1 (as
-// .ci/run sets them), and is left out of a plain go test ./... .
+// (fails it when CI=true). The test is heavy: it starts the browser three
+// times.
 func chromium(t *testing.T) string {
 	t.Helper()
-	if long, _ := strconv.ParseBool(os.Getenv("THROTTLE_LONG")); !long && os.Getenv("CI") != "true" {
-		t.Skip("browser test: run it with THROTTLE_LONG=1 or CI=true (as .ci/run does)")
-	}
+	redistest.Heavy(t, "it starts a browser three times")
 	for _, name := range []string{"/usr/bin/chromium", "chromium", "chromium-browser"} {
 		if p, err := exec.LookPath(name); err == nil {
 			return p

@@ -166,7 +166,7 @@ func submit(ctx context.Context, cfg config, workers []*throttle.Limiter, provid
 	var mu sync.Mutex
 	var jobs []job
 	// A signal stops the submitting, not the jobs already queued: they run
-	// with a context the signal does not cancel, and drain on Close.
+	// with a context the signal does not cancel, and run sees each done.
 	queued := context.WithoutCancel(ctx)
 	for i := range cfg.Jobs {
 		if ctx.Err() != nil {

@@ -89,6 +89,17 @@ type Server struct {
 	proc *proc    // nil while the server is down
 }
 
+// Heavy skips a test that takes seconds of both cores (what says why: a
+// program built, a browser started, clusters started and stopped) unless
+// CI=true or THROTTLE_LONG=1: .ci/run runs it, and a plain go test ./...
+// leaves it out.
+func Heavy(tb testing.TB, what string) {
+	tb.Helper()
+	if long, _ := strconv.ParseBool(os.Getenv("THROTTLE_LONG")); !long && os.Getenv("CI") != "true" {
+		tb.Skipf("heavy test (%s): run it with THROTTLE_LONG=1 or CI=true (as .ci/run does)", what)
+	}
+}
+
 // Real starts a fresh redis-server on a free 127.0.0.1 port with no
 // persistence and its own temp dir, waits until it answers PING, and kills
 // and reaps it at tb.Cleanup. It skips the test when redis-server is not on

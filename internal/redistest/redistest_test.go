@@ -353,14 +353,11 @@ func runFake(t *testing.T, fn func(tb testing.TB)) *fakeTB {
 }
 
 // harness skips a test of the harness's own clusters and sentinels (5 s
-// each of servers started and stopped) unless CI=true or THROTTLE_LONG=1:
-// .ci/run runs them; the README's test command, whose tests use the same
-// starts, leaves them out.
+// each of servers started and stopped) as Heavy does: the README's test
+// command, whose tests use the same starts, leaves them out.
 func harness(t *testing.T) {
 	t.Helper()
-	if os.Getenv("CI") != "true" && os.Getenv("THROTTLE_LONG") != "1" {
-		t.Skip("a test of the harness's clusters and sentinels: set CI=true or THROTTLE_LONG=1")
-	}
+	Heavy(t, "the harness's own clusters and sentinels")
 }
 
 func TestStartCluster(t *testing.T) {
