@@ -149,10 +149,9 @@ var pausesOfEveryCause = []struct {
 // loss of Redis's data (miniredis alone can step its clock).
 func TestPause_AForwardStepNamesTheClock(t *testing.T) {
 	s := redistest.Mini(t)
-	t0 := time.Now()
-	s.Mini.SetTime(t0)
+	s.SetClock(0)
 	lim := causeLimiter(t, s.Client(t), "forward", policies.SlidingLog{Limit: 10, Window: time.Minute}, nil)
-	s.Mini.SetTime(t0.Add(30 * time.Second))
+	s.SetClock(30 * time.Second)
 	_, err := lim.Acquire(context.Background())
 	var le *LimitedError
 	if !errors.As(err, &le) || le.PausedBy != PausedByClock || !strings.Contains(le.Reason, "clock stepped") {

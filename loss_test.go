@@ -321,8 +321,7 @@ func TestDeploy_ChangedPolicyTakesOverCleanly(t *testing.T) {
 // margin is treated as a loss. Only miniredis can step its clock.
 func TestClockStep_ForwardStepCountsAsALoss(t *testing.T) {
 	s := redistest.Mini(t)
-	t0 := time.Now()
-	s.Mini.SetTime(t0)
+	s.SetClock(0)
 	lim := newLimiter(t, s.Client(t), policies.SlidingLog{Limit: 10, Window: time.Minute}, Options{Logger: quiet()})
 	ctx := context.Background()
 	if d, _ := lim.Allow(ctx, Cost(10)); !d.OK {
@@ -332,7 +331,7 @@ func TestClockStep_ForwardStepCountsAsALoss(t *testing.T) {
 		t.Fatal("a call over the limit admitted")
 	}
 	// Redis's clock jumps past the window: by it, the window is empty.
-	s.Mini.SetTime(t0.Add(61 * time.Second))
+	s.SetClock(61 * time.Second)
 	d, err := lim.Allow(ctx, Cost(10))
 	// Full for a window: refused as late (every reply stale, the step never
 	// counted) would ask to retry at once.
@@ -349,14 +348,13 @@ func TestClockStep_ForwardStepCountsAsALoss(t *testing.T) {
 // miniredis can step its clock.
 func TestClockStep_BackwardStepCountsAsALoss(t *testing.T) {
 	s := redistest.Mini(t)
-	t0 := time.Now()
-	s.Mini.SetTime(t0)
+	s.SetClock(0)
 	lim := newLimiter(t, s.Client(t), policies.SlidingLog{Limit: 10, Window: time.Minute}, Options{Logger: quiet()})
 	ctx := context.Background()
 	if d, _ := lim.Allow(ctx, Cost(10)); !d.OK {
 		t.Fatal("first call refused")
 	}
-	s.Mini.SetTime(t0.Add(-time.Hour))
+	s.SetClock(-time.Hour)
 	d, err := lim.Allow(ctx)
 	if err != nil || d.OK {
 		t.Fatalf("after the clock stepped an hour back: %+v, %v; want refused, the quota counting as full", d, err)
@@ -374,8 +372,7 @@ func TestClockStep_BackwardStepCountsAsALoss(t *testing.T) {
 // window by a step long past.
 func TestClockStep_ToldByTheLimitersThatLivedThroughIt(t *testing.T) {
 	s := redistest.Mini(t)
-	t0 := time.Now()
-	s.Mini.SetTime(t0)
+	s.SetClock(0)
 	policy := policies.SlidingLog{Limit: 10, Window: time.Minute}
 	ctx := context.Background()
 	mk := func(name string) *Limiter {
@@ -391,7 +388,7 @@ func TestClockStep_ToldByTheLimitersThatLivedThroughIt(t *testing.T) {
 			t.Fatalf("%s before the step: %+v, %v", l.Name(), d, err)
 		}
 	}
-	s.Mini.SetTime(t0.Add(61 * time.Second))
+	s.SetClock(61 * time.Second)
 	// a's reply shows the step, and a tells its quota.
 	if d, err := a.Allow(ctx); err != nil || d.OK {
 		t.Errorf("a after the step: %+v, %v; want refused, its quota counting as full", d, err)
@@ -854,8 +851,7 @@ func TestLocal_ACallBegunAfterTheChargesMakesTheHandBackTryAgain(t *testing.T) {
 // answered after it, read windows the step had ended early.
 func TestClockStep_AReplyAnsweredAfterAnotherShowedTheStepIsStale(t *testing.T) {
 	s := redistest.Mini(t)
-	t0 := time.Now()
-	s.Mini.SetTime(t0)
+	s.SetClock(0)
 	rdb := s.Client(t)
 	var hold atomic.Bool
 	ran, release := make(chan struct{}), make(chan struct{})
@@ -877,7 +873,7 @@ func TestClockStep_AReplyAnsweredAfterAnotherShowedTheStepIsStale(t *testing.T) 
 			t.Fatalf("%s before the step: %+v, %v", l.Name(), d, err)
 		}
 	}
-	s.Mini.SetTime(t0.Add(2 * time.Minute)) // past the window and its margin
+	s.SetClock(2 * time.Minute) // past the window and its margin
 	hold.Store(true)
 	got := make(chan Decision, 1)
 	go func() {

@@ -232,15 +232,18 @@ func (s schedule) plan(rng *rand.Rand, k uint64) simPlan {
 
 // settle tells the limiter what the vendor counted of call p, as a user
 // settles an estimate once the answer says what it cost.
-func (s schedule) settle(ctx context.Context, p simPlan) {
+func (s schedule) settle(ctx context.Context, p simPlan) int {
 	if s.Settle == "" {
-		return
+		return p.a.cost
 	}
 	cost := Cost(p.a.actual)
 	if s.Policy.Kind == "units" {
 		cost = CostIn("out", p.a.actual)
 	}
-	_ = PermitFrom(ctx).Settle(ctx, cost)
+	if PermitFrom(ctx).Settle(ctx, cost) != nil {
+		return p.a.cost
+	}
+	return p.a.actual
 }
 
 // unitsPolicy is the units kind's: a limit of calls, and one of each of

@@ -109,6 +109,7 @@ type simCall struct {
 	err        error
 	priority   int
 	cost       int
+	counted    int           // what the vendor counted of it: its cost, or what it settled at
 	arrived    time.Duration // when it reached the vendor; 0 if it did not
 }
 
@@ -519,12 +520,12 @@ func (r *simReplica) call(version context.Context, rng *rand.Rand, k uint64, opt
 				return struct{}{}, err
 			}
 			c.fnEnd = r.w.since()
-			s.settle(ctx, p)
+			c.counted = s.settle(ctx, p)
 			return struct{}{}, nil
 		}
 		r.w.arrive(p.a, hold)
 		c.fnEnd = r.w.since()
-		s.settle(ctx, p)
+		c.counted = s.settle(ctx, p)
 		return struct{}{}, nil
 	}, p.opts...)
 	unwatch()

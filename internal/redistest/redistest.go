@@ -11,6 +11,7 @@
 package redistest
 
 import (
+	"context"
 	"errors"
 	"fmt"
 	"net"
@@ -87,6 +88,71 @@ type Server struct {
 	port int
 	args []string // extra config flags, e.g. cluster mode
 	proc *proc    // nil while the server is down
+
+	clock miniClock // miniredis's running clock, once SetClock set it
+}
+
+// miniClock is a miniredis clock that runs: the real clock plus a shift,
+// set on the server as each command of s.Client's clients is sent.
+type miniClock struct {
+	mu    sync.Mutex
+	on    bool
+	shift time.Duration
+	last  time.Time // the latest time set: the clock never goes back by a race of two senders
+}
+
+// SetClock makes miniredis's clock the real one plus shift, read as each
+// command of a client from s.Client is sent: a server whose clock stepped
+// by shift and still runs. miniredis.SetTime stops the clock instead, so
+// that a process whose calls come a millisecond apart (a machine busy with
+// a race run) reads Redis's clock as gone back. shift may be negative.
+func (s *Server) SetClock(shift time.Duration) {
+	if s.Mini == nil {
+		panic("redistest: SetClock on a real server")
+	}
+	s.clock.mu.Lock()
+	defer s.clock.mu.Unlock()
+	s.clock.on, s.clock.shift, s.clock.last = true, shift, time.Time{}
+	s.clock.setLocked(s.Mini)
+}
+
+// setLocked sets m's time by the clock; c.mu is held.
+func (c *miniClock) setLocked(m *miniredis.Miniredis) {
+	if !c.on {
+		return
+	}
+	t := time.Now().Add(c.shift)
+	if t.Before(c.last) {
+		t = c.last
+	}
+	c.last = t
+	m.SetTime(t)
+}
+
+// tick sets m's time by the clock, if SetClock set one.
+func (c *miniClock) tick(m *miniredis.Miniredis) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	c.setLocked(m)
+}
+
+// clockHook sets a miniredis's running clock before each command is sent.
+type clockHook struct{ s *Server }
+
+func (h clockHook) DialHook(next redis.DialHook) redis.DialHook { return next }
+
+func (h clockHook) ProcessHook(next redis.ProcessHook) redis.ProcessHook {
+	return func(ctx context.Context, cmd redis.Cmder) error {
+		h.s.clock.tick(h.s.Mini)
+		return next(ctx, cmd)
+	}
+}
+
+func (h clockHook) ProcessPipelineHook(next redis.ProcessPipelineHook) redis.ProcessPipelineHook {
+	return func(ctx context.Context, cmds []redis.Cmder) error {
+		h.s.clock.tick(h.s.Mini)
+		return next(ctx, cmds)
+	}
 }
 
 // Heavy skips a test that takes seconds of both cores (what says why: a
@@ -139,6 +205,9 @@ func Each(t *testing.T, fn func(t *testing.T, s *Server)) {
 func (s *Server) Client(tb testing.TB) *redis.Client {
 	tb.Helper()
 	c := redis.NewClient(&redis.Options{Addr: s.Addr})
+	if s.Mini != nil {
+		c.AddHook(clockHook{s})
+	}
 	tb.Cleanup(func() { _ = c.Close() })
 	return c
 }
