@@ -341,9 +341,9 @@ func TestSimCheck_PrioritiesAllowEachLowerClassItsTenth(t *testing.T) {
 	s := schedule{Replicas: 2, Workers: 4, Policy: simPolicy{Kind: "counter", Limit: 5, Window: time.Second}, OnError: FailClosed, Mode: Queue,
 		Latency: []time.Duration{ms, ms}, Join: []time.Duration{0, 0}, Length: 6 * time.Second, Classes: 3}
 	calls := func(priority, lowerUnits int) outcome {
-		o := outcome{calls: []simCall{{replica: 0, priority: priority, began: 100 * ms, arrived: 4100 * ms, cost: 1}}}
+		o := outcome{calls: []simCall{{replica: 0, priority: priority, began: 100 * ms, arrived: 4100 * ms, cost: 1, counted: 1}}}
 		for i := range lowerUnits {
-			o.calls = append(o.calls, simCall{replica: 1, priority: i % priority, began: 200 * ms, arrived: time.Duration(300+i*200) * ms, cost: 1})
+			o.calls = append(o.calls, simCall{replica: 1, priority: i % priority, began: 200 * ms, arrived: time.Duration(300+i*200) * ms, cost: 1, counted: 1})
 		}
 		return o
 	}
@@ -356,5 +356,14 @@ func TestSimCheck_PrioritiesAllowEachLowerClassItsTenth(t *testing.T) {
 	}
 	if v := priorities(s, calls(1, 11)); len(v) != 1 {
 		t.Errorf("a call of priority 1 waited 4 s while its one lower class took 11 units: %v, want priorities broken (5 + 5 allowed)", v)
+	}
+	// Booked at 2 and settled at 1: the vendor counted 15, the class's
+	// log got the rest back (seed 601373).
+	settled := calls(2, 15)
+	for i := range settled.calls[1:] {
+		settled.calls[1+i].cost = 2
+	}
+	if v := priorities(s, settled); len(v) != 0 {
+		t.Errorf("a call of priority 2 waited 4 s while its two lower classes booked 30 units and were counted 15: %v, want no violation (5 + 2 × 5 allowed)", v)
 	}
 }
