@@ -54,17 +54,11 @@ local now = clock()
 local LONG_WORK = 256
 local LONG_CALLS = 16
 
--- A log drops what left every window in about one script in TRIM_EVERY,
--- by the microsecond it runs at. Searches skip older entries anyway.
-local TRIM_EVERY = 8
-
 -- load drops what left every window and reads the state r decides from.
 local function load(r)
   if r.kind == LOG then
     -- r.kept covers the widest margin and the answers' lag.
-    if now % TRIM_EVERY == 0 or OFF.lazy_trim then
-      r.long = redis.call('ZREMRANGEBYSCORE', r.key, '-inf', str(now - r.kept)) > LONG_WORK
-    end
+    r.long = redis.call('ZREMRANGEBYSCORE', r.key, '-inf', str(now - r.kept)) > LONG_WORK
     r.n = redis.call('ZCOUNT', r.key, '(' .. str(now - r.window), '+inf')
     if r.blind then
       -- No scout yet: no unit since the rule's data began.
