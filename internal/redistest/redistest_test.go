@@ -464,3 +464,29 @@ func ownerOf(shards []redis.ClusterSlot, slot int) string {
 	}
 	return ""
 }
+
+// SetClock shifts miniredis's clock and keeps it running: two commands a
+// few milliseconds apart read two times as far apart, an hour ahead.
+func TestMini_SetClockRuns(t *testing.T) {
+	t.Parallel()
+	s := Mini(t)
+	c := s.Client(t)
+	ctx := ctxT(t)
+	s.SetClock(time.Hour)
+	before := time.Now()
+	first, err := c.Time(ctx).Result()
+	if err != nil {
+		t.Fatal(err)
+	}
+	time.Sleep(20 * time.Millisecond)
+	second, err := c.Time(ctx).Result()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if ahead := first.Sub(before); ahead < 59*time.Minute || ahead > 61*time.Minute {
+		t.Errorf("TIME after SetClock(1h) is %v ahead of the real clock, want an hour", ahead)
+	}
+	if ran := second.Sub(first); ran < 20*time.Millisecond {
+		t.Errorf("TIME moved %v between two commands 20 ms apart, want 20 ms at least: the clock stopped", ran)
+	}
+}
