@@ -74,6 +74,7 @@ var luaMechanisms = []mechanism{
 	"segment",         // acquire.lua earliest_in_log: every log is searched by rank
 	"fits",            // acquire.lua earliest_in_log: the rounds of one call search again
 	"read_budget",     // acquire.lua SCAN: a search reads the whole log
+	"lazy_done",       // acquire.lua: every script reads the clock again when it ends
 	"epochs",          // lib.lua check_loss: a missing meta key is a new quota
 	"seq",             // lib.lua check_seq: a Redis gone back in time is not found
 	"own_seq",         // acquire.lua count_own: a limiter's own scripts are not counted, only the quota's

@@ -449,21 +449,10 @@ func (p *Permit) startedLate() time.Duration {
 // answeredLate returns how long after its slot the call's answer came,
 // read when the answer is heard: as late as the vendor may have taken the
 // counts it sent. It is never less than how late the call started.
-//
-// Lateness counts from when the call could start, the end of the script
-// that admitted it (result.startsAt); the answer's lateness counts from
-// the slot, since feedback.lua adds it to the slot: otherwise the vendor's
-// counts are dated as much early as the script ran, and the fleet's calls
-// booked in between are charged as a gap
-// (TestOthers_CallsInFlightWhenTheVendorAnswersAreTheFleets: 7 of its 10
-// subtests fail in 5 runs without it).
 func (p *Permit) answeredLate() time.Duration {
 	late := p.startedLate()
 	if now, ok := p.lateness(); ok && now > late {
 		late = now
-	}
-	if late > 0 {
-		late += p.r.startsAt() - p.r.slot()
 	}
 	return late
 }

@@ -25,8 +25,8 @@
 --   epoch      the quota's epoch;
 --   lost       1 when this script found that Redis lost the quota's data;
 --   margin     the smallest margin in force of the guarded windows, or 0;
---   done       when the script ended; a call admitted now starts no
---              earlier, and replies are timed from it;
+--   done       when the script ended, or now if short (LONG_WORK); a call
+--              admitted now starts no earlier, and replies are timed from it;
 --   seq        the quota's count of scripts run, this one included;
 --   paused     until when the quota itself is paused, or 0;
 --   paused_by  why (PAUSED_BY_* in lib.lua), or 0; a call's pause that ends
@@ -48,11 +48,17 @@
 
 local now = clock()
 
+-- Long scripts read the clock again for done: over LONG_WORK log entries
+-- read, written or dropped, a read by rank, or over LONG_CALLS calls.
+-- Others answer now, saving a command (docs/PROTOCOL.md 2.2).
+local LONG_WORK = 256
+local LONG_CALLS = 16
+
 -- load drops what left every window and reads the state r decides from.
 local function load(r)
   if r.kind == LOG then
     -- r.kept covers the widest margin and the answers' lag.
-    redis.call('ZREMRANGEBYSCORE', r.key, '-inf', str(now - r.kept))
+    r.long = redis.call('ZREMRANGEBYSCORE', r.key, '-inf', str(now - r.kept)) > LONG_WORK
     r.n = redis.call('ZCOUNT', r.key, '(' .. str(now - r.window), '+inf')
     if r.blind then
       -- No scout yet: no unit since the rule's data began.
@@ -248,6 +254,7 @@ local function segment(r, lo)
   for k = 2, #raw, 2 do
     s[#s + 1] = tonumber(raw[k])
   end
+  r.long = r.long or #s > LONG_WORK
   r.seg = { lo = lo, s = s }
   return r.seg
 end
@@ -278,6 +285,7 @@ end
 -- pass finds the first allowed time (docs/PROTOCOL.md 3.2).
 local function earliest_log(r, t, cost, budget)
   local room, w = r.limit - cost, r.window
+  r.long = true
   flush(r)
   -- j is the rank of the first entry after t - w. a and b hold the scores
   -- from ranks j and j + room, read as needed.
@@ -541,6 +549,7 @@ local function read_args()
     batch.call_args[c], at = ARGS.call(at)
   end
   batch.at_once = false -- some call was admitted now
+  batch.units = 0 -- the units the calls admitted and booked cost
   batch.given = {} -- the bookings given back, by their place from 1
   return batch
 end
@@ -919,7 +928,7 @@ local function class_rule(batch, r, name)
   v.key = r.key .. ':c:' .. name
   v.cls, v.cls_gone, v.cls_add, v.vrules = nil, nil, nil, nil
   v.hint, v.hint_changed, v.fits, v.seg, v.pending, v.added = nil, nil, nil, nil, nil, nil
-  v.recorded, v.at, v.at_str, v.cap, v.oth = nil, nil, nil, nil, nil
+  v.recorded, v.at, v.at_str, v.long, v.cap, v.oth = nil, nil, nil, nil, nil, nil
   load(v)
   r.vrules[name] = v
   batch.objs[#batch.objs + 1] = v
@@ -1402,6 +1411,7 @@ local function decide(batch, c)
       record(v, t, call.id, units(v, call.cost))
     end
     note_classes(batch, call, t)
+    batch.units = batch.units + call.cost.total
     call.remaining, call.room = call.after, call.room_after
     if t > now or call.moves and call.moves.kept then
       call.remaining, call.room = 0, 0
@@ -1487,5 +1497,9 @@ end
 write_back_meta(batch)
 write_back_rules(batch.objs)
 leave_classes(batch)
-batch.out[REPLY.acquire.done] = str(clock())
+local long = batch.ncalls > LONG_CALLS or batch.units > LONG_WORK
+for _, r in ipairs(batch.objs) do
+  long = long or r.long
+end
+batch.out[REPLY.acquire.done] = (long or OFF.lazy_done) and str(clock()) or str(now)
 return batch.out
