@@ -1,24 +1,16 @@
 package throttle
 
 import (
-	"os"
-	"strconv"
 	"testing"
 
 	"github.com/throttlekit/throttle/internal/redistest"
 )
 
-// longEnv names the environment variable that runs the long tests: fleets,
+// longRun reports whether the long tests run (THROTTLE_LONG=1): fleets,
 // faults, outages, caps learned over many windows and clamps that converge,
 // which run on the wall clock for seconds each. The default run leaves them
 // out and checks fewer random histories against the model; .ci/run sets it.
-const longEnv = "THROTTLE_LONG"
-
-// longRun reports whether the long tests run (THROTTLE_LONG=1).
-func longRun() bool {
-	on, _ := strconv.ParseBool(os.Getenv(longEnv))
-	return on
-}
+func longRun() bool { return redistest.LongRun() }
 
 // long skips a test that runs for seconds on the wall clock unless
 // THROTTLE_LONG=1. It comes first in the test, before any server starts.

@@ -93,10 +93,11 @@ func TestMove_ARefundWakesTheProcessesBookedFirstOnly(t *testing.T) {
 		bctx, stop := context.WithCancel(ctx)
 		moved := make(chan error, 2*replicas)
 		observe := func(e Event) {
-			if e.Kind == EventBookedAgain {
-				booked.Add(1)
+			if e.Kind != EventBookedAgain {
+				return
 			}
-			if e.Kind == EventBookedAgain && e.Reason == againLate {
+			booked.Add(1)
+			if e.Reason == againLate {
 				late.Add(1)
 				select {
 				case moved <- nil: // it had moved into the room, and woke late there

@@ -155,13 +155,20 @@ func (h clockHook) ProcessPipelineHook(next redis.ProcessPipelineHook) redis.Pro
 	}
 }
 
+// LongRun reports whether the long tests run: THROTTLE_LONG=1, as .ci/run
+// sets it.
+func LongRun() bool {
+	on, _ := strconv.ParseBool(os.Getenv("THROTTLE_LONG"))
+	return on
+}
+
 // Heavy skips a test that takes seconds of both cores (what says why: a
 // program built, a browser started, clusters started and stopped) unless
 // CI=true or THROTTLE_LONG=1: .ci/run runs it, and a plain go test ./...
 // leaves it out.
 func Heavy(tb testing.TB, what string) {
 	tb.Helper()
-	if long, _ := strconv.ParseBool(os.Getenv("THROTTLE_LONG")); !long && os.Getenv("CI") != "true" {
+	if !LongRun() && os.Getenv("CI") != "true" {
 		tb.Skipf("heavy test (%s): run it with THROTTLE_LONG=1 or CI=true (as .ci/run does)", what)
 	}
 }
