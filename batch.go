@@ -155,7 +155,7 @@ func (l *Limiter) failedWhileQueued(c call) bool {
 // at t, in Unix nanoseconds: never when the time runs from each call's own
 // script call instead (switches.go), which the script call's context ends.
 func askDeadline(t time.Time) int64 {
-	if isOff(offAskTimeout) {
+	if isOff(offBatches) {
 		return math.MaxInt64
 	}
 	return t.UnixNano()
@@ -440,7 +440,7 @@ func (l *Limiter) batchKeys(scopes []scope, classes []classIn) []string {
 // by the new clock; half the step tells them apart.
 func (l *Limiter) newStep() int64 {
 	seq, by, at := l.timing.step()
-	if seq <= l.seenStep.Load() || isOff(offForwardSteps) {
+	if seq <= l.seenStep.Load() || isOff(offClockSteps) {
 		return 0
 	}
 	l.seenStep.Store(seq)
@@ -565,7 +565,7 @@ func (l *Limiter) finishBatch(sc scope, batch []*request, rep acquireReply, stal
 // on a distant Redis the calls waiting in it would miss their deadlines in
 // turn, and be given back in turn.
 func (l *Limiter) abandon(r result) {
-	if isOff(offAbandon) {
+	if isOff(offBatches) {
 		l.cancel(context.Background(), call{cost: r.cost, named: r.named}, r)
 		return
 	}

@@ -34,14 +34,12 @@ const (
 	offDoubt           mechanism = "doubt"            // timing.go unsure: no doubt after a clock step
 	offLeads           mechanism = "leads"            // waiter.go wait: a late reply books from now, not ahead
 	offSpares          mechanism = "spares"           // spare.go mayPool: no spare admissions
-	offBatches         mechanism = "batches"          // batch.go take: one call per script call
-	offAbandon         mechanism = "abandon"          // batch.go abandon: given back at once, holding the lane
+	offBatches         mechanism = "batches"          // batch.go take, abandon, askDeadline: one call per script call, a caller that left gives back at once (holding the lane), Redis's timeout runs from each call's own script call
 	offNews            mechanism = "news"             // news.go listen: no subscription to the quota's channel
 	offBreaker         mechanism = "breaker"          // breaker.go allow: every call asks Redis
-	offAskTimeout      mechanism = "ask_timeout"      // batch.go askDeadline: the timeout runs from the call's own script call
 	offQueuedFailures  mechanism = "queued_failures"  // batch.go failedWhileQueued: a queued call waits its own timeout
 	offHandBack        mechanism = "hand_back"        // decide.go handBack: Redis is not told of the fallback's calls
-	offForwardSteps    mechanism = "forward_steps"    // batch.go newStep: a forward step is not told to the script
+	offClockSteps      mechanism = "clock_steps"      // one of luaMechanisms, read in Go too: batch.go newStep, a forward step is not told to the script
 	offStepEpoch       mechanism = "step_epoch"       // batch.go stepUntold: only the reply that shows a step is stale
 	offHiddenSteps     mechanism = "hidden_steps"     // timing.go hiddenStep: a step forward after a step back, both after a process's last reply, is not counted
 	offLoweredEpoch    mechanism = "lowered_epoch"    // view.go noteEpoch: a limit lowered before a new epoch stays in force for its bookings
@@ -51,9 +49,8 @@ const (
 	offLearnMeasures   mechanism = "learn_measures"   // feedback.go tell: an answer that teaches a cap or a pause measures no others' share
 	offLoweredMeasures mechanism = "lowered_measures" // news.go news: a process whose replies never said a rule keeps a share saves its counts after a drop
 	offSpreadParts     mechanism = "spread_parts"     // throttle.go New: a policies.Spread's parts are dropped
-	offEndedAtSlot     mechanism = "ended_at_slot"    // waiter.go endedAtSlot: a call whose context ended as it woke keeps its slot
 	offUnsent          mechanism = "unsent"           // transport.go failed: a request given no connection keeps its units
-	offDeadlineGuard   mechanism = "deadline_guard"   // waiter.go untilDeadline: a slot may lie up to the context's deadline
+	offDeadlineGuard   mechanism = "deadline_guard"   // waiter.go untilDeadline, endedAtSlot: a slot may lie up to the context's deadline, and a call whose context ended as it woke keeps its slot
 	offKeepTurn        mechanism = "keep_turn"        // waiter.go keepTurn: a late call books again behind the calls that asked after it
 
 	// feedback.go Heard: a refusal about calls in flight pauses, as any other.
@@ -65,8 +62,7 @@ const (
 var luaMechanisms = []mechanism{
 	"spread_margins",  // lib.lua margins: the configured margin, whatever the fleet's spread
 	"bucket_margin",   // lib.lua margins: a token bucket's calls are not held to its margin
-	"holds",           // lib.lua hold_spread, held_spread: no spread is held for the calls booked with it
-	"next_hold",       // lib.lua hold_spread: no second level; a hold narrows only once its calls have left
+	"holds",           // lib.lua hold_spread, held_spread: no spread is held for the calls booked with it, nor a second level by which a hold narrows
 	"warm_up",         // acquire.lua read_fleet: a quota never warms up
 	"warm_pacing",     // acquire.lua pace_warm_start: the lone calls of a warming quota are not paced
 	"pacing",          // lib.lua margins: a late fleet's calls are not paced
@@ -75,10 +71,8 @@ var luaMechanisms = []mechanism{
 	"fits",            // acquire.lua earliest_in_log: the rounds of one call search again
 	"read_budget",     // acquire.lua SCAN: a search reads the whole log
 	"lazy_done",       // acquire.lua: every script reads the clock again when it ends
-	"epochs",          // lib.lua check_loss: a missing meta key is a new quota
-	"seq",             // lib.lua check_seq: a Redis gone back in time is not found
-	"own_seq",         // acquire.lua count_own: a limiter's own scripts are not counted, only the quota's
-	"back_steps",      // lib.lua clock_back: a clock gone back is not found
+	"epochs",          // lib.lua check_loss, acquire.lua count_own: no loss is found by counts (a missing meta key is a new quota, a Redis gone back in time is not found)
+	"clock_steps",     // lib.lua clock_back, batch.go newStep: no clock step is found, back or forward
 	"moves_first",     // acquire.lua moves.order: the calls are decided as they came, moves among them
 	"keep_place",      // acquire.lua fits_behind, decide.go keepPlace: a move keeps its slot unchecked, and a call booked before a limit dropped books again behind
 	"group_clock",     // acquire.lua check_meta: every quota of a group that meets a clock gone back drops what its shared rules hold ahead
@@ -107,9 +101,9 @@ var luaMechanisms = []mechanism{
 
 // goMechanisms are the mechanisms decided in Go.
 var goMechanisms = []mechanism{
-	offSleepToSlot, offGuard, offDoubt, offLeads, offSpares, offBatches, offAbandon,
-	offNews, offBreaker, offAskTimeout, offQueuedFailures, offHandBack, offForwardSteps, offStepEpoch, offHiddenSteps, offLoweredEpoch, offMoves, offRebookLowered, offLearnMeasures, offLoweredMeasures,
-	offConcRefusals, offSpreadParts, offEndedAtSlot, offUnsent, offDeadlineGuard, offKeepTurn,
+	offSleepToSlot, offGuard, offDoubt, offLeads, offSpares, offBatches,
+	offNews, offBreaker, offQueuedFailures, offHandBack, offStepEpoch, offHiddenSteps, offLoweredEpoch, offMoves, offRebookLowered, offLearnMeasures, offLoweredMeasures,
+	offConcRefusals, offSpreadParts, offUnsent, offDeadlineGuard, offKeepTurn,
 }
 
 // switchedOff holds the mechanisms THROTTLE_OFF turns off, offErr what is

@@ -111,7 +111,7 @@ func (l *Limiter) wait(ctx context.Context, c call) (*Permit, error) {
 // have moved into it.
 func (l *Limiter) endedAtSlot(ctx context.Context, c call, r result) error {
 	err := ctx.Err()
-	if err == nil || isOff(offEndedAtSlot) {
+	if err == nil || isOff(offDeadlineGuard) {
 		return nil
 	}
 	l.cancel(ctx, c, r)

@@ -588,7 +588,7 @@ local function check_meta(batch, meta)
   -- id. It returns true on a loss: found, or counted at most batch.ran in
   -- epoch batch.ran_in (docs/PROTOCOL.md 6.2). epoch is the one read.
   local function count_own(batch, meta, epoch, found)
-    if not batch.limiter or OFF.own_seq then
+    if not batch.limiter or OFF.epochs then
       return found
     end
     local key = string.sub(KEYS[1], 1, -5) .. 'ran'
@@ -611,10 +611,7 @@ local function check_meta(batch, meta)
   batch.pause_before = meta and meta.pause or 0
   local step = clock_back(meta, now)
   local _, found
-  meta, _, found = check_loss(meta, now, batch.known, batch.rs)
-  if not found and check_seq(meta, now, batch.known, batch.seen, batch.rs) then
-    found = true
-  end
+  meta, _, found = check_loss(meta, now, batch.known, batch.rs, nil, batch.seen)
   if step > 0 then
     -- The step counts as a loss, unless one was found otherwise; what the
     -- rules hold ahead drops either way (batch.back, load_rules).

@@ -153,7 +153,7 @@ local META_REFRESH = 24 * 3600 * 1000000
 --   policies        the ids of the policies run lately, newest first;
 --   reserved_until, reserved_share  until then, Redis admits only
 --                   1/reserved_share of each limit (see handback.lua);
---   seq             the acquire scripts run in this epoch (see check_seq);
+--   seq             the acquire scripts run in this epoch (see check_loss);
 --   hold, hold_until  a spread held until then (see Holds);
 --   next_hold, next_until  the hold that follows when hold_until passes;
 --   caps_until      until then, a rule may have a cap or share (limits_in_force);
@@ -437,7 +437,7 @@ end
 -- roll_hold makes next_hold the hold once hold_until has passed. It
 -- reports whether the meta changed.
 local function roll_hold(m, now)
-  if m.hold_until > now or m.next_until <= 0 or OFF.next_hold then
+  if m.hold_until > now or m.next_until <= 0 or OFF.holds then
     return false
   end
   m.hold, m.hold_until, m.next_hold, m.next_until = m.next_hold, m.next_until, 0, 0
@@ -476,7 +476,7 @@ local function hold_spread(m, now, spread, slot, rs)
   end
   -- The widest spread held so far, or the next level after it.
   local s, u = 'hold', 'hold_until'
-  if spread < m.hold and m.hold_until > now and not OFF.next_hold then
+  if spread < m.hold and m.hold_until > now and not OFF.holds then
     s, u = 'next_hold', 'next_until'
   end
   local until_ = slot + span
@@ -660,10 +660,20 @@ function blind.lost(m, at, rs, span, by)
   end
 end
 
--- check_loss finds a loss the caller did not know of: m is the meta read
--- (or nil), known the caller's epoch (or 0), span as for loss_pause. It
--- returns the meta to use, whether it changed, and whether it found a loss.
-local function check_loss(m, now, known, rs, span)
+-- lose counts the data as lost now, under a new epoch, for cause by
+-- (PAUSED_BY_LOSS when nil): sleeping calls book again.
+local function lose(m, now, rs, by)
+  m.epoch = now
+  blind.lost(m, now, rs, nil, by or PAUSED_BY_LOSS)
+end
+
+-- check_loss finds a loss the caller did not know of (docs/PROTOCOL.md
+-- 6.1, 6.2): m is the meta read (or nil), known the caller's epoch (or 0),
+-- seen its count of the epoch's scripts (or nil), span as for loss_pause.
+-- It returns the meta to use, whether it changed, and whether it found a
+-- loss: a meta gone, an epoch the caller did not know began after a loss,
+-- or a script count behind the caller's (a Redis gone back in time).
+local function check_loss(m, now, known, rs, span, seen)
   if not m then
     m = new_meta(now)
     if known > 0 and not OFF.epochs then
@@ -672,30 +682,20 @@ local function check_loss(m, now, known, rs, span)
     end
     return m, true, false
   end
-  if known > 0 and known ~= m.epoch and m.loss < m.epoch and not OFF.epochs then
+  if known <= 0 or OFF.epochs then
+    return m, false, false
+  end
+  if known ~= m.epoch and m.loss < m.epoch then
     -- Lost before this epoch began: the fleet's calls since are in it.
     -- An epoch ahead of a clock gone back began by now at the latest.
     blind.lost(m, math.min(m.epoch, now), rs, span, PAUSED_BY_LOSS)
     return m, true, true
   end
-  return m, false, false
-end
-
--- lose counts the data as lost now, under a new epoch, for cause by
--- (PAUSED_BY_LOSS when nil): sleeping calls book again.
-local function lose(m, now, rs, by)
-  m.epoch = now
-  blind.lost(m, now, rs, nil, by or PAUSED_BY_LOSS)
-end
-
--- check_seq finds a Redis gone back in time: its script count is behind
--- seen, the caller's in epoch known. It returns whether it found a loss.
-local function check_seq(m, now, known, seen, rs)
-  if known <= 0 or known ~= m.epoch or seen <= m.seq or OFF.seq then
-    return false
+  if seen and known == m.epoch and seen > m.seq then
+    lose(m, now, rs)
+    return m, true, true
   end
-  lose(m, now, rs)
-  return true
+  return m, false, false
 end
 
 -- back_by returns time t, set before the clock went back by step, on the
@@ -716,7 +716,7 @@ end
 -- smaller step only lengthens windows (docs/PROTOCOL.md 6.3).
 local CLOCK_BACK = 5000
 local function clock_back(m, now)
-  if not m or m.last_acquire <= now + CLOCK_BACK or OFF.back_steps then
+  if not m or m.last_acquire <= now + CLOCK_BACK or OFF.clock_steps then
     return 0
   end
   local step = m.last_acquire - now
