@@ -3,6 +3,7 @@ package throttle
 import (
 	"context"
 	"maps"
+	"slices"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -205,6 +206,60 @@ func TestLowered_TheCallsAheadKeepTheirPlacesWhereTheLowerLimitLeavesRoom(t *tes
 		t.Logf("%d of the 30 calls booked ahead went to the back of the queue; they started from %v to %v", back, began[0], began[len(began)-1])
 		if back == 0 || back > 20 {
 			t.Errorf("%d of the 30 calls booked ahead booked again after the drop, want some, and 20 at most (each window ahead keeps about half)", back)
+		}
+	})
+}
+
+// On a Redis farther than half the margin, the calls booked ahead before a
+// limit dropped still keep their places: each asks whether it keeps its
+// place two round trips before its slot, not at it, where the answer came a
+// round trip after the slot and every place kept was too late to start in,
+// the call booking again, and again (seed 756327: a fleet 51 ms from Redis
+// reached the vendor no more for 4 s).
+func TestLowered_CallsOfADistantRedisKeepTheirPlaces(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		r := sim.NewRedis(func(int) time.Duration { return 50 * time.Millisecond })
+		t.Cleanup(r.Close)
+		reasons, observe := bookedAgain()
+		const window = time.Second
+		lim := newLimiter(t, simClient(t, r, 0), policies.SlidingLog{Limit: 10, Window: window}, Options{Logger: quiet(), Observer: observe, MaxWait: time.Minute})
+		defer closeInBubble(lim)
+		ctx := context.Background()
+		first := admitTen(t, lim, 0)
+		// 30 calls booked ahead at once, over the three windows after the
+		// first ten's, then the limit drops to 5 while they sleep.
+		start := time.Now()
+		var wg sync.WaitGroup
+		began := make([]time.Duration, 30)
+		for i := range began {
+			wg.Go(func() {
+				p, err := lim.Acquire(ctx)
+				if err != nil {
+					t.Error(err)
+					return
+				}
+				began[i] = time.Since(start)
+				p.Release()
+			})
+		}
+		time.Sleep(300 * time.Millisecond)
+		if err := first[9].refused(ctx, 0); err != nil {
+			t.Fatal(err)
+		}
+		if got := limitInForce(t, lim); got[0] != 5 {
+			t.Fatalf("limit in force %v after the refusal, want 5", got)
+		}
+		wg.Wait()
+		got := reasons()
+		t.Logf("booked again: %v; the calls started from %v to %v", got, slices.Min(began), slices.Max(began))
+		if got[againLate] > 0 {
+			t.Errorf("%d calls booked again too late for their places (%v), want none: each asks whether it keeps its place before its slot", got[againLate], got)
+		}
+		if got[againLowered] == 0 || got[againLowered] > 20 {
+			t.Errorf("%d of the 30 calls booked ahead went to the back of the queue, want some, and 20 at most (each window ahead keeps about half)", got[againLowered])
+		}
+		if w := window + policies.DefaultMargin; mostWithin(began, w) > 5 {
+			t.Errorf("%d calls started within %v (%v), want 5 at most", mostWithin(began, w), w, began)
 		}
 	})
 }

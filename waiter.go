@@ -228,14 +228,19 @@ func (l *Limiter) notAdmitted(ctx context.Context, r result, maxWait, busy time.
 // keepTurn), or lost. It gives the booking back and fails when the slot
 // lies beyond the context's deadline, or the context ends first.
 func (l *Limiter) awaitSlot(ctx context.Context, c call, r result, room <-chan struct{}, start time.Time) (result, woken, error) {
+	looks := 0 // how often the call looked ahead of its slot whether it keeps its place
 	for {
 		left := r.left() // from now, though a move kept the wait r was booked with
 		if untilDeadline, ok := l.untilDeadline(ctx); ok && left > 0 && untilDeadline < left {
 			l.cancel(ctx, c, r)
 			return r, wokenAtSlot, l.limited(left, "the slot lies beyond the context's deadline")
 		}
+		var ahead time.Duration
+		if looks < maxLooks {
+			ahead = l.keepAhead(r)
+		}
 		s := l.asleep(r, start)
-		err := l.sleepToSlot(ctx, r, l.roomFor(r, room), s.wake())
+		err := l.sleepAhead(ctx, r, ahead, l.roomFor(r, room), s.wake())
 		if late := l.awake(s); late != nil {
 			return l.yield(ctx, *late)
 		}
@@ -253,6 +258,16 @@ func (l *Limiter) awaitSlot(ctx context.Context, c call, r result, room <-chan s
 		if err != nil {
 			l.cancel(ctx, c, r)
 			return r, wokenAtSlot, err
+		}
+		if ahead > 0 {
+			if looks++; l.timing.delay() >= 0 {
+				looks = maxLooks // else look again (keepAhead)
+			}
+			var how woken
+			if r, how, err = l.lookAhead(ctx, c, r); err != nil || how != wokenAtSlot {
+				return r, how, err
+			}
+			continue
 		}
 		// A vendor may have asked the fleet to pause while this call
 		// slept, or Redis may have lost the booking with the rest of the
@@ -273,6 +288,28 @@ func (l *Limiter) awaitSlot(ctx context.Context, c call, r result, room <-chan s
 		return r, wokenAtSlot, nil
 	}
 }
+
+// lookAhead asks, a round trip and a lane's wait before the slot of the
+// booked call r, whether it keeps its place when a lowered limit overtook
+// it (keepPlace). It returns the booking to sleep to, or how the call woke.
+func (l *Limiter) lookAhead(ctx context.Context, c call, r result) (result, woken, error) {
+	if l.overtakenBy(r) != againLowered {
+		return r, wokenAtSlot, nil
+	}
+	return l.keepPlace(ctx, c, r)
+}
+
+// sleepAhead sleeps until ahead before the slot of r (see keepAhead), as
+// sleepToSlot does to the slot.
+func (l *Limiter) sleepAhead(ctx context.Context, r result, ahead time.Duration, room, taken <-chan struct{}) error {
+	r.wait -= ahead
+	return l.sleepToSlot(ctx, r, room, taken)
+}
+
+// maxLooks bounds how often a call looks ahead of its slot whether it keeps
+// its place: once its process has a reading of its delay, and a few times
+// half way while it has none (keepAhead).
+const maxLooks = 8
 
 // wakeLead is how long before its slot a sleeping call looks at the
 // process's fastest reply again (see sleepToSlot).
