@@ -92,6 +92,27 @@ func admitTen(t *testing.T, lim *Limiter, gap time.Duration) []*Permit {
 	return first
 }
 
+// acquireEach starts n calls of lim, gap apart, each of which notes when it
+// began after start in began, and releases its permit; wg waits for them.
+func acquireEach(t *testing.T, lim *Limiter, n int, start time.Time, gap time.Duration) (began []time.Duration, wg *sync.WaitGroup) {
+	began, wg = make([]time.Duration, n), &sync.WaitGroup{}
+	for i := range began {
+		wg.Go(func() {
+			p, err := lim.Acquire(context.Background())
+			if err != nil {
+				t.Error(err)
+				return
+			}
+			began[i] = time.Since(start)
+			p.Release()
+		})
+		if gap > 0 {
+			time.Sleep(gap)
+		}
+	}
+	return began, wg
+}
+
 // bookedAgain returns an Observer that counts the calls booked again, and
 // what returns the counts so far by reason (EventBookedAgain).
 func bookedAgain() (func() map[string]int, func(Event)) {
@@ -174,20 +195,7 @@ func TestLowered_TheCallsAheadKeepTheirPlacesWhereTheLowerLimitLeavesRoom(t *tes
 		ctx := context.Background()
 		start := time.Now()
 		first := admitTen(t, lim, 10*time.Millisecond)
-		var wg sync.WaitGroup
-		began := make([]time.Duration, 30)
-		for i := range began {
-			wg.Go(func() {
-				p, err := lim.Acquire(ctx)
-				if err != nil {
-					t.Error(err)
-					return
-				}
-				began[i] = time.Since(start)
-				p.Release()
-			})
-			time.Sleep(10 * time.Millisecond)
-		}
+		began, wg := acquireEach(t, lim, 30, start, 10*time.Millisecond)
 		time.Sleep(time.Until(start.Add(window / 2)))
 		if err := first[9].refused(ctx, 0); err != nil {
 			t.Fatal(err)
@@ -229,19 +237,7 @@ func TestLowered_CallsOfADistantRedisKeepTheirPlaces(t *testing.T) {
 		// 30 calls booked ahead at once, over the three windows after the
 		// first ten's, then the limit drops to 5 while they sleep.
 		start := time.Now()
-		var wg sync.WaitGroup
-		began := make([]time.Duration, 30)
-		for i := range began {
-			wg.Go(func() {
-				p, err := lim.Acquire(ctx)
-				if err != nil {
-					t.Error(err)
-					return
-				}
-				began[i] = time.Since(start)
-				p.Release()
-			})
-		}
+		began, wg := acquireEach(t, lim, 30, start, 0)
 		time.Sleep(300 * time.Millisecond)
 		if err := first[9].refused(ctx, 0); err != nil {
 			t.Fatal(err)
