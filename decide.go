@@ -359,16 +359,17 @@ func (l *Limiter) keepPlace(ctx context.Context, c call, r result) (result, woke
 	return kept, how, err
 }
 
-// keepAhead returns how long before the slot of r its call wakes to ask
-// whether it keeps its place, should a limit in force drop before then
-// (keepPlace): two round trips to Redis, one for the lane's script call
-// ahead of it, so that the answer comes before the slot. Asked at the
-// slot, a place kept has passed by a round trip when the answer comes: on
-// a Redis farther than half the margin, every call booked ahead before a
-// drop was then too late for its place, and booked again, and again
-// (seed 756327). While the process has no reading of its delay (its first
-// replies), the call wakes half way to look again. 0 when the call keeps
-// no place, or its slot is nearer than that.
+// keepAhead returns how long before the slot of r its call looks whether
+// a limit in force dropped since r was decided, to ask then whether it
+// keeps its place (keepPlace): two round trips to Redis, one for the
+// lane's script call ahead of it, so that the answer comes before the
+// slot. Asked at the slot, a place kept has passed by a round trip when
+// the answer comes: on a Redis farther than half the margin, every call
+// booked ahead before a drop was then too late for its place, and booked
+// again, and again (seed 756327). While the process has no reading of its
+// delay (its first replies), the call looks half way. 0 when the call
+// keeps no place, or its slot is nearer than that; a drop heard later is
+// seen at the slot (awaitSlot).
 func (l *Limiter) keepAhead(r result) time.Duration {
 	if r.local || !l.keepsChecked() {
 		return 0
@@ -388,7 +389,8 @@ func (l *Limiter) keepAhead(r result) time.Duration {
 }
 
 // keepUnknown is how near its slot a call whose process has no reading of
-// its delay looks again whether it keeps its place (keepAhead).
+// its delay looks no more, ahead of it, whether a drop overtook it
+// (keepAhead).
 const keepUnknown = 50 * time.Millisecond
 
 // keepsChecked reports whether the script checks a slot a move keeps

@@ -228,7 +228,7 @@ func (l *Limiter) notAdmitted(ctx context.Context, r result, maxWait, busy time.
 // keepTurn), or lost. It gives the booking back and fails when the slot
 // lies beyond the context's deadline, or the context ends first.
 func (l *Limiter) awaitSlot(ctx context.Context, c call, r result, room <-chan struct{}, start time.Time) (result, woken, error) {
-	looks := 0 // how often the call looked ahead of its slot whether it keeps its place
+	looked := false // whether the call looked, ahead of its slot, if a drop overtook it
 	for {
 		left := r.left() // from now, though a move kept the wait r was booked with
 		if untilDeadline, ok := l.untilDeadline(ctx); ok && left > 0 && untilDeadline < left {
@@ -236,13 +236,23 @@ func (l *Limiter) awaitSlot(ctx context.Context, c call, r result, room <-chan s
 			return r, wokenAtSlot, l.limited(left, "the slot lies beyond the context's deadline")
 		}
 		var ahead time.Duration
-		if looks < maxLooks {
+		if !looked {
 			ahead = l.keepAhead(r)
 		}
 		s := l.asleep(r, start)
-		err := l.sleepAhead(ctx, r, ahead, l.roomFor(r, room), s.wake())
+		err := l.sleepToSlot(ctx, r, l.roomFor(r, room), s.wake(), ahead)
 		if late := l.awake(s); late != nil {
 			return l.yield(ctx, *late)
+		}
+		if errors.Is(err, errLook) {
+			// A drop overtook the booking: it asks now, a round trip and a
+			// lane's wait before its slot, whether it keeps its place.
+			looked = true
+			var how woken
+			if r, how, err = l.keepPlace(ctx, c, r); err != nil || how != wokenAtSlot {
+				return r, how, err
+			}
+			continue
 		}
 		if errors.Is(err, errRoom) {
 			var how woken
@@ -258,16 +268,6 @@ func (l *Limiter) awaitSlot(ctx context.Context, c call, r result, room <-chan s
 		if err != nil {
 			l.cancel(ctx, c, r)
 			return r, wokenAtSlot, err
-		}
-		if ahead > 0 {
-			if looks++; l.timing.delay() >= 0 {
-				looks = maxLooks // else look again (keepAhead)
-			}
-			var how woken
-			if r, how, err = l.lookAhead(ctx, c, r); err != nil || how != wokenAtSlot {
-				return r, how, err
-			}
-			continue
 		}
 		// A vendor may have asked the fleet to pause while this call
 		// slept, or Redis may have lost the booking with the rest of the
@@ -289,28 +289,6 @@ func (l *Limiter) awaitSlot(ctx context.Context, c call, r result, room <-chan s
 	}
 }
 
-// lookAhead asks, a round trip and a lane's wait before the slot of the
-// booked call r, whether it keeps its place when a lowered limit overtook
-// it (keepPlace). It returns the booking to sleep to, or how the call woke.
-func (l *Limiter) lookAhead(ctx context.Context, c call, r result) (result, woken, error) {
-	if l.overtakenBy(r) != againLowered {
-		return r, wokenAtSlot, nil
-	}
-	return l.keepPlace(ctx, c, r)
-}
-
-// sleepAhead sleeps until ahead before the slot of r (see keepAhead), as
-// sleepToSlot does to the slot.
-func (l *Limiter) sleepAhead(ctx context.Context, r result, ahead time.Duration, room, taken <-chan struct{}) error {
-	r.wait -= ahead
-	return l.sleepToSlot(ctx, r, room, taken)
-}
-
-// maxLooks bounds how often a call looks ahead of its slot whether it keeps
-// its place: once its process has a reading of its delay, and a few times
-// half way while it has none (keepAhead).
-const maxLooks = 8
-
 // wakeLead is how long before its slot a sleeping call looks at the
 // process's fastest reply again (see sleepToSlot).
 const wakeLead = 100 * time.Millisecond
@@ -327,9 +305,12 @@ const wakeLead = 100 * time.Millisecond
 // that come while its first calls sleep, and a call that woke by them would
 // start late against what the process then knows, and book again. Without
 // a reading, or decided by the Local fallback, it sleeps the whole wait,
-// which never wakes early either. It returns errRoom when room closes
-// first (see roomFor), and at once when taken closes (see keepTurn).
-func (l *Limiter) sleepToSlot(ctx context.Context, r result, room, taken <-chan struct{}) error {
+// which never wakes early either. When ahead is over 0, the look comes
+// that long before the slot at the latest, and returns errLook when a drop
+// overtook the booking meanwhile (see keepAhead): the one timer looks for
+// both. It returns errRoom when room closes first (see roomFor), and at
+// once when taken closes (see keepTurn).
+func (l *Limiter) sleepToSlot(ctx context.Context, r result, room, taken <-chan struct{}, ahead time.Duration) error {
 	d := r.left()
 	if r.local {
 		if l.failover.local == nil {
@@ -339,22 +320,31 @@ func (l *Limiter) sleepToSlot(ctx context.Context, r result, room, taken <-chan 
 	}
 	l.view.asleep.Add(1)
 	defer l.view.asleep.Add(-1)
-	in, ok := l.timing.wakeIn(r.startsAt())
-	if !ok || isOff(offSleepToSlot) {
-		return sleepOr(ctx, d, room, taken)
+	in, byClock := l.timing.wakeIn(r.startsAt())
+	byClock = byClock && !isOff(offSleepToSlot)
+	var lead time.Duration
+	if byClock {
+		d = min(d, in)
+		lead = min(d/2, wakeLead)
 	}
-	d = min(d, in)
-	if lead := min(d/2, wakeLead); lead > 0 {
+	if lead = max(lead, min(ahead, d)); lead > 0 {
 		if err := sleepOr(ctx, d-lead, room, taken); err != nil {
 			return err
 		}
+		if ahead > 0 && l.overtakenBy(r) == againLowered {
+			return errLook
+		}
 		d = lead
-		if in, ok := l.timing.wakeIn(r.startsAt()); ok {
+		if in, ok := l.timing.wakeIn(r.startsAt()); ok && byClock {
 			d = min(d, in)
 		}
 	}
 	return sleepOr(ctx, d, room, taken)
 }
+
+// errLook is what sleepToSlot returns when it looked, ahead of the slot,
+// and a limit in force had dropped since the booking (see keepAhead).
+var errLook = errors.New("throttle: a limit in force dropped")
 
 // now decides a call that runs now or not at all (FailFast, Allow, shadow
 // mode), with the same late-start guard as Block mode: an admission that
@@ -385,7 +375,7 @@ func (l *Limiter) now(ctx context.Context, c call) (result, error) {
 		if !tooLate && r.wait > 0 {
 			// Booked ahead after a late reply: sleep to the slot. A pause
 			// or a loss meanwhile books again, as a Block call's does.
-			if err := l.sleepToSlot(ctx, r, nil, nil); err != nil {
+			if err := l.sleepToSlot(ctx, r, nil, nil, 0); err != nil {
 				l.cancel(ctx, c, r)
 				return result{}, err
 			}
