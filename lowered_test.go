@@ -113,6 +113,18 @@ func acquireEach(t *testing.T, lim *Limiter, n int, start time.Time, gap time.Du
 	return began, wg
 }
 
+// tenASecond returns, in a synctest bubble, a limiter of a log of 10 a
+// second on a simulated Redis latency away (closed as the test ends, in the
+// bubble), and what returns its calls booked again by reason (bookedAgain).
+func tenASecond(t *testing.T, latency time.Duration) (*sim.Redis, *Limiter, func() map[string]int) {
+	r := sim.NewRedis(func(int) time.Duration { return latency })
+	t.Cleanup(r.Close)
+	reasons, observe := bookedAgain()
+	lim := newLimiter(t, simClient(t, r, 0), policies.SlidingLog{Limit: 10, Window: time.Second}, Options{Logger: quiet(), Observer: observe, MaxWait: time.Minute})
+	t.Cleanup(func() { closeInBubble(lim) })
+	return r, lim, reasons
+}
+
 // bookedAgain returns an Observer that counts the calls booked again, and
 // what returns the counts so far by reason (EventBookedAgain).
 func bookedAgain() (func() map[string]int, func(Event)) {
@@ -186,12 +198,8 @@ func bookTen(t *testing.T, lim *Limiter, start time.Time) func() []time.Duration
 // apart; the limit halves (a refusal) 500 ms in.
 func TestLowered_TheCallsAheadKeepTheirPlacesWhereTheLowerLimitLeavesRoom(t *testing.T) {
 	synctest.Test(t, func(t *testing.T) {
-		r := sim.NewRedis(func(int) time.Duration { return time.Millisecond })
-		t.Cleanup(r.Close)
-		reasons, observe := bookedAgain()
 		const window = time.Second
-		lim := newLimiter(t, simClient(t, r, 0), policies.SlidingLog{Limit: 10, Window: window}, Options{Logger: quiet(), Observer: observe, MaxWait: time.Minute})
-		defer closeInBubble(lim)
+		_, lim, reasons := tenASecond(t, time.Millisecond)
 		ctx := context.Background()
 		start := time.Now()
 		first := admitTen(t, lim, 10*time.Millisecond)
@@ -226,12 +234,8 @@ func TestLowered_TheCallsAheadKeepTheirPlacesWhereTheLowerLimitLeavesRoom(t *tes
 // reached the vendor no more for 4 s).
 func TestLowered_CallsOfADistantRedisKeepTheirPlaces(t *testing.T) {
 	synctest.Test(t, func(t *testing.T) {
-		r := sim.NewRedis(func(int) time.Duration { return 50 * time.Millisecond })
-		t.Cleanup(r.Close)
-		reasons, observe := bookedAgain()
 		const window = time.Second
-		lim := newLimiter(t, simClient(t, r, 0), policies.SlidingLog{Limit: 10, Window: window}, Options{Logger: quiet(), Observer: observe, MaxWait: time.Minute})
-		defer closeInBubble(lim)
+		_, lim, reasons := tenASecond(t, 50*time.Millisecond)
 		ctx := context.Background()
 		first := admitTen(t, lim, 0)
 		// 30 calls booked ahead at once, over the three windows after the
@@ -267,11 +271,7 @@ func TestLowered_CallsOfADistantRedisKeepTheirPlaces(t *testing.T) {
 // each call woken at its slot booked again, for as long as the step.
 func TestLowered_ALimitLoweredBeforeAClockStepBackOvertakesNoLaterBooking(t *testing.T) {
 	synctest.Test(t, func(t *testing.T) {
-		r := sim.NewRedis(func(int) time.Duration { return time.Millisecond })
-		t.Cleanup(r.Close)
-		reasons, observe := bookedAgain()
-		lim := newLimiter(t, simClient(t, r, 0), policies.SlidingLog{Limit: 10, Window: time.Second}, Options{Logger: quiet(), Observer: observe, MaxWait: time.Minute})
-		defer closeInBubble(lim)
+		r, lim, reasons := tenASecond(t, time.Millisecond)
 		first := admitTen(t, lim, 10*time.Millisecond)
 		if err := first[9].refused(context.Background(), 0); err != nil {
 			t.Fatal(err)
